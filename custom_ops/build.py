@@ -1,0 +1,59 @@
+"""Finds or builds the C shim (ortshim.c) as a shared library.
+
+``pip install`` compiles it next to this file (setup.py); a source checkout compiles it on first use into a
+per-user cache, keyed by the source's hash, with the system C compiler (cc/gcc). No onnxruntime headers and no
+link dependency beyond libc are needed.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "ortshim.c")
+
+
+class ShimBuildError(RuntimeError):
+    pass
+
+
+def compile_shim(out_path: str) -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise ShimBuildError("onnx_lowbit needs a C compiler (cc/gcc) once to build its onnxruntime shim; "
+                             "install gcc or install onnx-lowbit from a built wheel")
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out_path))
+    os.close(fd)
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", "-Wall", SOURCE, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise ShimBuildError(f"building the onnxruntime shim failed: {' '.join(cmd)}\n{proc.stderr}")
+    os.replace(tmp, out_path)  # atomic: concurrent builders never see a half-written library
+    return out_path
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def shim_path() -> str:
+    """Path of a built shim, building it into the user cache if the install did not ship one."""
+    shipped = sorted(glob.glob(os.path.join(HERE, "_ortshim*.so")))
+    if shipped:
+        return shipped[0]
+    cache = os.environ.get("ONNX_LOWBIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "onnx_lowbit")
+    path = os.path.join(cache, f"ortshim-{_source_hash()}-py{sys.version_info[0]}{sys.version_info[1]}.so")
+    if not os.path.exists(path):
+        compile_shim(path)
+    return path

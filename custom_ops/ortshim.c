@@ -1,0 +1,315 @@
+/* onnx-lowbit's onnxruntime bridge: a header-free C shim.
+ *
+ * onnxruntime loads this library through SessionOptions.register_custom_ops_library(path) and calls
+ * RegisterCustomOps. The shim registers one OrtCustomOp per (op, type variant, execution provider) that Python
+ * declared with lb_add_op, and forwards kernel creation and compute to Python callbacks (set with
+ * lb_set_callbacks before any session is created; Python loads this same file with ctypes first, and
+ * onnxruntime's later dlopen of the same path returns the same instance).
+ *
+ * No onnxruntime header is used: OrtApi functions are called by their slot index in the OrtApi function table
+ * (the C API is append-only, so indices never move; we ask for API version 16, onnxruntime >= 1.16), and
+ * OrtCustomOp is laid out here by hand as its version-16 prefix, reserved at the 1.23 size.
+ * Only libc is linked.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LB_API_VERSION 16
+#define LB_MAX_OPS 256
+#define LB_MAX_IO 16
+#define LB_MAX_DIMS 8
+#define LB_ERRLEN 2048
+
+/* OrtApi slot indices (zero-based position in struct OrtApi). */
+enum {
+  I_CreateStatus = 0,
+  I_GetErrorMessage = 2,
+  I_CreateCustomOpDomain = 26,
+  I_CustomOpDomain_Add = 27,
+  I_AddCustomOpDomain = 28,
+  I_GetTensorMutableData = 51,
+  I_GetTensorElementType = 60,
+  I_GetDimensionsCount = 61,
+  I_GetDimensions = 62,
+  I_GetTensorTypeAndShape = 65,
+  I_KernelInfoGetAttribute_float = 85,
+  I_KernelInfoGetAttribute_int64 = 86,
+  I_KernelInfoGetAttribute_string = 87,
+  I_KernelContext_GetInputCount = 88,
+  I_KernelContext_GetOutputCount = 89,
+  I_KernelContext_GetInput = 90,
+  I_KernelContext_GetOutput = 91,
+  I_ReleaseStatus = 93,
+  I_ReleaseTensorTypeAndShapeInfo = 99,
+  I_KernelInfoGetAttributeArray_float = 162,
+  I_KernelInfoGetAttributeArray_int64 = 163,
+  I_KernelInfo_GetNodeName = 244,
+  I_KernelContext_GetGPUComputeStream = 193,
+};
+
+typedef void OrtStatus;
+typedef struct { const void* const* (*GetApi)(uint32_t version); const char* (*GetVersionString)(void); } LbApiBase;
+
+static const void* const* g_api = NULL;
+static const char* g_ort_version = "";
+#define API(idx, type) ((type)(g_api[idx]))
+
+typedef OrtStatus* (*f_CreateStatus)(int code, const char* msg);
+typedef const char* (*f_GetErrorMessage)(const OrtStatus*);
+typedef void (*f_ReleaseStatus)(OrtStatus*);
+typedef OrtStatus* (*f_CreateCustomOpDomain)(const char*, void**);
+typedef OrtStatus* (*f_CustomOpDomain_Add)(void*, const void*);
+typedef OrtStatus* (*f_AddCustomOpDomain)(void*, void*);
+typedef OrtStatus* (*f_GetTensorMutableData)(void*, void**);
+typedef OrtStatus* (*f_GetTensorElementType)(const void*, int*);
+typedef OrtStatus* (*f_GetDimensionsCount)(const void*, size_t*);
+typedef OrtStatus* (*f_GetDimensions)(const void*, int64_t*, size_t);
+typedef OrtStatus* (*f_GetTensorTypeAndShape)(const void*, void**);
+typedef void (*f_ReleaseTensorTypeAndShapeInfo)(void*);
+typedef OrtStatus* (*f_AttrFloat)(const void*, const char*, float*);
+typedef OrtStatus* (*f_AttrInt)(const void*, const char*, int64_t*);
+typedef OrtStatus* (*f_AttrString)(const void*, const char*, char*, size_t*);
+typedef OrtStatus* (*f_AttrArrayFloat)(const void*, const char*, float*, size_t*);
+typedef OrtStatus* (*f_AttrArrayInt)(const void*, const char*, int64_t*, size_t*);
+typedef OrtStatus* (*f_NodeName)(const void*, char*, size_t*);
+typedef OrtStatus* (*f_CtxCount)(const void*, size_t*);
+typedef OrtStatus* (*f_CtxGetInput)(const void*, size_t, const void**);
+typedef OrtStatus* (*f_CtxGetOutput)(void*, size_t, const int64_t*, size_t, void**);
+typedef OrtStatus* (*f_CtxGetStream)(const void*, void**);
+
+/* OrtCustomOp, version-16 prefix; byte offsets on LP64 in comments. */
+typedef struct LbOp {
+  uint32_t version;                                                              /*   0 */
+  void* (*CreateKernel)(const struct LbOp*, const void*, const void*);           /*   8 */
+  const char* (*GetName)(const struct LbOp*);                                    /*  16 */
+  const char* (*GetExecutionProviderType)(const struct LbOp*);                   /*  24 */
+  int (*GetInputType)(const struct LbOp*, size_t);                               /*  32 */
+  size_t (*GetInputTypeCount)(const struct LbOp*);                               /*  40 */
+  int (*GetOutputType)(const struct LbOp*, size_t);                              /*  48 */
+  size_t (*GetOutputTypeCount)(const struct LbOp*);                              /*  56 */
+  void (*KernelCompute)(void*, void*);                                           /*  64 */
+  void (*KernelDestroy)(void*);                                                  /*  72 */
+  int (*GetInputCharacteristic)(const struct LbOp*, size_t);                     /*  80 */
+  int (*GetOutputCharacteristic)(const struct LbOp*, size_t);                    /*  88 */
+  int (*GetInputMemoryType)(const struct LbOp*, size_t);                         /*  96 */
+  int (*GetVariadicInputMinArity)(const struct LbOp*);                           /* 104 */
+  int (*GetVariadicInputHomogeneity)(const struct LbOp*);                        /* 112 */
+  int (*GetVariadicOutputMinArity)(const struct LbOp*);                          /* 120 */
+  int (*GetVariadicOutputHomogeneity)(const struct LbOp*);                       /* 128 */
+  OrtStatus* (*CreateKernelV2)(const struct LbOp*, const void*, const void*, void**); /* 136 */
+  OrtStatus* (*KernelComputeV2)(void*, void*);                                   /* 144 */
+  unsigned char reserved[208 - 152]; /* later members (shape inference, versions, aliasing): left zero */
+  /* ---- ours, after what onnxruntime reads ---- */
+  int index;
+  int is_cuda;
+  int n_in, n_out;
+  int in_types[LB_MAX_IO], in_optional[LB_MAX_IO];
+  int out_types[LB_MAX_IO], out_optional[LB_MAX_IO];
+  char name[64];
+} LbOp;
+
+/* What Python receives per input. */
+typedef struct {
+  void* data;
+  int64_t dims[LB_MAX_DIMS];
+  int32_t elem_type; /* 0 = input absent */
+  int32_t ndim;
+} LbTensor;
+
+typedef int64_t (*lb_create_cb)(int op_index, const void* info, char* err, int errlen);
+typedef int (*lb_compute_cb)(int64_t kernel_id, void* ctx, int n_in, LbTensor* ins, void* stream, char* err, int errlen);
+typedef void (*lb_destroy_cb)(int64_t kernel_id);
+
+static lb_create_cb g_create = NULL;
+static lb_compute_cb g_compute = NULL;
+static lb_destroy_cb g_destroy = NULL;
+static LbOp g_ops[LB_MAX_OPS];
+static int g_n_ops = 0;
+static const char* g_domain = "onnx_lowbit";
+
+typedef struct { const LbOp* op; int64_t id; } LbKernel;
+
+static OrtStatus* fail(const char* msg) { return API(I_CreateStatus, f_CreateStatus)(1 /* ORT_FAIL */, msg); }
+
+/* Copies the status message into err and releases the status; returns 1 if there was an error. */
+static int take_status(OrtStatus* st, char* err, int errlen) {
+  if (!st) return 0;
+  if (err && errlen > 0) {
+    const char* m = API(I_GetErrorMessage, f_GetErrorMessage)(st);
+    snprintf(err, (size_t)errlen, "%s", m ? m : "onnxruntime error");
+  }
+  API(I_ReleaseStatus, f_ReleaseStatus)(st);
+  return 1;
+}
+
+static const char* op_name(const LbOp* op) { return op->name; }
+static const char* op_ep(const LbOp* op) { return op->is_cuda ? "CUDAExecutionProvider" : "CPUExecutionProvider"; }
+static int op_in_type(const LbOp* op, size_t i) { return i < (size_t)op->n_in ? op->in_types[i] : 0; }
+static size_t op_in_count(const LbOp* op) { return (size_t)op->n_in; }
+static int op_out_type(const LbOp* op, size_t i) { return i < (size_t)op->n_out ? op->out_types[i] : 0; }
+static size_t op_out_count(const LbOp* op) { return (size_t)op->n_out; }
+static int op_in_char(const LbOp* op, size_t i) { return i < (size_t)op->n_in && op->in_optional[i] ? 1 : 0; }
+static int op_out_char(const LbOp* op, size_t i) { return i < (size_t)op->n_out && op->out_optional[i] ? 1 : 0; }
+static int op_mem_type(const LbOp* op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int op_one(const LbOp* op) { (void)op; return 1; }
+static int op_zero(const LbOp* op) { (void)op; return 0; }
+
+static OrtStatus* op_create(const LbOp* op, const void* api, const void* info, void** kernel) {
+  (void)api;
+  char err[LB_ERRLEN];
+  err[0] = 0;
+  if (!g_create) return fail("onnx_lowbit: the Python side of the bridge is not loaded (import onnx_lowbit first)");
+  int64_t id = g_create(op->index, info, err, LB_ERRLEN);
+  if (id < 0) return fail(err[0] ? err : "onnx_lowbit: kernel creation failed");
+  LbKernel* k = (LbKernel*)malloc(sizeof(LbKernel));
+  if (!k) return fail("onnx_lowbit: out of memory");
+  k->op = op;
+  k->id = id;
+  *kernel = k;
+  return NULL;
+}
+
+static OrtStatus* op_compute(void* kernel, void* ctx) {
+  LbKernel* k = (LbKernel*)kernel;
+  char err[LB_ERRLEN];
+  size_t n_in = 0;
+  LbTensor ins[LB_MAX_IO];
+  OrtStatus* st = API(I_KernelContext_GetInputCount, f_CtxCount)(ctx, &n_in);
+  if (st) return st;
+  if (n_in > LB_MAX_IO) return fail("onnx_lowbit: too many inputs");
+  for (size_t i = 0; i < n_in; ++i) {
+    const void* v = NULL;
+    LbTensor* t = &ins[i];
+    memset(t, 0, sizeof(*t));
+    if ((st = API(I_KernelContext_GetInput, f_CtxGetInput)(ctx, i, &v))) return st;
+    if (!v) continue; /* optional input left out */
+    void* info = NULL;
+    size_t nd = 0;
+    int et = 0;
+    if ((st = API(I_GetTensorTypeAndShape, f_GetTensorTypeAndShape)(v, &info))) return st;
+    st = API(I_GetTensorElementType, f_GetTensorElementType)(info, &et);
+    if (!st) st = API(I_GetDimensionsCount, f_GetDimensionsCount)(info, &nd);
+    if (!st && nd > LB_MAX_DIMS) {
+      API(I_ReleaseTensorTypeAndShapeInfo, f_ReleaseTensorTypeAndShapeInfo)(info);
+      snprintf(err, sizeof err, "onnx_lowbit %s: input %zu has rank %zu, more than the supported %d",
+               k->op->name, i, nd, LB_MAX_DIMS);
+      return fail(err);
+    }
+    if (!st) st = API(I_GetDimensions, f_GetDimensions)(info, t->dims, nd);
+    API(I_ReleaseTensorTypeAndShapeInfo, f_ReleaseTensorTypeAndShapeInfo)(info);
+    if (st) return st;
+    if ((st = API(I_GetTensorMutableData, f_GetTensorMutableData)((void*)v, &t->data))) return st;
+    t->elem_type = et;
+    t->ndim = (int32_t)nd;
+  }
+  void* stream = NULL;
+  if (k->op->is_cuda) {
+    if ((st = API(I_KernelContext_GetGPUComputeStream, f_CtxGetStream)(ctx, &stream))) return st;
+  }
+  err[0] = 0;
+  if (!g_compute) return fail("onnx_lowbit: the Python side of the bridge is not loaded");
+  if (g_compute(k->id, ctx, (int)n_in, ins, stream, err, LB_ERRLEN) != 0)
+    return fail(err[0] ? err : "onnx_lowbit: kernel failed");
+  return NULL;
+}
+
+static void op_destroy(void* kernel) {
+  LbKernel* k = (LbKernel*)kernel;
+  if (!k) return;
+  if (g_destroy) g_destroy(k->id);
+  free(k);
+}
+
+/* ---------------- exported to Python ---------------- */
+
+void lb_set_callbacks(lb_create_cb c, lb_compute_cb r, lb_destroy_cb d) { g_create = c; g_compute = r; g_destroy = d; }
+
+void lb_set_domain(const char* domain) {
+  static char buf[128];
+  snprintf(buf, sizeof buf, "%s", domain);
+  g_domain = buf;
+}
+
+/* Declares one op variant; returns its index, or -1 when the table is full or the arguments are off. */
+int lb_add_op(const char* name, int is_cuda, int n_in, const int* in_types, const int* in_optional, int n_out,
+              const int* out_types, const int* out_optional) {
+  if (g_n_ops >= LB_MAX_OPS || n_in > LB_MAX_IO || n_out > LB_MAX_IO || n_in < 0 || n_out < 1) return -1;
+  LbOp* op = &g_ops[g_n_ops];
+  memset(op, 0, sizeof(*op));
+  op->version = LB_API_VERSION;
+  op->GetName = op_name;
+  op->GetExecutionProviderType = op_ep;
+  op->GetInputType = op_in_type;
+  op->GetInputTypeCount = op_in_count;
+  op->GetOutputType = op_out_type;
+  op->GetOutputTypeCount = op_out_count;
+  op->KernelDestroy = op_destroy;
+  op->GetInputCharacteristic = op_in_char;
+  op->GetOutputCharacteristic = op_out_char;
+  op->GetInputMemoryType = op_mem_type;
+  op->GetVariadicInputMinArity = op_one;
+  op->GetVariadicInputHomogeneity = op_zero;
+  op->GetVariadicOutputMinArity = op_one;
+  op->GetVariadicOutputHomogeneity = op_zero;
+  op->CreateKernelV2 = op_create;
+  op->KernelComputeV2 = op_compute;
+  op->index = g_n_ops;
+  op->is_cuda = is_cuda;
+  op->n_in = n_in;
+  op->n_out = n_out;
+  for (int i = 0; i < n_in; ++i) { op->in_types[i] = in_types[i]; op->in_optional[i] = in_optional[i]; }
+  for (int i = 0; i < n_out; ++i) { op->out_types[i] = out_types[i]; op->out_optional[i] = out_optional[i]; }
+  snprintf(op->name, sizeof op->name, "%s", name);
+  return g_n_ops++;
+}
+
+int lb_op_struct_size(void) { return (int)offsetof(LbOp, index); }
+const char* lb_ort_version(void) { return g_ort_version; }
+
+/* Allocates output `index` with the given shape in the kernel context; returns 0 and the data pointer. */
+int lb_output(void* ctx, int index, const int64_t* dims, int ndim, void** data, char* err, int errlen) {
+  void* value = NULL;
+  if (take_status(API(I_KernelContext_GetOutput, f_CtxGetOutput)(ctx, (size_t)index, dims, (size_t)ndim, &value), err, errlen)) return 1;
+  if (take_status(API(I_GetTensorMutableData, f_GetTensorMutableData)(value, data), err, errlen)) return 1;
+  return 0;
+}
+
+/* Attribute readers: 0 = found, 1 = missing or wrong type (message in err). Arrays and strings follow
+ * onnxruntime's two-call protocol: call with buf NULL to learn the size. */
+int lb_attr_float(const void* info, const char* name, float* out, char* err, int errlen) {
+  return take_status(API(I_KernelInfoGetAttribute_float, f_AttrFloat)(info, name, out), err, errlen);
+}
+int lb_attr_int(const void* info, const char* name, int64_t* out, char* err, int errlen) {
+  return take_status(API(I_KernelInfoGetAttribute_int64, f_AttrInt)(info, name, out), err, errlen);
+}
+int lb_attr_string(const void* info, const char* name, char* buf, size_t* size, char* err, int errlen) {
+  return take_status(API(I_KernelInfoGetAttribute_string, f_AttrString)(info, name, buf, size), err, errlen);
+}
+int lb_attr_floats(const void* info, const char* name, float* buf, size_t* size, char* err, int errlen) {
+  return take_status(API(I_KernelInfoGetAttributeArray_float, f_AttrArrayFloat)(info, name, buf, size), err, errlen);
+}
+int lb_attr_ints(const void* info, const char* name, int64_t* buf, size_t* size, char* err, int errlen) {
+  return take_status(API(I_KernelInfoGetAttributeArray_int64, f_AttrArrayInt)(info, name, buf, size), err, errlen);
+}
+int lb_node_name(const void* info, char* buf, size_t* size, char* err, int errlen) {
+  return take_status(API(I_KernelInfo_GetNodeName, f_NodeName)(info, buf, size), err, errlen);
+}
+
+/* The entry point onnxruntime calls from register_custom_ops_library. */
+OrtStatus* RegisterCustomOps(void* options, const LbApiBase* api_base) {
+  const void* const* api = api_base->GetApi(LB_API_VERSION);
+  if (!api) return NULL; /* cannot even build a status: onnxruntime older than 1.16 */
+  g_api = api;
+  if (api_base->GetVersionString) g_ort_version = api_base->GetVersionString();
+  void* domain = NULL;
+  OrtStatus* st = API(I_CreateCustomOpDomain, f_CreateCustomOpDomain)(g_domain, &domain);
+  if (st) return st;
+  for (int i = 0; i < g_n_ops; ++i) {
+    if ((st = API(I_CustomOpDomain_Add, f_CustomOpDomain_Add)(domain, &g_ops[i]))) return st;
+  }
+  /* The domain must outlive every session that uses it: it is never released (one small object per call). */
+  return API(I_AddCustomOpDomain, f_AddCustomOpDomain)(options, domain);
+}

@@ -1,0 +1,1 @@
+"""Graph rewrites (onnx-graphsurgeon), one per file."""
