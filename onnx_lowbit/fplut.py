@@ -160,3 +160,9 @@ def error_stats(function: str, cut_points, values=None) -> dict:
         "within_1ulp_pct": float(np.mean(ulp <= 1) * 100),
         "argmax_rel": float(x[int(np.argmax(re))]),
     }
+
+
+def node_attributes(table: Table) -> dict:
+    """The FPLUT node attributes (see onnx_lowbit.domain.FPLUT) that carry ``table``."""
+    return {"function": table.function, "cut_points": [float(c) for c in table.cut_points],
+            "table": table.values.astype(np.float32).tolist()}

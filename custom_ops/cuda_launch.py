@@ -1,0 +1,134 @@
+"""Launching compiled Numba CUDA kernels without the Numba dispatcher.
+
+At kernel creation a Numba kernel is compiled once for a fixed signature and its CUDA handle kept; each call
+then only writes raw device pointers and sizes into preallocated parameter slots and calls the driver's
+cuLaunchKernel on onnxruntime's stream. No array wrapping, no dispatcher, no allocation on the hot path.
+
+Parameter layout is Numba's: an array argument is flattened into
+(meminfo, parent, nitems, itemsize, data, shape[0..nd), strides[0..nd)), a scalar into its C value.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_libcuda = None
+_lock = threading.Lock()
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def libcuda():
+    global _libcuda
+    if _libcuda is None:
+        lib = ctypes.PyDLL("libcuda.so.1")  # PyDLL: keep the GIL, launches are short and need no release
+        lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuCtxGetDevice.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        _libcuda = lib
+    return _libcuda
+
+
+def check(rc, what):
+    if rc != 0:
+        s = ctypes.c_char_p()
+        libcuda().cuGetErrorString(rc, ctypes.byref(s))
+        raise CudaError(f"{what} failed: CUDA error {rc} ({(s.value or b'?').decode()})")
+
+
+def current_device() -> int:
+    d = ctypes.c_int(-1)
+    check(libcuda().cuCtxGetDevice(ctypes.byref(d)), "cuCtxGetDevice")
+    return d.value
+
+
+def sm_count(device: int) -> int:
+    v = ctypes.c_int(0)
+    check(libcuda().cuDeviceGetAttribute(ctypes.byref(v), 16, device), "cuDeviceGetAttribute")  # MULTIPROCESSOR_COUNT
+    return v.value
+
+
+class Array:
+    """Signature entry: a C-contiguous array of ``dtype`` and ``ndim`` dimensions."""
+
+    def __init__(self, dtype, ndim=1):
+        self.dtype, self.ndim = np.dtype(dtype), ndim
+
+    def numba_type(self):
+        from numba import from_dtype, types
+        return types.Array(from_dtype(self.dtype), self.ndim, "C")
+
+
+_SCALARS = {"int64": ctypes.c_int64, "uint64": ctypes.c_uint64, "int32": ctypes.c_int32,
+            "uint32": ctypes.c_uint32, "float32": ctypes.c_float}
+
+
+class Launcher:
+    """One compiled kernel with its parameter slots. Call ``launch(grid, block, shmem, stream, *args)`` where an
+    array argument is given as ``(device_pointer, shape_tuple)`` and a scalar as a number."""
+
+    def __init__(self, dispatcher, signature, *, dynamic_shared=0):
+        from numba import types
+        self._sig = signature
+        numba_sig = tuple(s.numba_type() if isinstance(s, Array) else getattr(types, s) for s in signature)
+        kernel = dispatcher.compile(numba_sig)
+        kernel.bind()
+        cufunc = kernel._codelibrary.get_cufunc()
+        self.handle = ctypes.c_void_p(int(cufunc.handle))
+        self.dynamic_shared = dynamic_shared
+        self._configured = set()
+        self._slots = []  # per argument: list of ctypes values
+        flat = []
+        for s in signature:
+            if isinstance(s, Array):
+                vals = [ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int64(0), ctypes.c_int64(s.dtype.itemsize),
+                        ctypes.c_void_p(0)] + [ctypes.c_int64(0) for _ in range(2 * s.ndim)]
+            else:
+                vals = [_SCALARS[s](0)]
+            self._slots.append(vals)
+            flat.extend(vals)
+        self._params = (ctypes.c_void_p * len(flat))(*[ctypes.addressof(v) for v in flat])
+        self._launch = libcuda().cuLaunchKernel
+
+    def _configure(self, device):
+        if self.dynamic_shared > 48 * 1024:
+            rc = libcuda().cuKernelSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, self.dynamic_shared,
+                                                self.handle, device)
+            if rc != 0:
+                rc = libcuda().cuFuncSetAttribute(self.handle, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                  self.dynamic_shared)
+            check(rc, "setting the kernel's dynamic shared memory size")
+        self._configured.add(device)
+
+    def launch(self, grid, block, stream, *args):
+        if len(self._configured) == 0 or self.dynamic_shared > 48 * 1024:
+            dev = current_device()
+            if dev not in self._configured:
+                with _lock:
+                    self._configure(dev)
+        for s, vals, a in zip(self._sig, self._slots, args):
+            if isinstance(s, Array):
+                ptr, shape = a
+                n = 1
+                for d in shape:
+                    n *= d
+                vals[2].value = n
+                vals[4].value = ptr
+                stride = s.dtype.itemsize
+                for k in range(s.ndim - 1, -1, -1):
+                    vals[5 + k].value = shape[k]
+                    vals[5 + s.ndim + k].value = stride
+                    stride *= shape[k]
+            else:
+                vals[0].value = a
+        rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, self.dynamic_shared, stream, self._params, None)
+        if rc:
+            check(rc, "cuLaunchKernel")
