@@ -176,9 +176,10 @@ def expanded(cut_points, values, elem):
     return fplut.expand_table(cut_points, values)
 
 
-def grid_for(n, per_word, sms):
+def grid_for(n, per_word, sms, block=BLOCK):
+    """One block per SM, fewer when each would get less than one unrolled pass of words."""
     words = max(n // per_word, 1)
-    return max(1, min(sms, math.ceil(words / (BLOCK * UNROLL))))
+    return max(1, min(sms, math.ceil(words / (block * UNROLL))))
 
 
 def run_arrays(x: np.ndarray, cut_points, values, *, bf16: bool = False, sms: int | None = None,
@@ -194,12 +195,12 @@ def run_arrays(x: np.ndarray, cut_points, values, *, bf16: bool = False, sms: in
     if config.ENABLE_CUDASIM:
         dxw = dx[: nw * per].view(np.uint64) if nw else cuda.to_device(np.zeros(1, np.uint64))
         dow = dout[: nw * per].view(np.uint64) if nw else cuda.device_array(1, np.uint64)
-        kernel[grid_for(n, per, sms or 2), block, 0, SHARED_BYTES](dxw, dow, dx, dout, dt, n)
+        kernel[grid_for(n, per, sms or 2, block), block, 0, SHARED_BYTES](dxw, dow, dx, dout, dt, n)
     else:
         from .cuda_launch import current_device, sm_count
         launcher = _launcher(elem)
         ptr = lambda a: a.device_ctypes_pointer.value  # noqa: E731
-        grid = grid_for(n, per, sms or sm_count(current_device()))
+        grid = grid_for(n, per, sms or sm_count(current_device()), block)
         launcher.launch(grid, block, 0, (ptr(dx), (max(nw, 1),)), (ptr(dout), (max(nw, 1),)), (ptr(dx), (n,)),
                         (ptr(dout), (n,)), (ptr(dt), (TABLE_WORDS,)), n)
         cuda.synchronize()

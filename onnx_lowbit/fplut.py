@@ -108,7 +108,8 @@ def apply(x: np.ndarray, cut_points, values, *, bf16: bool = False) -> np.ndarra
     The result has the input's dtype (uint16 bf16 bits for bf16)."""
     x = np.asarray(x)
     if bf16:
-        x16 = halfbits.bf16_bits_to_f32(x).astype(np.float16)
+        with np.errstate(over="ignore"):
+            x16 = halfbits.bf16_bits_to_f32(x).astype(np.float16)
     elif x.dtype == np.float16:
         x16 = x
     elif x.dtype == np.float32:

@@ -1,0 +1,29 @@
+"""Small model builders shared by the tests."""
+import numpy as np
+from onnx import TensorProto, helper
+
+from onnx_lowbit import domain, fplut
+
+SEED = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
+        0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
+
+
+def seed_table():
+    return fplut.Table.build("silu", SEED)
+
+
+def fplut_model(elem_type=TensorProto.FLOAT, shape=("N", 8), attrs=None, name="act0", opset=17):
+    attrs = attrs if attrs is not None else fplut.node_attributes(seed_table())
+    node = helper.make_node("FPLUT", ["x"], ["y"], domain=domain.DOMAIN, name=name, **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", elem_type, list(shape))],
+                          [helper.make_tensor_value_info("y", elem_type, list(shape))])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset), domain.opset_import()], ir_version=10)
+
+
+def random_like(dtype, shape, seed=0, specials=True):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 6).astype(np.float32)
+    if specials and x.size >= 4:
+        x.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, 1e6]
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
