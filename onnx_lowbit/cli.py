@@ -36,6 +36,13 @@ def _same_file(a, b) -> bool:
         return False
 
 
+def _pass_options(a) -> dict:
+    options = {}
+    if getattr(a, "fplut_functions", None):
+        options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
+    return options
+
+
 def cmd_rewrite(a) -> int:
     from . import model_io, verify
     from onnx_lowbit import passes as passes_mod
@@ -44,9 +51,7 @@ def cmd_rewrite(a) -> int:
         raise LowbitError(f"OUT must differ from IN ({a.output}); the input is never overwritten")
     model = model_io.load(a.input)
     model_io.check_opset(model, a.input)
-    options = {}
-    if a.fplut_functions:
-        options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
+    options = _pass_options(a)
     out, report = None, passes_mod.Report()
     current = model
     for p in _progress(selected, "rewriting"):
@@ -77,7 +82,7 @@ def cmd_inspect(a) -> int:
     from onnx_lowbit import passes as passes_mod
     from .domain import DOMAIN
     selected = passes_mod.resolve(a.passes)
-    model = model_io.load(a.input, load_external_data=False)
+    model = model_io.load(a.input)
     opset = model_io.check_opset(model, a.input)
     ours = {}
     for n in model.graph.node:
@@ -88,8 +93,7 @@ def cmd_inspect(a) -> int:
     if ours:
         print(f"uses onnx-lowbit ops (domain {DOMAIN} v{versions.get(DOMAIN, '?')}): "
               + ", ".join(f"{k} x{v}" for k, v in sorted(ours.items())))
-    model = model_io.load(a.input)
-    report = passes_mod.inspect(model, passes=[p.name for p in selected])
+    report = passes_mod.inspect(model, passes=[p.name for p in selected], **_pass_options(a))
     print(report.to_table() if len(report) else "nothing to rewrite")
     return 0
 
@@ -139,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
     i.add_argument("--passes")
+    i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     i.set_defaults(fn=cmd_inspect)
     d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
     d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")

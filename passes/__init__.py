@@ -1,1 +1,163 @@
-"""Graph rewrites (onnx-graphsurgeon), one per file."""
+"""Graph rewrites (onnx-graphsurgeon), one per file.
+
+    PASSES                          ordered registry: pass name -> Pass instance
+    available()                     the pass names, in the order run_passes applies them
+    run_passes(model, passes, **o)  -> (rewritten ModelProto, Report); the input model is not modified
+    inspect(model, passes, **o)     -> Report of what run_passes would rewrite / skip (changes nothing)
+
+See docs/passes.md for how a pass is written.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnx_lowbit import domain
+
+from .base import Entry, Pass, Report  # noqa: F401 - re-exported
+from .fplut import FPLUTPass
+
+PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass()])
+
+
+def available() -> list:
+    """Names of the registered passes, in application order."""
+    return list(PASSES)
+
+
+def resolve(passes=None) -> list:
+    """The Pass instances for ``passes`` (None: all; a name; a comma-separated string; or names), in the
+    order given. Raises ValueError naming unknown passes and listing the known ones."""
+    if passes is None:
+        return list(PASSES.values())
+    if isinstance(passes, str):
+        passes = [p.strip() for p in passes.split(",") if p.strip()]
+    names = list(passes)
+    unknown = [n for n in names if n not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown pass{'es' if len(unknown) > 1 else ''}: {', '.join(map(repr, unknown))}; "
+                         f"known passes: {', '.join(PASSES)}")
+    return [PASSES[n] for n in names]
+
+
+def _load(model) -> onnx.ModelProto:
+    """A private copy of ``model`` (ModelProto, path or serialized bytes)."""
+    if isinstance(model, onnx.ModelProto):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        return copy
+    if isinstance(model, (bytes, bytearray)):
+        return onnx.load_from_string(bytes(model))
+    if isinstance(model, (str, os.PathLike)):
+        return onnx.load(os.fspath(model))
+    raise TypeError(f"expected an onnx.ModelProto, a path or bytes, got {type(model).__name__}")
+
+
+def _inferred_types(model: onnx.ModelProto) -> dict:
+    """tensor name -> (ONNX element type or 0, shape list or None), from onnx shape inference (empty if it fails)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+    except Exception:  # noqa: BLE001 - inference is only a help for the dtype/rank checks of the passes
+        return {}
+    g = inferred.graph
+    types = {}
+    for vi in list(g.value_info) + list(g.input) + list(g.output):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        shape = None
+        if tt.HasField("shape"):
+            shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        types[vi.name] = (tt.elem_type, shape)
+    return types
+
+
+def _fill_types(graph: gs.Graph, types: dict) -> list:
+    """Gives main-graph variables without dtype / shape the inferred ones (so passes can check dtypes and
+    ranks); returns (tensor, dtype filled, shape filled) records, reset before export so the output does not
+    gain value_info from this."""
+    filled = []
+    if not types:
+        return filled
+    for name, t in graph.tensors().items():
+        if not isinstance(t, gs.Variable) or name not in types:
+            continue
+        et, shape = types[name]
+        fill_dtype = t.dtype is None and bool(et)
+        fill_shape = t.shape is None and shape is not None
+        if fill_dtype:
+            np_type = onnx.helper.tensor_dtype_to_np_dtype(et) if et != onnx.TensorProto.BFLOAT16 else None
+            t.dtype = np_type if np_type is not None else et
+        if fill_shape:
+            t.shape = shape
+        if fill_dtype or fill_shape:
+            filled.append((t, fill_dtype, fill_shape))
+    return filled
+
+
+def _emits_our_domain(model: onnx.ModelProto) -> bool:
+    def walk(graph):
+        for n in graph.node:
+            if n.domain == domain.DOMAIN:
+                return True
+            for a in n.attribute:
+                subs = ([a.g] if a.HasField("g") else []) + list(a.graphs)
+                if any(walk(s) for s in subs):
+                    return True
+        return False
+    return walk(model.graph)
+
+
+def run_passes(model, passes=None, **options):
+    """Applies ``passes`` (default: all, in registry order) to a copy of ``model``.
+
+    Returns ``(rewritten ModelProto, Report)``. Graph input/output names are kept; opset imports, ir_version,
+    producer and metadata of the input are restored on the output, plus our domain's opset import when one of
+    our ops was emitted. Options are read by the passes (see each pass, e.g. ``fplut_functions``).
+    """
+    selected = resolve(passes)
+    domain.register_schemas()
+    src = _load(model)
+    report = Report()
+
+    graph = gs.import_onnx(src)
+    filled = _fill_types(graph, _inferred_types(src))
+    for p in selected:
+        p.apply(graph, report, dict(options))
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    for t, fill_dtype, fill_shape in filled:
+        if fill_dtype:
+            t.dtype = None
+        if fill_shape:
+            t.shape = None
+
+    out = gs.export_onnx(graph, do_type_check=False)
+    _restore_model_fields(out, src)
+    return out, report
+
+
+def _restore_model_fields(out: onnx.ModelProto, src: onnx.ModelProto) -> None:
+    out.ir_version = src.ir_version
+    for f in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(out, f, getattr(src, f))
+    del out.metadata_props[:]
+    out.metadata_props.extend(src.metadata_props)
+    del out.opset_import[:]
+    out.opset_import.extend(src.opset_import)
+    if _emits_our_domain(out) and not any(o.domain == domain.DOMAIN for o in out.opset_import):
+        out.opset_import.append(domain.opset_import())
+    if src.graph.name:
+        out.graph.name = src.graph.name
+    if len(src.training_info):
+        out.training_info.extend(src.training_info)
+
+
+def inspect(model, passes=None, **options) -> Report:
+    """What ``run_passes`` would rewrite and skip; ``model`` is left untouched and no model is returned."""
+    return run_passes(model, passes, **options)[1]
+
+
+__all__ = ["PASSES", "Pass", "Report", "Entry", "available", "resolve", "run_passes", "inspect"]

@@ -1,0 +1,121 @@
+"""The command line: bad input gives one line and exit 2 with no traceback and no OUT file; the good paths work."""
+import os
+import subprocess
+import sys
+
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "samples", "tiny_yolo.onnx")
+
+
+def cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", *args], capture_output=True, text=True, env=env,
+                       cwd=cwd, timeout=600)
+    return p.returncode, p.stdout, p.stderr
+
+
+def assert_bad(rc, err, needle):
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert needle in err
+    assert err.strip().splitlines()[-1].startswith("onnx-lowbit: error:")
+
+
+def test_missing_file(tmp_path):
+    rc, _, err = cli("rewrite", str(tmp_path / "nope.onnx"), str(tmp_path / "out.onnx"))
+    assert_bad(rc, err, "no such file")
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_not_onnx_and_truncated(tmp_path):
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"this is not a model\x00\xff" * 10)
+    rc, _, err = cli("rewrite", str(junk), str(tmp_path / "o.onnx"))
+    assert_bad(rc, err, "not an ONNX model")
+    data = open(SAMPLE, "rb").read()
+    trunc = tmp_path / "trunc.onnx"
+    trunc.write_bytes(data[: len(data) // 2])
+    rc, _, err = cli("rewrite", str(trunc), str(tmp_path / "o.onnx"))
+    assert_bad(rc, err, "trunc.onnx")
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    rc, _, err = cli("inspect", str(empty))
+    assert_bad(rc, err, "empty")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_out_equal_in(tmp_path):
+    rc, _, err = cli("rewrite", SAMPLE, SAMPLE)
+    assert_bad(rc, err, "OUT must differ from IN")
+
+
+def test_unknown_pass(tmp_path):
+    rc, _, err = cli("rewrite", SAMPLE, str(tmp_path / "o.onnx"), "--passes", "fplut,bogus")
+    assert_bad(rc, err, "bogus")
+    assert "fplut" in err
+
+
+def test_unsupported_opset(tmp_path):
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 5)], ir_version=3)
+    p = tmp_path / "old.onnx"
+    onnx.save(m, str(p))
+    rc, _, err = cli("rewrite", str(p), str(tmp_path / "o.onnx"))
+    assert_bad(rc, err, "opset 5")
+
+
+def test_missing_out_dir(tmp_path):
+    rc, _, err = cli("rewrite", SAMPLE, str(tmp_path / "no" / "such" / "o.onnx"))
+    assert_bad(rc, err, "does not exist")
+
+
+def test_argparse_errors_are_one_line():
+    rc, _, err = cli("rewrite", SAMPLE)
+    assert rc == 2 and "Traceback" not in err
+
+
+def test_rewrite_verify_report(tmp_path):
+    out = tmp_path / "y.onnx"
+    rc, so, err = cli("rewrite", SAMPLE, str(out), "--verify", "--report", "--report-json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    assert out.exists() and "rewritten" in so and "ok" in so
+    m = onnx.load(str(out))
+    assert sum(n.op_type == "FPLUT" for n in m.graph.node) > 0
+    assert [i.name for i in m.graph.input] == [i.name for i in onnx.load(SAMPLE).graph.input]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".onnx-lowbit-")]  # no temp leftovers
+
+
+def test_verify_failure_writes_nothing(tmp_path):
+    out = tmp_path / "y.onnx"
+    rc, so, err = cli("rewrite", SAMPLE, str(out), "--verify", "--tolerance", "1e-9")
+    assert rc == 1 and "FAIL" in so and not out.exists()
+
+
+def test_inspect_and_lut(tmp_path):
+    rc, so, err = cli("inspect", SAMPLE)
+    assert rc == 0 and "silu" in so
+    out = tmp_path / "y.onnx"
+    assert cli("rewrite", SAMPLE, str(out))[0] == 0
+    rc, so, _ = cli("inspect", str(out))
+    assert rc == 0 and "FPLUT" in so and "onnx_lowbit" in so
+    rc, so, _ = cli("lut", "list")
+    assert rc == 0 and "silu" in so
+    png = tmp_path / "silu.png"
+    rc, so, err = cli("lut", "plot", "silu", "-o", str(png))
+    assert rc == 0, err
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    rc, _, err = cli("lut", "plot", "nosuchfn")
+    assert_bad(rc, err, "nosuchfn")
+
+
+@pytest.mark.slow
+def test_demo():
+    rc, so, err = cli("demo")
+    assert rc == 0, err + so
+    assert "tiny_yolo" in so and "FPLUT ops" in so
