@@ -12,9 +12,9 @@ SEED = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.0
         0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
 variant = sys.argv[1] if len(sys.argv) > 1 else "base"
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 64 << 20
-kern = {"base": lambda: fc._make(fc._word16, fc._one16, 4, 4),
-        "s32": lambda: fc._make(fc._word16b, fc._one16b, 4, 4, smem32=True),
-        "s32u8": lambda: fc._make(fc._word16b, fc._one16b, 4, 8, smem32=True)}[variant]()
+kern = {"base": lambda: fc._make(fc._word16, fc._one16, 4, 4, smem32=False),
+        "s32": lambda: fc._make(fc._word16b, fc._one16b, 4, 4),
+        "s32u8": lambda: fc._make(fc._word16b, fc._one16b, 4, 8)}[variant]()
 lv = Launcher(kern, [Array(np.uint64), Array(np.uint64), Array(np.uint16), Array(np.uint16), Array(np.uint64), "int64"],
               dynamic_shared=fc.SHARED_BYTES)
 t = fplut.Table.build("silu", SEED)

@@ -1,0 +1,81 @@
+"""The bridge in onnxruntime CUDA sessions (GPU machine only; skipped without onnxruntime-gpu and a GPU):
+every FPLUT node on the CUDA EP, no Memcpy nodes, bit-exact with the reference, concurrent runs agree."""
+import threading
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+import onnx_lowbit
+from onnx_lowbit import fplut, halfbits
+
+from helpers import SEED, fplut_model, random_like, seed_table
+
+if "CUDAExecutionProvider" not in ort.get_available_providers():
+    pytest.skip("onnxruntime has no CUDA execution provider here", allow_module_level=True)
+try:
+    from numba import config, cuda
+    if config.ENABLE_CUDASIM or not cuda.is_available():
+        pytest.skip("no real GPU for Numba", allow_module_level=True)
+except ImportError:
+    pytest.skip("numba-cuda not installed", allow_module_level=True)
+
+CUDA = ["CUDAExecutionProvider"]
+
+
+def _session(model, tmp_path):
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    onnx_lowbit.register(so)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=CUDA)
+    opt = onnx.load(so.optimized_model_filepath)
+    return sess, opt
+
+
+@pytest.mark.parametrize("et,dtype", [(TensorProto.FLOAT16, np.float16), (TensorProto.FLOAT, np.float32)])
+@pytest.mark.parametrize("n", [1, 5, 4096, 1 << 20])
+def test_cuda_session_bit_exact_no_memcpy(tmp_path, et, dtype, n):
+    sess, opt = _session(fplut_model(et, shape=["n"]), tmp_path)
+    assert not [nd.op_type for nd in opt.graph.node if nd.op_type.startswith("Memcpy")]
+    x = random_like(dtype, (n,), seed=n)
+    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+    io = sess.io_binding()
+    io.bind_ortvalue_input("x", xv)
+    io.bind_output("y", "cuda")
+    sess.run_with_iobinding(io)
+    y = io.copy_outputs_to_cpu()[0]
+    ref = fplut.apply(x, SEED, seed_table().values)
+    assert np.array_equal(y.view(np.uint8), ref.view(np.uint8))
+
+
+def test_cuda_exhaustive_fp16(tmp_path):
+    sess, _ = _session(fplut_model(TensorProto.FLOAT16, shape=["n"]), tmp_path)
+    x = halfbits.all_fp16().copy()
+    y = sess.run(None, {"x": x})[0]
+    assert np.array_equal(y.view(np.uint16), fplut.apply(x, SEED, seed_table().values).view(np.uint16))
+
+
+def test_cuda_threads_agree(tmp_path):
+    sess, _ = _session(fplut_model(TensorProto.FLOAT, shape=["n"]), tmp_path)
+    xs = [random_like(np.float32, (10000 + i,), seed=i) for i in range(8)]
+    want = [fplut.apply(x, SEED, seed_table().values) for x in xs]
+    bad = []
+
+    def work(i):
+        for _ in range(25):
+            if not np.array_equal(sess.run(None, {"x": xs[i]})[0].view(np.uint32), want[i].view(np.uint32)):
+                bad.append(i)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not bad
+
+
+def test_cuda_bad_attribute_is_an_error_status(tmp_path):
+    attrs = fplut.node_attributes(seed_table())
+    attrs["table"] = attrs["table"][:7]
+    with pytest.raises(Exception, match="259"):
+        _session(fplut_model(attrs=attrs, name="bad_node"), tmp_path)
