@@ -92,7 +92,100 @@ FPLUT = OpSpec(
     infer=_same_as_input0,
 )
 
-OPS = {op.name: op for op in [FPLUT]}
+def _matmul4_infer(ctx) -> None:
+    """Y = A[..., K] x W[K, N] (+ bias): A's type, A's leading dims, last dim N (attribute)."""
+    a = ctx.get_input_type(0)
+    n = ctx.get_attribute("N")
+    out = onnx.TypeProto()
+    out.CopyFrom(a)
+    if n is not None and a.tensor_type.HasField("shape") and len(a.tensor_type.shape.dim) > 0:
+        last = out.tensor_type.shape.dim[len(out.tensor_type.shape.dim) - 1]
+        last.Clear()
+        last.dim_value = onnx.helper.get_attribute_value(n)
+    ctx.set_output_type(0, out)
+
+
+def _dequant_infer(elem_type_of):
+    def infer(ctx) -> None:
+        k = onnx.helper.get_attribute_value(ctx.get_attribute("K"))
+        n = onnx.helper.get_attribute_value(ctx.get_attribute("N"))
+        ctx.set_output_type(0, onnx.helper.make_tensor_type_proto(elem_type_of(ctx), [k, n]))
+    return infer
+
+
+_NF4_ATTRS = [
+    Attr("quant_type", "string", "'nf4' or 'fp4' (bitsandbytes' 16-level codes)"),
+    Attr("block_size", "int", "elements per absmax block: a power of two in 32..4096"),
+    Attr("K", "int", "input features (rows of the MatMul weight)"),
+    Attr("N", "int", "output features (columns of the MatMul weight)"),
+]
+_NF4_DOC = ("Weight W[K, N] stored as bitsandbytes 4-bit blockwise quantisation of W^T ([N, K] row-major, flat, "
+            "blocks of block_size consecutive elements, the last block may be partial): packed uint8 with the first "
+            "element of each pair in the high nibble, one fp32 absmax per block (reference: onnx_lowbit.nf4).")
+
+MATMUL_NF4 = OpSpec(
+    name="MatMulNF4",
+    doc="Y = A x W (+ bias) with W dequantised in registers. " + _NF4_DOC,
+    inputs=[Param("A", "T"), Param("Q", "tensor(uint8)"), Param("absmax", "tensor(float)"),
+            Param("bias", "T", optional=True)],
+    outputs=[Param("Y", "T")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=_NF4_ATTRS,
+    infer=_matmul4_infer,
+)
+
+def _dequant_nf4_infer(ctx) -> None:
+    k = onnx.helper.get_attribute_value(ctx.get_attribute("K"))
+    n = onnx.helper.get_attribute_value(ctx.get_attribute("N"))
+    t = ctx.get_attribute("transposed")
+    shape = [n, k] if t is not None and onnx.helper.get_attribute_value(t) else [k, n]
+    ctx.set_output_type(0, onnx.helper.make_tensor_type_proto(ctx.get_input_type(1).tensor_type.elem_type, shape))
+
+
+DEQUANT_NF4 = OpSpec(
+    name="DequantNF4",
+    doc="W[K, N] (or W^T [N, K] with transposed=1, the storage order: a streaming kernel, for Gemm transB=1) "
+        "of absmax's type (float or float16). " + _NF4_DOC,
+    inputs=[Param("Q", "tensor(uint8)"), Param("absmax", "T")],
+    outputs=[Param("W", "T")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=_NF4_ATTRS + [Attr("transposed", "int", "1: output W^T [N, K] (default 0: W [K, N])",
+                                  required=False)],
+    infer=_dequant_nf4_infer,
+)
+
+_AWQ_ATTRS = [
+    Attr("group_size", "int", "input features per scale/zero group (AutoAWQ default 128)"),
+    Attr("K", "int", "input features; qweight may carry zero rows up to a multiple of group_size"),
+    Attr("N", "int", "output features (a multiple of 8)"),
+]
+_AWQ_DOC = ("AutoAWQ GEMM layout: qweight int32 [Kp, N/8] and qzeros int32 [Kp/G, N/8] with the nibble order "
+            "[0,2,4,6,1,3,5,7], scales float16 [Kp/G, N]; W = (q - z) * s (reference: onnx_lowbit.awq).")
+
+MATMUL_AWQ = OpSpec(
+    name="MatMulAWQ",
+    doc="Y = A x W (+ bias), W dequantised in registers. " + _AWQ_DOC,
+    inputs=[Param("A", "T"), Param("qweight", "tensor(int32)"), Param("qzeros", "tensor(int32)"),
+            Param("scales", "tensor(float16)"), Param("bias", "T", optional=True)],
+    outputs=[Param("Y", "T")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=_AWQ_ATTRS,
+    infer=_matmul4_infer,
+)
+
+DEQUANT_AWQ = OpSpec(
+    name="DequantAWQ",
+    doc="W[K, N] float16. " + _AWQ_DOC,
+    inputs=[Param("qweight", "tensor(int32)"), Param("qzeros", "tensor(int32)"), Param("scales", "tensor(float16)")],
+    outputs=[Param("W", "tensor(float16)")],
+    type_constraints={},
+    attributes=_AWQ_ATTRS,
+    infer=_dequant_infer(lambda ctx: TensorProto.FLOAT16),
+)
+
+# The 4-bit weight ops (onnx_lowbit.nf4 / onnx_lowbit.awq formats).
+PLANNED_OPS = {op.name: op for op in [MATMUL_NF4, DEQUANT_NF4, MATMUL_AWQ, DEQUANT_AWQ]}
+OPS = {op.name: op for op in [FPLUT, *PLANNED_OPS.values()]}
 
 
 def _schema(op: OpSpec) -> defs.OpSchema:

@@ -1,0 +1,86 @@
+"""MatMulNF4, CPU face: Y = A x W (+ bias), W dequantised on the fly from bitsandbytes NF4/FP4 blocks.
+
+M <= 16 (decode): one pass over the packed weight per output column, parallel over N, per-block partial sums
+scaled by the block's absmax (fp32 accumulation). Larger M: dequantise W to fp32 once per call and use BLAS."""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from . import nf4_common
+from .kernels import Kernel
+
+SMALL_M = 16
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def gemv(a, q, absmax, code, k_dim, n_dim, bs, out):
+    """out[m, n] = sum_k a[m, k] * code[nib(n*K+k)] * absmax[(n*K+k) // bs]; a float32 [M, K]."""
+    m_dim = a.shape[0]
+    for n in prange(n_dim):
+        base = n * k_dim
+        for m in range(m_dim):
+            out[m, n] = 0.0
+        k = 0
+        while k < k_dim:
+            b = (base + k) // bs
+            kend = min(k_dim, (b + 1) * bs - base)
+            s = absmax[b]
+            for m in range(m_dim):
+                part = np.float32(0.0)
+                for kk in range(k, kend):
+                    i = base + kk
+                    byte = np.int64(q[i >> 1])
+                    nib = (byte >> 4) if (i & 1) == 0 else (byte & 15)
+                    part += code[nib] * a[m, kk]
+                out[m, n] += part * s
+            k = kend
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def dequant_t(q, absmax, code, k_dim, n_dim, bs, out):
+    """out[k, n] = W[k, n] (float32 [K, N]) from the W^T-ordered blocks."""
+    for n in prange(n_dim):
+        base = n * k_dim
+        for k in range(k_dim):
+            i = base + k
+            byte = np.int64(q[i >> 1])
+            nib = (byte >> 4) if (i & 1) == 0 else (byte & 15)
+            out[k, n] = code[nib] * absmax[i // bs]
+
+
+def matmul(a, q, absmax, code, k, n, bs, bias=None):
+    """Host-array entry (also used by tests): a [..., K] float32/float16 -> [..., N] of a's dtype."""
+    lead = a.shape[:-1]
+    a2 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, k)
+    m = a2.shape[0]
+    if m <= SMALL_M:
+        out = np.empty((m, n), np.float32)
+        if m:
+            gemv(a2, q.reshape(-1), absmax.reshape(-1), code, k, n, bs, out)
+    else:
+        w = np.empty((k, n), np.float32)
+        dequant_t(q.reshape(-1), absmax.reshape(-1), code, k, n, bs, w)
+        out = a2 @ w
+    if bias is not None:
+        out += bias.astype(np.float32)
+    return out.astype(a.dtype).reshape(*lead, n)
+
+
+class MatMulNF4Kernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
+
+    def compute(self, ctx, inputs):
+        a, q, absmax = inputs[0], inputs[1], inputs[2]
+        bias = inputs[3] if len(inputs) > 3 else None
+        nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs)
+        nf4_common.check_a(a, self.k, bias, self.n)
+        y = matmul(a.numpy(), q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs,
+                   None if bias is None else bias.numpy())
+        out = ctx.output_numpy(0, a.shape[:-1] + (self.n,), y.dtype)
+        out[...] = y
+
+
+KERNEL = MatMulNF4Kernel

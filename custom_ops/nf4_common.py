@@ -1,0 +1,46 @@
+"""Shared pieces of the NF4/FP4 kernels (MatMulNF4, DequantNF4): attribute and input validation, and the
+16-value code table. Layout (onnx_lowbit.nf4): W^T [N, K] row-major flat, element i = n*K + k lives in byte i>>1
+(high nibble for even i), block i // block_size, one fp32 absmax per block."""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_lowbit import nf4
+
+from .bridge import KernelError
+
+
+def parse_attrs(attrs: dict):
+    qt = attrs.get("quant_type", "")
+    if qt not in ("nf4", "fp4"):
+        raise KernelError(f"attribute 'quant_type' must be 'nf4' or 'fp4', got {qt!r}")
+    bs, k, n = int(attrs["block_size"]), int(attrs["K"]), int(attrs["N"])
+    if bs < 32 or bs > 4096 or bs & (bs - 1):
+        raise KernelError(f"attribute 'block_size' must be a power of two in 32..4096, got {bs}")
+    if k <= 0 or n <= 0:
+        raise KernelError(f"attributes 'K' and 'N' must be positive, got K={k}, N={n}")
+    return qt, bs, k, n, np.ascontiguousarray(nf4.code(qt), dtype=np.float32)
+
+
+def check_q_absmax(q, absmax, k, n, bs, q_index=1, absmax_index=2):
+    total = k * n
+    if q is None or absmax is None:
+        raise KernelError("inputs 'Q' and 'absmax' are required")
+    if q.size != (total + 1) // 2:
+        raise KernelError(f"input {q_index} 'Q' must hold ceil(K*N/2) = {(total + 1) // 2} bytes for K={k}, N={n}, "
+                          f"got shape {list(q.shape)}")
+    nb = (total + bs - 1) // bs
+    if absmax.size != nb:
+        raise KernelError(f"input {absmax_index} 'absmax' must hold ceil(K*N/block_size) = {nb} values "
+                          f"(K={k}, N={n}, block_size={bs}), got shape {list(absmax.shape)}")
+
+
+def check_a(a, k, bias, n, bias_index=3):
+    if a is None or len(a.shape) < 1 or a.shape[-1] != k:
+        raise KernelError(f"input 0 'A' must have last dimension K={k}, got shape {None if a is None else list(a.shape)}")
+    if bias is not None and (len(bias.shape) != 1 or bias.shape[0] != n):
+        raise KernelError(f"input {bias_index} 'bias' must have shape [{n}], got {list(bias.shape)}")
+    m = 1
+    for d in a.shape[:-1]:
+        m *= d
+    return m
