@@ -52,11 +52,12 @@ def main():
         q, am = weights(rng, k, n, bs)
         a = rng.standard_normal((m, k)).astype(dt)
         bias = rng.standard_normal(n).astype(dt)
-        y = mm.run_arrays(a, q, am, code, k, n, bs, bias)
         ref = cpu.matmul(a.astype(np.float32), q, am, code, k, n, bs, bias.astype(np.float32))
-        err = np.abs(y.astype(np.float64) - ref).max() / (np.abs(ref).max() + 1e-9)
-        print(f"MatMulNF4 M={m} K={k} N={n} bs={bs} {np.dtype(dt).name}: rel err {err:.2e} "
-              f"({'fast' if mm.fast_path(m, k) else 'generic'}) {'OK' if err < 2e-3 else 'FAIL'}")
+        for mode in ["generic"] + (["fast"] if mm.fast_path(m, k) else []) + (["m1"] if mm.m1_path(m, k) else []):
+            y = mm.run_arrays(a, q, am, code, k, n, bs, bias, mode=mode)
+            err = np.abs(y.astype(np.float64) - ref).max() / (np.abs(ref).max() + 1e-9)
+            print(f"MatMulNF4 M={m} K={k} N={n} bs={bs} {np.dtype(dt).name} [{mode}]: rel err {err:.2e} "
+                  f"{'OK' if err < 2e-3 else 'FAIL'}")
         for tr in (True, False):
             w = dq.run_arrays(q, am, code, k, n, bs, transposed=tr)
             wr = cpu_dq(q, am, code, k, n, bs, tr)
@@ -75,21 +76,36 @@ def main():
     dcode = torch.from_numpy(code).cuda()
     y1 = torch.empty(1, N, device="cuda", dtype=torch.float16)
     y2 = torch.empty_like(y1)
-    L = mm._launcher(True, np.float16)
+    L = mm._launcher("fast", np.float16)
+    L1 = mm._launcher("m1", np.float16)
     stream = torch.cuda.current_stream().cuda_stream
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def ours():
         for (q, am), y in zip(dev, (y1, y2)):
-            L.launch(mm.grid(N), 32 * mm.WARPS_PER_BLOCK, stream, (x.data_ptr(), (K,)), (q.data_ptr(), (K * N // 16,)),
-                     (am.data_ptr(), (am.numel(),)), (dcode.data_ptr(), (16,)), (y.data_ptr(), (N,)), 0,
-                     (y.data_ptr(), (N,)), 1, K, N, BS.bit_length() - 5)
-    t_ours = time_cuda(ours)
+            L.launch(mm.fast_grid(N, sms), 32 * mm.WARPS_PER_BLOCK, stream, (x.data_ptr(), (K,)),
+                     (q.data_ptr(), (K * N // 16,)), (am.data_ptr(), (am.numel(),)), (dcode.data_ptr(), (16,)),
+                     (y.data_ptr(), (N,)), 0, (y.data_ptr(), (N,)), 1, K, N, BS.bit_length() - 5, shmem=K * 4)
+    t_fast = time_cuda(ours)
+    print(f"  variant: smem-x kernel (any M <= 16), 4 blocks/SM: {t_fast:.1f} us")
+
+    def ours_m1(grid_blocks):
+        for (q, am), y in zip(dev, (y1, y2)):
+            L1.launch(grid_blocks, mm.m1_block(K), stream, (x.data_ptr(), (K,)), (q.data_ptr(), (K * N // 16,)),
+                      (am.data_ptr(), (am.numel(),)), (dcode.data_ptr(), (16,)), (y.data_ptr(), (N,)), 0,
+                      (y.data_ptr(), (N,)), K, N, BS.bit_length() - 5)
+    for gb in (sms * 4, sms * 8, sms * 16):
+        print(f"  variant: register-x M=1 kernel, grid {gb}: {time_cuda(lambda: ours_m1(gb)):.1f} us")
+    t_ours = time_cuda(lambda: ours_m1(mm.m1_grid(N, sms)))
+    ref1 = cpu.matmul(x.float().cpu().numpy(), qs[0][0], qs[0][1], code, K, N, BS)
+    e1 = np.abs(y1.float().cpu().numpy() - ref1).max() / np.abs(ref1).max()
+    print(f"  (M=1 kernel output vs reference on the timed data: rel err {e1:.1e})")
     nbytes = 2 * (K * N // 2 + (K * N // BS) * 4)
     print(f"\n{'case (x[1,4096] . W[4096,11008] x2)':48s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}")
     print(f"{'device copy 256 MiB':48s} {t_copy:8.1f} {bw:7.0f} {100:6.1f}")
     print(f"{'torch fp16 GEMV x2':48s} {t_torch:8.1f} {2 * K * N * 2 / t_torch / 1e3:7.0f} "
           f"{100 * 2 * K * N * 2 / t_torch / 1e3 / bw:6.1f}")
-    print(f"{'MatMulNF4 decode kernel x2 (ours, block 64)':48s} {t_ours:8.1f} {nbytes / t_ours / 1e3:7.0f} "
+    print(f"{'MatMulNF4 M=1 kernel x2 (ours, block 64)':48s} {t_ours:8.1f} {nbytes / t_ours / 1e3:7.0f} "
           f"{100 * nbytes / t_ours / 1e3 / bw:6.1f}")
     print(f"speedup vs torch fp16: {t_torch / t_ours:.2f}x")
     # dequant streaming

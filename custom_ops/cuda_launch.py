@@ -76,6 +76,8 @@ class Launcher:
     array argument is given as ``(device_pointer, shape_tuple)`` and a scalar as a number."""
 
     def __init__(self, dispatcher, signature, *, dynamic_shared=0):
+        """``dynamic_shared``: the dynamic shared memory bytes of every launch, or the most a launch may ask for
+        through ``launch(..., shmem=)`` (above 48 KiB the kernel is opted in once per device)."""
         from numba import types
         self._sig = signature
         numba_sig = tuple(s.numba_type() if isinstance(s, Array) else getattr(types, s) for s in signature)
@@ -108,7 +110,7 @@ class Launcher:
             check(rc, "setting the kernel's dynamic shared memory size")
         self._configured.add(device)
 
-    def launch(self, grid, block, stream, *args):
+    def launch(self, grid, block, stream, *args, shmem=None):
         if len(self._configured) == 0 or self.dynamic_shared > 48 * 1024:
             dev = current_device()
             if dev not in self._configured:
@@ -129,6 +131,7 @@ class Launcher:
                     stride *= shape[k]
             else:
                 vals[0].value = a
-        rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, self.dynamic_shared, stream, self._params, None)
+        rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, self.dynamic_shared if shmem is None else shmem,
+                          stream, self._params, None)
         if rc:
             check(rc, "cuLaunchKernel")

@@ -18,29 +18,26 @@ U0, U1, U3, U4, U15 = (np.uint64(v) for v in (0, 1, 3, 4, 15))
 
 @cuda.jit
 def dequant_rows(q64, q8, absmax, code, out, total, bs_shift, bs):
-    """out[i] = code[nib(i)] * absmax[i // bs] for i < total (flat W^T)."""
+    """out[i] = code[nib(i)] * absmax[i // bs] for i < total (flat W^T). One byte (two outputs) per thread step,
+    so a warp reads 32 consecutive bytes and writes 64 consecutive outputs (coalesced); grid-stride."""
     sm_code = cuda.shared.array(16, dtype=float32)
     if cuda.threadIdx.x < 16:
         sm_code[cuda.threadIdx.x] = code[cuda.threadIdx.x]
     cuda.syncthreads()
     t = uint64(cuda.grid(1))
     stride = uint64(cuda.gridsize(1))
-    nwords = uint64(total) >> U4
-    w = t
-    while w < nwords:
-        word = q64[w]
-        s = float32(absmax[w >> uint64(bs_shift)])
-        base = w << U4
-        for j in range(8):
-            byte = (word >> (uint64(j) << U3)) & np.uint64(0xFF)
-            out[base + uint64(2 * j)] = sm_code[byte >> U4] * s
-            out[base + uint64(2 * j + 1)] = sm_code[byte & U15] * s
-        w += stride
-    i = (nwords << U4) + t
-    if i < uint64(total):
-        byte = uint64(q8[i >> U1])
-        nib = (byte >> U4) if (i & U1) == U0 else (byte & U15)
-        out[i] = sm_code[nib] * float32(absmax[i // uint64(bs)])
+    npairs = uint64(total) >> U1
+    b = t
+    while b < npairs:
+        byte = uint64(q8[b])
+        i = b << U1
+        s = float32(absmax[i // uint64(bs)])   # both elements of a byte share a block (block sizes are even)
+        out[i] = sm_code[byte >> U4] * s
+        out[i + U1] = sm_code[byte & U15] * s
+        b += stride
+    if t == U0 and (uint64(total) & U1) == U1:
+        i = uint64(total) - U1
+        out[i] = sm_code[uint64(q8[i >> U1]) >> U4] * float32(absmax[i // uint64(bs)])
 
 
 @cuda.jit
@@ -59,7 +56,7 @@ def dequant_kn(q8, absmax, code, out, k_dim, n_dim, bs):
 
 
 def _grid_rows(total):
-    return max(1, min(132 * 8, (total // 16 + BLOCK - 1) // BLOCK))
+    return max(1, min(132 * 16, (total // 2 + BLOCK - 1) // BLOCK))
 
 
 def run_arrays(q, absmax, code, k, n, bs, transposed=False):

@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, float32, uint64
+from numba import config, cuda, float32, uint32, uint64
 
 from . import nf4_common
 from .kernels import Kernel
 
 WARPS_PER_BLOCK = 8
 MAX_M_FAST = 16
+RED_SIZE = 1024
+COLS = 4                    # columns per step of the M=1 kernel (loads in flight per thread)
 U0, U1, U4, U15, U16, U32 = (np.uint64(v) for v in (0, 1, 4, 15, 16, 32))
 FULL = np.uint32(0xFFFFFFFF)
 
@@ -47,72 +49,158 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
-def _word_dot(w, sm_code, a, abase):
-    """sum_j code[nib_j(w)] * a[abase + j] for the 16 nibbles of a little-endian word (even element = high nibble)."""
+def _word_dot(w, sm_code, xs, xb, wpr):
+    """sum_e code[nib_e(w)] * x[16 w + e] for the 16 nibbles of a little-endian word (even element = high nibble),
+    x read from the transposed shared copy: x[16 w + e] = xs[xb + e * wpr]."""
+    lo = uint32(w & np.uint64(0xFFFFFFFF))
+    hi = uint32(w >> np.uint64(32))
     acc = float32(0.0)
-    for t in range(8):
-        byte = (w >> (uint64(t) << np.uint64(3))) & np.uint64(0xFF)
-        acc += sm_code[byte >> U4] * float32(a[abase + uint64(2 * t)])
-        acc += sm_code[byte & U15] * float32(a[abase + uint64(2 * t + 1)])
+    for t in range(4):
+        b = (lo >> uint32(8 * t)) & uint32(0xFF)
+        acc += sm_code[b >> uint32(4)] * xs[xb + uint64(2 * t) * wpr]
+        acc += sm_code[b & uint32(15)] * xs[xb + uint64(2 * t + 1) * wpr]
+    for t in range(4):
+        b = (hi >> uint32(8 * t)) & uint32(0xFF)
+        acc += sm_code[b >> uint32(4)] * xs[xb + uint64(2 * t + 8) * wpr]
+        acc += sm_code[b & uint32(15)] * xs[xb + uint64(2 * t + 9) * wpr]
     return acc
 
 
 def _make_fast():
     @cuda.jit
     def gemv16(a, q64, absmax, code, bias, has_bias, y, m_dim, k_dim, n_dim, bs_shift):
-        """a [M*K] (f32/f16), q64 [N*K/16] words, absmax [N*K/bs], y [M*N]; bs_shift = log2(block_size) - 4."""
+        """a [M*K] (f32/f16), q64 [N*K/16] words, absmax [N*K/bs], y [M*N]; bs_shift = log2(block_size) - 4.
+
+        x is staged once per block in shared memory, transposed to xs[m*K + e*wpr + w] (w: word in the row,
+        e: element in the word) so that the 32 lanes, which read 32 consecutive words, hit 32 banks. Blocks are
+        persistent (grid-stride over columns) so x is staged only a few times per SM."""
         sm_code = cuda.shared.array(16, dtype=float32)
-        red = cuda.shared.array(32 * WARPS_PER_BLOCK, dtype=float32)
+        red = cuda.shared.array(RED_SIZE, dtype=float32)
+        xs = cuda.shared.array(0, dtype=float32)
         tid = cuda.threadIdx.x
         if tid < 16:
             sm_code[tid] = code[tid]
+        k64 = uint64(k_dim)
+        wpr = k64 >> U4                      # words per row
+        total = uint64(m_dim) * k64
+        idx = uint64(tid)
+        while idx < total:
+            m = idx // k64
+            k = idx - m * k64
+            xs[m * k64 + (k & U15) * wpr + (k >> U4)] = float32(a[idx])
+            idx += uint64(cuda.blockDim.x)
         cuda.syncthreads()
         lane = uint64(tid & 31)
-        n = uint64(cuda.blockIdx.x) * uint64(WARPS_PER_BLOCK) + uint64(tid >> 5)
-        active = n < uint64(n_dim)   # whole warps are active or not; no early return (the reduction needs all)
-        k64 = uint64(k_dim)
-        wpr = k64 >> U4 if active else U0     # words per row
-        row = n * wpr
+        warp = uint64(tid >> 5)
         acc = cuda.local.array(MAX_M_FAST, dtype=float32)
-        for m in range(m_dim):
-            acc[m] = float32(0.0)
-        j = lane
-        while j + uint64(96) < wpr:           # 4 words per lane in flight
-            w0 = q64[row + j]
-            w1 = q64[row + j + uint64(32)]
-            w2 = q64[row + j + uint64(64)]
-            w3 = q64[row + j + uint64(96)]
-            s0 = absmax[(row + j) >> uint64(bs_shift)]
-            s1 = absmax[(row + j + uint64(32)) >> uint64(bs_shift)]
-            s2 = absmax[(row + j + uint64(64)) >> uint64(bs_shift)]
-            s3 = absmax[(row + j + uint64(96)) >> uint64(bs_shift)]
+        nb = uint64(cuda.blockIdx.x) * uint64(WARPS_PER_BLOCK)
+        nstep = uint64(cuda.gridDim.x) * uint64(WARPS_PER_BLOCK)
+        while nb < uint64(n_dim):            # block-uniform trip count: every warp reaches every reduction
+            n = nb + warp
+            active = n < uint64(n_dim)
+            wlim = wpr if active else U0
+            row = n * wpr
             for m in range(m_dim):
-                ab = uint64(m) * k64 + (j << U4)
-                acc[m] += (_word_dot(w0, sm_code, a, ab) * s0 + _word_dot(w1, sm_code, a, ab + uint64(512))
-                           * s1 + _word_dot(w2, sm_code, a, ab + uint64(1024)) * s2
-                           + _word_dot(w3, sm_code, a, ab + uint64(1536)) * s3)
-            j += uint64(128)
-        while j < wpr:
-            w0 = q64[row + j]
-            s0 = absmax[(row + j) >> uint64(bs_shift)]
+                acc[m] = float32(0.0)
+            j = lane
+            while j + uint64(96) < wlim:     # 4 words per lane in flight
+                w0 = q64[row + j]
+                w1 = q64[row + j + uint64(32)]
+                w2 = q64[row + j + uint64(64)]
+                w3 = q64[row + j + uint64(96)]
+                s0 = absmax[(row + j) >> uint64(bs_shift)]
+                s1 = absmax[(row + j + uint64(32)) >> uint64(bs_shift)]
+                s2 = absmax[(row + j + uint64(64)) >> uint64(bs_shift)]
+                s3 = absmax[(row + j + uint64(96)) >> uint64(bs_shift)]
+                for m in range(m_dim):
+                    xb = uint64(m) * k64 + j
+                    acc[m] += (_word_dot(w0, sm_code, xs, xb, wpr) * s0
+                               + _word_dot(w1, sm_code, xs, xb + uint64(32), wpr) * s1
+                               + _word_dot(w2, sm_code, xs, xb + uint64(64), wpr) * s2
+                               + _word_dot(w3, sm_code, xs, xb + uint64(96), wpr) * s3)
+                j += uint64(128)
+            while j < wlim:
+                w0 = q64[row + j]
+                s0 = absmax[(row + j) >> uint64(bs_shift)]
+                for m in range(m_dim):
+                    acc[m] += _word_dot(w0, sm_code, xs, uint64(m) * k64 + j, wpr) * s0
+                j += uint64(32)
             for m in range(m_dim):
-                acc[m] += _word_dot(w0, sm_code, a, uint64(m) * k64 + (j << U4)) * s0
-            j += uint64(32)
-        for m in range(m_dim):
-            v = _warp_sum(acc[m], red, tid)
-            if lane == U0 and active:
-                if has_bias:
-                    v += float32(bias[n])
-                y[uint64(m) * uint64(n_dim) + n] = v
+                v = _warp_sum(acc[m], red, tid)
+                if lane == U0 and active:
+                    if has_bias:
+                        v += float32(bias[n])
+                    y[uint64(m) * uint64(n_dim) + n] = v
+            nb += nstep
 
     return gemv16
+
+
+def _make_m1():
+    @cuda.jit
+    def gemv_m1(a, q64, absmax, code, bias, has_bias, y, k_dim, n_dim, bs_shift):
+        """M = 1, K % 16 == 0, K / 16 <= 1024: thread t of a block owns word position t of every row and keeps its
+        16 x values in registers; a block walks columns COLS at a time (each thread loads one 8-byte word per
+        column: a whole row per block, coalesced), reduces each column's partials across the block (warp
+        shuffles, then shared memory) and writes y. No x traffic through shared memory in the inner loop."""
+        sm_code = cuda.shared.array(16, dtype=float32)
+        red = cuda.shared.array(RED_SIZE, dtype=float32)
+        part = cuda.shared.array((COLS, 32), dtype=float32)
+        tid = cuda.threadIdx.x
+        if tid < 16:
+            sm_code[tid] = code[tid]
+        wpr = uint64(k_dim) >> U4
+        t = uint64(tid)
+        owns = t < wpr
+        xr = cuda.local.array(16, dtype=float32)
+        for e in range(16):
+            xr[e] = float32(a[(t << U4) + uint64(e)]) if owns else float32(0.0)
+        cuda.syncthreads()
+        lane = tid & 31
+        warp = tid >> 5
+        nwarps = (cuda.blockDim.x + 31) >> 5
+        nb = uint64(cuda.blockIdx.x) * uint64(COLS)
+        step = uint64(cuda.gridDim.x) * uint64(COLS)
+        while nb < uint64(n_dim):
+            for c in range(COLS):
+                n = nb + uint64(c)
+                v = float32(0.0)
+                if owns and n < uint64(n_dim):
+                    w = q64[n * wpr + t]
+                    sc = absmax[(n * wpr + t) >> uint64(bs_shift)]
+                    lo = uint32(w & np.uint64(0xFFFFFFFF))
+                    hi = uint32(w >> np.uint64(32))
+                    for b in range(4):
+                        by = (lo >> uint32(8 * b)) & uint32(0xFF)
+                        v += sm_code[by >> uint32(4)] * xr[2 * b] + sm_code[by & uint32(15)] * xr[2 * b + 1]
+                    for b in range(4):
+                        by = (hi >> uint32(8 * b)) & uint32(0xFF)
+                        v += sm_code[by >> uint32(4)] * xr[2 * b + 8] + sm_code[by & uint32(15)] * xr[2 * b + 9]
+                    v *= sc
+                v = _warp_sum(v, red, tid)
+                if lane == 0:
+                    part[c, warp] = v
+            cuda.syncthreads()
+            if tid < COLS:
+                n = nb + uint64(tid)
+                if n < uint64(n_dim):
+                    tot = float32(0.0)
+                    for wi in range(nwarps):
+                        tot += part[tid, wi]
+                    if has_bias:
+                        tot += float32(bias[n])
+                    y[n] = tot
+            cuda.syncthreads()
+            nb += step
+
+    return gemv_m1
 
 
 def _make_generic():
     @cuda.jit
     def generic(a, q8, absmax, code, bias, has_bias, y, m_dim, k_dim, n_dim, bs):
         sm_code = cuda.shared.array(16, dtype=float32)
-        red = cuda.shared.array(32 * WARPS_PER_BLOCK, dtype=float32)
+        red = cuda.shared.array(RED_SIZE, dtype=float32)
         tid = cuda.threadIdx.x
         if tid < 16:
             sm_code[tid] = code[tid]
@@ -141,18 +229,57 @@ def _make_generic():
 
 
 GEMV16 = _make_fast()
+GEMV_M1 = _make_m1()
 GENERIC = _make_generic()
 
 
+MAX_X_SHARED = 160 * 1024   # bytes of transposed x a block may stage (M * K * 4)
+BLOCKS_PER_SM = 4
+
+
+def m1_path(m, k):
+    return m == 1 and k % 16 == 0 and k // 16 <= 1024
+
+
+def m1_block(k):
+    return max(32, ((k // 16 + 31) // 32) * 32)
+
+
+def m1_grid(n, sms=132):
+    return max(1, min(math.ceil(n / COLS), sms * max(1, 2048 // 1024) * 4))
+
+
 def fast_path(m, k):
-    return m <= MAX_M_FAST and k % 16 == 0
+    return m <= MAX_M_FAST and k % 16 == 0 and m * k * 4 <= MAX_X_SHARED
 
 
 def grid(n):
     return math.ceil(n / WARPS_PER_BLOCK)
 
 
-def run_arrays(a, q, absmax, code, k, n, bs, bias=None):
+def fast_grid(n, sms=132):
+    return max(1, min(grid(n), sms * BLOCKS_PER_SM))
+
+
+def plan(m, k, n, bs, sms):
+    """(mode, grid, block, shared bytes) for an M x K x N product."""
+    if m1_path(m, k):
+        return "m1", m1_grid(n, sms), m1_block(k), 0
+    if fast_path(m, k):
+        return "fast", fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4
+    return "generic", grid(n), 32 * WARPS_PER_BLOCK, 0
+
+
+def _args(mode, a, q, absmax, code, bias, has_bias, y, m, k, n, bs, nq):
+    """Launch arguments; arrays as (pointer, shape) pairs."""
+    if mode == "m1":
+        return [a, (q[0], (nq,)), absmax, code, bias, has_bias, y, k, n, bs.bit_length() - 5]
+    if mode == "fast":
+        return [a, (q[0], (nq,)), absmax, code, bias, has_bias, y, m, k, n, bs.bit_length() - 5]
+    return [a, q, absmax, code, bias, has_bias, y, m, k, n, bs]
+
+
+def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None):
     """Runs the CUDA kernel on host arrays (tests): dispatcher under the simulator, Launcher on a GPU."""
     from numba import config
     lead = a.shape[:-1]
@@ -162,34 +289,54 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None):
     if m == 0:
         return y.reshape(*lead, n)
     b = np.ascontiguousarray(bias if bias is not None else np.zeros(1, a.dtype), dtype=a.dtype)
-    fast = fast_path(m, k)
-    qa = q.reshape(-1).view(np.uint64) if fast else q.reshape(-1)
-    last = bs.bit_length() - 5 if fast else bs
-    args = [cuda.to_device(a2), cuda.to_device(qa), cuda.to_device(absmax.reshape(-1).astype(np.float32)),
-            cuda.to_device(code), cuda.to_device(b), int(bias is not None), cuda.to_device(y), m, k, n, last]
-    if config.ENABLE_CUDASIM:
-        (GEMV16 if fast else GENERIC)[grid(n), 32 * WARPS_PER_BLOCK](*args)
+    sim = bool(config.ENABLE_CUDASIM)
+    pmode, g, block, shmem = plan(m, k, n, bs, 2 if sim else _sms())
+    mode = mode or pmode
+    if mode != pmode:
+        g, block, shmem = {"fast": (fast_grid(n, 2 if sim else _sms()), 32 * WARPS_PER_BLOCK, m * k * 4),
+                           "generic": (grid(n), 32 * WARPS_PER_BLOCK, 0)}[mode]
+    words = mode in ("m1", "fast")
+    dev = [cuda.to_device(a2), cuda.to_device(q.reshape(-1).view(np.uint64) if words else q.reshape(-1)),
+           cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(code), cuda.to_device(b),
+           cuda.to_device(y)]
+    if sim:
+        da, dq, dam, dc, db, dy = dev
+        tail = {"m1": [k, n, bs.bit_length() - 5], "fast": [m, k, n, bs.bit_length() - 5],
+                "generic": [m, k, n, bs]}[mode]
+        kern = {"m1": GEMV_M1, "fast": GEMV16, "generic": GENERIC}[mode]
+        kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
-        launcher = _launcher(fast, a.dtype)
-        ptr = lambda d: d.device_ctypes_pointer.value  # noqa: E731
-        launcher.launch(grid(n), 32 * WARPS_PER_BLOCK, 0, *[(ptr(x), x.shape) if hasattr(x, "device_ctypes_pointer")
-                                                              else x for x in args])
+        pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
+        args = _args(mode, pa[0], pa[1], pa[2], pa[3], pa[4], int(bias is not None), pa[5], m, k, n, bs,
+                     k * n // 16)
+        _launcher(mode, a.dtype).launch(g, block, 0, *args, shmem=shmem)
         cuda.synchronize()
-    return args[6].copy_to_host().reshape(*lead, n)
+    return dev[5].copy_to_host().reshape(*lead, n)
 
 
 _launchers = {}
 
 
-def _launcher(fast, dtype):
+def _launcher(mode, dtype):
     from .cuda_launch import Array, Launcher
-    key = (fast, np.dtype(dtype).str)
+    key = (mode, np.dtype(dtype).str)
     if key not in _launchers:
-        qdt = np.uint64 if fast else np.uint8
-        sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32", Array(dtype),
-               "int64", "int64", "int64", "int64"]
-        _launchers[key] = Launcher(GEMV16 if fast else GENERIC, sig)
+        if mode == "m1":
+            sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
+                   Array(dtype), "int64", "int64", "int64"]
+            _launchers[key] = Launcher(GEMV_M1, sig)
+        else:
+            qdt = np.uint64 if mode == "fast" else np.uint8
+            sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32",
+                   Array(dtype), "int64", "int64", "int64", "int64"]
+            _launchers[key] = Launcher(GEMV16 if mode == "fast" else GENERIC, sig,
+                                       dynamic_shared=MAX_X_SHARED if mode == "fast" else 0)
     return _launchers[key]
+
+
+def _sms():
+    from .cuda_launch import current_device, sm_count
+    return sm_count(current_device())
 
 
 class MatMulNF4CudaKernel(Kernel):
@@ -199,8 +346,8 @@ class MatMulNF4CudaKernel(Kernel):
         self.dtype = np.float32 if self.in_types[0] == 1 else np.float16
         self.code = cuda.to_device(code)  # once, at session creation
         self.code_ptr = self.code.device_ctypes_pointer.value
-        self.fast = _launcher(True, self.dtype)
-        self.generic = _launcher(False, self.dtype)
+        self.launchers = {mode: _launcher(mode, self.dtype) for mode in ("m1", "fast", "generic")}
+        self.sms = _sms()
 
     def compute(self, ctx, inputs):
         a, q, absmax = inputs[0], inputs[1], inputs[2]
@@ -210,13 +357,14 @@ class MatMulNF4CudaKernel(Kernel):
         y = ctx.output(0, a.shape[:-1] + (self.n,))
         if m == 0:
             return
-        fast = fast_path(m, self.k)
-        nq = (self.k * self.n) // 16 if fast else q.size
+        mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms)
+        if mode != "generic" and (q.ptr & 7):  # 8-byte words need an aligned buffer (onnxruntime's always are)
+            mode, g, block, shmem = "generic", grid(self.n), 32 * WARPS_PER_BLOCK, 0
         bptr = bias.ptr if bias is not None else y  # never read without has_bias
-        args = [(a.ptr, (m * self.k,)), (q.ptr, (nq,)), (absmax.ptr, (absmax.size,)), (self.code_ptr, (16,)),
-                (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m, self.k, self.n,
-                self.bs.bit_length() - 5 if fast else self.bs]
-        (self.fast if fast else self.generic).launch(grid(self.n), 32 * WARPS_PER_BLOCK, ctx.stream, *args)
+        args = _args(mode, (a.ptr, (m * self.k,)), (q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)),
+                     (self.code_ptr, (16,)), (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m,
+                     self.k, self.n, self.bs, self.k * self.n // 16)
+        self.launchers[mode].launch(g, block, ctx.stream, *args, shmem=shmem)
 
 
 KERNEL = MatMulNF4CudaKernel

@@ -6,7 +6,8 @@ Storage (what the ops take; identical bytes to ``bitsandbytes.functional.quantiz
   * the flat sequence is cut into blocks of ``block_size`` consecutive elements (a power of two in 32..4096);
     the last block may be partial; each block has one float32 ``absmax``;
   * every element is a 4-bit index into a 16-value code (``NF4_CODE`` or ``FP4_CODE``); two indices share a byte,
-    the FIRST element of a pair in the HIGH nibble; an odd element count leaves a zero low nibble in the last byte.
+    the FIRST element of a pair in the HIGH nibble; for an odd element count the low nibble of the last byte holds
+    the index of 0.0 (NF4: 7, FP4: 0), as bitsandbytes pads the scaled values with 0.
   * value = code[index] * absmax[block] (float32 product).
 
 Quantisation, as bitsandbytes does it on the CPU (its portable ``default`` backend; verified bit-for-bit against
@@ -18,10 +19,11 @@ bitsandbytes 0.50.2 by tests/test_nf4_format.py):
   * index = the code entry nearest to the scaled value; the decision boundaries are the float32 midpoints of
     neighbouring code values (sorted), and a value exactly on a midpoint goes to the LOWER code value.
     NaN anywhere in a block makes that block's absmax NaN and every index of the block the largest code value.
-  * FP4 quirk kept for bit-identity: FP4 has both +0 (index 0) and -0 (index 8). In sorted order bitsandbytes puts
-    +0 first, so a scaled value in (-0.0026, 0] gets index 0 (+0) and one in (0, 0.0026] gets index 8 (-0).
-    (bitsandbytes' CUDA/Triton kernels decide FP4 by sign bit + thresholds instead, so they differ from the CPU
-    bytes here only for those tiny values and exact ties; the dequantised values differ only in the sign of 0.)
+  * FP4 quirk kept for bit-identity: FP4 indices 0 and 8 (sign bit set) both decode to +0.0 in bitsandbytes' code
+    table. Its stable sort puts index 0 first, so a scaled value in (-0.0026, 0] gets index 0 and one in
+    (0, 0.0026] gets index 8. (bitsandbytes' CUDA/Triton kernels decide FP4 by sign bit + thresholds instead, so
+    their bytes can differ from these only for such tiny values and exact ties, never in the decoded value by
+    more than the tie.)
 
 Double quantisation (bitsandbytes' ``compress_statistics=True``): offset = mean(absmax); absmax - offset is
 quantised with bitsandbytes' 8-bit blockwise "dynamic" code (256 values, blocks of 256, float32 absmax2);
@@ -50,8 +52,10 @@ NF4_CODE = np.array([
 # FP4 (bitsandbytes' own e2m1 variant): bit 3 is the sign, bits 2..0 select a magnitude; the magnitudes, in units
 # of 1/12, are 000 -> 0, 001 -> 0.0625 (the only subnormal), 010 -> 8, 011 -> 12, 100 -> 4, 101 -> 6, 110 -> 2,
 # 111 -> 3, i.e. the largest exponent is 01, not 11. Divided by 12 (float32) so the code spans [-1, 1].
+# Index 8 ("negative zero") is +0.0, exactly as in bitsandbytes' table (and what its CPU kernel writes).
 _FP4_MAGNITUDES = [0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0]
-FP4_CODE = (np.array(_FP4_MAGNITUDES + [-m for m in _FP4_MAGNITUDES], dtype=np.float32) / np.float32(12.0))
+FP4_CODE = (np.array(_FP4_MAGNITUDES + [0.0] + [-m for m in _FP4_MAGNITUDES[1:]], dtype=np.float32)
+            / np.float32(12.0))
 
 
 def code(quant_type: str) -> np.ndarray:
@@ -67,7 +71,7 @@ def _check_quant_type(quant_type) -> None:
 
 def check_block_size(block_size) -> int:
     if isinstance(block_size, (bool, np.bool_)) or not isinstance(block_size, (int, np.integer)):
-        raise ValueError(f"block_size must be an integer, got {block_size!r}")
+        raise ValueError(f"block_size must be an integer, got {block_size!r}")  # noqa: TRY004 (the API raises ValueError)
     b = int(block_size)
     if b < 32 or b > 4096 or b & (b - 1):
         raise ValueError(f"block_size must be a power of two in 32..4096, got {b}")

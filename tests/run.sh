@@ -9,5 +9,8 @@ VENV=${VENV:-.venv-test}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[cpu,test]"
+# AutoAWQ's packing code is the reference the AWQ format tests compare with; its own dependencies (transformers,
+# accelerate, triton) are not needed for that and are left out.
+"$VENV/bin/python" -m pip install -q --no-deps autoawq==0.2.9
 if [ "${ONNX_LOWBIT_REAL_GPU:-0}" != "1" ]; then export NUMBA_ENABLE_CUDASIM=1; fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

@@ -127,9 +127,14 @@ def test_matmul_cuda_kernel(lead, k, n, bs, qt, dtype, bias):
     rng = np.random.default_rng(2)
     a = rng.standard_normal(lead + (k,)).astype(dtype)
     b = rng.standard_normal(n).astype(dtype)
-    y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None)
     ref = nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)
-    assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype)
+    m = int(np.prod(lead))
+    modes = ["generic"] + (["fast"] if matmulnf4_cuda.fast_path(m, k) else []) + (
+        ["m1"] if matmulnf4_cuda.m1_path(m, k) else [])
+    for mode in modes:  # every kernel that can take this shape
+        y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None,
+                                      mode=mode)
+        assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), mode
 
 
 @pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
