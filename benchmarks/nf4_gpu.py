@@ -94,8 +94,19 @@ def main():
             L1.launch(grid_blocks, mm.m1_block(K), stream, (x.data_ptr(), (K,)), (q.data_ptr(), (K * N // 16,)),
                       (am.data_ptr(), (am.numel(),)), (dcode.data_ptr(), (16,)), (y.data_ptr(), (N,)), 0,
                       (y.data_ptr(), (N,)), K, N, BS.bit_length() - 5)
-    for gb in (sms * 4, sms * 8, sms * 16):
+    for gb in (sms * 4, sms * 8):
         print(f"  variant: register-x M=1 kernel, grid {gb}: {time_cuda(lambda: ours_m1(gb)):.1f} us")
+    from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
+    for cols in (8, 16):
+        kv = Launcher(mm._make_m1(cols), [Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32),
+                                          Array(np.float16), "int32", Array(np.float16), "int64", "int64", "int64"])
+
+        def run_v(kv=kv, cols=cols):
+            for (q, am), y in zip(dev, (y1, y2)):
+                kv.launch(max(1, min((N + cols - 1) // cols, sms * 4)), mm.m1_block(K), stream, (x.data_ptr(), (K,)),
+                          (q.data_ptr(), (K * N // 16,)), (am.data_ptr(), (am.numel(),)), (dcode.data_ptr(), (16,)),
+                          (y.data_ptr(), (N,)), 0, (y.data_ptr(), (N,)), K, N, BS.bit_length() - 5)
+        print(f"  variant: register-x M=1 kernel, COLS={cols}: {time_cuda(run_v):.1f} us")
     t_ours = time_cuda(lambda: ours_m1(mm.m1_grid(N, sms)))
     ref1 = cpu.matmul(x.float().cpu().numpy(), qs[0][0], qs[0][1], code, K, N, BS)
     e1 = np.abs(y1.float().cpu().numpy() - ref1).max() / np.abs(ref1).max()

@@ -45,8 +45,13 @@ def check(rc, what):
 
 
 def current_device() -> int:
+    """The device of the calling thread's current CUDA context (Numba makes the primary context of device 0
+    current first if the thread has none)."""
     d = ctypes.c_int(-1)
-    check(libcuda().cuCtxGetDevice(ctypes.byref(d)), "cuCtxGetDevice")
+    if libcuda().cuCtxGetDevice(ctypes.byref(d)) != 0:
+        from numba import cuda
+        cuda.current_context()
+        check(libcuda().cuCtxGetDevice(ctypes.byref(d)), "cuCtxGetDevice")
     return d.value
 
 

@@ -136,7 +136,7 @@ def _make_fast():
     return gemv16
 
 
-def _make_m1():
+def _make_m1(COLS=COLS):
     @cuda.jit
     def gemv_m1(a, q64, absmax, code, bias, has_bias, y, k_dim, n_dim, bs_shift):
         """M = 1, K % 16 == 0, K / 16 <= 1024: thread t of a block owns word position t of every row and keeps its
@@ -145,7 +145,7 @@ def _make_m1():
         shuffles, then shared memory) and writes y. No x traffic through shared memory in the inner loop."""
         sm_code = cuda.shared.array(16, dtype=float32)
         red = cuda.shared.array(RED_SIZE, dtype=float32)
-        part = cuda.shared.array((COLS, 32), dtype=float32)
+        part = cuda.shared.array((COLS, 32), dtype=float32)  # noqa: F821 - COLS is the factory's constant
         tid = cuda.threadIdx.x
         if tid < 16:
             sm_code[tid] = code[tid]
