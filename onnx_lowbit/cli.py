@@ -36,22 +36,137 @@ def _same_file(a, b) -> bool:
         return False
 
 
-def _pass_options(a) -> dict:
+def _pass_options(a, model=None) -> dict:
     options = {}
     if getattr(a, "fplut_functions", None):
         options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
+    options.update(_weights_options(a, model))
     return options
+
+
+def _weights_options(a, model) -> dict:
+    """Options of the weights4 pass from --weights, --block-size, --group-size, --exclude, --calibration,
+    --target (LowbitError for flags given without --weights, or a bad calibration file)."""
+    fmt = getattr(a, "weights", None)
+    if fmt is None:
+        given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
+                                      ("--exclude", a.exclude), ("--calibration", a.calibration),
+                                      ("--target", a.target)) if v]
+        if given:
+            raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
+        return {}
+    options = {"weights": fmt, "weights_target": a.target or "lowbit"}
+    if a.block_size is not None:
+        options["block_size"] = a.block_size
+    if a.group_size is not None:
+        options["group_size"] = a.group_size
+    if a.exclude:
+        options["weights_exclude"] = list(a.exclude)
+    if a.calibration:
+        if fmt != "awq":
+            raise LowbitError(f"--calibration is only used by --weights awq (not {fmt})")
+        options["calibration"] = load_calibration(a.calibration, model)
+        options["calibration_session"] = _calibration_session
+    return options
+
+
+def _calibration_session(model):
+    """Sessions for the AWQ calibration run (``model``: bytes or a path): our ops registered when earlier passes
+    (fplut) emitted some; stock onnxruntime when the model has none (no shim build needed)."""
+    import onnx
+    import onnxruntime as ort
+    from .domain import DOMAIN
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model, load_external_data=False)
+    if any(n.domain == DOMAIN for n in proto.graph.node):
+        from .api import InferenceSession
+        return InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def load_calibration(path, model=None) -> dict:
+    """The arrays of a calibration .npz, one per graph input of ``model`` (checked: names, ranks, fixed dims)."""
+    import zipfile
+
+    import numpy as np
+    if not os.path.exists(path):
+        raise LowbitError(f"{path}: no such file (--calibration)")
+    if os.path.isdir(path):
+        raise LowbitError(f"{path}: is a directory, not an .npz file (--calibration)")
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise LowbitError(f"{path}: a single .npy array, not an .npz archive of named arrays "
+                              "(--calibration; save with numpy.savez(path, input_name=array))")
+        with z:
+            arrays = {k: z[k] for k in z.files}
+    except LowbitError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise LowbitError(f"{path}: not a readable .npz file (--calibration): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+    if not arrays:
+        raise LowbitError(f"{path}: the .npz holds no arrays (--calibration)")
+    if model is not None:
+        inits = {i.name for i in model.graph.initializer}
+        inputs = {vi.name: vi for vi in model.graph.input if vi.name not in inits}
+        unknown = sorted(set(arrays) - set(inputs))
+        if unknown:
+            raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                              f"name{'' if len(unknown) > 1 else 's'} no model input; inputs: "
+                              f"{', '.join(map(repr, inputs))} (--calibration)")
+        missing = [n for n in inputs if n not in arrays]
+        if missing:
+            raise LowbitError(f"{path}: no array for model input{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(repr, missing))} (--calibration)")
+        for name, vi in inputs.items():
+            v = arrays[name]
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                    for d in vi.type.tensor_type.shape.dim]
+            if vi.type.tensor_type.HasField("shape") and (
+                    len(dims) != v.ndim or any(isinstance(d, int) and d > 0 and d != n for d, n in zip(dims, v.shape))):
+                raise LowbitError(f"{path}: array {name!r} has shape {list(v.shape)}, the model input {dims} "
+                                  "(--calibration)")
+            if not np.issubdtype(v.dtype, np.number) and v.dtype != np.bool_:
+                raise LowbitError(f"{path}: array {name!r} has dtype {v.dtype}, not numeric (--calibration)")
+    return arrays
+
+
+def _selected_passes(a, passes_mod):
+    """--passes (default: all); --weights adds weights4 when --passes leaves it out."""
+    selected = passes_mod.resolve(a.passes)
+    if getattr(a, "weights", None) and "weights4" in passes_mod.PASSES and \
+            not any(p.name == "weights4" for p in selected):
+        selected.append(passes_mod.PASSES["weights4"])
+    return selected
+
+
+def _weights_totals(report) -> dict | None:
+    from onnx_lowbit.passes import weights4
+    t = weights4.totals(report)
+    return t if t["weights"] else None
+
+
+def _weights_summary(report) -> str | None:
+    t = _weights_totals(report)
+    if not t:
+        return None
+    mib = 1024.0 * 1024.0
+    return (f"weights4: {t['weights']} weights, {t['bytes_before'] / mib:.2f} MiB -> {t['bytes_after'] / mib:.2f} "
+            f"MiB ({t['ratio']:.3f}x), relative reconstruction error max {t['max_rel_error']:.4f} "
+            f"mean {t['mean_rel_error']:.4f}")
 
 
 def cmd_rewrite(a) -> int:
     from . import model_io, verify
     from onnx_lowbit import passes as passes_mod
-    selected = passes_mod.resolve(a.passes)  # unknown names fail before any work
+    selected = _selected_passes(a, passes_mod)  # unknown names fail before any work
     if _same_file(a.input, a.output):
         raise LowbitError(f"OUT must differ from IN ({a.output}); the input is never overwritten")
     model = model_io.load(a.input)
     model_io.check_opset(model, a.input)
-    options = _pass_options(a)
+    options = _pass_options(a, model)
     out, report = None, passes_mod.Report()
     current = model
     for p in _progress(selected, "rewriting"):
@@ -60,6 +175,9 @@ def cmd_rewrite(a) -> int:
     out = current
     print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped "
           f"({', '.join(p.name for p in selected)})")
+    summary = _weights_summary(report)
+    if summary:
+        print(summary)
     if a.report:
         print(report.to_table())
     if a.report_json:
@@ -70,6 +188,10 @@ def cmd_rewrite(a) -> int:
         errors, _ = verify.compare(model, out, tolerance=a.tolerance)
         print(verify.format_errors(errors, a.tolerance))
         if not all(e.ok for e in errors):
+            t = _weights_totals(report)
+            if t:
+                print(f"onnx-lowbit: note: 4-bit weights change outputs by about their reconstruction error "
+                      f"(max {t['max_rel_error']:.3f} per weight here); --tolerance sets the limit", file=sys.stderr)
             print(f"onnx-lowbit: verification failed: {a.output} not written", file=sys.stderr)
             return EXIT_VERIFY_FAILED
     model_io.save(out, a.output)
@@ -81,7 +203,7 @@ def cmd_inspect(a) -> int:
     from . import model_io
     from onnx_lowbit import passes as passes_mod
     from .domain import DOMAIN
-    selected = passes_mod.resolve(a.passes)
+    selected = _selected_passes(a, passes_mod)
     model = model_io.load(a.input)
     opset = model_io.check_opset(model, a.input)
     ours = {}
@@ -93,8 +215,11 @@ def cmd_inspect(a) -> int:
     if ours:
         print(f"uses onnx-lowbit ops (domain {DOMAIN} v{versions.get(DOMAIN, '?')}): "
               + ", ".join(f"{k} x{v}" for k, v in sorted(ours.items())))
-    report = passes_mod.inspect(model, passes=[p.name for p in selected], **_pass_options(a))
+    report = passes_mod.inspect(model, passes=[p.name for p in selected], **_pass_options(a, model))
     print(report.to_table() if len(report) else "nothing to rewrite")
+    summary = _weights_summary(report)
+    if summary:
+        print(summary)
     return 0
 
 
@@ -124,6 +249,20 @@ def cmd_lut(a) -> int:
     return 0
 
 
+def _weights_arguments(p) -> None:
+    g = p.add_argument_group("4-bit weights (the weights4 pass; --weights makes it run)")
+    g.add_argument("--weights", choices=["nf4", "fp4", "awq"], help="quantise MatMul/Gemm constant weights")
+    g.add_argument("--block-size", type=int, metavar="N", help="NF4/FP4 absmax block (power of two, default 64)")
+    g.add_argument("--group-size", type=int, metavar="N", help="AWQ group along K (default 128)")
+    g.add_argument("--exclude", action="append", metavar="NAME_OR_REGEX",
+                   help="leave weights whose node or tensor name equals / matches this in float (repeatable)")
+    g.add_argument("--calibration", metavar="FILE.npz",
+                   help="AWQ calibration inputs, one array per model input, named after it")
+    g.add_argument("--target", choices=["lowbit", "ort"],
+                   help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
+                        "MatMulBnb4/MatMulNBits (stock onnxruntime)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="onnx-lowbit", description="Rewrite ONNX models with low-bit and fused onnx-lowbit ops.")
     p.add_argument("--version", action="version", version=f"onnx-lowbit {__version__}")
@@ -139,11 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tolerance", type=float, default=2e-2,
                    help="max |err| / max |reference| per output for --verify (default 0.02)")
     r.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
+    _weights_arguments(r)
     r.set_defaults(fn=cmd_rewrite)
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
     i.add_argument("--passes")
     i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
+    _weights_arguments(i)
     i.set_defaults(fn=cmd_inspect)
     d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
     d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")

@@ -19,8 +19,14 @@ from onnx_lowbit import domain
 
 from .base import Entry, Pass, Report  # noqa: F401 - re-exported
 from .fplut import FPLUTPass
+from .weights4 import WeightsPass
 
-PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass()])
+# weights4 runs after fplut and changes nothing unless its option ``weights`` is given.
+PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass()])
+
+# Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):
+# their opset import is added to the output when one of their ops is used.
+FOREIGN_DOMAINS = {"com.microsoft": 1}
 
 
 def available() -> list:
@@ -98,10 +104,10 @@ def _fill_types(graph: gs.Graph, types: dict) -> list:
     return filled
 
 
-def _emits_our_domain(model: onnx.ModelProto) -> bool:
+def _emits_domain(model: onnx.ModelProto, name: str = domain.DOMAIN) -> bool:
     def walk(graph):
         for n in graph.node:
-            if n.domain == domain.DOMAIN:
+            if n.domain == name:
                 return True
             for a in n.attribute:
                 subs = ([a.g] if a.HasField("g") else []) + list(a.graphs)
@@ -109,6 +115,9 @@ def _emits_our_domain(model: onnx.ModelProto) -> bool:
                     return True
         return False
     return walk(model.graph)
+
+
+_emits_our_domain = _emits_domain
 
 
 def run_passes(model, passes=None, **options):
@@ -149,6 +158,9 @@ def _restore_model_fields(out: onnx.ModelProto, src: onnx.ModelProto) -> None:
     out.opset_import.extend(src.opset_import)
     if _emits_our_domain(out) and not any(o.domain == domain.DOMAIN for o in out.opset_import):
         out.opset_import.append(domain.opset_import())
+    for name, version in FOREIGN_DOMAINS.items():
+        if _emits_domain(out, name) and not any(o.domain == name for o in out.opset_import):
+            out.opset_import.append(onnx.helper.make_opsetid(name, version))
     if src.graph.name:
         out.graph.name = src.graph.name
     if len(src.training_info):

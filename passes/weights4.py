@@ -1,0 +1,857 @@
+"""Pass "weights4": 4-bit weight quantisation of MatMul / Gemm nodes with a constant weight.
+
+Matched (main graph and subgraphs), with W the [K, N] weight of ``Y = A x W``:
+
+    MatMul(A, W)                  W an initializer or a Constant-node output; A of rank >= 2
+    MatMul(A, Transpose(Wt))      Wt a constant stored [N, K] (perm absent or [1, 0])
+    Gemm(A, B, C)                 transA=0; B constant (or Transpose of a constant), transB=0/1; alpha folded into
+                                  W, beta into the bias; C absent or a constant scalar / [N] / [1, N]
+    MatMul(A, W) -> Add(., b)     b a constant [N] (or [1, .., 1, N] of rank <= rank(A)): fused as the bias input
+                                  when the emitted op has one (not MatMulBnb4, which keeps the Add)
+
+Formats (option ``weights``): "nf4" / "fp4" (bitsandbytes blockwise 4-bit codes, onnx_lowbit.nf4) and "awq"
+(AutoAWQ GEMM layout, onnx_lowbit.awq; RTN quantisation, or AWQ's activation-aware scale search when
+``calibration`` is given). Targets (option ``weights_target``): "lowbit" emits our MatMulNF4 / MatMulAWQ (domain
+onnx_lowbit); "ort" emits onnxruntime's own com.microsoft MatMulBnb4 (+ Add for a bias) / MatMulNBits, which stock
+onnxruntime runs without our library (verified on the CPU EP of onnxruntime 1.31).
+
+Options (``block_size``, ``group_size`` and ``calibration`` are shared names, the rest are prefixed):
+    weights               "nf4" | "fp4" | "awq"; None: the pass changes nothing (one report entry says so when
+                          the graph has candidates)
+    block_size            NF4/FP4 absmax block, a power of two in 32..4096 (default 64); target "ort": 32..256
+                          (onnxruntime's MatMulBnb4 kernels take 16..256)
+    group_size            AWQ group along K (default: block_size when that is given, else 128); 1..65536 (K is
+                          zero-padded up to a multiple of it, so any size divides); target "ort": 16, 32, 64, 128
+                          or 256 (MatMulNBits)
+    weights_target        "lowbit" (default) | "ort"
+    weights_min_elements  weights with fewer than K*N elements stay in float (default 4096 = 64x64: smaller
+                          matrices are < 8 KiB in fp16, irrelevant to the model size, and their per-block scales
+                          would be a large overhead)
+    weights_exclude       names or regular expressions (a string or a list): a weight stays in float when a pattern
+                          equals, or ``re.search``-matches, its node name or its weight tensor name (TorchScript
+                          exports: "lm_head" matches "/lm_head/MatMul"; dynamo exports name nodes generically,
+                          e.g. "node_MatMul_11": take the name from the report / ``onnx-lowbit inspect``)
+    calibration           {graph input name: np.ndarray} (AWQ only): run once through the model in onnxruntime
+                          (every candidate's A added as a graph output on a copy) to collect the activations;
+                          at most MAX_CALIBRATION_ROWS rows per MatMul are used (evenly subsampled)
+    calibration_session   optional callable(model bytes, or a path for models past 2 GB) -> session with
+                          ``.run(None, feeds)`` and ``.get_outputs()`` for that run;
+                          needed when the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass),
+                          which stock onnxruntime cannot run; the CLI passes one built on onnx_lowbit's session
+
+AWQ activation scales: ``awq.quantize_awq`` quantises W * s (rows) and returns act_scale = 1 / s, by which A must
+be multiplied. It is folded into the op producing A when A has no other reader and that op is a MatMul / Gemm
+with a constant weight (its output columns and bias times act_scale; also through a following constant bias Add),
+a LayerNormalization / RMSNormalization / com.microsoft (Simplified)LayerNormalization over the last axis (scale
+and bias), or a Mul by a constant [K] vector (a decomposed norm's gamma); otherwise ``Mul(A, act_scale)`` is
+inserted in front of the quantised op. For fp16 models act_scale is first rounded to fp16 and the weight is
+re-quantised with s = 1 / that, so the rewritten op computes exactly (A * act_scale) x dequant(W * s).
+Candidates are processed from the graph's end backwards, so a producer that is itself quantised receives the fold
+before it is quantised. Without ``calibration`` AWQ is round-to-nearest (``awq.quantize_rtn``), no scales.
+
+Bad options raise ValueError naming the option, or the weight for AWQ's N % 8 == 0 requirement (checked before
+any work). A weight a quantiser refuses (NaN/Inf for AWQ) is skipped with the quantiser's message.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnx_lowbit import domain
+
+from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, iter_graphs,
+                   node_label, producer, single_consumer)
+
+FORMATS = ("nf4", "fp4", "awq")
+TARGETS = ("lowbit", "ort")
+MS_DOMAIN = "com.microsoft"
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_GROUP_SIZE = 128
+DEFAULT_MIN_ELEMENTS = 4096
+MAX_GROUP_SIZE = 1 << 16             # the MatMulAWQ kernels' limit
+ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatMulNBits kernels accept (1.31)
+MAX_CALIBRATION_ROWS = 8192          # activation rows per MatMul handed to the AWQ search (evenly subsampled)
+BNB4_QUANT_TYPE = {"fp4": 0, "nf4": 1}  # com.microsoft.MatMulBnb4's quant_type attribute
+_FLOAT = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# options
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class Options:
+    fmt: str
+    target: str = "lowbit"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    group_size: int = DEFAULT_GROUP_SIZE
+    min_elements: int = DEFAULT_MIN_ELEMENTS
+    exclude: list = field(default_factory=list)  # (pattern string, compiled regex)
+    calibration: dict | None = None
+    calibration_session: object = None
+
+
+def _int_option(options: dict, key: str, default: int) -> int:
+    v = options.get(key)
+    if v is None:
+        return default
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        return int(v)
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"{key} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def parse_options(options: dict) -> Options | None:
+    """The pass's options, validated (ValueError naming the option); None when ``weights`` is not given."""
+    fmt = options.get("weights")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
+        raise ValueError(f"weights: unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    o = Options(fmt=fmt.lower())
+    target = options.get("weights_target") or "lowbit"
+    if not isinstance(target, str) or target.lower() not in TARGETS:
+        raise ValueError(f"weights_target: unknown target {target!r}; one of {', '.join(TARGETS)}")
+    o.target = target.lower()
+    o.block_size = _int_option(options, "block_size", DEFAULT_BLOCK_SIZE)
+    if o.fmt in ("nf4", "fp4"):
+        if not (_pow2(o.block_size) and 32 <= o.block_size <= 4096):
+            raise ValueError(f"block_size: {o.block_size} is not a power of two in 32..4096")
+        if o.target == "ort" and o.block_size not in ORT_BLOCK_SIZES:
+            raise ValueError(f"block_size: {o.block_size} is not supported by onnxruntime's MatMulBnb4 "
+                             f"(weights_target='ort'): one of {', '.join(str(b) for b in ORT_BLOCK_SIZES if b >= 32)}")
+    o.group_size = _int_option(options, "group_size", _int_option(options, "block_size", DEFAULT_GROUP_SIZE))
+    if o.fmt == "awq":
+        if not 1 <= o.group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size: {o.group_size} is not in 1..{MAX_GROUP_SIZE} (K is zero-padded up to a "
+                             "multiple of the group size, so any size in that range divides it)")
+        if o.target == "ort" and o.group_size not in ORT_BLOCK_SIZES:
+            raise ValueError(f"group_size: {o.group_size} is not supported by onnxruntime's MatMulNBits "
+                             f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
+    o.min_elements = _int_option(options, "weights_min_elements", DEFAULT_MIN_ELEMENTS)
+    if o.min_elements < 0:
+        raise ValueError(f"weights_min_elements: {o.min_elements} must be >= 0")
+    exclude = options.get("weights_exclude") or []
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    for pat in exclude:
+        if not isinstance(pat, str) or not pat:
+            raise ValueError(f"weights_exclude: {pat!r} is not a name or regular expression")
+        try:
+            rx = re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"weights_exclude: {pat!r} is not a valid regular expression ({e})") from None
+        o.exclude.append((pat, rx))
+    cal = options.get("calibration")
+    if cal is not None:
+        if o.fmt != "awq":
+            raise ValueError(f"calibration: only used by weights='awq' (weights={o.fmt!r})")
+        if not isinstance(cal, dict) or not cal:
+            raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
+        o.calibration = {str(k): np.asarray(v) for k, v in cal.items()}
+    o.calibration_session = options.get("calibration_session")
+    return o
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the formats (imported lazily: the pass registry must import without them)
+# ---------------------------------------------------------------------------------------------------------------
+def _nf4():
+    from onnx_lowbit import nf4  # noqa: PLC0415
+    return nf4
+
+
+def _awq():
+    from onnx_lowbit import awq  # noqa: PLC0415
+    return awq
+
+
+def nbits_layout(qweight, qzeros, scales, K: int, group_size: int, dtype):
+    """AutoAWQ (qweight int32 [Kp, N/8], qzeros int32 [Kp/G, N/8], scales fp16 [Kp/G, N]) -> the inputs of
+    com.microsoft.MatMulNBits (bits=4, block_size=G): B uint8 [N, Kp/G, G/2] (element k of a block in byte k//2,
+    even k in the low nibble), scales [N * Kp/G] in A's dtype, zero_points uint8 [N * ceil((Kp/G)/2)] (block j of
+    row n in byte n*ceil(nb/2) + j//2, even j in the low nibble). Rows past K are ignored by MatMulNBits."""
+    q, z = _awq().unpack(qweight, qzeros)         # uint8 [Kp, N], [nb, N]
+    kp, n = q.shape
+    nb = kp // group_size
+    qt = q.T.reshape(n, nb, group_size)
+    b = (qt[:, :, 0::2] | (qt[:, :, 1::2] << 4)).astype(np.uint8)
+    zt = z.T                                      # [N, nb]
+    zbytes = (nb + 1) // 2
+    zpad = np.zeros((n, 2 * zbytes), np.uint8)
+    zpad[:, :nb] = zt
+    zp = (zpad[:, 0::2] | (zpad[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+    sc = np.asarray(scales).T.astype(dtype).reshape(-1)
+    return np.ascontiguousarray(b), sc, zp
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# matching
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Cand:
+    node: gs.Node
+    spelling: str          # e.g. "MatMul(A, Transpose(W))"
+    a: object              # the activation input
+    out: object            # the tensor the new op writes
+    value: np.ndarray      # the weight as stored (float32 or float16)
+    transpose: bool        # value is [N, K] (a Transpose node, or Gemm transB=1, but not both)
+    alpha: float           # Gemm alpha, folded into the weight
+    stored: object         # the constant tensor holding the weight (initializer / Constant output)
+    weight_name: str
+    w_node: gs.Node | None  # the Transpose / Constant node between the constant and the op, if any
+    bias: np.ndarray | None = None
+    bias_add: gs.Node | None = None   # a MatMul's following Add whose constant is the bias
+    _w: np.ndarray | None = None
+
+    @property
+    def dtype(self):
+        return self.value.dtype.type
+
+    @property
+    def bytes_before(self) -> int:
+        return int(self.value.nbytes)
+
+    @property
+    def size(self) -> int:
+        return int(self.value.size)
+
+    @property
+    def K(self):  # noqa: N802
+        return self.value.shape[1 if self.transpose else 0]
+
+    @property
+    def N(self):  # noqa: N802
+        return self.value.shape[0 if self.transpose else 1]
+
+    @property
+    def w(self) -> np.ndarray:
+        """The effective [K, N] weight in float32 (alpha folded), built on first use."""
+        if self._w is None:
+            w = self.value.T if self.transpose else self.value
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            if self.alpha != 1.0:
+                w = w * np.float32(self.alpha)
+            self._w = w
+        return self._w
+
+
+def _constant_weight(t):
+    """(value as stored, stored tensor, via node, transposed) for a constant or a Transpose of a constant."""
+    v = constant_value(t)
+    if v is not None:
+        return v, t, producer(t), False
+    p = producer(t)
+    if p is not None and p.op == "Transpose" and not p.domain and is_alive(p) and p.inputs:
+        src = p.inputs[0]
+        v = constant_value(src)
+        perm = p.attrs.get("perm")
+        if v is not None and v.ndim == 2 and (perm is None or list(perm) == [1, 0]):
+            return v, src, p, True
+    return None
+
+
+def _source(t) -> str:
+    p = producer(t)
+    if p is None:
+        return "a graph input" if not isinstance(t, gs.Constant) else "a constant"
+    return f"{p.op} {node_label(p)!r}"
+
+
+def _rank(t):
+    shape = getattr(t, "shape", None)
+    return None if shape is None else len(shape)
+
+
+def _bias_vector(v: np.ndarray, n: int, max_rank: int | None):
+    """A bias-shaped constant as a [N] vector: a scalar, [N], or [1, .., 1, N] of rank <= max_rank; else None."""
+    if v.size == 1 and (max_rank is None or v.ndim <= max_rank):
+        return np.full(n, v.reshape(-1)[0], dtype=v.dtype)
+    if v.ndim >= 1 and v.shape[-1] == n and v.size == n and (max_rank is None or v.ndim <= max_rank):
+        return v.reshape(n)
+    return None
+
+
+class _Skip(Exception):
+    pass
+
+
+def _format_call(fn, *args):
+    """A quantiser of onnx_lowbit.nf4 / awq; its ValueError (e.g. NaN/Inf weights) skips the weight."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise _Skip(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} refused the weight: {e}") from None
+
+
+def match(node: gs.Node):
+    """(_Cand, None) for a candidate, (None, (spelling, reason)) for a skipped one, (None, None) for no match."""
+    if node.domain or node.op not in ("MatMul", "Gemm") or not is_alive(node) or len(node.outputs) != 1:
+        return None, None
+    ins = node.inputs
+    if len(ins) < 2:
+        return None, None
+    a, b = ins[0], ins[1]
+    spelling = f"{node.op}(A, W)"
+    try:
+        found = _constant_weight(b)
+        if found is None:
+            raise _Skip(f"weight (input B {b.name!r}) is not a constant: computed by {_source(b)}")
+        value, stored, via, transposed = found
+        if via is not None and via.op == "Transpose":
+            spelling = f"{node.op}(A, Transpose(W))"
+        elif via is not None:
+            spelling = f"{node.op}(A, Constant W)"
+        if value.ndim != 2:
+            raise _Skip(f"weight {stored.name!r} has shape {list(value.shape)}, not 2-D")
+        if value.dtype not in (np.float32, np.float16):
+            raise _Skip(f"weight {stored.name!r} is {value.dtype}, not float32/float16")
+        et = elem_type(a)
+        if et is not None and _FLOAT.get(et) != value.dtype.type:
+            raise _Skip(f"A is {onnx.TensorProto.DataType.Name(et).lower()}, the weight {value.dtype}")
+        transpose, alpha, bias = transposed, 1.0, None
+        n_out = value.shape[0 if transposed else 1]
+        if node.op == "Gemm":
+            at = node.attrs
+            alpha, beta = float(at.get("alpha", 1.0)), float(at.get("beta", 1.0))
+            if int(at.get("transA", 0)):
+                raise _Skip("Gemm with transA=1")
+            if int(at.get("transB", 0)):
+                transpose = not transpose
+                n_out = value.shape[0 if transpose else 1]
+                spelling = f"Gemm(A, {'Transpose(W)' if transposed else 'W'}, transB=1)"
+            if len(ins) > 2 and ins[2].name:
+                c = constant_value(ins[2])
+                if c is None:
+                    raise _Skip(f"Gemm bias C {ins[2].name!r} is not a constant (computed by {_source(ins[2])})")
+                vec = _bias_vector(np.asarray(c), n_out, 2)
+                if vec is None:
+                    raise _Skip(f"Gemm C of shape {list(np.shape(c))} is not a bias (a scalar, [N] or [1, N] "
+                                f"with N={n_out})")
+                bias = (vec.astype(np.float32) * np.float32(beta)).astype(value.dtype) if beta != 1.0 else \
+                    vec.astype(value.dtype)
+                spelling += " + C"
+        else:
+            r = _rank(a)
+            if r is None:
+                raise _Skip("rank of A unknown (shape inference gave none)")
+            if r < 2:
+                raise _Skip(f"A has rank {r}; a rank >= 2 A is needed")
+        cand = _Cand(node=node, spelling=spelling, a=a, out=node.outputs[0], value=value, transpose=transpose,
+                     alpha=alpha, stored=stored, weight_name=stored.name, w_node=via, bias=bias)
+        return cand, None
+    except _Skip as e:
+        return None, (spelling, str(e))
+
+
+def _following_bias(graph: gs.Graph, cand: _Cand):
+    """A MatMul's single following Add with a constant bias [N] (as (Add node, vector)), else None."""
+    y = cand.out
+    add = single_consumer(y)
+    if add is None or add.op != "Add" or add.domain or not is_alive(add) or is_graph_output(graph, y):
+        return None
+    other = [t for t in add.inputs if t is not y]
+    if len(other) != 1 or len(add.outputs) != 1:
+        return None
+    v = constant_value(other[0])
+    if v is None or v.dtype.type is not cand.dtype:
+        return None
+    r = _rank(cand.a)
+    vec = _bias_vector(np.asarray(v), cand.N, r)
+    return None if vec is None else (add, vec)
+
+
+def _excluded(cand: _Cand, patterns) -> str | None:
+    names = [n for n in (cand.node.name, cand.weight_name) if n]
+    for pat, rx in patterns:
+        for n in names:
+            if n == pat or rx.search(n):
+                return f"excluded by weights_exclude {pat!r} (matches {n!r})"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pass
+# ---------------------------------------------------------------------------------------------------------------
+def _rel_fro(w: np.ndarray, w_hat: np.ndarray) -> float:
+    w = np.asarray(w, np.float64)
+    d = np.linalg.norm(w - np.asarray(w_hat, np.float64))
+    n = np.linalg.norm(w)
+    return float(d / n) if n > 0 else float(d)
+
+
+def totals(report: Report) -> dict:
+    """Totals over the weights4 rewrites of ``report``: weights, bytes before/after, their ratio and the
+    worst / mean relative reconstruction error (also stored in the last rewrite's details as ``totals``)."""
+    entries = [e for e in report.rewritten(WeightsPass.name) if "bytes_before" in e.details]
+    before = sum(e.details["bytes_before"] for e in entries)
+    after = sum(e.details["bytes_after"] + e.details.get("float_kept_bytes", 0) for e in entries)
+    errs = [e.details["rel_error"] for e in entries]
+    return {"weights": len(entries), "bytes_before": before, "bytes_after": after,
+            "ratio": (after / before) if before else None,
+            "max_rel_error": max(errs) if errs else None,
+            "mean_rel_error": float(np.mean(errs)) if errs else None,
+            "skipped": len(report.skipped(WeightsPass.name))}
+
+
+class WeightsPass(Pass):
+    name = "weights4"
+    description = ("MatMul/Gemm constant weights -> 4-bit NF4/FP4/AWQ (MatMulNF4/MatMulAWQ, or onnxruntime's "
+                   "MatMulBnb4/MatMulNBits); only with the option weights=nf4|fp4|awq")
+
+    def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
+        opts = parse_options(options)
+        if opts is None:
+            least = _int_option(options, "weights_min_elements", DEFAULT_MIN_ELEMENTS)
+            cands = [node_label(c.node) for g in iter_graphs(graph) for c in
+                     (match(n)[0] for n in g.nodes) if c is not None and c.size >= least]
+            if cands:
+                self.skipped(report, "weights4: no format", cands[:8] + (["..."] if len(cands) > 8 else []),
+                             f"option weights (nf4, fp4 or awq) not given: {len(cands)} constant-weight "
+                             "MatMul/Gemm left in float", format=None)
+            return
+        _Run(self, graph, report, opts).run()
+
+
+class _Run:
+    def __init__(self, owner: WeightsPass, graph: gs.Graph, report: Report, opts: Options):
+        self.owner, self.root, self.report, self.o = owner, graph, report, opts
+        self.names = Names(graph)
+        self.entries: list = []       # (action, pattern, nodes, reason, details) buffered per graph
+        self.shared: dict = {}        # (id(stored), transpose, alpha) -> (Q, absmax, rel_error, first node)
+        self.kept_checks: list = []   # (index in entries, _Cand) of rewrites whose float weight may stay
+        self.activations: dict = {}   # tensor name -> [rows, K] float32 calibration activations
+
+    # -- report --------------------------------------------------------------------------------------------
+    def skip(self, pattern, nodes, reason, **details):
+        self.entries.append(("skipped", pattern, nodes, reason, details))
+
+    def done(self, pattern, nodes, reason, **details):
+        self.entries.append(("rewritten", pattern, nodes, reason, details))
+
+    def flush(self):
+        for i, cand in self.kept_checks:  # after every rewrite of the graph: float weights other ops still read
+            users = {node_label(c) for c in cand.stored.outputs if is_alive(c) and c is not cand.w_node}
+            if cand.w_node is not None and cand.w_node.op == "Transpose" and is_alive(cand.w_node):
+                users |= {node_label(c) for t in cand.w_node.outputs for c in t.outputs if is_alive(c)}
+            details = self.entries[i][4]
+            if users and details.get("bytes_before"):
+                note = f"float weight {cand.weight_name!r} kept: also read by {', '.join(sorted(users))}"
+                reason = self.entries[i][3]
+                self.entries[i] = self.entries[i][:3] + ("; ".join(r for r in (reason, note) if r), details)
+                details["float_kept_bytes"] = details["bytes_before"]
+        self.kept_checks = []
+        for action, pattern, nodes, reason, details in reversed(self.entries):
+            if action == "rewritten":
+                self.owner.rewritten(self.report, pattern, nodes, reason, **details)
+            else:
+                self.owner.skipped(self.report, pattern, nodes, reason, **details)
+        self.entries = []
+
+    # -- main ----------------------------------------------------------------------------------------------
+    def wanted(self, node):
+        """The candidate ``node`` is, when the options let it be quantised; else None."""
+        cand, _ = match(node)
+        if cand is None or cand.size < self.o.min_elements or _excluded(cand, self.o.exclude):
+            return None
+        return cand
+
+    def precheck(self):
+        """Errors that concern one weight are raised before any work (AWQ needs N % 8 == 0)."""
+        if self.o.fmt != "awq":
+            return
+        for g in iter_graphs(self.root):
+            for node in g.nodes:
+                cand = self.wanted(node)
+                if cand is not None and cand.N % 8:
+                    raise ValueError(
+                        f"weights='awq': weight {cand.weight_name!r} of node {node_label(node)!r} has N={cand.N} "
+                        "output features, not a multiple of 8 (AutoAWQ packs 8 columns per int32); exclude it "
+                        "with weights_exclude or use weights='nf4'")
+
+    def run(self):
+        self.precheck()
+        if self.o.fmt == "awq" and self.o.calibration is not None:
+            self.calibrate()
+        for g in list(iter_graphs(self.root)):
+            g.toposort()
+            for node in reversed(list(g.nodes)):  # from the end: AWQ folds reach producers before they quantise
+                self.one(g, node)
+            self.flush()
+        done = self.report.rewritten(self.owner.name)
+        if done:
+            done[-1].details["totals"] = totals(self.report)
+
+    def pattern(self, spelling: str) -> str:
+        return f"{self.o.fmt}: {spelling}"
+
+    def one(self, g: gs.Graph, node: gs.Node):
+        cand, skip = match(node)
+        label = [node_label(node)]
+        if skip is not None:
+            self.skip(self.pattern(skip[0]), label, skip[1], format=self.o.fmt)
+            return
+        if cand is None:
+            return
+        details = dict(format=self.o.fmt, weight=cand.weight_name, K=int(cand.K), N=int(cand.N))
+        if cand.size < self.o.min_elements:
+            self.skip(self.pattern(cand.spelling), label, f"K*N = {cand.size} < weights_min_elements "
+                      f"{self.o.min_elements}", **details)
+            return
+        why = _excluded(cand, self.o.exclude)
+        if why:
+            self.skip(self.pattern(cand.spelling), label, why, **details)
+            return
+        with_bias_input = not (self.o.target == "ort" and self.o.fmt in ("nf4", "fp4"))
+        if node.op == "MatMul" and with_bias_input:
+            found = _following_bias(g, cand)
+            if found is not None:
+                cand.bias_add, cand.bias = found
+                cand.out = cand.bias_add.outputs[0]
+                cand.spelling += " -> Add(bias)"
+        notes = []
+        try:
+            new, info = (self.emit_awq if self.o.fmt == "awq" else self.emit_nf4)(g, cand, notes)
+        except _Skip as e:  # the format refused the weight (e.g. NaN/Inf for AWQ); nothing was changed yet
+            self.skip(self.pattern(cand.spelling), label, str(e), **details)
+            return
+        details.update(info)
+        nodes = label + ([node_label(cand.bias_add)] if cand.bias_add is not None else [])
+        self.kept_checks.append((len(self.entries), cand))
+        # detach what was replaced
+        node.inputs.clear()
+        node.outputs.clear()
+        if cand.bias_add is not None:
+            cand.bias_add.inputs.clear()
+            cand.bias_add.outputs.clear()
+        self.done(self.pattern(cand.spelling), nodes, "; ".join(notes), **details)
+
+    # -- NF4 / FP4 -----------------------------------------------------------------------------------------
+    def emit_nf4(self, g: gs.Graph, cand: _Cand, notes: list):
+        nf4, o = _nf4(), self.o
+        w32 = cand.w
+        key = (id(cand.stored), cand.transpose, cand.alpha)
+        shared = self.shared.get(key)
+        bytes_before = cand.bytes_before
+        if shared is not None:
+            q_t, absmax_t, rel, first = shared  # the same weight read by several ops: one quantised copy
+            notes.append(f"shares the quantised weight of {first!r}")
+            bytes_after = bytes_before = 0  # counted once, on the first op
+        else:
+            packed, absmax = _format_call(nf4.quantize, w32, o.fmt, o.block_size)
+            packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+            absmax = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
+            w_hat = nf4.dequantize(packed, absmax, o.fmt, o.block_size, cand.K, cand.N)
+            rel = _rel_fro(w32, w_hat)
+            if o.target == "ort":
+                absmax = absmax.astype(cand.dtype)  # MatMulBnb4: absmax has A's type
+            q_t = gs.Constant(self.names(f"{cand.weight_name}_{o.fmt}"), packed)
+            absmax_t = gs.Constant(self.names(f"{cand.weight_name}_absmax"), absmax)
+            bytes_after = int(packed.nbytes + absmax.nbytes)
+            self.shared[key] = (q_t, absmax_t, rel, node_label(cand.node))
+        base_name = cand.node.name or cand.out.name
+        attrs = dict(K=int(cand.K), N=int(cand.N), block_size=int(o.block_size))
+        if o.target == "lowbit":
+            inputs = [cand.a, q_t, absmax_t]
+            if cand.bias is not None:
+                inputs.append(gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype)))
+            new = gs.Node(op="MatMulNF4", domain=domain.DOMAIN, name=self.names(f"{base_name}_{o.fmt}"),
+                          attrs=dict(quant_type=o.fmt, **attrs), inputs=inputs, outputs=[cand.out])
+            g.nodes.append(new)
+            nodes = [new]
+        else:
+            attrs["quant_type"] = BNB4_QUANT_TYPE[o.fmt]
+            y = cand.out
+            if cand.bias is not None:
+                y = gs.Variable(self.names(f"{cand.out.name}_nobias"), dtype=cand.dtype, shape=cand.out.shape)
+            new = gs.Node(op="MatMulBnb4", domain=MS_DOMAIN, name=self.names(f"{base_name}_bnb4"),
+                          attrs=attrs, inputs=[cand.a, q_t, absmax_t], outputs=[y])
+            g.nodes.append(new)
+            nodes = [new]
+            if cand.bias is not None:
+                b = gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype))
+                add = gs.Node(op="Add", name=self.names(f"{base_name}_bias_add"), inputs=[y, b], outputs=[cand.out])
+                g.nodes.append(add)
+                nodes.append(add)
+        info = dict(target=o.target, op=new.op, new_node=new.name, block_size=o.block_size,
+                    bytes_before=bytes_before, bytes_after=bytes_after, rel_error=rel,
+                    bias=cand.bias is not None, new_nodes=[n.name for n in nodes])
+        return new, info
+
+    # -- AWQ -----------------------------------------------------------------------------------------------
+    def emit_awq(self, g: gs.Graph, cand: _Cand, notes: list):
+        awq, o = _awq(), self.o
+        w32 = cand.w
+        x = self.activations.get(cand.a.name) if g is self.root else None
+        act = None  # AWQ's act_scale = 1 / s [K]: the activation is multiplied by it, the weight rows by s
+        if x is not None:
+            qweight, qzeros, scales, act = _format_call(awq.quantize_awq, w32, x, o.group_size)
+            act = np.asarray(act, np.float32).reshape(-1)
+            with np.errstate(over="ignore", divide="ignore"):
+                act_model = act.astype(cand.dtype)
+                ok = (act.size == cand.K and np.all(np.isfinite(act)) and np.all(act > 0) and
+                      np.all(np.isfinite(act_model)) and np.all(act_model > 0))
+            if not ok:
+                notes.append("AWQ search gave unusable activation scales (non-finite, <= 0 or outside the model's "
+                             "float range): RTN instead")
+                act = None
+            elif cand.dtype is not np.float32 and not np.array_equal(act_model.astype(np.float32), act):
+                # the model applies act rounded to its float type: quantise W * (1 / that) so the pair is exact
+                act = act_model.astype(np.float32)
+                qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32 * (np.float32(1.0) / act)[:, None],
+                                                       o.group_size)
+        elif o.calibration is not None:
+            notes.append("no calibration activations for A (inside a subgraph or not reached): RTN")
+        if act is None:
+            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32, o.group_size)
+        qweight = np.ascontiguousarray(qweight, dtype=np.int32)
+        qzeros = np.ascontiguousarray(qzeros, dtype=np.int32)
+        scales = np.ascontiguousarray(scales, dtype=np.float16)
+        w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N), np.float64)
+        a_in = cand.a
+        if act is not None:
+            w_hat = w_hat * act.astype(np.float64)[:, None]  # the effective weight: act_scale * dequantised
+            a_in, how = self.apply_act_scale(g, cand, act)
+            notes.append(how)
+        rel = _rel_fro(w32, w_hat)
+        base = cand.weight_name
+        base_name = cand.node.name or cand.out.name
+        attrs = dict(K=int(cand.K), N=int(cand.N))
+        bias_t = (gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype))
+                  if cand.bias is not None else None)
+        if o.target == "lowbit":
+            consts = [gs.Constant(self.names(f"{base}_qweight"), qweight),
+                      gs.Constant(self.names(f"{base}_qzeros"), qzeros),
+                      gs.Constant(self.names(f"{base}_scales"), scales)]
+            inputs = [a_in] + consts + ([bias_t] if bias_t is not None else [])
+            new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=self.names(f"{base_name}_awq"),
+                          attrs=dict(group_size=int(o.group_size), **attrs), inputs=inputs, outputs=[cand.out])
+        else:
+            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, o.group_size, cand.dtype)
+            consts = [gs.Constant(self.names(f"{base}_nbits"), b), gs.Constant(self.names(f"{base}_scales"), sc),
+                      gs.Constant(self.names(f"{base}_zero_points"), zp)]
+            inputs = [a_in] + consts
+            if bias_t is not None:
+                inputs += [gs.Variable.empty(), bias_t]  # g_idx absent, bias (input 5)
+            new = gs.Node(op="MatMulNBits", domain=MS_DOMAIN, name=self.names(f"{base_name}_nbits"),
+                          attrs=dict(bits=4, block_size=int(o.group_size), **attrs), inputs=inputs,
+                          outputs=[cand.out])
+        g.nodes.append(new)
+        bytes_after = int(sum(c.values.nbytes for c in consts))
+        info = dict(target=o.target, op=new.op, new_node=new.name, group_size=o.group_size,
+                    bytes_before=cand.bytes_before, bytes_after=bytes_after, rel_error=rel,
+                    bias=cand.bias is not None, calibrated=act is not None, new_nodes=[new.name])
+        return new, info
+
+    # -- AWQ calibration -----------------------------------------------------------------------------------
+    def calibrate(self):
+        """Runs the graph once on the calibration inputs; keeps every candidate's A as [rows, K] float32."""
+        g = self.root
+        wanted = []
+        for node in g.nodes:
+            cand = self.wanted(node)
+            if cand is not None and cand.a.name not in wanted:
+                wanted.append(cand.a.name)
+        if not wanted:
+            return
+        feeds = _check_feeds(g, self.o.calibration)
+        copy = g.copy()
+        copy.cleanup(remove_unused_graph_inputs=False).toposort()
+        have = {t.name for t in copy.outputs}
+        tensors = copy.tensors()
+        extra = [n for n in wanted if n not in have and n not in feeds and isinstance(tensors.get(n), gs.Variable)]
+        model = gs.export_onnx(copy, do_type_check=False)
+        del model.graph.value_info[:]
+        for n in extra:
+            model.graph.output.append(onnx.ValueInfoProto(name=n))
+        used = _used_domains(model.graph)
+        present = {o.domain for o in model.opset_import}
+        if domain.DOMAIN in used and domain.DOMAIN not in present:
+            model.opset_import.append(domain.opset_import())
+        if MS_DOMAIN in used and MS_DOMAIN not in present:
+            model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
+        model.ir_version = max(7, onnx.helper.find_min_ir_version_for(list(model.opset_import), True))
+        factory = self.o.calibration_session
+        if domain.DOMAIN in used and factory is None:
+            raise ValueError("calibration: the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass), "
+                             "which stock onnxruntime cannot run; pass calibration_session=onnx_lowbit."
+                             "InferenceSession or run weights4 before fplut")
+        try:
+            got = _run_calibration(model, factory, feeds)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - onnxruntime's errors, as one clear ValueError
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"calibration: running the model failed: {type(e).__name__}: {msg[:300]}") from None
+        for n in wanted:
+            v = feeds.get(n) if n in feeds else got.get(n)
+            if v is None and isinstance(tensors.get(n), gs.Constant):
+                v = np.asarray(tensors[n].values)
+            if v is None or np.ndim(v) < 1:
+                continue
+            x = np.asarray(v, np.float32).reshape(-1, np.shape(v)[-1])
+            if x.shape[0] > MAX_CALIBRATION_ROWS:
+                x = x[np.linspace(0, x.shape[0] - 1, MAX_CALIBRATION_ROWS).astype(np.int64)]
+            self.activations[n] = x
+
+    def apply_act_scale(self, g: gs.Graph, cand: _Cand, act: np.ndarray):
+        """Makes cand's A become A * act (per input channel): folded into A's producer when possible, else a
+        Mul in front. Returns (the tensor to feed the quantised op, a note for the report)."""
+        a = cand.a
+        p = producer(a)
+        if p is not None and single_consumer(a) is cand.node and not is_graph_output(g, a):
+            found = _fold_plan(p, g, act.astype(np.float64), cand.K)
+            if found is not None:
+                _apply_plan(found[0], self.names)
+                return a, f"AWQ activation scale folded into {found[1]}"
+        label = cand.node.name or a.name
+        c = gs.Constant(self.names(f"{label}_awq_act_scale"), act.astype(cand.dtype))
+        scaled = gs.Variable(self.names(f"{a.name}_awq_scaled"), dtype=cand.dtype, shape=a.shape)
+        mul = gs.Node(op="Mul", name=self.names(f"{label}_awq_scale"), inputs=[a, c], outputs=[scaled])
+        g.nodes.append(mul)
+        return scaled, f"AWQ activation scale applied by Mul {mul.name!r} in front"
+
+
+_NORM_OPS = {("", "LayerNormalization"): (1, 2), ("", "RMSNormalization"): (1, None),
+             (MS_DOMAIN, "SimplifiedLayerNormalization"): (1, None), (MS_DOMAIN, "LayerNormalization"): (1, 2)}
+
+
+def _channel_scaled(v: np.ndarray, inv: np.ndarray, axis: int) -> np.ndarray:
+    """``v`` with its channels along ``axis`` (-1: the last) multiplied by ``inv``, in v's dtype."""
+    shape = [1] * v.ndim
+    shape[axis] = -1
+    return np.ascontiguousarray((v.astype(np.float64) * inv.reshape(shape)).astype(v.dtype))
+
+
+def _fold_plan(p: gs.Node, g: gs.Graph, inv: np.ndarray, k: int, depth: int = 0):
+    """How to multiply the K output channels of A's producer ``p`` by ``inv``, by rewriting its constants:
+    ([(node, input index, new value)], description), or None when ``p`` is not foldable."""
+    dom = p.domain or ""
+    if not is_alive(p) or any(t.outputs or is_graph_output(g, t) for t in p.outputs[1:]):
+        return None
+    if dom == "" and p.op == "MatMul" and len(p.inputs) == 2:
+        w = constant_value(p.inputs[1])
+        if w is None or w.ndim != 2 or w.shape[1] != k:
+            return None
+        return [(p, 1, _channel_scaled(w, inv, -1))], f"the weight of MatMul {node_label(p)!r}"
+    if dom == "" and p.op == "Gemm" and len(p.inputs) >= 2 and not int(p.attrs.get("transA", 0)):
+        w = constant_value(p.inputs[1])
+        trans_b = int(p.attrs.get("transB", 0))
+        if w is None or w.ndim != 2 or (w.shape[0] if trans_b else w.shape[1]) != k:
+            return None
+        plan = [(p, 1, _channel_scaled(w, inv, 0 if trans_b else -1))]
+        if len(p.inputs) > 2 and p.inputs[2].name:
+            c = constant_value(p.inputs[2])
+            if c is None or c.ndim > 2 or not (c.size == 1 or c.shape[-1] == k):
+                return None
+            c = np.broadcast_to(c, c.shape[:-1] + (k,)) if c.ndim else np.full(k, c, dtype=c.dtype)
+            plan.append((p, 2, _channel_scaled(c, inv, -1)))
+        return plan, f"the weight{' and bias' if len(plan) > 1 else ''} of Gemm {node_label(p)!r}"
+    if (dom, p.op) in _NORM_OPS:
+        if int(p.attrs.get("axis", -1)) != -1:
+            return None
+        plan = []
+        for i in _NORM_OPS[(dom, p.op)]:
+            if i is None or len(p.inputs) <= i or not p.inputs[i].name:
+                continue
+            v = constant_value(p.inputs[i])
+            if v is None or v.size != k or v.shape[-1] != k:
+                return None
+            plan.append((p, i, _channel_scaled(v, inv, -1)))
+        if not plan:
+            return None
+        return plan, f"the scale{' and bias' if len(plan) > 1 else ''} of {p.op} {node_label(p)!r}"
+    if dom == "" and p.op in ("Mul", "Add") and len(p.inputs) == 2:
+        for i in (0, 1):
+            v, other = constant_value(p.inputs[i]), p.inputs[1 - i]
+            r = _rank(other)
+            if v is None or constant_value(other) is not None or v.size != k or v.shape[-1] != k or \
+                    r is None or v.ndim > r:
+                continue
+            if p.op == "Mul":  # a per-channel scale (e.g. a decomposed norm's gamma)
+                return [(p, i, _channel_scaled(v, inv, -1))], f"the constant of Mul {node_label(p)!r}"
+            # Add(bias): also scale what is added to, when its producer folds (MatMul/Gemm/Mul before a bias)
+            q = producer(other)
+            if depth or q is None or single_consumer(other) is not p or is_graph_output(g, other):
+                return None
+            inner = _fold_plan(q, g, inv, k, depth + 1)
+            if inner is None:
+                return None
+            return inner[0] + [(p, i, _channel_scaled(v, inv, -1))], f"{inner[1]} and the bias of Add {node_label(p)!r}"
+    return None
+
+
+def _apply_plan(plan, names: Names) -> None:
+    for node, i, value in plan:
+        node.inputs[i] = gs.Constant(names(f"{node.inputs[i].name}_awq"), value)
+
+
+def _run_calibration(model: onnx.ModelProto, factory, feeds: dict) -> dict:
+    """{output name: array} of one run of ``model`` (``factory(model bytes or path)``, default stock onnxruntime
+    on the CPU). Models past protobuf's 2 GB limit go through a temporary file with external data."""
+    import tempfile
+
+    import onnxruntime as ort  # noqa: PLC0415
+
+    def session(src):
+        if factory is not None:
+            return factory(src)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+
+    if model.ByteSize() < 2 ** 31 - 1 - (1 << 20):
+        sess = session(model.SerializeToString())
+        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    with tempfile.TemporaryDirectory(prefix="weights4-calibration-") as d:
+        path = f"{d}/model.onnx"
+        onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
+        sess = session(path)
+        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def _used_domains(graph: onnx.GraphProto) -> set:
+    out = set()
+    for n in graph.node:
+        out.add(n.domain or "")
+        for a in n.attribute:
+            for s in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                out |= _used_domains(s)
+    return out
+
+
+def _check_feeds(g: gs.Graph, calibration: dict) -> dict:
+    """The calibration arrays checked against the graph inputs (names, ranks, fixed dims), cast to their types."""
+    inputs = {t.name: t for t in g.inputs}
+    unknown = sorted(set(calibration) - set(inputs))
+    missing = [n for n in inputs if n not in calibration]
+    if unknown:
+        raise ValueError(f"calibration: no graph input named {', '.join(map(repr, unknown))}; inputs: "
+                         f"{', '.join(map(repr, inputs))}")
+    if missing:
+        raise ValueError(f"calibration: no array for graph input {', '.join(map(repr, missing))}")
+    feeds = {}
+    for name, t in inputs.items():
+        v = np.asarray(calibration[name])
+        shape = t.shape
+        if shape is not None:
+            bad = len(shape) != v.ndim or any(isinstance(d, (int, np.integer)) and d > 0 and d != s
+                                              for d, s in zip(shape, v.shape))
+            if bad:
+                raise ValueError(f"calibration: array {name!r} has shape {list(v.shape)}, the graph input "
+                                 f"{[d if isinstance(d, (int, np.integer)) else str(d) for d in shape]}")
+        if t.dtype is not None:
+            try:
+                v = v.astype(np.dtype(t.dtype), copy=False)
+            except TypeError:
+                pass
+        feeds[name] = v
+    return feeds
