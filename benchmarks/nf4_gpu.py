@@ -150,7 +150,8 @@ def ort_anchor(qs, code):
         return
     inits, nodes = [], []
     for i, (q, am) in enumerate(qs):
-        inits += [numpy_helper.from_array(q, f"q{i}"), numpy_helper.from_array(am, f"a{i}")]
+        # onnxruntime's MatMulBnb4 wants absmax in A's type (fp16 here); our op keeps fp32
+        inits += [numpy_helper.from_array(q, f"q{i}"), numpy_helper.from_array(am.astype(np.float16), f"a{i}")]
         nodes.append(helper.make_node("MatMulBnb4", ["x", f"q{i}", f"a{i}"], [f"y{i}"], domain="com.microsoft",
                                       K=K, N=N, block_size=BS, quant_type=1))
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, K])],
