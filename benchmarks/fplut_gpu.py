@@ -13,6 +13,7 @@ import statistics
 import time
 
 import numpy as np
+from timing import time_cuda
 
 from onnx_lowbit import fplut, halfbits
 
@@ -45,25 +46,6 @@ def check_correctness(table):
     if not np.array_equal(y.view(np.uint16), fplut.apply(allx, cuts, vals).view(np.uint16)):
         bad.append(("fp16-exhaustive", 65536))
     return bad
-
-
-def time_cuda(fn, iters=30, warmup=5, batch=20):
-    """Median device time per call in us: CUDA events around ``batch`` back-to-back calls, so host-side launch
-    cost overlaps the previous kernel as in a real pipeline (it would otherwise be counted as GPU time)."""
-    import torch
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(batch):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / batch)
-    return statistics.median(ts)
 
 
 def throughput(table, n=64 << 20, variants=False):

@@ -10,6 +10,7 @@ import statistics
 import time
 
 import numpy as np
+from timing import time_cuda
 import torch
 
 from onnx_lowbit.custom_ops import dequantnf4_cuda as dq
@@ -18,22 +19,6 @@ from onnx_lowbit.custom_ops import matmulnf4_cuda as mm
 from onnx_lowbit.custom_ops import nf4_common
 
 K, N, BS = 4096, 11008, 64
-
-
-def time_cuda(fn, iters=30, batch=20):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(batch):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / batch)
-    return statistics.median(ts)
 
 
 def weights(rng, k=K, n=N, bs=BS):

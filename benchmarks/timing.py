@@ -1,0 +1,52 @@
+"""Timing helpers shared by the GPU benchmarks (torch CUDA events; medians in microseconds)."""
+from __future__ import annotations
+
+import statistics
+
+BATCH = 20
+
+
+def time_cuda(fn, iters=30, warmup=5, batch=BATCH):
+    """Median device time per call in us: CUDA events around ``batch`` back-to-back calls, so host-side launch
+    cost overlaps the previous kernel as in a real pipeline (it would otherwise be counted as GPU time)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(batch):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / batch)
+    return statistics.median(ts)
+
+
+def time_graph(fn, iters=30, batch=BATCH):
+    """Median time per call in us of ``batch`` calls captured into one CUDA graph and replayed."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(batch):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / batch)
+    return statistics.median(ts)
