@@ -78,7 +78,6 @@ def col_of(j):
 
 
 def _make(ct=CT, warps=WARPS, unroll=UNROLL):
-    block = ct * warps
 
     @cuda.jit
     def dequant(qw, qz, sc, out, k_dim, n_dim, g_size, rows):

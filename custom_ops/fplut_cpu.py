@@ -47,16 +47,6 @@ KERNELS = {
 }
 
 
-def run(x: np.ndarray, table: np.ndarray, *, bf16: bool = False) -> np.ndarray:
-    """FPLUT of ``x`` (fp32/fp16, or bf16 bits as uint16 with bf16=True) through an expanded table."""
-    key = "bf16" if bf16 else x.dtype
-    serial, parallel, bits = KERNELS[key]
-    flat = np.ascontiguousarray(x).reshape(-1).view(bits)
-    out = np.empty_like(flat)
-    (parallel if flat.size >= PARALLEL_MIN else serial)(flat, table, out)
-    return out.view(x.dtype).reshape(x.shape)
-
-
 class FPLUTKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
