@@ -39,6 +39,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import matmul_ref
+
 BITS = 4
 PACK = 32 // BITS  # values per int32
 MAX_Q = 2 ** BITS - 1
@@ -142,20 +144,7 @@ def dequantize(qweight, qzeros, scales, group_size: int, K: int, N: int) -> np.n
 def matmul(a: np.ndarray, qweight, qzeros, scales, group_size: int, K: int, N: int, bias=None) -> np.ndarray:
     """MatMulAWQ reference: Y[..., N] = A[..., K] @ W (+ bias); W as ``dequantize`` gives it (fp16 values), sums in
     float64, one rounding to A's dtype (float32 or float16)."""
-    a = np.asarray(a)
-    if a.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
-        raise ValueError(f"A must be float32 or float16, got {a.dtype}")
-    if a.ndim < 1 or a.shape[-1] != int(K):
-        raise ValueError(f"A's last dimension must be K={K}, got shape {a.shape}")
-    w = dequantize(qweight, qzeros, scales, group_size, K, N).astype(np.float64)
-    y = a.astype(np.float64) @ w
-    if bias is not None:
-        b = np.asarray(bias)
-        if b.shape != (int(N),):
-            raise ValueError(f"bias must have shape ({N},), got {b.shape}")
-        y = y + b.astype(np.float64)
-    with np.errstate(over="ignore"):
-        return y.astype(a.dtype)
+    return matmul_ref.matmul(a, K, N, bias, lambda: dequantize(qweight, qzeros, scales, group_size, K, N))
 
 
 # ---------------------------------------------------------------------------------------------------------------

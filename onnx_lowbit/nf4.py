@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import matmul_ref
+
 QUANT_TYPES = ("nf4", "fp4")
 BLOCK_SIZES = tuple(1 << p for p in range(5, 13))  # 32 .. 4096
 DOUBLE_QUANT_BLOCK = 256
@@ -227,20 +229,7 @@ def dequantize(packed, absmax, quant_type: str, block_size: int, K: int, N: int,
 def matmul(a: np.ndarray, packed, absmax, quant_type: str, block_size: int, K: int, N: int, bias=None) -> np.ndarray:
     """MatMulNF4 reference: Y[..., N] = A[..., K] @ W (+ bias), W dequantised to float32, products and sums in
     float64, one rounding to A's dtype (float32 or float16)."""
-    a = np.asarray(a)
-    if a.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
-        raise ValueError(f"A must be float32 or float16, got {a.dtype}")
-    if a.ndim < 1 or a.shape[-1] != int(K):
-        raise ValueError(f"A's last dimension must be K={K}, got shape {a.shape}")
-    w = dequantize(packed, absmax, quant_type, block_size, K, N, np.float32).astype(np.float64)
-    y = a.astype(np.float64) @ w
-    if bias is not None:
-        b = np.asarray(bias)
-        if b.shape != (int(N),):
-            raise ValueError(f"bias must have shape ({N},), got {b.shape}")
-        y = y + b.astype(np.float64)
-    with np.errstate(over="ignore"):
-        return y.astype(a.dtype)
+    return matmul_ref.matmul(a, K, N, bias, lambda: dequantize(packed, absmax, quant_type, block_size, K, N, np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------------
