@@ -183,9 +183,71 @@ DEQUANT_AWQ = OpSpec(
     infer=_dequant_infer(lambda ctx: TensorProto.FLOAT16),
 )
 
+def _ffn_infer(ctx) -> None:
+    """S = SwiGLU(X): X's type, X's leading dims, last dim N (attribute N, else W1's first dim)."""
+    x = ctx.get_input_type(0)
+    n_attr = ctx.get_attribute("N")
+    n = None
+    if n_attr is not None:
+        n = onnx.helper.get_attribute_value(n_attr)
+    else:
+        w1 = ctx.get_input_type(1)
+        if w1 is not None and w1.tensor_type.HasField("shape") and len(w1.tensor_type.shape.dim) == 2:
+            d = w1.tensor_type.shape.dim[0]
+            n = d.dim_value if d.HasField("dim_value") else None
+    out = onnx.TypeProto()
+    out.CopyFrom(x)
+    if x.tensor_type.HasField("shape") and len(x.tensor_type.shape.dim) > 0:
+        last = out.tensor_type.shape.dim[len(out.tensor_type.shape.dim) - 1]
+        last.Clear()
+        if n is not None:
+            last.dim_value = n
+    ctx.set_output_type(0, out)
+
+
+_FFN_DOC = ("S[..., N] = SiLU(X W1^T + B1) * (X W3^T + B3) (SwiGLU gate/up of a gated FFN; the down projection stays "
+            "outside), products accumulated and SiLU computed in fp32, output in X's type (reference: "
+            "onnx_lowbit.ffn). ")
+_FFN_BIASES = [Param("B1", "T", "gate bias [N]", optional=True), Param("B3", "T", "up bias [N]", optional=True)]
+
+FUSED_FFN = OpSpec(
+    name="FusedFFN",
+    doc=_FFN_DOC + "W1, W3 are [N, K] (the MatMul weights transposed); TW=float16 with T=float is the mixed mode.",
+    inputs=[Param("X", "T"), Param("W1", "TW", "gate weight [N, K]"), Param("W3", "TW", "up weight [N, K]"),
+            *_FFN_BIASES],
+    outputs=[Param("S", "T")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"], "TW": ["tensor(float)", "tensor(float16)"]},
+    infer=_ffn_infer,
+)
+
+FUSED_FFN_NF4 = OpSpec(
+    name="FusedFFNNF4",
+    doc=_FFN_DOC + "W1, W3 each stored as MatMulNF4's weight: " + _NF4_DOC,
+    inputs=[Param("X", "T"), Param("Q1", "tensor(uint8)"), Param("absmax1", "tensor(float)"),
+            Param("Q3", "tensor(uint8)"), Param("absmax3", "tensor(float)"), *_FFN_BIASES],
+    outputs=[Param("S", "T")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=_NF4_ATTRS,
+    infer=_ffn_infer,
+)
+
+FUSED_FFN_AWQ = OpSpec(
+    name="FusedFFNAWQ",
+    doc=_FFN_DOC + "W1, W3 each stored as MatMulAWQ's weight: " + _AWQ_DOC,
+    inputs=[Param("X", "T"), Param("qweight1", "tensor(int32)"), Param("qzeros1", "tensor(int32)"),
+            Param("scales1", "tensor(float16)"), Param("qweight3", "tensor(int32)"), Param("qzeros3", "tensor(int32)"),
+            Param("scales3", "tensor(float16)"), *_FFN_BIASES],
+    outputs=[Param("S", "T")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=_AWQ_ATTRS,
+    infer=_ffn_infer,
+)
+
 # The 4-bit weight ops (onnx_lowbit.nf4 / onnx_lowbit.awq formats).
 PLANNED_OPS = {op.name: op for op in [MATMUL_NF4, DEQUANT_NF4, MATMUL_AWQ, DEQUANT_AWQ]}
-OPS = {op.name: op for op in [FPLUT, *PLANNED_OPS.values()]}
+# The fused SwiGLU FFN ops (onnx_lowbit.ffn).
+FFN_OPS = {op.name: op for op in [FUSED_FFN, FUSED_FFN_NF4, FUSED_FFN_AWQ]}
+OPS = {op.name: op for op in [FPLUT, *PLANNED_OPS.values(), *FFN_OPS.values()]}
 
 
 def _schema(op: OpSpec) -> defs.OpSchema:
