@@ -4,4 +4,5 @@ Everything else is in pyproject.toml. A source checkout without an install build
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("onnx_lowbit.custom_ops._ortshim", sources=["custom_ops/ortshim.c"],
-                             extra_compile_args=["-std=c99", "-O2"])])
+                             extra_compile_args=["-std=c99", "-O2", "-pthread"],
+                             extra_link_args=["-pthread"])])

@@ -32,9 +32,27 @@ class LbTensor(ctypes.Structure):
                 ("elem_type", ctypes.c_int32), ("ndim", ctypes.c_int32)]
 
 
+MAX_PLAN_STEPS, MAX_PARAMS, MAX_PATCH = 4, 192, 16
+KEY_MAX = 2 + MAX_IO * (3 + MAX_DIMS)
+_i64 = ctypes.c_int64
+
+
+class LbStep(ctypes.Structure):
+    _fields_ = [("func", ctypes.c_uint64), ("grid", _i64), ("block", _i64), ("shmem", _i64), ("n_params", _i64),
+                ("n_patch", _i64), ("params", ctypes.c_uint64 * MAX_PARAMS), ("patch_slot", _i64 * MAX_PATCH),
+                ("patch_kind", _i64 * MAX_PATCH), ("patch_index", _i64 * MAX_PATCH), ("patch_off", _i64 * MAX_PATCH)]
+
+
+class LbPlan(ctypes.Structure):
+    """Mirror of ortshim.c's LbPlan: a compute call recorded for native replay (see plans.py)."""
+    _fields_ = [("valid", _i64), ("never", _i64), ("n_out", _i64), ("out_ndim", _i64 * MAX_IO),
+                ("out_dims", (_i64 * MAX_DIMS) * MAX_IO), ("n_steps", _i64), ("steps", LbStep * MAX_PLAN_STEPS),
+                ("key_len", _i64), ("key", _i64 * KEY_MAX)]
+
+
 CREATE_CB = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 COMPUTE_CB = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
-                              ctypes.POINTER(LbTensor), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+                              ctypes.POINTER(LbTensor), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
 DESTROY_CB = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
 
@@ -72,10 +90,10 @@ class Tensor:
 
 class Context:
     """What a kernel's compute sees besides its inputs: output allocation and the CUDA stream."""
-    __slots__ = ("_ctx", "stream", "_err")
+    __slots__ = ("_ctx", "stream", "_err", "recorder")
 
-    def __init__(self, ctx, stream, err):
-        self._ctx, self.stream, self._err = ctx, stream, err
+    def __init__(self, ctx, stream, err, recorder=None):
+        self._ctx, self.stream, self._err, self.recorder = ctx, stream, err, recorder
 
     def output(self, index, shape):
         """Allocates output ``index`` with ``shape``; returns its data pointer."""
@@ -84,6 +102,8 @@ class Context:
         ptr = ctypes.c_void_p()
         if _lib.lb_output(self._ctx, index, dims, nd, ctypes.byref(ptr), self._err, 512):
             raise KernelError(f"could not allocate output {index}: {ctypes.string_at(self._err).decode(errors='replace')}")
+        if self.recorder is not None:
+            self.recorder.output(index, tuple(shape), ptr.value or 0)
         return ptr.value or 0
 
     def output_numpy(self, index, shape, dtype):
@@ -106,6 +126,7 @@ _variants = []          # op index -> (OpSpec, provider, input types, output typ
 _kernels = {}           # kernel id -> kernel object
 _next_id = [0]
 _callbacks = None
+stats = {"python_computes": 0}  # compute calls served by Python (native plan replays are not counted)
 
 
 def _write_err(buf, errlen, msg):
@@ -180,8 +201,9 @@ def _describe(e):
     return str(e) if isinstance(e, (KernelError, ValueError, TypeError, KeyError)) else f"{type(e).__name__}: {e}"
 
 
-def _compute(kid, ctx, n_in, ins, stream, err, errlen):
+def _compute(kid, ctx, n_in, ins, stream, plan, err, errlen):
     kernel = _kernels.get(kid)
+    stats["python_computes"] += 1
     try:
         inputs = []
         for i in range(n_in):
@@ -190,7 +212,12 @@ def _compute(kid, ctx, n_in, ins, stream, err, errlen):
                 inputs.append(None)
             else:
                 inputs.append(Tensor(t.data or 0, t.elem_type, tuple(t.dims[: t.ndim])))
-        kernel.compute(Context(ctx, stream or 0, err), inputs)
+        if not plan:
+            kernel.compute(Context(ctx, stream or 0, err), inputs)
+            return 0
+        from . import plans
+        plans.compute_and_record(kernel, Context(ctx, stream or 0, err), inputs,
+                                 LbPlan.from_address(plan))
         return 0
     except Exception as e:  # noqa: BLE001
         name = kernel.describe() if kernel is not None else f"kernel {kid}"
@@ -228,6 +255,9 @@ def library_path() -> str:
         lib.lb_node_name.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.lb_ort_version.restype = ctypes.c_char_p
         lib.lb_set_domain(domain.DOMAIN.encode())
+        if lib.lb_plan_size() != ctypes.sizeof(LbPlan):
+            raise RuntimeError("onnx_lowbit: the C shim's plan layout does not match bridge.py (rebuild the shim)")
+        lib.lb_set_plans(int(_plans_enabled_by_env()))
         for spec in domain.OPS.values():
             for in_types, out_types in spec.variants():
                 for provider in (CPU, CUDA):
@@ -240,8 +270,25 @@ def library_path() -> str:
                     _variants.append((spec, provider, tuple(in_types), tuple(out_types)))
         _callbacks = (CREATE_CB(_create), COMPUTE_CB(_compute), DESTROY_CB(_destroy))
         lib.lb_set_callbacks(*_callbacks)
+        try:  # native plan replay needs the driver's cuLaunchKernel; without a driver CUDA kernels cannot run anyway
+            from . import cuda_launch
+            lib.lb_set_launch(ctypes.cast(cuda_launch.libcuda().cuLaunchKernel, ctypes.c_void_p))
+        except OSError:
+            pass
         _lib, _path = lib, path
         return path
+
+
+def _plans_enabled_by_env() -> bool:
+    import os
+    return os.environ.get("ONNX_LOWBIT_NATIVE_PLANS", "1") not in ("0", "false", "no", "off")
+
+
+def set_native_plans(enabled: bool) -> None:
+    """Turns native replay of CUDA launch plans on (default) or off (every compute through Python), for all
+    sessions of this process; ``ONNX_LOWBIT_NATIVE_PLANS=0`` sets the default off."""
+    library_path()
+    _lib.lb_set_plans(int(bool(enabled)))
 
 
 def register(sess_options) -> None:

@@ -30,7 +30,7 @@ def compile_shim(out_path: str) -> str:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(out_path))
     os.close(fd)
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", "-Wall", SOURCE, "-o", tmp]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-std=c99", "-pthread", "-Wall", SOURCE, "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)

@@ -14,6 +14,8 @@ import threading
 
 import numpy as np
 
+from . import plans
+
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _libcuda = None
 _lock = threading.Lock()
@@ -97,14 +99,18 @@ class Launcher:
         self._configured = set()
         self._slots = []  # per argument: list of ctypes values
         flat = []
+        self._pointer_slots = []  # flat indices of the array data pointers (what a native plan may patch)
         for s in signature:
             if isinstance(s, Array):
+                self._pointer_slots.append(len(flat) + 4)
                 vals = [ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int64(0), ctypes.c_int64(s.dtype.itemsize),
                         ctypes.c_void_p(0)] + [ctypes.c_int64(0) for _ in range(2 * s.ndim)]
             else:
                 vals = [_SCALARS[s](0)]
             self._slots.append(vals)
             flat.extend(vals)
+        self._flat = flat
+        self._mu = threading.Lock()  # the slots are shared: one thread fills and launches at a time
         self._params = (ctypes.c_void_p * len(flat))(*[ctypes.addressof(v) for v in flat])
         self._launch = libcuda().cuLaunchKernel
 
@@ -124,22 +130,27 @@ class Launcher:
             if dev not in self._configured:
                 with _lock:
                     self._configure(dev)
-        for s, vals, a in zip(self._sig, self._slots, args):
-            if isinstance(s, Array):
-                ptr, shape = a
-                n = 1
-                for d in shape:
-                    n *= d
-                vals[2].value = n
-                vals[4].value = ptr
-                stride = s.dtype.itemsize
-                for k in range(s.ndim - 1, -1, -1):
-                    vals[5 + k].value = shape[k]
-                    vals[5 + s.ndim + k].value = stride
-                    stride *= shape[k]
-            else:
-                vals[0].value = a
-        rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, self.dynamic_shared if shmem is None else shmem,
-                          stream, self._params, None)
-        if rc:
-            check(rc, "cuLaunchKernel")
+        with self._mu:
+            for s, vals, a in zip(self._sig, self._slots, args):
+                if isinstance(s, Array):
+                    ptr, shape = a
+                    n = 1
+                    for d in shape:
+                        n *= d
+                    vals[2].value = n
+                    vals[4].value = ptr
+                    stride = s.dtype.itemsize
+                    for k in range(s.ndim - 1, -1, -1):
+                        vals[5 + k].value = shape[k]
+                        vals[5 + s.ndim + k].value = stride
+                        stride *= shape[k]
+                else:
+                    vals[0].value = a
+            shmem = self.dynamic_shared if shmem is None else shmem
+            rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, shmem, stream, self._params, None)
+            if rc:
+                check(rc, "cuLaunchKernel")
+            rec = plans.active()
+            if rec is not None:
+                rec.launch(self.handle.value, int(grid), int(block), int(shmem),
+                           [int.from_bytes(bytes(v), "little") for v in self._flat], self._pointer_slots)

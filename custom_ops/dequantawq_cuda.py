@@ -183,6 +183,8 @@ def run_arrays(qweight, qzeros, scales, group_size, K, N, *, sms=None, ct=CT, wa
 
 
 class DequantAWQCudaKernel(Kernel):
+    native_plans = True  # launches depend only on shapes; see plans.py
+
     def __init__(self, **kw):
         super().__init__(**kw)
         from .cuda_launch import current_device, sm_count

@@ -221,6 +221,8 @@ def _launcher(elem):
 
 
 class FPLUTCudaKernel(Kernel):
+    native_plans = True  # launches depend only on shapes; see plans.py
+
     def __init__(self, **kw):
         super().__init__(**kw)
         from .bridge import KernelError

@@ -14,7 +14,12 @@ _FACES = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
 
 
 class Kernel:
-    """Base class: keeps the node's identity for error messages."""
+    """Base class: keeps the node's identity for error messages.
+
+    ``native_plans = True`` (CUDA kernels): compute may be recorded once per input signature and replayed by the
+    C shim without Python; see plans.py for what a kernel promises by setting it."""
+
+    native_plans = False
 
     def __init__(self, *, spec, attrs, node_name, in_types, out_types):
         self.spec, self.attrs, self.node_name = spec, attrs, node_name

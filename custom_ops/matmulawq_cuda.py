@@ -503,6 +503,8 @@ class _Scratch:
 
 
 class MatMulAWQCudaKernel(Kernel):
+    native_plans = True  # launches depend only on shapes; see plans.py
+
     def __init__(self, **kw):
         super().__init__(**kw)
         from .cuda_launch import current_device, sm_count

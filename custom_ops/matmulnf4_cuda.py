@@ -340,6 +340,8 @@ def _sms():
 
 
 class MatMulNF4CudaKernel(Kernel):
+    native_plans = True  # launches depend only on shapes; see plans.py
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)

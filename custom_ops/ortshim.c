@@ -11,6 +11,7 @@
  * OrtCustomOp is laid out here by hand as its version-16 prefix, reserved at the 1.23 size.
  * Only libc is linked.
  */
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -22,6 +23,11 @@
 #define LB_MAX_IO 16
 #define LB_MAX_DIMS 8
 #define LB_ERRLEN 2048
+#define LB_MAX_PLANS 32     /* launch plans per kernel (distinct input shapes / streams) */
+#define LB_MAX_STEPS 4      /* kernel launches per plan */
+#define LB_MAX_PARAMS 192   /* flattened kernel parameters per launch, 8 bytes each */
+#define LB_MAX_PATCH 16     /* parameters per launch that take an input/output pointer */
+#define LB_KEY_MAX (2 + LB_MAX_IO * (3 + LB_MAX_DIMS))
 
 /* OrtApi slot indices (zero-based position in struct OrtApi). */
 enum {
@@ -119,8 +125,34 @@ typedef struct {
   int32_t ndim;
 } LbTensor;
 
+/* A launch plan: what one compute call did, replayable without Python for the same key (input shapes, input
+ * pointer alignment, stream). Filled by Python on a miss; layout mirrored in bridge.py (all 8-byte fields). */
+typedef struct {
+  uint64_t func;                 /* CUfunction */
+  int64_t grid, block, shmem, n_params, n_patch;
+  uint64_t params[LB_MAX_PARAMS]; /* each parameter's value in the low bytes of its 8-byte slot */
+  int64_t patch_slot[LB_MAX_PATCH], patch_kind[LB_MAX_PATCH] /* 0 input, 1 output */,
+      patch_index[LB_MAX_PATCH], patch_off[LB_MAX_PATCH];
+} LbStep;
+
+typedef struct {
+  int64_t valid; /* set by Python: this call can be replayed from the plan */
+  int64_t never; /* set by Python: this kernel never gives plans (do not ask again) */
+  int64_t n_out;
+  int64_t out_ndim[LB_MAX_IO];
+  int64_t out_dims[LB_MAX_IO][LB_MAX_DIMS];
+  int64_t n_steps;
+  LbStep steps[LB_MAX_STEPS];
+  int64_t key_len; /* set by C */
+  int64_t key[LB_KEY_MAX];
+} LbPlan;
+
+typedef int (*f_cuLaunchKernel)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                                unsigned shmem, void* stream, void** params, void** extra);
+
 typedef int64_t (*lb_create_cb)(int op_index, const void* info, char* err, int errlen);
-typedef int (*lb_compute_cb)(int64_t kernel_id, void* ctx, int n_in, LbTensor* ins, void* stream, char* err, int errlen);
+typedef int (*lb_compute_cb)(int64_t kernel_id, void* ctx, int n_in, LbTensor* ins, void* stream, LbPlan* plan,
+                             char* err, int errlen);
 typedef void (*lb_destroy_cb)(int64_t kernel_id);
 
 static lb_create_cb g_create = NULL;
@@ -130,7 +162,17 @@ static LbOp g_ops[LB_MAX_OPS];
 static int g_n_ops = 0;
 static const char* g_domain = "onnx_lowbit";
 
-typedef struct { const LbOp* op; int64_t id; } LbKernel;
+static f_cuLaunchKernel g_launch = NULL;
+static int g_plans_enabled = 1;
+
+typedef struct {
+  const LbOp* op;
+  int64_t id;
+  int no_plans;                   /* the kernel said it never gives plans */
+  int n_plans;                    /* published with release semantics; plans are never removed before destroy */
+  LbPlan* plans[LB_MAX_PLANS];
+  pthread_mutex_t mu;             /* serialises writers of plans */
+} LbKernel;
 
 static OrtStatus* fail(const char* msg) { return API(I_CreateStatus, f_CreateStatus)(1 /* ORT_FAIL */, msg); }
 
@@ -166,9 +208,83 @@ static OrtStatus* op_create(const LbOp* op, const void* api, const void* info, v
   if (id < 0) return fail(err[0] ? err : "onnx_lowbit: kernel creation failed");
   LbKernel* k = (LbKernel*)malloc(sizeof(LbKernel));
   if (!k) return fail("onnx_lowbit: out of memory");
+  memset(k, 0, sizeof(*k));
   k->op = op;
   k->id = id;
+  pthread_mutex_init(&k->mu, NULL);
   *kernel = k;
+  return NULL;
+}
+
+/* Plan key: per input its element type, rank, dims and pointer alignment (kernels may pick a code path by
+ * alignment), then the stream (kernels keep per-stream scratch). */
+static int make_key(int64_t* key, const LbTensor* ins, size_t n_in, void* stream) {
+  int n = 0;
+  key[n++] = (int64_t)n_in;
+  for (size_t i = 0; i < n_in; ++i) {
+    const LbTensor* t = &ins[i];
+    key[n++] = t->elem_type;
+    key[n++] = t->elem_type ? t->ndim : -1;
+    key[n++] = t->elem_type ? (int64_t)((uintptr_t)t->data & 255) : 0;
+    for (int d = 0; t->elem_type && d < t->ndim; ++d) key[n++] = t->dims[d];
+  }
+  key[n++] = (int64_t)(uintptr_t)stream;
+  return n;
+}
+
+static int add_plan(LbKernel* k, LbPlan* plan) {
+  if (plan->n_steps < 0 || plan->n_steps > LB_MAX_STEPS || plan->n_out < 0 || plan->n_out > LB_MAX_IO) return 0;
+  for (int s = 0; s < plan->n_steps; ++s) {
+    const LbStep* st = &plan->steps[s];
+    if (st->n_params < 0 || st->n_params > LB_MAX_PARAMS || st->n_patch < 0 || st->n_patch > LB_MAX_PATCH) return 0;
+  }
+  int added = 0;
+  pthread_mutex_lock(&k->mu);
+  int n = k->n_plans;
+  int dup = 0;
+  for (int i = 0; i < n; ++i)
+    if (k->plans[i]->key_len == plan->key_len &&
+        memcmp(k->plans[i]->key, plan->key, (size_t)plan->key_len * sizeof(int64_t)) == 0) dup = 1;
+  if (!dup && n < LB_MAX_PLANS) {
+    k->plans[n] = plan;
+    __atomic_store_n(&k->n_plans, n + 1, __ATOMIC_RELEASE);
+    added = 1;
+  }
+  pthread_mutex_unlock(&k->mu);
+  return added;
+}
+
+/* Replays a plan: allocates the outputs with the recorded shapes and launches the recorded kernels with the
+ * input/output pointers of this call patched in. No Python, no GIL. */
+static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const LbTensor* ins, void* stream) {
+  char err[256];
+  void* outs[LB_MAX_IO] = {0};
+  OrtStatus* st;
+  for (int o = 0; o < p->n_out; ++o) {
+    if (p->out_ndim[o] < 0) continue;
+    void* value = NULL;
+    if ((st = API(I_KernelContext_GetOutput, f_CtxGetOutput)(ctx, (size_t)o, p->out_dims[o], (size_t)p->out_ndim[o],
+                                                               &value))) return st;
+    if ((st = API(I_GetTensorMutableData, f_GetTensorMutableData)(value, &outs[o]))) return st;
+  }
+  for (int s = 0; s < p->n_steps; ++s) {
+    const LbStep* sp = &p->steps[s];
+    uint64_t pv[LB_MAX_PARAMS];
+    void* pp[LB_MAX_PARAMS];
+    memcpy(pv, sp->params, (size_t)sp->n_params * sizeof(uint64_t));
+    for (int i = 0; i < sp->n_patch; ++i) {
+      const char* base = sp->patch_kind[i] == 0 ? (const char*)ins[sp->patch_index[i]].data
+                                                 : (const char*)outs[sp->patch_index[i]];
+      pv[sp->patch_slot[i]] = (uint64_t)(uintptr_t)(base + sp->patch_off[i]);
+    }
+    for (int i = 0; i < sp->n_params; ++i) pp[i] = &pv[i];
+    int rc = g_launch((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1, 1,
+                      (unsigned)sp->shmem, stream, pp, NULL);
+    if (rc) {
+      snprintf(err, sizeof err, "onnx_lowbit %s: cuLaunchKernel failed: CUDA error %d", k->op->name, rc);
+      return fail(err);
+    }
+  }
   return NULL;
 }
 
@@ -209,10 +325,35 @@ static OrtStatus* op_compute(void* kernel, void* ctx) {
   if (k->op->is_cuda) {
     if ((st = API(I_KernelContext_GetGPUComputeStream, f_CtxGetStream)(ctx, &stream))) return st;
   }
+  LbPlan* plan = NULL;
+  int64_t key[LB_KEY_MAX];
+  int key_len = 0;
+  if (k->op->is_cuda && g_launch && g_plans_enabled && !k->no_plans) {
+    key_len = make_key(key, ins, n_in, stream);
+    int n = __atomic_load_n(&k->n_plans, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < n; ++i) {
+      const LbPlan* p = k->plans[i];
+      if (p->key_len == key_len && memcmp(p->key, key, (size_t)key_len * sizeof(int64_t)) == 0)
+        return run_plan(k, p, ctx, ins, stream);
+    }
+    if (n < LB_MAX_PLANS) {
+      plan = (LbPlan*)calloc(1, sizeof(LbPlan));
+      if (plan) {
+        plan->key_len = key_len;
+        memcpy(plan->key, key, (size_t)key_len * sizeof(int64_t));
+      }
+    }
+  }
   err[0] = 0;
-  if (!g_compute) return fail("onnx_lowbit: the Python side of the bridge is not loaded");
-  if (g_compute(k->id, ctx, (int)n_in, ins, stream, err, LB_ERRLEN) != 0)
+  if (!g_compute) { free(plan); return fail("onnx_lowbit: the Python side of the bridge is not loaded"); }
+  if (g_compute(k->id, ctx, (int)n_in, ins, stream, plan, err, LB_ERRLEN) != 0) {
+    free(plan);
     return fail(err[0] ? err : "onnx_lowbit: kernel failed");
+  }
+  if (plan) {
+    if (plan->never) k->no_plans = 1;
+    if (!plan->valid || !add_plan(k, plan)) free(plan);
+  }
   return NULL;
 }
 
@@ -220,12 +361,21 @@ static void op_destroy(void* kernel) {
   LbKernel* k = (LbKernel*)kernel;
   if (!k) return;
   if (g_destroy) g_destroy(k->id);
+  for (int i = 0; i < k->n_plans; ++i) free(k->plans[i]);
+  pthread_mutex_destroy(&k->mu);
   free(k);
 }
 
 /* ---------------- exported to Python ---------------- */
 
 void lb_set_callbacks(lb_create_cb c, lb_compute_cb r, lb_destroy_cb d) { g_create = c; g_compute = r; g_destroy = d; }
+
+/* The driver's cuLaunchKernel (Python passes its address, so the shim still links only libc) and the switch for
+ * native plan replay (on by default; off: every call goes through Python, for comparisons). */
+void lb_set_launch(void* fn) { g_launch = (f_cuLaunchKernel)fn; }
+void lb_set_plans(int enabled) { g_plans_enabled = enabled; }
+int lb_plan_size(void) { return (int)sizeof(LbPlan); }
+int lb_kernel_plans(void* kernel) { return kernel ? ((LbKernel*)kernel)->n_plans : 0; }
 
 void lb_set_domain(const char* domain) {
   static char buf[128];

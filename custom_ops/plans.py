@@ -1,0 +1,118 @@
+"""Native launch plans: a CUDA kernel's compute call recorded once per input signature, replayed by the C shim.
+
+The shim keys each call by its inputs' element types, ranks, dims and pointer alignment plus the CUDA stream.
+On a miss it calls Python with an empty plan; ``compute_and_record`` runs the kernel's ordinary ``compute`` and
+records what it did — the outputs it allocated (shapes) and every ``Launcher.launch`` (CUfunction, grid, block,
+shared memory, the flattened parameter values) — and marks each parameter that holds a pointer into one of
+this call's inputs or outputs as a patch (input/output index + byte offset). The next call with the same key is
+served entirely in C: outputs allocated with the recorded shapes, the recorded launches issued with this call's
+pointers patched in. No Python, no GIL, nothing allocated, so it is also safe under CUDA-graph capture.
+
+A kernel class opts in with ``native_plans = True``. That promises: for a given key, compute's launches and
+output shapes depend on nothing but the key (not on input values or per-call host state), every device buffer
+it passes that is not an input or output lives as long as the kernel (tables, per-stream scratch), and all its
+GPU work goes through ``cuda_launch.Launcher``. Kernels without the flag run through Python on every call.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+_tls = threading.local()
+
+INPUT, OUTPUT = 0, 1
+
+
+class Recorder:
+    """Collects one compute call's outputs and launches."""
+
+    def __init__(self, inputs, out_itemsizes):
+        self.ranges = []  # (kind, index, start, nbytes)
+        for i, t in enumerate(inputs):
+            if t is not None and t.ptr:
+                self.ranges.append((INPUT, i, t.ptr, t.size * _itemsize(t.elem_type)))
+        self.out_itemsizes = out_itemsizes
+        self.outputs = {}  # index -> shape
+        self.steps = []    # (func, grid, block, shmem, values, pointer slot indices)
+        self.ok = True
+
+    def output(self, index, shape, ptr):
+        self.outputs[index] = shape
+        if ptr:
+            n = 1
+            for d in shape:
+                n *= d
+            self.ranges.append((OUTPUT, index, ptr, n * self.out_itemsizes[index]))
+
+    def launch(self, func, grid, block, shmem, values, pointer_slots):
+        self.steps.append((func, grid, block, shmem, values, pointer_slots))
+
+    def patch_for(self, value):
+        """(kind, index, offset) of the input/output ``value`` points into, or None (a kernel-owned buffer)."""
+        for kind, index, start, nbytes in self.ranges:
+            if start <= value < start + max(nbytes, 1):
+                return kind, index, value - start
+        return None
+
+
+def _itemsize(elem_type):
+    from .bridge import NP_DTYPES
+    return np.dtype(NP_DTYPES[elem_type]).itemsize
+
+
+def active():
+    """The recorder of the compute call running on this thread, or None."""
+    return getattr(_tls, "rec", None)
+
+
+def compute_and_record(kernel, ctx, inputs, plan) -> None:
+    """Runs ``kernel.compute`` and, if the kernel allows it, fills ``plan`` (a bridge.LbPlan) from what it did."""
+    if not getattr(kernel, "native_plans", False):
+        plan.never = 1
+        kernel.compute(ctx, inputs)
+        return
+    rec = Recorder(inputs, [_itemsize(t) for t in kernel.out_types])
+    ctx.recorder = rec
+    _tls.rec = rec
+    try:
+        kernel.compute(ctx, inputs)
+    finally:
+        _tls.rec = None
+        ctx.recorder = None
+    fill(plan, rec, len(kernel.out_types))
+
+
+def fill(plan, rec, n_out) -> bool:
+    """Writes the recorded call into ``plan``; leaves plan.valid = 0 if it does not fit a plan."""
+    from .bridge import MAX_DIMS, MAX_PARAMS, MAX_PATCH, MAX_PLAN_STEPS
+    plan.valid = 0
+    if not rec.ok or len(rec.steps) > MAX_PLAN_STEPS or any(len(s) > MAX_DIMS for s in rec.outputs.values()):
+        return False
+    plan.n_out = n_out
+    for o in range(n_out):
+        shape = rec.outputs.get(o)
+        plan.out_ndim[o] = -1 if shape is None else len(shape)
+        for d, v in enumerate(shape or ()):
+            plan.out_dims[o][d] = v
+    for s, (func, grid, block, shmem, values, pointer_slots) in enumerate(rec.steps):
+        if len(values) > MAX_PARAMS:
+            return False
+        st = plan.steps[s]
+        st.func, st.grid, st.block, st.shmem, st.n_params = func, grid, block, shmem, len(values)
+        for i, v in enumerate(values):
+            st.params[i] = v
+        n_patch = 0
+        for slot in pointer_slots:
+            hit = rec.patch_for(values[slot]) if values[slot] else None
+            if hit is None:
+                continue
+            if n_patch == MAX_PATCH:
+                return False
+            st.patch_slot[n_patch], st.patch_kind[n_patch] = slot, hit[0]
+            st.patch_index[n_patch], st.patch_off[n_patch] = hit[1], hit[2]
+            n_patch += 1
+        st.n_patch = n_patch
+    plan.n_steps = len(rec.steps)
+    plan.valid = 1
+    return True
