@@ -1,0 +1,693 @@
+"""``onnx-lowbit bench ORIGINAL REWRITTEN``: both models side by side in one process, on the same inputs.
+
+Reports per model: latency median / p90 (ms, wall clock around each ``run``, which returns once the outputs
+are complete), peak memory, weight bytes (every initializer and Constant tensor, external data included,
+counted from dims x element size), and how far the rewritten model's outputs are from the original's.
+A markdown table goes to stdout; ``bench-<mode>.png`` (matplotlib, Agg) and ``bench-<mode>.json`` to --out.
+
+Sessions: the caller passes ``session_factory`` (``onnx_lowbit.api.InferenceSession`` from the CLI: our ops
+registered) for the rewritten model, and for the original only when it uses our domain too; the original runs
+in plain ``onnxruntime.InferenceSession`` otherwise. On CUDA every input and output lives on the device (io
+binding, buffers allocated once), so the timings hold no host<->device copies; ``cuda_graph`` adds
+onnxruntime's ``enable_cuda_graph`` provider option (the first runs capture, the timed ones replay).
+
+Memory (the method is printed with the figures):
+  cpu   peak RSS of the process while the model's session is created and run, minus RSS before: the kernel's
+        high-water mark is reset first (``/proc/self/clear_refs`` 5) where Linux allows it, else RSS is
+        sampled every millisecond.
+  cuda  device memory in use (NVML through pynvml, else cupy's cudaMemGetInfo, else ``nvidia-smi
+        --query-gpu=memory.used``) after the timed runs minus before the session was made. It is device-wide
+        (other processes count), and onnxruntime's CUDA arena keeps what it grew to until the session ends, so
+        "after" is the session's peak. The CUDA context is created before the first baseline (a throwaway
+        session), so neither model pays for it.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from . import model_io
+from .errors import LowbitError
+
+MIB = 1024.0 * 1024.0
+BATCH_NAMES = re.compile(r"^(n|b|bs|batch.*|.*_batch|.*batch_size.*)$", re.IGNORECASE)
+OTHER_DIM = 16          # symbolic dims that do not look like a batch dimension
+SUB_BYTE = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4} | (
+    {onnx.TensorProto.FLOAT4E2M1} if hasattr(onnx.TensorProto, "FLOAT4E2M1") else set())
+
+
+@dataclass
+class ModelResult:
+    label: str
+    path: str
+    weight_bytes: int
+    latency_ms: list = field(default_factory=list)
+    peak_memory_bytes: int | None = None
+    providers: list = field(default_factory=list)
+    graph_vs_plain_max_abs: float | None = None   # cuda_graph: replayed outputs vs one plain run
+
+    @property
+    def median_ms(self):
+        return statistics.median(self.latency_ms)
+
+    @property
+    def p90_ms(self):
+        return float(np.percentile(self.latency_ms, 90))
+
+
+@dataclass
+class Agreement:
+    output: str
+    max_abs: float
+    max_rel: float      # max |a - b| / max |a| (a: the original's output)
+
+
+# ---------------------------------------------------------------------------------------------- model facts
+
+def tensor_bytes(t: onnx.TensorProto) -> int:
+    """Bytes of a tensor's data, from its dims and element type (external data is not read)."""
+    if t.data_type == onnx.TensorProto.STRING:
+        return sum(len(s) for s in t.string_data)
+    n = 1
+    for d in t.dims:
+        n *= d
+    if t.data_type in SUB_BYTE:
+        return (n + 1) // 2
+    return n * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
+def weight_bytes(model: onnx.ModelProto) -> int:
+    """Sum over initializers and Constant node tensors (subgraphs included)."""
+    total = 0
+
+    def walk(g):
+        nonlocal total
+        total += sum(tensor_bytes(t) for t in g.initializer)
+        for node in g.node:
+            for a in node.attribute:
+                if a.type == onnx.AttributeProto.TENSOR and node.op_type == "Constant":
+                    total += tensor_bytes(a.t)
+                elif a.type == onnx.AttributeProto.GRAPH:
+                    walk(a.g)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for sg in a.graphs:
+                        walk(sg)
+    walk(model.graph)
+    return total
+
+
+def _signature(model: onnx.ModelProto) -> dict:
+    """input name -> (numpy dtype, dims as int or str name or None)"""
+    inits = {i.name for i in model.graph.initializer}
+    sig = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type"):
+            raise LowbitError(f"input {vi.name!r} is not a tensor; bench feeds tensors only")
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
+                for d in tt.shape.dim]
+        sig[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
+    return sig
+
+
+def parse_dims(specs) -> dict:
+    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec)."""
+    out = {}
+    for s in specs or []:
+        name, sep, value = s.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
+            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE a positive integer")
+        out[name.strip()] = int(value)
+    return out
+
+
+def resolve_dims(signatures, dims: dict) -> dict:
+    """The value of every symbolic dim of the inputs: --dim, else 1 for batch-like names, else OTHER_DIM."""
+    names = []
+    for sig in signatures:
+        for _, ds in sig.values():
+            names += [d for d in ds if isinstance(d, str) and d not in names]
+    unknown = [n for n in dims if n not in names]
+    if unknown:
+        raise LowbitError(f"--dim {', '.join(unknown)}: no input has such a symbolic dimension; "
+                          f"symbolic dims: {', '.join(names) or 'none'}")
+    return {n: dims.get(n, 1 if BATCH_NAMES.match(n) else OTHER_DIM) for n in names}
+
+
+def random_inputs(sig: dict, values: dict, seed: int = 0) -> dict:
+    """Floats ~ N(0, 1); integers and bools in {0, 1} (safe as indices); unnamed free dims: 1 first, else 16."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, (dt, ds) in sig.items():
+        shape = [d if isinstance(d, int) else values[d] if isinstance(d, str) else (1 if i == 0 else OTHER_DIM)
+                 for i, d in enumerate(ds)]
+        if np.issubdtype(dt, np.floating):
+            feeds[name] = rng.standard_normal(shape).astype(dt)
+        elif np.issubdtype(dt, np.integer) or dt == np.bool_:
+            feeds[name] = rng.integers(0, 2, size=shape).astype(dt)
+        else:
+            raise LowbitError(f"cannot make random data for input {name!r} of type {dt}; give --inputs")
+    return feeds
+
+
+def load_inputs(path: str, sig: dict) -> dict:
+    """Arrays of an .npz, one per input of ``sig`` (names, ranks, fixed dims checked; cast to the input dtype)."""
+    import zipfile
+    if not os.path.isfile(path):
+        raise LowbitError(f"{path}: no such file (--inputs)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, AttributeError, TypeError) as e:
+        raise LowbitError(f"{path}: not a readable .npz archive of named arrays (--inputs): "
+                          f"{type(e).__name__}") from None
+    missing = [n for n in sig if n not in arrays]
+    if missing:
+        raise LowbitError(f"{path}: no array for input{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(map(repr, missing))} (--inputs; has {', '.join(map(repr, arrays)) or 'none'})")
+    feeds = {}
+    for name, (dt, ds) in sig.items():
+        v = arrays[name]
+        if v.ndim != len(ds) or any(isinstance(d, int) and d != n for d, n in zip(ds, v.shape)):
+            raise LowbitError(f"{path}: array {name!r} has shape {list(v.shape)}, the input "
+                              f"{[d if d is not None else '?' for d in ds]} (--inputs)")
+        if v.dtype.kind not in "fiub":
+            raise LowbitError(f"{path}: array {name!r} has dtype {v.dtype}, not numeric (--inputs)")
+        feeds[name] = v.astype(dt, copy=False)
+    return feeds
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+class _Sampler:
+    """Calls ``fn`` every ``interval`` s in a thread and keeps the largest value."""
+
+    def __init__(self, fn, interval):
+        self.fn, self.interval, self.peak = fn, interval, fn()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.fn())
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self.fn())
+
+
+def _status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(key)
+
+
+def _release_host_memory():
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class HostMemory:
+    """Peak RSS delta of a block (see the module doc)."""
+
+    def __init__(self):
+        self.method = "peak RSS delta (VmHWM reset via /proc/self/clear_refs)"
+        try:
+            _status_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            _status_kib("VmHWM")
+            self._reset = True
+        except OSError:
+            self._reset = False
+            self.method = "peak RSS delta (RSS sampled every 1 ms)"
+
+    def measure(self):
+        return _Measure(self)
+
+
+class _Measure:
+    def __init__(self, mem):
+        self.mem, self.peak = mem, None
+
+    def __enter__(self):
+        _release_host_memory()
+        if self.mem._reset:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.before = _status_kib("VmRSS")
+        else:
+            self.before = _rss()
+            self._s = _Sampler(_rss, 0.001).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.mem._reset:
+            self.peak = _status_kib("VmHWM") - self.before
+        else:
+            self._s.__exit__()
+            self.peak = self._s.peak - self.before
+
+
+def _rss():
+    try:
+        return _status_kib("VmRSS")
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class DeviceMemory:
+    """Device memory in use on ``device_id`` (see the module doc)."""
+
+    def __init__(self, device_id=0):
+        self.device_id = device_id
+        self._fn = None
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(device_id)
+            self._fn = lambda: int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+            self.method = "device memory used (NVML) after runs minus before session"
+        except Exception:  # noqa: BLE001 - pynvml absent or no driver
+            pass
+        if self._fn is None:
+            try:
+                import cupy
+                cupy.cuda.runtime.setDevice(device_id)
+
+                def used():
+                    free, total = cupy.cuda.runtime.memGetInfo()
+                    return int(total - free)
+                used()
+                self._fn = used
+                self.method = "device memory used (cudaMemGetInfo via cupy) after runs minus before session"
+            except Exception:  # noqa: BLE001
+                pass
+        if self._fn is None:
+            import shutil
+            if shutil.which("nvidia-smi") is None:
+                self.method = "unavailable (no pynvml, cupy or nvidia-smi)"
+                self._fn = lambda: 0
+            else:
+                self._fn = self._smi
+                self.method = "device memory used (nvidia-smi --query-gpu=memory.used) after runs minus before session"
+
+    def _smi(self):
+        import subprocess
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                  "-i", str(self.device_id)], capture_output=True, text=True, timeout=30).stdout
+            return int(float(out.strip().splitlines()[0]) * MIB)
+        except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+            return 0
+
+    def measure(self):
+        return _DeviceMeasure(self)
+
+
+class _DeviceMeasure:
+    def __init__(self, mem):
+        self.mem, self.peak = mem, None
+
+    def __enter__(self):
+        _release_host_memory()
+        self.before = self.mem._fn()
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = self.mem._fn() - self.before
+
+
+# ---------------------------------------------------------------------------------------------- sessions
+
+def _cuda_check(cuda_graph):
+    import onnxruntime as ort
+    what = "--cuda-graph" if cuda_graph else "--provider cuda"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise LowbitError(f"{what} needs onnxruntime-gpu and a CUDA GPU: this onnxruntime {ort.__version__} has "
+                          f"{', '.join(ort.get_available_providers())} only (pip install onnx-lowbit[gpu])")
+
+
+def _providers(provider, cuda_graph, device_id=0):
+    if provider == "cpu":
+        return ["CPUExecutionProvider"]
+    opts = {"device_id": str(device_id)}
+    if cuda_graph:
+        opts["enable_cuda_graph"] = "1"
+    return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def _make_session(path, ours, provider, cuda_graph, session_factory):
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    providers = _providers(provider, cuda_graph)
+    factory = session_factory if ours else ort.InferenceSession
+    try:
+        sess = factory(path, so, providers=providers)
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = ""
+        if cuda_graph and "graph" in msg.lower():
+            hint = " (CUDA graphs need every compute node on the CUDA EP and static shapes)"
+        raise LowbitError(f"{path}: onnxruntime could not create the session: {msg[:400]}{hint}") from None
+    if provider == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
+        raise LowbitError(f"{path}: onnxruntime fell back to {sess.get_providers()[0]}; the CUDA execution "
+                          "provider could not start (no GPU, or CUDA/cuDNN libraries missing)")
+    return sess
+
+
+def _warm_cuda_context():
+    """Creates the CUDA context (and onnxruntime's CUDA libraries) before any memory baseline."""
+    import onnxruntime as ort
+    x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "warm", [x], [y],
+                          [helper.make_tensor("w", onnx.TensorProto.FLOAT, [4, 4], [0.0] * 16)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    s = ort.InferenceSession(m.SerializeToString(), so, providers=_providers("cuda", False))
+    s.run(None, {"x": np.ones((1, 4), np.float32)})
+    del s
+
+
+def _run_error(path, e):
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return LowbitError(f"{path}: onnxruntime failed to run the model: {msg[:400]}")
+
+
+def _time_cpu(sess, feeds, warmup, runs, path):
+    try:
+        for _ in range(warmup):
+            sess.run(None, feeds)
+        ts = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            out = sess.run(None, feeds)
+            ts.append((time.perf_counter() - t) * 1e3)
+    except Exception as e:  # noqa: BLE001
+        raise _run_error(path, e) from None
+    return ts, out
+
+
+class _Bound:
+    """An io binding with every input and output in a device buffer allocated once (fixed addresses, as CUDA
+    graph replay needs)."""
+
+    def __init__(self, sess, feeds, out_shapes, device_id=0):
+        import onnxruntime as ort
+        self.sess, self.binding = sess, sess.io_binding()
+        self.keep = []
+        for name, v in feeds.items():
+            ov = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", device_id)
+            self.keep.append(ov)
+            self.binding.bind_ortvalue_input(name, ov)
+        self.outputs = []
+        for o in sess.get_outputs():
+            shape, dt = out_shapes[o.name]
+            ov = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dt, "cuda", device_id)
+            self.outputs.append(ov)
+            self.binding.bind_ortvalue_output(o.name, ov)
+
+    def run(self):
+        self.sess.run_with_iobinding(self.binding)
+        self.binding.synchronize_outputs()
+
+    def results(self):
+        return [ov.numpy() for ov in self.outputs]
+
+
+def _output_shapes(sess, feeds):
+    """name -> (shape, dtype) of each output, from one plain io-binding run with onnxruntime-allocated outputs."""
+    b = sess.io_binding()
+    import onnxruntime as ort
+    keep = []
+    for name, v in feeds.items():
+        ov = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v), "cuda", 0)
+        keep.append(ov)
+        b.bind_ortvalue_input(name, ov)
+    for o in sess.get_outputs():
+        b.bind_output(o.name, "cuda")
+    sess.run_with_iobinding(b)
+    outs = b.get_outputs()
+    res = {o.name: (tuple(v.shape()), _np_dtype(v.data_type())) for o, v in zip(sess.get_outputs(), outs)}
+    return res, [v.numpy() for v in outs]
+
+
+def _np_dtype(ort_type: str):
+    names = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+             "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_, "tensor(int16)": np.int16,
+             "tensor(uint16)": np.uint16, "tensor(bfloat16)": np.uint16}
+    if ort_type not in names:
+        raise LowbitError(f"bench cannot bind an output of type {ort_type} on the device")
+    return names[ort_type]
+
+
+def _time_cuda(path, ours, feeds, warmup, runs, cuda_graph, session_factory, result, mem):
+    plain = None
+    if cuda_graph:  # output shapes (and a reference for the replayed outputs) from a plain session first
+        s = _make_session(path, ours, "cuda", False, session_factory)
+        try:
+            shapes, plain = _output_shapes(s, feeds)
+        except Exception as e:  # noqa: BLE001
+            raise _run_error(path, e) from None
+        del s
+        _release_host_memory()
+    with mem.measure() as m:
+        sess = _make_session(path, ours, "cuda", cuda_graph, session_factory)
+        result.providers = sess.get_providers()
+        try:
+            if not cuda_graph:
+                shapes, _ = _output_shapes(sess, feeds)
+            bound = _Bound(sess, feeds, shapes)
+            for _ in range(max(warmup, 2 if cuda_graph else 0)):   # onnxruntime captures on an early run
+                bound.run()
+            ts = []
+            for _ in range(runs):
+                t = time.perf_counter()
+                bound.run()
+                ts.append((time.perf_counter() - t) * 1e3)
+            out = bound.results()
+        except LowbitError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _run_error(path, e) from None
+    result.peak_memory_bytes = int(m.peak)
+    if plain is not None:
+        result.graph_vs_plain_max_abs = max((_agree("", a, b).max_abs for a, b in zip(plain, out)), default=0.0)
+    del bound, sess
+    return ts, out
+
+
+def _agree(name, a, b) -> Agreement:
+    a = np.asarray(a)
+    b = np.asarray(b)
+    if a.shape != b.shape:
+        return Agreement(name, float("inf"), float("inf"))
+    if a.dtype.kind not in "fiub":
+        same = np.array_equal(a, b)
+        return Agreement(name, 0.0 if same else float("inf"), 0.0 if same else float("inf"))
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    finite = np.isfinite(a64) & np.isfinite(b64)
+    nan_mismatch = np.any(np.isnan(a64) != np.isnan(b64))
+    diff = np.abs(a64 - b64)[finite]
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(a64[finite]).max()) if finite.any() else 0.0
+    if nan_mismatch:
+        max_abs = float("inf")
+    return Agreement(name, max_abs, max_abs / max(scale, 1e-30) if max_abs else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+@dataclass
+class BenchResult:
+    provider: str
+    cuda_graph: bool
+    warmup: int
+    runs: int
+    memory_method: str
+    inputs: dict            # name -> [shape, dtype]
+    models: list            # [ModelResult original, ModelResult rewritten]
+    agreement: list         # [Agreement] per output
+
+    def to_dict(self):
+        d = asdict(self)
+        for m, r in zip(d["models"], self.models):
+            m["median_ms"], m["p90_ms"] = r.median_ms, r.p90_ms
+        return d
+
+
+def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=False, warmup=10, runs=100,
+        inputs=None, dims=None, out_dir=".", seed=0) -> BenchResult:
+    """Times both models; returns a BenchResult and writes ``bench-<mode>.png`` / ``.json`` into ``out_dir``
+    (None: nothing written). ``session_factory(path, sess_options, providers=...)`` makes sessions with our ops
+    registered. LowbitError for every bad input."""
+    if provider not in ("cpu", "cuda"):
+        raise LowbitError(f"unknown provider {provider!r}: cpu or cuda")
+    if cuda_graph and provider != "cuda":
+        raise LowbitError("--cuda-graph needs --provider cuda")
+    if runs < 1 or warmup < 0:
+        raise LowbitError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")
+    if out_dir is not None:
+        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+            raise LowbitError(f"--out {out_dir}: exists and is not a directory")
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise LowbitError(f"--out {out_dir}: cannot create ({e.strerror or e})") from None
+    if provider == "cuda":
+        _cuda_check(cuda_graph)
+    from .domain import DOMAIN
+    models, sigs, ours = [], [], []
+    for path in (original, rewritten):
+        m = model_io.load(path, load_external_data=False)
+        model_io.check_opset(m, path)
+        models.append(m)
+        sigs.append(_signature(m))
+        ours.append(any(n.domain == DOMAIN for n in m.graph.node))
+    ours[1] = True
+    for name in set(sigs[0]) & set(sigs[1]):
+        (d0, s0), (d1, s1) = sigs[0][name], sigs[1][name]
+        if d0 != d1 or len(s0) != len(s1):
+            raise LowbitError(f"input {name!r} differs between the models: {d0}{s0} vs {d1}{s1}")
+    sig = dict(sigs[0])
+    sig.update({k: v for k, v in sigs[1].items() if k not in sig})
+    if inputs:
+        feeds = load_inputs(inputs, sig)
+    else:
+        feeds = random_inputs(sig, resolve_dims(sigs, dims or {}), seed)
+    mem = DeviceMemory() if provider == "cuda" else HostMemory()
+    if provider == "cuda":
+        _warm_cuda_context()
+    results, outs = [], []
+    for label, path, m, s, o in zip(("original", "rewritten"), (original, rewritten), models, sigs, ours):
+        r = ModelResult(label, os.fspath(path), weight_bytes(m))
+        f = {k: feeds[k] for k in s}
+        if provider == "cpu":
+            with mem.measure() as meas:
+                sess = _make_session(path, o, "cpu", False, session_factory)
+                r.providers = sess.get_providers()
+                ts, out = _time_cpu(sess, f, warmup, runs, path)
+                del sess
+            r.peak_memory_bytes = int(meas.peak)
+        else:
+            ts, out = _time_cuda(path, o, f, warmup, runs, cuda_graph, session_factory, r, mem)
+        r.latency_ms = ts
+        results.append(r)
+        outs.append(out)
+        _release_host_memory()
+    names = [o.name for o in models[0].graph.output]
+    agreement = [_agree(n, a, b) for n, a, b in zip(names, outs[0], outs[1])]
+    res = BenchResult(provider, cuda_graph, warmup, runs, mem.method,
+                      {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement)
+    if out_dir is not None:
+        stem = os.path.join(out_dir, f"bench-{mode_name(res)}")
+        with open(stem + ".json", "w") as fh:
+            json.dump(res.to_dict(), fh, indent=1)
+        plot(res, stem + ".png")
+    return res
+
+
+def mode_name(res) -> str:
+    return res.provider + ("-graph" if res.cuda_graph else "")
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+def _fmt_bytes(n):
+    if n is None:
+        return "n/a"
+    return f"{n / MIB:.2f} MiB" if abs(n) >= 0.1 * MIB else f"{n / 1024:.1f} KiB"
+
+
+def _ratio(a, b):
+    return f"x{b / a:.3f}" if a and b is not None and a is not None else ""
+
+
+def table(res: BenchResult) -> str:
+    o, r = res.models
+    mode = f"{res.provider}{' + CUDA graph' if res.cuda_graph else ''}"
+    lines = [f"onnx-lowbit bench ({mode}; {res.warmup} warm-up + {res.runs} timed runs; inputs "
+             + ", ".join(f"{k} {v[1]}{v[0]}" for k, v in res.inputs.items()) + ")", "",
+             "| | original | rewritten | rewritten / original |", "|---|---|---|---|",
+             f"| model | {os.path.basename(o.path)} | {os.path.basename(r.path)} | |",
+             f"| latency median (ms) | {o.median_ms:.3f} | {r.median_ms:.3f} | {_ratio(o.median_ms, r.median_ms)} |",
+             f"| latency p90 (ms) | {o.p90_ms:.3f} | {r.p90_ms:.3f} | {_ratio(o.p90_ms, r.p90_ms)} |",
+             f"| peak memory | {_fmt_bytes(o.peak_memory_bytes)} | {_fmt_bytes(r.peak_memory_bytes)} | "
+             f"{_ratio(o.peak_memory_bytes, r.peak_memory_bytes)} |",
+             f"| weight bytes | {o.weight_bytes:,} | {r.weight_bytes:,} | {_ratio(o.weight_bytes, r.weight_bytes)} |",
+             "", f"memory: {res.memory_method}", "",
+             "| output | max abs diff | max rel diff |", "|---|---|---|"]
+    lines += [f"| {a.output} | {a.max_abs:.4g} | {a.max_rel:.4g} |" for a in res.agreement]
+    lines += ["", "max rel diff = max |rewritten - original| / max |original| per output"]
+    for m in res.models:
+        if m.graph_vs_plain_max_abs is not None and m.graph_vs_plain_max_abs > 0:
+            lines.append(f"warning: {m.label}: CUDA graph replay differs from a plain run by up to "
+                         f"{m.graph_vs_plain_max_abs:.4g}")
+    return "\n".join(lines)
+
+
+def plot(res: BenchResult, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    o, r = res.models
+    labels, colors = ["original", "rewritten"], ["#7f7f7f", "#1f77b4"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    med = [o.median_ms, r.median_ms]
+    p90 = [o.p90_ms - o.median_ms, r.p90_ms - r.median_ms]
+    axes[0].bar(labels, med, color=colors, yerr=[[0, 0], p90], capsize=6)
+    axes[0].set_title("latency (ms): median, bar to p90")
+    axes[1].bar(labels, [o.weight_bytes / MIB, r.weight_bytes / MIB], color=colors)
+    axes[1].set_title("weight MiB")
+    mem = [(m.peak_memory_bytes or 0) / MIB for m in (o, r)]
+    axes[2].bar(labels, mem, color=colors)
+    axes[2].set_title("peak " + ("device" if res.provider == "cuda" else "RSS") + " memory MiB")
+    for ax, vals in zip(axes, (med, [o.weight_bytes / MIB, r.weight_bytes / MIB], mem)):
+        for i, v in enumerate(vals):
+            ax.annotate(f"{v:.3g}", (i, v), ha="center", va="bottom", fontsize=9)
+    worst = max((a.max_rel for a in res.agreement), default=0.0)
+    fig.suptitle(f"{os.path.basename(o.path)} vs {os.path.basename(r.path)} on {res.provider}"
+                 f"{' + CUDA graph' if res.cuda_graph else ''} (max rel output diff {worst:.3g})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(a, session_factory) -> int:
+    """The CLI subcommand (``a``: argparse namespace)."""
+    provider = a.provider or ("cuda" if a.cuda_graph else "cpu")
+    res = run(a.original, a.rewritten, session_factory=session_factory, provider=provider,
+              cuda_graph=a.cuda_graph, warmup=a.warmup, runs=a.runs, inputs=a.inputs,
+              dims=parse_dims(a.dim), out_dir=a.out)
+    print(table(res))
+    stem = os.path.join(a.out, f"bench-{mode_name(res)}")
+    print(f"\nwrote {stem}.png, {stem}.json")
+    return 0

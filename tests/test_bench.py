@@ -1,0 +1,154 @@
+"""``onnx-lowbit bench``: both sample models rewritten and timed side by side on the CPU (table, PNG, JSON, the
+figures it reports checked against independent computations), and every bad input gives exit 2 and one line."""
+import json
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+from onnx_lowbit import api, bench, cli, model_io, passes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPT2 = os.path.join(ROOT, "samples", "gpt2_mlp.onnx")
+YOLO = os.path.join(ROOT, "samples", "tiny_yolo.onnx")
+FAST = ["--warmup", "1", "--runs", "3"]
+
+
+@pytest.fixture(scope="module")
+def rewritten(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    out = {}
+    for src, name, opts in ((GPT2, "gpt2_nf4.onnx", dict(passes=["fplut", "weights4"], weights="nf4")),
+                            (YOLO, "yolo_fplut.onnx", dict(passes=["fplut"]))):
+        m, _ = passes.run_passes(model_io.load(src), **opts)
+        model_io.save(m, str(d / name))
+        out[name] = str(d / name)
+    return out
+
+
+def _main(capsys, *args):
+    rc = cli.main(["bench", *args])
+    o, e = capsys.readouterr()
+    return rc, o, e
+
+
+def _bad(capsys, needle, *args):
+    rc, _, err = _main(capsys, *args)
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("onnx-lowbit: error:") and needle in err, err
+    return err
+
+
+def _initializer_bytes(path):
+    """Initializers and Constant node tensors, as loaded arrays (external data included)."""
+    m = onnx.load(path)
+    consts = [a.t for n in m.graph.node if n.op_type == "Constant" for a in n.attribute if a.name == "value"]
+    return sum(numpy_helper.to_array(t).nbytes for t in list(m.graph.initializer) + consts)
+
+
+def test_bench_gpt2_nf4_table_png_json(rewritten, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, o, e = _main(capsys, GPT2, rewritten["gpt2_nf4.onnx"], *FAST, "--dim", "seq=8", "--out", str(out))
+    assert rc == 0, e
+    for field in ("latency median (ms)", "latency p90 (ms)", "peak memory", "weight bytes", "max abs diff",
+                  "max rel diff", "| y |", "x float32[1, 8, 128]", "peak RSS delta"):
+        assert field in o, field
+    png = out / "bench-cpu.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    d = json.loads((out / "bench-cpu.json").read_text())
+    orig, rew = d["models"]
+    assert len(orig["latency_ms"]) == 3 and all(t > 0 for t in orig["latency_ms"] + rew["latency_ms"])
+    assert orig["median_ms"] == pytest.approx(float(np.median(orig["latency_ms"])))
+    assert orig["p90_ms"] <= max(orig["latency_ms"]) and orig["p90_ms"] >= orig["median_ms"]
+    # weight bytes: the initializers' sizes, computed independently from the loaded arrays
+    assert orig["weight_bytes"] == _initializer_bytes(GPT2)
+    assert rew["weight_bytes"] == _initializer_bytes(rewritten["gpt2_nf4.onnx"])
+    assert rew["weight_bytes"] < 0.2 * orig["weight_bytes"]
+    assert orig["peak_memory_bytes"] > 0 and rew["peak_memory_bytes"] > 0
+    assert f"{orig['weight_bytes']:,}" in o
+    # agreement: recomputed here from plain sessions on the same (seeded) inputs
+    feeds = bench.random_inputs(bench._signature(onnx.load(GPT2)), {"seq": 8})
+    a = ort.InferenceSession(GPT2, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    b = api.InferenceSession(rewritten["gpt2_nf4.onnx"], providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    diff = np.abs(a.astype(np.float64) - b)
+    (agr,) = d["agreement"]
+    assert agr["max_abs"] == pytest.approx(diff.max(), rel=1e-6)
+    assert agr["max_rel"] == pytest.approx(diff.max() / np.abs(a).max(), rel=1e-6)
+    assert 0 < agr["max_rel"] < 0.1   # NF4 weights: a few percent
+
+
+def test_bench_identical_models_agree_exactly_and_inputs_file(rewritten, tmp_path):
+    path = rewritten["yolo_fplut.onnx"]
+    x = np.random.default_rng(3).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    res = bench.run(path, path, session_factory=api.InferenceSession, warmup=0, runs=2,
+                    inputs=str(tmp_path / "in.npz"), out_dir=None)
+    assert [(a.max_abs, a.max_rel) for a in res.agreement] == [(0.0, 0.0)]
+    assert res.inputs == {"x": [[1, 3, 64, 64], "float32"]}
+    assert not list(tmp_path.glob("bench-*"))
+    # FPLUT vs the float original on those inputs: table-lookup accuracy
+    res = bench.run(YOLO, path, session_factory=api.InferenceSession, warmup=0, runs=2,
+                    inputs=str(tmp_path / "in.npz"), out_dir=str(tmp_path))
+    assert 0 < res.agreement[0].max_rel < 1e-2
+    assert (tmp_path / "bench-cpu.png").exists()
+
+
+def test_weight_bytes_external_data_and_constants(tmp_path):
+    m = model_io.load(GPT2)
+    model_io.save(m, str(tmp_path / "ext.onnx"), external_data=True)
+    ext = onnx.load(str(tmp_path / "ext.onnx"), load_external_data=False)
+    assert model_io.uses_external_data(ext)
+    assert bench.weight_bytes(ext) == bench.weight_bytes(m) == _initializer_bytes(GPT2)
+    c = onnx.helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.zeros((3, 5), np.float16)))
+    m.graph.node.insert(0, c)
+    assert bench.weight_bytes(m) == _initializer_bytes(GPT2) + 30
+
+
+def test_symbolic_dims():
+    sig = {"ids": (np.dtype(np.int64), ["batch_size", "seq", 4, None])}
+    values = bench.resolve_dims([sig], {})
+    assert values == {"batch_size": 1, "seq": bench.OTHER_DIM}
+    assert bench.random_inputs(sig, values)["ids"].shape == (1, 16, 4, 16)
+    assert bench.resolve_dims([sig], bench.parse_dims(["seq=5"]))["seq"] == 5
+    with pytest.raises(bench.LowbitError, match="symbolic dims: batch_size, seq"):
+        bench.resolve_dims([sig], {"past": 3})
+
+
+def test_cuda_graph_without_gpu(rewritten, tmp_path, capsys):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is installed here")
+    err = _bad(capsys, "--cuda-graph needs onnxruntime-gpu", GPT2, rewritten["gpt2_nf4.onnx"], "--cuda-graph",
+               "--out", str(tmp_path))
+    assert "CPUExecutionProvider" in err
+    _bad(capsys, "--provider cuda needs onnxruntime-gpu", GPT2, rewritten["gpt2_nf4.onnx"], "--provider", "cuda",
+         "--out", str(tmp_path))
+    _bad(capsys, "--cuda-graph needs --provider cuda", GPT2, rewritten["gpt2_nf4.onnx"], "--cuda-graph",
+         "--provider", "cpu", "--out", str(tmp_path))
+    assert not list(tmp_path.iterdir())
+
+
+def test_bad_input(rewritten, tmp_path, capsys):
+    r = rewritten["gpt2_nf4.onnx"]
+    o = ["--out", str(tmp_path / "o")]
+    _bad(capsys, "nope.onnx: no such file", str(tmp_path / "nope.onnx"), r, *o)
+    _bad(capsys, "nope2.onnx: no such file", GPT2, str(tmp_path / "nope2.onnx"), *o)
+    _bad(capsys, "is a directory", GPT2, str(tmp_path), *o)
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(b"not a model" * 20)
+    _bad(capsys, "not an ONNX model", GPT2, str(junk), *o)
+    (tmp_path / "file").write_text("x")
+    _bad(capsys, "exists and is not a directory", GPT2, r, "--out", str(tmp_path / "file"))
+    _bad(capsys, "expected NAME=VALUE", GPT2, r, "--dim", "seq", *o)
+    _bad(capsys, "no input has such a symbolic dimension", GPT2, r, "--dim", "past=3", *o)
+    _bad(capsys, "--runs must be >= 1", GPT2, r, "--runs", "0", *o)
+    _bad(capsys, "invalid choice", GPT2, r, "--provider", "tpu", *o)
+    _bad(capsys, "(--inputs)", GPT2, r, "--inputs", str(tmp_path / "missing.npz"), *o)
+    np.savez(tmp_path / "wrong.npz", z=np.zeros(3, np.float32))
+    _bad(capsys, "no array for input 'x'", GPT2, r, "--inputs", str(tmp_path / "wrong.npz"), *o)
+    np.savez(tmp_path / "shape.npz", x=np.zeros((1, 4, 7), np.float32))
+    _bad(capsys, "has shape [1, 4, 7]", GPT2, r, "--inputs", str(tmp_path / "shape.npz"), *o)
+    _bad(capsys, "differs between the models", GPT2, YOLO, *o)
