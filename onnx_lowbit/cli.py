@@ -164,36 +164,15 @@ def cmd_rewrite(a) -> int:
     selected = _selected_passes(a, passes_mod)  # unknown names fail before any work
     if _same_file(a.input, a.output):
         raise LowbitError(f"OUT must differ from IN ({a.output}); the input is never overwritten")
-    head = model_io.load(a.input, load_external_data=False)  # the graph; weights in external data stay on disk
-    model_io.check_opset(head, a.input)
-    model_io.check_output_spares_input(a.output, a.input, head)
-    # Models with external data (all models over 2 GB) are streamed: weights are read one at a time and new ones
-    # are written to OUT's data file as they are made. AWQ calibration runs the whole model: it loads it.
-    streamed = model_io.uses_external_data(head) and not getattr(a, "calibration", None)
-    model = head if streamed else model_io.load(a.input)
+    model = model_io.load(a.input)
+    model_io.check_opset(model, a.input)
     options = _pass_options(a, model)
-    staged = None
-    if streamed:
-        staged = model_io.StagedOutput(a.output)
-        options.update(external_data_dir=os.path.dirname(os.path.abspath(a.input)), spill=staged.spill)
-    try:
-        return _rewrite(a, model, selected, options, staged)
-    finally:
-        if staged is not None:
-            staged.abort()
-
-
-def _rewrite(a, model, selected, options, staged) -> int:
-    """The passes, --verify and the write of cmd_rewrite; ``staged``: the streamed output (None: in memory)."""
-    from . import model_io, verify
-    from onnx_lowbit import passes as passes_mod
     out, report = None, passes_mod.Report()
     current = model
     for p in _progress(selected, "rewriting"):
         current, r = passes_mod.run_passes(current, passes=[p.name], **options)
         report.extend(r)
     out = current
-    staged_path = staged.write(out, options["external_data_dir"]) if staged is not None else None
     print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped "
           f"({', '.join(p.name for p in selected)})")
     summary = _weights_summary(report)
@@ -206,10 +185,7 @@ def _rewrite(a, model, selected, options, staged) -> int:
             json.dump(report.to_dict(), f, indent=1)
     status = 0
     if a.verify:
-        if staged is not None:  # sessions from the files: the original and the staged output
-            errors, _ = verify.compare(os.path.abspath(a.input), staged_path, tolerance=a.tolerance)
-        else:
-            errors, _ = verify.compare(model, out, tolerance=a.tolerance)
+        errors, _ = verify.compare(model, out, tolerance=a.tolerance)
         print(verify.format_errors(errors, a.tolerance))
         if not all(e.ok for e in errors):
             t = _weights_totals(report)
@@ -218,10 +194,7 @@ def _rewrite(a, model, selected, options, staged) -> int:
                       f"(max {t['max_rel_error']:.3f} per weight here); --tolerance sets the limit", file=sys.stderr)
             print(f"onnx-lowbit: verification failed: {a.output} not written", file=sys.stderr)
             return EXIT_VERIFY_FAILED
-    if staged is not None:
-        staged.commit()
-    else:
-        model_io.save(out, a.output)
+    model_io.save(out, a.output)
     print(f"wrote {a.output}")
     return status
 
