@@ -250,6 +250,55 @@ FFN_OPS = {op.name: op for op in [FUSED_FFN, FUSED_FFN_NF4, FUSED_FFN_AWQ]}
 OPS = {op.name: op for op in [FPLUT, *PLANNED_OPS.values(), *FFN_OPS.values()]}
 
 
+def _quant_gru_infer(ctx) -> None:
+    """Y: layout 0 [T, D, N, H], layout 1 [N, T, D, H]; Y_h: layout 0 [D, N, H], layout 1 [N, D, H]; float."""
+    get = lambda n, d: (onnx.helper.get_attribute_value(ctx.get_attribute(n))  # noqa: E731
+                        if ctx.get_attribute(n) is not None else d)
+    h, layout = get("hidden_size", None), get("layout", 0)
+    direction = get("direction", b"forward")
+    d = 2 if (direction.decode() if isinstance(direction, bytes) else direction) == "bidirectional" else 1
+    x = ctx.get_input_type(0)
+    dims = [None, None, None]
+    if x is not None and x.tensor_type.HasField("shape") and len(x.tensor_type.shape.dim) == 3:
+        dims = [dd.dim_value if dd.HasField("dim_value") else (dd.dim_param or None) for dd in x.tensor_type.shape.dim]
+    t, n = (dims[0], dims[1]) if layout == 0 else (dims[1], dims[0])
+    shapes = ([t, d, n, h], [d, n, h]) if layout == 0 else ([n, t, d, h], [n, d, h])
+    for i, s in enumerate(shapes):
+        ctx.set_output_type(i, onnx.helper.make_tensor_type_proto(TensorProto.FLOAT, s))
+
+
+QUANT_GRU = OpSpec(
+    name="QuantGRU",
+    doc="ONNX GRU (linear_before_reset=1, gates z, r, h) computed in pure fixed point (reference: "
+        "onnx_lowbit.gru_int; spec: docs/gru.md). X (float) and initial_h are quantised at entry, every "
+        "intermediate is a `bits`-wide integer with a power-of-two scale 2^-e and a zero point, sigmoid/tanh are "
+        "integer lookup tables; Y/Y_h are the dequantised hidden states (float).",
+    inputs=[Param("X", "tensor(float)", "[T, N, C] (layout 0) or [N, T, C] (layout 1)"),
+            Param("W", "TQ", "per-channel symmetric input weights [D, 3H, C], gates z, r, h"),
+            Param("R", "TQ", "per-channel symmetric recurrent weights [D, 3H, H]"),
+            Param("B", "tensor(int32)", "per-channel symmetric biases [D, 6H]: bx (3H) then br (3H)"),
+            Param("channel_exp", "tensor(int32)", "per-channel exponents [D, 4, 3H]: W, R, bx, br"),
+            Param("luts", "TQ", "integer tables [D, 3, L]: sigmoid(z), sigmoid(r), tanh(g); L = 257 (int8), "
+                                "1025 (int16)"),
+            Param("sequence_lens", "tensor(int32)", "[N]", optional=True),
+            Param("initial_h", "tensor(float)", "[D, N, H] (layout 0) or [N, D, H] (layout 1)", optional=True)],
+    outputs=[Param("Y", "tensor(float)", optional=True), Param("Y_h", "tensor(float)", optional=True)],
+    type_constraints={"TQ": ["tensor(int8)", "tensor(int16)"]},
+    attributes=[
+        Attr("hidden_size", "int", "H"),
+        Attr("direction", "string", "forward (default), reverse or bidirectional", required=False),
+        Attr("layout", "int", "0 (default): [T, N, ...]; 1: [N, T, ...] (ONNX GRU layout)", required=False),
+        Attr("bits", "int", "8 or 16: width of every quantised quantity (TQ is int8 / int16)"),
+        Attr("exponents", "ints", "D x 14 exponents e (scale 2^-e) of x, h, Wx, Rh, z_pre, r_pre, g_pre, z_out, "
+                                  "r_out, g_out, Rh_add_br, rRh, old (z*h), new ((1-z)*g), per direction"),
+        Attr("zero_points", "ints", "D x 14 zero points, same order"),
+    ],
+    infer=_quant_gru_infer,
+)
+# The integer GRU (onnx_lowbit.gru_int).
+OPS[QUANT_GRU.name] = QUANT_GRU
+
+
 def _schema(op: OpSpec) -> defs.OpSchema:
     opt = defs.OpSchema.FormalParameterOption
     params = lambda ps: [  # noqa: E731
