@@ -32,6 +32,14 @@ def model(request):
     return m
 
 
+def _same(a, b, model):
+    """NF4 results are bit-reproducible; MatMulAWQ's split-K sums block partials with fp32 atomics, so its
+    results may differ in the last bits between runs (documented in matmulawq_cuda)."""
+    if any(n.op_type == "MatMulAWQ" for n in model.graph.node):
+        return np.allclose(a, b, rtol=1e-5, atol=1e-6)
+    return np.array_equal(a, b)
+
+
 def _x(seq, seed=0):
     return np.random.default_rng(seed).standard_normal((1, seq, 128)).astype(np.float32)
 
@@ -60,7 +68,7 @@ def test_replay_matches_python_path_and_skips_python(model):
         outs = [_bound_run(sess, x) for _ in range(5)]
         assert bridge.stats["python_computes"] - before == n_ours  # recorded once, then replayed natively
         for y in outs:
-            assert np.array_equal(y, want[seq])
+            assert _same(y, want[seq], model)
         np.testing.assert_allclose(outs[0], cpu.run(None, {"x": x})[0], rtol=2e-3, atol=2e-3)
 
 
@@ -72,7 +80,7 @@ def test_replay_with_8_threads(model):
 
     def work(i):
         for _ in range(20):
-            if not np.array_equal(sess.run(None, {"x": xs[i]})[0], want[i]):
+            if not _same(sess.run(None, {"x": xs[i]})[0], want[i], model):
                 bad.append(i)
 
     ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
@@ -97,4 +105,4 @@ def test_cuda_graph_capture_and_replay(model):
         x = _x(3, seed)
         xv.update_inplace(x)
         sess.run_with_iobinding(io)
-        assert np.array_equal(yv.numpy(), ref.run(None, {"x": x})[0]), seed
+        assert _same(yv.numpy(), ref.run(None, {"x": x})[0], model), seed
