@@ -1,0 +1,194 @@
+"""End-to-end decode benchmark: a LLaMA-style decoder (transformers' LlamaForCausalLM, random weights) exported
+as ONE single-token decode step with a KV cache, rewritten with 4-bit weights + the fused FFN + FPLUT, and timed
+against the original with ``onnx-lowbit bench``.
+
+    python samples/llama_decode.py --device cuda --out /tmp/llama              # full size (issue 6), fp16
+    python samples/llama_decode.py --device cpu --layers 2 --hidden 128 --intermediate 352 --out /tmp/tiny
+
+Steps (each a plain call, output in --out):
+  1. export   llama_decode.onnx (+ .data): inputs input_ids [1, 1] int64 and past_key_values.<i>.key / .value
+              [1, kv_heads, past, head_dim]; outputs logits [1, 1, vocab] and present.<i>.key / .value
+              [1, kv_heads, past + 1, head_dim]. Static shapes (CUDA graphs need them; a decode step with a fixed
+              cache length is the usual benchmark unit). TorchScript exporter, opset 17, weights as external data.
+              The step is a thin wrapper around the model's own forward: the past tensors are put into a
+              transformers DynamicCache and the updated cache is returned as the present tensors; eager attention.
+  2. rewrite  ``onnx-lowbit rewrite llama_decode.onnx llama_decode.<weights>.onnx --weights nf4 [--passes ...]``
+              (default: every registered pass: fplut, weights4, ffn).
+  3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
+              --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
+
+--skip-export reuses an existing llama_decode.onnx in --out. Everything runs with ``sys.executable``; the
+repository root goes on PYTHONPATH, so a source checkout needs no install. Needs torch and transformers (>= 4.56
+for the DynamicCache layers API; tested with 5.x), onnx, onnxruntime(-gpu) and onnx-lowbit's own dependencies.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAME = "llama_decode.onnx"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=16, help="key/value heads (< --heads: grouped-query attention)")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--past", type=int, default=128, help="KV cache length the step reads (default 128)")
+    p.add_argument("--dtype", choices=["fp16", "fp32"], help="default: fp16 on cuda, fp32 on cpu (onnxruntime's "
+                                                            "CPU EP lacks fp16 kernels for several ops)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda",
+                   help="where the model is built/traced and which execution provider bench uses (default cuda)")
+    p.add_argument("--out", default="llama_decode_out", help="output directory (default ./llama_decode_out)")
+    p.add_argument("--skip-export", action="store_true", help="reuse --out/llama_decode.onnx")
+    p.add_argument("--weights", choices=["nf4", "fp4", "awq"], default="nf4")
+    p.add_argument("--passes", help="passes for the rewrite, comma-separated (default: all registered)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--runs", type=int, default=100)
+    p.add_argument("--no-graph", action="store_true", help="cuda: skip the --cuda-graph bench")
+    p.add_argument("--no-bench", action="store_true", help="stop after the rewrite")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.hidden % a.heads or a.heads % a.kv_heads:
+        p.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads}), and --heads of --kv-heads "
+                f"({a.kv_heads})")
+    a.dtype = a.dtype or ("fp16" if a.device == "cuda" else "fp32")
+    return a
+
+
+def build_model(a):
+    import torch
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
+                      num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, vocab_size=a.vocab,
+                      max_position_embeddings=max(2048, a.past + 1), tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"   # plain MatMul/Softmax in the graph; sdpa's export path varies by version
+    torch.manual_seed(a.seed)
+    major = int(transformers.__version__.split(".")[0])
+    _DTYPE_KW = "dtype" if major >= 5 else "torch_dtype"  # noqa: N806 - renamed in transformers 5
+    dtype = torch.float16 if a.dtype == "fp16" else torch.float32
+    with torch.device(a.device):
+        model = LlamaForCausalLM._from_config(cfg, **{_DTYPE_KW: dtype})
+    return model.eval()
+
+
+def make_step(model):
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    class DecodeStep(torch.nn.Module):
+        """(input_ids, k0, v0, k1, v1, ...) -> (logits, k0', v0', ...): one token through the model's forward."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.m, self.n = m, m.config.num_hidden_layers
+
+        def forward(self, input_ids, *past):
+            cache = DynamicCache(config=self.m.config)
+            for i in range(self.n):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            start = past[0].shape[2]
+            pos = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            out = self.m(input_ids=input_ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            present = []
+            for layer in out.past_key_values.layers:
+                present += [layer.keys, layer.values]
+            return (out.logits, *present)
+
+    return DecodeStep(model)
+
+
+def io_names(layers):
+    past = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    return ["input_ids"] + past, ["logits"] + [n.replace("past_key_values", "present") for n in past]
+
+
+def example_inputs(a, model):
+    import torch
+    head_dim = a.hidden // a.heads
+    g = torch.Generator().manual_seed(a.seed + 1)
+    ids = torch.randint(0, a.vocab, (1, 1), generator=g).to(a.device)
+    past = [torch.randn(1, a.kv_heads, a.past, head_dim, generator=g).to(a.device, model.dtype)
+            for _ in range(2 * a.layers)]
+    return ids, past
+
+
+def export(a, path):
+    """Exports the decode step to ``path`` with all weights in one external data file ``<name>.data``."""
+    import onnx
+    import torch
+    t = time.time()
+    model = build_model(a)
+    step = make_step(model)
+    ids, past = example_inputs(a, model)
+    ins, outs = io_names(a.layers)
+    tmp = os.path.join(os.path.dirname(path), ".export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        with torch.no_grad():
+            torch.onnx.export(step, (ids, *past), os.path.join(tmp, NAME), input_names=ins, output_names=outs,
+                              opset_version=17, dynamo=False, do_constant_folding=True)
+        del step, model, past
+        m = onnx.load(os.path.join(tmp, NAME))    # the exporter may spread > 2 GB over one file per tensor
+        for f in (path, path + ".data"):
+            if os.path.exists(f):
+                os.unlink(f)
+        onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=os.path.basename(path) + ".data", size_threshold=1024)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = os.path.getsize(path) + os.path.getsize(path + ".data")
+    print(f"exported {path} (+ .data, {size / 2 ** 20:.1f} MiB) in {time.time() - t:.1f} s: {a.layers} layers, "
+          f"hidden {a.hidden}, intermediate {a.intermediate}, heads {a.heads}/{a.kv_heads}, vocab {a.vocab}, "
+          f"past {a.past}, {a.dtype}", flush=True)
+
+
+def cli(*args):
+    """Runs ``onnx-lowbit`` (this checkout's) in a subprocess; exits with its status on failure."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "onnx_lowbit.cli", *args]
+    print("$ onnx-lowbit " + " ".join(args), flush=True)
+    t = time.time()
+    rc = subprocess.run(cmd, env=env).returncode
+    print(f"  ({time.time() - t:.1f} s)", flush=True)
+    if rc:
+        sys.exit(rc)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    original = os.path.join(a.out, NAME)
+    rewritten = os.path.join(a.out, NAME.replace(".onnx", f".{a.weights}.onnx"))
+    if a.skip_export:
+        if not os.path.exists(original):
+            print(f"llama_decode: --skip-export but {original} does not exist", file=sys.stderr)
+            return 2
+    else:
+        export(a, original)
+    cli("rewrite", original, rewritten, "--weights", a.weights, *(["--passes", a.passes] if a.passes else []))
+    if a.no_bench:
+        return 0
+    common = ["--warmup", str(a.warmup), "--runs", str(a.runs), "--out", a.out]
+    if a.device == "cpu":
+        cli("bench", original, rewritten, "--provider", "cpu", *common)
+    else:
+        cli("bench", original, rewritten, "--provider", "cuda", *common)
+        if not a.no_graph:
+            cli("bench", original, rewritten, "--provider", "cuda", "--cuda-graph", *common)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
