@@ -1,0 +1,175 @@
+"""QuantGRU CUDA kernel (custom_ops/quantgru_cuda.py) bit-exact against the integer reference
+onnx_lowbit.gru_int.quant_gru.
+
+Kernel level: ``run_arrays`` under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, tiny shapes, one launch per
+step, 32-thread blocks) or on a real GPU with ONNX_LOWBIT_REAL_GPU=1 (one cooperative launch for all steps,
+also forced per-step launches and several block splits). Random parameters cover the whole integer range:
+weights, tables and zero points anywhere in int8/int16, exponents that make every scalar rescale a left shift,
+no shift or a right shift, X with NaN / inf / huge values (saturation at entry), sequence_lens with zeros.
+Through onnxruntime CUDA-EP sessions where onnxruntime-gpu and a GPU are present (skipped otherwise).
+"""
+import os
+
+import numpy as np
+import pytest
+from numba import config
+
+from onnx_lowbit import gru_int
+
+SIM = bool(config.ENABLE_CUDASIM)
+REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
+
+
+def _cuda():
+    if not SIM:
+        from numba import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU and the CUDA simulator is off")
+    from onnx_lowbit.custom_ops import quantgru_cuda
+    return quantgru_cuda
+
+
+def random_case(T, N, C, H, bits, direction, *, seed=0, lens=True, h0=True, specials=True, layout=0):  # noqa: N803
+    """Inputs and attributes of a valid QuantGRU call with random parameters."""
+    rng = np.random.default_rng(seed)
+    d = 2 if direction == "bidirectional" else 1
+    lo, hi = gru_int.qrange(bits)
+    qt = gru_int.QTYPES[bits]
+    e = np.zeros((d, gru_int.NQ), np.int64)
+    z = np.zeros((d, gru_int.NQ), np.int64)
+    ch = np.zeros((d, 4, 3 * H), np.int32)
+    for k in range(d):
+        while True:
+            ek = rng.integers(2, 12, gru_int.NQ)
+            ek[gru_int.Q["z_out"]] = rng.integers(bits // 2, bits)
+            ee = {n: int(ek[gru_int.Q[n]]) for n in gru_int.QUANTITIES}
+            if all(s >= -gru_int.MAX_LEFT_SHIFT for _, _, s in gru_int.scalar_shifts(ee)):
+                break
+        e[k] = ek
+        z[k] = rng.integers(lo // 2, hi // 2, gru_int.NQ)
+        z[k, gru_int.Q["g_out"]] = 0
+        E = lambda n: ee[n]  # noqa: E731
+        ch[k, gru_int.CH_W] = E("Wx") - E("x") + rng.integers(bits // 2, bits + 6, 3 * H)
+        ch[k, gru_int.CH_R] = E("Rh") - E("h") + rng.integers(bits // 2, bits + 6, 3 * H)
+        tg = np.concatenate([np.full(H, E("z_pre")), np.full(H, E("r_pre")), np.full(H, E("g_pre"))])
+        ch[k, gru_int.CH_BX] = tg + rng.integers(0, 8, 3 * H)
+        tg[2 * H:] = E("Rh_add_br")
+        ch[k, gru_int.CH_BR] = tg + rng.integers(0, 8, 3 * H)
+    W = rng.integers(lo, hi + 1, (d, 3 * H, C)).astype(qt)
+    R = rng.integers(lo, hi + 1, (d, 3 * H, H)).astype(qt)
+    B = rng.integers(-(1 << 20), 1 << 20, (d, 6 * H)).astype(np.int32)
+    L = gru_int.lut_len(bits)
+    luts = np.sort(rng.integers(lo, hi + 1, (d, 3, L)), axis=-1).astype(qt)
+    scale = 2.0 ** -float(e[:, gru_int.Q["x"]].mean()) * (hi - lo) / 4
+    X = (rng.standard_normal((T, N, C) if layout == 0 else (N, T, C)) * scale).astype(np.float32)
+    if specials and X.size >= 4:
+        X.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, 1e30]
+    sl = rng.integers(0, T + 1, N).astype(np.int32) if lens else None
+    if sl is not None and N > 1:
+        sl[0] = T
+    ih = None
+    if h0:
+        ih = (rng.standard_normal((d, N, H) if layout == 0 else (N, d, H)) * 4).astype(np.float32)
+    attrs = dict(hidden_size=H, bits=bits, exponents=e.reshape(-1).tolist(), zero_points=z.reshape(-1).tolist(),
+                 direction=direction, layout=layout)
+    return (X, W, R, B, ch, luts, sl, ih), attrs
+
+
+def check(qg, args, attrs, **kw):
+    want_y, want_h = gru_int.quant_gru(*args, **attrs)
+    y, yh = qg.run_arrays(*args, **attrs, **kw)
+    assert y.shape == want_y.shape and yh.shape == want_h.shape
+    assert np.array_equal(y.view(np.uint32), want_y.view(np.uint32)), \
+        f"Y differs at {np.argwhere(y != want_y)[:5].tolist()} of {y.size}"
+    assert np.array_equal(yh.view(np.uint32), want_h.view(np.uint32)), "Y_h differs"
+
+
+# (T, N, C, H, bits, direction, lens, h0, layout)
+CASES = [
+    (3, 1, 5, 4, 8, "forward", False, False, 0),
+    (3, 2, 3, 5, 16, "forward", True, True, 0),
+    (2, 3, 4, 3, 8, "reverse", True, True, 0),
+    (3, 2, 2, 4, 16, "bidirectional", True, False, 0),
+    (2, 5, 3, 3, 8, "bidirectional", True, True, 1),
+    (4, 1, 3, 6, 16, "reverse", False, True, 1),
+]
+
+
+@pytest.mark.parametrize("T,N,C,H,bits,direction,lens,h0,layout", CASES,
+                         ids=[f"T{c[0]}N{c[1]}C{c[2]}H{c[3]}-int{c[4]}-{c[5]}{'-lens' if c[6] else ''}"
+                              f"{'-h0' if c[7] else ''}-L{c[8]}" for c in CASES])
+def test_kernel_bit_exact(T, N, C, H, bits, direction, lens, h0, layout):  # noqa: N803
+    qg = _cuda()
+    args, attrs = random_case(T, N, C, H, bits, direction, seed=T * 100 + N * 10 + H, lens=lens, h0=h0,
+                              layout=layout)
+    check(qg, args, attrs)
+
+
+def test_kernel_block_splits_and_empty():
+    """Units split over several blocks (a barrier group of 2..H blocks), T = 0, all sequence lengths 0."""
+    qg = _cuda()
+    args, attrs = random_case(3, 2, 3, 5, 16, "bidirectional", seed=7)
+    for units in (1, 2, 5):
+        check(qg, args, attrs, units=units)
+    args, attrs = random_case(0, 2, 3, 4, 8, "forward", seed=8, lens=False)
+    check(qg, args, attrs)
+    args, attrs = random_case(2, 2, 3, 4, 8, "reverse", seed=9)
+    args = args[:6] + (np.zeros(2, np.int32),) + args[7:]
+    check(qg, args, attrs)
+
+
+def test_bad_inputs_raise_clear_errors():
+    qg = _cuda()
+    args, attrs = random_case(2, 2, 3, 4, 8, "forward", seed=1)
+    bad = args[:6] + (np.array([3, 1], np.int32),) + args[7:]
+    with pytest.raises(ValueError, match="sequence_lens"):
+        qg.run_arrays(*bad, **attrs)
+    with pytest.raises(ValueError, match="R must have shape"):
+        qg.run_arrays(*(args[:2] + (args[2][:, :, :3],) + args[3:]), **attrs)
+
+
+@pytest.mark.skipif(SIM or not REAL_GPU, reason="real GPU only (ONNX_LOWBIT_REAL_GPU=1)")
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("T,N,C,H,direction", [(20, 1, 64, 256, "forward"), (7, 33, 40, 96, "bidirectional"),
+                                               (9, 4, 16, 520, "reverse")])
+def test_gpu_bit_exact_larger(T, N, C, H, direction, bits):  # noqa: N803
+    qg = _cuda()
+    args, attrs = random_case(T, N, C, H, bits, direction, seed=H + N)
+    check(qg, args, attrs)
+    check(qg, args, attrs, per_step=True)
+    check(qg, args, attrs, units=max(1, H // 3), repeat=2)
+
+
+def calibrated_case(T, N, C, H, bits, direction, *, seed=0, layout=0, lens=True):  # noqa: N803
+    """A float GRU's weights quantised by gru_quant from its own calibration run (values mostly in range)."""
+    from onnx_lowbit import gru_quant
+    rng = np.random.default_rng(seed)
+    d = 2 if direction == "bidirectional" else 1
+    k = 1 / np.sqrt(H)
+    W = rng.uniform(-k, k, (d, 3 * H, C))
+    R = rng.uniform(-k, k, (d, 3 * H, H))
+    B = rng.uniform(-k, k, (d, 6 * H))
+    X = rng.standard_normal((T, N, C) if layout == 0 else (N, T, C)).astype(np.float32)
+    ih = (rng.standard_normal((d, N, H) if layout == 0 else (N, d, H)) * 0.3).astype(np.float32)
+    sl = rng.integers(1, T + 1, N).astype(np.int32) if lens else None
+    ranges = gru_quant.calibrate(X, W, R, B, sl, ih, hidden_size=H, direction=direction, layout=layout)
+    p = gru_quant.quant_params(W, R, B, ranges, bits=bits)
+    attrs = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"],
+                 direction=direction, layout=layout)
+    return (X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], sl, ih), attrs
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_kernel_bit_exact_calibrated(bits):
+    qg = _cuda()
+    args, attrs = calibrated_case(4, 3, 5, 6, bits, "bidirectional", seed=bits)
+    check(qg, args, attrs, units=2)
+
+
+@pytest.mark.skipif(SIM or not REAL_GPU, reason="real GPU only (ONNX_LOWBIT_REAL_GPU=1)")
+@pytest.mark.parametrize("bits", [8, 16])
+def test_gpu_bit_exact_calibrated_benchmark_shapes(bits):
+    qg = _cuda()
+    for T, N, C, H in [(100, 1, 256, 256), (30, 32, 512, 512)]:
+        args, attrs = calibrated_case(T, N, C, H, bits, "forward", seed=bits + N, lens=N > 1)
+        check(qg, args, attrs)
