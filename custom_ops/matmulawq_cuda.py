@@ -14,22 +14,18 @@ qweight is K-major (one int32 = 8 columns of one row k), so
   v = 1 + q/16 with two integer ops and no int->float conversion (as_float(0x3F800000 | q << 19)), and the
   thread accumulates P[m][j] = sum_k x*v (one FFMA per weight and row) and S[m] = sum_k x. With
   sum x*q = 16 (P - S), its partial output is  s_j * (16 P[m][j] - (16 + z_j) S[m])  = s_j (sum x*q - z_j sum x);
-* split-K reduction, two levels. (1) in the block: the 8 warps' partials meet in shared memory and one thread
-  per column sums them; (2) across the blocks that share a column tile (`splits` of them): fp32 atomicAdd into
-  a scratch accumulator acc[16, N]; the block whose increment of the tile's counter comes last (threadfence
-  pattern) reads the finished sums (atomicAdd of 0: an L2-coherent read), stores 0 back -- leaving the scratch
-  zeroed for the next launch --, adds bias, converts to A's type, writes Y, and resets the tile's counter. One
-  launch per call.
-  Why atomics rather than a second kernel over a partials buffer: partials [splits, 16, N] fp32 would be
-  ~1/32..1/2 of the 4-bit weight's size per node (x 16 for M=16), allocated per node; the atomic scratch is
-  16*N*4 bytes + one counter per tile, and a second launch would cost ~2-3 us per call at M=1 (the weight read
-  itself is ~8 us for 4096x11008). The price: fp32 atomics make the summation order of the `splits` block
-  partials run-dependent (results can differ in the last fp32 bit between runs; with a single split,
-  e.g. K <= 8R, the result is deterministic).
+* split-K reduction, two levels, deterministic. (1) in the block: the 8 warps' partials meet in shared memory and
+  one thread per column sums them in warp order; (2) across the blocks that share a column tile (`splits` of
+  them): each block stores its sums into its own slot of a scratch partials[splits, M, N] (plain stores, no
+  float atomics); the block whose increment of the tile's counter comes last (threadfence pattern) sums the
+  `splits` partials in split order, adds bias, converts to A's type, writes Y, and resets the tile's counter.
+  One launch per call, and the same result on every run (the summation order is fixed).
+  Why not a second kernel over the partials: it would cost ~2-3 us per call at M=1 (the weight read itself is
+  ~8 us for 4096x11008). The scratch is splits x M x N fp32 (5.6 MB for 4096x11008 at M=16, 0.35 MB at M=1).
   Stream-ordering: the scratch and counters are only touched by this node's kernel, whose launches are ordered
-  on onnxruntime's compute stream; each launch leaves them zeroed. One scratch per CUDA stream the node is run
-  on (concurrent runs on different streams never share one); the first is allocated and zeroed at kernel
-  creation, others on the first run on a new stream (synchronously, before that run's launch).
+  on onnxruntime's compute stream; each launch leaves the counters zeroed. One scratch per CUDA stream the node
+  is run on (concurrent runs on different streams never share one); the first is allocated at kernel creation
+  for the largest M <= 16, others on the first run on a new stream (synchronously, before that run's launch).
 * grid: row chunks x column tiles x splits; R (<= 64, dividing group_size) from a small cost model of the
   kernel's occupancy and the SM count (``plan``).
 * option (GPT_SMALL_M = 2, off): for M <= 2 with N % 16 == 0 each thread takes two column groups through 8-byte
@@ -133,7 +129,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL, gpt=1, max_registers=
     @cuda.jit(**opts)
     def gemv(a, qw, qz, sc, bias, y, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits, has_bias):
         """a [M*K], qw [Kp*NG/gpt], qz [groups*NG/gpt] (uint32 or uint64 words), sc uint16 [groups*N], bias [N],
-        y [M*N] (A's type; fp16 as uint16 bits), acc float32 [16*N], cnt uint32 [tiles] (zero between launches).
+        y [M*N] (A's type; fp16 as uint16 bits), acc float32 [splits*M*N] (partials), cnt uint32 [tiles] (zero
+        between launches).
         Block b: row chunk b % chunks (rows [chunk*mt, +mt) of A), then column tile and K split
         (rows [split*warps*rows, +warps*rows) of W) from b // chunks; the chunks of one tile and split are
         neighbours in launch order, so they read the same weights at about the same time (L2 hits)."""
@@ -154,8 +151,9 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL, gpt=1, max_registers=
         m0 = (bid % nch) * uint64(mt)
         rest = bid // nch
         tile = rest % tiles
+        split = rest // tiles
         span = r64 * uint64(warps)
-        kb = (rest // tiles) * span
+        kb = split * span
         c = tile * uint64(ct) + lane                # this thread's word of each row
         k0 = kb + warp * r64
         kend = min(k0 + r64, k64)
@@ -232,8 +230,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL, gpt=1, max_registers=
                 for m in range(mt):
                     p[m * v_size + t] = sj[t] * (F16 * p[m * v_size + t] - zc * sx[m])
 
-        # (1) reduce the warps' partials in shared memory, (2) add the block's sums into acc (or, with a single
-        # split, write Y directly)
+        # (1) reduce the warps' partials in shared memory, (2) store the block's sums into its slot of acc (or,
+        # with a single split, write Y directly)
         cols = uint64(ct * v_size)                  # columns of the tile
         for m in range(mt):
             mg = m0 + uint64(m)                     # the row of A and Y
@@ -254,7 +252,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL, gpt=1, max_registers=
                                 tot += load(bias, col)
                             store(y, mg * n64 + col, tot)
                         else:
-                            cuda.atomic.add(acc, mg * n64 + col, tot)
+                            acc[(split * m64 + mg) * n64 + col] = tot
                     cl += uint64(block)
                 cuda.syncthreads()
         if splits == 1:
@@ -274,8 +272,11 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL, gpt=1, max_registers=
                     mg = U0
                     while mg < m64:                          # all rows: every chunk of the tile is done
                         ai = mg * n64 + col
-                        v = cuda.atomic.add(acc, ai, F0)     # an L2-coherent read (no float atomic exch)
-                        acc[ai] = F0                         # all other adds to ai are done: leave it zeroed
+                        v = F0
+                        sp = U0
+                        while sp < uint64(splits):           # fixed order: deterministic
+                            v += acc[sp * m64 * n64 + ai]
+                            sp += U1
                         if has_bias:
                             v += load(bias, col)
                         store(y, ai, v)
@@ -477,7 +478,7 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=N
                 raise ValueError(f"rows must divide group_size and be <= {RMAX}")
             r, splits = rows, -(-K // (warps * rows))
             grid = -(-(N // 8) // (ct * gpt)) * splits * chunks(m, mt)
-        dacc = cuda.to_device(np.zeros(MAX_M_FAST * N, np.float32))
+        dacc = cuda.to_device(np.zeros(max(splits, 1) * m * N, np.float32))
         dcnt = cuda.to_device(np.zeros(tiles, np.uint32))
         args = (da, dqw, dqz, dsc, db, dy, dacc, dcnt, m, K, N, group_size, r, splits, hb)
         if sim:
@@ -493,12 +494,12 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=N
 
 
 class _Scratch:
-    """The decode kernel's fp32 accumulator [16*N] and tile counters, zeroed; one per CUDA stream."""
+    """The decode kernel's fp32 partials [size] and zeroed tile counters; one per CUDA stream."""
 
-    def __init__(self, n, tiles):
-        self.acc = cuda.to_device(np.zeros(MAX_M_FAST * n, np.float32))
+    def __init__(self, size, tiles):
+        self.acc = cuda.device_array(max(size, 1), np.float32)
         self.cnt = cuda.to_device(np.zeros(max(tiles, 1), np.uint32))
-        self.acc_arg = (self.acc.device_ctypes_pointer.value, (MAX_M_FAST * n,))
+        self.acc_arg = (self.acc.device_ctypes_pointer.value, (max(size, 1),))
         self.cnt_arg = (self.cnt.device_ctypes_pointer.value, (max(tiles, 1),))
 
 
@@ -522,13 +523,15 @@ class MatMulAWQCudaKernel(Kernel):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[(bucket(m), chunks(m, bucket(m)))] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ,
                                                                         gpt=self.gpt[bucket(m)])
-        self._first = _Scratch(sh.N, self.tiles)
+        # partials for the largest M of each plan: splits x (rows per chunk x chunks) x N
+        self.acc_size = max(splits * mt * ch for (mt, ch), (_, _, splits) in self.plans.items()) * sh.N
+        self._first = _Scratch(self.acc_size, self.tiles)
         self._scratch = {}
 
     def _scratch_for(self, stream):
         s = self._scratch.get(stream)
         if s is None:
-            s = self._first if not self._scratch else _Scratch(self.sh.N, self.tiles)
+            s = self._first if not self._scratch else _Scratch(self.acc_size, self.tiles)
             self._scratch[stream] = s
         return s
 
