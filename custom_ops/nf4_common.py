@@ -22,16 +22,16 @@ def parse_attrs(attrs: dict):
     return qt, bs, k, n, np.ascontiguousarray(nf4.code(qt), dtype=np.float32)
 
 
-def check_q_absmax(q, absmax, k, n, bs, q_index=1, absmax_index=2):
+def check_q_absmax(q, absmax, k, n, bs, q_index=1, absmax_index=2, q_name="Q", absmax_name="absmax"):
     total = k * n
     if q is None or absmax is None:
-        raise KernelError("inputs 'Q' and 'absmax' are required")
+        raise KernelError(f"inputs '{q_name}' and '{absmax_name}' are required")
     if q.size != (total + 1) // 2:
-        raise KernelError(f"input {q_index} 'Q' must hold ceil(K*N/2) = {(total + 1) // 2} bytes for K={k}, N={n}, "
-                          f"got shape {list(q.shape)}")
+        raise KernelError(f"input {q_index} '{q_name}' must hold ceil(K*N/2) = {(total + 1) // 2} bytes for K={k}, "
+                          f"N={n}, got shape {list(q.shape)}")
     nb = (total + bs - 1) // bs
     if absmax.size != nb:
-        raise KernelError(f"input {absmax_index} 'absmax' must hold ceil(K*N/block_size) = {nb} values "
+        raise KernelError(f"input {absmax_index} '{absmax_name}' must hold ceil(K*N/block_size) = {nb} values "
                           f"(K={k}, N={n}, block_size={bs}), got shape {list(absmax.shape)}")
 
 

@@ -1,0 +1,207 @@
+"""Fused 4-bit SwiGLU (FusedFFNNF4, FusedFFNAWQ) on the GPU: gate + up of LLaMA-7B (x[M, 4096], two [4096, 11008]
+weights; NF4 block 64 / AWQ group 128), M in {1, 4, 16}, against, in the same run,
+  (a) our two separate 4-bit MatMul kernels (MatMulNF4 / MatMulAWQ decode kernels) + torch silu(g) * u;
+  (b) torch fp16: x @ W1, x @ W3 (fp16 W [4096, 11008]) + silu(g) * u.
+Every fused output is checked against the CPU face (itself tested against onnx_lowbit.ffn) on the timed data.
+Times: median us per call, "graph" = 20 calls replayed from a CUDA graph (no host launch cost), "events" = CUDA
+events around 20 back-to-back launches (includes our Python launch cost). % of 2900 GB/s counts the packed 4-bit
+bytes of both weights (2 * K * N / 2 = 45.1 MB), as the issue's floor does.
+
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+import numpy as np
+from timing import time_cuda, time_graph
+
+K, N, BS, G = 4096, 11008, 64, 128
+PEAK = 2900.0
+NIBBLE_BYTES = 2 * K * N // 2
+
+
+def regs(lau):
+    import ctypes
+
+    from onnx_lowbit.custom_ops.cuda_launch import libcuda
+    v = ctypes.c_int(0)
+    fn = libcuda().cuFuncGetAttribute
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
+    return v.value if fn(ctypes.byref(v), 4, lau.handle) == 0 else "?"
+
+
+def rel(y, ref):
+    y = np.asarray(y, np.float64).reshape(ref.shape)
+    return float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--ms", default="1,4,16")
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    from onnx_lowbit.custom_ops import fusedffnawq_cpu, fusedffnawq_cuda, fusedffnnf4_cpu, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops import matmulawq_cuda, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops.cuda_launch import Launcher, current_device, sm_count
+    print("GPU:", torch.cuda.get_device_name(0))
+    sms = sm_count(current_device())
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    rng = np.random.default_rng(0)
+    code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": K, "N": N})[4]
+    nq = [(rng.integers(0, 256, K * N // 2, dtype=np.uint8),
+           (rng.random(K * N // BS) * 0.1 + 0.01).astype(np.float32)) for _ in range(2)]
+    aw = [(rng.integers(-2 ** 31, 2 ** 31, (K, N // 8), dtype=np.int64).astype(np.int32),
+           rng.integers(-2 ** 31, 2 ** 31, (K // G, N // 8), dtype=np.int64).astype(np.int32),
+           (rng.random((K // G, N)) * 0.004 + 0.001).astype(np.float16)) for _ in range(2)]
+    td = lambda v: torch.from_numpy(np.ascontiguousarray(v)).cuda()  # noqa: E731
+    dnq = [(td(q), td(am)) for q, am in nq]
+    daw = [tuple(td(t) for t in w) for w in aw]
+    w16 = [torch.randn(K, N, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = time_cuda(lambda: dst.copy_(src))
+    print(f"device copy 256 MiB: {t_copy:.1f} us = {2 * src.numel() / t_copy / 1e3:.0f} GB/s")
+    del src, dst
+    dcode = td(code)
+    nlut = td(fusedffnnf4_cuda.lut_for(code, True))
+    nlut32 = td(fusedffnnf4_cuda.lut_for(code, False))
+    ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
+    rows = []
+
+    def record(name, m, fn, ref_fn=None, check=None):
+        try:
+            tg, te = time_graph(fn), time_cuda(fn)
+            torch.cuda.synchronize()
+            err = check() if check else None
+            rows.append((name, m, tg, te, err))
+            print(f"{name:60s} M={m:2d} graph {tg:7.1f} us  events {te:7.1f} us"
+                  + (f"  rel err {err:.1e}" if err is not None else ""), flush=True)
+            return tg
+        except Exception as e:  # noqa: BLE001
+            print(f"{name} M={m}: FAILED {type(e).__name__}: {e}")
+            traceback.print_exc()
+            rows.append((name + " FAILED", m, None, None, None))
+            return None
+
+    summary = []
+    for m in [int(v) for v in a.ms.split(",")]:
+        x = (torch.randn(m, K, device="cuda") + 0.2).half()
+        xa = x.cpu().numpy()
+        s = torch.empty(m, N, device="cuda", dtype=torch.float16)
+        y1, y3 = torch.empty_like(s), torch.empty_like(s)
+        t0 = time.perf_counter()
+        ref_n = fusedffnnf4_cpu.swiglu(xa.astype(np.float32), *nq[0], *nq[1], code, K, N, BS).astype(np.float64)
+        ref_a = fusedffnawq_cpu.swiglu(xa.astype(np.float32), aw[0], aw[1], G, K, N).astype(np.float64)
+        print(f"M={m}: CPU references in {time.perf_counter() - t0:.1f} s")
+        chk = lambda ref: (lambda: rel(s.float().cpu().numpy(), ref))  # noqa: E731
+
+        # ---- NF4 fused
+        def nf4_fused(h2=True, cols=fusedffnnf4_cuda.COLS, scale=1):
+            mt = fusedffnnf4_cuda.bucket(m)
+            lau = fusedffnnf4_cuda.launcher(True, mt, h2, cols)
+            block = fusedffnnf4_cuda.threads(K)
+            occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
+            nch = -(-m // mt)
+            parts = fusedffnnf4_cuda.parts_for(N, nch, sms, occ * scale, cols)
+            args = [ptr(x), ptr(dnq[0][0], K * N // 16), ptr(dnq[0][1]), ptr(dnq[1][0], K * N // 16), ptr(dnq[1][1]),
+                    ptr(nlut if h2 else nlut32), ptr(s), ptr(s), ptr(s), m, K, N, BS.bit_length() - 5, parts, 0, 0]
+            desc = f"{nch * parts} blocks x {block} thr, {regs(lau)} regs, {occ}/SM"
+            return (lambda: lau.launch(nch * parts, block, stream(), *args)), desc
+
+        fn, desc = nf4_fused()
+        t_nf = record(f"FusedFFNNF4 fused (ours) [{desc}]", m, fn, check=chk(ref_n))
+        if a.variants and m == 1:
+            for h2 in (True, False):
+                for cols in (4, 8):
+                    for scale in (1, 2):
+                        if (h2, cols, scale) == (True, fusedffnnf4_cuda.COLS, 1):
+                            continue
+                        fn, desc = nf4_fused(h2, cols, scale)
+                        record(f"  variant NF4 h2={int(h2)} cols={cols} grid x{scale} [{desc}]", m, fn,
+                               check=chk(ref_n))
+
+        mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
+        lau_n = matmulnf4_cuda._launcher(mode, np.float16)
+        nargs = [matmulnf4_cuda._args(mode, ptr(x), ptr(q), ptr(am), ptr(dcode), ptr(y), 0, ptr(y), m, K, N, BS,
+                                      K * N // 16) for (q, am), y in zip(dnq, (y1, y3))]
+
+        def nf4_two():
+            for ar in nargs:
+                lau_n.launch(g_, blk, stream(), *ar, shmem=shm)
+            torch.mul(F.silu(y1), y3, out=s)
+        t_n2 = record(f"two MatMulNF4 ({mode}) + torch silu*mul", m, nf4_two, check=chk(ref_n))
+
+        # ---- AWQ fused
+        def awq_fused(rows_=None, unroll=fusedffnawq_cuda.UNROLL):
+            mt = fusedffnawq_cuda.bucket(m)
+            if unroll == fusedffnawq_cuda.UNROLL:
+                lau = fusedffnawq_cuda.launcher(True, mt)
+            else:
+                lau = Launcher(fusedffnawq_cuda._make_gemv(mt, True, unroll=unroll), fusedffnawq_cuda._sig(True, True))
+            occ = fusedffnawq_cuda.blocks_per_sm(lau)
+            grid, r, splits = fusedffnawq_cuda.decode_plan(m, K, N, G, sms, occ)
+            tiles = -(-(N // 8) // fusedffnawq_cuda.CT)
+            if rows_:
+                r, splits = rows_, -(-K // (fusedffnawq_cuda.WARPS * rows_))
+                grid = tiles * splits * fusedffnawq_cuda.chunks(m, mt)
+            acc = torch.zeros(2 * 16 * N, device="cuda", dtype=torch.float32)
+            cnt = torch.zeros(tiles, device="cuda", dtype=torch.int32)
+            args = [ptr(x)] + [ptr(t) for w in daw for t in w] + [ptr(s), ptr(s), ptr(s), ptr(acc), ptr(cnt),
+                                                                   m, K, N, G, r, splits, 0, 0]
+            desc = f"{grid} blocks, R={r}, splits={splits}, unroll={unroll}, {regs(lau)} regs, {occ}/SM"
+            return (lambda: lau.launch(grid, fusedffnawq_cuda.BLOCK, stream(), *args)), desc, acc
+
+        fn, desc, acc_keep = awq_fused()
+        t_af = record(f"FusedFFNAWQ fused (ours) [{desc}]", m, fn, check=chk(ref_a))
+        if a.variants and m == 1:
+            for unroll in (4, 8):
+                for r_ in (16, 32, 64):
+                    fn, desc, _acc = awq_fused(r_, unroll)
+                    record(f"  variant AWQ [{desc}]", m, fn, check=chk(ref_a))
+
+        mt_a = matmulawq_cuda.bucket(m)
+        gpt = matmulawq_cuda.gpt_for(mt_a, N)
+        lau_a = matmulawq_cuda.launcher(True, mt_a, gpt)
+        grid_a, r_a, sp_a = matmulawq_cuda.decode_plan(m, K, N, G, sms, matmulawq_cuda.blocks_per_sm(lau_a), gpt=gpt)
+        tiles_a = -(-(N // 8) // matmulawq_cuda.CT)
+        scr = [(torch.zeros(16 * N, device="cuda", dtype=torch.float32),
+                torch.zeros(tiles_a, device="cuda", dtype=torch.int32)) for _ in range(2)]
+        aargs = [[ptr(x), ptr(w[0], w[0].numel() // gpt), ptr(w[1], w[1].numel() // gpt), ptr(w[2]), ptr(y), ptr(y),
+                  ptr(sc[0]), ptr(sc[1]), m, K, N, G, r_a, sp_a, 0] for w, y, sc in zip(daw, (y1, y3), scr)]
+
+        def awq_two():
+            for ar in aargs:
+                lau_a.launch(grid_a, matmulawq_cuda.BLOCK, stream(), *ar)
+            torch.mul(F.silu(y1), y3, out=s)
+        t_a2 = record("two MatMulAWQ + torch silu*mul", m, awq_two, check=chk(ref_a))
+
+        # ---- torch fp16
+        def torch_fp16():
+            torch.matmul(x, w16[0], out=y1)
+            torch.matmul(x, w16[1], out=y3)
+            torch.mul(F.silu(y1), y3, out=s)
+        t_t = record("torch fp16 x@W1, x@W3 + silu*mul", m, torch_fp16)
+        summary.append((m, t_nf, t_n2, t_af, t_a2, t_t))
+
+    print("\n| op | M | fused (us) | GB/s on 4-bit bytes | % of 2900 GB/s | two MatMul4 + silu*mul (us) | "
+          "torch fp16 (us) | vs two MatMul4 | vs torch fp16 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    r_ = lambda a_, b_: "-" if a_ is None or b_ is None else f"{b_ / a_:.2f}x"  # noqa: E731
+    for m, t_nf, t_n2, t_af, t_a2, t_t in summary:
+        for op, tf, t2 in (("FusedFFNNF4", t_nf, t_n2), ("FusedFFNAWQ", t_af, t_a2)):
+            bw = None if tf is None else NIBBLE_BYTES / tf / 1e3
+            print(f"| {op} | {m} | {f(tf)} | {f(bw)} | {f(None if bw is None else 100 * bw / PEAK)} | {f(t2)} | "
+                  f"{f(t_t)} | {r_(tf, t2)} | {r_(tf, t_t)} |")
+    print("(times: CUDA-graph replay medians; correctness: 'rel err' lines above, max |err| / max |ref| vs the "
+          "CPU face on the timed data, fp16 output)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""FusedFFNAWQ, CPU face: S = SiLU(X W1^T + B1) * (X W3^T + B3), W1 and W3 each stored as MatMulAWQ's weight
+(AutoAWQ GEMM layout; onnx_lowbit.awq). Both products come from MatMulAWQ's CPU code (matmulawq_cpu: the Numba
+GEMV for M <= 16, fp32 dequantisation in row chunks + BLAS above; exact (q - z) * s weights), in fp32; the SwiGLU
+epilogue is fp32; S has X's type."""
+from __future__ import annotations
+
+import numpy as np
+
+from .dequantawq_cpu import ORDER_NP, check_weights, dequant_rows_f32, parse_attrs
+from .ffn4_common import check_x_biases, opt, swiglu_f32
+from .kernels import Kernel
+from .matmulawq_cpu import CHUNK_BYTES, SMALL_M, gemv
+
+
+def check_both(w1, w3, sh):
+    """(qweight, qzeros, scales) of W1 = inputs 1..3 and of W3 = inputs 4..6, names suffixed 1 / 3."""
+    from .bridge import KernelError
+    for ws, first, sfx in ((w1, 1, "1"), (w3, 4, "3")):
+        try:
+            check_weights(*ws, sh, first=first)
+        except KernelError as e:  # name the op's input (qweight1, ...), not MatMulAWQ's
+            msg = str(e)
+            for name in ("qweight", "qzeros", "scales"):
+                msg = msg.replace(f"'{name}'", f"'{name}{sfx}'")
+            raise KernelError(msg) from None
+
+
+def product(x2, qw, qz, sc, sh):
+    """x2 float32 [M, K] @ W (fp32 [M, N], exact (q - z) * s weights)."""
+    m, k, n = x2.shape[0], sh.K, sh.N
+    qw, qz = np.ascontiguousarray(qw), np.ascontiguousarray(qz)
+    scf = np.asarray(sc).astype(np.float32)
+    if m <= SMALL_M:
+        out = np.empty((m, n), np.float32)
+        gemv(x2, qw, qz, scf, ORDER_NP, sh.group_size, k, out)
+        return out
+    rows = max(sh.group_size, (CHUNK_BYTES // (4 * n)) // sh.group_size * sh.group_size)
+    w = np.empty((min(rows, k), n), np.float32)
+    out = np.zeros((m, n), np.float32)
+    for k0 in range(0, k, rows):
+        k1 = min(k0 + rows, k)
+        dequant_rows_f32(qw, qz, scf, ORDER_NP, sh.group_size, k0, k1, w)
+        out += x2[:, k0:k1] @ w[: k1 - k0]
+    return out
+
+
+def swiglu(x, w1, w3, group_size, K, N, b1=None, b3=None):  # noqa: N803 - the format's names
+    """Host-array entry (tests): x [..., K], w1 / w3 = (qweight, qzeros, scales) -> S [..., N] of x's dtype.
+    Inputs are checked as in a session."""
+    sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
+    check_both(w1, w3, sh)
+    check_x_biases(x, b1, b3, K, N, 7, 8)
+    return _swiglu(x, w1, w3, sh, b1, b3)
+
+
+def _swiglu(x, w1, w3, sh, b1, b3):
+    lead = tuple(x.shape[:-1])
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, sh.K)
+    if x2.shape[0] == 0:
+        return np.empty(lead + (sh.N,), x.dtype)
+    s = swiglu_f32(product(x2, *w1, sh), product(x2, *w3, sh), b1, b3)
+    with np.errstate(over="ignore"):
+        return s.astype(x.dtype).reshape(lead + (sh.N,))
+
+
+class FusedFFNAWQKernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.sh = parse_attrs(self.attrs)
+
+    def compute(self, ctx, inputs):
+        x = opt(inputs, 0)
+        w1 = tuple(opt(inputs, i) for i in (1, 2, 3))
+        w3 = tuple(opt(inputs, i) for i in (4, 5, 6))
+        b1, b3 = opt(inputs, 7), opt(inputs, 8)
+        check_both(w1, w3, self.sh)
+        m = check_x_biases(x, b1, b3, self.sh.K, self.sh.N, 7, 8)
+        xv = x.numpy()
+        out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (self.sh.N,), xv.dtype)
+        if m:
+            out[...] = _swiglu(xv, tuple(t.numpy() for t in w1), tuple(t.numpy() for t in w3), self.sh,
+                               None if b1 is None else b1.numpy(), None if b3 is None else b3.numpy())
+
+
+KERNEL = FusedFFNAWQKernel

@@ -1,0 +1,61 @@
+"""FusedFFNNF4, CPU face: S = SiLU(X W1^T + B1) * (X W3^T + B3), W1 and W3 each stored as MatMulNF4's weight
+(bitsandbytes NF4/FP4 blocks of W^T; onnx_lowbit.nf4). Both products come from MatMulNF4's CPU code
+(matmulnf4_cpu: the Numba GEMV for M <= 16, dequantise-to-fp32 + BLAS above), in fp32; the SwiGLU epilogue is fp32;
+S has X's type."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import nf4_common
+from .ffn4_common import check_x_biases, opt, swiglu_f32
+from .kernels import Kernel
+from .matmulnf4_cpu import SMALL_M, dequant_t, gemv
+
+
+def check_weights(q1, am1, q3, am3, k, n, bs):
+    nf4_common.check_q_absmax(q1, am1, k, n, bs, 1, 2, "Q1", "absmax1")
+    nf4_common.check_q_absmax(q3, am3, k, n, bs, 3, 4, "Q3", "absmax3")
+
+
+def product(x2, q, absmax, code, k, n, bs):
+    """x2 float32 [M, K] @ W (fp32 [M, N])."""
+    m = x2.shape[0]
+    if m <= SMALL_M:
+        out = np.empty((m, n), np.float32)
+        gemv(x2, q.reshape(-1), absmax.reshape(-1), code, k, n, bs, out)
+        return out
+    w = np.empty((k, n), np.float32)
+    dequant_t(q.reshape(-1), absmax.reshape(-1), code, k, n, bs, w)
+    return x2 @ w
+
+
+def swiglu(x, q1, am1, q3, am3, code, k, n, bs, b1=None, b3=None):
+    """Host-array entry (the kernel, tests): x [..., K] float32/float16 -> S [..., N] of x's dtype."""
+    lead = x.shape[:-1]
+    x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
+    if x2.shape[0] == 0:
+        return np.empty(lead + (n,), x.dtype)
+    g = product(x2, q1, np.asarray(am1, np.float32), code, k, n, bs)
+    u = product(x2, q3, np.asarray(am3, np.float32), code, k, n, bs)
+    s = swiglu_f32(g, u, b1, b3)
+    with np.errstate(over="ignore"):
+        return s.astype(x.dtype).reshape(lead + (n,))
+
+
+class FusedFFNNF4Kernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
+
+    def compute(self, ctx, inputs):
+        x, q1, am1, q3, am3, b1, b3 = (opt(inputs, i) for i in range(7))
+        check_weights(q1, am1, q3, am3, self.k, self.n, self.bs)
+        m = check_x_biases(x, b1, b3, self.k, self.n, 5, 6)
+        xv = x.numpy()
+        out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (self.n,), xv.dtype)
+        if m:
+            out[...] = swiglu(xv, q1.numpy(), am1.numpy(), q3.numpy(), am3.numpy(), self.code, self.k, self.n,
+                              self.bs, None if b1 is None else b1.numpy(), None if b3 is None else b3.numpy())
+
+
+KERNEL = FusedFFNNF4Kernel
