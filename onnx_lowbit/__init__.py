@@ -27,6 +27,9 @@ _LAZY = {
     "register": ("onnx_lowbit.api", "register"),
     "InferenceSession": ("onnx_lowbit.api", "InferenceSession"),
     "SessionOptions": ("onnx_lowbit.api", "SessionOptions"),
+    "explain_error": ("onnx_lowbit.api", "explain_error"),
+    "explained_errors": ("onnx_lowbit.api", "explained_errors"),
+    "LibraryNotRegistered": ("onnx_lowbit.api", "LibraryNotRegistered"),
 }
 
 

@@ -2,6 +2,10 @@
 custom_ops/. Everything else in onnx_lowbit/ is the core those depend on."""
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+
 import onnxruntime as ort
 
 from . import domain
@@ -32,3 +36,63 @@ def rewrite(model, passes=None, **options):
     """Rewrites ``model`` (ModelProto or path) with the named passes (all by default); returns (model, report)."""
     from onnx_lowbit.passes import run_passes
     return run_passes(model, passes=passes, **options)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A model using our ops, run without them registered. onnxruntime's own message ("Fatal error:
+# onnx_lowbit:FPLUT(-1) is not a registered function/op") cannot be changed; these name the package and the fix.
+class LibraryNotRegistered(RuntimeError):
+    """A model uses onnx-lowbit ops but the session was made without them registered."""
+
+
+_UNREGISTERED = re.compile(r"([\w.]+):(\w+)\((-?\d+)\) is not a registered function/op")
+
+HOW_TO_REGISTER = ("register the ops of the onnx-lowbit package (pip install 'onnx-lowbit[cpu]' or "
+                   "'onnx-lowbit[gpu]') before creating the session: `so = onnxruntime.SessionOptions(); "
+                   "onnx_lowbit.register(so); onnxruntime.InferenceSession(model, so, providers=...)`, or use "
+                   "`onnx_lowbit.InferenceSession(model, providers=...)`")
+
+
+def explain_error(error, model=None):
+    """A LibraryNotRegistered for onnxruntime's error ``error`` when it is about one of our ops not being
+    registered (naming the op, the package and how to register it; with the model's onnx_lowbit.requires
+    metadata when ``model``, a path or ModelProto, has it); None for any other error."""
+    m = _UNREGISTERED.search(str(error))
+    if not m or m.group(1) != domain.DOMAIN:
+        return None
+    note = ""
+    try:
+        import onnx
+        proto = model if hasattr(model, "metadata_props") else (
+            onnx.load(model, load_external_data=False) if isinstance(model, (str, os.PathLike)) else None)
+        meta = {p.key: p.value for p in proto.metadata_props} if proto is not None else {}
+        if "onnx_lowbit.ops" in meta:
+            note = f" Its metadata lists the onnx-lowbit ops it uses: {meta['onnx_lowbit.ops']}."
+    except Exception:  # noqa: BLE001 - the metadata only adds detail
+        pass
+    return LibraryNotRegistered(
+        f"the model uses {domain.DOMAIN}.{m.group(2)}, an op of the onnx-lowbit package, and the onnxruntime "
+        f"session was created without it: {HOW_TO_REGISTER}.{note} (onnxruntime said: "
+        f"{str(error).strip().splitlines()[0][:200]})")
+
+
+@contextlib.contextmanager
+def explained_errors(model=None):
+    """``with onnx_lowbit.api.explained_errors(path): sess = onnxruntime.InferenceSession(path)`` re-raises
+    onnxruntime's unregistered-op error for our ops as LibraryNotRegistered (see explain_error)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own exception types
+        better = explain_error(e, model)
+        if better is None:
+            raise
+        raise better from e
+
+
+def plain_session(model, sess_options=None, providers=None, **kwargs) -> ort.InferenceSession:
+    """A stock ``onnxruntime.InferenceSession`` (our ops not registered: e.g. for --target ort models); a model
+    that needs our ops raises LibraryNotRegistered saying how to register them."""
+    if hasattr(model, "SerializeToString"):
+        model = model.SerializeToString()
+    with explained_errors(model if isinstance(model, (str, os.PathLike)) else None):
+        return ort.InferenceSession(model, sess_options=sess_options, providers=providers, **kwargs)

@@ -138,7 +138,9 @@ def _selected_passes(a, passes_mod):
     selected = passes_mod.resolve(a.passes)
     if getattr(a, "weights", None) and "weights4" in passes_mod.PASSES and \
             not any(p.name == "weights4" for p in selected):
-        selected.append(passes_mod.PASSES["weights4"])
+        order = list(passes_mod.PASSES)
+        later = [i for i, p in enumerate(selected) if order.index(p.name) > order.index("weights4")]
+        selected.insert(later[0] if later else len(selected), passes_mod.PASSES["weights4"])
     return selected
 
 
@@ -164,16 +166,37 @@ def cmd_rewrite(a) -> int:
     selected = _selected_passes(a, passes_mod)  # unknown names fail before any work
     if _same_file(a.input, a.output):
         raise LowbitError(f"OUT must differ from IN ({a.output}); the input is never overwritten")
-    model = model_io.load(a.input)
-    model_io.check_opset(model, a.input)
+    head = model_io.load(a.input, load_external_data=False)  # the graph; weights in external data stay on disk
+    model_io.check_opset(head, a.input)
+    model_io.check_output_spares_input(a.output, a.input, head)
+    # Models with external data (all models over 2 GB) are streamed: weights are read one at a time and new ones
+    # are written to OUT's data file as they are made. AWQ calibration runs the whole model: it loads it.
+    streamed = model_io.uses_external_data(head) and not getattr(a, "calibration", None)
+    model = head if streamed else model_io.load(a.input)
     options = _pass_options(a, model)
     out, report = None, passes_mod.Report()
+    staged = None
+    if streamed:
+        staged = model_io.StagedOutput(a.output)
+        options.update(external_data_dir=os.path.dirname(os.path.abspath(a.input)), spill=staged.spill)
+    try:
+        return _rewrite(a, model, selected, options, staged)
+    finally:
+        if staged is not None:
+            staged.abort()
+
+
+def _rewrite(a, model, selected, options, staged) -> int:
+    """The passes, --verify and the write of cmd_rewrite; ``staged``: the streamed output (None: in memory)."""
+    from . import model_io, verify
+    from onnx_lowbit import passes as passes_mod
     current = model
     for p in _progress(selected, "rewriting"):
         current, r = passes_mod.run_passes(current, passes=[p.name], **options)
         report.extend(r)
     out = current
     print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped "
+    staged_path = staged.write(out, options["external_data_dir"]) if staged is not None else None
           f"({', '.join(p.name for p in selected)})")
     summary = _weights_summary(report)
     if summary:
@@ -185,7 +208,10 @@ def cmd_rewrite(a) -> int:
             json.dump(report.to_dict(), f, indent=1)
     status = 0
     if a.verify:
-        errors, _ = verify.compare(model, out, tolerance=a.tolerance)
+        if staged is not None:  # sessions from the files: the original and the staged output
+            errors, _ = verify.compare(os.path.abspath(a.input), staged_path, tolerance=a.tolerance)
+        else:
+            errors, _ = verify.compare(model, out, tolerance=a.tolerance)
         print(verify.format_errors(errors, a.tolerance))
         if not all(e.ok for e in errors):
             t = _weights_totals(report)
@@ -194,7 +220,10 @@ def cmd_rewrite(a) -> int:
                       f"(max {t['max_rel_error']:.3f} per weight here); --tolerance sets the limit", file=sys.stderr)
             print(f"onnx-lowbit: verification failed: {a.output} not written", file=sys.stderr)
             return EXIT_VERIFY_FAILED
-    model_io.save(out, a.output)
+    if staged is not None:
+        staged.commit()
+    else:
+        model_io.save(out, a.output)
     print(f"wrote {a.output}")
     return status
 
@@ -202,20 +231,26 @@ def cmd_rewrite(a) -> int:
 def cmd_inspect(a) -> int:
     from . import model_io
     from onnx_lowbit import passes as passes_mod
-    from .domain import DOMAIN
+    from .domain import DOMAIN, DOMAIN_VERSION
     selected = _selected_passes(a, passes_mod)
-    model = model_io.load(a.input)
+    model = model_io.load(a.input, load_external_data=False)  # weights in external data are read when needed
     opset = model_io.check_opset(model, a.input)
-    ours = {}
-    for n in model.graph.node:
-        if n.domain == DOMAIN:
-            ours[n.op_type] = ours.get(n.op_type, 0) + 1
+    ours, ms = passes_mod.ops_used(model), passes_mod.ops_used(model, "com.microsoft")
     versions = {o.domain: o.version for o in model.opset_import}
     print(f"{a.input}: opset {opset}, {len(model.graph.node)} nodes")
     if ours:
-        print(f"uses onnx-lowbit ops (domain {DOMAIN} v{versions.get(DOMAIN, '?')}): "
-              + ", ".join(f"{k} x{v}" for k, v in sorted(ours.items())))
-    report = passes_mod.inspect(model, passes=[p.name for p in selected], **_pass_options(a, model))
+        v = versions.get(DOMAIN, "?")
+        print(f"uses onnx-lowbit ops (domain {DOMAIN} v{v}"
+              + ("" if v == DOMAIN_VERSION else f"; this onnx-lowbit {__version__} implements v{DOMAIN_VERSION}")
+              + "): " + ", ".join(f"{k} x{n}" for k, n in sorted(ours.items())))
+        print("  to run it, register them: onnx_lowbit.register(sess_options), or onnx_lowbit.InferenceSession(...)")
+    if ms:
+        print(f"uses onnxruntime contrib ops (domain com.microsoft v{versions.get('com.microsoft', '?')}; stock "
+              "onnxruntime runs them): " + ", ".join(f"{k} x{n}" for k, n in sorted(ms.items())))
+    options = _pass_options(a, model)
+    if model_io.uses_external_data(model):
+        options["external_data_dir"] = os.path.dirname(os.path.abspath(a.input))
+    report = passes_mod.inspect(model, passes=[p.name for p in selected], **options)
     print(report.to_table() if len(report) else "nothing to rewrite")
     summary = _weights_summary(report)
     if summary:

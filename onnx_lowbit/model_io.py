@@ -102,3 +102,196 @@ def _too_big(model: onnx.ModelProto) -> bool:
         return model.ByteSize() > TWO_GB - (64 << 20)
     except Exception:  # noqa: BLE001 - protobuf refuses to size > 2 GB messages on some builds
         return True
+
+
+def external_files(model: onnx.ModelProto, base_dir: str) -> set:
+    """Absolute paths of the external data files ``model``'s tensors read (relative to ``base_dir``)."""
+    out = set()
+    for t in onnx.external_data_helper._get_all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = onnx.external_data_helper.ExternalDataInfo(t).location
+            out.add(os.path.abspath(loc if os.path.isabs(loc) else os.path.join(base_dir, loc)))
+    return out
+
+
+def data_path(path) -> str:
+    """Where ``save`` / ``StagedOutput`` put the external data of the model written to ``path``."""
+    return os.path.abspath(os.fspath(path)) + ".data"
+
+
+def check_output_spares_input(out_path, in_path, model: onnx.ModelProto) -> None:
+    """LowbitError when writing ``out_path`` (and its ``.data`` file) would replace the input model or one of the
+    external data files it reads: the input is never modified."""
+    in_dir = os.path.dirname(os.path.abspath(os.fspath(in_path)))
+    inputs = {os.path.abspath(os.fspath(in_path))} | external_files(model, in_dir)
+    for target in (os.path.abspath(os.fspath(out_path)), data_path(out_path)):
+        for f in inputs:
+            same = target == f
+            if not same and os.path.exists(target) and os.path.exists(f):
+                same = os.path.samefile(target, f)
+            if same:
+                raise LowbitError(f"{out_path}: writing it would replace {f}, which the input model reads; "
+                                  "the input is never overwritten (choose another OUT)")
+
+
+class StagedOutput:
+    """An output model with external data written as it is made, committed atomically.
+
+    ``spill(name, array)`` appends a tensor's bytes to a staging data file (in a temporary folder beside the
+    output) and returns a TensorProto referring to them; ``write(model, src_dir)`` copies the external tensors the
+    model still takes from the input (``src_dir``) into that file chunk by chunk, moves the other large tensors
+    there too, and writes the model; ``commit()`` renames the data file and then the model into place;
+    ``abort()`` (also on a failed ``write``) removes everything staged. Nothing appears at the output path
+    before ``commit``. Use as a context manager: leaving it without ``commit`` aborts.
+    """
+
+    ALIGN = 64
+    CHUNK = 64 << 20
+    THRESHOLD = 1024  # tensors of this many bytes or more go to the data file
+
+    def __init__(self, path):
+        self.path = os.path.abspath(os.fspath(path))
+        d = os.path.dirname(self.path)
+        if not os.path.isdir(d):
+            raise LowbitError(f"{path}: directory {d} does not exist")
+        if not os.access(d, os.W_OK):
+            raise LowbitError(f"{path}: directory {d} is not writable")
+        self.base = os.path.basename(self.path)
+        self.data_name = self.base + ".data"
+        self.tmpdir = tempfile.mkdtemp(prefix=".onnx-lowbit-", dir=d)
+        self.tmp_data = os.path.join(self.tmpdir, self.data_name)
+        self.tmp_model = os.path.join(self.tmpdir, self.base)
+        self._f = open(self.tmp_data, "wb")
+        self.offset = 0
+        self.written = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.abort()
+        return False
+
+    def _append(self, data) -> tuple:
+        pad = (-self.offset) % self.ALIGN
+        if pad:
+            self._f.write(b"\0" * pad)
+            self.offset += pad
+        start = self.offset
+        self._f.write(data)
+        n = len(memoryview(data).cast("B"))
+        self.offset += n
+        return start, n
+
+    def _refer(self, t: onnx.TensorProto, start: int, length: int, location: str) -> None:
+        t.ClearField("raw_data")
+        del t.external_data[:]
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", str(start)), ("length", str(length))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+
+    def spill(self, name: str, array) -> onnx.TensorProto:
+        """Writes ``array`` now; the TensorProto refers to the staging file by its absolute path until ``write``."""
+        import numpy as np
+        a = np.ascontiguousarray(array)
+        t = onnx.TensorProto()
+        t.name = name
+        t.data_type = onnx.helper.np_dtype_to_tensor_dtype(a.dtype)
+        t.dims.extend(a.shape)
+        start, n = self._append(a.reshape(-1).view(np.uint8))
+        self._refer(t, start, n, self.tmp_data)
+        return t
+
+    def _copy_from(self, src: str, offset: int, length: int | None, name: str) -> tuple:
+        pad = (-self.offset) % self.ALIGN
+        if pad:
+            self._f.write(b"\0" * pad)
+            self.offset += pad
+        start, done = self.offset, 0
+        try:
+            with open(src, "rb") as f:
+                f.seek(offset)
+                while length is None or done < length:
+                    block = f.read(self.CHUNK if length is None else min(self.CHUNK, length - done))
+                    if not block:
+                        break
+                    self._f.write(block)
+                    done += len(block)
+        except OSError as e:
+            raise LowbitError(f"external data of {name!r} ({src}): cannot read ({e.strerror or e})") from None
+        if length is not None and done != length:
+            raise LowbitError(f"external data of {name!r} ({src}): file too short ({done} of {length} bytes at "
+                              f"offset {offset})")
+        self.offset += done
+        return start, done
+
+    def write(self, model: onnx.ModelProto, src_dir: str | None) -> str:
+        """Puts every tensor of ``model`` of THRESHOLD bytes or more into the data file and writes the model into
+        the staging folder (``model``'s tensors are changed to refer to the output's data file). Returns the
+        staged model's path (loadable, e.g. for --verify, until commit / abort)."""
+        import numpy as np
+        try:
+            for t in onnx.external_data_helper._get_all_tensors(model):
+                if t.data_location == onnx.TensorProto.EXTERNAL:
+                    info = onnx.external_data_helper.ExternalDataInfo(t)
+                    if info.location == self.tmp_data:
+                        self._refer(t, int(info.offset or 0), int(info.length), self.data_name)
+                        continue
+                    if src_dir is None:
+                        raise LowbitError(f"tensor {t.name!r} refers to external data but no folder to read it from")
+                    src = info.location if os.path.isabs(info.location) else os.path.join(src_dir, info.location)
+                    start, n = self._copy_from(src, int(info.offset or 0), info.length, t.name)
+                    self._refer(t, start, n, self.data_name)
+                elif t.HasField("raw_data") and len(t.raw_data) >= self.THRESHOLD:
+                    start, n = self._append(t.raw_data)
+                    self._refer(t, start, n, self.data_name)
+                elif not t.HasField("raw_data") and t.data_type != onnx.TensorProto.STRING:
+                    a = onnx.numpy_helper.to_array(t)
+                    if a.nbytes >= self.THRESHOLD:
+                        start, n = self._append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+                        for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                            t.ClearField(f)
+                        self._refer(t, start, n, self.data_name)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            with open(self.tmp_model, "wb") as f:
+                f.write(model.SerializeToString())
+        except OSError as e:
+            self.abort()
+            raise LowbitError(f"{self.path}: could not write ({e.strerror or e})") from None
+        except BaseException:
+            self.abort()
+            raise
+        self.written = True
+        return self.tmp_model
+
+    def commit(self) -> None:
+        if not self.written:
+            raise LowbitError(f"{self.path}: nothing written to commit")
+        try:
+            os.replace(self.tmp_data, os.path.join(os.path.dirname(self.path), self.data_name))
+            os.replace(self.tmp_model, self.path)
+        except OSError as e:
+            raise LowbitError(f"{self.path}: could not write ({e.strerror or e})") from None
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Removes the staging folder and everything in it (safe to call more than once)."""
+        try:
+            if not self._f.closed:
+                self._f.close()
+        except OSError:
+            pass
+        if os.path.isdir(self.tmpdir):
+            for f in os.listdir(self.tmpdir):
+                try:
+                    os.unlink(os.path.join(self.tmpdir, f))
+                except OSError:
+                    pass
+            try:
+                os.rmdir(self.tmpdir)
+            except OSError:
+                pass

@@ -52,13 +52,17 @@ def _session(model, ours: bool, providers):
     if ours:
         from .api import register
         register(opts)
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=providers)
+    src = model if isinstance(model, str) else model.SerializeToString()  # a path: models with external data
+    return ort.InferenceSession(src, opts, providers=providers)
 
 
 def compare(original: onnx.ModelProto, rewritten: onnx.ModelProto, *, tolerance: float = DEFAULT_TOLERANCE,
             providers=("CPUExecutionProvider",), seed: int = 0, feeds=None, timing_runs: int = 0):
-    """Returns (list of OutputError, timings dict) for the two models on the same inputs."""
-    feeds = feeds if feeds is not None else random_inputs(original, seed=seed)
+    """Returns (list of OutputError, timings dict) for the two models (ModelProtos, or paths of model files, e.g.
+    with external data) on the same inputs."""
+    if feeds is None:
+        graph_of = original if not isinstance(original, str) else onnx.load(original, load_external_data=False)
+        feeds = random_inputs(graph_of, seed=seed)
     try:
         s0 = _session(original, False, list(providers))
         s1 = _session(rewritten, True, list(providers))

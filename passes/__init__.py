@@ -128,6 +128,10 @@ def run_passes(model, passes=None, **options):
     our ops was emitted. Options are read by the passes (see each pass, e.g. ``fplut_functions``).
     """
     selected = resolve(passes)
+
+    Streaming (models with external data, see passes/external.py): ``model`` loaded without its external data,
+    ``external_data_dir`` the folder its data files are relative to, and optionally ``spill`` (e.g.
+    onnx_lowbit.model_io.StagedOutput.spill) to write new large constants out as soon as they are made.
     domain.register_schemas()
     src = _load(model)
     report = Report()
@@ -135,6 +139,9 @@ def run_passes(model, passes=None, **options):
     graph = gs.import_onnx(src)
     filled = _fill_types(graph, _inferred_types(src))
     for p in selected:
+    if options.get("external_data_dir") is not None:  # streaming: weights read from their file when needed
+        from . import external
+        external.attach(graph, options["external_data_dir"])
         p.apply(graph, report, dict(options))
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     for t, fill_dtype, fill_shape in filled:
@@ -163,13 +170,54 @@ def _restore_model_fields(out: onnx.ModelProto, src: onnx.ModelProto) -> None:
             out.opset_import.append(onnx.helper.make_opsetid(name, version))
     if src.graph.name:
         out.graph.name = src.graph.name
+    note_requirements(out)
     if len(src.training_info):
         out.training_info.extend(src.training_info)
 
 
 def inspect(model, passes=None, **options) -> Report:
     """What ``run_passes`` would rewrite and skip; ``model`` is left untouched and no model is returned."""
+# metadata_props written on every rewritten model that uses our ops: onnxruntime's own error for an unregistered
+# op ("onnx_lowbit:FPLUT(-1) is not a registered function/op") cannot name the package; these keys can, and
+# onnx_lowbit.api.explain_error / `onnx-lowbit inspect` read them.
+REQUIRES_KEY = "onnx_lowbit.requires"
+OPS_KEY = "onnx_lowbit.ops"
+
+
+def ops_used(model: onnx.ModelProto, name: str = domain.DOMAIN) -> dict:
+    """{op type: count} of the nodes of domain ``name`` in the graph and its subgraphs."""
+    counts: dict = {}
+
+    def walk(graph):
+        for n in graph.node:
+            if n.domain == name:
+                counts[n.op_type] = counts.get(n.op_type, 0) + 1
+            for a in n.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    walk(sub)
+    walk(model.graph)
+    return counts
+
+
+def note_requirements(model: onnx.ModelProto) -> None:
+    """Sets (or removes, when no op of ours is left) the onnx_lowbit.* metadata_props of ``model``."""
+    from onnx_lowbit import __version__
+    keep = [p for p in model.metadata_props if p.key not in (REQUIRES_KEY, OPS_KEY)]
+    del model.metadata_props[:]
+    model.metadata_props.extend(keep)
+    ops = ops_used(model)
+    if not ops:
+        return
+    version = next((o.version for o in model.opset_import if o.domain == domain.DOMAIN), domain.DOMAIN_VERSION)
+    onnx.helper.set_model_props(model, {**{p.key: p.value for p in keep},
+        REQUIRES_KEY: f"onnx-lowbit>={__version__} (pip install 'onnx-lowbit[cpu]' or 'onnx-lowbit[gpu]'); "
+                      "register its ops before creating the session: onnx_lowbit.register(sess_options), or use "
+                      "onnx_lowbit.InferenceSession(model, providers=...)",
+        OPS_KEY: f"{','.join(sorted(ops))} (domain {domain.DOMAIN} v{version})"})
+
+
     return run_passes(model, passes, **options)[1]
 
 
-__all__ = ["PASSES", "Pass", "Report", "Entry", "available", "resolve", "run_passes", "inspect"]
+__all__ = ["PASSES", "Pass", "Report", "Entry", "available", "resolve", "run_passes", "inspect", "ops_used",
+           "note_requirements", "REQUIRES_KEY", "OPS_KEY"]

@@ -182,6 +182,9 @@ def constant_value(tensor) -> np.ndarray | None:
     readable, e.g. bfloat16 without a numpy type)."""
     try:
         if isinstance(tensor, gs.Constant):
+            lazy = getattr(tensor, "_values", None)
+            if getattr(lazy, "streamed", False):  # external data being streamed (passes.external): read, never cache
+                return np.asarray(lazy.load())
             return np.asarray(tensor.values)
         p = producer(tensor)
         if p is None or p.op != "Constant" or p.domain:

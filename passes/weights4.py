@@ -63,6 +63,7 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
+from . import external
 from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, iter_graphs,
                    node_label, producer, single_consumer)
 
@@ -75,6 +76,7 @@ DEFAULT_MIN_ELEMENTS = 4096
 MAX_GROUP_SIZE = 1 << 16             # the MatMulAWQ kernels' limit
 ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatMulNBits kernels accept (1.31)
 MAX_CALIBRATION_ROWS = 8192          # activation rows per MatMul handed to the AWQ search (evenly subsampled)
+CHUNK_ELEMENTS = 1 << 22             # weight elements quantised at a time (column chunks; bounds the temporaries)
 BNB4_QUANT_TYPE = {"fp4": 0, "nf4": 1}  # com.microsoft.MatMulBnb4's quant_type attribute
 _FLOAT = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 
@@ -92,6 +94,7 @@ class Options:
     exclude: list = field(default_factory=list)  # (pattern string, compiled regex)
     calibration: dict | None = None
     calibration_session: object = None
+    spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
 
 
 def _int_option(options: dict, key: str, default: int) -> int:
@@ -158,6 +161,7 @@ def parse_options(options: dict) -> Options | None:
             raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
         o.calibration = {str(k): np.asarray(v) for k, v in cal.items()}
     o.calibration_session = options.get("calibration_session")
+    o.spill = options.get("spill")
     return o
 
 
@@ -369,6 +373,14 @@ def _following_bias(graph: gs.Graph, cand: _Cand):
     return None if vec is None else (add, vec)
 
 
+@dataclass
+class _Kept:
+    """What the end-of-graph check of a rewrite needs (not the weight arrays: those are released at once)."""
+    stored: object
+    w_node: gs.Node | None
+    weight_name: str
+
+
 def _excluded(cand: _Cand, patterns) -> str | None:
     names = [n for n in (cand.node.name, cand.weight_name) if n]
     for pat, rx in patterns:
@@ -386,6 +398,64 @@ def _rel_fro(w: np.ndarray, w_hat: np.ndarray) -> float:
     d = np.linalg.norm(w - np.asarray(w_hat, np.float64))
     n = np.linalg.norm(w)
     return float(d / n) if n > 0 else float(d)
+
+
+def _column_chunks(k: int, n: int, multiple: int):
+    """[n0, n1) column ranges of about CHUNK_ELEMENTS weight elements, each a multiple of ``multiple`` wide
+    (the last may be shorter): the formats quantise columns independently, so chunked results are the same bytes."""
+    step = max(multiple, (CHUNK_ELEMENTS // max(k, 1)) // multiple * multiple)
+    for n0 in range(0, n, step):
+        yield n0, min(n, n0 + step)
+
+
+def _columns(cand: "_Cand", n0: int, n1: int) -> np.ndarray:
+    """Columns n0..n1 of the effective [K, N] weight in float32 (alpha folded), as ``cand.w`` would give them."""
+    v = cand.value[n0:n1, :].T if cand.transpose else cand.value[:, n0:n1]
+    w = np.ascontiguousarray(v, dtype=np.float32)
+    return w * np.float32(cand.alpha) if cand.alpha != 1.0 else w
+
+
+def _sq_err(w: np.ndarray, w_hat: np.ndarray) -> tuple:
+    w = np.asarray(w, np.float64)
+    return float(np.sum(np.square(w - np.asarray(w_hat, np.float64)))), float(np.sum(np.square(w)))
+
+
+def _rel_from(err2: float, ref2: float) -> float:
+    return float(np.sqrt(err2) / np.sqrt(ref2)) if ref2 > 0 else float(np.sqrt(err2))
+
+
+def quantize_nf4_chunked(cand: "_Cand", fmt: str, block_size: int):
+    """(packed uint8 flat, absmax float32 flat, relative reconstruction error) of cand's weight, quantised
+    CHUNK_ELEMENTS at a time (the same bytes as nf4.quantize of the whole weight)."""
+    nf4 = _nf4()
+    k, n = int(cand.K), int(cand.N)
+    packs, maxes, err2, ref2 = [], [], 0.0, 0.0
+    for n0, n1 in _column_chunks(k, n, block_size // np.gcd(k, block_size)):
+        w = _columns(cand, n0, n1)
+        packed, absmax = _format_call(nf4.quantize, w, fmt, block_size)
+        packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+        absmax = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
+        e, r = _sq_err(w, nf4.dequantize(packed, absmax, fmt, block_size, k, n1 - n0))
+        packs.append(packed)
+        maxes.append(absmax)
+        err2, ref2 = err2 + e, ref2 + r
+    return np.concatenate(packs), np.concatenate(maxes), _rel_from(err2, ref2)
+
+
+def quantize_rtn_chunked(cand: "_Cand", group_size: int):
+    """(qweight, qzeros, scales, relative reconstruction error) of AWQ round-to-nearest on cand's weight,
+    CHUNK_ELEMENTS at a time (columns in multiples of 8: the same arrays as awq.quantize_rtn of the whole)."""
+    awq = _awq()
+    k, n = int(cand.K), int(cand.N)
+    parts, err2, ref2 = [], 0.0, 0.0
+    for n0, n1 in _column_chunks(k, n, 8):
+        w = _columns(cand, n0, n1)
+        qw, qz, sc = _format_call(awq.quantize_rtn, w, group_size)
+        e, r = _sq_err(w, awq.dequantize(qw, qz, sc, group_size, k, n1 - n0))
+        parts.append((np.asarray(qw, np.int32), np.asarray(qz, np.int32), np.asarray(sc, np.float16)))
+        err2, ref2 = err2 + e, ref2 + r
+    qweight, qzeros, scales = (np.concatenate([p[i] for p in parts], axis=1) for i in range(3))
+    return qweight, qzeros, scales, _rel_from(err2, ref2)
 
 
 def totals(report: Report) -> dict:
@@ -429,6 +499,10 @@ class _Run:
         self.shared: dict = {}        # (id(stored), transpose, alpha) -> (Q, absmax, rel_error, first node)
         self.kept_checks: list = []   # (index in entries, _Cand) of rewrites whose float weight may stay
         self.activations: dict = {}   # tensor name -> [rows, K] float32 calibration activations
+
+    def const(self, base: str, array: np.ndarray) -> gs.Constant:
+        """A new constant with a unique name; spilled to the output file at once when streaming."""
+        return external.constant(self.names(base), array, self.o.spill)
 
     # -- report --------------------------------------------------------------------------------------------
     def skip(self, pattern, nodes, reason, **details):
@@ -525,7 +599,7 @@ class _Run:
             return
         details.update(info)
         nodes = label + ([node_label(cand.bias_add)] if cand.bias_add is not None else [])
-        self.kept_checks.append((len(self.entries), cand))
+        self.kept_checks.append((len(self.entries), _Kept(cand.stored, cand.w_node, cand.weight_name)))
         # detach what was replaced
         node.inputs.clear()
         node.outputs.clear()
@@ -536,8 +610,7 @@ class _Run:
 
     # -- NF4 / FP4 -----------------------------------------------------------------------------------------
     def emit_nf4(self, g: gs.Graph, cand: _Cand, notes: list):
-        nf4, o = _nf4(), self.o
-        w32 = cand.w
+        o = self.o
         key = (id(cand.stored), cand.transpose, cand.alpha)
         shared = self.shared.get(key)
         bytes_before = cand.bytes_before
@@ -546,15 +619,11 @@ class _Run:
             notes.append(f"shares the quantised weight of {first!r}")
             bytes_after = bytes_before = 0  # counted once, on the first op
         else:
-            packed, absmax = _format_call(nf4.quantize, w32, o.fmt, o.block_size)
-            packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
-            absmax = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
-            w_hat = nf4.dequantize(packed, absmax, o.fmt, o.block_size, cand.K, cand.N)
-            rel = _rel_fro(w32, w_hat)
+            packed, absmax, rel = quantize_nf4_chunked(cand, o.fmt, o.block_size)
             if o.target == "ort":
                 absmax = absmax.astype(cand.dtype)  # MatMulBnb4: absmax has A's type
-            q_t = gs.Constant(self.names(f"{cand.weight_name}_{o.fmt}"), packed)
-            absmax_t = gs.Constant(self.names(f"{cand.weight_name}_absmax"), absmax)
+            q_t = self.const(f"{cand.weight_name}_{o.fmt}", packed)
+            absmax_t = self.const(f"{cand.weight_name}_absmax", absmax)
             bytes_after = int(packed.nbytes + absmax.nbytes)
             self.shared[key] = (q_t, absmax_t, rel, node_label(cand.node))
         base_name = cand.node.name or cand.out.name
@@ -589,10 +658,10 @@ class _Run:
     # -- AWQ -----------------------------------------------------------------------------------------------
     def emit_awq(self, g: gs.Graph, cand: _Cand, notes: list):
         awq, o = _awq(), self.o
-        w32 = cand.w
         x = self.activations.get(cand.a.name) if g is self.root else None
         act = None  # AWQ's act_scale = 1 / s [K]: the activation is multiplied by it, the weight rows by s
         if x is not None:
+            w32 = cand.w
             qweight, qzeros, scales, act = _format_call(awq.quantize_awq, w32, x, o.group_size)
             act = np.asarray(act, np.float32).reshape(-1)
             with np.errstate(over="ignore", divide="ignore"):
@@ -610,34 +679,35 @@ class _Run:
                                                        o.group_size)
         elif o.calibration is not None:
             notes.append("no calibration activations for A (inside a subgraph or not reached): RTN")
-        if act is None:
-            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32, o.group_size)
-        qweight = np.ascontiguousarray(qweight, dtype=np.int32)
-        qzeros = np.ascontiguousarray(qzeros, dtype=np.int32)
-        scales = np.ascontiguousarray(scales, dtype=np.float16)
-        w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N), np.float64)
         a_in = cand.a
-        if act is not None:
+        if act is None:
+            qweight, qzeros, scales, rel = quantize_rtn_chunked(cand, o.group_size)
+        else:
+            qweight = np.ascontiguousarray(qweight, dtype=np.int32)
+            qzeros = np.ascontiguousarray(qzeros, dtype=np.int32)
+            scales = np.ascontiguousarray(scales, dtype=np.float16)
+            w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N), np.float64)
             w_hat = w_hat * act.astype(np.float64)[:, None]  # the effective weight: act_scale * dequantised
             a_in, how = self.apply_act_scale(g, cand, act)
             notes.append(how)
-        rel = _rel_fro(w32, w_hat)
+            rel = _rel_fro(w32, w_hat)
         base = cand.weight_name
         base_name = cand.node.name or cand.out.name
         attrs = dict(K=int(cand.K), N=int(cand.N))
         bias_t = (gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype))
                   if cand.bias is not None else None)
         if o.target == "lowbit":
-            consts = [gs.Constant(self.names(f"{base}_qweight"), qweight),
-                      gs.Constant(self.names(f"{base}_qzeros"), qzeros),
-                      gs.Constant(self.names(f"{base}_scales"), scales)]
+            arrays = [qweight, qzeros, scales]
+            consts = [self.const(f"{base}_qweight", qweight), self.const(f"{base}_qzeros", qzeros),
+                      self.const(f"{base}_scales", scales)]
             inputs = [a_in] + consts + ([bias_t] if bias_t is not None else [])
             new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=self.names(f"{base_name}_awq"),
                           attrs=dict(group_size=int(o.group_size), **attrs), inputs=inputs, outputs=[cand.out])
         else:
             b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, o.group_size, cand.dtype)
-            consts = [gs.Constant(self.names(f"{base}_nbits"), b), gs.Constant(self.names(f"{base}_scales"), sc),
-                      gs.Constant(self.names(f"{base}_zero_points"), zp)]
+            arrays = [b, sc, zp]
+            consts = [self.const(f"{base}_nbits", b), self.const(f"{base}_scales", sc),
+                      self.const(f"{base}_zero_points", zp)]
             inputs = [a_in] + consts
             if bias_t is not None:
                 inputs += [gs.Variable.empty(), bias_t]  # g_idx absent, bias (input 5)
@@ -645,7 +715,7 @@ class _Run:
                           attrs=dict(bits=4, block_size=int(o.group_size), **attrs), inputs=inputs,
                           outputs=[cand.out])
         g.nodes.append(new)
-        bytes_after = int(sum(c.values.nbytes for c in consts))
+        bytes_after = int(sum(a.nbytes for a in arrays))
         info = dict(target=o.target, op=new.op, new_node=new.name, group_size=o.group_size,
                     bytes_before=cand.bytes_before, bytes_after=bytes_after, rel_error=rel,
                     bias=cand.bias is not None, calibrated=act is not None, new_nodes=[new.name])

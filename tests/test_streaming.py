@@ -1,0 +1,153 @@
+"""Models with external data are rewritten streaming (weights read one at a time, new ones written as they are
+made), give the same bytes as the in-memory path, never modify the input, and leave nothing behind on failure.
+The memory figure for a model over 2 GB comes from benchmarks/big_model.py (docs/reliability.md)."""
+import hashlib
+import os
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_lowbit import cli, model_io, nf4
+from onnx_lowbit.passes import run_passes, weights4
+
+
+def build(folder, layers=2, d=1024, f=3584, dtype=np.float16, data="weights.bin", name="in.onnx", seed=0):
+    """An MLP stack (~29 MB at the defaults) saved with all weights in one external data file."""
+    rng = np.random.default_rng(seed)
+    et = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    inits, nodes, x = [], [], "x"
+    for i in range(layers):
+        inits += [numpy_helper.from_array((rng.standard_normal((d, f)) * 0.05).astype(dtype), f"w1_{i}"),
+                  numpy_helper.from_array((rng.standard_normal((f, d)) * 0.05).astype(dtype), f"w2_{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"w1_{i}"], [f"h{i}"], name=f"up{i}"),
+                  helper.make_node("Sigmoid", [f"h{i}"], [f"s{i}"], name=f"sig{i}"),
+                  helper.make_node("Mul", [f"h{i}", f"s{i}"], [f"a{i}"], name=f"silu{i}"),
+                  helper.make_node("MatMul", [f"a{i}", f"w2_{i}"], [f"y{i}"], name=f"down{i}")]
+        x = f"y{i}"
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", et, ["n", d])],
+                          [helper.make_tensor_value_info(x, et, ["n", d])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    path = os.path.join(folder, name)
+    onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+                    size_threshold=1024)
+    return path
+
+
+def digest(folder):
+    return {f: hashlib.sha256(open(os.path.join(folder, f), "rb").read()).hexdigest()
+            for f in sorted(os.listdir(folder)) if os.path.isfile(os.path.join(folder, f))}
+
+
+def arrays(path):
+    m = onnx.load(str(path))
+    return {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+
+
+@pytest.fixture()
+def no_full_load(monkeypatch):
+    """Fails the test if anything loads a model's external data into memory wholesale."""
+    def refuse(*a, **k):
+        raise AssertionError("external data loaded wholesale: the streaming path was not taken")
+    monkeypatch.setattr(onnx.external_data_helper, "load_external_data_for_model", refuse)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "awq"])
+def test_streamed_equals_in_memory(tmp_path, monkeypatch, fmt):
+    src = build(str(tmp_path))
+    before = digest(tmp_path)
+    ref_model, _ = run_passes(model_io.load(src), weights=fmt)           # the in-memory path (whole weights)
+    ref = {t.name: numpy_helper.to_array(t) for t in ref_model.graph.initializer}
+
+    spilled = []
+    real_spill = model_io.StagedOutput.spill
+    monkeypatch.setattr(model_io.StagedOutput, "spill",
+                        lambda self, name, a: spilled.append(name) or real_spill(self, name, a))
+    monkeypatch.setattr(weights4, "CHUNK_ELEMENTS", 1 << 20)             # several column chunks per weight
+    with monkeypatch.context() as m:
+        m.setattr(onnx.external_data_helper, "load_external_data_for_model",
+                  lambda *a, **k: (_ for _ in ()).throw(AssertionError("not streamed")))
+        out = tmp_path / "out.onnx"
+        assert cli.main(["rewrite", src, str(out), "--weights", fmt]) == 0
+    after = digest(tmp_path)
+    assert {k: after[k] for k in before} == before                       # the input is not modified
+    assert sorted(os.listdir(tmp_path)) == ["in.onnx", "out.onnx", "out.onnx.data", "weights.bin"]
+    assert len(spilled) == 4 * (3 if fmt == "awq" else 2)                # every quantised tensor went out at once
+    got = arrays(out)
+    assert sorted(got) == sorted(ref)
+    for name in ref:
+        assert got[name].dtype == ref[name].dtype and np.array_equal(got[name], ref[name]), name
+    ops = [n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node]
+    assert ops.count("MatMulNF4" if fmt == "nf4" else "MatMulAWQ") == 4 and ops.count("FPLUT") == 2
+    if fmt == "nf4":  # chunked quantisation = the whole weight quantised at once (bitsandbytes' bytes)
+        w = numpy_helper.to_array(onnx.load(src).graph.initializer[0]).astype(np.float32)
+        packed, absmax = nf4.quantize(w, "nf4", 64)
+        assert np.array_equal(got["w1_0_nf4"], packed) and np.array_equal(got["w1_0_absmax"], absmax)
+
+
+def test_streamed_verify_and_runs(tmp_path, no_full_load):
+    src = build(str(tmp_path), layers=1, d=256, f=512, dtype=np.float32)
+    out = tmp_path / "o.onnx"
+    assert cli.main(["rewrite", src, str(out), "--weights", "nf4", "--verify", "--tolerance", "0.2"]) == 0
+    assert (tmp_path / "o.onnx.data").exists()
+    assert cli.main(["rewrite", src, str(tmp_path / "p.onnx"), "--weights", "nf4", "--verify",
+                     "--tolerance", "1e-9"]) == 1                       # verify fails: nothing written
+    assert not (tmp_path / "p.onnx").exists() and not (tmp_path / "p.onnx.data").exists()
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".onnx-lowbit-")]
+
+
+@pytest.mark.parametrize("where", ["spill", "copy", "model"])
+def test_failure_leaves_no_output(tmp_path, monkeypatch, where, capsys):
+    src = build(str(tmp_path), layers=1, d=256, f=512)
+    before = digest(tmp_path)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+    if where == "spill":
+        monkeypatch.setattr(model_io.StagedOutput, "_append", boom)
+    elif where == "copy":
+        monkeypatch.setattr(model_io.StagedOutput, "_copy_from", boom)
+    else:
+        real = model_io.StagedOutput.write
+
+        def write_then_fail(self, model, src_dir):
+            real(self, model, src_dir)
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(model_io.StagedOutput, "write", write_then_fail)
+    args = ["rewrite", src, str(tmp_path / "out.onnx"), "--weights", "nf4"]
+    if where == "copy":
+        args += ["--exclude", "w2_0"]
+    rc = cli.main(args)
+    assert rc in (2, 3)
+    assert "onnx-lowbit: " in capsys.readouterr().err
+    assert digest(tmp_path) == before  # no output, no temporary folder, input untouched
+
+
+def test_in_memory_failure_leaves_no_output(tmp_path, monkeypatch):
+    src = tmp_path / "small.onnx"
+    onnx.save(onnx.load(os.path.join(os.path.dirname(__file__), "..", "samples", "tiny_yolo.onnx")), str(src))
+    before = digest(tmp_path)
+
+    def boom(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(onnx, "save_model", boom)
+    assert cli.main(["rewrite", str(src), str(tmp_path / "out.onnx")]) == 2
+    assert digest(tmp_path) == before
+
+
+def test_output_data_may_not_replace_input_data(tmp_path):
+    src = build(str(tmp_path), layers=1, d=256, f=512, data="out.onnx.data")
+    before = digest(tmp_path)
+    assert cli.main(["rewrite", src, str(tmp_path / "out.onnx"), "--weights", "nf4"]) == 2
+    assert digest(tmp_path) == before
+
+
+def test_external_data_file_too_short(tmp_path, capsys):
+    src = build(str(tmp_path), layers=1, d=256, f=512)
+    with open(tmp_path / "weights.bin", "r+b") as f:
+        f.truncate(1000)
+    assert cli.main(["rewrite", src, str(tmp_path / "out.onnx"), "--weights", "nf4"]) in (2, 3)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "weights.bin" in err
+    assert not (tmp_path / "out.onnx").exists()
