@@ -174,7 +174,6 @@ def cmd_rewrite(a) -> int:
     streamed = model_io.uses_external_data(head) and not getattr(a, "calibration", None)
     model = head if streamed else model_io.load(a.input)
     options = _pass_options(a, model)
-    out, report = None, passes_mod.Report()
     staged = None
     if streamed:
         staged = model_io.StagedOutput(a.output)
@@ -190,13 +189,14 @@ def _rewrite(a, model, selected, options, staged) -> int:
     """The passes, --verify and the write of cmd_rewrite; ``staged``: the streamed output (None: in memory)."""
     from . import model_io, verify
     from onnx_lowbit import passes as passes_mod
+    out, report = None, passes_mod.Report()
     current = model
     for p in _progress(selected, "rewriting"):
         current, r = passes_mod.run_passes(current, passes=[p.name], **options)
         report.extend(r)
     out = current
-    print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped "
     staged_path = staged.write(out, options["external_data_dir"]) if staged is not None else None
+    print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped "
           f"({', '.join(p.name for p in selected)})")
     summary = _weights_summary(report)
     if summary:

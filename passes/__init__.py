@@ -126,22 +126,22 @@ def run_passes(model, passes=None, **options):
     Returns ``(rewritten ModelProto, Report)``. Graph input/output names are kept; opset imports, ir_version,
     producer and metadata of the input are restored on the output, plus our domain's opset import when one of
     our ops was emitted. Options are read by the passes (see each pass, e.g. ``fplut_functions``).
-    """
-    selected = resolve(passes)
 
     Streaming (models with external data, see passes/external.py): ``model`` loaded without its external data,
     ``external_data_dir`` the folder its data files are relative to, and optionally ``spill`` (e.g.
     onnx_lowbit.model_io.StagedOutput.spill) to write new large constants out as soon as they are made.
+    """
+    selected = resolve(passes)
     domain.register_schemas()
     src = _load(model)
     report = Report()
 
     graph = gs.import_onnx(src)
-    filled = _fill_types(graph, _inferred_types(src))
-    for p in selected:
     if options.get("external_data_dir") is not None:  # streaming: weights read from their file when needed
         from . import external
         external.attach(graph, options["external_data_dir"])
+    filled = _fill_types(graph, _inferred_types(src))
+    for p in selected:
         p.apply(graph, report, dict(options))
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     for t, fill_dtype, fill_shape in filled:
@@ -168,15 +168,13 @@ def _restore_model_fields(out: onnx.ModelProto, src: onnx.ModelProto) -> None:
     for name, version in FOREIGN_DOMAINS.items():
         if _emits_domain(out, name) and not any(o.domain == name for o in out.opset_import):
             out.opset_import.append(onnx.helper.make_opsetid(name, version))
+    note_requirements(out)
     if src.graph.name:
         out.graph.name = src.graph.name
-    note_requirements(out)
     if len(src.training_info):
         out.training_info.extend(src.training_info)
 
 
-def inspect(model, passes=None, **options) -> Report:
-    """What ``run_passes`` would rewrite and skip; ``model`` is left untouched and no model is returned."""
 # metadata_props written on every rewritten model that uses our ops: onnxruntime's own error for an unregistered
 # op ("onnx_lowbit:FPLUT(-1) is not a registered function/op") cannot name the package; these keys can, and
 # onnx_lowbit.api.explain_error / `onnx-lowbit inspect` read them.
@@ -216,6 +214,8 @@ def note_requirements(model: onnx.ModelProto) -> None:
         OPS_KEY: f"{','.join(sorted(ops))} (domain {domain.DOMAIN} v{version})"})
 
 
+def inspect(model, passes=None, **options) -> Report:
+    """What ``run_passes`` would rewrite and skip; ``model`` is left untouched and no model is returned."""
     return run_passes(model, passes, **options)[1]
 
 
