@@ -1,0 +1,118 @@
+"""cuBLAS through ctypes: just what the fused FFN's prefill path needs (a handle, its stream, cublasGemmEx).
+
+The library is found, in this order: a libcublas already mapped into the process (onnxruntime-gpu or torch
+loaded it: use the same copy), the ``nvidia.cublas`` / ``nvidia.cu13`` Python packages, the loader's search
+path (``ctypes.util.find_library``), the CUDA toolkit directory. ``load()`` returns None when none is found; the
+callers then use their Numba fallback kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import os
+import sys
+import threading
+
+R_32F, R_16F = 0, 2              # cudaDataType_t
+COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation, no TF32
+OP_N, OP_T = 0, 1
+GEMM_DEFAULT = -1
+
+_lib = None
+_tried = False
+_lock = threading.Lock()
+
+
+class CublasError(RuntimeError):
+    pass
+
+
+def _mapped():
+    """Paths of libcublas copies already mapped into this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            return sorted({ln.split()[-1] for ln in f if "/libcublas.so" in ln})
+    except OSError:
+        return []
+
+
+def _candidates():
+    yield from _mapped()
+    for p in sys.path:
+        for sub in ("nvidia/cublas/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"):
+            yield from sorted(glob.glob(os.path.join(p, sub, "libcublas.so*")), reverse=True)
+    name = ctypes.util.find_library("cublas")
+    if name:
+        yield name
+    for v in ("13", "12", "11"):
+        yield f"libcublas.so.{v}"
+    for d in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        if d:
+            yield from sorted(glob.glob(os.path.join(d, "lib64", "libcublas.so*")), reverse=True)
+
+
+def _bind(lib):
+    p, i, c = ctypes.c_void_p, ctypes.c_int, ctypes.c_int
+    lib.cublasCreate_v2.argtypes = [ctypes.POINTER(p)]
+    lib.cublasDestroy_v2.argtypes = [p]
+    lib.cublasSetStream_v2.argtypes = [p, p]
+    lib.cublasGemmEx.argtypes = [p, c, c, i, i, i, p, p, c, i, p, c, i, p, p, c, i, c, c]
+    return lib
+
+
+def load():
+    """The cuBLAS library (ctypes), or None if none can be loaded."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        for path in _candidates():
+            if "/" in path and "libcublas.so" in path:   # its libcublasLt sits beside it (wheels use $ORIGIN)
+                lt = os.path.join(os.path.dirname(path), os.path.basename(path).replace("libcublas", "libcublasLt"))
+                if os.path.exists(lt):
+                    try:
+                        ctypes.CDLL(lt, mode=ctypes.RTLD_GLOBAL)
+                    except OSError:
+                        pass
+            try:
+                _lib = _bind(ctypes.CDLL(path))
+                return _lib
+            except (OSError, AttributeError):
+                continue
+        return None
+
+
+def check(rc, what):
+    if rc != 0:
+        raise CublasError(f"{what} failed: cuBLAS status {rc}")
+
+
+class Handle:
+    """One cuBLAS handle (created in the calling thread's current CUDA context)."""
+
+    def __init__(self):
+        self.lib = load()
+        if self.lib is None:
+            raise CublasError("cuBLAS library not found")
+        h = ctypes.c_void_p()
+        check(self.lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
+        self.h = h
+        self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self._stream = None
+
+    def gemm_rows(self, stream, x, x_type, w, w_type, c, m, n, k, ldc):
+        """C[m, n] (row-major, fp32, row stride ldc) = X[m, k] (row-major) . W[n, k]^T (row-major), all device
+        pointers; fp32 accumulation. Column-major view: C^T[n, m] = op_T(W as k x n) . (X^T as k x m)."""
+        if stream != self._stream:
+            check(self.lib.cublasSetStream_v2(self.h, ctypes.c_void_p(stream)), "cublasSetStream")
+            self._stream = stream
+        check(self.lib.cublasGemmEx(self.h, OP_T, OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), w_type,
+                                    k, ctypes.c_void_p(x), x_type, k, ctypes.byref(self._zero), ctypes.c_void_p(c),
+                                    R_32F, ldc, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
+
+    def close(self):
+        if self.h is not None and self.lib is not None:
+            self.lib.cublasDestroy_v2(self.h)
+            self.h = None

@@ -1,0 +1,738 @@
+"""FusedFFN, CUDA face: S[..., N] = SiLU(X W1^T + B1) * (X W3^T + B3), W1/W3 [N, K] (reference: onnx_lowbit.ffn).
+
+Types: X, B1, B3, S of T, W1, W3 of TW, T and TW each float or float16 (four variants). Products are
+accumulated in fp32 and SiLU is computed in fp32 (z / (1 + exp(-z)), libdevice expf), one rounding to T.
+
+Decode path (M <= DECODE_MAX_M rows of X, K a multiple of the 16-byte chunk, 16-byte aligned weights, the x
+block fits in shared memory), one launch, after the fused gate/up kernel of the seed
+(shared/seeds/fused-ffn-swiglu.md):
+* persistent blocks of 256 threads; a block stages all M rows of x ONCE as fp32 in shared memory (dynamic,
+  MT x K x 4 bytes for the row bucket MT; element e of chunk j at e * K/8 + j, so a warp's 32 lanes read 32
+  consecutive words, conflict-free), then walks groups of COLS weight rows (grid-stride, the grid sized
+  so every block does the same number of groups: no tail wave);
+* for a group, thread t owns the 16-byte chunks t, t + 256, ... of the rows; it issues all its weight loads of
+  two chunks x COLS rows x {W1, W3} first (128-bit ``ld.global.nc.L1::no_allocate.v4.u32`` through a Numba
+  intrinsic with inline PTX: 16 independent 16-byte loads in flight for COLS=2), then reads each chunk's x once
+  from shared memory and feeds both dot products (W1 and W3) of every row of the group and every row of X; the
+  2 x 2 x COLS x MT accumulators are independent (ILP), fp16 weights widen with cvt.f32.f16;
+* reduction: warp shuffles (5 steps per value), then the 8 warps' partials in shared memory; one thread per
+  (row of W, row of X) adds the biases, applies SiLU(g) * u in fp32 and stores S in T. Gate and up never touch
+  global memory.
+Rows past N in the last group are clamped onto row N-1 (valid reads, results discarded), so any N >= 1 works.
+
+Prefill path (any other M, K, alignment): with cuBLAS (found by custom_ops.cublas): per chunk of <= 512 rows of
+X, two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write gate and up side by side into an fp32
+scratch [rows, 2N]; one elementwise kernel adds the biases, applies SiLU * mul and writes S. Types cuBLAS has
+no GemmEx for are brought to one it has without losing accuracy: fp16 X with fp32 W -> X widened to fp32 (exact,
+SGEMM); fp32 X with fp16 W (mixed) -> X split into fp16 hi + lo parts (X = hi + lo to ~2^-22 relative), both
+multiplied in one fp16 GEMM with 2x the rows and summed in the elementwise kernel (reads the fp16 weight once,
+never widens it). Without cuBLAS (and under the CUDA simulator): a fused Numba tiled kernel (64 x 64 output
+tile for both W1 and W3, 16-deep K tiles in shared memory, 4 x 4 x 2 accumulators per thread, SiLU * mul in the
+epilogue): correct, not tuned.
+
+Scratch (prefill with cuBLAS only): module-level, one buffer per CUDA stream shared by all FusedFFN nodes
+(launches on a stream are ordered), grown when a larger shape comes (after synchronising that stream), never
+allocated again when shapes repeat. A lock keeps one call's launches (converts, 2 GEMMs, activation) together
+when several threads run on the same stream.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from numba import config, cuda, float32, uint32, uint64
+
+from .dequantawq_cuda import as_f32, device, f2h, h2f
+from .kernels import Kernel
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+BLOCK = 256                     # decode kernel threads (8 warps)
+DECODE_MAX_M = 16               # rows of X the decode kernel takes (buckets below)
+MT_BUCKETS = (1, 2, 4, 8, 16)
+XS_MAX = 100 * 1024             # bytes of fp32 x a decode block may stage (MT * K * 4): >= 2 blocks per SM
+COLS = {1: 2, 2: 2, 4: 1, 8: 1, 16: 1}   # weight rows per group, by bucket (accumulators: 4 * COLS * MT)
+UJ = 2                          # chunks per thread per step (loads in flight: 2 * COLS * UJ)
+LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
+DEFAULT_BLOCKS_PER_SM = 4
+ROW_CHUNK = 512                 # prefill: rows of X per GEMM pair (bounds the scratch: ROW_CHUNK x 2N fp32)
+TILE = dict(tx=16, ty=16, rm=4, rn=4, bk=16)   # fallback tiled kernel (GPU geometry)
+ACT_BLOCK = 256
+
+U0, U1 = np.uint64(0), np.uint64(1)
+F0, F1 = np.float32(0.0), np.float32(1.0)
+FULL = np.uint32(0xFFFFFFFF)
+M16 = np.uint64(0xFFFF)
+
+
+# ------------------------------------------------------------------------------------------ device helpers
+def _make_ld4(asm):
+    """ld4(words, i) -> the 4 uint32 words [4i, 4i+4) of a uint32 array as one 128-bit load (``asm``: the PTX
+    load instruction without operands). The address must be 16-byte aligned."""
+    if SIM:
+        def ld4(a, i):
+            j = 4 * int(i)
+            return a[j], a[j + 1], a[j + 2], a[j + 3]
+        return ld4
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def ld4(typingctx, arr, idx):
+        rt = types.UniTuple(types.uint32, 4)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            i = context.cast(builder, args[1], sig.args[1], types.uint64)
+            ptr = builder.gep(ary.data, [builder.shl(i, ir.Constant(ir.IntType(64), 2))])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ptr.type])
+            res = builder.call(ir.InlineAsm(fnty, asm + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l"), [ptr])
+            return context.make_tuple(builder, rt, [builder.extract_value(res, k) for k in range(4)])
+        return rt(arr, idx), codegen
+    return ld4
+
+
+if SIM:
+    def _partial(red, v, s, tid, nred):
+        """Simulator (no warp shuffles): every thread's partial goes to shared memory."""
+        red[v * nred + int(tid)] = s
+
+    def silu(z):
+        z = np.float32(z)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.float32(z / (F1 + np.exp(-z)))
+else:
+    import math as _m
+
+    @device
+    def _warp_sum(v):
+        v += cuda.shfl_down_sync(FULL, v, 16)
+        v += cuda.shfl_down_sync(FULL, v, 8)
+        v += cuda.shfl_down_sync(FULL, v, 4)
+        v += cuda.shfl_down_sync(FULL, v, 2)
+        v += cuda.shfl_down_sync(FULL, v, 1)
+        return v
+
+    @device
+    def _partial(red, v, s, tid, nred):
+        """Warp-reduce value v's partial; lane 0 puts the warp's sum into red[v * nred + warp]."""
+        s = _warp_sum(s)
+        if (tid & uint64(31)) == U0:
+            red[uint64(v * nred) + (tid >> uint64(5))] = s
+
+    @device
+    def silu(z):
+        return z / (float32(1.0) + _m.exp(-z))
+
+
+@device
+def _ld32(a, i):
+    return a[i]
+
+
+@device
+def _ld16(a, i):
+    return h2f(a[i])
+
+
+@device
+def _st32(y, i, v):
+    y[i] = v
+
+
+@device
+def _st16(y, i, v):
+    y[i] = f2h(v)
+
+
+@device
+def _w16(words, i, e):
+    """Element e (0..7) of the 8 fp16 values held by words[i .. i+4) (little-endian) as float32."""
+    w = uint64(words[i + (e >> 1)])
+    return h2f((w >> uint64(16 * (e & 1))) & M16)
+
+
+@device
+def _w32(words, i, e):
+    return as_f32(words[i + e])
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=UJ, load=LOAD):
+    """Decode kernel for row bucket ``mt`` (M <= mt rows; x rows >= M are staged as zeros, never stored)."""
+    cols = COLS[mt] if cols is None else cols
+    ldx = _ld16 if x16 else _ld32
+    st = _st16 if x16 else _st32
+    wget = _w16 if w16 else _w32
+    epc = 8 if w16 else 4                 # weight elements per 16-byte chunk
+    nacc = 2 * cols * mt * uj             # (chunk u, row c, x row m, gate/up)
+    nv = 2 * cols * mt                    # values reduced per group
+    nw = 8 * cols * uj                    # loaded words (W1, W3)
+    warps = block // 32
+    nred = block if SIM else warps        # partials per value in shared memory
+    red_size = nv * nred
+    ld4 = _make_ld4(load)
+    xsz = epc
+
+    @cuda.jit
+    def decode(x, w1, w3, b1, b3, y, m_dim, k_dim, n_dim, has_b1, has_b3):
+        """x [M*K] (T; fp16 as uint16 bits), w1/w3 [N*K*size/4] uint32 words, b1/b3 [N] (T), y [M*N] (T)."""
+        xs = cuda.shared.array(0, float32)
+        red = cuda.shared.array(red_size, float32)
+        tid = uint64(cuda.threadIdx.x)
+        blk = uint64(block)
+        k64 = uint64(k_dim)
+        m64 = uint64(m_dim)
+        n64 = uint64(n_dim)
+        lim = m64 * k64
+        nch = k64 // uint64(epc)                          # 16-byte chunks per weight row
+        i = tid
+        while i < uint64(mt) * k64:                       # stage x once: fp32, zero rows past M, element e of
+            m = i // k64                                  # chunk j at xs[m K + e nch + j] (the lanes of a warp
+            kk = i - m * k64                              # read consecutive words: no bank conflicts)
+            e = kk % uint64(epc)
+            xs[m * k64 + e * nch + kk // uint64(epc)] = ldx(x, i) if i < lim else F0
+            i += blk
+        cuda.syncthreads()
+        acc = cuda.local.array(nacc, float32)
+        wa = cuda.local.array(nw, uint32)
+        xv = cuda.local.array(xsz, float32)
+        rows = cuda.local.array(cols, uint64)
+        ngroups = (n64 + uint64(cols - 1)) // uint64(cols)
+        g = uint64(cuda.blockIdx.x)
+        while g < ngroups:                                # block-uniform: every thread reaches the syncs
+            for c in range(cols):
+                rows[c] = min(g * uint64(cols) + uint64(c), n64 - U1) * nch
+            for v in range(nacc):
+                acc[v] = F0
+            j = tid
+            while j < nch:
+                nu = uj if j + uint64(uj - 1) * blk < nch else 1
+                # all loads first: nu chunks x cols rows x (W1, W3), 16 bytes each
+                for u in range(uj):
+                    if u < nu:
+                        jj = j + uint64(u) * blk
+                        for c in range(cols):
+                            q = ld4(w1, rows[c] + jj)
+                            o = (u * cols + c) * 8
+                            wa[o] = q[0]
+                            wa[o + 1] = q[1]
+                            wa[o + 2] = q[2]
+                            wa[o + 3] = q[3]
+                            q = ld4(w3, rows[c] + jj)
+                            wa[o + 4] = q[0]
+                            wa[o + 5] = q[1]
+                            wa[o + 6] = q[2]
+                            wa[o + 7] = q[3]
+                for u in range(uj):
+                    if u < nu:
+                        jj = j + uint64(u) * blk
+                        for m in range(mt):
+                            xb = uint64(m) * k64 + jj
+                            for e in range(epc):
+                                xv[e] = xs[xb + uint64(e) * nch]
+                            for c in range(cols):
+                                o = (u * cols + c) * 8
+                                a = ((u * cols + c) * mt + m) * 2
+                                sg = acc[a]
+                                su = acc[a + 1]
+                                for e in range(epc):
+                                    sg += wget(wa, o, e) * xv[e]
+                                    su += wget(wa, o + 4, e) * xv[e]
+                                acc[a] = sg
+                                acc[a + 1] = su
+                j += uint64(nu) * blk
+            # fold the chunk slots, reduce over the block, one thread per (row, x row) finishes
+            for v in range(nv):
+                s = acc[v]
+                for u in range(1, uj):
+                    s += acc[u * nv + v]
+                _partial(red, v, s, tid, nred)
+            cuda.syncthreads()
+            if tid < uint64(cols * mt):
+                c = tid // uint64(mt)
+                m = tid - c * uint64(mt)
+                r = g * uint64(cols) + c
+                if r < n64 and m < m64:
+                    gs = F0
+                    us = F0
+                    for t in range(nred):
+                        gs += red[tid * uint64(2 * nred) + uint64(t)]
+                        us += red[(tid * uint64(2) + U1) * uint64(nred) + uint64(t)]
+                    if has_b1:
+                        gs += ldx(b1, r)
+                    if has_b3:
+                        us += ldx(b3, r)
+                    st(y, m * n64 + r, silu(gs) * us)
+            cuda.syncthreads()
+            g += uint64(cuda.gridDim.x)
+
+    return decode
+
+
+def _make_tiled(x16, w16, tx=16, ty=16, rm=4, rn=4, bk=16):
+    """Fused tiled kernel, any M/K/N: block (ty x tx threads) computes a (ty*rm) x (tx*rn) tile of S."""
+    ldx = _ld16 if x16 else _ld32
+    ldw = _ld16 if w16 else _ld32
+    st = _st16 if x16 else _st32
+    bm, bn, nt = ty * rm, tx * rn, tx * ty
+    xs_size, ws_size, na = bk * bm, bk * bn, rm * rn
+
+    @cuda.jit
+    def tiled(x, w1, w3, b1, b3, y, m_dim, k_dim, n_dim, has_b1, has_b3):
+        """x [M*K] (T), w1/w3 [N*K] (TW; fp16 as uint16 bits), b1/b3 [N], y [M*N]."""
+        xs = cuda.shared.array(xs_size, float32)
+        as1 = cuda.shared.array(ws_size, float32)
+        as3 = cuda.shared.array(ws_size, float32)
+        tid = uint64(cuda.threadIdx.x)
+        tc = tid % uint64(tx)
+        tr = tid // uint64(tx)
+        k64 = uint64(k_dim)
+        m64 = uint64(m_dim)
+        n64 = uint64(n_dim)
+        tiles_n = (n64 + uint64(bn - 1)) // uint64(bn)
+        bid = uint64(cuda.blockIdx.x)
+        m0 = (bid // tiles_n) * uint64(bm)
+        n0 = (bid % tiles_n) * uint64(bn)
+        acc1 = cuda.local.array(na, float32)
+        acc3 = cuda.local.array(na, float32)
+        xr = cuda.local.array(rm, float32)
+        for v in range(na):
+            acc1[v] = F0
+            acc3[v] = F0
+        k0 = U0
+        while k0 < k64:
+            i = tid
+            while i < uint64(bm * bk):
+                mm = i // uint64(bk)
+                kk = i - mm * uint64(bk)
+                gm = m0 + mm
+                gk = k0 + kk
+                xs[kk * uint64(bm) + mm] = ldx(x, gm * k64 + gk) if gm < m64 and gk < k64 else F0
+                i += uint64(nt)
+            i = tid
+            while i < uint64(bn * bk):
+                nn = i // uint64(bk)
+                kk = i - nn * uint64(bk)
+                gn = n0 + nn
+                gk = k0 + kk
+                ok = gn < n64 and gk < k64
+                as1[kk * uint64(bn) + nn] = ldw(w1, gn * k64 + gk) if ok else F0
+                as3[kk * uint64(bn) + nn] = ldw(w3, gn * k64 + gk) if ok else F0
+                i += uint64(nt)
+            cuda.syncthreads()
+            for kk in range(bk):
+                for a in range(rm):
+                    xr[a] = xs[uint64(kk * bm + a * ty) + tr]
+                for b in range(rn):
+                    o = uint64(kk * bn + b * tx) + tc
+                    v1 = as1[o]
+                    v3 = as3[o]
+                    for a in range(rm):
+                        acc1[a * rn + b] += xr[a] * v1
+                        acc3[a * rn + b] += xr[a] * v3
+            cuda.syncthreads()
+            k0 += uint64(bk)
+        for a in range(rm):
+            m = m0 + tr + uint64(a * ty)
+            for b in range(rn):
+                n = n0 + tc + uint64(b * tx)
+                if m < m64 and n < n64:
+                    gs = acc1[a * rn + b]
+                    us = acc3[a * rn + b]
+                    if has_b1:
+                        gs += ldx(b1, n)
+                    if has_b3:
+                        us += ldx(b3, n)
+                    st(y, m * n64 + n, silu(gs) * us)
+
+    return tiled
+
+
+def _make_act(x16):
+    """S[m, n] = SiLU(sum_s G[s*rows + m, n] + b1[n]) * (sum_s G[s*rows + m, N + n] + b3[n]), G the GEMMs'
+    fp32 scratch [splits*rows, 2N] (splits = 2: the hi/lo halves of a split fp32 X, scaled by 1/inv[m])."""
+    ldx = _ld16 if x16 else _ld32
+    st = _st16 if x16 else _st32
+
+    @cuda.jit
+    def act(gbuf, inv, b1, b3, y, rows, n_dim, splits, has_b1, has_b3):
+        i = uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x) + uint64(cuda.threadIdx.x)
+        n64 = uint64(n_dim)
+        r64 = uint64(rows)
+        if i >= r64 * n64:
+            return
+        m = i // n64
+        n = i - m * n64
+        o = m * uint64(2) * n64 + n
+        gs = gbuf[o]
+        us = gbuf[o + n64]
+        if splits == 2:
+            o += r64 * uint64(2) * n64
+            gs = (gs + gbuf[o]) * inv[m]
+            us = (us + gbuf[o + n64]) * inv[m]
+        if has_b1:
+            gs += ldx(b1, n)
+        if has_b3:
+            us += ldx(b3, n)
+        st(y, i, silu(gs) * us)
+
+    return act
+
+
+def _make_widen():
+    @cuda.jit
+    def widen(x, xo, count):
+        """fp16 bits x -> fp32 xo (exact)."""
+        i = uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x) + uint64(cuda.threadIdx.x)
+        if i < uint64(count):
+            xo[i] = h2f(x[i])
+
+    return widen
+
+
+def _make_split(block=ACT_BLOCK):
+    nh = block // 2
+
+    @cuda.jit
+    def split(x, xo, inv, rows, k_dim):
+        """fp32 X (bits) -> fp16 hi/lo parts for the fp16 GEMM, row r in block r. With e the exponent of
+        max_k |x[r, k]| (e >= 16; else f = 1) and f = 2^(141 - e) (exact: the row's largest value lands in
+        [2^14, 2^15), inside fp16's range whatever X's range): hi = fp16(x f) -> xo[r K + k],
+        lo = fp16(x f - hi) -> xo[(rows + r) K + k] (0 where hi is inf/NaN, which then propagates), inv[r] = 1/f.
+        hi + lo = x f to ~2^-22 relative; the elementwise kernel multiplies the GEMM sums by inv[r]."""
+        red = cuda.shared.array(block, uint32)
+        tid = cuda.threadIdx.x
+        r = uint64(cuda.blockIdx.x)
+        k64 = uint64(k_dim)
+        base = r * k64
+        mx = uint32(0)
+        k = uint64(tid)
+        while k < k64:
+            mx = max(mx, uint32(x[base + k]) & uint32(0x7FFFFFFF))
+            k += uint64(block)
+        red[tid] = mx
+        cuda.syncthreads()
+        h = nh
+        while h > 0:
+            if tid < h:
+                red[tid] = max(red[tid], red[tid + h])
+            cuda.syncthreads()
+            h //= 2
+        e = uint32(red[0]) >> uint32(23)
+        f = as_f32(uint32(268) - e << uint32(23)) if e >= uint32(16) else F1
+        if tid == 0:
+            inv[r] = as_f32(e - uint32(14) << uint32(23)) if e >= uint32(16) else F1
+        k = uint64(tid)
+        while k < k64:
+            v = as_f32(x[base + k]) * f
+            hi = f2h(v)
+            hv = h2f(hi)
+            xo[base + k] = hi
+            xo[uint64(rows) * k64 + base + k] = f2h(v - hv) if hv - hv == F0 else U0
+            k += uint64(block)
+
+    return split
+
+
+# ------------------------------------------------------------------------------------------ shapes, plans
+def check_shapes(x_shape, w1_shape, w3_shape, b1_shape=None, b3_shape=None):
+    """(M, K, N) for the given input shapes, or a KernelError naming the input."""
+    from .bridge import KernelError
+    if len(w1_shape) != 2:
+        raise KernelError(f"input 1 'W1' must be 2-D [N, K], got shape {list(w1_shape)}")
+    if tuple(w3_shape) != tuple(w1_shape):
+        raise KernelError(f"input 2 'W3' must have W1's shape [N, K] = {list(w1_shape)}, got {list(w3_shape)}")
+    n, k = w1_shape
+    if len(x_shape) < 1 or x_shape[-1] != k:
+        raise KernelError(f"input 0 'X' must have last dimension K={k} (W1 is [N, K] = {list(w1_shape)}), "
+                          f"got shape {list(x_shape)}")
+    for i, name, s in ((3, "B1", b1_shape), (4, "B3", b3_shape)):
+        if s is not None and tuple(s) != (n,):
+            raise KernelError(f"input {i} '{name}' must have shape [N] = [{n}], got {list(s)}")
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    return m, k, n
+
+
+def bucket(m):
+    for mt in MT_BUCKETS:
+        if m <= mt:
+            return mt
+    return None
+
+
+def decode_ok(m, k, w16, aligned=True, max_m=DECODE_MAX_M, xs_max=XS_MAX):
+    mt = bucket(m) if m <= max_m else None
+    return mt is not None and aligned and k % (8 if w16 else 4) == 0 and mt * k * 4 <= xs_max
+
+
+def decode_grid(n, mt, sms, occupancy, cols=None):
+    """Blocks so that each does the same number of row groups (ceil), at most one wave of resident blocks."""
+    groups = -(-n // (COLS[mt] if cols is None else cols))
+    cap = max(1, sms * occupancy)
+    steps = -(-groups // cap)
+    return max(1, -(-groups // steps))
+
+
+def tiled_grid(m, n, t=None):
+    t = t or TILE
+    return -(-m // (t["ty"] * t["rm"])) * -(-n // (t["tx"] * t["rn"]))
+
+
+_launchers = {}
+
+
+def _sig(kind, x16, w16):
+    from .cuda_launch import Array
+    t = Array(np.uint16) if x16 else Array(np.float32)
+    if kind == "decode":
+        return [t, Array(np.uint32), Array(np.uint32), t, t, t] + ["int64"] * 5
+    if kind == "tiled":
+        tw = Array(np.uint16) if w16 else Array(np.float32)
+        return [t, tw, tw, t, t, t] + ["int64"] * 5
+    if kind == "act":
+        return [Array(np.float32), Array(np.float32), t, t, t] + ["int64"] * 5
+    if kind == "widen":
+        return [Array(np.uint16), Array(np.float32), "int64"]
+    return [Array(np.uint32), Array(np.uint16), Array(np.float32), "int64", "int64"]     # split
+
+
+def launcher(kind, x16=False, w16=False, mt=None, **variant):
+    """Direct-launch wrapper of one kernel, compiled once per process (``variant``: decode kernel options)."""
+    from .cuda_launch import Launcher
+    key = (kind, x16, w16, mt, tuple(sorted(variant.items())))
+    if key not in _launchers:
+        if kind == "decode":
+            fn, dyn = _make_decode(mt, x16, w16, **variant), XS_MAX
+        elif kind == "tiled":
+            fn, dyn = _make_tiled(x16, w16, **TILE), 0
+        elif kind == "act":
+            fn, dyn = _make_act(x16), 0
+        elif kind == "widen":
+            fn, dyn = _make_widen(), 0
+        else:
+            fn, dyn = _make_split(), 0
+        _launchers[key] = Launcher(fn, _sig(kind, x16, w16), dynamic_shared=dyn)
+    return _launchers[key]
+
+
+def occupancy(launcher_, block, shmem):
+    import ctypes
+
+    from .cuda_launch import check, libcuda
+    fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    n = ctypes.c_int(0)
+    check(fn(ctypes.byref(n), launcher_.handle, block, shmem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return max(1, n.value)
+
+
+# ------------------------------------------------------------------------------------------ scratch (prefill)
+_scratch = {}
+_scratch_lock = threading.Lock()
+
+
+def _scratch_for(stream, nbytes):
+    """A device buffer of >= nbytes for ``stream`` (module-level, shared by all nodes on that stream)."""
+    buf = _scratch.get(stream)
+    if buf is None or buf.size < nbytes:
+        if buf is not None:
+            from .cuda_launch import check, libcuda
+            check(libcuda().cuStreamSynchronize(stream), "cuStreamSynchronize")   # the old one may be in use
+        buf = cuda.device_array(max(nbytes, 1 << 20), np.uint8)
+        _scratch[stream] = buf
+    return buf.device_ctypes_pointer.value
+
+
+def _r256(b):
+    return -(-b // 256) * 256
+
+
+def prefill_plan(m, k, n, x16, w16):
+    """(rows per chunk, x conversion: None | 'widen' | 'split', GEMM x type, GEMM w type, scratch layout
+    (offset of the converted x, offset of the row scales, total bytes)). Scratch: G fp32 [splits*rows, 2N], then
+    the converted x (fp32 [rows, K] or fp16 hi/lo [2*rows, K]), then fp32 [rows] row scales (split)."""
+    from . import cublas
+    if w16 and not x16:
+        rows, conv, xt, wt = max(1, ROW_CHUNK // 2), "split", cublas.R_16F, cublas.R_16F
+    elif x16 and not w16:
+        rows, conv, xt, wt = ROW_CHUNK, "widen", cublas.R_32F, cublas.R_32F
+    else:
+        t = cublas.R_16F if x16 else cublas.R_32F
+        rows, conv, xt, wt = ROW_CHUNK, None, t, t
+    rows = min(rows, m)
+    splits = 2 if conv == "split" else 1
+    xoff = _r256(splits * rows * 2 * n * 4)
+    soff = xoff + (0 if conv is None else _r256(rows * k * 4))
+    return rows, conv, xt, wt, (xoff, soff, soff + (rows * 4 if conv == "split" else 0))
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+class FusedFFNCudaKernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from .cuda_launch import current_device, sm_count
+        self.x16 = self.in_types[0] == 10
+        self.w16 = self.in_types[1] == 10
+        self.sms = sm_count(current_device())
+        # compile everything now (once per process and type variant), never on the hot path
+        self.decode = {mt: launcher("decode", self.x16, self.w16, mt) for mt in MT_BUCKETS if mt <= DECODE_MAX_M}
+        self.act = launcher("act", self.x16)
+        self.conv = {"widen": launcher("widen"), "split": launcher("split")}
+        self.tiled = launcher("tiled", self.x16, self.w16)
+        self._occ = {}
+        self.blas = None
+        try:
+            from . import cublas
+            if cublas.load() is not None:
+                self.blas = cublas.Handle()
+        except Exception:  # noqa: BLE001 - no cuBLAS: the tiled kernel serves every shape
+            self.blas = None
+
+    def close(self):
+        if self.blas is not None:
+            self.blas.close()
+            self.blas = None
+
+    def compute(self, ctx, inputs):
+        from .bridge import KernelError
+        x, w1, w3 = (inputs[i] if i < len(inputs) else None for i in range(3))
+        b1 = inputs[3] if len(inputs) > 3 else None
+        b3 = inputs[4] if len(inputs) > 4 else None
+        for i, name, t in ((0, "X", x), (1, "W1", w1), (2, "W3", w3)):
+            if t is None:
+                raise KernelError(f"input {i} '{name}' is missing")
+        m, k, n = check_shapes(x.shape, w1.shape, w3.shape, b1.shape if b1 is not None else None,
+                               b3.shape if b3 is not None else None)
+        y = ctx.output(0, tuple(x.shape[:-1]) + (n,))
+        if m == 0 or n == 0:
+            return
+        self.run(ctx.stream, m, k, n, x.ptr, w1.ptr, w3.ptr, b1.ptr if b1 is not None else 0,
+                 b3.ptr if b3 is not None else 0, y)
+
+    def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None):
+        """Launches on device pointers (b1p/b3p 0 when absent). ``path``: force 'decode', 'gemm' or 'tiled'."""
+        hb1, hb3 = int(b1p != 0), int(b3p != 0)
+        bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
+        aligned = ((w1p | w3p) & 15) == 0
+        if path is None:
+            path = "decode" if decode_ok(m, k, self.w16, aligned) else ("gemm" if self.blas and k > 0 else "tiled")
+        elif path == "gemm" and (self.blas is None or k == 0):
+            from .bridge import KernelError
+            raise KernelError("the cuBLAS path needs cuBLAS and K > 0")
+        elif path == "decode" and not decode_ok(m, k, self.w16, aligned):
+            from .bridge import KernelError
+            raise KernelError(f"the decode kernel does not take M={m}, K={k} (or unaligned weights)")
+        if path == "decode":
+            mt = bucket(m)
+            shmem = mt * k * 4
+            occ = self._occ.get((mt, shmem))
+            if occ is None:
+                occ = self._occ[(mt, shmem)] = occupancy(self.decode[mt], BLOCK, shmem)
+            wwords = n * k * (2 if self.w16 else 4) // 4
+            self.decode[mt].launch(decode_grid(n, mt, self.sms, occ), BLOCK, stream, (xp, (m * k,)),
+                                   (w1p, (wwords,)), (w3p, (wwords,)), *bias, (yp, (m * n,)), m, k, n, hb1, hb3,
+                                   shmem=shmem)
+        elif path == "tiled":
+            self.tiled.launch(tiled_grid(m, n), TILE["tx"] * TILE["ty"], stream, (xp, (m * k,)), (w1p, (n * k,)),
+                              (w3p, (n * k,)), *bias, (yp, (m * n,)), m, k, n, hb1, hb3)
+        else:
+            self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3)
+
+    def _gemm(self, stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3):
+        rows, conv, xt, wt, (xoff, soff, nbytes) = prefill_plan(m, k, n, self.x16, self.w16)
+        xsize = 2 if self.x16 else 4
+        splits = 2 if conv == "split" else 1
+        with _scratch_lock:
+            gp = _scratch_for(stream, nbytes)
+            xc, sc = gp + xoff, gp + soff
+            for r0 in range(0, m, rows):
+                r = min(rows, m - r0)
+                xr = xp + r0 * k * xsize
+                if conv == "widen":
+                    cnt = r * k
+                    self.conv[conv].launch(-(-cnt // ACT_BLOCK), ACT_BLOCK, stream, (xr, (cnt,)), (xc, (cnt,)), cnt)
+                    xr = xc
+                elif conv == "split":
+                    self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
+                    xr = xc
+                for w, off in ((w1p, 0), (w3p, n)):
+                    self.blas.gemm_rows(stream, xr, xt, w, wt, gp + off * 4, splits * r, n, k, 2 * n)
+                cnt = r * n
+                self.act.launch(-(-cnt // ACT_BLOCK), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
+                                (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
+                                splits, hb1, hb3)
+
+
+KERNEL = FusedFFNCudaKernel
+
+
+# ------------------------------------------------------------------------------------------ host entry (tests)
+def check_arrays(x, w1, w3, b1=None, b3=None):
+    from .bridge import KernelError
+    x, w1, w3 = np.asarray(x), np.asarray(w1), np.asarray(w3)
+    if x.dtype not in (np.float32, np.float16):
+        raise KernelError(f"input 0 'X' must be float or float16, got {x.dtype}")
+    if w1.dtype not in (np.float32, np.float16) or w3.dtype != w1.dtype:
+        raise KernelError(f"inputs 1 'W1' and 2 'W3' must both be float or both float16, got {w1.dtype}, {w3.dtype}")
+    for i, name, b in ((3, "B1", b1), (4, "B3", b3)):
+        if b is not None and np.asarray(b).dtype != x.dtype:
+            raise KernelError(f"input {i} '{name}' must have X's type {x.dtype}, got {np.asarray(b).dtype}")
+    return check_shapes(x.shape, w1.shape, w3.shape, None if b1 is None else np.shape(b1),
+                        None if b3 is None else np.shape(b3))
+
+
+def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile=None, decode_variant=None):
+    """S for host arrays (tests, benchmark): the dispatcher under the CUDA simulator (shrunk blocks), the direct
+    launch path (as the bridge runs it) on a GPU. ``path``: force 'decode', 'gemm' (GPU) or 'tiled'."""
+    m, k, n = check_arrays(x, w1, w3, b1, b3)
+    x16, w16 = x.dtype == np.float16, w1.dtype == np.float16
+    lead = tuple(x.shape[:-1])
+    if m == 0 or n == 0:
+        return np.zeros(lead + (n,), x.dtype)
+    xb = np.uint16 if x16 else np.float32
+
+    def dev(a, dt):
+        return cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))
+
+    dx = dev(x, xb)
+    dy = cuda.device_array(m * n, xb)
+    db1 = dev(b1, xb) if b1 is not None else dy
+    db3 = dev(b3, xb) if b3 is not None else dy
+    hb = (int(b1 is not None), int(b3 is not None))
+    if SIM:
+        if path is None:
+            path = "decode" if decode_ok(m, k, w16) else "tiled"
+        if path == "decode":
+            mt = bucket(m)
+            dw1, dw3 = dev(w1, np.uint32), dev(w3, np.uint32)
+            kern = _make_decode(mt, x16, w16, block=sim_block, **(decode_variant or {}))
+            grid = decode_grid(n, mt, 2, 1, (decode_variant or {}).get("cols"))
+            kern[grid, sim_block, 0, mt * k * 4](dx, dw1, dw3, db1, db3, dy, m, k, n, *hb)
+        else:
+            t = sim_tile or dict(tx=4, ty=4, rm=2, rn=2, bk=4)
+            wb = np.uint16 if w16 else np.float32
+            kern = _make_tiled(x16, w16, **t)
+            kern[tiled_grid(m, n, t), t["tx"] * t["ty"]](dx, dev(w1, wb), dev(w3, wb), db1, db3, dy, m, k, n, *hb)
+    else:
+        dw1, dw3 = dev(w1, w1.dtype), dev(w3, w3.dtype)
+        kern = FusedFFNCudaKernel(spec=None, attrs={}, node_name="run_arrays", in_types=(10 if x16 else 1,
+                                  10 if w16 else 1), out_types=(10 if x16 else 1,))
+        p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
+        kern.run(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0,
+                 p(db3) if b3 is not None else 0, p(dy), path=path)
+        cuda.synchronize()
+        kern.close()
+    return dy.copy_to_host().view(x.dtype).reshape(lead + (n,))
+
+
+def gbps(m, k, n, w16, x16, t_us):
+    """Effective bandwidth of one call in GB/s: the weights read once, x read, S written."""
+    wb = 2 * n * k * (2 if w16 else 4)
+    xb = m * k * (2 if x16 else 4) + m * n * (2 if x16 else 4)
+    return (wb + xb) / t_us / 1e3
+
