@@ -282,7 +282,8 @@ QUANT_GRU = OpSpec(
                                 "1025 (int16)"),
             Param("sequence_lens", "tensor(int32)", "[N]", optional=True),
             Param("initial_h", "tensor(float)", "[D, N, H] (layout 0) or [N, D, H] (layout 1)", optional=True)],
-    outputs=[Param("Y", "tensor(float)", optional=True), Param("Y_h", "tensor(float)", optional=True)],
+    outputs=[Param("Y", "tensor(float)", "all hidden states (0 at padded steps)"),
+             Param("Y_h", "tensor(float)", "the last hidden state")],
     type_constraints={"TQ": ["tensor(int8)", "tensor(int16)"]},
     attributes=[
         Attr("hidden_size", "int", "H"),

@@ -66,7 +66,7 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, *, hidden_size=None
                           "rRh": rrh[a], "old": old[a], "new": new[a]})
             hs = np.where(active[:, None], hn, hs)
             Y[ti[active], k, np.arange(n)[active]] = hn[active]
-        Yh[k] = hs
+        Yh[k] = np.where((lens > 0)[:, None], hs, 0.0)          # onnxruntime: 0 for length-0 entries
     Y, Yh = Y.astype(np.float32), Yh.astype(np.float32)
     if layout == 1:
         return Y.transpose(2, 0, 1, 3).copy(), Yh.transpose(1, 0, 2).copy()

@@ -235,7 +235,7 @@ def quant_gru(X, W, R, B, channel_exp, luts, sequence_lens=None, initial_h=None,
               exponents, zero_points, direction="forward", layout=0):
     """The QuantGRU op: returns (Y, Y_h) float32 with ONNX GRU shapes for ``layout``.
 
-    Y at steps t >= sequence_lens[n] is 0; Y_h is the state after the last valid step (initial h if length 0)."""
+    Y at steps t >= sequence_lens[n] is 0; Y_h is the state after the last valid step (0 if length 0, as onnxruntime)."""
     a = GRUAttrs(hidden_size, bits, exponents, zero_points, direction, layout)
     X = np.asarray(X, np.float32)
     t, n, c = check_inputs(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h)
@@ -252,7 +252,7 @@ def quant_gru(X, W, R, B, channel_exp, luts, sequence_lens=None, initial_h=None,
         e_h, z_h = int(a.exponents[k, Q["h"]]), int(a.zero_points[k, Q["h"]])
         valid = np.arange(t)[:, None] < lens[None, :]                                  # [T, N]
         Y[:, k] = np.where(valid[:, :, None], dequantize(qh_seq, e_h, z_h), 0.0)
-        Yh[k] = dequantize(qh_last, e_h, z_h)
+        Yh[k] = np.where((lens > 0)[:, None], dequantize(qh_last, e_h, z_h), 0.0)
     if layout == 1:
         return Y.transpose(2, 0, 1, 3).copy(), Yh.transpose(1, 0, 2).copy()
     return Y, Yh

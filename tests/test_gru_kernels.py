@@ -1,0 +1,174 @@
+"""QuantGRU CPU kernel (Numba) against the integer reference onnx_lowbit.gru_int: bit-exact, through onnxruntime
+sessions (one-node models in the onnx_lowbit domain), and the reference against the float GRU / onnxruntime's GRU.
+
+Parameters are calibrated (gru_quant) on random weights, and also perturbed ("stress": finer exponents, shifted
+zero points) so saturation, left shifts and the table ends are exercised.
+"""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+import onnx_lowbit
+from onnx_lowbit import domain, gru_float, gru_int, gru_quant
+
+CPU = ["CPUExecutionProvider"]
+QT = {8: TensorProto.INT8, 16: TensorProto.INT16}
+
+
+def random_gru(T, N, C, H, direction, bits, seed=0, stress=False, clip=None):  # noqa: N803
+    rng = np.random.default_rng(seed)
+    d = 2 if direction == "bidirectional" else 1
+    k = 1.0 / np.sqrt(H)
+    W = rng.uniform(-k, k, (d, 3 * H, C))
+    R = rng.uniform(-k, k, (d, 3 * H, H))
+    B = rng.uniform(-k, k, (d, 6 * H))
+    X = (rng.standard_normal((T, N, C)) * 1.5 + 0.2).astype(np.float32)
+    ranges = gru_quant.calibrate(X, W, R, B, direction=direction, clip=clip)
+    p = gru_quant.quant_params(W, R, B, ranges, bits=bits, clip=clip)
+    if stress:  # finer scales (more saturation) and shifted zero points, kept only where the op accepts them
+        e, z = np.array(p["exponents"]), np.array(p["zero_points"])
+        lo, hi = gru_int.qrange(bits)
+        for i in range(len(e)):
+            name = gru_int.QUANTITIES[i % gru_int.NQ]
+            e2, z2 = e.copy(), z.copy()
+            e2[i] += int(rng.integers(0, 3))
+            if name != "g_out":
+                z2[i] = np.clip(z2[i] + int(rng.integers(-(hi // 4), hi // 4)), lo, hi)
+            try:
+                a = gru_int.GRUAttrs(H, bits, e2, z2, direction)
+                gru_int.check_inputs(a, X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"])
+            except ValueError:
+                continue
+            e, z = e2, z2
+        p["exponents"], p["zero_points"] = e.tolist(), z.tolist()
+    h0 = rng.standard_normal((d, N, H)).astype(np.float32) * 0.5
+    lens = rng.integers(0, T + 1, N).astype(np.int32)
+    return X, p, h0, lens, (W, R, B)
+
+
+def gru_node_model(p, H, direction, bits, layout, *, with_lens, with_h0, outputs=("Y", "Y_h"), name="gru0",  # noqa: N803
+                   attrs=None):
+    d = 2 if direction == "bidirectional" else 1
+    inits = [onnx.numpy_helper.from_array(np.asarray(p[k]), k) for k in ("W", "R", "B", "channel_exp", "luts")]
+    ins = ["X", "W", "R", "B", "channel_exp", "luts", "sequence_lens" if with_lens else "", "h0" if with_h0 else ""]
+    while ins[-1] == "":
+        ins.pop()
+    a = dict(hidden_size=H, direction=direction, layout=layout, bits=bits, exponents=list(p["exponents"]),
+             zero_points=list(p["zero_points"]))
+    a.update(attrs or {})
+    node = helper.make_node("QuantGRU", ins, list(outputs), domain=domain.DOMAIN, name=name, **a)
+    graph_in = [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["d0", "d1", "C"])]
+    if with_lens:
+        graph_in.append(helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, ["N"]))
+    if with_h0:
+        graph_in.append(helper.make_tensor_value_info("h0", TensorProto.FLOAT, ["e0", "e1", "H"]))
+    ranks = {"Y": 4, "Y_h": 3}
+    outs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, [f"{o}{i}" for i in range(ranks[o])])
+            for o in outputs if o]
+    g = helper.make_graph([node], "g", graph_in, outs, initializer=inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), domain.opset_import()], ir_version=9)
+
+
+def run_model(m, feeds):
+    sess = onnx_lowbit.InferenceSession(m.SerializeToString(), providers=CPU)
+    return sess.run(None, feeds)
+
+
+CASES = [  # T, N, C, H, direction, bits, layout, lens, h0, stress
+    (5, 1, 3, 4, "forward", 8, 0, False, False, False),
+    (9, 3, 5, 8, "reverse", 16, 0, True, True, False),
+    (6, 4, 7, 16, "bidirectional", 8, 1, True, True, True),
+    (12, 2, 4, 24, "bidirectional", 16, 0, False, True, True),
+    (8, 5, 6, 12, "forward", 16, 1, True, False, True),
+    (4, 3, 16, 32, "reverse", 8, 1, False, False, True),
+    (1, 2, 3, 5, "bidirectional", 16, 1, True, False, False),
+]
+
+
+@pytest.mark.parametrize("T,N,C,H,direction,bits,layout,lens,h0,stress", CASES)
+def test_cpu_kernel_bit_exact(T, N, C, H, direction, bits, layout, lens, h0, stress):  # noqa: N803
+    X, p, H0, L, _ = random_gru(T, N, C, H, direction, bits, seed=T * 31 + H, stress=stress)
+    if layout == 1:
+        X, H0 = X.transpose(1, 0, 2).copy(), H0.transpose(1, 0, 2).copy()
+    ref = gru_int.quant_gru(X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], L if lens else None,
+                            H0 if h0 else None, hidden_size=H, bits=bits, exponents=p["exponents"],
+                            zero_points=p["zero_points"], direction=direction, layout=layout)
+    feeds = {"X": X}
+    if lens:
+        feeds["sequence_lens"] = L
+    if h0:
+        feeds["h0"] = H0
+    m = gru_node_model(p, H, direction, bits, layout, with_lens=lens, with_h0=h0)
+    onnx_lowbit.domain.register_schemas()
+    onnx.checker.check_model(m, full_check=True)
+    y, yh = run_model(m, feeds)
+    assert y.shape == ref[0].shape and yh.shape == ref[1].shape
+    np.testing.assert_array_equal(y, ref[0])
+    np.testing.assert_array_equal(yh, ref[1])
+    if lens:  # padded steps are exactly 0
+        yt = ref[0] if layout == 0 else ref[0].transpose(1, 2, 0, 3)
+        for n in range(N):
+            assert not np.any(yt[L[n]:, :, n])
+
+
+def test_reference_primitives():
+    v = np.array([5, 6, 7, -5, -6, -7, 2 ** 40 + 2], np.int64)
+    assert gru_int.rshift(v, 2).tolist() == [1, 2, 2, -1, -1, -2, 2 ** 38 + 1]   # half up: 6/4 -> 2, -6/4 -> -1
+    assert gru_int.rshift(v, 0).tolist() == v.tolist()
+    assert gru_int.rshift(np.array([3, -3]), -2).tolist() == [12, -12]
+    assert gru_int.rshift(np.array([2 ** 61, -2 ** 61]), 63).tolist() == [0, 0]
+    assert gru_int.rshift(np.array([6, 6]), np.array([2, -1])).tolist() == [2, 12]
+    assert gru_int.quantize(np.array([0.5, 1.5, -0.5, np.nan, np.inf, -np.inf, 1e30]), 0, 3, 8).tolist() == \
+        [3, 5, 3, 3, 127, -128, 127]
+    assert gru_int.sat(np.array([-200, 200]), 8).tolist() == [-128, 127]
+    t = np.arange(gru_int.lut_len(16), dtype=np.int64) * 64 - 32768                # identity table
+    q = np.array([-32768, -32767, -1, 0, 31, 32, 32767])
+    assert gru_int.lut(q, t, 16).tolist() == q.tolist()
+
+
+def test_float_reference_matches_onnxruntime():
+    rng = np.random.default_rng(3)
+    T, N, C, H = 6, 3, 4, 5  # noqa: N806
+    for direction in ("forward", "reverse", "bidirectional"):
+        d = 2 if direction == "bidirectional" else 1
+        for lbr in (0, 1):
+            W, R = rng.standard_normal((d, 3 * H, C)) * 0.5, rng.standard_normal((d, 3 * H, H)) * 0.5
+            B, X = rng.standard_normal((d, 6 * H)) * 0.5, rng.standard_normal((T, N, C))
+            h0, lens = rng.standard_normal((d, N, H)), np.array([6, 2, 0], np.int32)
+            arrs = [a.astype(np.float32) for a in (X, W, R, B)] + [lens, h0.astype(np.float32)]
+            node = helper.make_node("GRU", ["X", "W", "R", "B", "L", "H0"], ["Y", "Yh"], hidden_size=H,
+                                    direction=direction, linear_before_reset=lbr, clip=1.5)
+            vi = lambda n, t=TensorProto.FLOAT: helper.make_tensor_value_info(n, t, None)  # noqa: E731
+            g = helper.make_graph([node], "g", [vi("X"), vi("W"), vi("R"), vi("B"), vi("L", TensorProto.INT32),
+                                                vi("H0")], [vi("Y"), vi("Yh")])
+            m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)], ir_version=8)
+            y, yh = ort.InferenceSession(m.SerializeToString(), providers=CPU).run(
+                None, dict(zip(["X", "W", "R", "B", "L", "H0"], arrs)))
+            ry, ryh = gru_float.gru(*arrs, direction=direction, linear_before_reset=lbr, clip=1.5)
+            np.testing.assert_allclose(ry, y, atol=2e-6)
+            np.testing.assert_allclose(ryh, yh, atol=2e-6)
+
+
+@pytest.mark.parametrize("attrs,needle", [
+    ({"direction": "sideways"}, "direction must be one of"),
+    ({"exponents": [1, 2, 3]}, "exponents and zero_points must hold"),
+    ({"bits": 4}, "bits must be 8 or 16"),
+])
+def test_bad_attributes(attrs, needle):
+    X, p, _, _, _ = random_gru(4, 1, 3, 4, "forward", 8, seed=1)
+    m = gru_node_model(p, 4, "forward", 8, 0, with_lens=False, with_h0=False, attrs=attrs)
+    with pytest.raises(Exception, match=needle) as ei:
+        run_model(m, {"X": X})
+    assert "QuantGRU node 'gru0'" in str(ei.value)
+
+
+def test_bad_inputs():
+    X, p, _, _, _ = random_gru(4, 2, 3, 4, "forward", 8, seed=2)
+    m = gru_node_model(p, 4, "forward", 8, 0, with_lens=True, with_h0=False)
+    sess = onnx_lowbit.InferenceSession(m.SerializeToString(), providers=CPU)
+    with pytest.raises(Exception, match=r"sequence_lens must be in 0\.\.4"):
+        sess.run(None, {"X": X, "sequence_lens": np.array([5, 1], np.int32)})
+    with pytest.raises(Exception, match=r"input W must have shape \[1, 12, 7\]"):
+        sess.run(None, {"X": np.zeros((4, 2, 7), np.float32), "sequence_lens": np.array([1, 1], np.int32)})
