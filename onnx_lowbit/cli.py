@@ -134,7 +134,8 @@ def load_calibration(path, model=None) -> dict:
 
 
 def _selected_passes(a, passes_mod):
-    """--passes (default: all); --weights adds weights4 when --passes leaves it out."""
+    """--passes (default: all); --weights adds weights4 when --passes leaves it out, before the first selected
+    pass that the registry orders after it (ffn: so quantised gate/up projections are fused as 4-bit)."""
     selected = passes_mod.resolve(a.passes)
     if getattr(a, "weights", None) and "weights4" in passes_mod.PASSES and \
             not any(p.name == "weights4" for p in selected):

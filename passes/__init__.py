@@ -18,11 +18,13 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from .base import Entry, Pass, Report  # noqa: F401 - re-exported
+from .ffn import FFNPass
 from .fplut import FPLUTPass
 from .weights4 import WeightsPass
 
-# weights4 runs after fplut and changes nothing unless its option ``weights`` is given.
-PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass()])
+# weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
+# so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md).
+PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass()])
 
 # Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):
 # their opset import is added to the output when one of their ops is used.

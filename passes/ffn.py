@@ -1,0 +1,326 @@
+"""Pass "ffn": the gate/up half of a SwiGLU feed-forward block -> one fused op (domain onnx_lowbit).
+
+    S = SiLU(x W1 + b1) * (x W3 + b3)          ->  FusedFFN(x, W1^T, W3^T, b1, b3)       (float weights)
+                                                   FusedFFNNF4(x, Q1, absmax1, Q3, absmax3, b1, b3)
+                                                   FusedFFNAWQ(x, qweight1, qzeros1, scales1, qweight3, ..., b1, b3)
+
+The down projection that reads S stays as it is (MatMul, or MatMulNF4 / MatMulAWQ after the weights4 pass).
+
+Anchored on a Mul (either input order) with one input SiLU(gate) and the other input up, where gate and up are
+projections of the SAME tensor x:
+  * a projection: MatMul(x, W), MatMul(x, Transpose(Wt)), Gemm(x, B[, C]) (transA=0, transB 0/1, alpha/beta
+    folded), W an initializer or a Constant node's output (the matcher of the weights4 pass), optionally followed by
+    Add(., b) with a constant bias [N]; or our MatMulNF4 / MatMulAWQ (weights4 already ran: their packed tensors
+    are reused as they are, no requantisation; both projections must have the same format and attributes);
+  * SiLU: every spelling the fplut pass recognises (its matcher is reused: x*Sigmoid(x) in any operand order and
+    association, Swish(alpha=1), com.microsoft.QuickGelu(alpha=1)), or an FPLUT node with function='silu' (the
+    fplut pass ran first).
+x may have any leading dims (MatMul) or be 2-D (Gemm). Float weights are transposed to [N, K] at rewrite time.
+
+Skipped candidates (both Mul inputs look like SiLU(projection) and projection) are reported with the reason:
+non-constant weight, gate and up read different tensors, different formats / 4-bit attributes, K/N mismatch,
+an intermediate (gate, up, the SiLU or its parts) read by another node or a graph output, X of a non-float type,
+gate and up weights of different dtypes, onnxruntime's com.microsoft 4-bit ops (weights4 target "ort").
+
+Order (registry): fplut, weights4, ffn. ffn after weights4 fuses the quantised gate/up (FusedFFNNF4/AWQ);
+ffn before weights4 (an explicit --passes order) gives a correct model with float gate/up in FusedFFN (weights4
+then quantises only the down projection). ffn before or after fplut gives the same FusedFFN.
+
+Options: none (select the pass with ``passes=[...]`` / ``--passes``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnx_lowbit import domain
+
+from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, is_float_type,
+                   iter_graphs, node_label, outside_consumers, producer, remove_dead, type_name)
+from .fplut import _ANCHORS, _ARITH, _Run as _FplutRun, _single_op
+from .weights4 import _bias_vector, _rank
+from .weights4 import match as _match_linear
+
+_SEARCH_DEPTH = 4  # arithmetic steps from a SiLU's output back to its Sigmoid
+_FOUR_BIT = {"MatMulNF4": ("nf4", ("quant_type", "block_size", "K", "N"), 2),
+             "MatMulAWQ": ("awq", ("group_size", "K", "N"), 3)}
+_ORT_FOUR_BIT = {"MatMulBnb4", "MatMulNBits"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SiLU
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Silu:
+    z: object           # the SiLU's input
+    nodes: list         # the nodes computing SiLU(z) from z
+    spelling: str
+
+
+def _attr_str(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def find_silu(g: gs.Graph, s) -> _Silu | None:
+    """s = SiLU(z) in any spelling the fplut pass knows (or an FPLUT 'silu' node): the match, else None."""
+    p = producer(s)
+    if p is None or not is_alive(p) or len(p.outputs) != 1:
+        return None
+    if p.domain == domain.DOMAIN and p.op == "FPLUT":
+        if _attr_str(p.attrs.get("function", "")) == "silu" and p.inputs:
+            return _Silu(p.inputs[0], [p], "FPLUT(function=silu)")
+        return None
+    fn, pattern, reason = _single_op(p)
+    if pattern is not None:
+        if fn == "silu" and reason is None and p.inputs:
+            return _Silu(p.inputs[0], [p], pattern.split(": ", 1)[-1])
+        return None
+    # decomposed: find the Sigmoid behind s, let the fplut matcher decide whether s is x * Sigmoid(x)
+    run = _FplutRun(None, None, {"silu"}, None)
+    run.order = {id(n): i for i, n in enumerate(g.nodes)}
+    frontier, seen = [p], set()
+    for _ in range(_SEARCH_DEPTH):
+        nxt = []
+        for node in frontier:
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.op == "Sigmoid" and not node.domain and "Sigmoid" in _ANCHORS:
+                m = run.match(g, node, set())
+                if m is not None and m.y is s and m.form.function == "silu":
+                    return _Silu(m.x, list(m.nodes), m.form.pattern.split(": ", 1)[-1])
+                continue
+            if node.op in _ARITH and not node.domain:
+                nxt.extend(q for q in (producer(t) for t in node.inputs) if q is not None and is_alive(q))
+        frontier = nxt
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# projections
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class _Proj:
+    kind: str                 # "float", "nf4", "awq"
+    x: object                 # the input tensor
+    out: object               # the projection's output tensor
+    nodes: list               # the nodes computing out from x (and the weight)
+    spelling: str
+    K: int = 0
+    N: int = 0
+    wt: np.ndarray | None = None      # float: the [N, K] weight (stored dtype, alpha folded)
+    w_key: tuple = ()                 # float: identity of the stored weight (for sharing the transposed copy)
+    w_name: str = ""
+    bias: object = None               # np.ndarray (float path, a constant) or a tensor (4-bit op's bias input)
+    tensors: list = field(default_factory=list)  # 4-bit: the packed weight tensors, in the op's order
+    attrs: dict = field(default_factory=dict)    # 4-bit: the op's attributes
+
+
+class _Skip(Exception):
+    def __init__(self, spelling, reason):
+        super().__init__(reason)
+        self.spelling, self.reason = spelling, reason
+
+
+def _float_proj(node: gs.Node) -> _Proj | None:
+    cand, skip = _match_linear(node)
+    if skip is not None:
+        raise _Skip(skip[0], skip[1])
+    if cand is None:
+        return None
+    v = cand.value
+    wt = v if cand.transpose else v.T
+    if cand.alpha != 1.0:
+        wt = (wt.astype(np.float32) * np.float32(cand.alpha)).astype(v.dtype)
+    nodes = [node] + ([cand.w_node] if cand.w_node is not None else [])
+    return _Proj("float", cand.a, cand.out, nodes, cand.spelling, int(cand.K), int(cand.N),
+                 wt=np.ascontiguousarray(wt), w_key=(id(cand.stored), cand.transpose, cand.alpha),
+                 w_name=cand.weight_name, bias=cand.bias)
+
+
+def _four_bit_proj(node: gs.Node) -> _Proj:
+    kind, attr_names, n_weights = _FOUR_BIT[node.op]
+    spelling = f"{node.op}(A, W)"
+    ins = node.inputs
+    if len(ins) < 1 + n_weights or len(node.outputs) != 1:
+        raise _Skip(spelling, f"{node.op} with {len(ins)} inputs")
+    attrs = {a: node.attrs.get(a) for a in attr_names}
+    if any(v is None for v in attrs.values()):
+        raise _Skip(spelling, f"{node.op} lacks attribute(s) {[a for a, v in attrs.items() if v is None]}")
+    attrs = {a: (_attr_str(v) if isinstance(v, (str, bytes)) else int(v)) for a, v in attrs.items()}
+    tensors = list(ins[1:1 + n_weights])
+    for t in tensors:
+        if constant_value(t) is None:
+            raise _Skip(spelling, f"packed weight {t.name!r} is not a constant")
+    bias = ins[1 + n_weights] if len(ins) > 1 + n_weights and ins[1 + n_weights].name else None
+    return _Proj(kind, ins[0], node.outputs[0], [node], spelling, attrs["K"], attrs["N"], bias=bias,
+                 tensors=tensors, attrs=attrs)
+
+
+def find_projection(g: gs.Graph, t) -> _Proj | None:
+    """t = x W (+ b) for a constant W (see the module doc): the match; None when t is no projection at all.
+    Raises _Skip for a projection that cannot be fused (e.g. a non-constant weight)."""
+    p = producer(t)
+    if p is None or not is_alive(p) or len(p.outputs) != 1:
+        return None
+    add, bias_vec = None, None
+    if p.op == "Add" and not p.domain and len(p.inputs) == 2:
+        for i in (0, 1):
+            inner, c = p.inputs[i], p.inputs[1 - i]
+            q = producer(inner)
+            v = constant_value(c)
+            if q is not None and v is not None and is_alive(q) and (q.op in ("MatMul", "Gemm") and not q.domain
+                                                                    or q.domain == domain.DOMAIN and q.op in _FOUR_BIT):
+                if len(inner.outputs) != 1 or is_graph_output(g, inner):
+                    raise _Skip(f"{q.op} -> Add(bias)", f"projection output {inner.name!r} is also read elsewhere")
+                add, bias_vec, p = p, np.asarray(v), q
+                break
+        if add is None:
+            return None
+    if p.op in ("MatMul", "Gemm") and not p.domain:
+        proj = _float_proj(p)
+    elif p.domain == domain.DOMAIN and p.op in _FOUR_BIT:
+        proj = _four_bit_proj(p)
+    elif p.domain == "com.microsoft" and p.op in _ORT_FOUR_BIT:
+        raise _Skip(f"com.microsoft.{p.op}", "onnxruntime's 4-bit op (weights4 target 'ort') has no fused form; "
+                                            "use the lowbit target")
+    else:
+        return None
+    if proj is None:
+        return None
+    if add is not None:
+        if proj.bias is not None:
+            raise _Skip(proj.spelling + " -> Add(bias)", "projection already has a bias and is followed by an Add")
+        vec = _bias_vector(bias_vec, proj.N, _rank(proj.x))
+        if vec is None:
+            raise _Skip(proj.spelling + " -> Add(bias)",
+                        f"Add constant of shape {list(bias_vec.shape)} is not a bias [N={proj.N}]")
+        proj.bias = vec
+        proj.nodes.append(add)
+        proj.out = add.outputs[0]
+        proj.spelling += " -> Add(bias)"
+    return proj
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pass
+# ---------------------------------------------------------------------------------------------------------------
+class FFNPass(Pass):
+    name = "ffn"
+    description = "SwiGLU gate/up projections + SiLU + Mul -> FusedFFN / FusedFFNNF4 / FusedFFNAWQ (down stays)"
+
+    def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
+        run = _Run(self, report, Names(graph))
+        for g in list(iter_graphs(graph)):
+            for node in list(g.nodes):
+                if is_alive(node) and node.op == "Mul" and not node.domain:
+                    run.one(g, node)
+
+
+class _Run:
+    def __init__(self, owner: FFNPass, report: Report, names: Names):
+        self.owner, self.report, self.names = owner, report, names
+        self.shared: dict = {}  # float weight key -> transposed constant
+
+    def one(self, g: gs.Graph, mul: gs.Node) -> None:
+        if len(mul.inputs) != 2 or len(mul.outputs) != 1:
+            return
+        for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            silu = find_silu(g, a)
+            if silu is None:
+                continue
+            try:
+                gate = find_projection(g, silu.z)
+                up = find_projection(g, b) if gate is not None else None
+            except _Skip as e:
+                self.owner.skipped(self.report, f"swiglu: {e.spelling}, {silu.spelling}",
+                                   self._labels(g, silu.nodes + [mul]), e.reason)
+                return
+            if gate is None or up is None:
+                continue
+            self.fuse(g, mul, silu, gate, up)
+            return
+
+    @staticmethod
+    def _labels(g, nodes):
+        order = {id(n): i for i, n in enumerate(g.nodes)}
+        uniq = {id(n): n for n in nodes}
+        return [node_label(n) for n in sorted(uniq.values(), key=lambda n: order.get(id(n), 1 << 62))]
+
+    def why_not(self, g, mul, silu, gate, up) -> str | None:
+        if gate.x is not up.x:
+            return f"gate reads {gate.x.name!r}, up reads {up.x.name!r}: not one input"
+        if gate.kind != up.kind:
+            return f"gate is {gate.kind}, up is {up.kind} (weights of different formats)"
+        if (gate.K, gate.N) != (up.K, up.N):
+            return f"shape mismatch: gate weight K={gate.K} N={gate.N}, up weight K={up.K} N={up.N}"
+        if gate.kind == "float" and gate.wt.dtype != up.wt.dtype:
+            return f"gate weight is {gate.wt.dtype}, up weight {up.wt.dtype}"
+        if gate.kind != "float" and gate.attrs != up.attrs:
+            return f"4-bit attributes differ: gate {gate.attrs}, up {up.attrs}"
+        et = elem_type(gate.x)
+        if et is None:
+            return f"dtype of {gate.x.name!r} unknown (shape inference gave none)"
+        if et not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+            return f"input dtype {type_name(et)} (the fused ops take float, float16)"
+        if gate.kind == "float" and not is_float_type(elem_type(gate.out) or et):
+            return f"output dtype {type_name(elem_type(gate.out))}"
+        inside = {id(n) for n in gate.nodes + up.nodes + silu.nodes + [mul]}
+        for n in gate.nodes + up.nodes + silu.nodes:
+            if n.op in ("Constant", "Transpose"):
+                continue  # weight producers may be shared: they stay while others read them
+            users = outside_consumers(n, inside, g)
+            if users:
+                who = ", ".join(u if isinstance(u, str) else node_label(u) for u in users)
+                return f"shared intermediate: {n.op} {node_label(n)!r} output also feeds {who}"
+        return None
+
+    def fuse(self, g, mul, silu, gate, up) -> None:
+        pattern = f"swiglu: {gate.spelling}, {silu.spelling}" + ("" if up.spelling == gate.spelling
+                                                                    else f", up {up.spelling}")
+        labels = self._labels(g, gate.nodes + up.nodes + silu.nodes + [mul])
+        reason = self.why_not(g, mul, silu, gate, up)
+        if reason:
+            self.owner.skipped(self.report, pattern, labels, reason)
+            return
+        x, s = gate.x, mul.outputs[0]
+        t_np = np.float32 if elem_type(x) == onnx.TensorProto.FLOAT else np.float16
+        base = mul.name or s.name
+        if gate.kind == "float":
+            op = "FusedFFN"
+            weights = [self.weight(gate), self.weight(up)]
+            attrs = {}
+        else:
+            op = "FusedFFNNF4" if gate.kind == "nf4" else "FusedFFNAWQ"
+            weights = gate.tensors + up.tensors
+            attrs = dict(gate.attrs)
+        biases = [self.bias(p, t_np, base, tag) for p, tag in ((gate, "b1"), (up, "b3"))]
+        while biases and biases[-1] is None:
+            biases.pop()
+        biases = [b if b is not None else gs.Variable.empty() for b in biases]
+        mul.outputs.clear()
+        mul.inputs.clear()
+        new = gs.Node(op=op, domain=domain.DOMAIN, name=self.names(f"{base}_ffn"), attrs=attrs,
+                      inputs=[x] + weights + biases, outputs=[s])
+        g.nodes.append(new)
+        remove_dead(g, gate.nodes + up.nodes + silu.nodes)
+        self.owner.rewritten(self.report, pattern, labels, op=op, new_node=new.name, input=x.name, output=s.name,
+                             K=gate.K, N=gate.N, bias=any(b.name for b in biases))
+
+    def weight(self, proj: _Proj):
+        """The [N, K] constant of a float projection (one copy per stored weight)."""
+        t = self.shared.get(proj.w_key)
+        if t is None:
+            t = gs.Constant(self.names(f"{proj.w_name}_t"), proj.wt)
+            self.shared[proj.w_key] = t
+        return t
+
+    def bias(self, proj: _Proj, t_np, base: str, tag: str):
+        if proj.bias is None:
+            return None
+        if isinstance(proj.bias, np.ndarray):
+            return gs.Constant(self.names(f"{base}_{tag}"), np.ascontiguousarray(proj.bias.astype(t_np)))
+        return proj.bias
