@@ -212,12 +212,15 @@ def _compute(kid, ctx, n_in, ins, stream, plan, err, errlen):
                 inputs.append(None)
             else:
                 inputs.append(Tensor(t.data or 0, t.elem_type, tuple(t.dims[: t.ndim])))
-        if not plan:
-            kernel.compute(Context(ctx, stream or 0, err), inputs)
-            return 0
-        from . import plans
-        plans.compute_and_record(kernel, Context(ctx, stream or 0, err), inputs,
-                                 LbPlan.from_address(plan))
+        # NaN/Inf propagate as docs/reliability.md defines: a caller's numpy error state (np.seterr(all="raise"),
+        # warnings as errors) must not turn them into failed runs
+        with np.errstate(all="ignore"):
+            if not plan:
+                kernel.compute(Context(ctx, stream or 0, err), inputs)
+                return 0
+            from . import plans
+            plans.compute_and_record(kernel, Context(ctx, stream or 0, err), inputs,
+                                     LbPlan.from_address(plan))
         return 0
     except Exception as e:  # noqa: BLE001
         name = kernel.describe() if kernel is not None else f"kernel {kid}"
