@@ -17,9 +17,10 @@ Steps (each a plain call, output in --out):
   3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
               --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
 
---skip-export reuses an existing llama_decode.onnx in --out. Everything runs with ``sys.executable``; the
-repository root goes on PYTHONPATH, so a source checkout needs no install. Needs torch and transformers (>= 4.56
-for the DynamicCache layers API; tested with 5.x), onnx, onnxruntime(-gpu) and onnx-lowbit's own dependencies.
+--skip-export / --skip-rewrite reuse the files already in --out (a long run split over several calls).
+Everything runs with ``sys.executable``; the repository root goes on PYTHONPATH, so a source checkout needs no
+install. Needs torch and transformers (>= 4.56 for the DynamicCache layers API; tested with 5.23), onnx,
+onnxruntime(-gpu) and onnx-lowbit's own dependencies.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def parse_args(argv=None):
                    help="where the model is built/traced and which execution provider bench uses (default cuda)")
     p.add_argument("--out", default="llama_decode_out", help="output directory (default ./llama_decode_out)")
     p.add_argument("--skip-export", action="store_true", help="reuse --out/llama_decode.onnx")
+    p.add_argument("--skip-rewrite", action="store_true", help="reuse --out/llama_decode.<weights>.onnx")
     p.add_argument("--weights", choices=["nf4", "fp4", "awq"], default="nf4")
     p.add_argument("--passes", help="passes for the rewrite, comma-separated (default: all registered)")
     p.add_argument("--warmup", type=int, default=10)
@@ -171,13 +173,15 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     original = os.path.join(a.out, NAME)
     rewritten = os.path.join(a.out, NAME.replace(".onnx", f".{a.weights}.onnx"))
-    if a.skip_export:
-        if not os.path.exists(original):
-            print(f"llama_decode: --skip-export but {original} does not exist", file=sys.stderr)
+    for skip, path, flag in ((a.skip_export, original, "--skip-export"),
+                             (a.skip_rewrite, rewritten, "--skip-rewrite")):
+        if skip and not os.path.exists(path):
+            print(f"llama_decode: {flag} but {path} does not exist", file=sys.stderr)
             return 2
-    else:
+    if not a.skip_export:
         export(a, original)
-    cli("rewrite", original, rewritten, "--weights", a.weights, *(["--passes", a.passes] if a.passes else []))
+    if not a.skip_rewrite:
+        cli("rewrite", original, rewritten, "--weights", a.weights, *(["--passes", a.passes] if a.passes else []))
     if a.no_bench:
         return 0
     common = ["--warmup", str(a.warmup), "--runs", str(a.runs), "--out", a.out]
