@@ -41,6 +41,24 @@ def _pass_options(a, model=None) -> dict:
     if getattr(a, "fplut_functions", None):
         options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
     options.update(_weights_options(a, model))
+    options.update(_gru_options(a, model, options.get("calibration")))
+    return options
+
+
+def _gru_options(a, model, loaded=None) -> dict:
+    """Options of the gru pass: --gru-bits, and --calibration (shared with AWQ) for its ranges."""
+    options = {}
+    if getattr(a, "gru_bits", None) is not None:
+        options["gru_bits"] = a.gru_bits
+    if getattr(a, "calibration", None):
+        has_gru = model is None or any(n.op_type == "GRU" for n in model.graph.node)
+        if loaded is None and not has_gru:
+            fmt = getattr(a, "weights", None)
+            raise LowbitError(f"--calibration is only used by --weights awq{f' (not {fmt})' if fmt else ''} and "
+                              "by the gru pass (the model has no GRU)")
+        if has_gru:
+            options["gru_calibration"] = loaded if loaded is not None else load_calibration(a.calibration, model)
+            options["calibration_session"] = _calibration_session
     return options
 
 
@@ -50,8 +68,7 @@ def _weights_options(a, model) -> dict:
     fmt = getattr(a, "weights", None)
     if fmt is None:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
-                                      ("--exclude", a.exclude), ("--calibration", a.calibration),
-                                      ("--target", a.target)) if v]
+                                      ("--exclude", a.exclude), ("--target", a.target)) if v]
         if given:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
         return {}
@@ -62,9 +79,7 @@ def _weights_options(a, model) -> dict:
         options["group_size"] = a.group_size
     if a.exclude:
         options["weights_exclude"] = list(a.exclude)
-    if a.calibration:
-        if fmt != "awq":
-            raise LowbitError(f"--calibration is only used by --weights awq (not {fmt})")
+    if a.calibration and fmt == "awq":  # (the gru pass also reads --calibration: _gru_options)
         options["calibration"] = load_calibration(a.calibration, model)
         options["calibration_session"] = _calibration_session
     return options
@@ -298,10 +313,16 @@ def _weights_arguments(p) -> None:
     g.add_argument("--exclude", action="append", metavar="NAME_OR_REGEX",
                    help="leave weights whose node or tensor name equals / matches this in float (repeatable)")
     g.add_argument("--calibration", metavar="FILE.npz",
-                   help="AWQ calibration inputs, one array per model input, named after it")
+                   help="calibration inputs (AWQ's scale search; the gru pass's ranges), one array per model "
+                        "input, named after it")
     g.add_argument("--target", choices=["lowbit", "ort"],
                    help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
+
+
+def _gru_arguments(p) -> None:
+    g = p.add_argument_group("integer GRU (the gru pass; needs --calibration)")
+    g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,12 +341,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max |err| / max |reference| per output for --verify (default 0.02)")
     r.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(r)
+    _gru_arguments(r)
     r.set_defaults(fn=cmd_rewrite)
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
     i.add_argument("--passes")
     i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(i)
+    _gru_arguments(i)
     i.set_defaults(fn=cmd_inspect)
     d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
     d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")

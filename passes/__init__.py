@@ -20,11 +20,13 @@ from onnx_lowbit import domain
 from .base import Entry, Pass, Report  # noqa: F401 - re-exported
 from .ffn import FFNPass
 from .fplut import FPLUTPass
+from .gru import GRUPass
 from .weights4 import WeightsPass
 
 # weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
 # so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md).
-PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass()])
+PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass(),
+                                                                       GRUPass()])
 
 # Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):
 # their opset import is added to the output when one of their ops is used.
@@ -137,7 +139,18 @@ def run_passes(model, passes=None, **options):
     domain.register_schemas()
     src = _load(model)
     report = Report()
+    try:
+        return _apply(src, selected, report, options)
+    except Exception as e:
+        from onnx_lowbit import model_io
+        from onnx_lowbit.errors import LowbitError
+        why = None if isinstance(e, LowbitError) else model_io.malformed(src)
+        if why is None:  # a valid model: option errors (ValueError) and our own bugs surface unchanged
+            raise
+        raise LowbitError(f"the model is malformed, onnx's checker says: {why}") from e
 
+
+def _apply(src: onnx.ModelProto, selected: list, report: Report, options: dict):
     graph = gs.import_onnx(src)
     if options.get("external_data_dir") is not None:  # streaming: weights read from their file when needed
         from . import external

@@ -1,0 +1,329 @@
+"""Pass "gru": ONNX GRU -> QuantGRU (pure fixed-point int8/int16 GRU, onnx_lowbit.gru_int; docs/gru.md).
+
+Matched: GRU nodes (default domain) of the main graph. Rewritten when
+    linear_before_reset = 1 (torch's nn.GRU exports 1; the integer pipeline is the seed's / haste's formulation,
+                          r * (R_h h + Rb_h); linear_before_reset = 0 GRUs are skipped with that reason)
+    activations           absent or Sigmoid, Tanh per direction (the op's integer tables are sigmoid/tanh)
+    X                     float32, rank 3
+    W, R, B               initializers / Constant outputs, or constant subgraphs of them (Slice, Concat,
+                          Unsqueeze, Transpose, ... of initializers: folded with onnx's reference evaluator)
+    hidden_size           1..32768
+Any direction, layout 0/1, initial_h and sequence_lens given or absent, Y and Y_h used or not, clip (baked into
+the tables). The QuantGRU node writes the GRU's output tensors (an omitted output gets a fresh dangling name).
+
+Options:
+    calibration           {graph input name: np.ndarray} (shared with weights4's AWQ; ``gru_calibration``, when
+                          given, is used instead, e.g. with weights nf4 which rejects calibration): the model runs once in
+                          onnxruntime with every GRU's inputs as extra outputs; each GRU's float reference
+                          (onnx_lowbit.gru_float) records the ranges of the seed's quantities per time step (EMA)
+                          and onnx_lowbit.gru_quant derives the parameters. Without it every GRU is skipped
+                          ("pass calibration data: --calibration DATA.npz ...").
+    calibration_session   optional session factory (as weights4): needed when the graph already holds onnx_lowbit ops
+    gru_bits              8 or 16 (default 16)
+    gru_headroom          bits of headroom above the calibrated ranges (default gru_quant.HEADROOM[bits])
+
+Calibration arrays whose names or shapes do not match the graph inputs raise ValueError before any change.
+Every rewrite reports the relative L2 error of Y (QuantGRU reference vs float GRU) on the calibration inputs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from onnx_lowbit import domain, gru_float, gru_int, gru_quant
+
+from .base import Names, Pass, Report, constant_value, elem_type, is_constant, iter_graphs, node_label, producer
+from .weights4 import _check_feeds, _run_calibration, _used_domains
+
+MAX_FOLD_NODES = 64
+NO_CALIBRATION = ("no calibration data: QuantGRU's scales come from calibration; pass --calibration DATA.npz "
+                  "(numpy.savez with one array per model input, named after it) or calibration={input: array}")
+
+
+class GRUPass(Pass):
+    name = "gru"
+    description = "ONNX GRU -> QuantGRU: pure fixed-point int8/int16 GRU (needs calibration data)"
+
+    def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
+        bits = options.get("gru_bits", 16)
+        if bits not in (8, 16):
+            raise ValueError(f"gru_bits must be 8 or 16, got {bits!r}")
+        headroom = options.get("gru_headroom")
+        names = Names(graph)
+        cands = []
+        for g in iter_graphs(graph):
+            for node in list(g.nodes):
+                if node.op != "GRU" or (node.domain or "") not in ("", "ai.onnx"):
+                    continue
+                if g is not graph:
+                    self.skipped(report, "GRU", [node_label(node)], "inside a subgraph (If/Loop/Scan body): "
+                                 "calibration covers the main graph only")
+                    continue
+                spec, why = _check(node, int(graph.opset or 17))
+                if why:
+                    self.skipped(report, "GRU", [node_label(node)], why)
+                else:
+                    cands.append((node, spec))
+        if not cands:
+            return
+        cal = options.get("gru_calibration", options.get("calibration"))
+        if cal is None:
+            for node, _ in cands:
+                self.skipped(report, "GRU", [node_label(node)], NO_CALIBRATION)
+            return
+        if not isinstance(cal, dict) or not cal:
+            raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
+        got = _calibration_run(graph, cands, cal, options.get("calibration_session"))
+        for node, spec in cands:
+            self.rewrite(graph, report, names, node, spec, got, bits, headroom)
+
+    def rewrite(self, graph, report, names, node, spec, got, bits, headroom):
+        x = got.get(spec["X"].name)
+        if x is None:
+            self.skipped(report, "GRU", [node_label(node)], "the calibration run did not produce its input X")
+            return
+        lens = _value(spec["sequence_lens"], got)
+        h0 = _value(spec["initial_h"], got)
+        kw = dict(direction=spec["direction"], layout=spec["layout"])
+        W, R, B = spec["W"], spec["R"], spec["B"]
+        clip = spec["clip"]
+        ranges = gru_quant.calibrate(x, W, R, B, lens, h0, hidden_size=spec["H"], clip=clip, **kw)
+        p = gru_quant.quant_params(W, R, B, ranges, bits=bits, clip=clip, headroom=headroom)
+        try:  # the parameters must pass the op's own checks
+            y_q, _ = gru_int.quant_gru(np.asarray(x, np.float32), p["W"], p["R"], p["B"], p["channel_exp"],
+                                       p["luts"], lens, h0, hidden_size=spec["H"], bits=bits,
+                                       exponents=p["exponents"], zero_points=p["zero_points"], **kw)
+        except ValueError as e:
+            self.skipped(report, "GRU", [node_label(node)], f"no valid integer parameters: {e}")
+            return
+        y_f, _ = gru_float.gru(x, W, R, B, lens, h0, hidden_size=spec["H"], linear_before_reset=1, clip=clip, **kw)
+        den = float(np.linalg.norm(y_f))
+        rel = float(np.linalg.norm(y_q - y_f) / den) if den > 0 else 0.0
+        base = node.name or node.outputs[0].name
+        consts = [gs.Constant(names(f"{base}_q{k}"), np.ascontiguousarray(p[k]))
+                  for k in ("W", "R", "B", "channel_exp", "luts")]
+        inputs = [spec["X"], *consts]
+        opt = [spec["sequence_lens"], spec["initial_h"]]
+        if opt[1] is not None:
+            inputs += [opt[0] if opt[0] is not None else gs.Variable.empty(), opt[1]]
+        elif opt[0] is not None:
+            inputs.append(opt[0])
+        outs = list(node.outputs) + [None] * (2 - len(node.outputs))
+        outs = [o if o is not None and o.name else gs.Variable(names(f"{base}_{n}_unused"), dtype=np.float32)
+                for o, n in zip(outs, ("Y", "Y_h"))]
+        new = gs.Node(op="QuantGRU", domain=domain.DOMAIN, name=names(f"{base}_quant"), inputs=inputs, outputs=outs,
+                      attrs=dict(hidden_size=spec["H"], direction=spec["direction"], layout=spec["layout"], bits=bits,
+                                 exponents=p["exponents"], zero_points=p["zero_points"]))
+        node.inputs.clear()
+        node.outputs.clear()
+        graph.nodes.append(new)
+        notes = [f"int{bits}", f"Y rel L2 error on the calibration data {rel:.2e}"]
+        if spec["folded"]:
+            notes.append(f"folded constant subgraph{'s' if len(spec['folded']) > 1 else ''} of "
+                         f"{', '.join(spec['folded'])}")
+        self.rewritten(report, "GRU", [node_label(node)], "; ".join(notes), new_node=new.name, bits=bits,
+                       rel_error=rel, exponents=p["exponents"], zero_points=p["zero_points"])
+
+
+# ---------------------------------------------------------------------------------------------------- matching
+def _attr(node, name, default=None):
+    v = node.attrs.get(name, default)
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _check(node, opset):
+    """(spec, None) for a rewritable GRU, else (None, reason)."""
+    ins = list(node.inputs) + [None] * (6 - len(node.inputs))
+    present = lambda t: t is not None and t.name != ""  # noqa: E731
+    direction = _attr(node, "direction", "forward")
+    if direction not in gru_int.DIRECTIONS:
+        return None, f"direction {direction!r} is not forward, reverse or bidirectional"
+    d = 2 if direction == "bidirectional" else 1
+    lbr = int(_attr(node, "linear_before_reset", 0))
+    if lbr != 1:
+        return None, ("linear_before_reset=0 is not supported by the integer path (QuantGRU computes the seed's "
+                      "linear_before_reset=1 formulation r * (R_h h + Rb_h); the float GRU is kept)")
+    acts = node.attrs.get("activations")
+    if acts is not None:
+        acts = [a.decode() if isinstance(a, bytes) else str(a) for a in acts]
+        if [a.lower() for a in acts] != ["sigmoid", "tanh"] * d:
+            return None, (f"activations {acts}: QuantGRU's integer tables compute the default Sigmoid, Tanh only")
+    layout = int(_attr(node, "layout", 0))
+    if layout not in (0, 1):
+        return None, f"layout {layout} is not 0 or 1"
+    x = ins[0]
+    if not present(x):
+        return None, "X is missing"
+    et = elem_type(x)
+    if et is not None and et != onnx.TensorProto.FLOAT:
+        return None, f"X is {onnx.helper.tensor_dtype_to_string(et)}: QuantGRU takes float32 X"
+    if x.shape is not None and len(x.shape) != 3:
+        return None, f"X has rank {len(x.shape)}, not 3"
+    folded = []
+    vals = {}
+    for i, name in ((1, "W"), (2, "R"), (3, "B")):
+        t = ins[i]
+        if not present(t):
+            if name == "B":
+                vals[name] = None
+                continue
+            return None, f"{name} is missing"
+        v, how = _fold(t, opset)
+        if v is None:
+            return None, f"{name} ({t.name}) is not a constant (nor a constant subgraph of initializers): {how}"
+        if how == "folded":
+            folded.append(name)
+        vals[name] = np.asarray(v, np.float64)
+    W, R, B = vals["W"], vals["R"], vals["B"]
+    if W.ndim != 3 or R.ndim != 3 or W.shape[0] != d or R.shape[0] != d:
+        return None, f"W {list(W.shape)} / R {list(R.shape)} do not match direction {direction!r} (D={d})"
+    h = R.shape[2]
+    hs = _attr(node, "hidden_size")
+    if hs is not None and int(hs) != h:
+        return None, f"hidden_size {hs} does not match R {list(R.shape)}"
+    if W.shape[1] != 3 * h or R.shape[1] != 3 * h or (B is not None and B.shape != (d, 6 * h)):
+        return None, f"W {list(W.shape)}, R {list(R.shape)}, B {None if B is None else list(B.shape)} are not " \
+                     f"[D, 3H, C], [D, 3H, H], [D, 6H] with H={h}"
+    if not 1 <= h <= 1 << 15:
+        return None, f"hidden_size {h} is outside what the kernels take (1..32768)"
+    if x.shape is not None and isinstance(x.shape[2], (int, np.integer)) and x.shape[2] != W.shape[2]:
+        return None, f"X's last dim {x.shape[2]} does not match W {list(W.shape)}"
+    if not (np.all(np.isfinite(W)) and np.all(np.isfinite(R)) and (B is None or np.all(np.isfinite(B)))):
+        return None, "W, R or B holds NaN or Inf"
+    clip = node.attrs.get("clip")
+    return dict(X=x, W=W, R=R, B=B, H=h, direction=direction, layout=layout, clip=None if clip is None else float(clip),
+                sequence_lens=ins[4] if present(ins[4]) else None, initial_h=ins[5] if present(ins[5]) else None,
+                folded=folded), None
+
+
+def _fold(t, opset):
+    """(value, "constant" | "folded") of a constant or a constant subgraph of initializers; (None, why) else."""
+    v = constant_value(t)
+    if v is not None:
+        return v, "constant"
+    nodes, seen, stack, leaves = [], set(), [t], {}
+    while stack:
+        cur = stack.pop()
+        if is_constant(cur):
+            leaves[cur.name] = constant_value(cur)
+            continue
+        p = producer(cur)
+        if p is None:
+            return None, f"it depends on the graph input {cur.name!r}"
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if (p.domain or "") not in ("", "ai.onnx") or any(isinstance(a, gs.Graph) for a in p.attrs.values()):
+            return None, f"it is computed by {p.op} ({node_label(p)})"
+        nodes.append(p)
+        if len(nodes) > MAX_FOLD_NODES:
+            return None, f"its subgraph has more than {MAX_FOLD_NODES} nodes"
+        stack.extend(i for i in p.inputs if i is not None and i.name)
+    try:
+        from onnx.reference import ReferenceEvaluator
+        protos = []
+        for n in nodes:
+            attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in n.attrs.items()}
+            protos.append(onnx.helper.make_node(n.op, [i.name if i is not None else "" for i in n.inputs],
+                                                [o.name for o in n.outputs], **attrs))
+        inits = [onnx.numpy_helper.from_array(np.asarray(v), k) for k, v in leaves.items()]
+        g = onnx.helper.make_graph(protos[::-1], "fold", [], [onnx.helper.make_tensor_value_info(t.name, 0, None)],
+                                   initializer=inits)
+        g = _toposorted(g)
+        model = onnx.helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", opset)])
+        (val,) = ReferenceEvaluator(model).run(None, {})
+        return np.asarray(val), "folded"
+    except Exception as e:  # noqa: BLE001 - any failure leaves the GRU in float, with the reason
+        return None, f"folding its constant subgraph failed: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _toposorted(g):
+    done = {i.name for i in g.initializer}
+    pending, order = list(g.node), []
+    while pending:
+        ready = [n for n in pending if all(i == "" or i in done for i in n.input)]
+        if not ready:
+            raise ValueError("cycle in the constant subgraph")
+        for n in ready:
+            order.append(n)
+            done.update(n.output)
+            pending.remove(n)
+    del g.node[:]
+    g.node.extend(order)
+    return g
+
+
+def _value(t, got):
+    if t is None:
+        return None
+    v = constant_value(t)
+    return np.asarray(v) if v is not None else got.get(t.name)
+
+
+# ---------------------------------------------------------------------------------------------------- calibration
+def _calibration_run(graph: gs.Graph, cands, calibration: dict, factory) -> dict:
+    """{tensor name: array} for the GRUs' X / sequence_lens / initial_h from one onnxruntime run of the graph on
+    the calibration inputs (GRUs with layout 1, which onnxruntime's CPU GRU rejects, run as Transpose + layout 0
+    in the copy)."""
+    feeds = _check_feeds(graph, calibration)
+    wanted = []
+    for _, spec in cands:
+        for k in ("X", "sequence_lens", "initial_h"):
+            t = spec[k]
+            if t is not None and not is_constant(t) and t.name not in wanted:
+                wanted.append(t.name)
+    copy = graph.copy()
+    copy.cleanup(remove_unused_graph_inputs=False).toposort()
+    have = {t.name for t in copy.outputs}
+    extra = [n for n in wanted if n not in have and n not in feeds]
+    model = gs.export_onnx(copy, do_type_check=False)
+    del model.graph.value_info[:]
+    for n in extra:
+        model.graph.output.append(onnx.ValueInfoProto(name=n))
+    _layout0(model.graph)
+    used = _used_domains(model.graph)
+    if domain.DOMAIN in used and not any(o.domain == domain.DOMAIN for o in model.opset_import):
+        model.opset_import.append(domain.opset_import())
+    model.ir_version = max(7, onnx.helper.find_min_ir_version_for(list(model.opset_import), True))
+    if domain.DOMAIN in used and factory is None:
+        raise ValueError("calibration: the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass), "
+                         "which stock onnxruntime cannot run; pass calibration_session=onnx_lowbit.InferenceSession")
+    try:
+        got = _run_calibration(model, factory, feeds)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - onnxruntime's errors, as one clear ValueError
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"calibration: running the model failed: {type(e).__name__}: {msg[:300]}") from None
+    out = {n: feeds[n] for n in wanted if n in feeds}
+    out.update({n: got[n] for n in wanted if n in got})
+    return out
+
+
+def _layout0(g: onnx.GraphProto) -> None:
+    """GRU layout 1 -> Transpose, GRU layout 0, Transpose (onnxruntime's CPU GRU takes layout 0 only)."""
+    new_nodes = []
+    for n in g.node:
+        layout = next((a.i for a in n.attribute if a.name == "layout"), 0)
+        if n.op_type != "GRU" or n.domain not in ("", "ai.onnx") or layout != 1:
+            new_nodes.append(n)
+            continue
+        pre, post = [], []
+        ins, outs = list(n.input), list(n.output)
+        for i, perm in ((0, [1, 0, 2]), (5, [1, 0, 2])):
+            if i < len(ins) and ins[i]:
+                t = f"{n.name}_{ins[i]}_layout0"
+                pre.append(onnx.helper.make_node("Transpose", [ins[i]], [t], perm=perm))
+                ins[i] = t
+        for i, perm in ((0, [2, 0, 1, 3]), (1, [1, 0, 2])):
+            if i < len(outs) and outs[i]:
+                t = f"{n.name}_{outs[i]}_layout0"
+                post.append(onnx.helper.make_node("Transpose", [t], [outs[i]], perm=perm))
+                outs[i] = t
+        attrs = [a for a in n.attribute if a.name != "layout"]
+        gru = onnx.helper.make_node("GRU", ins, outs, name=n.name)
+        gru.attribute.extend(attrs)
+        new_nodes += pre + [gru] + post
+    del g.node[:]
+    g.node.extend(new_nodes)
