@@ -336,8 +336,9 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                     yi = ((s * dirs + d) * n_dim + n) * hd + u if layout == 0 else ((n * t_dim + s) * dirs + d) * hd + u
                     y[yi] = float32(0.0)
                 hb[((nxt * dirs + d) * n_dim + n) * hd + u] = hn
-                if s == t_dim - 1 and flags & 8:
-                    yh[(d * n_dim + n) * hd + u if layout == 0 else (n * dirs + d) * hd + u] = float32(hn - zph) * dqh
+                if s == t_dim - 1 and flags & 8:        # 0 for length-0 entries (as onnxruntime's GRU)
+                    yh[(d * n_dim + n) * hd + u if layout == 0 else (n * dirs + d) * hd + u] = \
+                        float32(hn - zph) * dqh if ln > 0 else float32(0.0)
                 e += tpb
             cuda.syncthreads()
             if s + 1 < s1 and nblk > 1:
@@ -345,17 +346,13 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                     _barrier(cnt, grp_id, nblk)
                 cuda.syncthreads()
             s += 1
-        if t_dim == 0 and flags & 8:            # no steps: Y_h is the quantised initial state
+        if t_dim == 0 and flags & 8:            # no steps: every entry has length 0, Y_h = 0
             e = tid
             while e < nb * nu:
                 nl = e // nu
                 u = u0 + e - nl * nu
                 n = n0 + nl
-                v = int64(0)
-                if flags & 1:
-                    v = _quant(h0[(d * n_dim + n) * hd + u if layout == 0 else (n * dirs + d) * hd + u], scale_h,
-                               lo - zph, hi - zph)
-                yh[(d * n_dim + n) * hd + u if layout == 0 else (n * dirs + d) * hd + u] = float32(v) * dqh
+                yh[(d * n_dim + n) * hd + u if layout == 0 else (n * dirs + d) * hd + u] = float32(0.0)
                 e += tpb
 
     return rec
@@ -472,15 +469,30 @@ def rec_fn(wide, tn):
     return _rec_fns[(wide, tn)]
 
 
+def function_handle(launcher):
+    """The CUfunction of a Launcher's kernel in the current context (Numba may hold a CUkernel, which not every
+    driver call takes: cuKernelGetFunction; an error means the handle already is a CUfunction)."""
+    from .cuda_launch import libcuda
+    fn = libcuda().cuKernelGetFunction
+    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    f = ctypes.c_void_p()
+    return f if fn(ctypes.byref(f), launcher.handle) == 0 and f.value else launcher.handle
+
+
 class _CoopLauncher:
-    """A Launcher whose launches are cooperative (cuLaunchCooperativeKernel: all blocks resident, or an error)."""
+    """Makes a Launcher's launches cooperative (cuLaunchCooperativeKernel: all blocks resident, or an error)."""
 
     def __init__(self, launcher):
         from .cuda_launch import libcuda
         fn = libcuda().cuLaunchCooperativeKernel
         fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 2
-        launcher._launch = lambda f, gx, gy, gz, bx, by, bz, sh, st, p, extra: fn(f, gx, gy, gz, bx, by, bz, sh,
-                                                                                   st, p)
+        self.func = None
+
+        def launch(f, gx, gy, gz, bx, by, bz, sh, st, p, extra):
+            if self.func is None:
+                self.func = function_handle(launcher)
+            return fn(self.func, gx, gy, gz, bx, by, bz, sh, st, p)
+        launcher._launch = launch
         self.launcher = launcher
 
 
@@ -500,22 +512,22 @@ def launchers(bits, tn, c_dim):
 
 
 def occupancy(launcher, tpb, smem):
-    from .cuda_launch import check, libcuda
+    """Resident blocks per SM of a Launcher's kernel with ``smem`` bytes of dynamic shared memory (after the
+    kernel was opted in to MAX_SMEM)."""
+    from .cuda_launch import check, current_device, libcuda
+    dev = current_device()
+    if dev not in launcher._configured:      # the Launcher opts in on its first launch; occupancy needs it now
+        launcher._configure(dev)
     fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     v = ctypes.c_int(0)
-    check(fn(ctypes.byref(v), launcher.handle, tpb, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    check(fn(ctypes.byref(v), function_handle(launcher), tpb, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     return v.value
 
 
 def _xgrid(t, n, h, dirs):
     xt = 4 * XS
     return dirs * (-(-(t * n) // xt)) * (-(-(3 * h) // xt))
-
-
-def _set_max_smem(launcher):
-    from .cuda_launch import check, libcuda
-    check(libcuda().cuFuncSetAttribute(launcher.handle, 8, MAX_SMEM), "setting the kernel's shared memory size")
 
 
 class Prepared:
@@ -560,7 +572,8 @@ class Prepared:
                 (p.nblk, self.revmask, self.a.layout, self.lo, self.hi, gru_int.LUT_SHIFT[self.a.bits], p.llen,
                  self.flags, p.rs_off, p.hs_off, p.lt_off))
 
-    def launch(self, stream=0):
+    def launch(self, stream=0, what="all"):
+        """Issues the call's kernels on ``stream`` (``what``: "all", or "xproj" / "rec" alone, for timing)."""
         p, bits = self.plan, self.a.bits
         xargs = (self.x, self.w, self.qwx, self.prm, self.pch, self.qsc)
         xsc = (self.t, self.n, self.c, self.h, self.a.layout, self.lo, self.hi)
@@ -575,19 +588,9 @@ class Prepared:
             for s0, s1 in steps:
                 k[p.grid, p.tpb, 0, p.smem](*arrays, *head, s0, s1, *tail)
             return
-        xp, rc, rcc = launchers(bits, p.tn, self.c)
         ptr = lambda v: (v.device_ctypes_pointer.value, (v.size,))  # noqa: E731
-        if self.t * self.n:
-            xp.launch(_xgrid(self.t, self.n, self.h, self.d), XS * XS, stream, *[ptr(v) for v in xargs], *xsc)
-        if not self.per_step and not getattr(self, "_checked", False):
-            _set_max_smem(rcc)
-            if p.grid > occupancy(rcc, p.tpb, p.smem) * sm_count_now():
-                self.per_step = True
-                steps = [(s, s + 1) for s in range(self.t)]
-            self._checked = True
-        pa = [ptr(v) for v in arrays]
-        for s0, s1 in steps:
-            (rc if self.per_step else rcc).launch(p.grid, p.tpb, stream, *pa, *head, s0, s1, *tail, shmem=p.smem)
+        self.per_step = issue(bits, p, self.c, self.t, self.n, [ptr(v) for v in xargs], xsc,
+                              [ptr(v) for v in arrays], head, tail, stream, self.per_step, what)
 
     def result(self):
         """(Y, Y_h) as numpy arrays with the reference's shapes."""
@@ -598,6 +601,28 @@ class Prepared:
         if self.a.layout == 0:
             return y.reshape(t, d, n, h), yh.reshape(d, n, h)
         return y.reshape(n, t, d, h), yh.reshape(n, d, h)
+
+
+def issue(bits, p, c, t, n, xarrays, xsc, arrays, head, tail, stream, per_step, what="all"):
+    """GPU: launches xproj and the recurrent kernel (cooperative, all steps; or one launch per step when
+    ``per_step`` or when the grid cannot be resident at once). Returns per_step as used."""
+    xp, rc, rcc = launchers(bits, p.tn, c)
+    if t * n and what != "rec":
+        xp.launch(_xgrid(t, n, head[2], head[3]), XS * XS, stream, *xarrays, *xsc)
+    if what == "xproj":
+        return per_step
+    if not per_step:
+        key = (id(rcc), p.tpb, p.smem)
+        if key not in _resident:
+            _resident[key] = occupancy(rcc, p.tpb, p.smem) * sm_count_now()
+        per_step = p.grid > _resident[key]
+    steps = [(0, t)] if not per_step or t == 0 else [(s, s + 1) for s in range(t)]
+    for s0, s1 in steps:
+        (rc if per_step else rcc).launch(p.grid, p.tpb, stream, *arrays, *head, s0, s1, *tail, shmem=p.smem)
+    return per_step
+
+
+_resident = {}
 
 
 def sm_count_now():
@@ -613,3 +638,122 @@ def run_arrays(*args, repeat=1, **kw):
     for _ in range(repeat):
         p.launch()
     return p.result()
+
+
+# ---------------------------------------------------------------------------------------------------- onnxruntime
+def _to_host(ptr, shape, dtype, stream):
+    """A small device tensor copied to the host (stream-ordered, then waited for)."""
+    from .cuda_launch import check, libcuda
+    out = np.empty(shape, dtype)
+    if out.nbytes:
+        lib = libcuda()
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+        check(lib.cuMemcpyDtoHAsync_v2(out.ctypes.data, ptr, out.nbytes, stream), "cuMemcpyDtoHAsync")
+        check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    return out
+
+
+def _to_device(dst, arr, stream):
+    from .cuda_launch import check, libcuda
+    lib = libcuda()
+    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    arr = np.ascontiguousarray(arr)
+    check(lib.cuMemcpyHtoDAsync_v2(dst.device_ctypes_pointer.value, arr.ctypes.data, arr.nbytes, stream),
+          "cuMemcpyHtoDAsync")
+
+
+class _Scratch:
+    """Per CUDA stream: parameter buffers, qWx and the h exchange buffer (grown on demand), barrier counters."""
+
+    def __init__(self, d, h):
+        self.prm = cuda.device_array(d * NP, np.int64)
+        self.pch = cuda.device_array(d * PC * h, np.int64)
+        self.qsc = cuda.device_array(d * 2, np.float64)
+        self.dq = cuda.device_array(d, np.float32)
+        self.bufs = {}
+        self.cnt = {}
+
+    def buf(self, name, size, dtype):
+        b = self.bufs.get(name)
+        if b is None or b.size < size:
+            b = self.bufs[name] = cuda.device_array(max(size, 1), dtype)
+        return b
+
+    def counters(self, groups, nblk):
+        """Zeroed counters for one plan (a counter must start each launch at a multiple of its nblk)."""
+        key = (groups, nblk)
+        if key not in self.cnt:
+            self.cnt[key] = cuda.to_device(np.zeros(groups, np.uint64))
+        return self.cnt[key]
+
+
+class QuantGRUCudaKernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from .bridge import KernelError
+        at = self.attrs
+        try:
+            self.a = gru_int.GRUAttrs(at["hidden_size"], at["bits"], at["exponents"], at["zero_points"],
+                                      at.get("direction", "forward"), at.get("layout", 0))
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+        if self.in_types[1] != (3 if self.a.bits == 8 else 5):
+            raise KernelError(f"bits={self.a.bits} needs int{self.a.bits} W, R and luts")
+        self.sms = sm_count_now()
+        self.plans = {}
+        self.scratch = {}
+        self.revmask = {"forward": 0, "reverse": 1, "bidirectional": 2}[self.a.direction]
+
+    def compute(self, ctx, inputs):
+        from .bridge import NP_DTYPES, KernelError
+        a = self.a
+        ins = [inputs[i] if i < len(inputs) else None for i in range(8)]
+        for i in range(6):
+            self.check_input(ins, i)
+        x, w, r, b, ce, lt, sl, h0 = ins
+        stand = lambda v: None if v is None else np.broadcast_to(  # noqa: E731 - shape and dtype only
+            np.zeros((), NP_DTYPES[v.elem_type]), v.shape)
+        ce_h = _to_host(ce.ptr, ce.shape, np.int32, ctx.stream) if len(ce.shape) == 3 and ce.elem_type == 6 \
+            else stand(ce)
+        sl_h = None if sl is None else (_to_host(sl.ptr, sl.shape, np.int32, ctx.stream) if len(sl.shape) == 1
+                                        else stand(sl))
+        try:
+            t, n, c = gru_int.check_inputs(a, stand(x), stand(w), stand(r), stand(b), ce_h, stand(lt), sl_h,
+                                           stand(h0))
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+        d, h = a.num_directions, a.hidden_size
+        b_h = _to_host(b.ptr, b.shape, np.int32, ctx.stream)
+        shapes = ((t, d, n, h), (d, n, h)) if a.layout == 0 else ((n, t, d, h), (n, d, h))
+        y, yh = (ctx.output(i, s) for i, s in enumerate(shapes))
+        if n == 0:
+            return
+        s = self.scratch.get(ctx.stream)
+        if s is None:
+            s = self.scratch[ctx.stream] = _Scratch(d, h)
+        p = self.plans.get(n)
+        if p is None:
+            p = self.plans[n] = Plan(n, h, d, a.bits, self.sms)
+        for dst, v in zip((s.prm, s.pch, s.qsc, s.dq), prepare(a, b_h, ce_h)):
+            _to_device(dst, v, ctx.stream)
+        qwx = s.buf("qwx", d * t * n * 3 * h, np.int16)
+        hb = s.buf("hb", 2 * d * n * h, np.int16)
+        cnt = s.counters(p.groups, p.nblk)
+        dev = lambda v: (v.device_ctypes_pointer.value, (v.size,))  # noqa: E731
+        flags = 12 | (1 if h0 is not None else 0) | (2 if sl is not None else 0)
+        xarr = [(x.ptr, (max(x.size, 1),)), (w.ptr, (w.size,)), dev(qwx), dev(s.prm), dev(s.pch), dev(s.qsc)]
+        lo, hi = gru_int.qrange(a.bits)
+        xsc = (t, n, c, h, a.layout, lo, hi)
+        arrays = [dev(qwx), (r.ptr, (r.size,)), (lt.ptr, (lt.size,)),
+                  (h0.ptr, (h0.size,)) if h0 is not None else (x.ptr, (1,)),
+                  (sl.ptr, (n,)) if sl is not None else dev(s.dq), dev(hb),
+                  (y, (max(t * d * n * h, 1),)), (yh, (d * n * h,)), dev(cnt), dev(s.prm), dev(s.pch), dev(s.qsc),
+                  dev(s.dq)]
+        head = (t, n, h, d, p.nch, p.nbc, p.units, p.ks)
+        tail = (p.nblk, self.revmask, a.layout, lo, hi, gru_int.LUT_SHIFT[a.bits], p.llen, flags, p.rs_off,
+                p.hs_off, p.lt_off)
+        issue(a.bits, p, c, t, n, xarr, xsc, arrays, head, tail, ctx.stream, False)
+
+
+KERNEL = QuantGRUCudaKernel
