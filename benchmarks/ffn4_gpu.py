@@ -24,13 +24,17 @@ NIBBLE_BYTES = 2 * K * N // 2
 
 
 def regs(lau):
-    import ctypes
-
-    from onnx_lowbit.custom_ops.cuda_launch import libcuda
-    v = ctypes.c_int(0)
-    fn = libcuda().cuFuncGetAttribute
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
-    return v.value if fn(ctypes.byref(v), 4, lau.handle) == 0 else "?"
+    """'R regs, L B local' of a Launcher whose .dispatcher is its Numba kernel (local > 0: register spills)."""
+    d = getattr(lau, "dispatcher", None)
+    if d is None:
+        return "? regs"
+    try:
+        r, loc = d.get_regs_per_thread(), d.get_local_mem_per_thread()
+        r = list(r.values())[0] if isinstance(r, dict) else r
+        loc = list(loc.values())[0] if isinstance(loc, dict) else loc
+        return f"{r} regs, {loc} B local"
+    except Exception as e:  # noqa: BLE001
+        return f"? regs ({type(e).__name__})"
 
 
 def rel(y, ref):
@@ -67,10 +71,10 @@ def main():
     dst = torch.empty_like(src)
     t_copy = time_cuda(lambda: dst.copy_(src))
     print(f"device copy 256 MiB: {t_copy:.1f} us = {2 * src.numel() / t_copy / 1e3:.0f} GB/s")
-    del src, dst
+    src = dst = None
     dcode = td(code)
-    nlut = td(fusedffnnf4_cuda.lut_for(code, True))
-    nlut32 = td(fusedffnnf4_cuda.lut_for(code, False))
+    nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
+    nlut32 = td(fusedffnnf4_cuda.lut_for(code, False).view(np.int32))
     ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
     rows = []
 
@@ -102,29 +106,24 @@ def main():
         chk = lambda ref: (lambda: rel(s.float().cpu().numpy(), ref))  # noqa: E731
 
         # ---- NF4 fused
-        def nf4_fused(h2=True, cols=fusedffnnf4_cuda.COLS, scale=1):
+        def nf4_fused(pair=True, cols=fusedffnnf4_cuda.COLS, scale=1):
             mt = fusedffnnf4_cuda.bucket(m)
-            lau = fusedffnnf4_cuda.launcher(True, mt, h2, cols)
+            lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols)
             block = fusedffnnf4_cuda.threads(K)
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             nch = -(-m // mt)
             parts = fusedffnnf4_cuda.parts_for(N, nch, sms, occ * scale, cols)
             args = [ptr(x), ptr(dnq[0][0], K * N // 16), ptr(dnq[0][1]), ptr(dnq[1][0], K * N // 16), ptr(dnq[1][1]),
-                    ptr(nlut if h2 else nlut32), ptr(s), ptr(s), ptr(s), m, K, N, BS.bit_length() - 5, parts, 0, 0]
-            desc = f"{nch * parts} blocks x {block} thr, {regs(lau)} regs, {occ}/SM"
+                    ptr(nlut if pair else nlut32), ptr(s), ptr(s), ptr(s), m, K, N, BS.bit_length() - 5, parts, 0, 0]
+            desc = f"{nch * parts} blocks x {block} thr, {regs(lau)}, {occ}/SM"
             return (lambda: lau.launch(nch * parts, block, stream(), *args)), desc
 
         fn, desc = nf4_fused()
         t_nf = record(f"FusedFFNNF4 fused (ours) [{desc}]", m, fn, check=chk(ref_n))
         if a.variants and m == 1:
-            for h2 in (True, False):
-                for cols in (4, 8):
-                    for scale in (1, 2):
-                        if (h2, cols, scale) == (True, fusedffnnf4_cuda.COLS, 1):
-                            continue
-                        fn, desc = nf4_fused(h2, cols, scale)
-                        record(f"  variant NF4 h2={int(h2)} cols={cols} grid x{scale} [{desc}]", m, fn,
-                               check=chk(ref_n))
+            for pair, cols, scale in [(True, 4, 1), (True, 8, 2), (True, 16, 1), (False, 8, 1), (False, 4, 1)]:
+                fn, desc = nf4_fused(pair, cols, scale)
+                record(f"  variant NF4 pair={int(pair)} cols={cols} grid x{scale} [{desc}]", m, fn, check=chk(ref_n))
 
         mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
         lau_n = matmulnf4_cuda._launcher(mode, np.float16)
@@ -143,7 +142,9 @@ def main():
             if unroll == fusedffnawq_cuda.UNROLL:
                 lau = fusedffnawq_cuda.launcher(True, mt)
             else:
-                lau = Launcher(fusedffnawq_cuda._make_gemv(mt, True, unroll=unroll), fusedffnawq_cuda._sig(True, True))
+                kf = fusedffnawq_cuda._make_gemv(mt, True, unroll=unroll)
+                lau = Launcher(kf, fusedffnawq_cuda._sig(True, True))
+                lau.dispatcher = kf
             occ = fusedffnawq_cuda.blocks_per_sm(lau)
             grid, r, splits = fusedffnawq_cuda.decode_plan(m, K, N, G, sms, occ)
             tiles = -(-(N // 8) // fusedffnawq_cuda.CT)
@@ -154,7 +155,7 @@ def main():
             cnt = torch.zeros(tiles, device="cuda", dtype=torch.int32)
             args = [ptr(x)] + [ptr(t) for w in daw for t in w] + [ptr(s), ptr(s), ptr(s), ptr(acc), ptr(cnt),
                                                                    m, K, N, G, r, splits, 0, 0]
-            desc = f"{grid} blocks, R={r}, splits={splits}, unroll={unroll}, {regs(lau)} regs, {occ}/SM"
+            desc = f"{grid} blocks, R={r}, splits={splits}, unroll={unroll}, {regs(lau)}, {occ}/SM"
             return (lambda: lau.launch(grid, fusedffnawq_cuda.BLOCK, stream(), *args)), desc, acc
 
         fn, desc, acc_keep = awq_fused()

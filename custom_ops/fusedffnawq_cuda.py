@@ -48,6 +48,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
     xs_size = mt * warps * RMAX
     red_size = 2 * warps * ct * 8
     p_size = 2 * mt * 8
+    w_size = 2 * unroll
     wzero = uint32(0)
 
     @cuda.jit
@@ -79,8 +80,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
         k0 = kb + warp * r64
         kend = min(k0 + r64, k64)
         active = c < nw and k0 < kend
-        wv = cuda.local.array(2 * unroll, uint32)       # [weight][u]
-        wn = cuda.local.array(2 * unroll, uint32)
+        wv = cuda.local.array(w_size, uint32)           # [weight][u]
+        wn = cuda.local.array(w_size, uint32)
         sj = cuda.local.array(16, float32)              # [weight][j]
         z1 = U0
         z3 = U0
@@ -138,7 +139,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
                                 xv = xs[uint64(m) * span + xo + uint64(u)]
                                 for j in range(8):
                                     p[(wsel * mt + m) * 8 + j] += xv * vj[j]
-                for t in range(2 * unroll):
+                for t in range(w_size):
                     wv[t] = wn[t]
                 k = kn
                 xo += uint64(unroll)
@@ -314,7 +315,9 @@ def launcher(a16, mt):
     key = (a16, mt)
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_gemv(mt, a16)
-        _launchers[key] = Launcher(fn, _sig(a16, mt is not None))
+        lau = Launcher(fn, _sig(a16, mt is not None))
+        lau.dispatcher = fn   # register / local memory queries (benchmark)
+        _launchers[key] = lau
     return _launchers[key]
 
 

@@ -26,19 +26,19 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from . import nf4_common
-from .dequantawq_cuda import SIM, as_f32, device, h2f
+from .dequantawq_cuda import SIM, as_f32, device
 from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
 from .matmulawq_cuda import _ld16, _ld32, _st16, _st32
 from .matmulnf4_cuda import _warp_sum
 
-COLS = 4                  # columns per block step
+COLS = 8                  # columns per block step
 MT_BUCKETS = (1, 2)       # rows per block (x kept in registers: 16 * MT floats per thread)
 MAX_M_FAST = 16
 MAX_WPR = 1024            # words per row the decode kernel takes (K <= 16384)
 NWMAX = 32                # warps per block, at most
-TAB_H2 = 256 * 32         # replicated byte-pair table (uint32 entries)
+TAB_PAIR = 256 * 16       # byte-pair table, 16 copies (uint64 entries)
 GEN_WARPS = 8
 FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
@@ -104,118 +104,127 @@ def _make_rs(nv):
     return cuda.jit(device=True, inline=True)(ns["rs"])
 
 
-def _make_decode(mt, a16, h2, cols=COLS):
+def _make_decode(mt, a16, pair=True, cols=COLS):
+    """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
+    that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
+    partial sums) has a constant name or index and stays in registers. ``pair``: byte-pair table (uint64
+    entries: fp32 code[b >> 4] in the low half, code[b & 15] in the high half; 16 copies so that each half-warp
+    reads 16 distinct bank pairs); else the 16-entry fp32 code table (one lookup per nibble)."""
     nv = 2 * cols * mt                  # partial sums per thread: [weight][column][row]
     steps = nv.bit_length() - 1
     low = 5 - steps                     # lane bits reduced by the final butterfly
-    rs = _make_rs(nv)
-    load = _ld16 if a16 else _ld32
-    store = _st16 if a16 else _st32
-    tab_size = TAB_H2 if h2 else 16
-    red_size = 2 * NWMAX * nv
-    sim_size = 1024 * nv if SIM else 1
-    xr_size = 16 * mt
+    src = []
+    a = src.append
+    a("def decode(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
+    a(f"    tab = cuda.shared.array({TAB_PAIR if pair else 16}, {'uint64' if pair else 'uint32'})")
+    a(f"    red = cuda.shared.array({2 * NWMAX * nv}, float32)")
+    a(f"    simred = cuda.shared.array({1024 * nv if SIM else 1}, float32)")
+    a(f"    pv = cuda.local.array({nv}, float32)")
+    a("    tid = cuda.threadIdx.x")
+    a("    nthreads = cuda.blockDim.x")
+    a("    lane = tid & 31")
+    a("    lane16 = uint32(tid & 15)")
+    a("    warp = tid >> 5")
+    a("    nwarps = nthreads >> 5")
+    a("    i = tid")
+    a(f"    while i < {TAB_PAIR if pair else 16}:")
+    a("        tab[i] = lut[i >> 4]" if pair else "        tab[i] = lut[i]")
+    a("        i += nthreads")
+    a("    wpr = k_dim >> 4")
+    a("    owns = tid < wpr")
+    a(f"    nch = (m_dim + {mt - 1}) // {mt}")
+    a("    bid = cuda.blockIdx.x")
+    a(f"    m0 = (bid % nch) * {mt}")
+    a("    part = bid // nch")
+    a("    n_lo = part * n_dim // parts")
+    a("    n_hi = (part + 1) * n_dim // parts")
+    for m in range(mt):
+        a(f"    okx = owns and m0 + {m} < m_dim")
+        a(f"    xb = (m0 + {m}) * k_dim + tid * 16")
+        for e in range(16):
+            a(f"    x_{m}_{e} = load(x, xb + {e}) if okx else F0")
+    a("    my_idx = 0")
+    for st in range(steps):
+        a(f"    my_idx += ((lane >> {4 - st}) & 1) * {nv >> (st + 1)}")
+    a(f"    writer = (lane & {(1 << low) - 1}) == 0")
 
-    @cuda.jit
-    def decode(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):
-        """x [M*K] (fp32, or fp16 bits), q1/q3 uint64 [N*K/16], am1/am3 float32, lut uint32 (h2: 256 byte-pair
-        entries; else the 16 fp32 code bits), b1/b3 [N] (X's type), s [M*N]. Block b: row chunk b % chunks,
-        column slice b // chunks of ``parts``."""
-        tab = cuda.shared.array(tab_size, uint32)
-        red = cuda.shared.array(red_size, float32)
-        simred = cuda.shared.array(sim_size, float32)
-        tid = cuda.threadIdx.x
-        nthreads = cuda.blockDim.x
-        lane = tid & 31
-        warp = tid >> 5
-        nwarps = nthreads >> 5
-        i = tid
-        while i < tab_size:
-            tab[i] = lut[i >> 5] if h2 else lut[i]
-            i += nthreads
-        k64 = k_dim
-        wpr = k64 >> 4
-        owns = tid < wpr
-        nch = (m_dim + mt - 1) // mt
-        bid = cuda.blockIdx.x
-        m0 = (bid % nch) * mt
-        part = bid // nch
-        n_lo = part * n_dim // parts
-        n_hi = (part + 1) * n_dim // parts
-        xr = cuda.local.array(xr_size, float32)
-        for m in range(mt):
-            for e in range(16):
-                v = float32(0.0)
-                if owns and m0 + m < m_dim:
-                    v = load(x, (m0 + m) * k64 + tid * 16 + e)
-                xr[m * 16 + e] = v
-        my_idx = 0
-        for st in range(steps):
-            my_idx += ((lane >> (4 - st)) & 1) * (nv >> (st + 1))
-        writer = (lane & ((1 << low) - 1)) == 0
-        cuda.syncthreads()
-        pv = cuda.local.array(nv, float32)
-        wv1 = cuda.local.array(cols, uint64)
-        wv3 = cuda.local.array(cols, uint64)
-        acc = cuda.local.array(mt, float32)
-        sv1 = cuda.local.array(cols, float32)
-        sv3 = cuda.local.array(cols, float32)
-        buf = 0
-        n0 = n_lo
-        while n0 < n_hi:                          # block-uniform: every thread reaches every barrier
-            for c in range(cols):                 # all 2*cols loads first
-                ok = owns and n0 + c < n_hi
-                wi = (n0 + c) * wpr + tid
-                wv1[c] = q1[wi] if ok else np.uint64(0)
-                wv3[c] = q3[wi] if ok else np.uint64(0)
-                sv1[c] = am1[wi >> bs_shift] if ok else float32(0.0)
-                sv3[c] = am3[wi >> bs_shift] if ok else float32(0.0)
-            for c in range(cols):
-                for wsel in range(2):
-                    w = wv1[c] if wsel == 0 else wv3[c]
-                    sc = sv1[c] if wsel == 0 else sv3[c]
+    def loads(prefix, base):
+        for c in range(cols):
+            a(f"    ok = owns and {base} + {c} < n_hi")
+            a(f"    wi = ({base} + {c}) * wpr + tid")
+            a(f"    {prefix}w1_{c} = q1[wi] if ok else U0")
+            a(f"    {prefix}w3_{c} = q3[wi] if ok else U0")
+            a(f"    {prefix}s1_{c} = am1[wi >> bs_shift] if ok else F0")
+            a(f"    {prefix}s3_{c} = am3[wi >> bs_shift] if ok else F0")
+    a("    n0 = n_lo")
+    loads("", "n0")
+    a("    cuda.syncthreads()")
+    a("    buf = 0")
+    a("    while n0 < n_hi:")
+    ind = "    "
+    body = []
+    b_ = body.append
+    b_("nn = n0 + %d" % cols)
+    # prefetch the next step (predicated off past the slice)
+    for c in range(cols):
+        b_(f"ok = owns and nn + {c} < n_hi")
+        b_(f"wi = (nn + {c}) * wpr + tid")
+        b_(f"nw1_{c} = q1[wi] if ok else U0")
+        b_(f"nw3_{c} = q3[wi] if ok else U0")
+        b_(f"ns1_{c} = am1[wi >> bs_shift] if ok else F0")
+        b_(f"ns3_{c} = am3[wi >> bs_shift] if ok else F0")
+    for c in range(cols):
+        for wsel in (1, 3):
+            for m in range(mt):
+                b_(f"acc_{m} = F0")
+            for half in range(2):
+                b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
+                for b in range(4):
+                    b_(f"by = (wd >> uint32({8 * b})) & uint32(0xFF)")
+                    if pair:
+                        b_("ent = tab[(by << uint32(4)) | lane16]")
+                        b_("c0 = as_f32(ent & M32)")
+                        b_("c1 = as_f32(ent >> U32)")
+                    else:
+                        b_("c0 = as_f32(tab[by >> uint32(4)])")
+                        b_("c1 = as_f32(tab[by & uint32(15)])")
+                    e0 = half * 8 + 2 * b
                     for m in range(mt):
-                        acc[m] = float32(0.0)
-                    for half in range(2):
-                        word = uint32((w >> U32) if half == 1 else (w & M32))
-                        for b in range(4):
-                            byte = (word >> uint32(8 * b)) & uint32(0xFF)
-                            if h2:
-                                ent = tab[(byte << uint32(5)) | uint32(lane)]
-                                c0 = h2f(ent & uint32(0xFFFF))
-                                c1 = h2f(ent >> uint32(16))
-                            else:
-                                c0 = as_f32(tab[byte >> uint32(4)])
-                                c1 = as_f32(tab[byte & uint32(15)])
-                            e0 = half * 8 + 2 * b
-                            for m in range(mt):
-                                acc[m] += c0 * xr[m * 16 + e0]
-                                acc[m] += c1 * xr[m * 16 + e0 + 1]
-                    for m in range(mt):
-                        pv[(wsel * cols + c) * mt + m] = acc[m] * sc
-            tot = rs(pv, lane, simred, tid)
-            if writer:
-                red[(buf * NWMAX + warp) * nv + my_idx] = tot
-            cuda.syncthreads()
-            if tid < cols * mt:
-                c = tid // mt
-                m = tid - c * mt
-                n = n0 + c
-                if n < n_hi and m0 + m < m_dim:
-                    g = float32(0.0)
-                    u = float32(0.0)
-                    for wi_ in range(nwarps):
-                        g += red[(buf * NWMAX + wi_) * nv + c * mt + m]
-                        u += red[(buf * NWMAX + wi_) * nv + (cols + c) * mt + m]
-                    if has_b1:
-                        g += load(b1, n)
-                    if has_b3:
-                        u += load(b3, n)
-                    store(s, (m0 + m) * n_dim + n, _silu(g) * u)
-            buf ^= 1
-            n0 += cols
-
-    return decode
+                        b_(f"acc_{m} += c0 * x_{m}_{e0}")
+                        b_(f"acc_{m} += c1 * x_{m}_{e0 + 1}")
+            for m in range(mt):
+                idx = ((0 if wsel == 1 else 1) * cols + c) * mt + m
+                b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
+    b_("tot = rs(pv, lane, simred, tid)")
+    b_("if writer:")
+    b_(f"    red[(buf * {NWMAX} + warp) * {nv} + my_idx] = tot")
+    b_("cuda.syncthreads()")
+    b_(f"if tid < {cols * mt}:")
+    b_(f"    c = tid // {mt}")
+    b_(f"    m = tid - c * {mt}")
+    b_("    n = n0 + c")
+    b_("    if n < n_hi and m0 + m < m_dim:")
+    b_("        g = F0")
+    b_("        u = F0")
+    b_("        for wj in range(nwarps):")
+    b_(f"            g += red[(buf * {NWMAX} + wj) * {nv} + c * {mt} + m]")
+    b_(f"            u += red[(buf * {NWMAX} + wj) * {nv} + ({cols} + c) * {mt} + m]")
+    b_("        if has_b1:")
+    b_("            g += load(b1, n)")
+    b_("        if has_b3:")
+    b_("            u += load(b3, n)")
+    b_("        store(s, (m0 + m) * n_dim + n, silu(g) * u)")
+    b_("buf ^= 1")
+    for c in range(cols):
+        for v in ("w1", "w3", "s1", "s3"):
+            b_(f"{v}_{c} = n{v}_{c}")
+    b_("n0 = nn")
+    src.extend(ind + "    " + line for line in body)
+    ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "as_f32": as_f32,
+          "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
+          "F0": np.float32(0.0), "U0": np.uint64(0), "M32": M32, "U32": U32}
+    exec("\n".join(src), ns)  # noqa: S102 - generated from constants only
+    return cuda.jit(ns["decode"])
 
 
 def _make_generic(a16, warps=GEN_WARPS):
@@ -262,15 +271,14 @@ def _make_generic(a16, warps=GEN_WARPS):
 
 
 # ------------------------------------------------------------------------------------------------- host side
-def lut_for(code, h2):
-    """uint32 table: h2 -> 256 byte-pair entries (fp16 code[b >> 4] in the low half, code[b & 15] in the high);
-    else the 16 fp32 code values' bits."""
-    code = np.asarray(code, np.float32)
-    if not h2:
-        return code.view(np.uint32).copy()
-    h = code.astype(np.float16).view(np.uint16).astype(np.uint32)
+def lut_for(code, pair=True):
+    """The decode kernel's table: pair -> uint64 [256], entry b = fp32 bits of code[b >> 4] (low half, the first
+    element of the byte) | code[b & 15] << 32; else the 16 fp32 code values' bits (uint32)."""
+    code = np.ascontiguousarray(code, np.float32).view(np.uint32).astype(np.uint64)
+    if not pair:
+        return code.astype(np.uint32)
     b = np.arange(256)
-    return (h[b >> 4] | (h[b & 15] << np.uint32(16))).astype(np.uint32)
+    return (code[b >> 4] | (code[b & 15] << np.uint64(32))).astype(np.uint64)
 
 
 def decode_ok(m, k):
@@ -290,26 +298,27 @@ def parts_for(n, nch, sms, occupancy, cols=COLS):
     return max(1, min(-(-n // cols), (sms * occupancy) // nch))
 
 
-def _sig(a16, generic):
+def _sig(a16, generic, pair=True):
     from .cuda_launch import Array
     t = Array(np.uint16) if a16 else Array(np.float32)
     q = Array(np.uint8) if generic else Array(np.uint64)
-    tab = Array(np.float32) if generic else Array(np.uint32)
+    tab = Array(np.float32) if generic else Array(np.uint64 if pair else np.uint32)
     return [t, q, Array(np.float32), q, Array(np.float32), tab, t, t, t] + ["int64"] * (6 if generic else 7)
 
 
 _launchers = {}
 
 
-def launcher(a16, mt, h2=None, cols=COLS):
-    """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt`` (h2 defaults to
-    a16), or the generic kernel for mt=None."""
+def launcher(a16, mt, pair=True, cols=COLS):
+    """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
+    kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    h2 = a16 if h2 is None else h2
-    key = (a16, mt, h2 if mt else None, cols if mt else None)
+    key = (a16, mt, pair if mt else None, cols if mt else None)
     if key not in _launchers:
-        fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, h2, cols)
-        _launchers[key] = Launcher(fn, _sig(a16, mt is None))
+        fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols)
+        lau = Launcher(fn, _sig(a16, mt is None, pair))
+        lau.dispatcher = fn
+        _launchers[key] = lau
     return _launchers[key]
 
 
@@ -325,7 +334,7 @@ def blocks_per_sm(launcher_, block):
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               force_generic=False, h2=None, cols=COLS, sms=None, repeat=1):
+               force_generic=False, pair=True, cols=COLS, sms=None, repeat=1):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -335,7 +344,6 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     if m == 0:
         return np.empty(lead + (n,), x.dtype)
     a16 = x.dtype == np.float16
-    h2 = a16 if h2 is None else h2
     bits = np.uint16 if a16 else np.float32
     dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
     dx = dev(x, bits)
@@ -345,10 +353,11 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     dam1 = dev(np.asarray(am1, np.float32), np.float32)
     dam3 = dev(np.asarray(am3, np.float32), np.float32)
     generic = force_generic or not decode_ok(m, k)
+    gw = 2 if SIM else GEN_WARPS       # fewer simulated threads
     if generic:
         args = (dx, dev(q1, np.uint8), dam1, dev(q3, np.uint8), dam3, cuda.to_device(code), db1, db3, ds,
                 m, k, n, bs, int(b1 is not None), int(b3 is not None))
-        grid, block, mt = -(-n // GEN_WARPS), 32 * GEN_WARPS, None
+        grid, block, mt = -(-n // gw), 32 * gw, None
     else:
         mt = bucket(m)
         nch = -(-m // mt)
@@ -356,7 +365,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
-            occ = blocks_per_sm(launcher(a16, mt, h2, cols), block)
+            occ = blocks_per_sm(launcher(a16, mt, pair, cols), block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -365,15 +374,15 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 sms = sm_count(current_device())
         parts = parts_for(n, nch, sms, occ, cols)
         grid = nch * parts
-        args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, h2)), db1, db3,
+        args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair)), db1, db3,
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
-        kern = _make_generic(a16) if generic else _make_decode(mt, a16, h2, cols)
+        kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols)
         for _ in range(repeat):
             kern[grid, block](*args)
     else:
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
-        lau = launcher(a16, mt, h2, cols)
+        lau = launcher(a16, mt, pair, cols)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()
@@ -388,7 +397,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         from .cuda_launch import current_device, sm_count
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.a16 = self.in_types[0] == 10
-        self.lut = cuda.to_device(lut_for(code, self.a16))
+        self.lut = cuda.to_device(lut_for(code))
         self.code = cuda.to_device(code)
         self.lut_arg = (self.lut.device_ctypes_pointer.value, (self.lut.size,))
         self.code_arg = (self.code.device_ctypes_pointer.value, (16,))

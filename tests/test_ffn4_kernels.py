@@ -1,0 +1,346 @@
+"""FusedFFNNF4 / FusedFFNAWQ kernels against onnx_lowbit.ffn: CPU faces through onnxruntime sessions, CUDA faces
+through ``run_arrays`` under Numba's CUDA simulator (small shapes; NUMBA_ENABLE_CUDASIM=1) or on a real GPU
+(ONNX_LOWBIT_REAL_GPU=1).
+
+Error metric: max |S - ref| / max |ref| (float64 reference). Bars:
+  * fp32 X: <= 1e-5 (fp32 accumulation; NF4 weights are exact in fp32; AWQ kernels multiply with the exact
+    (q - z) * s, so they are compared with ffn.swiglu_ref on those exact weights);
+  * fp16 X: <= 2^-10 (one fp16 rounding of S, plus fp32 sums);
+  * AWQ against ffn.swiglu_awq_ref (whose weights are rounded to fp16): <= 1e-3, the issue's bar.
+Non-finite X: the rows holding NaN/Inf must be non-finite exactly where the reference is, other rows as above.
+"""
+import numpy as np
+import pytest
+from numba import config
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_lowbit import awq, domain, ffn, nf4
+
+SIM = bool(config.ENABLE_CUDASIM)
+ET = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
+
+
+def _rel(y, ref):
+    ref = np.asarray(ref, np.float64)
+    if ref.size == 0:
+        return 0.0
+    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / max(float(np.max(np.abs(ref))), 1e-12))
+
+
+def _tol(dtype):
+    return 1e-5 if np.dtype(dtype) == np.float32 else 2.0 ** -10
+
+
+def _data(lead, k, n, dtype, biases, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(lead + (k,)) + 0.2).astype(dtype)
+    b1 = rng.standard_normal(n).astype(dtype) if biases[0] else None
+    b3 = rng.standard_normal(n).astype(dtype) if biases[1] else None
+    return x, b1, b3
+
+
+# ------------------------------------------------------------------------------------------------------ NF4
+def nf4_weights(k, n, bs, qt, seed=0):
+    rng = np.random.default_rng(seed)
+    w1 = rng.standard_normal((k, n)).astype(np.float32)
+    w3 = rng.standard_normal((k, n)).astype(np.float32)
+    return nf4.quantize(w1, qt, bs) + nf4.quantize(w3, qt, bs)
+
+
+def _model(op, ins, inits, x_dims, k, n, dtype, attrs, name="ffn"):
+    et = ET[np.dtype(dtype)]
+    node = helper.make_node(op, ins, ["s"], domain=domain.DOMAIN, name=name, **attrs)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", et, x_dims + [k])],
+                          [helper.make_tensor_value_info("s", et, x_dims + [n])],
+                          [numpy_helper.from_array(v, nm) for nm, v in inits.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), domain.opset_import()], ir_version=10)
+
+
+def nf4_model(lead, k, n, bs, qt, dtype, ws, b1, b3, name="ffn"):
+    q1, a1, q3, a3 = ws
+    inits = {"q1": q1, "a1": a1, "q3": q3, "a3": a3}
+    ins = ["x", "q1", "a1", "q3", "a3", "b1" if b1 is not None else "", "b3" if b3 is not None else ""]
+    for nm, b in (("b1", b1), ("b3", b3)):
+        if b is not None:
+            inits[nm] = b
+    while ins[-1] == "":
+        ins.pop()
+    return _model("FusedFFNNF4", ins, inits, [f"d{i}" for i in range(len(lead))], k, n, dtype,
+                  {"quant_type": qt, "block_size": bs, "K": k, "N": n}, name)
+
+
+def _session(model):
+    import onnx_lowbit
+    return onnx_lowbit.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+NF4_CASES = [  # lead dims, K, N, block size, quant type, dtype, (B1, B3)
+    ((1,), 64, 16, 32, "nf4", np.float32, (True, True)),
+    ((1, 3), 688, 24, 64, "fp4", np.float16, (False, False)),    # K not a multiple of the block (blocks straddle rows)
+    ((2,), 128, 8, 128, "nf4", np.float16, (True, False)),
+    ((2, 2, 2), 96, 40, 256, "fp4", np.float32, (False, True)),  # 3-D X, a block of several rows
+    ((17,), 64, 8, 32, "nf4", np.float32, (True, True)),        # M > 16: the prefill path
+    ((0,), 64, 8, 64, "nf4", np.float32, (True, True)),         # empty batch
+]
+NF4_IDS = [f"{'x'.join(map(str, c[0]))}-K{c[1]}-N{c[2]}-bs{c[3]}-{c[4]}-{np.dtype(c[5]).name}" for c in NF4_CASES]
+
+
+@pytest.mark.parametrize("lead,k,n,bs,qt,dtype,biases", NF4_CASES, ids=NF4_IDS)
+def test_nf4_cpu_session(lead, k, n, bs, qt, dtype, biases):
+    ws = nf4_weights(k, n, bs, qt)
+    x, b1, b3 = _data(lead, k, n, dtype, biases, 1)
+    s = _session(nf4_model(lead, k, n, bs, qt, dtype, ws, b1, b3)).run(None, {"x": x})[0]
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    assert s.shape == ref.shape and s.dtype == x.dtype
+    assert _rel(s, ref) <= _tol(dtype)
+
+
+def _nf4_cuda():
+    if not SIM:
+        from numba import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU and the CUDA simulator is off")
+    from onnx_lowbit.custom_ops import fusedffnnf4_cuda
+    return fusedffnnf4_cuda
+
+
+NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
+    ((1,), 64, 16, 32, "nf4", np.float32, (True, True)),
+    ((1, 1), 688, 10, 64, "fp4", np.float16, (False, False)),     # blocks straddle rows; 2 warps, one partial
+    ((2,), 128, 8, 128, "nf4", np.float16, (True, False)),
+    ((2, 1, 2), 96, 12, 256, "fp4", np.float32, (False, True)),   # 3-D X, 2 row chunks of 2
+    ((5,), 48, 21, 32, "nf4", np.float16, (True, True)),          # 3 row chunks (one partial), N % 8 != 0
+    ((1,), 40, 8, 32, "nf4", np.float32, (True, True)),           # K % 16 != 0: the generic kernel
+    ((17,), 64, 8, 32, "fp4", np.float16, (False, True)),         # M > 16: the generic kernel
+    ((0,), 64, 8, 64, "nf4", np.float32, (True, True)),
+]
+
+
+@pytest.mark.parametrize("lead,k,n,bs,qt,dtype,biases", NF4_CUDA_CASES,
+                         ids=[f"{'x'.join(map(str, c[0]))}-K{c[1]}-N{c[2]}-bs{c[3]}-{np.dtype(c[5]).name}"
+                              for c in NF4_CUDA_CASES])
+def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
+    fc = _nf4_cuda()
+    ws = nf4_weights(k, n, bs, qt, seed=2)
+    x, b1, b3 = _data(lead, k, n, dtype, biases, 3)
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    m = int(np.prod(lead))
+    variants = [{}]
+    if fc.decode_ok(m, k):   # the generic kernel too, and for M = 1 the other decode variant (16-entry table)
+        variants += [{"force_generic": True}] + ([{"pair": False, "cols": 4}] if m == 1 else [])
+    for kw in variants:
+        s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)
+        assert s.shape == ref.shape and s.dtype == x.dtype, kw
+        assert _rel(s, ref) <= _tol(dtype), kw
+
+
+def test_nf4_reduce_index_matches_kernel_layout():
+    fc = _nf4_cuda()
+    for nv in (4, 8, 16, 32):
+        steps = nv.bit_length() - 1
+        seen = {fc.red_index(lane, nv) for lane in range(32) if lane & ((1 << (5 - steps)) - 1) == 0}
+        assert seen == set(range(nv))
+
+
+# ------------------------------------------------------------------------------------------------------ AWQ
+_AWQ = {}
+
+
+def awq_weights(k, n, g, seed=0):
+    key = (k, n, g, seed)
+    if key not in _AWQ:
+        rng = np.random.default_rng(seed + 7 * k + n)
+        _AWQ[key] = tuple(awq.quantize_rtn((rng.standard_normal((k, n)) * rng.uniform(0.02, 0.2, n)).astype(np.float32),
+                                           g) for _ in range(2))
+    return _AWQ[key]
+
+
+def awq_exact_t(w, g, k):
+    """[N, K] float64 exact weights (q - z) * s, as the kernels use them."""
+    q, z = awq.unpack(w[0], w[1])
+    s = np.repeat(w[2].astype(np.float64), g, axis=0)[:k]
+    return ((q[:k].astype(np.float64) - np.repeat(z, g, axis=0)[:k]) * s).T
+
+
+def check_awq(s, x, w1, w3, g, k, n, b1, b3):
+    assert s.dtype == x.dtype and s.shape == x.shape[:-1] + (n,)
+    exact = ffn.swiglu_ref(x, awq_exact_t(w1, g, k), awq_exact_t(w3, g, k), b1, b3)
+    assert _rel(s, exact) <= _tol(x.dtype)
+    assert _rel(s, ffn.swiglu_awq_ref(x, *w1, *w3, g, k, n, b1, b3)) <= 1e-3
+
+
+def awq_model(lead, k, n, g, dtype, w1, w3, b1, b3, name="ffn", attrs=None):
+    inits = {f"{nm}{i}": t for i, w in ((1, w1), (3, w3)) for nm, t in zip(("qw", "qz", "sc"), w)}
+    ins = ["x", "qw1", "qz1", "sc1", "qw3", "qz3", "sc3", "b1" if b1 is not None else "", "b3" if b3 is not None else ""]
+    for nm, b in (("b1", b1), ("b3", b3)):
+        if b is not None:
+            inits[nm] = b
+    while ins[-1] == "":
+        ins.pop()
+    return _model("FusedFFNAWQ", ins, inits, [f"d{i}" for i in range(len(lead))], k, n, dtype,
+                  attrs if attrs is not None else {"group_size": g, "K": k, "N": n}, name)
+
+
+AWQ_CASES = [  # lead dims, K, N, group size, dtype, (B1, B3)
+    ((1,), 128, 16, 128, np.float32, (True, True)),
+    ((1, 3), 688, 24, 128, np.float16, (False, False)),   # K padded to a multiple of the group
+    ((2,), 100, 16, 7, np.float32, (True, False)),        # odd group size
+    ((2, 2, 2), 256, 64, 64, np.float16, (False, True)),
+    ((17,), 64, 8, 32, np.float16, (True, True)),         # M > 16
+    ((0,), 64, 8, 32, np.float32, (True, True)),
+]
+
+
+@pytest.mark.parametrize("lead,k,n,g,dtype,biases", AWQ_CASES,
+                         ids=[f"{'x'.join(map(str, c[0]))}-K{c[1]}-N{c[2]}-G{c[3]}-{np.dtype(c[4]).name}"
+                              for c in AWQ_CASES])
+def test_awq_cpu_session(lead, k, n, g, dtype, biases):
+    w1, w3 = awq_weights(k, n, g)
+    x, b1, b3 = _data(lead, k, n, dtype, biases, 4)
+    s = _session(awq_model(lead, k, n, g, dtype, w1, w3, b1, b3)).run(None, {"x": x})[0]
+    check_awq(s, x, w1, w3, g, k, n, b1, b3)
+
+
+def _awq_cuda():
+    if not SIM:
+        from numba import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU and the CUDA simulator is off")
+    from onnx_lowbit.custom_ops import fusedffnawq_cuda
+    return fusedffnawq_cuda
+
+
+AWQ_CUDA_CASES = [  # M, K, N, G, dtype, (B1, B3), ct, warps (shrunk blocks under the simulator), rows
+    (1, 128, 16, 128, np.float32, (True, True), 4, 2, None),
+    (1, 688, 24, 128, np.float16, (False, True), 4, 2, None),     # padded K, 3 column tiles
+    (3, 100, 16, 7, np.float32, (True, False), 2, 2, None),       # odd group: slices of 7 rows
+    (6, 64, 16, 32, np.float16, (True, True), 2, 2, None),        # 2 row chunks of 4 (one partial)
+    (2, 64, 16, 32, np.float16, (False, False), 2, 2, 32),        # a single K split: S written directly
+    (17, 64, 8, 32, np.float32, (True, True), 2, 2, None),        # generic kernel
+]
+
+
+@pytest.mark.parametrize("M,K,N,G,dtype,biases,ct,warps,rows", AWQ_CUDA_CASES,
+                         ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-G{c[3]}-{np.dtype(c[4]).name}" for c in AWQ_CUDA_CASES])
+def test_awq_cuda_kernel(M, K, N, G, dtype, biases, ct, warps, rows):  # noqa: N803
+    fc = _awq_cuda()
+    w1, w3 = awq_weights(K, N, G, seed=1)
+    x, b1, b3 = _data((M,), K, N, dtype, biases, 5)
+    geo = {"ct": ct, "warps": warps, "rows": rows} if SIM else {}
+    s = fc.run_arrays(x, w1, w3, G, K, N, b1, b3, repeat=2, **geo)   # the scratch must be left zeroed
+    check_awq(s, x, w1, w3, G, K, N, b1, b3)
+    if M <= 16:
+        geo.pop("rows", None)
+        check_awq(fc.run_arrays(x, w1, w3, G, K, N, b1, b3, force_generic=True, **geo), x, w1, w3, G, K, N, b1, b3)
+
+
+def test_awq_cuda_empty():
+    fc = _awq_cuda()
+    w1, w3 = awq_weights(64, 8, 32)
+    s = fc.run_arrays(np.zeros((0, 3, 64), np.float16), w1, w3, 32, 64, 8)
+    assert s.shape == (0, 3, 8) and s.dtype == np.float16
+
+
+# ------------------------------------------------------------------------------------------ non-finite X
+def _specials(x):
+    x = x.copy()
+    x[0, 3] = np.nan
+    x[1, 5] = np.inf
+    x[2, 0] = -np.inf
+    return x
+
+
+def _check_nonfinite(s, ref, dtype):
+    bad = ~np.isfinite(ref)
+    assert np.array_equal(~np.isfinite(s), bad)
+    assert bad[:3].all() and not bad[3:].any()   # every output of a row holding NaN/Inf is non-finite
+    assert _rel(s[3:], ref[3:]) <= _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_nonfinite_x_nf4(dtype):
+    k, n, bs, qt = 64, 16, 32, "nf4"
+    ws = nf4_weights(k, n, bs, qt, seed=4)
+    x, b1, b3 = _data((5,), k, n, dtype, (True, True), 6)
+    x = _specials(x)
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    _check_nonfinite(_session(nf4_model((5,), k, n, bs, qt, dtype, ws, b1, b3)).run(None, {"x": x})[0], ref, dtype)
+    fc = _nf4_cuda()
+    for kw in ({}, {"force_generic": True}):
+        _check_nonfinite(fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_nonfinite_x_awq(dtype):
+    k, n, g = 64, 16, 32
+    w1, w3 = awq_weights(k, n, g, seed=2)
+    x, b1, b3 = _data((5,), k, n, dtype, (True, False), 7)
+    x = _specials(x)
+    ex = lambda w: awq_exact_t(w, g, k)  # noqa: E731
+    ref = ffn.swiglu_ref(x, ex(w1), ex(w3), b1, b3)
+    _check_nonfinite(_session(awq_model((5,), k, n, g, dtype, w1, w3, b1, b3)).run(None, {"x": x})[0], ref, dtype)
+    fc = _awq_cuda()
+    geo = {"ct": 2, "warps": 2} if SIM else {}
+    for kw in ({}, {"force_generic": True}):
+        _check_nonfinite(fc.run_arrays(x, w1, w3, g, k, n, b1, None if b3 is None else b3, **geo, **kw), ref, dtype)
+
+
+# ------------------------------------------------------------------------------------------------ bad inputs
+def _run_error(model, x):
+    sess = _session(model)
+    with pytest.raises(Exception) as ei:
+        sess.run(None, {"x": x})
+    return str(ei.value)
+
+
+def test_nf4_bad_inputs_name_the_input():
+    k, n, bs, qt = 64, 16, 32, "nf4"
+    q1, a1, q3, a3 = nf4_weights(k, n, bs, qt)
+    x = np.ones((1, k), np.float32)
+    msg = _run_error(nf4_model((1,), k, n, bs, qt, np.float32, (q1, a1[:-1], q3, a3), None, None, name="gateup"), x)
+    assert "absmax1" in msg and "FusedFFNNF4" in msg and "gateup" in msg and "[31]" in msg
+    msg = _run_error(nf4_model((1,), k, n, bs, qt, np.float32, (q1, a1, q3, a3[:-2]), None, None), x)
+    assert "input 4 'absmax3'" in msg
+    msg = _run_error(nf4_model((1,), k, n, bs, qt, np.float32, (q1, a1, q3[:-1], a3), None, None), x)
+    assert "input 3 'Q3'" in msg
+    msg = _run_error(nf4_model((1,), k, n, bs, qt, np.float32, (q1, a1, q3, a3), None, np.ones(n + 1, np.float32)),
+                     x)
+    assert "input 6 'B3'" in msg and f"[{n}]" in msg
+    with pytest.raises(Exception, match="block_size"):
+        _session(nf4_model((1,), k, n, 48, qt, np.float32, (q1, a1, q3, a3), None, None))
+
+
+def test_nf4_cuda_host_entry_checks_inputs():
+    fc = _nf4_cuda()
+    from onnx_lowbit.custom_ops import KernelError
+    q1, a1, q3, a3 = nf4_weights(64, 16, 32, "nf4")
+    with pytest.raises(KernelError, match="input 2 'absmax1'"):
+        fc.run_arrays(np.ones((1, 64), np.float32), q1, a1[:-1], q3, a3, "nf4", 32, 64, 16)
+    with pytest.raises(KernelError, match="input 0 'X' must have last dimension K=64"):
+        fc.run_arrays(np.ones((1, 80), np.float32), q1, a1, q3, a3, "nf4", 32, 64, 16)
+    with pytest.raises(KernelError, match="input 5 'B1' must have X's type float"):
+        fc.run_arrays(np.ones((1, 64), np.float32), q1, a1, q3, a3, "nf4", 32, 64, 16, np.ones(16, np.float16))
+
+
+def test_awq_bad_inputs_name_the_input():
+    k, n, g = 688, 24, 128
+    w1, w3 = awq_weights(k, n, g)
+    x = np.ones((1, k), np.float16)
+    bad3 = (w3[0], w3[1][:-1], w3[2])
+    msg = _run_error(awq_model((1,), k, n, g, np.float16, w1, bad3, None, None, name="gateup"), x)
+    assert "input 5 'qzeros3'" in msg and "[6, 3]" in msg and "[5, 3]" in msg and "gateup" in msg
+    bad1 = (w1[0], w1[1], w1[2].astype(np.float32))
+    with pytest.raises(Exception, match="sc1.*FusedFFNAWQ"):   # onnxruntime's type check (the schema)
+        _session(awq_model((1,), k, n, g, np.float16, bad1, w3, None, None)).run(None, {"x": x})
+    msg = _run_error(awq_model((1,), k, n, g, np.float16, w1, w3, np.ones(n - 8, np.float16), None), x)
+    assert "input 7 'B1'" in msg
+    with pytest.raises(Exception, match="'N'"):
+        _session(awq_model((1,), k, n, g, np.float16, w1, w3, None, None, attrs={"group_size": g, "K": k, "N": 20}))
+
+
+def test_awq_cuda_host_entry_checks_inputs():
+    fc = _awq_cuda()
+    from onnx_lowbit.custom_ops import KernelError
+    w1, w3 = awq_weights(128, 16, 128)
+    with pytest.raises(KernelError, match="input 4 'qweight3'"):
+        fc.run_arrays(np.ones((1, 128), np.float32), w1, (w3[0][:64], w3[1], w3[2]), 128, 128, 16)
