@@ -66,6 +66,9 @@ def _weights_options(a, model) -> dict:
     """Options of the weights4 pass from --weights, --block-size, --group-size, --exclude, --calibration,
     --target (LowbitError for flags given without --weights, or a bad calibration file)."""
     fmt = getattr(a, "weights", None)
+    ckpt = getattr(a, "awq_checkpoint", None)
+    if ckpt and fmt is None:
+        fmt = "awq"  # the checkpoint's weights are AWQ
     if fmt is None:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
                                       ("--exclude", a.exclude), ("--target", a.target)) if v]
@@ -73,6 +76,8 @@ def _weights_options(a, model) -> dict:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
         return {}
     options = {"weights": fmt, "weights_target": a.target or "lowbit"}
+    if ckpt:
+        options["awq_checkpoint"] = ckpt
     if a.block_size is not None:
         options["block_size"] = a.block_size
     if a.group_size is not None:
@@ -315,6 +320,9 @@ def _weights_arguments(p) -> None:
     g.add_argument("--calibration", metavar="FILE.npz",
                    help="calibration inputs (AWQ's scale search; the gru pass's ranges), one array per model "
                         "input, named after it")
+    g.add_argument("--awq-checkpoint", metavar="PATH",
+                   help="take AWQ weights from a pre-quantised AutoAWQ checkpoint (.safetensors file or directory; "
+                        "matched by weight / node names; unmatched weights stay in float); implies --weights awq")
     g.add_argument("--target", choices=["lowbit", "ort"],
                    help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")

@@ -17,7 +17,7 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
-from .base import Entry, Pass, Report  # noqa: F401 - re-exported
+from .base import Entry, Pass, Report, module_paths  # noqa: F401 - re-exported
 from .ffn import FFNPass
 from .fplut import FPLUTPass
 from .gru import GRUPass
@@ -146,7 +146,7 @@ def run_passes(model, passes=None, **options):
         external.attach(graph, options["external_data_dir"])
     filled = _fill_types(graph, _inferred_types(src))
     for p in selected:
-        p.apply(graph, report, dict(options))
+        p.apply(graph, report, dict(options, module_paths=module_paths(src)))
     graph.cleanup(remove_unused_graph_inputs=False).toposort()
     for t, fill_dtype, fill_shape in filled:
         if fill_dtype:

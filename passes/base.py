@@ -318,3 +318,28 @@ def outside_consumers(node: gs.Node, inside_ids: set, graph: gs.Graph) -> list:
         if t.name in outs:
             found.append("graph output")
     return found
+
+
+def module_paths(model: onnx.ModelProto) -> dict:
+    """node name -> the source module's dotted path (e.g. 'model.layers.0.mlp.up_proj'), from the node metadata
+    torch's dynamo exporter writes (``pkg.torch.onnx.name_scopes``: the module scopes, then the op's own name).
+    onnx-graphsurgeon drops node metadata, so passes get this map from run_passes (option ``module_paths``)."""
+    import ast
+    out = {}
+
+    def walk(graph):
+        for n in graph.node:
+            for p in n.metadata_props:
+                if p.key == "pkg.torch.onnx.name_scopes" and n.name:
+                    try:
+                        scopes = ast.literal_eval(p.value)
+                    except (ValueError, SyntaxError):
+                        continue
+                    if isinstance(scopes, list) and len(scopes) >= 2 and scopes[-2]:
+                        out[n.name] = str(scopes[-2])
+            for a in n.attribute:
+                for g in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    walk(g)
+    walk(model.graph)
+    return out
+

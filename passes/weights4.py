@@ -28,9 +28,14 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
                           matrices are < 8 KiB in fp16, irrelevant to the model size, and their per-block scales
                           would be a large overhead)
     weights_exclude       names or regular expressions (a string or a list): a weight stays in float when a pattern
-                          equals, or ``re.search``-matches, its node name or its weight tensor name (TorchScript
-                          exports: "lm_head" matches "/lm_head/MatMul"; dynamo exports name nodes generically,
-                          e.g. "node_MatMul_11": take the name from the report / ``onnx-lowbit inspect``)
+                          equals, or ``re.search``-matches, its node name, its weight tensor name or its source
+                          module path (TorchScript exports: "lm_head" matches "/lm_head/MatMul"; dynamo exports
+                          name nodes generically, e.g. "node_MatMul_11", but record the module path, e.g.
+                          "lm_head" or "model.layers.0.mlp.up_proj", in node metadata)
+    awq_checkpoint        path of a pre-quantised AutoAWQ checkpoint (.safetensors file or a directory of shards;
+                          implies weights="awq"): each weight whose module path / weight name / node name
+                          matches a checkpoint module takes its qweight/qzeros/scales (and group size) as they
+                          are; weights without a match stay in float (onnx_lowbit.awq_checkpoint)
     calibration           {graph input name: np.ndarray} (AWQ only): run once through the model in onnxruntime
                           (every candidate's A added as a graph output on a copy) to collect the activations;
                           at most MAX_CALIBRATION_ROWS rows per MatMul are used (evenly subsampled)
@@ -93,6 +98,8 @@ class Options:
     min_elements: int = DEFAULT_MIN_ELEMENTS
     exclude: list = field(default_factory=list)  # (pattern string, compiled regex)
     calibration: dict | None = None
+    checkpoint: object = None  # onnx_lowbit.awq_checkpoint.Checkpoint: AWQ weights taken from it, not quantised
+    module_paths: dict = field(default_factory=dict)  # node name -> source module path (dynamo exports)
     calibration_session: object = None
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
 
@@ -115,6 +122,9 @@ def _pow2(n: int) -> bool:
 def parse_options(options: dict) -> Options | None:
     """The pass's options, validated (ValueError naming the option); None when ``weights`` is not given."""
     fmt = options.get("weights")
+    ckpt = options.get("awq_checkpoint")
+    if ckpt is not None and fmt is None:
+        fmt = "awq"
     if fmt is None:
         return None
     if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
@@ -160,6 +170,12 @@ def parse_options(options: dict) -> Options | None:
         if not isinstance(cal, dict) or not cal:
             raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
         o.calibration = {str(k): np.asarray(v) for k, v in cal.items()}
+    if ckpt is not None:
+        if o.fmt != "awq":
+            raise ValueError(f"awq_checkpoint: an AutoAWQ checkpoint gives AWQ weights, not weights={o.fmt!r}")
+        from onnx_lowbit.awq_checkpoint import Checkpoint  # noqa: PLC0415
+        o.checkpoint = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+    o.module_paths = dict(options.get("module_paths") or {})
     o.calibration_session = options.get("calibration_session")
     o.spill = options.get("spill")
     return o
@@ -381,8 +397,8 @@ class _Kept:
     weight_name: str
 
 
-def _excluded(cand: _Cand, patterns) -> str | None:
-    names = [n for n in (cand.node.name, cand.weight_name) if n]
+def _excluded(cand: _Cand, patterns, module_paths=None) -> str | None:
+    names = [n for n in (cand.node.name, cand.weight_name, (module_paths or {}).get(cand.node.name)) if n]
     for pat, rx in patterns:
         for n in names:
             if n == pat or rx.search(n):
@@ -534,7 +550,7 @@ class _Run:
     def wanted(self, node):
         """The candidate ``node`` is, when the options let it be quantised; else None."""
         cand, _ = match(node)
-        if cand is None or cand.size < self.o.min_elements or _excluded(cand, self.o.exclude):
+        if cand is None or cand.size < self.o.min_elements or _excluded(cand, self.o.exclude, self.o.module_paths):
             return None
         return cand
 
@@ -580,7 +596,7 @@ class _Run:
             self.skip(self.pattern(cand.spelling), label, f"K*N = {cand.size} < weights_min_elements "
                       f"{self.o.min_elements}", **details)
             return
-        why = _excluded(cand, self.o.exclude)
+        why = _excluded(cand, self.o.exclude, self.o.module_paths)
         if why:
             self.skip(self.pattern(cand.spelling), label, why, **details)
             return
@@ -658,6 +674,9 @@ class _Run:
     # -- AWQ -----------------------------------------------------------------------------------------------
     def emit_awq(self, g: gs.Graph, cand: _Cand, notes: list):
         awq, o = _awq(), self.o
+        group_size = o.group_size
+        if o.checkpoint is not None:
+            return self.emit_awq_tensors(g, cand, notes, *self.from_checkpoint(cand, notes))
         x = self.activations.get(cand.a.name) if g is self.root else None
         act = None  # AWQ's act_scale = 1 / s [K]: the activation is multiplied by it, the weight rows by s
         if x is not None:
@@ -691,6 +710,36 @@ class _Run:
             a_in, how = self.apply_act_scale(g, cand, act)
             notes.append(how)
             rel = _rel_fro(w32, w_hat)
+        new, info = self.emit_awq_tensors(g, cand, notes, qweight, qzeros, scales, group_size, rel, a_in)
+        info["calibrated"] = act is not None
+        return new, info
+
+    def from_checkpoint(self, cand: _Cand, notes: list):
+        """The checkpoint's tensors for cand (qweight, qzeros, scales, group size, rel. error vs the model's
+        weight, A), or _Skip when no module matches or its shape differs."""
+        awq = _awq()
+        mod, why = self.o.checkpoint.find(self.o.module_paths.get(cand.node.name, ""), cand.weight_name,
+                                          cand.node.name)
+        if mod is None:
+            raise _Skip(f"not in the AWQ checkpoint: {why}")
+        if (mod.K, mod.N) != (cand.K, cand.N):
+            raise _Skip(f"AWQ checkpoint module {mod.name} is [K={mod.K}, N={mod.N}], the weight [K={cand.K}, "
+                        f"N={cand.N}]")
+        qweight, qzeros = np.array(mod.qweight, np.int32), np.array(mod.qzeros, np.int32)
+        scales = np.array(mod.scales, np.float16)
+        w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, mod.group_size, cand.K, cand.N), np.float64)
+        rel = _rel_fro(cand.w, w_hat)
+        notes.append(f"from AWQ checkpoint module {mod.name} (group size {mod.group_size})")
+        if not rel < 0.5:
+            notes.append(f"the checkpoint's weight differs from the model's (relative error {rel:.3g}): is it the "
+                         f"same model?")
+        return qweight, qzeros, scales, mod.group_size, rel, cand.a
+
+    def emit_awq_tensors(self, g: gs.Graph, cand: _Cand, notes: list, qweight, qzeros, scales, group_size, rel, a_in):
+        o = self.o
+        if o.target == "ort" and group_size not in ORT_BLOCK_SIZES:
+            raise _Skip(f"group size {group_size} is not supported by onnxruntime's MatMulNBits "
+                        f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
         base = cand.weight_name
         base_name = cand.node.name or cand.out.name
         attrs = dict(K=int(cand.K), N=int(cand.N))
@@ -702,9 +751,9 @@ class _Run:
                       self.const(f"{base}_scales", scales)]
             inputs = [a_in] + consts + ([bias_t] if bias_t is not None else [])
             new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=self.names(f"{base_name}_awq"),
-                          attrs=dict(group_size=int(o.group_size), **attrs), inputs=inputs, outputs=[cand.out])
+                          attrs=dict(group_size=int(group_size), **attrs), inputs=inputs, outputs=[cand.out])
         else:
-            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, o.group_size, cand.dtype)
+            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, group_size, cand.dtype)
             arrays = [b, sc, zp]
             consts = [self.const(f"{base}_nbits", b), self.const(f"{base}_scales", sc),
                       self.const(f"{base}_zero_points", zp)]
@@ -712,13 +761,13 @@ class _Run:
             if bias_t is not None:
                 inputs += [gs.Variable.empty(), bias_t]  # g_idx absent, bias (input 5)
             new = gs.Node(op="MatMulNBits", domain=MS_DOMAIN, name=self.names(f"{base_name}_nbits"),
-                          attrs=dict(bits=4, block_size=int(o.group_size), **attrs), inputs=inputs,
+                          attrs=dict(bits=4, block_size=int(group_size), **attrs), inputs=inputs,
                           outputs=[cand.out])
         g.nodes.append(new)
         bytes_after = int(sum(a.nbytes for a in arrays))
-        info = dict(target=o.target, op=new.op, new_node=new.name, group_size=o.group_size,
+        info = dict(target=o.target, op=new.op, new_node=new.name, group_size=group_size,
                     bytes_before=cand.bytes_before, bytes_after=bytes_after, rel_error=rel,
-                    bias=cand.bias is not None, calibrated=act is not None, new_nodes=[new.name])
+                    bias=cand.bias is not None, calibrated=False, new_nodes=[new.name])
         return new, info
 
     # -- AWQ calibration -----------------------------------------------------------------------------------
