@@ -4,7 +4,7 @@ reverse, bidirectional; layout 0 and 1; sequence_lens; initial_h; clip; default 
 ``gru(...)`` computes in float64 and returns float32 (Y, Y_h). With ``trace`` it calls
 ``trace(direction, step_values)`` once per time step with the float values of the seed's quantities for the
 batch entries active at that step (calibration, onnx_lowbit.gru_quant):
-x, h (the state entering the step), Wx, Rh (the GEMMs, no bias, all 3H), z_pre, r_pre, g_pre (after clip),
+x, h (the new state: the state entering the first step is often all 0), Wx, Rh (the GEMMs, no bias, all 3H), z_pre, r_pre, g_pre (after clip),
 z_out, r_out, g_out, Rh_add_br (Rh_g + br_g), rRh (r * Rh_add_br), old (z * h), new ((1 - z) * g).
 """
 from __future__ import annotations
@@ -61,7 +61,7 @@ def gru(X, W, R, B=None, sequence_lens=None, initial_h=None, *, hidden_size=None
             hn = old + new
             if trace is not None:
                 a = active
-                trace(k, {"x": xt[a], "h": hs[a], "Wx": wx[a], "Rh": rh[a], "z_pre": z_pre[a], "r_pre": r_pre[a],
+                trace(k, {"x": xt[a], "h": hn[a], "Wx": wx[a], "Rh": rh[a], "z_pre": z_pre[a], "r_pre": r_pre[a],
                           "g_pre": g_pre[a], "z_out": z[a], "r_out": r[a], "g_out": g[a], "Rh_add_br": rb[a],
                           "rRh": rrh[a], "old": old[a], "new": new[a]})
             hs = np.where(active[:, None], hn, hs)

@@ -31,7 +31,7 @@ HEADROOM = {8: 0, 16: 2}
 
 class Ranges:
     """min/max of each quantity of one direction, updated per time step: v = 0.9 v_old + 0.1 v_step (the first
-    step sets it)."""
+    step sets it; steps where the quantity is identically 0 are not counted)."""
 
     def __init__(self):
         self.lo, self.hi = {}, {}
@@ -42,6 +42,8 @@ class Ranges:
             if v.size == 0:
                 continue
             lo, hi = float(v.min()), float(v.max())
+            if lo == hi == 0.0:  # identically 0 (h, Rh, z*h at the first step from a zero state): no range information
+                continue
             if name in self.lo:
                 lo, hi = EMA_OLD * self.lo[name] + EMA_NEW * lo, EMA_OLD * self.hi[name] + EMA_NEW * hi
             self.lo[name], self.hi[name] = lo, hi
