@@ -34,7 +34,19 @@ def InferenceSession(model, sess_options=None, providers=None, **kwargs) -> ort.
 
 def rewrite(model, passes=None, **options):
     """Rewrites ``model`` (ModelProto or path) with the named passes (all by default); returns (model, report)."""
+    import onnx
+
     from onnx_lowbit.passes import run_passes
+
+    from . import model_io
+    if isinstance(model, (str, os.PathLike)):  # bad files: one-line LowbitErrors (as the CLI gives them)
+        model = model_io.load(model)
+        model_io.check_opset(model, os.fspath(model) if isinstance(model, str) else "model")
+    elif isinstance(model, (bytes, bytearray)):
+        model = model_io.load_bytes(model)
+        model_io.check_opset(model)
+    elif isinstance(model, onnx.ModelProto):
+        model_io.check_opset(model)
     return run_passes(model, passes=passes, **options)
 
 

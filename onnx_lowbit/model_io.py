@@ -295,3 +295,29 @@ class StagedOutput:
                 os.rmdir(self.tmpdir)
             except OSError:
                 pass
+
+
+def load_bytes(data, what: str = "model") -> onnx.ModelProto:
+    """A serialized model -> ModelProto, with the same one-line LowbitErrors as ``load``."""
+    if not data:
+        raise LowbitError(f"{what}: empty, not an ONNX model")
+    try:
+        model = onnx.load_from_string(bytes(data))
+    except (DecodeError, RuntimeWarning, ValueError) as e:
+        raise LowbitError(f"{what}: not an ONNX model or truncated ({type(e).__name__}: {str(e)[:120]})") from None
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise LowbitError(f"{what}: not an ONNX model (no graph); is it truncated or of another format?")
+    return model
+
+
+def malformed(model: onnx.ModelProto) -> str | None:
+    """Why onnx's checker rejects ``model`` (one line), or None when it passes: used to tell a broken model from a
+    bug of ours when a pass fails on it."""
+    try:
+        from . import domain
+        domain.register_schemas()
+        onnx.checker.check_model(model, full_check=False)
+    except Exception as e:  # noqa: BLE001 - the checker raises several types (ValidationError, ValueError, ...)
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        return (lines[0] if lines else type(e).__name__)[:300]
+    return None

@@ -139,7 +139,18 @@ def run_passes(model, passes=None, **options):
     domain.register_schemas()
     src = _load(model)
     report = Report()
+    try:
+        return _apply(src, selected, report, options)
+    except Exception as e:
+        from onnx_lowbit import model_io
+        from onnx_lowbit.errors import LowbitError
+        why = None if isinstance(e, LowbitError) else model_io.malformed(src)
+        if why is None:  # a valid model: option errors (ValueError) and our own bugs surface unchanged
+            raise
+        raise LowbitError(f"the model is malformed, onnx's checker says: {why}") from e
 
+
+def _apply(src: onnx.ModelProto, selected: list, report: Report, options: dict):
     graph = gs.import_onnx(src)
     if options.get("external_data_dir") is not None:  # streaming: weights read from their file when needed
         from . import external
