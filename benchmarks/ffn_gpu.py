@@ -29,11 +29,16 @@ def kernel(x16, w16):
                                  out_types=(10 if x16 else 1,))
 
 
-def runner(kern, x, w1, w3, y, path=None, stream=None):
+def runner(kern, x, w1, w3, y, path=None, follow_stream=False):
+    """A call of the kernel as the bridge makes it; ``follow_stream``: ask torch for its current stream at each
+    call (for CUDA-graph capture, which runs on a side stream)."""
     m, k = x.numel() // x.shape[-1], x.shape[-1]
     n = w1.shape[0]
-    s = stream or torch.cuda.current_stream().cuda_stream
-    return lambda: kern.run(s, m, k, n, x.data_ptr(), w1.data_ptr(), w3.data_ptr(), 0, 0, y.data_ptr(), path=path)
+    s = torch.cuda.current_stream().cuda_stream
+    args = (m, k, n, x.data_ptr(), w1.data_ptr(), w3.data_ptr(), 0, 0, y.data_ptr())
+    if follow_stream:
+        return lambda: kern.run(torch.cuda.current_stream().cuda_stream, *args, path=path)
+    return lambda: kern.run(s, *args, path=path)
 
 
 def torch_ffn(x, w1, w3):
@@ -82,7 +87,7 @@ def main():
     err = rel_err(y, x, w1, w3)
     t_ours = time_cuda(ours)
     t_torch = time_cuda(torch_ffn(x, w1, w3))
-    g_ours, g_torch = time_graph(ours), time_graph(torch_ffn(x, w1, w3))
+    g_ours, g_torch = time_graph(runner(k16, x, w1, w3, y, follow_stream=True)), time_graph(torch_ffn(x, w1, w3))
     rows = [("device copy 512 MiB", t_copy, bw),
             ("torch: 2 x F.linear + silu * mul (fp16)", t_torch, wbytes16 / t_torch / 1e3),
             ("FusedFFN decode kernel (ours, fp16)", t_ours, wbytes16 / t_ours / 1e3),
@@ -116,23 +121,26 @@ def main():
         del a1, a3
 
     if args.variants:
-        print("\n### Decode kernel variants (fp16, M = 1)\n\n| cols | chunks/step | load | us |\n| ---: | ---: | --- | ---: |")
+        print("\n### Decode kernel variants (fp16, M = 1)\n\n| block | cols | chunks/step | load | us | occupancy, grid |"
+              "\n| ---: | ---: | ---: | --- | ---: | --- |")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         s = torch.cuda.current_stream().cuda_stream
-        for cols, uj, ld in [(1, 2, fc.LOAD), (2, 2, fc.LOAD), (4, 2, fc.LOAD), (2, 1, fc.LOAD), (4, 1, fc.LOAD),
-                             (2, 2, "ld.global.nc.v4.u32"), (2, 2, "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"),
-                             (2, 4, fc.LOAD)]:
-            L = fc.launcher("decode", True, True, 1, cols=cols, uj=uj, load=ld)
-            occ = fc.occupancy(L, fc.BLOCK, K * 4)
+        nl = "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
+        for block, cols, uj, ld in [(256, 2, 2, fc.LOAD), (256, 1, 2, fc.LOAD), (256, 2, 1, fc.LOAD),
+                                    (256, 4, 1, fc.LOAD), (128, 2, 2, fc.LOAD), (128, 1, 2, fc.LOAD),
+                                    (512, 2, 1, fc.LOAD), (512, 1, 1, fc.LOAD), (256, 2, 2, nl),
+                                    (256, 2, 2, "ld.global.nc.L1::evict_first.v4.u32")]:
+            L = fc.launcher("decode", True, True, 1, cols=cols, uj=uj, load=ld, block=block)
+            occ = fc.occupancy(L, block, K * 4)
             grid = fc.decode_grid(N, 1, sms, occ, cols)
             wargs = [(x.data_ptr(), (K,)), (w1.data_ptr(), (N * K // 2,)), (w3.data_ptr(), (N * K // 2,)),
                      (y.data_ptr(), (N,)), (y.data_ptr(), (N,)), (y.data_ptr(), (N,)), 1, K, N, 0, 0]
-            fn = lambda L=L, grid=grid: L.launch(grid, fc.BLOCK, s, *wargs, shmem=K * 4)  # noqa: E731
+            fn = lambda L=L, grid=grid, block=block: L.launch(grid, block, s, *wargs, shmem=K * 4)  # noqa: E731
             fn()
             torch.cuda.synchronize()
             e = rel_err(y, x, w1, w3)
             t = time_cuda(fn)
-            print(f"| {cols} | {uj} | {ld} | {t:.1f} (occupancy {occ}, grid {grid}, err {e:.0e}) |")
+            print(f"| {block} | {cols} | {uj} | {ld} | {t:.1f} | {occ}, {grid} (err {e:.0e}) |")
 
     # ---- prefill sweep, fp16
     print("\n### M sweep, fp16, K=4096, N=11008: ours (auto path) vs torch's unfused path\n\n"

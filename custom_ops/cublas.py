@@ -102,15 +102,15 @@ class Handle:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._stream = None
 
-    def gemm_rows(self, stream, x, x_type, w, w_type, c, m, n, k, ldc):
-        """C[m, n] (row-major, fp32, row stride ldc) = X[m, k] (row-major) . W[n, k]^T (row-major), all device
+    def gemm_rows(self, stream, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F):
+        """C[m, n] (row-major, c_type, row stride ldc) = X[m, k] (row-major) . W[n, k]^T (row-major), all device
         pointers; fp32 accumulation. Column-major view: C^T[n, m] = op_T(W as k x n) . (X^T as k x m)."""
         if stream != self._stream:
             check(self.lib.cublasSetStream_v2(self.h, ctypes.c_void_p(stream)), "cublasSetStream")
             self._stream = stream
         check(self.lib.cublasGemmEx(self.h, OP_T, OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), w_type,
                                     k, ctypes.c_void_p(x), x_type, k, ctypes.byref(self._zero), ctypes.c_void_p(c),
-                                    R_32F, ldc, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
+                                    c_type, ldc, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
 
     def close(self):
         if self.h is not None and self.lib is not None:

@@ -21,8 +21,11 @@ block fits in shared memory), one launch, after the fused gate/up kernel of the 
 Rows past N in the last group are clamped onto row N-1 (valid reads, results discarded), so any N >= 1 works.
 
 Prefill path (any other M, K, alignment): with cuBLAS (found by custom_ops.cublas): per chunk of <= 512 rows of
-X, two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write gate and up side by side into an fp32
-scratch [rows, 2N]; one elementwise kernel adds the biases, applies SiLU * mul and writes S. Types cuBLAS has
+X, two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write gate and up side by side into a scratch
+[rows, 2N]; one elementwise kernel adds the biases, applies SiLU * mul in fp32 and writes S. The scratch is fp16
+for fp16 X and W (g and u rounded once to fp16, exactly as the unfused graph's MatMul outputs: 2 bytes less per
+value each way, which is what keeps this path at or below the unfused graph's time for long prompts; measured
+6 % slower with fp32 scratch at M=512), fp32 otherwise. Types cuBLAS has
 no GemmEx for are brought to one it has without losing accuracy: fp16 X with fp32 W -> X widened to fp32 (exact,
 SGEMM); fp32 X with fp16 W (mixed) -> X split into fp16 hi + lo parts (X = hi + lo to ~2^-22 relative), both
 multiplied in one fp16 GEMM with 2x the rows and summed in the elementwise kernel (reads the fp16 weight once,
@@ -52,7 +55,7 @@ DECODE_MAX_M = 16               # rows of X the decode kernel takes (buckets bel
 MT_BUCKETS = (1, 2, 4, 8, 16)
 XS_MAX = 100 * 1024             # bytes of fp32 x a decode block may stage (MT * K * 4): >= 2 blocks per SM
 COLS = {1: 2, 2: 2, 4: 1, 8: 1, 16: 1}   # weight rows per group, by bucket (accumulators: 4 * COLS * MT)
-UJ = 2                          # chunks per thread per step (loads in flight: 2 * COLS * UJ)
+UJ = {1: 2, 2: 2, 4: 2, 8: 1, 16: 1}     # chunks per thread per step, by bucket (loads in flight: 2 * COLS * UJ)
 LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
 DEFAULT_BLOCKS_PER_SM = 4
 ROW_CHUNK = 512                 # prefill: rows of X per GEMM pair (bounds the scratch: ROW_CHUNK x 2N fp32)
@@ -160,13 +163,15 @@ def _w32(words, i, e):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=UJ, load=LOAD):
+def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=None, load=LOAD):
     """Decode kernel for row bucket ``mt`` (M <= mt rows; x rows >= M are staged as zeros, never stored)."""
     cols = COLS[mt] if cols is None else cols
+    uj = UJ[mt] if uj is None else uj
     ldx = _ld16 if x16 else _ld32
     st = _st16 if x16 else _st32
     wget = _w16 if w16 else _w32
     epc = 8 if w16 else 4                 # weight elements per 16-byte chunk
+    sh = epc.bit_length() - 1
     nacc = 2 * cols * mt * uj             # (chunk u, row c, x row m, gate/up)
     nv = 2 * cols * mt                    # values reduced per group
     nw = 8 * cols * uj                    # loaded words (W1, W3)
@@ -174,7 +179,84 @@ def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=UJ, load=LOAD):
     nred = block if SIM else warps        # partials per value in shared memory
     red_size = nv * nred
     ld4 = _make_ld4(load)
-    xsz = epc
+
+    @device
+    def set_rows(rows, g, n64, nch):
+        """First chunk index of each weight row of group g (rows past N clamped onto N-1)."""
+        for c in range(cols):
+            rows[c] = min(g * uint64(cols) + uint64(c), n64 - U1) * nch
+
+    @device
+    def load_step(w1, w3, wa, rows, j, nch, blk):
+        """Issue the 16-byte loads of chunks j, j + blk, ... (uj of them if all exist, else 1) of every row of
+        the group, W1 and W3; returns how many chunks were loaded."""
+        nu = uj if j + uint64(uj - 1) * blk < nch else 1
+        for u in range(uj):
+            if u < nu:
+                jj = j + uint64(u) * blk
+                for c in range(cols):
+                    o = (u * cols + c) * 8
+                    q = ld4(w1, rows[c] + jj)
+                    wa[o] = q[0]
+                    wa[o + 1] = q[1]
+                    wa[o + 2] = q[2]
+                    wa[o + 3] = q[3]
+                    q = ld4(w3, rows[c] + jj)
+                    wa[o + 4] = q[0]
+                    wa[o + 5] = q[1]
+                    wa[o + 6] = q[2]
+                    wa[o + 7] = q[3]
+        return nu
+
+    @device
+    def compute_step(wa, acc, xs, xv, j, nu, k64, nch, blk):
+        """Both dot products of the loaded chunks with every staged row of x (each x chunk read once)."""
+        for u in range(uj):
+            if u < nu:
+                jj = j + uint64(u) * blk
+                for m in range(mt):
+                    xb = uint64(m) * k64 + jj
+                    for e in range(epc):
+                        xv[e] = xs[xb + uint64(e) * nch]
+                    for c in range(cols):
+                        o = (u * cols + c) * 8
+                        a = ((u * cols + c) * mt + m) * 2
+                        sg = acc[a]
+                        su = acc[a + 1]
+                        for e in range(epc):
+                            sg += wget(wa, o, e) * xv[e]
+                            su += wget(wa, o + 4, e) * xv[e]
+                        acc[a] = sg
+                        acc[a + 1] = su
+
+    @device
+    def stage_x(x, xs, tid, blk, m64, k64, nch):
+        """x rows -> fp32 shared memory, element e of chunk j of row m at xs[m K + e nch + j] (a warp's lanes
+        then read consecutive words: no bank conflicts); rows past M are zeros. Four loads in flight."""
+        for m in range(mt):
+            base = uint64(m) * k64
+            k = tid
+            if uint64(m) < m64:
+                while k + uint64(3) * blk < k64:
+                    v0 = ldx(x, base + k)
+                    v1 = ldx(x, base + k + blk)
+                    v2 = ldx(x, base + k + uint64(2) * blk)
+                    v3 = ldx(x, base + k + uint64(3) * blk)
+                    xs[base + (k & uint64(epc - 1)) * nch + (k >> uint64(sh))] = v0
+                    kk = k + blk
+                    xs[base + (kk & uint64(epc - 1)) * nch + (kk >> uint64(sh))] = v1
+                    kk += blk
+                    xs[base + (kk & uint64(epc - 1)) * nch + (kk >> uint64(sh))] = v2
+                    kk += blk
+                    xs[base + (kk & uint64(epc - 1)) * nch + (kk >> uint64(sh))] = v3
+                    k += uint64(4) * blk
+                while k < k64:
+                    xs[base + (k & uint64(epc - 1)) * nch + (k >> uint64(sh))] = ldx(x, base + k)
+                    k += blk
+            else:
+                while k < k64:
+                    xs[base + k] = F0
+                    k += blk
 
     @cuda.jit
     def decode(x, w1, w3, b1, b3, y, m_dim, k_dim, n_dim, has_b1, has_b3):
@@ -186,64 +268,33 @@ def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=UJ, load=LOAD):
         k64 = uint64(k_dim)
         m64 = uint64(m_dim)
         n64 = uint64(n_dim)
-        lim = m64 * k64
-        nch = k64 // uint64(epc)                          # 16-byte chunks per weight row
-        i = tid
-        while i < uint64(mt) * k64:                       # stage x once: fp32, zero rows past M, element e of
-            m = i // k64                                  # chunk j at xs[m K + e nch + j] (the lanes of a warp
-            kk = i - m * k64                              # read consecutive words: no bank conflicts)
-            e = kk % uint64(epc)
-            xs[m * k64 + e * nch + kk // uint64(epc)] = ldx(x, i) if i < lim else F0
-            i += blk
-        cuda.syncthreads()
+        nch = k64 >> uint64(sh)                           # 16-byte chunks per weight row
         acc = cuda.local.array(nacc, float32)
         wa = cuda.local.array(nw, uint32)
-        xv = cuda.local.array(xsz, float32)
+        xv = cuda.local.array(epc, float32)
         rows = cuda.local.array(cols, uint64)
         ngroups = (n64 + uint64(cols - 1)) // uint64(cols)
         g = uint64(cuda.blockIdx.x)
+        gstep = uint64(cuda.gridDim.x)
+        nu = 0
+        if tid < nch and g < ngroups:                     # first weight loads in flight while x is staged
+            set_rows(rows, g, n64, nch)
+            nu = load_step(w1, w3, wa, rows, tid, nch, blk)
+        stage_x(x, xs, tid, blk, m64, k64, nch)
+        cuda.syncthreads()
         while g < ngroups:                                # block-uniform: every thread reaches the syncs
-            for c in range(cols):
-                rows[c] = min(g * uint64(cols) + uint64(c), n64 - U1) * nch
             for v in range(nacc):
                 acc[v] = F0
             j = tid
             while j < nch:
-                nu = uj if j + uint64(uj - 1) * blk < nch else 1
-                # all loads first: nu chunks x cols rows x (W1, W3), 16 bytes each
-                for u in range(uj):
-                    if u < nu:
-                        jj = j + uint64(u) * blk
-                        for c in range(cols):
-                            q = ld4(w1, rows[c] + jj)
-                            o = (u * cols + c) * 8
-                            wa[o] = q[0]
-                            wa[o + 1] = q[1]
-                            wa[o + 2] = q[2]
-                            wa[o + 3] = q[3]
-                            q = ld4(w3, rows[c] + jj)
-                            wa[o + 4] = q[0]
-                            wa[o + 5] = q[1]
-                            wa[o + 6] = q[2]
-                            wa[o + 7] = q[3]
-                for u in range(uj):
-                    if u < nu:
-                        jj = j + uint64(u) * blk
-                        for m in range(mt):
-                            xb = uint64(m) * k64 + jj
-                            for e in range(epc):
-                                xv[e] = xs[xb + uint64(e) * nch]
-                            for c in range(cols):
-                                o = (u * cols + c) * 8
-                                a = ((u * cols + c) * mt + m) * 2
-                                sg = acc[a]
-                                su = acc[a + 1]
-                                for e in range(epc):
-                                    sg += wget(wa, o, e) * xv[e]
-                                    su += wget(wa, o + 4, e) * xv[e]
-                                acc[a] = sg
-                                acc[a + 1] = su
+                compute_step(wa, acc, xs, xv, j, nu, k64, nch, blk)
                 j += uint64(nu) * blk
+                if j < nch:
+                    nu = load_step(w1, w3, wa, rows, j, nch, blk)
+            gn = g + gstep
+            if tid < nch and gn < ngroups:                # the next group's first loads fly during the reduction
+                set_rows(rows, gn, n64, nch)
+                nu = load_step(w1, w3, wa, rows, tid, nch, blk)
             # fold the chunk slots, reduce over the block, one thread per (row, x row) finishes
             for v in range(nv):
                 s = acc[v]
@@ -267,7 +318,7 @@ def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=UJ, load=LOAD):
                         us += ldx(b3, r)
                     st(y, m * n64 + r, silu(gs) * us)
             cuda.syncthreads()
-            g += uint64(cuda.gridDim.x)
+            g = gn
 
     return decode
 
@@ -351,33 +402,47 @@ def _make_tiled(x16, w16, tx=16, ty=16, rm=4, rn=4, bk=16):
     return tiled
 
 
-def _make_act(x16):
+ACT_EPT = 4                     # outputs per thread of the elementwise kernel
+
+
+def act_grid(rows, n, block=ACT_BLOCK):
+    """Blocks of the elementwise kernel: each block covers block * ACT_EPT columns of one row."""
+    return rows * -(-n // (block * ACT_EPT))
+
+
+def _make_act(x16, g16):
     """S[m, n] = SiLU(sum_s G[s*rows + m, n] + b1[n]) * (sum_s G[s*rows + m, N + n] + b3[n]), G the GEMMs'
-    fp32 scratch [splits*rows, 2N] (splits = 2: the hi/lo halves of a split fp32 X, scaled by 1/inv[m])."""
+    scratch [splits*rows, 2N], fp32 (or fp16 bits with ``g16``) (splits = 2: the hi/lo halves of a split fp32 X,
+    scaled by 1/inv[m]). Grid: ``act_grid``."""
     ldx = _ld16 if x16 else _ld32
+    ldg = _ld16 if g16 else _ld32
     st = _st16 if x16 else _st32
 
     @cuda.jit
     def act(gbuf, inv, b1, b3, y, rows, n_dim, splits, has_b1, has_b3):
-        i = uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x) + uint64(cuda.threadIdx.x)
+        per = uint32(cuda.blockDim.x) * uint32(ACT_EPT)
+        nb = (uint32(n_dim) + per - uint32(1)) // per
+        bid = uint32(cuda.blockIdx.x)
+        mrow = bid // nb
+        m = uint64(mrow)
         n64 = uint64(n_dim)
         r64 = uint64(rows)
-        if i >= r64 * n64:
-            return
-        m = i // n64
-        n = i - m * n64
-        o = m * uint64(2) * n64 + n
-        gs = gbuf[o]
-        us = gbuf[o + n64]
-        if splits == 2:
-            o += r64 * uint64(2) * n64
-            gs = (gs + gbuf[o]) * inv[m]
-            us = (us + gbuf[o + n64]) * inv[m]
-        if has_b1:
-            gs += ldx(b1, n)
-        if has_b3:
-            us += ldx(b3, n)
-        st(y, i, silu(gs) * us)
+        n0 = uint64((bid - mrow * nb) * per + uint32(cuda.threadIdx.x))
+        for q in range(ACT_EPT):
+            n = n0 + uint64(q) * uint64(cuda.blockDim.x)
+            if n < n64:
+                o = m * uint64(2) * n64 + n
+                gs = ldg(gbuf, o)
+                us = ldg(gbuf, o + n64)
+                if splits == 2:
+                    o += r64 * uint64(2) * n64
+                    gs = (gs + ldg(gbuf, o)) * inv[m]
+                    us = (us + ldg(gbuf, o + n64)) * inv[m]
+                if has_b1:
+                    gs += ldx(b1, n)
+                if has_b3:
+                    us += ldx(b3, n)
+                st(y, m * n64 + n, silu(gs) * us)
 
     return act
 
@@ -495,7 +560,7 @@ def _sig(kind, x16, w16):
         tw = Array(np.uint16) if w16 else Array(np.float32)
         return [t, tw, tw, t, t, t] + ["int64"] * 5
     if kind == "act":
-        return [Array(np.float32), Array(np.float32), t, t, t] + ["int64"] * 5
+        return [Array(np.uint16) if x16 and w16 else Array(np.float32), Array(np.float32), t, t, t] + ["int64"] * 5
     if kind == "widen":
         return [Array(np.uint16), Array(np.float32), "int64"]
     return [Array(np.uint32), Array(np.uint16), Array(np.float32), "int64", "int64"]     # split
@@ -511,7 +576,7 @@ def launcher(kind, x16=False, w16=False, mt=None, **variant):
         elif kind == "tiled":
             fn, dyn = _make_tiled(x16, w16, **TILE), 0
         elif kind == "act":
-            fn, dyn = _make_act(x16), 0
+            fn, dyn = _make_act(x16, x16 and w16), 0
         elif kind == "widen":
             fn, dyn = _make_widen(), 0
         else:
@@ -554,7 +619,8 @@ def _r256(b):
 
 def prefill_plan(m, k, n, x16, w16):
     """(rows per chunk, x conversion: None | 'widen' | 'split', GEMM x type, GEMM w type, scratch layout
-    (offset of the converted x, offset of the row scales, total bytes)). Scratch: G fp32 [splits*rows, 2N], then
+    (offset of the converted x, offset of the row scales, total bytes)). Scratch: G [splits*rows, 2N] (fp16 for
+    fp16 X and W, as the unfused graph's MatMul outputs, else fp32), then
     the converted x (fp32 [rows, K] or fp16 hi/lo [2*rows, K]), then fp32 [rows] row scales (split)."""
     from . import cublas
     if w16 and not x16:
@@ -566,7 +632,7 @@ def prefill_plan(m, k, n, x16, w16):
         rows, conv, xt, wt = ROW_CHUNK, None, t, t
     rows = min(rows, m)
     splits = 2 if conv == "split" else 1
-    xoff = _r256(splits * rows * 2 * n * 4)
+    xoff = _r256(splits * rows * 2 * n * (2 if x16 and w16 else 4))
     soff = xoff + (0 if conv is None else _r256(rows * k * 4))
     return rows, conv, xt, wt, (xoff, soff, soff + (rows * 4 if conv == "split" else 0))
 
@@ -581,7 +647,7 @@ class FusedFFNCudaKernel(Kernel):
         self.sms = sm_count(current_device())
         # compile everything now (once per process and type variant), never on the hot path
         self.decode = {mt: launcher("decode", self.x16, self.w16, mt) for mt in MT_BUCKETS if mt <= DECODE_MAX_M}
-        self.act = launcher("act", self.x16)
+        self.act = launcher("act", self.x16, self.w16)
         self.conv = {"widen": launcher("widen"), "split": launcher("split")}
         self.tiled = launcher("tiled", self.x16, self.w16)
         self._occ = {}
@@ -644,9 +710,12 @@ class FusedFFNCudaKernel(Kernel):
             self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3)
 
     def _gemm(self, stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3):
+        from . import cublas
         rows, conv, xt, wt, (xoff, soff, nbytes) = prefill_plan(m, k, n, self.x16, self.w16)
         xsize = 2 if self.x16 else 4
         splits = 2 if conv == "split" else 1
+        g16 = self.x16 and self.w16
+        gsize, gt = (2, cublas.R_16F) if g16 else (4, cublas.R_32F)
         with _scratch_lock:
             gp = _scratch_for(stream, nbytes)
             xc, sc = gp + xoff, gp + soff
@@ -661,9 +730,9 @@ class FusedFFNCudaKernel(Kernel):
                     self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
                     xr = xc
                 for w, off in ((w1p, 0), (w3p, n)):
-                    self.blas.gemm_rows(stream, xr, xt, w, wt, gp + off * 4, splits * r, n, k, 2 * n)
+                    self.blas.gemm_rows(stream, xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt)
                 cnt = r * n
-                self.act.launch(-(-cnt // ACT_BLOCK), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
+                self.act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
                                 (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
                                 splits, hb1, hb3)
 
