@@ -153,8 +153,8 @@ def throughput(weights, variants, rows_out):
                 (sc.data_ptr(), (sc.numel(),)), (y.data_ptr(), (N,)), (y.data_ptr(), (m * N,)),
                 (acc.data_ptr(), (acc.numel(),)), (cnt.data_ptr(), (cnt.numel(),)), m, K, N, G, r_, splits_, 0]
 
-    def scratch():
-        return (torch.zeros(mc.MAX_M_FAST * N, dtype=torch.float32, device="cuda"),
+    def scratch(splits_, m):  # per-split partials [splits, M, N] and zeroed tile counters
+        return (torch.zeros(splits_ * m * N, dtype=torch.float32, device="cuda"),
                 torch.zeros(tiles, dtype=torch.int32, device="cuda"))
 
     for m in (1, 4, 16):
@@ -164,10 +164,10 @@ def throughput(weights, variants, rows_out):
         def case():
             x = (torch.randn(m, K, device="cuda") + 0.2).half()
             ys = [torch.empty(m, N, dtype=torch.float16, device="cuda") for _ in range(2)]
-            scr = [scratch(), scratch()]
             lau = fast[mc.bucket(m)]
             gpt = gpts[mc.bucket(m)]
             grid, r, splits = mc.decode_plan(m, K, N, G, sms, occ[mc.bucket(m)], gpt=gpt)
+            scr = [scratch(splits, m), scratch(splits, m)]
             print(f"decode plan M={m}: {grid} blocks = {mc.chunks(m, mc.bucket(m))} row chunks x "
                   f"{-(-(N // 8) // (mc.CT * gpt))} column tiles x {splits} K splits of {mc.WARPS} x {r} rows, "
                   f"{gpt} column group(s) per thread")
@@ -227,7 +227,7 @@ def throughput(weights, variants, rows_out):
                         la = lau or Launcher(mc._make_gemv(1, True, unroll=unroll, gpt=gpt), mc._sig(True, True, gpt))
                         sp = -(-K // (mc.WARPS * r_))
                         til = -(-(N // 8) // (mc.CT * gpt))
-                        scr = scratch()
+                        scr = scratch(sp, 1)
                         args = ours_args(x, y, dev[0], scr, 1, r_, sp, gpt)
                         t = time_graph(lambda: la.launch(til * sp, mc.BLOCK, stream(), *args))
                         torch.cuda.synchronize()

@@ -1,0 +1,182 @@
+"""Side-by-side onnxruntime CUDA sessions: our 4-bit / fused ops against onnxruntime's own, in one run.
+
+Decode shapes of LLaMA-7B's FFN (x[M, 4096], gate/up W[4096, 11008], fp16), every model run as a whole session
+with IOBinding on fixed device buffers, median wall us per run() (after warm-up), with and without onnxruntime's
+CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passes (weights4 with
+--target lowbit|ort, ffn), so every row computes the same function:
+
+  gate+up pair:  fp16 MatMul x2 | onnxruntime MatMulBnb4 x2 (nf4, block 64) | MatMulNBits x2 (int4, group 128)
+                 | our MatMulNF4 x2 | our MatMulAWQ x2
+  SwiGLU block:  fp16 unfused (MatMul x2, Sigmoid, Mul x2) | unfused with MatMulNBits | our FusedFFN (fp16)
+                 | our FusedFFNNF4 | our FusedFFNAWQ
+  prefill sweep: SwiGLU fp16 unfused vs FusedFFN for M in 1..1024 (the crossover)
+
+    python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+K, N = 4096, 11008
+
+
+def _weights(seed):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((K, N)) * 0.02).astype(np.float16)
+
+
+def pair_model(w1, w3, m="M"):
+    from onnx import TensorProto, helper, numpy_helper
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["g"], name="gate_proj"),
+         helper.make_node("MatMul", ["x", "w3"], ["u"], name="up_proj")], "pair",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, K])],
+        [helper.make_tensor_value_info("g", TensorProto.FLOAT16, [m, N]),
+         helper.make_tensor_value_info("u", TensorProto.FLOAT16, [m, N])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w3, "w3")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def swiglu_model(w1, w3, m="M"):
+    from onnx import TensorProto, helper, numpy_helper
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["g"], name="gate_proj"),
+         helper.make_node("MatMul", ["x", "w3"], ["u"], name="up_proj"),
+         helper.make_node("Sigmoid", ["g"], ["sg"], name="act_sigmoid"),
+         helper.make_node("Mul", ["g", "sg"], ["a"], name="act_mul"),
+         helper.make_node("Mul", ["a", "u"], ["s"], name="gate_mul")], "swiglu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, K])],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT16, [m, N])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w3, "w3")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+def rewrite(model, passes, **opts):
+    import onnx_lowbit
+    out, _ = onnx_lowbit.rewrite(model, passes=passes, **opts)
+    ops = sorted({f"{n.domain or 'ai.onnx'}.{n.op_type}" for n in out.graph.node})
+    return out, ops
+
+
+DEVICE = "cuda"
+
+
+def time_model(model, m, runs, cuda_graph):
+    import onnxruntime as ort
+
+    import onnx_lowbit
+    if DEVICE == "cpu":
+        if cuda_graph:
+            raise RuntimeError("no CUDA graphs on the CPU")
+        prov = ["CPUExecutionProvider"]
+    else:
+        prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
+    sess = onnx_lowbit.InferenceSession(model, providers=prov)
+    x = (np.random.default_rng(7).standard_normal((m, K)) * 0.5).astype(np.float16)
+    xv = ort.OrtValue.ortvalue_from_numpy(x, DEVICE, 0)
+    io = sess.io_binding()
+    io.bind_ortvalue_input("x", xv)
+    outs = []
+    for o in sess.get_outputs():
+        ov = ort.OrtValue.ortvalue_from_shape_and_type([m, N], np.float16, DEVICE, 0)
+        io.bind_ortvalue_output(o.name, ov)
+        outs.append(ov)
+    for _ in range(30):
+        sess.run_with_iobinding(io)
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        sess.run_with_iobinding(io)
+        ts.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(ts), float(np.percentile(ts, 90)), [o.numpy() for o in outs], x
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--json")
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
+    a = ap.parse_args()
+    import onnxruntime as ort
+    global K, N, DEVICE
+    if a.smoke:
+        K, N, DEVICE = 256, 512, "cpu"
+    else:
+        import torch
+        print("GPU:", torch.cuda.get_device_name(0), "| onnxruntime", ort.__version__)
+    t0 = time.perf_counter()
+    w1, w3 = _weights(1), _weights(3)
+    pair, sw = pair_model(w1, w3), swiglu_model(w1, w3)
+    cases = [("gate+up", "fp16 MatMul x2 (onnxruntime)", pair, ["ai.onnx.MatMul"])]
+    for label, name_, base, passes, opts in [
+            ("gate+up", "onnxruntime MatMulBnb4 x2 (nf4, block 64)", pair, "weights4",
+             dict(weights="nf4", weights_target="ort")),
+            ("gate+up", "onnxruntime MatMulNBits x2 (int4, group 128)", pair, "weights4",
+             dict(weights="awq", weights_target="ort")),
+            ("gate+up", "ours MatMulNF4 x2 (nf4, block 64)", pair, "weights4", dict(weights="nf4")),
+            ("gate+up", "ours MatMulAWQ x2 (int4, group 128)", pair, "weights4", dict(weights="awq")),
+            ("SwiGLU", "onnxruntime unfused with MatMulNBits", sw, "weights4",
+             dict(weights="awq", weights_target="ort")),
+            ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}),
+            ("SwiGLU", "ours FusedFFNNF4", sw, "weights4,ffn", dict(weights="nf4")),
+            ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]:
+        try:
+            model, ops = rewrite(base, passes, **opts)
+            cases.append((label, name_, model, ops))
+        except Exception as e:  # noqa: BLE001
+            print(f"rewrite for {name_!r} failed: {type(e).__name__}: {e}")
+    cases.insert(5, ("SwiGLU", "fp16 unfused (onnxruntime)", sw, ["ai.onnx.MatMul", "Sigmoid", "Mul"]))
+    print(f"models built in {time.perf_counter() - t0:.0f} s")
+    rows, ref = [], {}
+    for label, name, model, ops in cases:
+        for graph in (False, True):
+            try:
+                med, p90, ys, x = time_model(model, 1, a.runs, graph)
+            except Exception as e:  # noqa: BLE001
+                rows.append(dict(block=label, case=name, cuda_graph=graph, error=f"{type(e).__name__}: {str(e)[:160]}"))
+                continue
+            key = (label, graph)
+            if key not in ref:
+                ref[key] = ys
+            err = max(float(np.abs(y.astype(np.float32) - r.astype(np.float32)).max() /
+                            max(float(np.abs(r.astype(np.float32)).max()), 1e-30)) for y, r in zip(ys, ref[key]))
+            rows.append(dict(block=label, case=name, cuda_graph=graph, median_us=med, p90_us=p90,
+                             rel_err_vs_fp16=err, ops=ops))
+    print("\n| block (M=1) | model | CUDA graph | median us/run | p90 | speed-up vs fp16 | max rel. diff vs fp16 |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    base_t = {(r["block"], r["cuda_graph"]): r["median_us"] for r in rows if "median_us" in r and
+              r["case"].startswith("fp16")}
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['block']} | {r['case']} | {'yes' if r['cuda_graph'] else 'no'} | failed: {r['error']} | | | |")
+            continue
+        b = base_t.get((r["block"], r["cuda_graph"]))
+        print(f"| {r['block']} | {r['case']} | {'yes' if r['cuda_graph'] else 'no'} | {r['median_us']:.1f} | "
+              f"{r['p90_us']:.1f} | {b / r['median_us']:.2f}x | {r['rel_err_vs_fp16']:.1e} |" if b else "")
+    sweep = []
+    if not a.skip_sweep:
+        fused = next((c[2] for c in cases if c[1] == "ours FusedFFN (fp16)"), None)
+        print("\n| M | onnxruntime unfused fp16 us/run | ours FusedFFN us/run | ratio (unfused / ours) |")
+        print("| ---: | ---: | ---: | ---: |")
+        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+            try:
+                t_u = time_model(sw, m, max(50, a.runs // 3), False)[0]
+                t_f = time_model(fused, m, max(50, a.runs // 3), False)[0] if fused is not None else float("nan")
+            except Exception as e:  # noqa: BLE001
+                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
+                continue
+            sweep.append(dict(M=m, unfused_us=t_u, fused_us=t_f))
+            print(f"| {m} | {t_u:.1f} | {t_f:.1f} | {t_u / t_f:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "sweep": sweep}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
