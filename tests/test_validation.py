@@ -236,8 +236,8 @@ def test_fplut_nan_inf(dtype):
     assert np.isfinite(y[1:]).all()
 
 
-def _nan_rows(dtype):
-    a = np.random.default_rng(3).standard_normal((4, K)).astype(dtype)
+def _nan_rows(dtype, m=4):
+    a = np.random.default_rng(3).standard_normal((m, K)).astype(dtype)
     a[1, 5] = np.nan
     a[2, 7] = np.inf
     a[3, 9] = -np.inf
@@ -245,19 +245,21 @@ def _nan_rows(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_matmulnf4_nan_inf_stay_in_their_row(dtype):
+@pytest.mark.parametrize("m_rows", [4, 20])  # the decode kernel (M <= 16) and the dequantise + BLAS path
+def test_matmulnf4_nan_inf_stay_in_their_row(dtype, m_rows):
     """MatMulNF4: a NaN in row m of A makes y[m, :] NaN; an Inf makes y[m, :] non-finite (+-Inf, or NaN where the
     weight is exactly 0 or Infs of both signs meet); the other rows are unaffected (equal to the reference)."""
     q, am = _nf4_weights()
     et = ET[np.dtype(dtype)]
     sess = _session(model("MatMulNF4", [("a", et), ("q", TensorProto.UINT8), ("am", TensorProto.FLOAT)],
                           _nf4_attrs(), out_type=et))
-    a = _nan_rows(dtype)
+    a = _nan_rows(dtype, m_rows)
     y = sess.run(None, {"a": a, "q": q, "am": am})[0].astype(np.float64)
     assert np.isnan(y[1]).all()
     assert not np.isfinite(y[2]).any() and not np.isfinite(y[3]).any()
-    ref = nf4.matmul(a[:1], q, am, "nf4", BS, K, N).astype(np.float64)
-    assert np.allclose(y[0], ref[0], rtol=2e-3, atol=2e-3)
+    ok = [0] + list(range(4, m_rows))
+    ref = nf4.matmul(a[ok], q, am, "nf4", BS, K, N).astype(np.float64)
+    assert np.allclose(y[ok], ref, rtol=2e-3, atol=2e-3)
     # a NaN absmax poisons exactly the columns of its block (block 0 = the first 32 elements of W^T: column 0)
     am2 = am.copy()
     am2[0] = np.nan

@@ -1,0 +1,72 @@
+"""NaN/Inf behaviour of the CUDA faces (simulator in CI, real GPU with ONNX_LOWBIT_REAL_GPU=1): the same
+definitions as the CPU faces (docs/reliability.md, tests/test_validation.py), on small shapes."""
+import numpy as np
+import pytest
+from numba import config
+
+from onnx_lowbit import awq, nf4
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+
+def _cuda():
+    if not SIM:
+        from numba import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU and the CUDA simulator is off")
+
+
+def _rows(m, k, dtype, seed=0):
+    a = np.random.default_rng(seed).standard_normal((m, k)).astype(dtype)
+    a[1, 3] = np.nan
+    a[2, 5] = np.inf
+    return a
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_matmulnf4_cuda_nan_inf_rows(m):
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    k, n, bs = 64, 8, 32
+    q, am = nf4.quantize(np.random.default_rng(1).standard_normal((k, n)).astype(np.float32), "nf4", bs)
+    code = nf4.code("nf4").astype(np.float32)
+    a = _rows(3, k, np.float16)[:m] if m == 3 else np.random.default_rng(2).standard_normal((1, k)).astype(np.float16)
+    modes = ["generic"] + (["fast"] if matmulnf4_cuda.fast_path(m, k) else []) + (
+        ["m1"] if matmulnf4_cuda.m1_path(m, k) else [])
+    for mode in modes:
+        y = matmulnf4_cuda.run_arrays(a, q, am, code, k, n, bs, None, mode=mode).astype(np.float64)
+        ref = nf4.matmul(a[:1], q, am, "nf4", bs, k, n).astype(np.float64)
+        assert np.allclose(y[0], ref[0], rtol=2e-3, atol=2e-3), mode
+        if m == 3:
+            assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any(), mode
+    am2 = am.copy()
+    am2[0] = np.nan  # block 0: the first 32 elements of W^T, i.e. column 0
+    y = matmulnf4_cuda.run_arrays(np.ones((1, k), np.float32), q, am2, code, k, n, bs, None, mode="generic")
+    assert np.isnan(y[0, 0]) and np.isfinite(y[0, 1:]).all()
+
+
+def test_matmulawq_cuda_nan_inf_rows():
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulawq_cuda
+    k, n, g = 64, 16, 32
+    qw, qz, sc = awq.quantize_rtn(np.random.default_rng(1).standard_normal((k, n)).astype(np.float32), g)
+    a = _rows(3, k, np.float32)
+    geo = {"ct": 4, "warps": 2} if SIM else {}
+    for force_generic in (False, True):
+        y = matmulawq_cuda.run_arrays(a, qw, qz, sc, g, k, n, force_generic=force_generic, **geo).astype(np.float64)
+        ref = awq.matmul(a[:1], qw, qz, sc, g, k, n).astype(np.float64)
+        assert np.allclose(y[0], ref[0], rtol=2e-3, atol=2e-3)
+        assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any()
+
+
+def test_fplut_cuda_nan_inf():
+    _cuda()
+    from helpers import SEED, seed_table
+    from onnx_lowbit import fplut
+    from onnx_lowbit.custom_ops import fplut_cuda
+    x = np.array([np.nan, np.inf, -np.inf, 65504.0, -60000.0, 0.5, 1e30, -1e30], np.float32)
+    kw = {"block": 32} if SIM else {}
+    y = fplut_cuda.run_arrays(x, SEED, seed_table().values, **kw)
+    ref = fplut.apply(x, SEED, seed_table().values)
+    assert np.isnan(y[0]) and np.array_equal(y[1:], ref[1:]) and np.isfinite(y[1:]).all()
+    assert y[1] == y[3] == y[6] and y[2] == y[4] == y[7]
