@@ -252,6 +252,11 @@ class _Run:
 
     def why_not(self, g, mul, silu, gate, up) -> str | None:
         if gate.x is not up.x:
+            pg, pu = producer(gate.x), producer(up.x)
+            if pg is not None and pu is not None and pg.op == pu.op == "Mul" and \
+                    any(a is b for a in pg.inputs for b in pu.inputs):
+                return (f"gate reads {gate.x.name!r}, up reads {up.x.name!r}: the same input scaled by two different "
+                        "Muls (e.g. AWQ activation scales from weights4's calibration, one per projection)")
             return f"gate reads {gate.x.name!r}, up reads {up.x.name!r}: not one input"
         if gate.kind != up.kind:
             return f"gate is {gate.kind}, up is {up.kind} (weights of different formats)"

@@ -375,3 +375,13 @@ def test_any_order_gives_a_correct_model(order):
     tol = 5e-3 if fplut_first else 1e-4
     out, _ = rewrite_and_compare(m, passes=order, tol=tol, ref_model=ref, expect_op=expect, weights="nf4")
     assert "FPLUT" not in ops(out)  # the only activation was the SwiGLU's SiLU
+
+
+def test_skip_awq_calibration_scales():
+    """weights4's AWQ calibration puts one activation-scale Mul in front of gate and one in front of up: two
+    inputs, reported as such (the model stays correct, unfused)."""
+    m = swiglu(x_shape=("M", K))
+    cal = {"x": np.random.default_rng(0).standard_normal((64, K)).astype(np.float32)}
+    reason, out = skipped_reason(m, passes=("weights4", "ffn"), weights="awq", calibration=cal, group_size=32)
+    assert "scaled by two different Muls" in reason
+    assert ops(out).count("MatMulAWQ") == 3
