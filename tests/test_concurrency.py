@@ -1,0 +1,71 @@
+"""Several sessions and 8 threads calling run() on one session give identical results, for models holding
+every kind of our ops the passes emit (FPLUT, MatMulNF4, MatMulAWQ; FusedFFN* when the ffn pass emits them).
+CPU here (CI); tests/test_native_plans_cuda.py does the same on the GPU machine."""
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import onnx_lowbit
+
+SAMPLE = os.path.join(os.path.dirname(__file__), "..", "samples", "gpt2_mlp.onnx")
+CPU = ["CPUExecutionProvider"]
+
+
+def _swiglu():
+    """x[1, S, 128] -> SwiGLU MLP (gate/up 128 -> 352, SiLU as x*Sigmoid(x), down 352 -> 128), fp32."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    w = {n: (rng.standard_normal(s) * 0.1).astype(np.float32) for n, s in
+         [("wg", (128, 352)), ("wu", (128, 352)), ("wd", (352, 128))]}
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["a"]),
+             helper.make_node("Mul", ["a", "u"], ["s"]), helper.make_node("MatMul", ["s", "wd"], ["y"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "S", 128])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "S", 128])],
+                          [numpy_helper.from_array(v, k) for k, v in w.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+CASES = {"gpt2-nf4": (SAMPLE, dict(weights="nf4"), {"FPLUT", "MatMulNF4"}),
+         "gpt2-awq": (SAMPLE, dict(weights="awq"), {"FPLUT", "MatMulAWQ"}),
+         "swiglu-fp32": (None, {}, {"FusedFFN"}),
+         "swiglu-nf4": (None, dict(weights="nf4"), {"FusedFFNNF4", "MatMulNF4"}),
+         "swiglu-awq": (None, dict(weights="awq"), {"FusedFFNAWQ", "MatMulAWQ"})}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def model(request):
+    src, opts, ops = CASES[request.param]
+    m, _ = onnx_lowbit.rewrite(src or _swiglu(), **opts)
+    assert {n.op_type for n in m.graph.node if n.domain == "onnx_lowbit"} >= ops
+    return m
+
+
+def _inputs(n=8):
+    return [np.random.default_rng(i).standard_normal((1, 1 + 3 * i, 128)).astype(np.float32) for i in range(n)]
+
+
+def test_eight_threads_on_one_session(model):
+    sess = onnx_lowbit.InferenceSession(model, providers=CPU)
+    xs = _inputs()
+    want = [sess.run(None, {"x": x})[0] for x in xs]
+    bad = []
+
+    def work(i):
+        for _ in range(10):
+            if not np.array_equal(sess.run(None, {"x": xs[i]})[0], want[i]):
+                bad.append(i)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not bad
+
+
+def test_sessions_agree(model):
+    sessions = [onnx_lowbit.InferenceSession(model, providers=CPU) for _ in range(3)]
+    for x in _inputs(3):
+        ys = [s.run(None, {"x": x})[0] for s in sessions]
+        assert all(np.array_equal(ys[0], y) for y in ys[1:])
