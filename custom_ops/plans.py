@@ -11,7 +11,8 @@ pointers patched in. No Python, no GIL, nothing allocated, so it is also safe un
 A kernel class opts in with ``native_plans = True``. That promises: for a given key, compute's launches and
 output shapes depend on nothing but the key (not on input values or per-call host state), every device buffer
 it passes that is not an input or output lives as long as the kernel (tables, per-stream scratch), and all its
-GPU work goes through ``cuda_launch.Launcher``. Kernels without the flag run through Python on every call.
+GPU work goes through ``cuda_launch.Launcher`` -- or the call says ``not_replayable()`` (then that key keeps
+going through Python). Kernels without the flag run through Python on every call.
 """
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def _itemsize(elem_type):
 def active():
     """The recorder of the compute call running on this thread, or None."""
     return getattr(_tls, "rec", None)
+
+
+def not_replayable() -> None:
+    """Called by a kernel (with ``native_plans = True``) whose current call does GPU work outside
+    ``Launcher`` (e.g. a cuBLAS GEMM on a prefill path): no plan is made for this call's key, so calls with it
+    keep going through Python."""
+    rec = active()
+    if rec is not None:
+        rec.ok = False
 
 
 def compute_and_record(kernel, ctx, inputs, plan) -> None:

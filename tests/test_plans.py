@@ -65,6 +65,20 @@ def test_too_many_launches_or_parameters_give_no_plan():
     assert not plans.fill(LbPlan(), rec, n_out=1)
 
 
+def test_a_call_can_refuse_a_plan():
+    class K:
+        native_plans = True
+        out_types = (1,)
+
+        def compute(self, ctx, inputs):
+            plans.not_replayable()
+
+    plan = LbPlan()
+    plans.compute_and_record(K(), _Ctx(), [], plan)
+    assert plan.valid == 0 and plan.never == 0
+    assert plans.active() is None
+
+
 class _Ctx:
     recorder = None
 
