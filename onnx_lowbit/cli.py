@@ -222,6 +222,9 @@ def _rewrite(a, model, selected, options, staged) -> int:
     summary = _weights_summary(report)
     if summary:
         print(summary)
+    from onnx_lowbit.passes.gru import calibration_note
+    if calibration_note(report):
+        print(calibration_note(report), file=sys.stderr)
     if a.report:
         print(report.to_table())
     if a.report_json:

@@ -327,3 +327,12 @@ def _layout0(g: onnx.GraphProto) -> None:
         new_nodes += pre + [gru] + post
     del g.node[:]
     g.node.extend(new_nodes)
+
+
+def calibration_note(report: Report) -> str | None:
+    """One line for the CLI when GRUs stayed in float for want of calibration data (None otherwise)."""
+    n = sum(1 for e in report.skipped("gru") if e.reason == NO_CALIBRATION)
+    if not n:
+        return None
+    return (f"onnx-lowbit: note: {n} GRU{'s' if n > 1 else ''} left in float: the gru pass needs calibration data; "
+            "pass --calibration DATA.npz (numpy.savez with one array per model input, named after it)")

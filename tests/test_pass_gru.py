@@ -196,10 +196,12 @@ def test_bad_calibration(cal, needle):
     assert needle in str(ei.value)
 
 
-def test_cli(tmp_path):
+def test_cli(tmp_path, capsys):
     m, _ = gru_model("bidirectional", h0=True)
     src, dst = tmp_path / "m.onnx", tmp_path / "q.onnx"
     onnx.save(m, src)
+    assert cli.main(["rewrite", str(src), str(tmp_path / "f.onnx")]) == 0          # no calibration: a note
+    assert "1 GRU left in float" in capsys.readouterr().err
     np.savez(tmp_path / "cal.npz", **feeds_for(m, 1))
     assert cli.main(["rewrite", str(src), str(dst), "--passes", "gru", "--calibration", str(tmp_path / "cal.npz"),
                      "--gru-bits", "8"]) == 0
