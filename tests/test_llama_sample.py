@@ -3,9 +3,9 @@ weights, one decode step with a KV cache), ``onnx-lowbit rewrite --weights nf4``
 
 Logits are checked in two steps:
   * the exported original against the PyTorch model itself (fp32: the export is exact up to summation order);
-  * the rewritten model against a "fake-quant" reference: the same model rewritten with weights4 only, each
-    MatMulNF4 replaced by a float MatMul on its dequantised weight (onnx_lowbit.nf4.dequantize), run in stock
-    onnxruntime. Both then hold the very same 4-bit weights, so what is left between them is the FPLUT silu
+  * the rewritten model against the script's --reference model (llama_decode.fakequant.onnx): the original
+    rewritten with weights4 only, each MatMulNF4 replaced by a float MatMul on its dequantised weight
+    (onnx_lowbit.nf4.dequantize), run in stock onnxruntime. Both then hold the very same 4-bit weights, so what is left between them is the FPLUT silu
     table (max relative error 3.9e-3 per element, `onnx-lowbit lut list`; it feeds the down projection and the
     residual stream, so the logits move by a fraction of it) and float summation order (~1e-6): tolerance 4e-3
     of max |logits|. Against the float original the 4-bit weights themselves change the logits by ~10-20 %
@@ -20,40 +20,16 @@ import sys
 import numpy as np
 import onnx
 import pytest
-from onnx import helper, numpy_helper
 
 pytest.importorskip("transformers")
 
-from onnx_lowbit import api, model_io, nf4, passes  # noqa: E402
+from onnx_lowbit import api, model_io, passes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "samples", "llama_decode.py")
 TINY = ["--device", "cpu", "--layers", "2", "--hidden", "128", "--intermediate", "352", "--heads", "4",
         "--kv-heads", "2", "--vocab", "256", "--past", "16"]
 TOLERANCE = 4e-3
-
-
-def _fake_quant(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every MatMulNF4 -> MatMul(A, dequantised W) (+ Add bias): plain onnxruntime runs it."""
-    inits = {t.name: t for t in model.graph.initializer}
-    nodes = []
-    for n in model.graph.node:
-        if n.op_type != "MatMulNF4":
-            nodes.append(n)
-            continue
-        at = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        q, absmax = (numpy_helper.to_array(inits[x]) for x in n.input[1:3])
-        w = nf4.dequantize(q, absmax, at["quant_type"].decode(), at["block_size"], at["K"], at["N"])
-        wname = n.name + "_W"
-        model.graph.initializer.append(numpy_helper.from_array(w.astype(np.float32), wname))
-        if len(n.input) > 3 and n.input[3]:
-            nodes.append(helper.make_node("MatMul", [n.input[0], wname], [n.output[0] + "_mm"]))
-            nodes.append(helper.make_node("Add", [n.output[0] + "_mm", n.input[3]], [n.output[0]]))
-        else:
-            nodes.append(helper.make_node("MatMul", [n.input[0], wname], [n.output[0]]))
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    return model
 
 
 def _rel(a, b):
@@ -65,7 +41,8 @@ def _rel(a, b):
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, SCRIPT, *TINY, "--out", str(out), "--warmup", "1", "--runs", "3"],
+    p = subprocess.run([sys.executable, SCRIPT, *TINY, "--out", str(out), "--warmup", "1", "--runs", "3",
+                        "--reference"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out, p.stdout
@@ -74,9 +51,9 @@ def tiny(tmp_path_factory):
 def test_script_writes_models_table_and_chart(tiny):
     out, stdout = tiny
     for f in ("llama_decode.onnx", "llama_decode.onnx.data", "llama_decode.nf4.onnx", "bench-cpu.png",
-              "bench-cpu.json"):
+              "bench-cpu.json", "llama_decode.fakequant.onnx", "reference/bench-cpu.json"):
         assert (out / f).is_file(), f
-    assert not (out / ".export").exists()
+    assert not (out / ".export").exists() and not list(out.glob("*weights4*"))
     assert "| latency median (ms) |" in stdout and "| logits |" in stdout
     orig = onnx.load(str(out / "llama_decode.onnx"), load_external_data=False)
     assert model_io.uses_external_data(orig)
@@ -114,12 +91,14 @@ def test_logits(tiny, tmp_path):
     assert _rel(ref[1].numpy(), got[1]) < 1e-5
     rew = api.InferenceSession(str(out / "llama_decode.nf4.onnx"), providers=["CPUExecutionProvider"])
     lowbit = rew.run(None, feeds)
-    fq, _ = passes.run_passes(model_io.load(str(orig)), passes=["weights4"], weights="nf4")
     import onnxruntime as ort
-    fq = _fake_quant(fq)
-    expect = ort.InferenceSession(fq.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    fq = out / "llama_decode.fakequant.onnx"
+    assert not [n for n in onnx.load(str(fq), load_external_data=False).graph.node if n.domain]
+    expect = ort.InferenceSession(str(fq), providers=["CPUExecutionProvider"]).run(None, feeds)
     assert _rel(expect[0], lowbit[0]) < TOLERANCE, _rel(expect[0], lowbit[0])
     for e, g in zip(expect[1:], lowbit[1:]):           # the cache: k/v projections only (no FPLUT before layer 0)
         assert _rel(e, g) < TOLERANCE
     assert 0.02 < _rel(got[0], lowbit[0]) < 0.4          # 4-bit weights: visible, same order as the reference's
     assert abs(_rel(got[0], lowbit[0]) - _rel(got[0], expect[0])) < TOLERANCE
+    ref = json.loads((out / "reference" / "bench-cpu.json").read_text())   # the script's own reference bench
+    assert ref["agreement"][0]["output"] == "logits" and ref["agreement"][0]["max_rel"] < TOLERANCE
