@@ -101,12 +101,14 @@ def _make_xproj(wide, xs=XS):
     acc_t = int64 if wide else int32
     xt = 4 * xs
     t_size = XK * xt
+    per = t_size // (xs * xs)        # tile elements each thread stages per K round (of X and of W)
 
     @cuda.jit
     def xproj(x, w, out, prm, pch, qsc, t_dim, n_dim, c_dim, hd, layout, lo, hi):
         """x float32 [T*N*C] (layout 0) or [N*T*C], w [D*3H*C], out int16 [D*T*N*3H]: row m = t*N + n.
         Block: direction, row tile, column tile; xs x xs threads, 4 x 4 outputs each (rows ty + xs i,
-        columns tx + xs j)."""
+        columns tx + xs j). The next K round's X and W values are loaded into registers while the current
+        round's tiles are multiplied."""
         a_s = cuda.shared.array(t_size, int32)
         b_s = cuda.shared.array(t_size, int32)
         tid = cuda.threadIdx.x
@@ -128,28 +130,40 @@ def _make_xproj(wide, xs=XS):
         for i in range(16):
             acc[i] = acc_t(0)
         wbase = d * g3 * c_dim
+        ra = cuda.local.array(per, int32)
+        rb = cuda.local.array(per, int32)
+        xoff = cuda.local.array(per, int64)     # this thread's staged elements: row offsets in x and W (-1: none)
+        woff = cuda.local.array(per, int64)
+        for r in range(per):
+            e = tid + r * xs * xs
+            rr = e // XK
+            m = m0 + rr
+            xoff[r] = -1
+            if m < m_dim:
+                t = m // n_dim
+                n = m - t * n_dim
+                xoff[r] = (m if layout == 0 else n * t_dim + t) * c_dim
+            c = c0 + rr
+            woff[r] = wbase + c * c_dim if c < g3 else -1
         k0 = 0
+        for r in range(per):                    # round 0 into registers
+            k = (tid + r * xs * xs) % XK
+            ra[r] = int32(_quant(x[xoff[r] + k], scale, lo - zpx, hi - zpx)) if k < c_dim and xoff[r] >= 0 \
+                else int32(0)
+            rb[r] = int32(w[woff[r] + k]) if k < c_dim and woff[r] >= 0 else int32(0)
         while k0 < c_dim:
-            e = tid
-            while e < t_size:
-                kk = e % XK
-                rr = e // XK
-                k = k0 + kk
-                m = m0 + rr
-                v = int32(0)
-                if k < c_dim and m < m_dim:
-                    t = m // n_dim
-                    n = m - t * n_dim
-                    xi = (m if layout == 0 else n * t_dim + t) * c_dim + k
-                    v = int32(_quant(x[xi], scale, lo - zpx, hi - zpx))
-                a_s[kk * xt + rr] = v
-                c = c0 + rr
-                v = int32(0)
-                if k < c_dim and c < g3:
-                    v = int32(w[wbase + c * c_dim + k])
-                b_s[kk * xt + rr] = v
-                e += xs * xs
+            for r in range(per):
+                e = tid + r * xs * xs
+                a_s[(e % XK) * xt + e // XK] = ra[r]
+                b_s[(e % XK) * xt + e // XK] = rb[r]
             cuda.syncthreads()
+            kn = k0 + XK
+            if kn < c_dim:                      # next round in flight during this round's products
+                for r in range(per):
+                    k = kn + (tid + r * xs * xs) % XK
+                    ra[r] = int32(_quant(x[xoff[r] + k], scale, lo - zpx, hi - zpx)) \
+                        if k < c_dim and xoff[r] >= 0 else int32(0)
+                    rb[r] = int32(w[woff[r] + k]) if k < c_dim and woff[r] >= 0 else int32(0)
             for kk in range(XK):
                 av = cuda.local.array(4, acc_t)
                 for i in range(4):
@@ -159,7 +173,7 @@ def _make_xproj(wide, xs=XS):
                     for i in range(4):
                         acc[i * 4 + j] += av[i] * bv
             cuda.syncthreads()
-            k0 += XK
+            k0 = kn
         zpwx = prm[pb + P_ZPWX]
         for i in range(4):
             m = m0 + ty + xs * i
@@ -187,19 +201,45 @@ def _barrier(cnt, grp, nblk):
     cuda.threadfence()                                   # acquire: the other blocks' h stores are visible
 
 
+if SIM:
+    def _ksum(v, ks):
+        return v
+else:
+    @cuda.jit(device=True, inline=True)
+    def _ksum(v, ks):
+        """Sum over the ks consecutive lanes (ks a power of two <= 32) that hold one output's K slices."""
+        off = 16
+        while off >= 1:
+            if off < ks:
+                v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off >>= 1
+        return v
+
+
+@cuda.jit(device=True, inline=True)
+def _h16(w, i):
+    """Signed 16-bit lane i of a uint64 word."""
+    v = int64((w >> uint64(16 * i)) & uint64(0xFFFF))
+    return (v ^ 0x8000) - 0x8000
+
+
 def _make_rec(wide, tn, tpb=REC_TPB):
     acc_t = int64 if wide else int32
     na = 3 * tn
+    shfl = not SIM          # K slices summed with warp shuffles (the simulator has none: shared memory there)
 
     @cuda.jit
-    def rec(qwx, rq, lut, h0, seql, hb, y, yh, cnt, prm, pch, qsc, dq,
+    def rec(qwx, rq, lut, h0, seql, hb, hw, y, yh, cnt, prm, pch, qsc, dq,
             t_dim, n_dim, hd, dirs, nch, nbc, units, ks, s0, s1, nblk, revmask, layout, lo, hi, lsh, llen,
-            flags, rs_off, hs_off, lt_off):
+            flags, pc_off, rs_off, hs_off, lt_off):
         """qwx int16 [D*T*N*3H] (xproj), rq [D*3H*H], lut [D*3*llen], h0 float32 [D*N*H] or [N*D*H] (layout 1),
-        seql int32 [N], hb int16 [2*D*N*H] (h of the last two steps: the blocks' exchange), y float32
-        [T*D*N*H] or [N*T*D*H], yh float32 [D*N*H] or [N*D*H], cnt uint64 [D*nch] (barrier counters),
-        prm int64 [D*NP], pch int64 [D*10H], qsc float64 [D*2] (2^e_x, 2^e_h), dq float32 [D] (2^-e_h).
-        flags: 1 has_h0, 2 has seql, 4 has y, 8 has yh. Grid: D*nch groups x nblk blocks."""
+        seql int32 [N], hb int16 [2*D*N*H] (h of the last two steps: the blocks' exchange; hw: the same buffer as
+        uint64 words, used when H % 4 == 0), y float32 [T*D*N*H] or [N*T*D*H], yh float32 [D*N*H] or [N*D*H],
+        cnt uint64 [D*nch] (barrier counters), prm int64 [D*NP], pch int64 [D*10H], qsc float64 [D*2]
+        (2^e_x, 2^e_h), dq float32 [D] (2^-e_h). flags: 1 has h0, 2 has sequence_lens, 4 write Y, 8 write Y_h,
+        16 H % 4 == 0. Grid: D*nch groups x nblk blocks. Dynamic shared memory: int64 sums at 0, int64
+        per-unit parameters at pc_off, then int32 (word offsets): R rows at rs_off, h at hs_off, tables at
+        lt_off."""
         sm64 = cuda.shared.array(0, int64)
         sm32 = cuda.shared.array(0, int32)
         tid = cuda.threadIdx.x
@@ -217,9 +257,33 @@ def _make_rec(wide, tn, tpb=REC_TPB):
         zph = prm[pb + P_ZPH]
         zprh = prm[pb + P_ZPRH]
         zpwx = prm[pb + P_ZPWX]
+        s_wxz = prm[pb + P_SWXZ]
+        s_rhz = prm[pb + P_SRHZ]
+        zpz = prm[pb + P_ZPZ]
+        s_wxr = prm[pb + P_SWXR]
+        s_rhr = prm[pb + P_SRHR]
+        zpr = prm[pb + P_ZPR]
+        s_rhab = prm[pb + P_SRHAB]
+        zpab = prm[pb + P_ZPAB]
+        zprout = prm[pb + P_ZPROUT]
+        s_rrh = prm[pb + P_SRRH]
+        zprrh = prm[pb + P_ZPRRH]
+        s_wxg = prm[pb + P_SWXG]
+        s_rrhg = prm[pb + P_SRRHG]
+        zpg = prm[pb + P_ZPG]
+        zpzout = prm[pb + P_ZPZOUT]
+        one = prm[pb + P_ONE]
+        zpgout = prm[pb + P_ZPGOUT]
+        s_old = prm[pb + P_SOLD]
+        zpold = prm[pb + P_ZPOLD]
+        s_new = prm[pb + P_SNEW]
+        zpnew = prm[pb + P_ZPNEW]
+        s_oh = prm[pb + P_SOH]
+        s_nh = prm[pb + P_SNH]
         rev = (revmask >> d) & 1
         ngr = (nb + tn - 1) // tn
         nitems = ngr * nu * ks
+        nitems_w = (nitems + 31) // 32 * 32 if shfl else nitems   # whole warps take part in the shuffles
         scale_h = qsc[2 * d + 1]
         dqh = dq[d]
         e = tid
@@ -233,6 +297,13 @@ def _make_rec(wide, tn, tpb=REC_TPB):
         while e < 3 * llen:
             sm32[lt_off + e] = int32(lut[d * 3 * llen + e])
             e += tpb
+        e = tid
+        while e < 7 * nu:                       # per unit: R h shifts (z, r, g), cz, cr, cbg, cbr
+            j = e // 7
+            i = e - 7 * j
+            col = (3 + i) * hd + u0 + j if i < 3 else (6 + i - 3) * hd + u0 + j
+            sm64[pc_off + e] = pch[cb + col]
+            e += tpb
         e = nb * hd + tid                       # padding rows of the last batch group: zero
         while e < ngr * tn * hd:
             sm32[hs_off + e] = int32(0)
@@ -240,44 +311,81 @@ def _make_rec(wide, tn, tpb=REC_TPB):
         s = s0
         while s < s1:
             cur = s & 1
-            e = tid
-            while e < nb * hd:                  # h_{s-1} of this group's batch rows, minus zp_h
-                n = n0 + e // hd
-                k = e % hd
-                if s == 0:
+            if s == 0:                          # h_{-1}: the quantised initial state (or zp_h), minus zp_h
+                e = tid
+                while e < nb * hd:
                     v = int64(0)
                     if flags & 1:
-                        hi_ = (d * n_dim + n) * hd + k if layout == 0 else (n * dirs + d) * hd + k
-                        v = _quant(h0[hi_], scale_h, lo - zph, hi - zph)
+                        n = n0 + e // hd
+                        k = e % hd
+                        v = _quant(h0[(d * n_dim + n) * hd + k if layout == 0 else (n * dirs + d) * hd + k],
+                                   scale_h, lo - zph, hi - zph)
                     sm32[hs_off + e] = int32(v)
-                else:
-                    sm32[hs_off + e] = int32(hb[((cur * dirs + d) * n_dim + n) * hd + k]) - int32(zph)
-                e += tpb
+                    e += tpb
+            elif flags & 16:                    # h_{s-1} as 8-byte words, 4 loads in flight per thread
+                nw = nb * hd // 4
+                wb0 = ((cur * dirs + d) * n_dim + n0) * hd // 4
+                e = tid
+                while e < nw:
+                    w0 = hw[wb0 + e]
+                    w1 = hw[wb0 + e + tpb] if e + tpb < nw else uint64(0)
+                    w2 = hw[wb0 + e + 2 * tpb] if e + 2 * tpb < nw else uint64(0)
+                    w3 = hw[wb0 + e + 3 * tpb] if e + 3 * tpb < nw else uint64(0)
+                    for i in range(4):
+                        sm32[hs_off + 4 * e + i] = int32(_h16(w0, i) - zph)
+                    if e + tpb < nw:
+                        for i in range(4):
+                            sm32[hs_off + 4 * (e + tpb) + i] = int32(_h16(w1, i) - zph)
+                    if e + 2 * tpb < nw:
+                        for i in range(4):
+                            sm32[hs_off + 4 * (e + 2 * tpb) + i] = int32(_h16(w2, i) - zph)
+                    if e + 3 * tpb < nw:
+                        for i in range(4):
+                            sm32[hs_off + 4 * (e + 3 * tpb) + i] = int32(_h16(w3, i) - zph)
+                    e += 4 * tpb
+            else:
+                hb0 = ((cur * dirs + d) * n_dim + n0) * hd
+                e = tid
+                while e < nb * hd:
+                    v0 = hb[hb0 + e]
+                    v1 = hb[hb0 + e + tpb] if e + tpb < nb * hd else v0
+                    sm32[hs_off + e] = int32(v0) - int32(zph)
+                    if e + tpb < nb * hd:
+                        sm32[hs_off + e + tpb] = int32(v1) - int32(zph)
+                    e += 2 * tpb
             cuda.syncthreads()
             it = tid                            # item ((batch group * nu) + j) * ks + K slice
-            while it < nitems:
-                sl = it % ks
-                rest = it // ks
-                j = rest % nu
-                bg = rest // nu
+            while it < nitems_w:
                 a = cuda.local.array(na, acc_t)
                 for i in range(na):
                     a[i] = acc_t(0)
-                wb = rs_off + j * 3 * rs
-                hb0 = hs_off + bg * tn * hd
-                k = sl
-                while k < hd:
-                    w0 = acc_t(sm32[wb + k])
-                    w1 = acc_t(sm32[wb + rs + k])
-                    w2 = acc_t(sm32[wb + 2 * rs + k])
-                    for m in range(tn):
-                        hv = acc_t(sm32[hb0 + m * hd + k])
-                        a[3 * m] += w0 * hv
-                        a[3 * m + 1] += w1 * hv
-                        a[3 * m + 2] += w2 * hv
-                    k += ks
-                for i in range(na):
-                    sm64[it * na + i] = int64(a[i])
+                if it < nitems:
+                    sl = it % ks
+                    rest = it // ks
+                    j = rest % nu
+                    bg = rest // nu
+                    wb = rs_off + j * 3 * rs
+                    hb1 = hs_off + bg * tn * hd
+                    k = sl
+                    while k < hd:
+                        w0 = acc_t(sm32[wb + k])
+                        w1 = acc_t(sm32[wb + rs + k])
+                        w2 = acc_t(sm32[wb + 2 * rs + k])
+                        for m in range(tn):
+                            hv = acc_t(sm32[hb1 + m * hd + k])
+                            a[3 * m] += w0 * hv
+                            a[3 * m + 1] += w1 * hv
+                            a[3 * m + 2] += w2 * hv
+                        k += ks
+                if shfl:
+                    for i in range(na):
+                        a[i] = _ksum(a[i], ks)
+                    if it < nitems and it % ks == 0:
+                        for i in range(na):
+                            sm64[(it // ks) * na + i] = int64(a[i])
+                else:
+                    for i in range(na):
+                        sm64[it * na + i] = int64(a[i])
                 it += tpb
             cuda.syncthreads()
             nxt = 1 - cur
@@ -288,14 +396,6 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                 u = u0 + j
                 n = n0 + nl
                 bg = nl // tn
-                ib = ((bg * nu + j) * ks) * na + 3 * (nl - bg * tn)
-                az = int64(0)
-                ar = int64(0)
-                ag = int64(0)
-                for sl in range(ks):
-                    az += sm64[ib + sl * na]
-                    ar += sm64[ib + sl * na + 1]
-                    ag += sm64[ib + sl * na + 2]
                 hold = int64(sm32[hs_off + nl * hd + u]) + zph
                 ln = seql[n] if flags & 2 else t_dim
                 hn = hold
@@ -305,29 +405,36 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                     dwz = int64(qwx[xb]) - zpwx
                     dwr = int64(qwx[xb + hd]) - zpwx
                     dwg = int64(qwx[xb + 2 * hd]) - zpwx
-                    drz = _sat(_rsh(az, pch[cb + 3 * hd + u]) + zprh, lo, hi) - zprh
-                    drr = _sat(_rsh(ar, pch[cb + 4 * hd + u]) + zprh, lo, hi) - zprh
-                    drg = _sat(_rsh(ag, pch[cb + 5 * hd + u]) + zprh, lo, hi) - zprh
-                    zpre = _sat(_rsh(dwz, prm[pb + P_SWXZ]) + _rsh(drz, prm[pb + P_SRHZ]) + pch[cb + 6 * hd + u]
-                                + prm[pb + P_ZPZ], lo, hi)
-                    rpre = _sat(_rsh(dwr, prm[pb + P_SWXR]) + _rsh(drr, prm[pb + P_SRHR]) + pch[cb + 7 * hd + u]
-                                + prm[pb + P_ZPR], lo, hi)
+                    if shfl:
+                        ib = (bg * nu + j) * na + 3 * (nl - bg * tn)
+                        az = sm64[ib]
+                        ar = sm64[ib + 1]
+                        ag = sm64[ib + 2]
+                    else:
+                        ib = ((bg * nu + j) * ks) * na + 3 * (nl - bg * tn)
+                        az = int64(0)
+                        ar = int64(0)
+                        ag = int64(0)
+                        for sl in range(ks):
+                            az += sm64[ib + sl * na]
+                            ar += sm64[ib + sl * na + 1]
+                            ag += sm64[ib + sl * na + 2]
+                    pc = pc_off + 7 * j
+                    drz = _sat(_rsh(az, sm64[pc]) + zprh, lo, hi) - zprh
+                    drr = _sat(_rsh(ar, sm64[pc + 1]) + zprh, lo, hi) - zprh
+                    drg = _sat(_rsh(ag, sm64[pc + 2]) + zprh, lo, hi) - zprh
+                    zpre = _sat(_rsh(dwz, s_wxz) + _rsh(drz, s_rhz) + sm64[pc + 3] + zpz, lo, hi)
+                    rpre = _sat(_rsh(dwr, s_wxr) + _rsh(drr, s_rhr) + sm64[pc + 4] + zpr, lo, hi)
                     qz = _lut(sm32, lt_off, zpre, lo, lsh)
                     qr = _lut(sm32, lt_off + llen, rpre, lo, lsh)
-                    zpab = prm[pb + P_ZPAB]
-                    qrb = _sat(_rsh(drg, prm[pb + P_SRHAB]) + pch[cb + 9 * hd + u] + zpab, lo, hi)
-                    zprrh = prm[pb + P_ZPRRH]
-                    qrrh = _sat(_rsh((qr - prm[pb + P_ZPROUT]) * (qrb - zpab), prm[pb + P_SRRH]) + zprrh, lo, hi)
-                    gpre = _sat(_rsh(dwg, prm[pb + P_SWXG]) + _rsh(qrrh - zprrh, prm[pb + P_SRRHG])
-                                + pch[cb + 8 * hd + u] + prm[pb + P_ZPG], lo, hi)
+                    qrb = _sat(_rsh(drg, s_rhab) + sm64[pc + 6] + zpab, lo, hi)
+                    qrrh = _sat(_rsh((qr - zprout) * (qrb - zpab), s_rrh) + zprrh, lo, hi)
+                    gpre = _sat(_rsh(dwg, s_wxg) + _rsh(qrrh - zprrh, s_rrhg) + sm64[pc + 5] + zpg, lo, hi)
                     qg = _lut(sm32, lt_off + 2 * llen, gpre, lo, lsh)
-                    dz = qz - prm[pb + P_ZPZOUT]
-                    zpold = prm[pb + P_ZPOLD]
-                    zpnew = prm[pb + P_ZPNEW]
-                    qold = _sat(_rsh(dz * (hold - zph), prm[pb + P_SOLD]) + zpold, lo, hi)
-                    qnew = _sat(_rsh((prm[pb + P_ONE] - dz) * (qg - prm[pb + P_ZPGOUT]), prm[pb + P_SNEW]) + zpnew,
-                                lo, hi)
-                    hn = _sat(_rsh(qold - zpold, prm[pb + P_SOH]) + _rsh(qnew - zpnew, prm[pb + P_SNH]) + zph, lo, hi)
+                    dz = qz - zpzout
+                    qold = _sat(_rsh(dz * (hold - zph), s_old) + zpold, lo, hi)
+                    qnew = _sat(_rsh((one - dz) * (qg - zpgout), s_new) + zpnew, lo, hi)
+                    hn = _sat(_rsh(qold - zpold, s_oh) + _rsh(qnew - zpnew, s_nh) + zph, lo, hi)
                     if flags & 4:
                         yi = ((t * dirs + d) * n_dim + n) * hd + u if layout == 0 else \
                             ((n * t_dim + t) * dirs + d) * hd + u
@@ -430,9 +537,12 @@ class Plan:
         tn = self.tn
         ngr = -(-nbc // tn)
         ks = max(1, min(32, self.tpb // (ngr * units), h))
+        ks = 1 << (ks.bit_length() - 1)             # a power of two (the warp-shuffle sums)
         nitems = ngr * units * ks
         self.nbc, self.units, self.ks = nbc, units, ks
-        self.rs_off = 2 * nitems * 3 * tn
+        sums = (ngr * units if not SIM else nitems) * 3 * tn
+        self.pc_off = sums
+        self.rs_off = 2 * (sums + 7 * units)
         self.hs_off = self.rs_off + 3 * units * (h + PAD)
         self.lt_off = self.hs_off + ngr * tn * h
         self.smem = 4 * (self.lt_off + 3 * self.llen)
@@ -450,8 +560,8 @@ def _sig_xproj(wdt):
 def _sig_rec(wdt):
     from .cuda_launch import Array
     return [Array(np.int16), Array(wdt), Array(wdt), Array(np.float32), Array(np.int32), Array(np.int16),
-            Array(np.float32), Array(np.float32), Array(np.uint64), Array(np.int64), Array(np.int64),
-            Array(np.float64), Array(np.float32)] + ["int64"] * 21
+            Array(np.uint64), Array(np.float32), Array(np.float32), Array(np.uint64), Array(np.int64),
+            Array(np.int64), Array(np.float64), Array(np.float32)] + ["int64"] * 22
 
 
 _xproj_fns, _rec_fns = {}, {}
@@ -552,12 +662,14 @@ class Prepared:
         self.x, self.w, self.r, self.lut = dev(X, np.float32), dev(W, qt), dev(R, qt), dev(luts, qt)
         self.prm, self.pch, self.qsc, self.dq = dev(prm, np.int64), dev(pch, np.int64), dev(qsc, np.float64), \
             dev(dq, np.float32)
-        self.flags = 12 | (1 if initial_h is not None else 0) | (2 if sequence_lens is not None else 0)
+        self.flags = 12 | (1 if initial_h is not None else 0) | (2 if sequence_lens is not None else 0) | \
+            (16 if hidden_size % 4 == 0 else 0)
         self.h0 = dev(initial_h if initial_h is not None else np.zeros(1), np.float32)
         self.seql = dev(sequence_lens if sequence_lens is not None else np.zeros(1), np.int32)
         d, h = self.d, self.h
         self.qwx = cuda.device_array(max(d * t * n * 3 * h, 1), np.int16)
-        self.hb = cuda.device_array(max(2 * d * n * h, 1), np.int16)
+        self.hb = cuda.device_array(-(-max(2 * d * n * h, 4) // 4) * 4, np.int16)
+        self.hw = self.hb.view(np.uint64)
         self.y = cuda.device_array(max(t * d * n * h, 1), np.float32)
         self.yh = cuda.device_array(max(d * n * h, 1), np.float32)
         self.cnt = cuda.to_device(np.zeros(self.plan.groups, np.uint64))
@@ -566,11 +678,12 @@ class Prepared:
         self.wide_x = bits == 16 or c >= 65536
 
     def _args(self, p):
-        return ((self.qwx, self.r, self.lut, self.h0, self.seql, self.hb, self.y, self.yh, self.cnt, self.prm,
+        return ((self.qwx, self.r, self.lut, self.h0, self.seql, self.hb, self.hw, self.y, self.yh, self.cnt,
+                 self.prm,
                  self.pch, self.qsc, self.dq),
                 (self.t, self.n, self.h, self.d, p.nch, p.nbc, p.units, p.ks),
                 (p.nblk, self.revmask, self.a.layout, self.lo, self.hi, gru_int.LUT_SHIFT[self.a.bits], p.llen,
-                 self.flags, p.rs_off, p.hs_off, p.lt_off))
+                 self.flags, p.pc_off, p.rs_off, p.hs_off, p.lt_off))
 
     def launch(self, stream=0, what="all"):
         """Issues the call's kernels on ``stream`` (``what``: "all", or "xproj" / "rec" alone, for timing)."""
@@ -738,20 +851,21 @@ class QuantGRUCudaKernel(Kernel):
         for dst, v in zip((s.prm, s.pch, s.qsc, s.dq), prepare(a, b_h, ce_h)):
             _to_device(dst, v, ctx.stream)
         qwx = s.buf("qwx", d * t * n * 3 * h, np.int16)
-        hb = s.buf("hb", 2 * d * n * h, np.int16)
+        hb = s.buf("hb", -(-2 * d * n * h // 4) * 4, np.int16)
         cnt = s.counters(p.groups, p.nblk)
         dev = lambda v: (v.device_ctypes_pointer.value, (v.size,))  # noqa: E731
-        flags = 12 | (1 if h0 is not None else 0) | (2 if sl is not None else 0)
+        flags = 12 | (1 if h0 is not None else 0) | (2 if sl is not None else 0) | (16 if h % 4 == 0 else 0)
         xarr = [(x.ptr, (max(x.size, 1),)), (w.ptr, (w.size,)), dev(qwx), dev(s.prm), dev(s.pch), dev(s.qsc)]
         lo, hi = gru_int.qrange(a.bits)
         xsc = (t, n, c, h, a.layout, lo, hi)
         arrays = [dev(qwx), (r.ptr, (r.size,)), (lt.ptr, (lt.size,)),
                   (h0.ptr, (h0.size,)) if h0 is not None else (x.ptr, (1,)),
                   (sl.ptr, (n,)) if sl is not None else dev(s.dq), dev(hb),
+                  (hb.device_ctypes_pointer.value, (hb.size // 4,)),
                   (y, (max(t * d * n * h, 1),)), (yh, (d * n * h,)), dev(cnt), dev(s.prm), dev(s.pch), dev(s.qsc),
                   dev(s.dq)]
         head = (t, n, h, d, p.nch, p.nbc, p.units, p.ks)
-        tail = (p.nblk, self.revmask, a.layout, lo, hi, gru_int.LUT_SHIFT[a.bits], p.llen, flags, p.rs_off,
+        tail = (p.nblk, self.revmask, a.layout, lo, hi, gru_int.LUT_SHIFT[a.bits], p.llen, flags, p.pc_off, p.rs_off,
                 p.hs_off, p.lt_off)
         issue(a.bits, p, c, t, n, xarr, xsc, arrays, head, tail, ctx.stream, False)
 
