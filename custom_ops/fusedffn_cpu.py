@@ -6,7 +6,8 @@ Accumulation, bias and SiLU are fp32; one rounding to X's type at the end.
 
 * M <= 16 (decode): Numba, parallel over output features n: both weight rows are read once (fp16 weights widened
   through a 64K-entry table), dotted with every row of X in fp32 (reassociated for SIMD), and SiLU(g) * u written.
-* M > 16: numpy's BLAS sgemm per chunk of weight rows (fp16 weights widened to fp32 in chunks <= CHUNK_BYTES),
+* M > 16: numpy's BLAS sgemm per chunk of weight rows (fp16 weights widened to fp32 by a parallel table lookup,
+  in chunks <= CHUNK_BYTES),
   then SiLU * up in fp32.
 
 Non-finite values propagate as in the unfused graph (MatMul, Sigmoid, Mul, Mul): SiLU(g) = g * (1 / (1 + exp(-g))),
@@ -67,6 +68,14 @@ def gemv_f16(x, w1, w3, lut, b1, b3, out):
             out[m, n] = _silu_mul(a1 + b1[n], a3 + b3[n])
 
 
+@njit(parallel=True, cache=True, nogil=True, boundscheck=False)
+def widen_f16(bits, lut, out):
+    """out[r, k] = float32 value of the fp16 bit pattern bits[r, k] (a parallel table lookup)."""
+    for r in prange(bits.shape[0]):
+        for k in range(bits.shape[1]):
+            out[r, k] = lut[bits[r, k]]
+
+
 def check(x, w1, w3, b1, b3):
     """Shapes / dtypes of host arrays; returns (M, K, N). Raises KernelError naming the problem."""
     if x.dtype not in (np.float32, np.float16):
@@ -115,12 +124,19 @@ def _compute(x2, w1, w3, b1, b3, out2):
             with np.errstate(over="ignore"):
                 out2[...] = res
         return
-    rows = max(1, CHUNK_BYTES // (4 * max(k, 1)))
+    rows = min(n, max(1, CHUNK_BYTES // (4 * max(k, 1))))
+    if w1.dtype != np.float32:
+        b1w, b3w = np.ascontiguousarray(w1).view(np.uint16), np.ascontiguousarray(w3).view(np.uint16)
+        buf1, buf3 = np.empty((rows, k), np.float32), np.empty((rows, k), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
         for n0 in range(0, n, rows):
             n1 = min(n0 + rows, n)
-            c1 = w1[n0:n1] if w1.dtype == np.float32 else w1[n0:n1].astype(np.float32)
-            c3 = w3[n0:n1] if w3.dtype == np.float32 else w3[n0:n1].astype(np.float32)
+            if w1.dtype == np.float32:
+                c1, c3 = w1[n0:n1], w3[n0:n1]
+            else:
+                c1, c3 = buf1[: n1 - n0], buf3[: n1 - n0]
+                widen_f16(b1w[n0:n1], F16_TO_F32, c1)
+                widen_f16(b3w[n0:n1], F16_TO_F32, c3)
             g = xf @ c1.T
             g += b1f[n0:n1]
             u = xf @ c3.T
