@@ -519,8 +519,9 @@ def plot(res: BenchResult, path: str) -> None:
     axes[2].set_title("peak " + ("device" if res.provider == "cuda" else "RSS") + " memory MiB")
     for ax, vals in zip(axes, (med, [o.weight_bytes / MIB, r.weight_bytes / MIB], mem)):
         for i, v in enumerate(vals):
-            ax.annotate(f"{v:.3g}", (i, v), xytext=(14, 2), textcoords="offset points", ha="left", va="bottom",
-                        fontsize=9)
+            ax.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (i, v), xytext=(14, 2), textcoords="offset points",
+                        ha="left", va="bottom", fontsize=9)
+        ax.margins(y=0.15)
     worst = max((a.max_rel for a in res.agreement), default=0.0)
     fig.suptitle(f"{os.path.basename(o.path)} vs {os.path.basename(r.path)} on {res.provider}"
                  f"{' + CUDA graph' if res.cuda_graph else ''} (max rel output diff {worst:.3g})", fontsize=10)
