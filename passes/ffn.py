@@ -10,7 +10,8 @@ Anchored on a Mul (either input order) with one input SiLU(gate) and the other i
 projections of the SAME tensor x:
   * a projection: MatMul(x, W), MatMul(x, Transpose(Wt)), Gemm(x, B[, C]) (transA=0, transB 0/1, alpha/beta
     folded), W an initializer or a Constant node's output (the matcher of the weights4 pass), optionally followed by
-    Add(., b) with a constant bias [N]; or our MatMulNF4 / MatMulAWQ (weights4 already ran: their packed tensors
+    Add(., b) with a constant bias [N]; MatMul(x, Cast(W16, to=float)) with an fp16 constant W16 (fp32 activations,
+    fp16 weights: FusedFFN's mixed mode); or our MatMulNF4 / MatMulAWQ (weights4 already ran: their packed tensors
     are reused as they are, no requantisation; both projections must have the same format and attributes);
   * SiLU: every spelling the fplut pass recognises (its matcher is reused: x*Sigmoid(x) in any operand order and
     association, Swish(alpha=1), com.microsoft.QuickGelu(alpha=1)), or an FPLUT node with function='silu' (the
@@ -41,7 +42,7 @@ from onnx_lowbit import domain
 from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, is_float_type,
                    iter_graphs, node_label, outside_consumers, producer, remove_dead, type_name)
 from .fplut import _ANCHORS, _ARITH, _Run as _FplutRun, _single_op
-from .weights4 import _bias_vector, _rank
+from .weights4 import _bias_vector, _constant_weight, _rank
 from .weights4 import match as _match_linear
 
 _SEARCH_DEPTH = 4  # arithmetic steps from a SiLU's output back to its Sigmoid
@@ -125,7 +126,34 @@ class _Skip(Exception):
         self.spelling, self.reason = spelling, reason
 
 
+def _mixed_proj(node: gs.Node) -> _Proj | None:
+    """MatMul(x, Cast(W16, to=float)): fp16 weights with fp32 activations (the mixed mode, TW=float16)."""
+    if node.op != "MatMul" or len(node.inputs) != 2 or len(node.outputs) != 1:
+        return None
+    cast = producer(node.inputs[1])
+    if cast is None or cast.op != "Cast" or cast.domain or not is_alive(cast) or \
+            int(cast.attrs.get("to", 0)) != onnx.TensorProto.FLOAT:
+        return None
+    found = _constant_weight(cast.inputs[0])
+    if found is None:
+        return None
+    value, stored, via, transposed = found
+    if value.ndim != 2 or value.dtype != np.float16:
+        return None
+    r = _rank(node.inputs[0])
+    if r is None or r < 2:
+        raise _Skip("MatMul(A, Cast(W))", f"rank of A {'unknown' if r is None else r}; a rank >= 2 A is needed")
+    wt = value if transposed else value.T
+    nodes = [node, cast] + ([via] if via is not None else [])
+    return _Proj("float", node.inputs[0], node.outputs[0], nodes, "MatMul(A, Cast(W fp16))", int(wt.shape[1]),
+                 int(wt.shape[0]), wt=np.ascontiguousarray(wt), w_key=(id(stored), transposed, 1.0),
+                 w_name=stored.name)
+
+
 def _float_proj(node: gs.Node) -> _Proj | None:
+    mixed = _mixed_proj(node)
+    if mixed is not None:
+        return mixed
     cand, skip = _match_linear(node)
     if skip is not None:
         raise _Skip(skip[0], skip[1])
@@ -275,7 +303,7 @@ class _Run:
             return f"output dtype {type_name(elem_type(gate.out))}"
         inside = {id(n) for n in gate.nodes + up.nodes + silu.nodes + [mul]}
         for n in gate.nodes + up.nodes + silu.nodes:
-            if n.op in ("Constant", "Transpose"):
+            if n.op in ("Constant", "Transpose", "Cast"):
                 continue  # weight producers may be shared: they stay while others read them
             users = outside_consumers(n, inside, g)
             if users:

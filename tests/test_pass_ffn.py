@@ -385,3 +385,49 @@ def test_skip_awq_calibration_scales():
     reason, out = skipped_reason(m, passes=("weights4", "ffn"), weights="awq", calibration=cal, group_size=32)
     assert "scaled by two different Muls" in reason
     assert ops(out).count("MatMulAWQ") == 3
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_mixed_precision_cast_weights(transposed):
+    """MatMul(x, Cast(W16 -> float)) (fp16 weights, fp32 activations): FusedFFN with float16 W1/W3 (mixed mode)."""
+    w1, w3, w2, b1, _ = weights(np.float16)
+    b = Builder(np.float32)
+    prj = []
+    for name, w in (("gate", w1), ("up", w3)):
+        if transposed:
+            wsrc = b.node("Transpose", [b.const(f"{name}_wt", np.ascontiguousarray(w.T))], perm=[1, 0])
+        else:
+            wsrc = b.const(f"{name}_w", w)
+        prj.append(b.node("MatMul", ["x", b.node("Cast", [wsrc], to=TP.FLOAT)], name=name))
+    g = b.node("Add", [prj[0], b.const("b1", b1.astype(np.float32))])
+    s = b.node("Mul", [silu(b, g), prj[1]], name="mul")
+    y = b.node("MatMul", [s, b.const("down_w", w2.astype(np.float32))], name="down")
+    out, report = rewrite_and_compare(b.model(y))
+    node = out.graph.node[0]
+    inits = {i.name: nh.to_array(i) for i in out.graph.initializer}
+    assert inits[node.input[1]].dtype == np.float16 and inits[node.input[1]].shape == (N, K)
+    assert "Cast" not in ops(out) and "Cast(W fp16)" in report.rewritten("ffn")[0].pattern
+
+
+def test_subgraph():
+    """A SwiGLU inside an If branch (outer-scope x, branch-local weights) is fused there."""
+    inner = Builder()
+    w1, w3, _, _, _ = weights()
+    g = inner.node("MatMul", ["x", inner.const("w1", w1)], name="gate")
+    u = inner.node("MatMul", ["x", inner.const("w3", w3)], name="up")
+    s = inner.node("Mul", [silu(inner, g), u], name="mul")
+    then_g = oh.make_graph(inner.nodes, "then", [], [oh.make_tensor_value_info(s, TP.FLOAT, [None, None])],
+                           initializer=inner.inits)
+    else_g = oh.make_graph([oh.make_node("Constant", [], ["z"], value=nh.from_array(np.zeros((1, N), np.float32)))],
+                           "else", [], [oh.make_tensor_value_info("z", TP.FLOAT, [None, None])])
+    node = oh.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g, name="if")
+    gr = oh.make_graph([node], "g", [oh.make_tensor_value_info("x", TP.FLOAT, ["M", K]),
+                                     oh.make_tensor_value_info("c", TP.BOOL, [])],
+                       [oh.make_tensor_value_info("y", TP.FLOAT, [None, None])])
+    m = oh.make_model(gr, opset_imports=[oh.make_opsetid("", 17)], ir_version=10)
+    out, report = run_passes(m, ["ffn"])
+    onnx.checker.check_model(out, full_check=True)
+    branch = next(a.g for a in out.graph.node[0].attribute if a.name == "then_branch")
+    assert [n.op_type for n in branch.node] == ["FusedFFN"], report.to_table()
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, K)).astype(np.float32), "c": np.array(True)}
+    assert rel_fro(run(out, feeds)[0], run(m, feeds, ours=False)[0]) <= 1e-5
