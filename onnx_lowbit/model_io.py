@@ -231,22 +231,30 @@ class StagedOutput:
         the staging folder (``model``'s tensors are changed to refer to the output's data file). Returns the
         staged model's path (loadable, e.g. for --verify, until commit / abort)."""
         import numpy as np
+        # tensors already external (ours or the input's) are all rewritten to the output's file; inline tensors
+        # move out only from initializers, as onnx.save does (attribute tensors of Constant nodes stay inline)
+        ext = onnx.TensorProto.EXTERNAL
         try:
             for t in onnx.external_data_helper._get_all_tensors(model):
-                if t.data_location == onnx.TensorProto.EXTERNAL:
-                    info = onnx.external_data_helper.ExternalDataInfo(t)
-                    if info.location == self.tmp_data:
-                        self._refer(t, int(info.offset or 0), int(info.length), self.data_name)
-                        continue
-                    if src_dir is None:
-                        raise LowbitError(f"tensor {t.name!r} refers to external data but no folder to read it from")
-                    src = info.location if os.path.isabs(info.location) else os.path.join(src_dir, info.location)
-                    start, n = self._copy_from(src, int(info.offset or 0), info.length, t.name)
-                    self._refer(t, start, n, self.data_name)
-                elif t.HasField("raw_data") and len(t.raw_data) >= self.THRESHOLD:
-                    start, n = self._append(t.raw_data)
-                    self._refer(t, start, n, self.data_name)
-                elif not t.HasField("raw_data") and t.data_type != onnx.TensorProto.STRING:
+                if t.data_location != ext:
+                    continue
+                info = onnx.external_data_helper.ExternalDataInfo(t)
+                if info.location == self.tmp_data:
+                    self._refer(t, int(info.offset or 0), int(info.length), self.data_name)
+                    continue
+                if src_dir is None:
+                    raise LowbitError(f"tensor {t.name!r} refers to external data but no folder to read it from")
+                src = info.location if os.path.isabs(info.location) else os.path.join(src_dir, info.location)
+                start, n = self._copy_from(src, int(info.offset or 0), info.length, t.name)
+                self._refer(t, start, n, self.data_name)
+            for t in onnx.external_data_helper._get_initializer_tensors(model):
+                if t.data_location == ext:
+                    continue
+                if t.HasField("raw_data"):
+                    if len(t.raw_data) >= self.THRESHOLD:
+                        start, n = self._append(t.raw_data)
+                        self._refer(t, start, n, self.data_name)
+                elif t.data_type != onnx.TensorProto.STRING:
                     a = onnx.numpy_helper.to_array(t)
                     if a.nbytes >= self.THRESHOLD:
                         start, n = self._append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))

@@ -151,3 +151,33 @@ def test_external_data_file_too_short(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err and "weights.bin" in err
     assert not (tmp_path / "out.onnx").exists()
+
+
+def test_streamed_output_runs_and_keeps_constant_nodes_inline(tmp_path):
+    """Float tensors left in the graph (a Constant node's value, a small initializer) survive streaming: Constant
+    attributes stay inline, initializers go to OUT.data; the output runs and matches the in-memory rewrite."""
+    import onnx_lowbit
+    rng = np.random.default_rng(5)
+    d, f = 256, 512
+    w = numpy_helper.from_array((rng.standard_normal((d, f)) * 0.05).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(f).astype(np.float32), "b")
+    c = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(
+        rng.standard_normal(f).astype(np.float32), "cv"))
+    nodes = [c, helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["hb"]),
+             helper.make_node("Mul", ["hb", "c"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", d])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", f])], [w, b])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    src = str(tmp_path / "in.onnx")
+    onnx.save_model(m, src, save_as_external_data=True, all_tensors_to_one_file=True, location="in.data",
+                    size_threshold=4096)  # w external, b (2 KiB) inline
+    out = str(tmp_path / "out.onnx")
+    assert cli.main(["rewrite", src, out, "--weights", "nf4"]) == 0
+    head = onnx.load(out, load_external_data=False)
+    const = [n for n in head.graph.node if n.op_type == "Constant"]
+    assert const and const[0].attribute[0].t.data_location != TensorProto.EXTERNAL
+    x = rng.standard_normal((3, d)).astype(np.float32)
+    y = onnx_lowbit.InferenceSession(out, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    ref_model, _ = run_passes(model_io.load(src), weights="nf4")
+    y_ref = onnx_lowbit.InferenceSession(ref_model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.array_equal(y, y_ref)
