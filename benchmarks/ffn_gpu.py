@@ -121,31 +121,40 @@ def main():
         del a1, a3
 
     if args.variants:
-        print("\n### Decode kernel variants (fp16, M = 1)\n\n| block | cols | chunks/step | load | us | occupancy, grid |"
-              "\n| ---: | ---: | ---: | --- | ---: | --- |")
+        print("\n### Decode kernel variants (fp16)\n\n| M | block | cols | chunks/step | double-buffered | load | us |"
+              " occupancy, grid |\n| ---: | ---: | ---: | ---: | --- | --- | ---: | --- |")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         s = torch.cuda.current_stream().cuda_stream
         nl = "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
-        for block, cols, uj, ld in [(256, 2, 2, fc.LOAD), (256, 1, 2, fc.LOAD), (256, 2, 1, fc.LOAD),
-                                    (256, 4, 1, fc.LOAD), (128, 2, 2, fc.LOAD), (128, 1, 2, fc.LOAD),
-                                    (512, 2, 1, fc.LOAD), (512, 1, 1, fc.LOAD), (256, 2, 2, nl),
-                                    (256, 2, 2, "ld.global.nc.L1::evict_first.v4.u32")]:
-            L = fc.launcher("decode", True, True, 1, cols=cols, uj=uj, load=ld, block=block)
-            occ = fc.occupancy(L, block, K * 4)
-            grid = fc.decode_grid(N, 1, sms, occ, cols)
-            wargs = [(x.data_ptr(), (K,)), (w1.data_ptr(), (N * K // 2,)), (w3.data_ptr(), (N * K // 2,)),
-                     (y.data_ptr(), (N,)), (y.data_ptr(), (N,)), (y.data_ptr(), (N,)), 1, K, N, 0, 0]
-            fn = lambda L=L, grid=grid, block=block: L.launch(grid, block, s, *wargs, shmem=K * 4)  # noqa: E731
+        L0 = fc.LOAD
+        for m, block, cols, uj, db, ld in [
+                (1, 256, 2, 2, False, L0), (1, 512, 2, 1, False, L0), (1, 256, 2, 2, True, L0),
+                (1, 256, 1, 2, True, L0), (1, 512, 1, 1, True, L0), (1, 256, 2, 2, False, nl),
+                (2, 256, 2, 2, False, L0), (2, 256, 2, 2, True, L0), (2, 256, 2, 1, True, L0),
+                (4, 256, 1, 2, True, L0), (4, 256, 2, 1, True, L0), (4, 256, 1, 2, False, L0),
+                (4, 256, 2, 2, True, L0), (4, 512, 1, 1, True, L0), (4, 128, 1, 2, True, L0)]:
+            mt = fc.bucket(m)
+            L = fc.launcher("decode", True, True, mt, cols=cols, uj=uj, load=ld, block=block, db=db)
+            occ = fc.occupancy(L, block, mt * K * 4)
+            grid = fc.decode_grid(N, mt, sms, occ, cols)
+            xm = torch.randn(m, K, device="cuda", dtype=torch.float16)
+            ym = torch.empty(m, N, device="cuda", dtype=torch.float16)
+            wargs = [(xm.data_ptr(), (m * K,)), (w1.data_ptr(), (N * K // 2,)), (w3.data_ptr(), (N * K // 2,)),
+                     (ym.data_ptr(), (N,)), (ym.data_ptr(), (N,)), (ym.data_ptr(), (m * N,)), m, K, N, 0, 0]
+            fn = lambda L=L, grid=grid, block=block, wargs=wargs, mt=mt: L.launch(  # noqa: E731
+                grid, block, s, *wargs, shmem=mt * K * 4)
             fn()
             torch.cuda.synchronize()
-            e = rel_err(y, x, w1, w3)
+            e = rel_err(ym, xm, w1, w3)
             t = time_cuda(fn)
-            print(f"| {block} | {cols} | {uj} | {ld} | {t:.1f} | {occ}, {grid} (err {e:.0e}) |")
+            print(f"| {m} | {block} | {cols} | {uj} | {db} | {ld} | {t:.1f} | {occ}, {grid} (err {e:.0e}) |")
 
     # ---- prefill sweep, fp16
     print("\n### M sweep, fp16, K=4096, N=11008: ours (auto path) vs torch's unfused path\n\n"
-          "| M | path | ours us | decode us | cuBLAS path us | torch us | ours / torch | rel err |\n"
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| M | path | ours us | decode us | cuBLAS path us | same, fp16 scratch | torch us | ours / torch | rel err |"
+          " rel err fp16 scratch |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    k16h = kernel(True, True)
+    k16h.use_fp16_scratch(True)
     sweep = {}
     cross = None
     for m in SWEEP:
@@ -154,16 +163,23 @@ def main():
         auto = "decode" if fc.decode_ok(m, K, True) else ("gemm" if k16.blas else "tiled")
         t_auto = time_cuda(runner(k16, xm, w1, w3, ym))
         e = rel_err(ym, xm, w1, w3)
-        t_dec = time_cuda(runner(k16, xm, w1, w3, ym, "decode")) if fc.decode_ok(m, K, True) else None
+        feasible = fc.decode_ok(m, K, True, max_m=16)
+        t_dec = time_cuda(runner(k16, xm, w1, w3, ym, "decode")) if feasible else None
         t_gemm = time_cuda(runner(k16, xm, w1, w3, ym, "gemm")) if k16.blas else None
+        t_h, e_h = None, None
+        if k16.blas:
+            t_h = time_cuda(runner(k16h, xm, w1, w3, ym, "gemm"))
+            e_h = rel_err(ym, xm, w1, w3)
         t_t = time_cuda(torch_ffn(xm, w1, w3))
         if t_dec is not None and t_gemm is not None and t_gemm < t_dec and cross is None:
             cross = m
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"| {m} | {auto} | {t_auto:.1f} | {f(t_dec)} | {f(t_gemm)} | {t_t:.1f} | {t_auto / t_t:.2f} | {e:.1e} |")
-        sweep[m] = dict(path=auto, ours=t_auto, decode=t_dec, gemm=t_gemm, torch=t_t, err=e)
+        print(f"| {m} | {auto} | {t_auto:.1f} | {f(t_dec)} | {f(t_gemm)} | {f(t_h)} | {t_t:.1f} | {t_auto / t_t:.2f} | "
+              f"{e:.1e} | {'-' if e_h is None else f'{e_h:.1e}'} |")
+        sweep[m] = dict(path=auto, ours=t_auto, decode=t_dec, gemm=t_gemm, gemm_fp16_scratch=t_h, torch=t_t, err=e,
+                        err_fp16_scratch=e_h)
     print(f"\ncrossover decode -> cuBLAS path: {'M = ' + str(cross) if cross else 'none where both run'} "
-          f"(decode kernel allowed for M <= {max(m for m in SWEEP if fc.decode_ok(m, K, True))} at K={K})")
+          f"(decode kernel used for M <= {max(m for m in SWEEP if fc.decode_ok(m, K, True))} at K={K})")
     slower = [m for m, v in sweep.items() if v["ours"] > v["torch"]]
     print(f"M where ours is slower than torch's unfused path: {slower or 'none'}")
     out["sweep"] = sweep
