@@ -102,6 +102,7 @@ def _make_xproj(wide, xs=XS):
     xt = 4 * xs
     t_size = XK * xt
     per = t_size // (xs * xs)        # tile elements each thread stages per K round (of X and of W)
+    u_xs, u_xt = np.uint64(xs), np.uint64(xt)
 
     @cuda.jit
     def xproj(x, w, out, prm, pch, qsc, t_dim, n_dim, c_dim, hd, layout, lo, hi):
@@ -134,8 +135,10 @@ def _make_xproj(wide, xs=XS):
         rb = cuda.local.array(per, int32)
         xoff = cuda.local.array(per, int64)     # this thread's staged elements: row offsets in x and W (-1: none)
         woff = cuda.local.array(per, int64)
+        sidx = cuda.local.array(per, uint64)
         for r in range(per):
             e = tid + r * xs * xs
+            sidx[r] = uint64((e % XK) * xt + e // XK)
             rr = e // XK
             m = m0 + rr
             xoff[r] = -1
@@ -153,9 +156,8 @@ def _make_xproj(wide, xs=XS):
             rb[r] = int32(w[woff[r] + k]) if k < c_dim and woff[r] >= 0 else int32(0)
         while k0 < c_dim:
             for r in range(per):
-                e = tid + r * xs * xs
-                a_s[(e % XK) * xt + e // XK] = ra[r]
-                b_s[(e % XK) * xt + e // XK] = rb[r]
+                a_s[sidx[r]] = ra[r]
+                b_s[sidx[r]] = rb[r]
             cuda.syncthreads()
             kn = k0 + XK
             if kn < c_dim:                      # next round in flight during this round's products
@@ -164,14 +166,18 @@ def _make_xproj(wide, xs=XS):
                     ra[r] = int32(_quant(x[xoff[r] + k], scale, lo - zpx, hi - zpx)) \
                         if k < c_dim and xoff[r] >= 0 else int32(0)
                     rb[r] = int32(w[woff[r] + k]) if k < c_dim and woff[r] >= 0 else int32(0)
+            ua = uint64(ty)                     # unsigned indices: no negative-index wraparound code
+            ub = uint64(tx)
             for kk in range(XK):
                 av = cuda.local.array(4, acc_t)
                 for i in range(4):
-                    av[i] = acc_t(a_s[kk * xt + ty + xs * i])
+                    av[i] = acc_t(a_s[ua + u_xs * uint64(i)])
                 for j in range(4):
-                    bv = acc_t(b_s[kk * xt + tx + xs * j])
+                    bv = acc_t(b_s[ub + u_xs * uint64(j)])
                     for i in range(4):
                         acc[i * 4 + j] += av[i] * bv
+                ua += u_xt
+                ub += u_xt
             cuda.syncthreads()
             k0 = kn
         zpwx = prm[pb + P_ZPWX]
@@ -364,19 +370,23 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                     rest = it // ks
                     j = rest % nu
                     bg = rest // nu
-                    wb = rs_off + j * 3 * rs
-                    hb1 = hs_off + bg * tn * hd
-                    k = sl
-                    while k < hd:
-                        w0 = acc_t(sm32[wb + k])
-                        w1 = acc_t(sm32[wb + rs + k])
-                        w2 = acc_t(sm32[wb + 2 * rs + k])
+                    w_0 = uint64(rs_off + j * 3 * rs)    # unsigned indices: no negative-index wraparound
+                    w_1 = uint64(rs_off + j * 3 * rs + rs)
+                    w_2 = uint64(rs_off + j * 3 * rs + 2 * rs)
+                    h_0 = uint64(hs_off + bg * tn * hd)
+                    hdu = uint64(hd)
+                    ksu = uint64(ks)
+                    k = uint64(sl)
+                    while k < hdu:
+                        w0 = acc_t(sm32[w_0 + k])
+                        w1 = acc_t(sm32[w_1 + k])
+                        w2 = acc_t(sm32[w_2 + k])
                         for m in range(tn):
-                            hv = acc_t(sm32[hb1 + m * hd + k])
+                            hv = acc_t(sm32[h_0 + uint64(m) * hdu + k])
                             a[3 * m] += w0 * hv
                             a[3 * m + 1] += w1 * hv
                             a[3 * m + 2] += w2 * hv
-                        k += ks
+                        k += ksu
                 if shfl:
                     for i in range(na):
                         a[i] = _ksum(a[i], ks)
