@@ -200,6 +200,7 @@ class StagedOutput:
         t.data_type = onnx.helper.np_dtype_to_tensor_dtype(a.dtype)
         t.dims.extend(a.shape)
         start, n = self._append(a.reshape(-1).view(np.uint8))
+        self._f.flush()  # a later pass may read it back (passes.external.ExternalValues opens the file anew)
         self._refer(t, start, n, self.tmp_data)
         return t
 

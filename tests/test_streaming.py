@@ -181,3 +181,17 @@ def test_streamed_output_runs_and_keeps_constant_nodes_inline(tmp_path):
     ref_model, _ = run_passes(model_io.load(src), weights="nf4")
     y_ref = onnx_lowbit.InferenceSession(ref_model, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert np.array_equal(y, y_ref)
+
+
+def test_spilled_tensor_reads_back_at_once(tmp_path):
+    """A later pass may read a constant an earlier one spilled (e.g. ffn fusing weights4's output)."""
+    from onnx_lowbit.passes import base, external
+    with model_io.StagedOutput(tmp_path / "o.onnx") as staged:
+        a = np.arange(900, dtype=np.float32).reshape(30, 30)  # 3600 bytes: would sit in a write buffer
+        c = external.constant("c", a, staged.spill)
+        assert isinstance(c._values, external.ExternalValues)
+        assert np.array_equal(base.constant_value(c), a)
+        assert isinstance(c._values, external.ExternalValues)  # read, not cached in the graph
+        small = external.constant("s", np.ones(4, np.float32), staged.spill)
+        assert isinstance(small.values, np.ndarray)          # below SPILL_MIN_BYTES: kept in memory
+    assert os.listdir(tmp_path) == []                        # left without commit: nothing stays
