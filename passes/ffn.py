@@ -233,6 +233,16 @@ def find_projection(g: gs.Graph, t) -> _Proj | None:
     return proj
 
 
+def _x_type(proj: _Proj):
+    """X's element type: known from shape inference, else implied by a float MatMul/Gemm's weight (ONNX requires the
+    same type; fp32 for the Cast spelling); None when unknown."""
+    et = elem_type(proj.x)
+    if et is None and proj.kind == "float":
+        return onnx.TensorProto.FLOAT if "Cast(" in proj.spelling or proj.wt.dtype == np.float32 else \
+            onnx.TensorProto.FLOAT16
+    return et
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the pass
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +304,7 @@ class _Run:
             return f"gate weight is {gate.wt.dtype}, up weight {up.wt.dtype}"
         if gate.kind != "float" and gate.attrs != up.attrs:
             return f"4-bit attributes differ: gate {gate.attrs}, up {up.attrs}"
-        et = elem_type(gate.x)
+        et = _x_type(gate)
         if et is None:
             return f"dtype of {gate.x.name!r} unknown (shape inference gave none)"
         if et not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
@@ -320,7 +330,7 @@ class _Run:
             self.owner.skipped(self.report, pattern, labels, reason)
             return
         x, s = gate.x, mul.outputs[0]
-        t_np = np.float32 if elem_type(x) == onnx.TensorProto.FLOAT else np.float16
+        t_np = np.float32 if _x_type(gate) == onnx.TensorProto.FLOAT else np.float16
         base = mul.name or s.name
         if gate.kind == "float":
             op = "FusedFFN"
