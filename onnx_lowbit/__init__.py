@@ -24,6 +24,7 @@ from .domain import DOMAIN, DOMAIN_VERSION  # noqa: E402
 
 _LAZY = {
     "rewrite": ("onnx_lowbit.api", "rewrite"),
+    "rewrite_file": ("onnx_lowbit.api", "rewrite_file"),
     "register": ("onnx_lowbit.api", "register"),
     "InferenceSession": ("onnx_lowbit.api", "InferenceSession"),
     "SessionOptions": ("onnx_lowbit.api", "SessionOptions"),

@@ -108,3 +108,37 @@ def plain_session(model, sess_options=None, providers=None, **kwargs) -> ort.Inf
         model = model.SerializeToString()
     with explained_errors(model if isinstance(model, (str, os.PathLike)) else None):
         return ort.InferenceSession(model, sess_options=sess_options, providers=providers, **kwargs)
+
+
+def rewrite_file(src, dst, passes=None, **options):
+    """Rewrites the model file ``src`` into ``dst`` and returns the Report. A model with external data (every model
+    over 2 GB) is streamed as `onnx-lowbit rewrite` does it: weights are read one at a time and new ones written
+    to ``dst``'s data file as they are made (docs/reliability.md). ``dst`` appears atomically, or not at all when
+    anything fails; ``src`` is never modified."""
+    from onnx_lowbit.passes import Report, resolve, run_passes
+
+    from . import model_io
+    from .errors import LowbitError
+    selected = resolve(passes)
+    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
+        raise LowbitError(f"dst must differ from src ({dst}); the input is never overwritten")
+    head = model_io.load(src, load_external_data=False)
+    model_io.check_opset(head, os.fspath(src))
+    model_io.check_output_spares_input(dst, src, head)
+    report = Report()
+    if not model_io.uses_external_data(head) or options.get("calibration") is not None:
+        out = model_io.load(src)
+        for p in selected:
+            out, r = run_passes(out, passes=[p.name], **options)
+            report.extend(r)
+        model_io.save(out, dst)
+        return report
+    with model_io.StagedOutput(dst) as staged:
+        options = dict(options, external_data_dir=os.path.dirname(os.path.abspath(os.fspath(src))), spill=staged.spill)
+        out = head
+        for p in selected:
+            out, r = run_passes(out, passes=[p.name], **options)
+            report.extend(r)
+        staged.write(out, options["external_data_dir"])
+        staged.commit()
+    return report

@@ -222,3 +222,20 @@ def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
     ref = {t.name: numpy_helper.to_array(t) for t in ref_model.graph.initializer}
     got = {t.name: numpy_helper.to_array(t) for t in got_model.graph.initializer}
     assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
+
+
+def test_api_rewrite_file_and_inspect_stream(tmp_path, no_full_load, capsys):
+    import onnx_lowbit
+    src = build(str(tmp_path), layers=1, d=256, f=512)
+    before = digest(tmp_path)
+    report = onnx_lowbit.rewrite_file(src, tmp_path / "api.onnx", weights="nf4")
+    assert len(report.rewritten("weights4")) == 2
+    assert cli.main(["rewrite", src, str(tmp_path / "cli.onnx"), "--weights", "nf4"]) == 0
+    assert {k: digest(tmp_path)[k] for k in before} == before
+    a, b = arrays(tmp_path / "api.onnx"), arrays(tmp_path / "cli.onnx")
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    assert cli.main(["inspect", src, "--weights", "nf4"]) == 0  # inspect reads external weights lazily too
+    assert "weights4: 2 weights" in capsys.readouterr().out
+    from onnx_lowbit.errors import LowbitError
+    with pytest.raises(LowbitError, match="differ"):
+        onnx_lowbit.rewrite_file(src, src)
