@@ -478,11 +478,20 @@ def _ratio(a, b):
     return f"x{b / a:.3f}" if a and b is not None and a is not None else ""
 
 
+def _inputs_summary(inputs: dict) -> str:
+    """``name dtype[shape]`` per input; inputs of one dtype and shape grouped (``32 x float16[...] (a, ..., z)``)."""
+    groups = {}
+    for k, (shape, dt) in inputs.items():
+        groups.setdefault(f"{dt}{shape}", []).append(k)
+    return ", ".join(f"{names[0]} {sig}" if len(names) == 1 else f"{len(names)} x {sig} ({names[0]} .. {names[-1]})"
+                     for sig, names in groups.items())
+
+
 def table(res: BenchResult) -> str:
     o, r = res.models
     mode = f"{res.provider}{' + CUDA graph' if res.cuda_graph else ''}"
     lines = [f"onnx-lowbit bench ({mode}; {res.warmup} warm-up + {res.runs} timed runs; inputs "
-             + ", ".join(f"{k} {v[1]}{v[0]}" for k, v in res.inputs.items()) + ")", "",
+             + _inputs_summary(res.inputs) + ")", "",
              "| | original | rewritten | rewritten / original |", "|---|---|---|---|",
              f"| model | {os.path.basename(o.path)} | {os.path.basename(r.path)} | |",
              f"| latency median (ms) | {o.median_ms:.3f} | {r.median_ms:.3f} | {_ratio(o.median_ms, r.median_ms)} |",
