@@ -314,6 +314,20 @@ def _make_rec(wide, tn, tpb=REC_TPB):
         while e < ngr * tn * hd:
             sm32[hs_off + e] = int32(0)
             e += tpb
+        # the x parts of the first cell item of this thread, loaded a step ahead (before the barrier)
+        pe = tid < nb * nu
+        pnl = tid // nu
+        pln = int64(t_dim)
+        if pe and flags & 2:
+            pln = int64(seql[n0 + pnl])
+        pxb = ((d * t_dim + (pln - 1 - s0 if rev else s0)) * n_dim + n0 + pnl) * g3 + u0 + tid - pnl * nu
+        pz = int64(0)
+        pr = int64(0)
+        pg = int64(0)
+        if pe and s0 < pln:
+            pz = int64(qwx[pxb])
+            pr = int64(qwx[pxb + hd])
+            pg = int64(qwx[pxb + 2 * hd])
         s = s0
         while s < s1:
             cur = s & 1
@@ -407,14 +421,21 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                 n = n0 + nl
                 bg = nl // tn
                 hold = int64(sm32[hs_off + nl * hd + u]) + zph
-                ln = seql[n] if flags & 2 else t_dim
+                ln = pln
+                if e != tid:
+                    ln = int64(seql[n]) if flags & 2 else int64(t_dim)
                 hn = hold
                 if s < ln:
                     t = ln - 1 - s if rev else s
-                    xb = ((d * t_dim + t) * n_dim + n) * g3 + u
-                    dwz = int64(qwx[xb]) - zpwx
-                    dwr = int64(qwx[xb + hd]) - zpwx
-                    dwg = int64(qwx[xb + 2 * hd]) - zpwx
+                    if e == tid:
+                        dwz = pz - zpwx
+                        dwr = pr - zpwx
+                        dwg = pg - zpwx
+                    else:
+                        xb = ((d * t_dim + t) * n_dim + n) * g3 + u
+                        dwz = int64(qwx[xb]) - zpwx
+                        dwr = int64(qwx[xb + hd]) - zpwx
+                        dwg = int64(qwx[xb + 2 * hd]) - zpwx
                     if shfl:
                         ib = (bg * nu + j) * na + 3 * (nl - bg * tn)
                         az = sm64[ib]
@@ -458,6 +479,11 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                         float32(hn - zph) * dqh if ln > 0 else float32(0.0)
                 e += tpb
             cuda.syncthreads()
+            if pe and s + 1 < pln and s + 1 < s1:       # next step's x parts, in flight during the barrier
+                pxb = ((d * t_dim + (pln - 2 - s if rev else s + 1)) * n_dim + n0 + pnl) * g3 + u0 + tid - pnl * nu
+                pz = int64(qwx[pxb])
+                pr = int64(qwx[pxb + hd])
+                pg = int64(qwx[pxb + 2 * hd])
             if s + 1 < s1 and nblk > 1:
                 if tid == 0:
                     _barrier(cnt, grp_id, nblk)
@@ -665,7 +691,8 @@ class Prepared:
             from .cuda_launch import current_device, sm_count
             sms = sms or sm_count(current_device())
         self.plan = Plan(n, self.h, self.d, bits, sms or 4, units=units)
-        self.per_step = per_step or SIM
+        # the simulator runs blocks one after the other: a launch of several steps only without barriers there
+        self.per_step = per_step or (SIM and self.plan.nblk > 1)
         prm, pch, qsc, dq = prepare(a, B, channel_exp)
         dev = lambda v, dt: cuda.to_device(np.ascontiguousarray(v, dt).reshape(-1))  # noqa: E731
         qt = np.int8 if bits == 8 else np.int16
