@@ -27,6 +27,7 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -383,6 +384,7 @@ class BenchResult:
     inputs: dict            # name -> [shape, dtype]
     models: list            # [ModelResult original, ModelResult rewritten]
     agreement: list         # [Agreement] per output
+    written: list = field(default_factory=list)   # files written into out_dir
 
     def to_dict(self):
         d = asdict(self)
@@ -456,9 +458,15 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
                       {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement)
     if out_dir is not None:
         stem = os.path.join(out_dir, f"bench-{mode_name(res)}")
+        try:
+            plot(res, stem + ".png")
+            res.written.append(stem + ".png")
+        except ImportError:
+            print("onnx-lowbit: note: no chart, matplotlib is not installed (pip install onnx-lowbit[plot])",
+                  file=sys.stderr)
+        res.written.append(stem + ".json")
         with open(stem + ".json", "w") as fh:
             json.dump(res.to_dict(), fh, indent=1)
-        plot(res, stem + ".png")
     return res
 
 
@@ -546,6 +554,5 @@ def main(a, session_factory) -> int:
               cuda_graph=a.cuda_graph, warmup=a.warmup, runs=a.runs, inputs=a.inputs,
               dims=parse_dims(a.dim), out_dir=a.out)
     print(table(res))
-    stem = os.path.join(a.out, f"bench-{mode_name(res)}")
-    print(f"\nwrote {stem}.png, {stem}.json")
+    print(f"\nwrote {', '.join(res.written)}")
     return 0

@@ -152,3 +152,17 @@ def test_bad_input(rewritten, tmp_path, capsys):
     np.savez(tmp_path / "shape.npz", x=np.zeros((1, 4, 7), np.float32))
     _bad(capsys, "has shape [1, 4, 7]", GPT2, r, "--inputs", str(tmp_path / "shape.npz"), *o)
     _bad(capsys, "differs between the models", GPT2, YOLO, *o)
+
+
+def test_without_matplotlib(rewritten, tmp_path, capsys, monkeypatch):
+    import builtins
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    rc, o, e = _main(capsys, GPT2, rewritten["gpt2_nf4.onnx"], *FAST, "--out", str(tmp_path))
+    assert rc == 0 and "| latency median (ms) |" in o and "matplotlib is not installed" in e
+    assert [p.name for p in tmp_path.iterdir()] == ["bench-cpu.json"]
