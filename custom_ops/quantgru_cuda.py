@@ -195,16 +195,21 @@ def _make_xproj(wide, xs=XS):
 
 # ---------------------------------------------------------------------------------------------------- rec
 @cuda.jit(device=True, inline=True)
-def _barrier(cnt, grp, nblk):
-    """Thread 0 of each block: waits until all nblk blocks of the group arrived. cnt[grp] only grows; an
-    arrival's ticket says which round it belongs to, so the counter needs no reset (a launch leaves it at a
-    multiple of nblk)."""
+def _barrier(cnt, grp, nblk, target):
+    """Thread 0 of each block: arrives at the group's barrier and waits until all nblk blocks arrived; returns
+    the counter value that ends the next round. cnt[grp] only grows, so it needs no reset: a launch leaves it at
+    a multiple of nblk. The first barrier of a launch (target 0) learns its round from its ticket; later ones
+    know their target and arrive with a reduction (no returned value to wait for)."""
     cuda.threadfence()                                   # release: this block's h stores before the arrival
-    ticket = cuda.atomic.add(cnt, grp, uint64(1))
-    target = (ticket // uint64(nblk) + uint64(1)) * uint64(nblk)
+    if target == uint64(0):
+        ticket = cuda.atomic.add(cnt, grp, uint64(1))
+        target = (ticket // uint64(nblk) + uint64(1)) * uint64(nblk)
+    else:
+        cuda.atomic.add(cnt, grp, uint64(1))
     while cuda.atomic.add(cnt, grp, uint64(0)) < target:   # an L2-coherent read
         pass
     cuda.threadfence()                                   # acquire: the other blocks' h stores are visible
+    return target + uint64(nblk)
 
 
 if SIM:
@@ -328,6 +333,7 @@ def _make_rec(wide, tn, tpb=REC_TPB):
             pz = int64(qwx[pxb])
             pr = int64(qwx[pxb + hd])
             pg = int64(qwx[pxb + 2 * hd])
+        target = uint64(0)                      # barrier: the counter value that ends the next round
         s = s0
         while s < s1:
             cur = s & 1
@@ -486,7 +492,7 @@ def _make_rec(wide, tn, tpb=REC_TPB):
                 pg = int64(qwx[pxb + 2 * hd])
             if s + 1 < s1 and nblk > 1:
                 if tid == 0:
-                    _barrier(cnt, grp_id, nblk)
+                    target = _barrier(cnt, grp_id, nblk, target)
                 cuda.syncthreads()
             s += 1
         if t_dim == 0 and flags & 8:            # no steps: every entry has length 0, Y_h = 0
