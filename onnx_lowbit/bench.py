@@ -18,7 +18,7 @@ Memory (the method is printed with the figures):
   cuda  device memory in use (NVML through pynvml, else cupy's cudaMemGetInfo, else ``nvidia-smi
         --query-gpu=memory.used``) after the timed runs minus before the session was made. It is device-wide
         (other processes count), and onnxruntime's CUDA arena keeps what it grew to until the session ends, so
-        "after" is the session's peak. The CUDA context is created before the first baseline (a throwaway
+        "after" is the session's peak (arena_extend_strategy kSameAsRequested: no power-of-two rounding). The CUDA context is created before the first baseline (a throwaway
         session), so neither model pays for it.
 """
 from __future__ import annotations
@@ -203,7 +203,8 @@ def _cuda_check(cuda_graph):
 def _providers(provider, cuda_graph, device_id=0):
     if provider == "cpu":
         return ["CPUExecutionProvider"]
-    opts = {"device_id": str(device_id)}
+    # the arena grows by what is asked for (not by powers of two), so its size is what the model needs
+    opts = {"device_id": str(device_id), "arena_extend_strategy": "kSameAsRequested"}
     if cuda_graph:
         opts["enable_cuda_graph"] = "1"
     return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
