@@ -1,4 +1,5 @@
-"""Peak memory of `onnx-lowbit rewrite --weights nf4` on a model over 2 GB (weights in external data).
+"""Peak memory of `onnx-lowbit rewrite --weights nf4` (and of `inspect --weights nf4`) on a model over 2 GB (weights
+in external data).
 
 Builds an fp16 MLP stack (LAYERS x [MatMul d->f, Relu, MatMul f->d]) whose weights are written straight to one
 external data file (the builder never holds more than one weight), runs the CLI in a subprocess under
@@ -62,10 +63,10 @@ def build(folder: str, layers: int, d: int, f: int, seed: int = 0) -> tuple:
     return path, offset, largest
 
 
-def run_rewrite(src: str, dst: str, extra: list) -> tuple:
-    """(peak RSS bytes, wall seconds, stdout+stderr) of the CLI rewriting src -> dst in a subprocess."""
+def run_cli(args: list) -> tuple:
+    """(peak RSS bytes, wall seconds, stdout+stderr) of `onnx-lowbit ARGS` in a subprocess."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "onnx_lowbit.cli", "rewrite", src, dst, "--weights", "nf4", *extra]
+    cmd = [sys.executable, "-m", "onnx_lowbit.cli", *args]
     use_time = os.path.exists("/usr/bin/time")
     if use_time:
         cmd = ["/usr/bin/time", "-v", *cmd]
@@ -74,7 +75,7 @@ def run_rewrite(src: str, dst: str, extra: list) -> tuple:
     wall = time.perf_counter() - t0
     log = p.stdout + p.stderr
     if p.returncode:
-        raise SystemExit(f"rewrite failed (exit {p.returncode}):\n{log[-3000:]}")
+        raise SystemExit(f"{' '.join(args[:1])} failed (exit {p.returncode}):\n{log[-3000:]}")
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", log) if use_time else None
     peak = int(m.group(1)) * 1024 if m else resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return peak, wall, log
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
         print(f"model: {a.layers} layers, d={a.d}, f={a.f}: {total / GIB:.2f} GiB fp16 in external data, "
               f"largest tensor {largest / MIB:.0f} MiB (built in {time.perf_counter() - t0:.0f} s)")
         dst = os.path.join(folder, "model.nf4.onnx")
-        peak, wall, log = run_rewrite(src, dst, [])
+        peak, wall, log = run_cli(["rewrite", src, dst, "--weights", "nf4"])
         out_bytes = os.path.getsize(dst) + os.path.getsize(dst + ".data")
         target = 2 * largest + GIB
         print(log.strip().splitlines()[1] if len(log.strip().splitlines()) > 1 else "")
@@ -109,7 +110,10 @@ def main(argv=None) -> int:
               f"{largest / MIB:.0f} MiB + 1 GiB = {target / GIB:.2f} GiB: {'OK' if peak <= target else 'OVER'}; "
               f"wall {wall:.0f} s")
         print(f"output: {out_bytes / GIB:.3f} GiB ({out_bytes / total:.3f}x of the input)")
-        return 0 if peak <= target else 1
+        ipeak, iwall, _ = run_cli(["inspect", src, "--weights", "nf4"])
+        print(f"inspect --weights nf4: peak RSS {ipeak / GIB:.2f} GiB ({ipeak / MIB:.0f} MiB): "
+              f"{'OK' if ipeak <= target else 'OVER'}; wall {iwall:.0f} s")
+        return 0 if max(peak, ipeak) <= target else 1
     finally:
         if not a.keep:
             shutil.rmtree(folder, ignore_errors=True)

@@ -3,9 +3,11 @@ a failed --verify gives exit status 1 and no output file."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 
 from . import __version__
 from .errors import LowbitError
@@ -272,9 +274,12 @@ def cmd_inspect(a) -> int:
         print(f"uses onnxruntime contrib ops (domain com.microsoft v{versions.get('com.microsoft', '?')}; stock "
               "onnxruntime runs them): " + ", ".join(f"{k} x{n}" for k, n in sorted(ms.items())))
     options = _pass_options(a, model)
-    if model_io.uses_external_data(model):
-        options["external_data_dir"] = os.path.dirname(os.path.abspath(a.input))
-    report = passes_mod.inspect(model, passes=[p.name for p in selected], **options)
+    with contextlib.ExitStack() as stack:
+        if model_io.uses_external_data(model):  # streamed like rewrite; quantised weights go to a scratch file
+            options["external_data_dir"] = os.path.dirname(os.path.abspath(a.input))
+            scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="onnx-lowbit-inspect-"))
+            options["spill"] = stack.enter_context(model_io.StagedOutput(os.path.join(scratch, "m.onnx"))).spill
+        report = passes_mod.inspect(model, passes=[p.name for p in selected], **options)
     print(report.to_table() if len(report) else "nothing to rewrite")
     summary = _weights_summary(report)
     if summary:
