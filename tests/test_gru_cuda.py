@@ -173,3 +173,47 @@ def test_gpu_bit_exact_calibrated_benchmark_shapes(bits):
     for T, N, C, H in [(100, 1, 256, 256), (30, 32, 512, 512)]:
         args, attrs = calibrated_case(T, N, C, H, bits, "forward", seed=bits + N, lens=N > 1)
         check(qg, args, attrs)
+
+
+# ------------------------------------------------------------------------------- onnxruntime CUDA-EP sessions
+def _ort_cuda():
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA execution provider here")
+    if SIM:
+        pytest.skip("needs a real GPU (the simulator is on)")
+    from numba import cuda
+    if not cuda.is_available():
+        pytest.skip("no real GPU for Numba")
+    return ort
+
+
+@pytest.mark.parametrize("direction,bits,layout,lens,h0", [("forward", 8, 0, False, False),
+                                                           ("bidirectional", 16, 1, True, True),
+                                                           ("reverse", 16, 0, True, False)])
+def test_cuda_session_bit_exact(direction, bits, layout, lens, h0):
+    """One-node models on the CUDA EP (weights as initializers, X / sequence_lens / h0 fed): bit-exact with the
+    reference, repeated runs and changing batch sizes on one session."""
+    _ort_cuda()
+    import onnx_lowbit
+    from test_gru_kernels import gru_node_model
+    args, attrs = calibrated_case(6, 5, 7, 40, bits, direction, seed=bits, layout=layout, lens=lens)
+    X, W, R, B, ch, luts, sl, ih = args
+    p = {"W": W, "R": R, "B": B, "channel_exp": ch, "luts": luts, "exponents": attrs["exponents"],
+         "zero_points": attrs["zero_points"]}
+    m = gru_node_model(p, 40, direction, bits, layout, with_lens=lens, with_h0=h0)
+    sess = onnx_lowbit.InferenceSession(m.SerializeToString(), providers=["CUDAExecutionProvider"])
+    for T, N in [(6, 5), (6, 3), (2, 1)]:  # noqa: N806 - one session, changing shapes
+        x = X[:T, :N] if layout == 0 else X[:N, :T]
+        n_sl = np.minimum(sl[:N], T) if lens else None
+        n_h0 = (ih[:, :N] if layout == 0 else ih[:N]) if h0 else None
+        feeds = {"X": np.ascontiguousarray(x)}
+        if lens:
+            feeds["sequence_lens"] = n_sl
+        if h0:
+            feeds["h0"] = np.ascontiguousarray(n_h0)
+        want = gru_int.quant_gru(feeds["X"], W, R, B, ch, luts, n_sl, feeds.get("h0"), **attrs)
+        for _ in range(2):
+            got = sess.run(None, feeds)
+            for g, w in zip(got, want):
+                assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
