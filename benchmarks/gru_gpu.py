@@ -77,7 +77,8 @@ def main():
                         ok2 = np.array_equal(y2.view(np.uint32), want[0].view(np.uint32))
                     else:
                         ok2 = ok
-                    label = f"ours int{bits}, units={pu.plan.units} ({pu.plan.grid} blocks){' default' if u is None else ''}"
+                    label = (f"ours int{bits}, units={pu.plan.units} ({pu.plan.grid} blocks)"
+                             f"{' default' if u is None else ''}")
                     rows.append((name, label, t, ok2))
                     print(f"  {label}: {t:.1f} us  bit-exact {ok2}")
                 tx = time_cuda(lambda: p.launch(stream(), "xproj"))
