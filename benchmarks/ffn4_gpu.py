@@ -46,6 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ms", default="1,4,16")
+    ap.add_argument("--profile", action="store_true", help="only launch the fused kernels (M=1) 3 times each, for ncu")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F  # noqa: N812
@@ -93,6 +94,11 @@ def main():
             rows.append((name + " FAILED", m, None, None, None))
             return None
 
+    def refs(xa, m):
+        x32 = xa.astype(np.float32)
+        return (fusedffnnf4_cpu.swiglu(x32, *nq[0], *nq[1], code, K, N, BS).astype(np.float64),
+                fusedffnawq_cpu.swiglu(x32, aw[0], aw[1], G, K, N).astype(np.float64))
+
     summary = []
     for m in [int(v) for v in a.ms.split(",")]:
         x = (torch.randn(m, K, device="cuda") + 0.2).half()
@@ -100,15 +106,17 @@ def main():
         s = torch.empty(m, N, device="cuda", dtype=torch.float16)
         y1, y3 = torch.empty_like(s), torch.empty_like(s)
         t0 = time.perf_counter()
-        ref_n = fusedffnnf4_cpu.swiglu(xa.astype(np.float32), *nq[0], *nq[1], code, K, N, BS).astype(np.float64)
-        ref_a = fusedffnawq_cpu.swiglu(xa.astype(np.float32), aw[0], aw[1], G, K, N).astype(np.float64)
+        if a.profile:
+            ref_n = ref_a = None
+        else:
+            ref_n, ref_a = refs(xa, m)
         print(f"M={m}: CPU references in {time.perf_counter() - t0:.1f} s")
         chk = lambda ref: (lambda: rel(s.float().cpu().numpy(), ref))  # noqa: E731
 
         # ---- NF4 fused
-        def nf4_fused(pair=True, cols=fusedffnnf4_cuda.COLS, scale=1):
+        def nf4_fused(pair=True, cols=fusedffnnf4_cuda.COLS, scale=1, prefetch=True):
             mt = fusedffnnf4_cuda.bucket(m)
-            lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols)
+            lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, prefetch)
             block = fusedffnnf4_cuda.threads(K)
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             nch = -(-m // mt)
@@ -119,11 +127,13 @@ def main():
             return (lambda: lau.launch(nch * parts, block, stream(), *args)), desc
 
         fn, desc = nf4_fused()
-        t_nf = record(f"FusedFFNNF4 fused (ours) [{desc}]", m, fn, check=chk(ref_n))
-        if a.variants and m == 1:
-            for pair, cols, scale in [(True, 4, 1), (True, 8, 2), (True, 16, 1), (False, 8, 1), (False, 4, 1)]:
-                fn, desc = nf4_fused(pair, cols, scale)
-                record(f"  variant NF4 pair={int(pair)} cols={cols} grid x{scale} [{desc}]", m, fn, check=chk(ref_n))
+        t_nf = None if a.profile else record(f"FusedFFNNF4 fused (ours) [{desc}]", m, fn, check=chk(ref_n))
+        if a.variants and m == 1 and not a.profile:
+            for pair, cols, pf in [(True, 4, True), (True, 4, False), (True, 8, False), (False, 4, False),
+                                   (True, 2, True)]:
+                fn, desc = nf4_fused(pair, cols, 1, pf)
+                record(f"  variant NF4 pair={int(pair)} cols={cols} prefetch={int(pf)} [{desc}]", m, fn,
+                       check=chk(ref_n))
 
         mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
         lau_n = matmulnf4_cuda._launcher(mode, np.float16)
@@ -134,7 +144,8 @@ def main():
             for ar in nargs:
                 lau_n.launch(g_, blk, stream(), *ar, shmem=shm)
             torch.mul(F.silu(y1), y3, out=s)
-        t_n2 = record(f"two MatMulNF4 ({mode}) + torch silu*mul", m, nf4_two, check=chk(ref_n))
+        t_n2 = None if a.profile else record(f"two MatMulNF4 ({mode}) + torch silu*mul", m, nf4_two,
+                                             check=chk(ref_n))
 
         # ---- AWQ fused
         def awq_fused(rows_=None, unroll=fusedffnawq_cuda.UNROLL):
@@ -158,6 +169,12 @@ def main():
             desc = f"{grid} blocks, R={r}, splits={splits}, unroll={unroll}, {regs(lau)}, {occ}/SM"
             return (lambda: lau.launch(grid, fusedffnawq_cuda.BLOCK, stream(), *args)), desc, acc
 
+        if a.profile:
+            for fn in (nf4_fused()[0], nf4_fused(True, 4)[0], awq_fused()[0]):
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+            return
         fn, desc, acc_keep = awq_fused()
         t_af = record(f"FusedFFNAWQ fused (ours) [{desc}]", m, fn, check=chk(ref_a))
         if a.variants and m == 1:

@@ -33,7 +33,8 @@ from .matmulawq_cuda import plan as awq_plan
 CT = 32
 WARPS = 8
 BLOCK = CT * WARPS
-UNROLL = 8
+UNROLL = 4               # qweight words in flight per thread and weight (2 x UNROLL loads, pipelined)
+MAX_REGISTERS = 80       # 3 blocks of 256 per SM: LLaMA-7B gate+up (344 blocks) runs in one wave
 MT_BUCKETS = (1, 2, 4)
 MAX_M_FAST = 16
 DEFAULT_BLOCKS_PER_SM = 4
@@ -51,7 +52,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
     w_size = 2 * unroll
     wzero = uint32(0)
 
-    @cuda.jit
+    @cuda.jit(**({} if SIM else {"max_registers": MAX_REGISTERS}))
     def gemv(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
              has_b1, has_b3):
         """x [M*K] (fp32 or fp16 bits), qw*/qz* uint32, sc* uint16 (fp16 bits), b1/b3 [N], s [M*N], acc float32

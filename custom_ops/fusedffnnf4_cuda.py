@@ -33,7 +33,7 @@ from .kernels import Kernel
 from .matmulawq_cuda import _ld16, _ld32, _st16, _st32
 from .matmulnf4_cuda import _warp_sum
 
-COLS = 8                  # columns per block step
+COLS = 4                  # columns per block step
 MT_BUCKETS = (1, 2)       # rows per block (x kept in registers: 16 * MT floats per thread)
 MAX_M_FAST = 16
 MAX_WPR = 1024            # words per row the decode kernel takes (K <= 16384)
@@ -104,7 +104,7 @@ def _make_rs(nv):
     return cuda.jit(device=True, inline=True)(ns["rs"])
 
 
-def _make_decode(mt, a16, pair=True, cols=COLS):
+def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. ``pair``: byte-pair table (uint64
@@ -157,7 +157,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS):
             a(f"    {prefix}s1_{c} = am1[wi >> bs_shift] if ok else F0")
             a(f"    {prefix}s3_{c} = am3[wi >> bs_shift] if ok else F0")
     a("    n0 = n_lo")
-    loads("", "n0")
+    if prefetch:
+        loads("", "n0")
     a("    cuda.syncthreads()")
     a("    buf = 0")
     a("    while n0 < n_hi:")
@@ -165,14 +166,15 @@ def _make_decode(mt, a16, pair=True, cols=COLS):
     body = []
     b_ = body.append
     b_("nn = n0 + %d" % cols)
-    # prefetch the next step (predicated off past the slice)
+    # prefetch the next step (predicated off past the slice), or load this one
+    pre, base = ("n", "nn") if prefetch else ("", "n0")
     for c in range(cols):
-        b_(f"ok = owns and nn + {c} < n_hi")
-        b_(f"wi = (nn + {c}) * wpr + tid")
-        b_(f"nw1_{c} = q1[wi] if ok else U0")
-        b_(f"nw3_{c} = q3[wi] if ok else U0")
-        b_(f"ns1_{c} = am1[wi >> bs_shift] if ok else F0")
-        b_(f"ns3_{c} = am3[wi >> bs_shift] if ok else F0")
+        b_(f"ok = owns and {base} + {c} < n_hi")
+        b_(f"wi = ({base} + {c}) * wpr + tid")
+        b_(f"{pre}w1_{c} = q1[wi] if ok else U0")
+        b_(f"{pre}w3_{c} = q3[wi] if ok else U0")
+        b_(f"{pre}s1_{c} = am1[wi >> bs_shift] if ok else F0")
+        b_(f"{pre}s3_{c} = am3[wi >> bs_shift] if ok else F0")
     for c in range(cols):
         for wsel in (1, 3):
             for m in range(mt):
@@ -215,7 +217,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS):
     b_("            u += load(b3, n)")
     b_("        store(s, (m0 + m) * n_dim + n, silu(g) * u)")
     b_("buf ^= 1")
-    for c in range(cols):
+    for c in range(cols if prefetch else 0):
         for v in ("w1", "w3", "s1", "s3"):
             b_(f"{v}_{c} = n{v}_{c}")
     b_("n0 = nn")
@@ -309,13 +311,13 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
-def launcher(a16, mt, pair=True, cols=COLS):
+def launcher(a16, mt, pair=True, cols=COLS, prefetch=True):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    key = (a16, mt, pair if mt else None, cols if mt else None)
+    key = (a16, mt, pair if mt else None, cols if mt else None, prefetch if mt else None)
     if key not in _launchers:
-        fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols)
+        fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch)
         lau = Launcher(fn, _sig(a16, mt is None, pair))
         lau.dispatcher = fn
         _launchers[key] = lau
