@@ -35,7 +35,7 @@ class DequantNF4Kernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
-        self.transposed = bool(self.attrs.get("transposed", 0))
+        self.transposed = nf4_common.parse_transposed(self.attrs)
 
     def compute(self, ctx, inputs):
         q, absmax = inputs[0], inputs[1]

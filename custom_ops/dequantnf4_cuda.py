@@ -106,7 +106,7 @@ class DequantNF4CudaKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
-        self.transposed = bool(self.attrs.get("transposed", 0))
+        self.transposed = nf4_common.parse_transposed(self.attrs)
         self.dtype = np.float32 if self.in_types[1] == 1 else np.float16
         self.code = cuda.to_device(code)
         self.code_ptr = self.code.device_ctypes_pointer.value

@@ -22,6 +22,14 @@ def parse_attrs(attrs: dict):
     return qt, bs, k, n, np.ascontiguousarray(nf4.code(qt), dtype=np.float32)
 
 
+def parse_transposed(attrs: dict) -> bool:
+    """DequantNF4's optional 'transposed' attribute: 0 (default, W [K, N]) or 1 (W^T [N, K])."""
+    t = int(attrs.get("transposed", 0))
+    if t not in (0, 1):
+        raise KernelError(f"attribute 'transposed' must be 0 (W [K, N]) or 1 (W^T [N, K]), got {t}")
+    return bool(t)
+
+
 def check_q_absmax(q, absmax, k, n, bs, q_index=1, absmax_index=2, q_name="Q", absmax_name="absmax"):
     total = k * n
     if q is None or absmax is None:

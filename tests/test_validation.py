@@ -133,6 +133,11 @@ def test_matmulnf4_bad_inputs_at_run():
     expect(msg, "MatMulNF4", "pi")
 
 
+def test_dequantnf4_bad_transposed_attribute():
+    msg = create_error(model("DequantNF4", _NF4_IN[1:], _nf4_attrs(transposed=2), name="dqt"))
+    expect(msg, "onnx_lowbit.DequantNF4", "dqt", "'transposed'", "0 (W [K, N]) or 1", "got 2")
+
+
 def test_dequantnf4_bad_inputs_at_run():
     q, am = _nf4_weights()
     m = model("DequantNF4", _NF4_IN[1:], _nf4_attrs(), name="dq")
