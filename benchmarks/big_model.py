@@ -23,7 +23,6 @@ import tempfile
 import time
 
 import numpy as np
-import onnx
 from onnx import TensorProto, helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -184,7 +184,7 @@ def _weights_summary(report) -> str | None:
 
 
 def cmd_rewrite(a) -> int:
-    from . import model_io, verify
+    from . import model_io
     from onnx_lowbit import passes as passes_mod
     selected = _selected_passes(a, passes_mod)  # unknown names fail before any work
     if _same_file(a.input, a.output):

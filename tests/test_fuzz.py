@@ -8,7 +8,6 @@ import signal
 
 import numpy as np
 import onnx
-import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
