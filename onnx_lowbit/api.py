@@ -5,17 +5,26 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import weakref
 
 import onnxruntime as ort
 
 from . import domain
 
 
+_registered = weakref.WeakSet()  # options already holding our ops: onnxruntime refuses a second registration
+                                 # at session creation ("Domain already set in registry")
+
+
 def register(sess_options: ort.SessionOptions) -> ort.SessionOptions:
-    """Registers every onnx-lowbit op into ``sess_options`` (CPU and CUDA kernels) and returns it."""
+    """Registers every onnx-lowbit op into ``sess_options`` (CPU and CUDA kernels) and returns it; registering
+    the same options twice is harmless."""
     from onnx_lowbit.custom_ops import bridge
     domain.register_schemas()
+    if sess_options in _registered:
+        return sess_options
     bridge.register(sess_options)
+    _registered.add(sess_options)
     return sess_options
 
 

@@ -110,3 +110,16 @@ def test_inspect_ops_inside_subgraphs(tmp_path, capsys):
     onnx.save(m, p)
     assert cli.main(["inspect", p]) == 0
     assert "MatMulNF4 x1" in capsys.readouterr().out
+
+
+def test_registering_twice_is_harmless():
+    """onnxruntime fails session creation ("Domain already set in registry") when a SessionOptions got our library
+    twice; register() remembers the options it filled."""
+    out, _ = run_passes(onnx.load(SAMPLE))
+    so = onnx_lowbit.SessionOptions()
+    onnx_lowbit.register(so)
+    sess = onnx_lowbit.InferenceSession(out, so, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(0).standard_normal([d.dim_value or 1 for d in
+                                                   out.graph.input[0].type.tensor_type.shape.dim]).astype(np.float32)
+    assert sess.run(None, {out.graph.input[0].name: x})[0].size
+    ort.InferenceSession(out.SerializeToString(), so, providers=["CPUExecutionProvider"])  # the same options again
