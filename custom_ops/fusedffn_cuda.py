@@ -52,7 +52,8 @@ from .kernels import Kernel
 SIM = bool(config.ENABLE_CUDASIM)
 
 BLOCK = 256                     # decode kernel threads (8 warps)
-DECODE_MAX_M = 16               # rows of X the decode kernel takes (buckets below)
+DECODE_MAX_M = 2                # rows of X routed to the decode kernel (H100, 4096 x 11008 fp16: M = 1, 2 beat the
+                                # cuBLAS path, the bucket-4 kernel did not: 99 us vs 80 us); any bucket when forced
 MT_BUCKETS = (1, 2, 4, 8, 16)
 XS_MAX = 100 * 1024             # bytes of fp32 x a decode block may stage (MT * K * 4): >= 2 blocks per SM
 COLS = {1: 2, 2: 2, 4: 1, 8: 1, 16: 1}   # weight rows per group, by bucket (accumulators: 4 * COLS * MT)
@@ -712,8 +713,9 @@ class FusedFFNCudaKernel(Kernel):
         self.run(ctx.stream, m, k, n, x.ptr, w1.ptr, w3.ptr, b1.ptr if b1 is not None else 0,
                  b3.ptr if b3 is not None else 0, y)
 
-    def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None):
-        """Launches on device pointers (b1p/b3p 0 when absent). ``path``: force 'decode', 'gemm' or 'tiled'."""
+    def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None, variant=None):
+        """Launches on device pointers (b1p/b3p 0 when absent). ``path``: force 'decode', 'gemm' or 'tiled';
+        ``variant``: decode kernel options (block, cols, uj, db, load), compiled on first use (tests, benchmark)."""
         hb1, hb3 = int(b1p != 0), int(b3p != 0)
         bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
         aligned = ((w1p | w3p) & 15) == 0
@@ -728,13 +730,19 @@ class FusedFFNCudaKernel(Kernel):
         if path == "decode":
             mt = bucket(m)
             shmem = mt * k * 4
-            if mt not in self.decode:               # past DECODE_MAX_M: only when forced (tests, benchmark)
-                self.decode[mt] = launcher("decode", self.x16, self.w16, mt)
-            occ = self._occ.get((mt, shmem))
+            if variant:
+                dk, blk = launcher("decode", self.x16, self.w16, mt, **variant), variant.get("block", BLOCK)
+            else:
+                if mt not in self.decode:           # past DECODE_MAX_M: only when forced (tests, benchmark)
+                    self.decode[mt] = launcher("decode", self.x16, self.w16, mt)
+                dk, blk = self.decode[mt], BLOCK
+            okey = (mt, shmem, tuple(sorted((variant or {}).items())))
+            occ = self._occ.get(okey)
             if occ is None:
-                occ = self._occ[(mt, shmem)] = occupancy(self.decode[mt], BLOCK, shmem)
+                occ = self._occ[okey] = occupancy(dk, blk, shmem)
             wwords = n * k * (2 if self.w16 else 4) // 4
-            self.decode[mt].launch(decode_grid(n, mt, self.sms, occ), BLOCK, stream, (xp, (m * k,)),
+            cols = (variant or {}).get("cols")
+            dk.launch(decode_grid(n, mt, self.sms, occ, cols), blk, stream, (xp, (m * k,)),
                                    (w1p, (wwords,)), (w3p, (wwords,)), *bias, (yp, (m * n,)), m, k, n, hb1, hb3,
                                    shmem=shmem)
         elif path == "tiled":
@@ -828,7 +836,7 @@ def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile
         kern.use_fp16_scratch(fp16_scratch)
         p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
         kern.run(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0,
-                 p(db3) if b3 is not None else 0, p(dy), path=path)
+                 p(db3) if b3 is not None else 0, p(dy), path=path, variant=decode_variant)
         cuda.synchronize()
         kern.close()
     return dy.copy_to_host().view(x.dtype).reshape(lead + (n,))

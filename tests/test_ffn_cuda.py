@@ -70,19 +70,19 @@ def check(y, x, w1, w3, b1=None, b3=None, g16=False):
 
 
 # (lead dims, K, N, X type, W type, B1, B3, path): every type variant, bias combination and decode bucket at least
-# once; K = 520 (fp16) / 260 (fp32) gives 65 chunks per row: two-chunk steps and a single-chunk remainder with the
+# once (M > DECODE_MAX_M forced onto the decode kernel; auto picks the prefill path there); K = 520 (fp16) / 260 (fp32) gives 65 chunks per row: two-chunk steps and a single-chunk remainder with the
 # simulator's 32-thread block; N = 9 with 2 rows per group and a grid of 2 blocks: a partial last group and
 # several grid-stride steps.
 CASES = [
     ((1,), 64, 9, F16, F16, True, True, None),
-    ((3,), 520, 9, F16, F16, True, False, None),          # bucket 4 (double-buffered), several steps per group
-    ((9,), 264, 5, F32, F16, False, True, None),          # bucket 16, 33 chunks: two steps for thread 0
+    ((3,), 520, 9, F16, F16, True, False, "decode"),          # bucket 4 (double-buffered), several steps per group
+    ((9,), 264, 5, F32, F16, False, True, "decode"),          # bucket 16, 33 chunks: two steps for thread 0
     ((1, 1), 520, 5, F16, F16, False, False, None),
     ((2,), 260, 9, F32, F32, True, False, None),
-    ((3,), 40, 7, F32, F16, False, True, None),           # mixed: fp32 X, fp16 W
-    ((1, 4), 32, 9, F16, F32, True, True, None),          # fp16 X, fp32 W
-    ((5,), 24, 3, F32, F32, False, False, None),          # bucket 8
-    ((2, 8), 16, 4, F16, F16, True, False, None),         # M = 16, bucket 16
+    ((3,), 40, 7, F32, F16, False, True, "decode"),       # mixed: fp32 X, fp16 W
+    ((1, 4), 32, 9, F16, F32, True, True, "decode"),      # fp16 X, fp32 W
+    ((5,), 24, 3, F32, F32, False, False, "decode"),      # bucket 8
+    ((2, 8), 16, 4, F16, F16, True, False, "decode"),     # M = 16, bucket 16
     ((), 48, 6, F32, F16, True, True, None),              # 1-D X
     ((17,), 24, 5, F16, F16, True, True, None),           # M > 16: prefill path
     ((2, 3, 3), 24, 11, F32, F16, False, True, None),     # 3-D X, M = 18
@@ -103,12 +103,11 @@ def test_cuda_vs_reference(lead, K, N, xd, wd, hb1, hb3, path):  # noqa: N803
 
 
 @pytest.mark.parametrize("m,variant", [(1, {"db": True}), (2, {"db": True, "uj": 1}), (4, {"db": False}),
-                                       (3, {"db": False, "cols": 2, "uj": 1}), (1, {"cols": 3, "uj": 3})])
+                                       (3, {"db": False, "cols": 2, "uj": 1}), (1, {"cols": 3, "uj": 3}),
+                                       (4, {"db": True, "cols": 2, "uj": 1})])
 def test_cuda_decode_variants(m, variant):
     """Each decode kernel option (double buffering, rows per group, chunks per step) in each bucket."""
     fc = _cuda()
-    if not SIM:
-        pytest.skip("variants are compiled for the simulator here (the GPU benchmark times them)")
     x, w1, w3, b1, b3 = data((m,), 520, 7, F16, F16, True, True, seed=m)
     check(fc.run_arrays(x, w1, w3, b1, b3, path="decode", decode_variant=variant), x, w1, w3, b1, b3)
 
@@ -175,9 +174,10 @@ def test_plans():
     fc = _cuda()
     assert [fc.bucket(m) for m in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, None]
     # LLaMA gate/up decode: x of one row is 16 KiB of fp32 in shared memory; M = 8 would need 128 KiB
-    assert fc.decode_ok(1, 4096, True) and fc.decode_ok(4, 4096, True) and not fc.decode_ok(8, 4096, True)
+    assert fc.decode_ok(1, 4096, True) and fc.decode_ok(4, 4096, True, max_m=16)
+    assert not fc.decode_ok(8, 4096, True, max_m=16)
     assert not fc.decode_ok(1, 4100, True) and fc.decode_ok(1, 4100, False) and not fc.decode_ok(1, 4096, True, False)
-    assert not fc.decode_ok(17, 64, True)
+    assert not fc.decode_ok(17, 64, True, max_m=16) and not fc.decode_ok(fc.DECODE_MAX_M + 1, 64, True)
     # 11008 rows, 2 per group, 132 SMs x 4 blocks: 5504 groups in ceil(5504 / 528) = 11 steps -> 501 blocks
     assert fc.decode_grid(11008, 1, 132, 4) == 501 and fc.decode_grid(1, 1, 132, 4) == 1
     for n, mt, sms, occ in [(11008, 1, 132, 4), (4096, 4, 132, 3), (9, 1, 2, 1), (100000, 2, 132, 2)]:
