@@ -21,6 +21,8 @@ Options:
     calibration_session   optional session factory (as weights4): needed when the graph already holds onnx_lowbit ops
     gru_bits              8 or 16 (default 16)
     gru_headroom          bits of headroom above the calibrated ranges (default gru_quant.HEADROOM[bits])
+    gru_search            per-quantity headroom search on the calibration data (gru_quant.refine_headroom);
+                          default on for int8, off for int16
 
 Calibration arrays whose names or shapes do not match the graph inputs raise ValueError before any change.
 Every rewrite reports the relative L2 error of Y (QuantGRU reference vs float GRU) on the calibration inputs.
@@ -50,6 +52,8 @@ class GRUPass(Pass):
         if bits not in (8, 16):
             raise ValueError(f"gru_bits must be 8 or 16, got {bits!r}")
         headroom = options.get("gru_headroom")
+        search = options.get("gru_search")
+        search = bits == 8 if search is None else bool(search)
         names = Names(graph)
         cands = []
         for g in iter_graphs(graph):
@@ -76,9 +80,9 @@ class GRUPass(Pass):
             raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
         got = _calibration_run(graph, cands, cal, options.get("calibration_session"))
         for node, spec in cands:
-            self.rewrite(graph, report, names, node, spec, got, bits, headroom)
+            self.rewrite(graph, report, names, node, spec, got, bits, headroom, search)
 
-    def rewrite(self, graph, report, names, node, spec, got, bits, headroom):
+    def rewrite(self, graph, report, names, node, spec, got, bits, headroom, search):
         x = got.get(spec["X"].name)
         if x is None:
             self.skipped(report, "GRU", [node_label(node)], "the calibration run did not produce its input X")
@@ -89,6 +93,13 @@ class GRUPass(Pass):
         W, R, B = spec["W"], spec["R"], spec["B"]
         clip = spec["clip"]
         ranges = gru_quant.calibrate(x, W, R, B, lens, h0, hidden_size=spec["H"], clip=clip, **kw)
+        notes = [f"int{bits}"]
+        if search:
+            base = gru_quant.HEADROOM[bits] if headroom is None else int(headroom)
+            headroom, before, after = gru_quant.refine_headroom(W, R, B, ranges, x, lens, h0, bits=bits, clip=clip,
+                                                                hidden_size=spec["H"], headroom=base, **kw)
+            moved = ", ".join(f"{n} {v - base:+d}" for n, v in headroom.items() if v != base)
+            notes.append(f"headroom search {before:.2e} -> {after:.2e}" + (f" ({moved})" if moved else ""))
         p = gru_quant.quant_params(W, R, B, ranges, bits=bits, clip=clip, headroom=headroom)
         try:  # the parameters must pass the op's own checks
             y_q, _ = gru_int.quant_gru(np.asarray(x, np.float32), p["W"], p["R"], p["B"], p["channel_exp"],
@@ -118,7 +129,7 @@ class GRUPass(Pass):
         node.inputs.clear()
         node.outputs.clear()
         graph.nodes.append(new)
-        notes = [f"int{bits}", f"Y rel L2 error on the calibration data {rel:.2e}"]
+        notes.append(f"Y rel L2 error on the calibration data {rel:.2e}")
         if spec["folded"]:
             notes.append(f"folded constant subgraph{'s' if len(spec['folded']) > 1 else ''} of "
                          f"{', '.join(spec['folded'])}")

@@ -74,7 +74,7 @@ def test_int16_and_int8(c, h, layers, bi, bf, gain):
     e16 = rel_errors(model, 40, 8, c, bf, 16)
     e8 = rel_errors(model, 40, 8, c, bf, 8)
     assert max(e16) <= 1e-2, e16  # measured 4.6e-4 - 9.7e-4 here
-    assert max(e8) <= 0.15, e8   # measured 0.04-0.064 here (docs/gru.md)
+    assert max(e8) <= 0.1, e8    # measured 0.026-0.035 here (docs/gru.md)
 
 
 if __name__ == "__main__":  # the figures of docs/gru.md

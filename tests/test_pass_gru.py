@@ -212,3 +212,16 @@ def test_cli(tmp_path, capsys):
     assert cli.main(["rewrite", str(src), str(dst2), "--calibration", str(tmp_path / "bad.npz")]) == 2
     assert not dst2.exists()
     domain.register_schemas()
+
+
+def test_int8_headroom_search():
+    """int8 searches per-quantity headroom on the calibration data by default (never worse there than none)."""
+    m, _ = gru_model("forward")
+    cal = feeds_for(m, 1)
+    rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=8)[1]
+    reason = rep.entries[0].reason
+    assert "headroom search" in reason
+    before, after = (float(v) for v in reason.split("headroom search ")[1].split(" (")[0].split(";")[0].split(" -> "))
+    assert after <= before
+    rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=8, gru_search=False)[1]
+    assert "headroom search" not in rep.entries[0].reason
