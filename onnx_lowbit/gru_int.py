@@ -165,8 +165,8 @@ class GRUAttrs:
                     raise ValueError(f"zero point of {name} (direction {k}) outside the int{bits} range: "
                                      f"{self.zero_points[k, i]}")
             ee = {n: int(self.exponents[k, Q[n]]) for n in QUANTITIES}
-            if not 0 <= ee["z_out"] <= 30:
-                raise ValueError(f"exponent of z_out (direction {k}) must be in 0..30, got {ee['z_out']}")
+            if not 0 <= ee["z_out"] <= bits:
+                raise ValueError(f"exponent of z_out (direction {k}) must be in 0..{bits}, got {ee['z_out']}")
             if self.zero_points[k, Q["g_out"]] != 0:
                 raise ValueError(f"g_out is symmetric: its zero point must be 0 (direction {k})")
             for a, b, s in scalar_shifts(ee):
