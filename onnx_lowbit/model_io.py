@@ -40,12 +40,51 @@ def load(path, *, load_external_data: bool = True) -> onnx.ModelProto:
         raise LowbitError(f"{p}: cannot read ({e.strerror or e})") from None
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise LowbitError(f"{p}: not an ONNX model (no graph); is the file truncated or of another format?")
+    if uses_external_data(model):
+        check_external_locations(model, os.path.dirname(os.path.abspath(p)), p)
     if load_external_data and uses_external_data(model):
         try:
             onnx.external_data_helper.load_external_data_for_model(model, os.path.dirname(os.path.abspath(p)))
         except (OSError, ValueError) as e:
             raise LowbitError(f"{p}: its external data could not be read ({e})") from None
     return model
+
+
+_staging: set = set()  # data files of live StagedOutputs: the only absolute locations our own tensors refer to
+
+
+def external_path(base_dir: str, location: str, name: str) -> str:
+    """The file holding tensor ``name``'s external data: ``location`` must be relative and stay inside
+    ``base_dir`` (checked lexically, as onnxruntime does: symlinks inside the folder are followed), or be the data
+    file of one of our StagedOutputs. LowbitError otherwise: a model must not make us read other files."""
+    if os.path.isabs(location):
+        if location in _staging:
+            return location
+        raise LowbitError(f"tensor {name!r}: external data location {location!r} is an absolute path; it must be "
+                          "relative to the model's folder")
+    norm = os.path.normpath(location)
+    if norm == ".." or norm.startswith(".." + os.sep) or not location:
+        raise LowbitError(f"tensor {name!r}: external data location {location!r} points outside the model's folder")
+    return os.path.join(base_dir, norm)
+
+
+def open_external(base_dir: str, location: str, name: str):
+    """``external_path`` opened for reading (LowbitError naming the tensor and file when it cannot be)."""
+    path = external_path(base_dir, location, name)
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise LowbitError(f"tensor {name!r}: external data file {path}: cannot read ({e.strerror or e})") from None
+
+
+def check_external_locations(model: onnx.ModelProto, base_dir: str, what: str = "model") -> None:
+    """Every external data reference of ``model`` is a relative location inside ``base_dir`` naming a file."""
+    for t in onnx.external_data_helper._get_all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            info = onnx.external_data_helper.ExternalDataInfo(t)
+            path = external_path(base_dir, info.location or "", t.name)
+            if not os.path.isfile(path):
+                raise LowbitError(f"{what}: tensor {t.name!r}: external data file {path} does not exist")
 
 
 def uses_external_data(model: onnx.ModelProto) -> bool:
@@ -162,6 +201,7 @@ class StagedOutput:
         self.tmp_data = os.path.join(self.tmpdir, self.data_name)
         self.tmp_model = os.path.join(self.tmpdir, self.base)
         self._f = open(self.tmp_data, "wb")
+        _staging.add(self.tmp_data)
         self.offset = 0
         self.written = False
 
@@ -204,14 +244,15 @@ class StagedOutput:
         self._refer(t, start, n, self.tmp_data)
         return t
 
-    def _copy_from(self, src: str, offset: int, length: int | None, name: str) -> tuple:
+    def _copy_from(self, src_dir: str, location: str, offset: int, length: int | None, name: str) -> tuple:
         pad = (-self.offset) % self.ALIGN
         if pad:
             self._f.write(b"\0" * pad)
             self.offset += pad
         start, done = self.offset, 0
+        src = external_path(src_dir, location, name)
         try:
-            with open(src, "rb") as f:
+            with open_external(src_dir, location, name) as f:
                 f.seek(offset)
                 while length is None or done < length:
                     block = f.read(self.CHUNK if length is None else min(self.CHUNK, length - done))
@@ -245,8 +286,7 @@ class StagedOutput:
                     continue
                 if src_dir is None:
                     raise LowbitError(f"tensor {t.name!r} refers to external data but no folder to read it from")
-                src = info.location if os.path.isabs(info.location) else os.path.join(src_dir, info.location)
-                start, n = self._copy_from(src, int(info.offset or 0), info.length, t.name)
+                start, n = self._copy_from(src_dir, info.location, int(info.offset or 0), info.length, t.name)
                 self._refer(t, start, n, self.data_name)
             for t in onnx.external_data_helper._get_initializer_tensors(model):
                 if t.data_location == ext:
@@ -289,6 +329,7 @@ class StagedOutput:
 
     def abort(self) -> None:
         """Removes the staging folder and everything in it (safe to call more than once)."""
+        _staging.discard(self.tmp_data)
         try:
             if not self._f.closed:
                 self._f.close()

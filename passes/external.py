@@ -10,13 +10,14 @@ whose location is the absolute path of the staging file until the output is writ
 """
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 from onnx import external_data_helper
+
+from onnx_lowbit import model_io
 
 # spill only what is worth a file read later (the size threshold of model_io.StagedOutput for external data)
 SPILL_MIN_BYTES = 1024
@@ -31,7 +32,8 @@ class ExternalValues(LazyValues):
     def __init__(self, tensor: onnx.TensorProto, base_dir: str):
         super().__init__(tensor)
         info = external_data_helper.ExternalDataInfo(tensor)
-        self.path = info.location if os.path.isabs(info.location) else os.path.join(base_dir, info.location)
+        self.base_dir, self.location = base_dir, info.location or ""
+        self.path = model_io.external_path(base_dir, self.location, tensor.name)  # LowbitError: outside the folder
         self.offset = int(info.offset or 0)
         self.length = info.length
 
@@ -41,7 +43,7 @@ class ExternalValues(LazyValues):
         want = count * np.dtype(np_type).itemsize
         if self.length is not None and int(self.length) != want:
             raise ValueError(f"external data of {self.tensor.name!r}: length {self.length}, expected {want} bytes")
-        with open(self.path, "rb") as f:
+        with model_io.open_external(self.base_dir, self.location, self.tensor.name) as f:
             f.seek(self.offset)
             a = np.fromfile(f, dtype=np_type, count=count)
         if a.size != count:

@@ -163,6 +163,45 @@ def test_mutated_fields(tmp_path, capsys, muts):
     check_all(tmp_path, capsys, m.SerializeToString())
 
 
+# external data references: offsets, lengths and locations of a streamed model's weights
+_EXT_EDITS = st.lists(st.tuples(st.integers(0, 0), st.sampled_from(["location", "offset", "length"]),
+                                st.sampled_from(["0", "1", "-1", "7", "99999999999", "abc", "", "../w.bin",
+                                                 "/etc/hostname", "w.bin", "nonexistent.bin", "w.bin/.."])),
+                      min_size=1, max_size=3)
+
+
+@FUZZ
+@given(edits=_EXT_EDITS)
+def test_mutated_external_data(tmp_path, capsys, edits):
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((64, 128)) * 0.1).astype(np.float16), "w0")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w0"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["n", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["n", 128])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    for f in os.listdir(tmp_path):
+        os.unlink(tmp_path / f)
+    src = str(tmp_path / "m.onnx")
+    onnx.save_model(m, src, save_as_external_data=True, location="w.bin", size_threshold=0)
+    m = onnx.load(src, load_external_data=False)
+    for i, key, value in edits:
+        t = m.graph.initializer[i % len(m.graph.initializer)]
+        entries = {e.key: e for e in t.external_data}
+        if key in entries:
+            entries[key].value = value
+        else:
+            e = t.external_data.add()
+            e.key, e.value = key, value
+    data = m.SerializeToString()
+    open(src, "wb").write(data)
+    run_cli(capsys, "inspect", src, "--weights", "nf4")
+    rc = run_cli(capsys, "rewrite", src, str(tmp_path / "out.onnx"), "--weights", "nf4")
+    event(f"external data edit: rewrite exit {rc}")
+    assert (tmp_path / "out.onnx").exists() == (rc == 0)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith(".onnx-lowbit-")]
+
+
 # ------------------------------------------------------------------------------------------------ round trips
 @ROUND
 @given(k=st.integers(1, 300), n=st.integers(1, 40), bs_pow=st.integers(5, 9), qt=st.sampled_from(["nf4", "fp4"]),

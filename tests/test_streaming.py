@@ -239,3 +239,37 @@ def test_api_rewrite_file_and_inspect_stream(tmp_path, no_full_load, capsys):
     from onnx_lowbit.errors import LowbitError
     with pytest.raises(LowbitError, match="differ"):
         onnx_lowbit.rewrite_file(src, src)
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "/etc/hostname", "sub/../../secret.bin", ""])
+def test_external_location_outside_the_folder_is_refused(tmp_path, capsys, location):
+    """A model must not make rewrite/inspect read (and copy into OUT.data) files outside its folder."""
+    (tmp_path / "secret.bin").write_bytes(b"s" * (256 * 512 * 2))
+    folder = tmp_path / "m"
+    folder.mkdir()
+    src = build(str(folder), layers=1, d=256, f=512)
+    m = onnx.load(src, load_external_data=False)
+    for e in m.graph.initializer[0].external_data:
+        if e.key == "location":
+            e.value = location
+    onnx.save(m, src)
+    for args in (["rewrite", src, str(folder / "out.onnx"), "--weights", "nf4"], ["inspect", src]):
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert "w1_0" in err and ("outside the model's folder" in err or "absolute path" in err), err
+    assert not (folder / "out.onnx").exists() and not (folder / "out.onnx.data").exists()
+    from onnx_lowbit.errors import LowbitError
+    with pytest.raises(LowbitError, match="w1_0"):  # also when the graph is handed to the passes directly
+        run_passes(m, weights="nf4", external_data_dir=str(folder))
+
+
+def test_symlinked_data_file_inside_the_folder_is_read(tmp_path):
+    """Hugging Face caches link model files into a blobs folder: a symlink inside the model's folder is fine."""
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    snap = tmp_path / "snapshot"
+    snap.mkdir()
+    src = build(str(blobs), layers=1, d=256, f=512)
+    os.symlink(src, snap / "in.onnx")
+    os.symlink(blobs / "weights.bin", snap / "weights.bin")
+    assert cli.main(["rewrite", str(snap / "in.onnx"), str(tmp_path / "out.onnx"), "--weights", "nf4"]) == 0
