@@ -20,9 +20,10 @@ SAMPLE_BYTES = open(SAMPLE, "rb").read()
 HANG_S = 30  # one example taking longer than this is a hang
 
 FUZZ = settings(max_examples=int(os.environ.get("ONNX_LOWBIT_FUZZ_EXAMPLES", "12")), deadline=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True)
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], derandomize=True,
+                database=None)
 ROUND = settings(max_examples=int(os.environ.get("ONNX_LOWBIT_FUZZ_EXAMPLES", "12")) * 3, deadline=5000,
-                 suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+                 suppress_health_check=[HealthCheck.too_slow], derandomize=True, database=None)
 
 
 @contextlib.contextmanager
