@@ -406,6 +406,10 @@ def main(argv=None) -> int:
     except ValueError as e:  # e.g. unknown pass names from onnx_lowbit.passes.resolve
         print(f"onnx-lowbit: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as e:  # the environment (full disk, permissions, I/O errors), not a bug: one line, exit 2
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"onnx-lowbit: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("onnx-lowbit: interrupted", file=sys.stderr)
         return 130

@@ -239,8 +239,11 @@ class StagedOutput:
         t.name = name
         t.data_type = onnx.helper.np_dtype_to_tensor_dtype(a.dtype)
         t.dims.extend(a.shape)
-        start, n = self._append(a.reshape(-1).view(np.uint8))
-        self._f.flush()  # a later pass may read it back (passes.external.ExternalValues opens the file anew)
+        try:
+            start, n = self._append(a.reshape(-1).view(np.uint8))
+            self._f.flush()  # a later pass may read it back (passes.external.ExternalValues opens the file anew)
+        except OSError as e:
+            raise LowbitError(f"{self.path}: could not write its data file ({e.strerror or e})") from None
         self._refer(t, start, n, self.tmp_data)
         return t
 
