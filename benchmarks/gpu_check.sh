@@ -1,19 +1,39 @@
 #!/usr/bin/env bash
 # On the GPU machine, after onnxruntime-gpu is staged (../shared/device/ort-gpu-prepare.sh, then
-# `stage.sh add NN` ... `stage.sh install`): runs every CUDA kernel test and CUDA-EP bridge test on the real
-# GPU, the benchmarks, and compute-sanitizer on edge shapes. Prints a short log; full JSON under $OUT.
+# `stage.sh add NN` ... `stage.sh install`), with onnx-graphsurgeon installed into /tmp/gs:
+#   bash benchmarks/gpu_check.sh tests     every CUDA kernel / CUDA-EP test on the real GPU + compute-sanitizer
+#   bash benchmarks/gpu_check.sh bench     side-by-side onnxruntime session benchmarks (benchmarks/session_gpu.py)
+#   bash benchmarks/gpu_check.sh llama     the end-to-end LLaMA-style decode step (samples/llama_decode.py)
+# Prints a short log; JSON / PNG under $OUT.
 set -uo pipefail
-export PYTHONPATH=/tmp/ortgpu/site:.:tests PYTHONUNBUFFERED=1 ONNX_LOWBIT_REAL_GPU=1
+export PYTHONPATH=/tmp/ortgpu/site:/tmp/gs:.:tests PYTHONUNBUFFERED=1 ONNX_LOWBIT_REAL_GPU=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-echo "== tests on the GPU"
-python3 -m pytest -q -p no:cacheprovider tests/test_fplut_cuda.py tests/test_bridge_cuda.py tests/test_bridge_cpu.py \
-  tests/test_nf4_kernels.py tests/test_awq_kernels.py 2>&1 | tail -6
-echo "== FPLUT benchmark"
-python3 benchmarks/fplut_gpu.py --json "$OUT/fplut.json" ${BENCH_ARGS:-} 2>&1 | grep -v -i warn | tail -16
-echo "== NF4 benchmark"
-python3 benchmarks/nf4_gpu.py 2>&1 | grep -v -i warn | grep -v "bit-exact\|OK$" | tail -14
-if [ -f benchmarks/awq_gpu.py ]; then echo "== AWQ benchmark"; python3 benchmarks/awq_gpu.py 2>&1 | grep -v -i warn | tail -20; fi
-echo "== compute-sanitizer"
-compute-sanitizer --tool memcheck python3 benchmarks/fplut_ncu.py s32 4099 2>&1 | grep -E "ERROR SUMMARY|ok|MISMATCH" | head -2
-compute-sanitizer --tool racecheck python3 benchmarks/fplut_ncu.py s32 4099 2>&1 | grep -E "RACECHECK SUMMARY|ok|MISMATCH" | head -2
-compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider tests/test_nf4_kernels.py -k "cuda_kernel" 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | head -3
+GPU_TESTS="tests/test_fplut_cuda.py tests/test_bridge_cuda.py tests/test_bridge_cpu.py tests/test_nf4_kernels.py
+  tests/test_awq_kernels.py tests/test_native_plans_cuda.py tests/test_ffn_cuda.py tests/test_ffn4_kernels.py
+  tests/test_gru_cuda.py tests/test_nan_cuda.py tests/test_concurrency.py"
+case "${1:-tests}" in
+tests)
+  echo "== tests on the GPU"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -x $GPU_TESTS 2>&1 | tail -8
+  echo "== compute-sanitizer (memcheck; racecheck for shared-memory kernels), edge shapes"
+  timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/fplut_ncu.py s32 4099 2>&1 | grep -E "ERROR SUMMARY|MISMATCH" | head -2
+  timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/fplut_ncu.py s32 4099 2>&1 | grep -E "RACECHECK SUMMARY|MISMATCH" | head -2
+  for t in "tests/test_nf4_kernels.py -k cuda_kernel" "tests/test_awq_kernels.py -k cuda_matmul_vs_reference" \
+           "tests/test_ffn_cuda.py" "tests/test_ffn4_kernels.py -k cuda" "tests/test_gru_cuda.py -k kernel_bit_exact"; do
+    echo "-- memcheck: $t"
+    timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x $t 2>&1 \
+      | grep -E "ERROR SUMMARY|passed|failed|Invalid" | head -4
+  done
+  echo "-- racecheck: tests/test_gru_cuda.py -k kernel_bit_exact"
+  timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x \
+    tests/test_gru_cuda.py -k kernel_bit_exact 2>&1 | grep -E "RACECHECK SUMMARY|passed|failed" | head -3
+  ;;
+bench)
+  python3 benchmarks/session_gpu.py --json "$OUT/session.json" 2>&1 | grep -v -i warn | tail -45
+  ;;
+llama)
+  python3 samples/llama_decode.py --device cuda --out /tmp/llama ${LLAMA_ARGS:-} 2>&1 \
+    | grep -v -E "Warning|warn|self\.(keys|values)|if not self|torch.onnx.export\(" | tail -40
+  cp /tmp/llama/bench-cuda*.png /tmp/llama/bench-cuda*.json "$OUT/" 2>/dev/null
+  ;;
+esac
