@@ -13,8 +13,9 @@ Two kernels per call:
   h_t (int16) to the exchange buffer and the dequantised Y / Y_h, and meets the other blocks of its group at a
   barrier: a monotonically growing uint64 counter per group (threadfence + atomic add, spin on an atomic read,
   threadfence), which needs all blocks resident at once -- the launch is cooperative
-  (cuLaunchCooperativeKernel), the grid at most one block per SM. Under the CUDA simulator (which runs blocks
-  one after the other) and when a cooperative launch is refused, the same kernel is launched once per step.
+  (cuLaunchCooperativeKernel). When the grid exceeds what can be resident (occupancy x SMs), or under the CUDA
+  simulator (which runs blocks one after the other) where a group has more than one block, the same kernel is
+  launched once per step instead (the kernel boundary is the barrier). docs/gru-cuda.md has the figures.
 
 Accumulators: int32 for bits=8 (|R (h - zp)| <= 255 * 128 * H < 2^31 for H <= 32768; likewise W (x - zp) for
 C < 65793), int64 for bits=16 (and for bits=8 with C >= 65536). Every quantity after a GEMM is computed in int64
