@@ -172,3 +172,16 @@ def test_bad_inputs():
         sess.run(None, {"X": X, "sequence_lens": np.array([5, 1], np.int32)})
     with pytest.raises(Exception, match=r"input W must have shape \[1, 12, 7\]"):
         sess.run(None, {"X": np.zeros((4, 2, 7), np.float32), "sequence_lens": np.array([1, 1], np.int32)})
+
+
+def test_empty_shapes():
+    from onnx_lowbit.custom_ops import quantgru_cpu
+    X, p, _, _, _ = random_gru(5, 2, 3, 4, "bidirectional", 16, seed=4)
+    kw = dict(hidden_size=4, bits=16, exponents=p["exponents"], zero_points=p["zero_points"],
+              direction="bidirectional")
+    for x in (X[:0], X[:, :0]):  # T = 0, N = 0
+        args = (x, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"])
+        got, ref = quantgru_cpu.quant_gru(*args, **kw), gru_int.quant_gru(*args, **kw)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape
+            np.testing.assert_array_equal(g, r)
