@@ -188,7 +188,7 @@ def main():
         lau_a = matmulawq_cuda.launcher(True, mt_a, gpt)
         grid_a, r_a, sp_a = matmulawq_cuda.decode_plan(m, K, N, G, sms, matmulawq_cuda.blocks_per_sm(lau_a), gpt=gpt)
         tiles_a = -(-(N // 8) // matmulawq_cuda.CT)
-        scr = [(torch.zeros(16 * N, device="cuda", dtype=torch.float32),
+        scr = [(torch.zeros(sp_a * m * N, device="cuda", dtype=torch.float32),  # per-split partials [splits, M, N]
                 torch.zeros(tiles_a, device="cuda", dtype=torch.int32)) for _ in range(2)]
         aargs = [[ptr(x), ptr(w[0], w[0].numel() // gpt), ptr(w[1], w[1].numel() // gpt), ptr(w[2]), ptr(y), ptr(y),
                   ptr(sc[0]), ptr(sc[1]), m, K, N, G, r_a, sp_a, 0] for w, y, sc in zip(daw, (y1, y3), scr)]
