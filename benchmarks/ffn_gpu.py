@@ -129,7 +129,7 @@ def main():
         L0 = fc.LOAD
         for m, block, cols, uj, db, ld in [
                 (1, 256, 2, 2, False, L0), (1, 512, 2, 1, False, L0), (1, 256, 2, 2, True, L0),
-                (1, 256, 1, 2, True, L0), (1, 512, 1, 1, True, L0), (1, 256, 2, 2, False, nl),
+                (1, 256, 1, 2, True, L0), (1, 512, 1, 1, False, L0), (1, 256, 2, 2, False, nl),
                 (2, 256, 2, 2, False, L0), (2, 256, 2, 2, True, L0), (2, 256, 2, 1, True, L0),
                 (4, 256, 1, 2, True, L0), (4, 256, 2, 1, True, L0), (4, 256, 1, 2, False, L0),
                 (4, 256, 2, 2, True, L0), (4, 512, 1, 1, True, L0), (4, 128, 1, 2, True, L0)]:
