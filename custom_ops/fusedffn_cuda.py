@@ -667,6 +667,9 @@ def prefill_plan(m, k, n, x16, w16, g16=False):
 
 # ------------------------------------------------------------------------------------------ the kernel
 class FusedFFNCudaKernel(Kernel):
+    # decode and tiled launches depend only on shapes and weight alignment (see plans.py); the cuBLAS prefill
+    # path calls plans.not_replayable(), so those shapes keep going through Python
+    native_plans = True
     def __init__(self, **kw):
         super().__init__(**kw)
         from .cuda_launch import current_device, sm_count
@@ -752,7 +755,8 @@ class FusedFFNCudaKernel(Kernel):
             self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3)
 
     def _gemm(self, stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3):
-        from . import cublas
+        from . import cublas, plans
+        plans.not_replayable()  # cuBLAS work is not recorded by Launcher
         rows, conv, xt, wt, (xoff, soff, nbytes) = prefill_plan(m, k, n, self.x16, self.w16, self.g16)
         xsize = 2 if self.x16 else 4
         splits = 2 if conv == "split" else 1
