@@ -35,8 +35,8 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain, gru_float, gru_int, gru_quant
 
+from . import calibration as _calibration
 from .base import Names, Pass, Report, constant_value, elem_type, is_constant, iter_graphs, node_label, producer
-from .weights4 import _check_feeds, _run_calibration, _used_domains
 
 MAX_FOLD_NODES = 64
 NO_CALIBRATION = ("no calibration data: QuantGRU's scales come from calibration; pass --calibration DATA.npz "
@@ -277,36 +277,14 @@ def _calibration_run(graph: gs.Graph, cands, calibration: dict, factory) -> dict
     """{tensor name: array} for the GRUs' X / sequence_lens / initial_h from one onnxruntime run of the graph on
     the calibration inputs (GRUs with layout 1, which onnxruntime's CPU GRU rejects, run as Transpose + layout 0
     in the copy)."""
-    feeds = _check_feeds(graph, calibration)
+    feeds = _calibration.check_feeds(graph, calibration)
     wanted = []
     for _, spec in cands:
         for k in ("X", "sequence_lens", "initial_h"):
             t = spec[k]
             if t is not None and not is_constant(t) and t.name not in wanted:
                 wanted.append(t.name)
-    copy = graph.copy()
-    copy.cleanup(remove_unused_graph_inputs=False).toposort()
-    have = {t.name for t in copy.outputs}
-    extra = [n for n in wanted if n not in have and n not in feeds]
-    model = gs.export_onnx(copy, do_type_check=False)
-    del model.graph.value_info[:]
-    for n in extra:
-        model.graph.output.append(onnx.ValueInfoProto(name=n))
-    _layout0(model.graph)
-    used = _used_domains(model.graph)
-    if domain.DOMAIN in used and not any(o.domain == domain.DOMAIN for o in model.opset_import):
-        model.opset_import.append(domain.opset_import())
-    model.ir_version = max(7, onnx.helper.find_min_ir_version_for(list(model.opset_import), True))
-    if domain.DOMAIN in used and factory is None:
-        raise ValueError("calibration: the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass), "
-                         "which stock onnxruntime cannot run; pass calibration_session=onnx_lowbit.InferenceSession")
-    try:
-        got = _run_calibration(model, factory, feeds)
-    except ValueError:
-        raise
-    except Exception as e:  # noqa: BLE001 - onnxruntime's errors, as one clear ValueError
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(f"calibration: running the model failed: {type(e).__name__}: {msg[:300]}") from None
+    got = _calibration.collect(graph, wanted, feeds, factory, transform=_layout0)
     out = {n: feeds[n] for n in wanted if n in feeds}
     out.update({n: got[n] for n in wanted if n in got})
     return out

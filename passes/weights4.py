@@ -68,7 +68,7 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
-from . import external
+from . import calibration, external
 from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, iter_graphs,
                    node_label, producer, single_consumer)
 
@@ -781,35 +781,10 @@ class _Run:
                 wanted.append(cand.a.name)
         if not wanted:
             return
-        feeds = _check_feeds(g, self.o.calibration)
-        copy = g.copy()
-        copy.cleanup(remove_unused_graph_inputs=False).toposort()
-        have = {t.name for t in copy.outputs}
-        tensors = copy.tensors()
-        extra = [n for n in wanted if n not in have and n not in feeds and isinstance(tensors.get(n), gs.Variable)]
-        model = gs.export_onnx(copy, do_type_check=False)
-        del model.graph.value_info[:]
-        for n in extra:
-            model.graph.output.append(onnx.ValueInfoProto(name=n))
-        used = _used_domains(model.graph)
-        present = {o.domain for o in model.opset_import}
-        if domain.DOMAIN in used and domain.DOMAIN not in present:
-            model.opset_import.append(domain.opset_import())
-        if MS_DOMAIN in used and MS_DOMAIN not in present:
-            model.opset_import.append(onnx.helper.make_opsetid(MS_DOMAIN, 1))
-        model.ir_version = max(7, onnx.helper.find_min_ir_version_for(list(model.opset_import), True))
-        factory = self.o.calibration_session
-        if domain.DOMAIN in used and factory is None:
-            raise ValueError("calibration: the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass), "
-                             "which stock onnxruntime cannot run; pass calibration_session=onnx_lowbit."
-                             "InferenceSession or run weights4 before fplut")
-        try:
-            got = _run_calibration(model, factory, feeds)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 - onnxruntime's errors, as one clear ValueError
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise ValueError(f"calibration: running the model failed: {type(e).__name__}: {msg[:300]}") from None
+        feeds = calibration.check_feeds(g, self.o.calibration)
+        got = calibration.collect(g, wanted, feeds, self.o.calibration_session,
+                                  hint=" or run weights4 before fplut")
+        tensors = g.tensors()
         for n in wanted:
             v = feeds.get(n) if n in feeds else got.get(n)
             if v is None and isinstance(tensors.get(n), gs.Constant):
@@ -911,66 +886,3 @@ def _fold_plan(p: gs.Node, g: gs.Graph, inv: np.ndarray, k: int, depth: int = 0)
 def _apply_plan(plan, names: Names) -> None:
     for node, i, value in plan:
         node.inputs[i] = gs.Constant(names(f"{node.inputs[i].name}_awq"), value)
-
-
-def _run_calibration(model: onnx.ModelProto, factory, feeds: dict) -> dict:
-    """{output name: array} of one run of ``model`` (``factory(model bytes or path)``, default stock onnxruntime
-    on the CPU). Models past protobuf's 2 GB limit go through a temporary file with external data."""
-    import tempfile
-
-    import onnxruntime as ort  # noqa: PLC0415
-
-    def session(src):
-        if factory is not None:
-            return factory(src)
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        return ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-
-    if model.ByteSize() < 2 ** 31 - 1 - (1 << 20):
-        sess = session(model.SerializeToString())
-        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-    with tempfile.TemporaryDirectory(prefix="weights4-calibration-") as d:
-        path = f"{d}/model.onnx"
-        onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
-        sess = session(path)
-        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
-
-
-def _used_domains(graph: onnx.GraphProto) -> set:
-    out = set()
-    for n in graph.node:
-        out.add(n.domain or "")
-        for a in n.attribute:
-            for s in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                out |= _used_domains(s)
-    return out
-
-
-def _check_feeds(g: gs.Graph, calibration: dict) -> dict:
-    """The calibration arrays checked against the graph inputs (names, ranks, fixed dims), cast to their types."""
-    inputs = {t.name: t for t in g.inputs}
-    unknown = sorted(set(calibration) - set(inputs))
-    missing = [n for n in inputs if n not in calibration]
-    if unknown:
-        raise ValueError(f"calibration: no graph input named {', '.join(map(repr, unknown))}; inputs: "
-                         f"{', '.join(map(repr, inputs))}")
-    if missing:
-        raise ValueError(f"calibration: no array for graph input {', '.join(map(repr, missing))}")
-    feeds = {}
-    for name, t in inputs.items():
-        v = np.asarray(calibration[name])
-        shape = t.shape
-        if shape is not None:
-            bad = len(shape) != v.ndim or any(isinstance(d, (int, np.integer)) and d > 0 and d != s
-                                              for d, s in zip(shape, v.shape))
-            if bad:
-                raise ValueError(f"calibration: array {name!r} has shape {list(v.shape)}, the graph input "
-                                 f"{[d if isinstance(d, (int, np.integer)) else str(d) for d in shape]}")
-        if t.dtype is not None:
-            try:
-                v = v.astype(np.dtype(t.dtype), copy=False)
-            except TypeError:
-                pass
-        feeds[name] = v
-    return feeds
