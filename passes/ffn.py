@@ -39,6 +39,7 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
+from . import external
 from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, is_float_type,
                    iter_graphs, node_label, outside_consumers, producer, remove_dead, type_name)
 from .fplut import _ANCHORS, _ARITH, _Run as _FplutRun, _single_op
@@ -251,7 +252,7 @@ class FFNPass(Pass):
     description = "SwiGLU gate/up projections + SiLU + Mul -> FusedFFN / FusedFFNNF4 / FusedFFNAWQ (down stays)"
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
-        run = _Run(self, report, Names(graph))
+        run = _Run(self, report, Names(graph), options.get("spill"))
         for g in list(iter_graphs(graph)):
             for node in list(g.nodes):
                 if is_alive(node) and node.op == "Mul" and not node.domain:
@@ -259,8 +260,8 @@ class FFNPass(Pass):
 
 
 class _Run:
-    def __init__(self, owner: FFNPass, report: Report, names: Names):
-        self.owner, self.report, self.names = owner, report, names
+    def __init__(self, owner: FFNPass, report: Report, names: Names, spill=None):
+        self.owner, self.report, self.names, self.spill = owner, report, names, spill
         self.shared: dict = {}  # float weight key -> transposed constant
 
     def one(self, g: gs.Graph, mul: gs.Node) -> None:
@@ -357,8 +358,10 @@ class _Run:
         """The [N, K] constant of a float projection (one copy per stored weight)."""
         t = self.shared.get(proj.w_key)
         if t is None:
-            t = gs.Constant(self.names(f"{proj.w_name}_t"), proj.wt)
+            # streaming (option spill): written to OUT's data file now, so memory stays bounded
+            t = external.constant(self.names(f"{proj.w_name}_t"), proj.wt, self.spill)
             self.shared[proj.w_key] = t
+        proj.wt = None
         return t
 
     def bias(self, proj: _Proj, t_np, base: str, tag: str):

@@ -223,6 +223,36 @@ def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
     assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
 
 
+def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load):
+    """Without --weights the ffn pass makes new [N, K] weights; streaming writes them to OUT.data at once (the
+    graph keeps references), with the same values and ops as the in-memory rewrite."""
+    rng = np.random.default_rng(8)
+    d, f = 256, 512
+    ws = {n: numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float16), n)
+          for n, s in (("wg", (d, f)), ("wu", (d, f)), ("wd", (f, d)))}
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("Sigmoid", ["g"], ["sg"]),
+             helper.make_node("Mul", ["g", "sg"], ["act"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Mul", ["act", "u"], ["h"]), helper.make_node("MatMul", ["h", "wd"], ["y"])]
+    g = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["n", d])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["n", d])], list(ws.values()))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    src = str(tmp_path / "in.onnx")
+    onnx.save_model(m, src, save_as_external_data=True, all_tensors_to_one_file=True, location="in.data")
+    out = str(tmp_path / "out.onnx")
+    assert cli.main(["rewrite", src, out, "--passes", "ffn"]) == 0
+    lazy = onnx.load(out, load_external_data=False)
+    fused = [n for n in lazy.graph.node if n.op_type == "FusedFFN"]
+    assert len(fused) == 1
+    inits = {t.name: t for t in lazy.graph.initializer}
+    for name in fused[0].input[1:3]:
+        assert inits[name].data_location == onnx.TensorProto.EXTERNAL, name
+    got_model = onnx.load(out)
+    ref_model, _ = run_passes(onnx.load(src), passes="ffn")
+    ref = {t.name: numpy_helper.to_array(t) for t in ref_model.graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in got_model.graph.initializer}
+    assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
+
+
 def test_api_rewrite_file_and_inspect_stream(tmp_path, no_full_load, capsys):
     import onnx_lowbit
     src = build(str(tmp_path), layers=1, d=256, f=512)
