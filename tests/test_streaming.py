@@ -223,7 +223,7 @@ def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
     assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
 
 
-def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load):
+def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load, monkeypatch):
     """Without --weights the ffn pass makes new [N, K] weights; streaming writes them to OUT.data at once (the
     graph keeps references), with the same values and ops as the in-memory rewrite."""
     rng = np.random.default_rng(8)
@@ -239,6 +239,14 @@ def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load):
     src = str(tmp_path / "in.onnx")
     onnx.save_model(m, src, save_as_external_data=True, all_tensors_to_one_file=True, location="in.data")
     out = str(tmp_path / "out.onnx")
+    from onnx_lowbit.passes import external
+    spilled, real = [], external.constant
+
+    def recording(name, array, spill=None):
+        if spill is not None and array.nbytes >= external.SPILL_MIN_BYTES:
+            spilled.append(name)
+        return real(name, array, spill)
+    monkeypatch.setattr(external, "constant", recording)
     assert cli.main(["rewrite", src, out, "--passes", "ffn"]) == 0
     lazy = onnx.load(out, load_external_data=False)
     fused = [n for n in lazy.graph.node if n.op_type == "FusedFFN"]
@@ -246,6 +254,7 @@ def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load):
     inits = {t.name: t for t in lazy.graph.initializer}
     for name in fused[0].input[1:3]:
         assert inits[name].data_location == onnx.TensorProto.EXTERNAL, name
+        assert name in spilled, (name, spilled)  # written while the pass ran, not held until the end
     got_model = onnx.load(out)
     ref_model, _ = run_passes(onnx.load(src), passes="ffn")
     ref = {t.name: numpy_helper.to_array(t) for t in ref_model.graph.initializer}
