@@ -515,6 +515,8 @@ class _Run:
         self.shared: dict = {}        # (id(stored), transpose, alpha) -> (Q, absmax, rel_error, first node)
         self.kept_checks: list = []   # (index in entries, _Cand) of rewrites whose float weight may stay
         self.activations: dict = {}   # tensor name -> [rows, K] float32 calibration activations
+        self.shared_act: dict = {}    # A's name -> (act_scale [K] float32, ids of the candidate nodes sharing it)
+        self.applied: dict = {}       # A's name -> (tensor, note) once a shared act_scale has been applied
 
     def const(self, base: str, array: np.ndarray) -> gs.Constant:
         """A new constant with a unique name; spilled to the output file at once when streaming."""
@@ -679,7 +681,15 @@ class _Run:
             return self.emit_awq_tensors(g, cand, notes, *self.from_checkpoint(cand, notes))
         x = self.activations.get(cand.a.name) if g is self.root else None
         act = None  # AWQ's act_scale = 1 / s [K]: the activation is multiplied by it, the weight rows by s
-        if x is not None:
+        shared = self.shared_act.get(cand.a.name) if x is not None else None
+        if shared is not None and id(cand.node) in shared[1]:
+            # one scale for every projection reading this A (AutoAWQ's grouping, e.g. gate+up, q/k/v)
+            w32, act = cand.w, shared[0]
+            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32 * (np.float32(1.0) / act)[:, None],
+                                                   o.group_size)
+            notes.append(f"activation scale searched jointly with the {len(shared[1]) - 1} other projection(s) "
+                         f"of {cand.a.name!r}")
+        elif x is not None:
             w32 = cand.w
             qweight, qzeros, scales, act = _format_call(awq.quantize_awq, w32, x, o.group_size)
             act = np.asarray(act, np.float32).reshape(-1)
@@ -795,23 +805,63 @@ class _Run:
             if x.shape[0] > MAX_CALIBRATION_ROWS:
                 x = x[np.linspace(0, x.shape[0] - 1, MAX_CALIBRATION_ROWS).astype(np.int64)]
             self.activations[n] = x
+        self.group_scales(g)
+
+    def group_scales(self, g: gs.Graph):
+        """Projections reading the same A (gate and up of a SwiGLU block, q/k/v) get one activation scale,
+        searched on their weights side by side: A is scaled once (folded into its producer when those
+        projections are its only readers, else one Mul), so they still share one input and the ffn pass can
+        fuse gate and up."""
+        awq = _awq()
+        groups = {}
+        for node in g.nodes:
+            cand = self.wanted(node)
+            if cand is not None and cand.a.name in self.activations and cand.N % 8 == 0:
+                groups.setdefault(cand.a.name, []).append(cand)
+        for name, cands in groups.items():
+            if len(cands) < 2 or len({c.K for c in cands}) != 1 or len({c.dtype for c in cands}) != 1:
+                continue
+            try:
+                found = awq.search_scales(np.concatenate([c.w for c in cands], axis=1), self.activations[name],
+                                          self.o.group_size)
+            except ValueError:
+                continue  # each projection then searches its own scale (and reports why that fails, if it does)
+            act = (np.float32(1.0) / found.scales).astype(np.float32)
+            with np.errstate(over="ignore", divide="ignore"):
+                act_model = act.astype(cands[0].dtype)
+                ok = (np.all(np.isfinite(act)) and np.all(act > 0) and np.all(np.isfinite(act_model)) and
+                      np.all(act_model > 0))
+            if ok:  # applied in the model's float type: quantise W * (1 / that) so the pair is exact
+                self.shared_act[name] = (act_model.astype(np.float32), {id(c.node) for c in cands})
+            for c in cands:
+                c._w = None
 
     def apply_act_scale(self, g: gs.Graph, cand: _Cand, act: np.ndarray):
         """Makes cand's A become A * act (per input channel): folded into A's producer when possible, else a
         Mul in front. Returns (the tensor to feed the quantised op, a note for the report)."""
         a = cand.a
+        if a.name in self.applied:  # a shared scale, already applied for another projection of the group
+            return self.applied[a.name]
+        members = self.shared_act.get(a.name, (None, set()))[1] if id(cand.node) in \
+            self.shared_act.get(a.name, (None, set()))[1] else set()
+        only_readers = (all(id(c) in members for c in a.outputs) if members else single_consumer(a) is cand.node)
         p = producer(a)
-        if p is not None and single_consumer(a) is cand.node and not is_graph_output(g, a):
+        result = None
+        if p is not None and only_readers and not is_graph_output(g, a):
             found = _fold_plan(p, g, act.astype(np.float64), cand.K)
             if found is not None:
                 _apply_plan(found[0], self.names)
-                return a, f"AWQ activation scale folded into {found[1]}"
-        label = cand.node.name or a.name
-        c = gs.Constant(self.names(f"{label}_awq_act_scale"), act.astype(cand.dtype))
-        scaled = gs.Variable(self.names(f"{a.name}_awq_scaled"), dtype=cand.dtype, shape=a.shape)
-        mul = gs.Node(op="Mul", name=self.names(f"{label}_awq_scale"), inputs=[a, c], outputs=[scaled])
-        g.nodes.append(mul)
-        return scaled, f"AWQ activation scale applied by Mul {mul.name!r} in front"
+                result = (a, f"AWQ activation scale folded into {found[1]}")
+        if result is None:
+            label = cand.node.name or a.name
+            c = gs.Constant(self.names(f"{label}_awq_act_scale"), act.astype(cand.dtype))
+            scaled = gs.Variable(self.names(f"{a.name}_awq_scaled"), dtype=cand.dtype, shape=a.shape)
+            mul = gs.Node(op="Mul", name=self.names(f"{label}_awq_scale"), inputs=[a, c], outputs=[scaled])
+            g.nodes.append(mul)
+            result = (scaled, f"AWQ activation scale applied by Mul {mul.name!r} in front")
+        if members:
+            self.applied[a.name] = result
+        return result
 
 
 _NORM_OPS = {("", "LayerNormalization"): (1, 2), ("", "RMSNormalization"): (1, None),

@@ -377,14 +377,23 @@ def test_any_order_gives_a_correct_model(order):
     assert "FPLUT" not in ops(out)  # the only activation was the SwiGLU's SiLU
 
 
-def test_skip_awq_calibration_scales():
-    """weights4's AWQ calibration puts one activation-scale Mul in front of gate and one in front of up: two
-    inputs, reported as such (the model stays correct, unfused)."""
+def test_awq_calibration_shares_one_scale_for_gate_and_up():
+    """weights4's AWQ calibration searches one activation scale for gate and up (they read the same x) and
+    applies it once, so the block still fuses: FusedFFNAWQ, close to the weights4-only model (unfused) and to the
+    float original."""
     m = swiglu(x_shape=("M", K))
-    cal = {"x": np.random.default_rng(0).standard_normal((64, K)).astype(np.float32)}
-    reason, out = skipped_reason(m, passes=("weights4", "ffn"), weights="awq", calibration=cal, group_size=32)
-    assert "scaled by two different Muls" in reason
-    assert ops(out).count("MatMulAWQ") == 3
+    rng = np.random.default_rng(0)
+    cal = {"x": rng.standard_normal((64, K)).astype(np.float32)}
+    opts = dict(weights="awq", calibration=cal, group_size=32)
+    out, report = run_passes(m, ["weights4", "ffn"], **opts)
+    assert ops(out).count("FusedFFNAWQ") == 1 and ops(out).count("MatMulAWQ") == 1, ops(out)
+    notes = " ".join(e.reason for e in report.rewritten("weights4"))
+    assert "searched jointly" in notes
+    unfused, _ = run_passes(m, ["weights4"], **opts)
+    feeds = {"x": rng.standard_normal((5, K)).astype(np.float32)}
+    got, mid, ref = run(out, feeds)[0], run(unfused, feeds)[0], run(m, feeds, ours=False)[0]
+    assert rel_fro(got, mid) <= 1e-5
+    assert rel_fro(got, ref) <= 0.2
 
 
 @pytest.mark.parametrize("transposed", [False, True])
