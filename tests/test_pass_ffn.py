@@ -440,3 +440,29 @@ def test_subgraph():
     assert [n.op_type for n in branch.node] == ["FusedFFN"], report.to_table()
     feeds = {"x": np.random.default_rng(0).standard_normal((3, K)).astype(np.float32), "c": np.array(True)}
     assert rel_fro(run(out, feeds)[0], run(m, feeds, ours=False)[0]) <= 1e-5
+
+
+def test_awq_shared_scale_folds_into_the_norm():
+    """LayerNorm -> gate, up: the shared activation scale is folded into the norm's gamma/beta (its only readers
+    are the two projections): no Mul is inserted and the block fuses."""
+    from onnx import TensorProto, helper, numpy_helper
+    rng = np.random.default_rng(3)
+    w1, w3, w2, _, _ = weights()
+    inits = [numpy_helper.from_array(v, n) for n, v in
+             [("gamma", (1 + 0.1 * rng.standard_normal(K)).astype(np.float32)),
+              ("beta", (0.1 * rng.standard_normal(K)).astype(np.float32)), ("w1", w1), ("w3", w3), ("w2", w2)]]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["h"], axis=-1),
+             helper.make_node("MatMul", ["h", "w1"], ["g"], name="gate"),
+             helper.make_node("MatMul", ["h", "w3"], ["u"], name="up"),
+             helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["a"]),
+             helper.make_node("Mul", ["a", "u"], ["s"], name="mul"),
+             helper.make_node("MatMul", ["s", "w2"], ["y"], name="down")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", w2.shape[1]])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    cal = {"x": rng.standard_normal((64, K)).astype(np.float32)}
+    out, report = run_passes(m, ["weights4", "ffn"], weights="awq", calibration=cal, group_size=32)
+    assert ops(out).count("FusedFFNAWQ") == 1 and ops(out).count("Mul") == 1, ops(out)  # the down proj's Mul
+    assert any("folded into" in e.reason for e in report.rewritten("weights4"))
+    feeds = {"x": rng.standard_normal((5, K)).astype(np.float32)}
+    assert rel_fro(run(out, feeds)[0], run(m, feeds, ours=False)[0]) <= 0.2
