@@ -4,6 +4,8 @@
 
 tiny_yolo.onnx  a YOLO-style CNN: Conv-BN-SiLU blocks, a C2f-like split/concat, SPPF pooling, a sigmoid head.
 gpt2_mlp.onnx   a GPT-2 style transformer MLP stack (LayerNorm, Linear, GELU tanh form, Linear, residual).
+llama_mlp.onnx  a LLaMA-style SwiGLU MLP stack (RMS norm, gate/up Linear, SiLU * up, down Linear, residual).
+gru_small.onnx  a GRU (batch_first, 64 -> 128, one layer) + gru_small_calib.npz, calibration inputs for it.
 """
 from __future__ import annotations
 
@@ -59,6 +61,40 @@ class GPT2MLP(nn.Module):
         return x
 
 
+class RMSNorm(nn.Module):
+    """LLaMA's RMS norm, written out (torch's exporter has no opset-17 RMSNormalization)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(1 + 0.1 * torch.randn(d)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d=128, h=352, layers=2):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"norm": RMSNorm(d), "gate_proj": nn.Linear(d, h, bias=False),
+                                                   "up_proj": nn.Linear(d, h, bias=False),
+                                                   "down_proj": nn.Linear(h, d, bias=False)}) for _ in range(layers))
+
+    def forward(self, x):
+        for b in self.blocks:
+            h = b["norm"](x)
+            x = x + b["down_proj"](nn.functional.silu(b["gate_proj"](h)) * b["up_proj"](h))
+        return x
+
+
+class SmallGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(64, 128, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(x)[0]
+
+
 def _bn_stats(model):
     g = torch.Generator().manual_seed(1)
     for m in model.modules():
@@ -80,6 +116,15 @@ def main(out_dir=HERE):
     export(yolo, torch.randn(1, 3, 64, 64), os.path.join(out_dir, "tiny_yolo.onnx"))
     torch.manual_seed(0)
     export(GPT2MLP(), torch.randn(1, 16, 128), os.path.join(out_dir, "gpt2_mlp.onnx"), {"x": {1: "seq"}, "y": {1: "seq"}})
+    torch.manual_seed(0)
+    export(LlamaMLP(), torch.randn(1, 16, 128), os.path.join(out_dir, "llama_mlp.onnx"),
+           {"x": {1: "seq"}, "y": {1: "seq"}})
+    torch.manual_seed(0)
+    export(SmallGRU(), torch.randn(2, 20, 64), os.path.join(out_dir, "gru_small.onnx"),
+           {"x": {0: "batch", 1: "time"}, "y": {0: "batch", 1: "time"}})
+    import numpy as np
+    g = np.random.default_rng(0)
+    np.savez(os.path.join(out_dir, "gru_small_calib.npz"), x=g.standard_normal((8, 40, 64)).astype(np.float32))
 
 
 if __name__ == "__main__":

@@ -119,3 +119,4 @@ def test_demo():
     rc, so, err = cli("demo")
     assert rc == 0, err + so
     assert "tiny_yolo" in so and "FPLUT ops" in so
+    assert "FusedFFNNF4" in so and "QuantGRU" in so and "FAIL" not in so
