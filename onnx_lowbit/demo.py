@@ -99,7 +99,7 @@ def run(out_dir: str | None = None) -> int:
               f"rewritten {timings['rewritten']:.3f} ms")
         print(f"   written: {dst}\n")
         worst = max(worst, 0 if all(e.ok for e in errors) else 1)
-    print("\nFPLUT turns each activation (SiLU, GELU formulas, ...) into one table-lookup op: fewer nodes, one pass over "
+    print("FPLUT turns each activation (SiLU, GELU formulas, ...) into one table-lookup op: fewer nodes, one pass over "
           "memory (accuracy per function: `onnx-lowbit lut list`). 4-bit weights cut the file to about a quarter (fp16) "
           "or a seventh (fp32). On the CPU each of our ops pays a Python callback (~15 us), so small models run slower "
           "here (the CPU GRU kernel is a bit-exact reference implementation, not a fast one); the speed gains are on the "
