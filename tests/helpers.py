@@ -27,3 +27,23 @@ def random_like(dtype, shape, seed=0, specials=True):
         x.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, 1e6]
     with np.errstate(over="ignore"):
         return x.astype(dtype)
+
+
+def same_in_threads(run, inputs, want, equal, repeats=20, threads=8):
+    """Calls ``run(inputs[i])`` ``repeats`` times in each of ``threads`` threads at once; returns the indices i
+    whose result was ever not ``equal`` to ``want[i]`` (empty when every thread always agreed)."""
+    import threading
+    bad = []
+
+    def work(i):
+        for _ in range(repeats):
+            if not equal(run(inputs[i]), want[i]):
+                bad.append(i)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return bad
+

@@ -1,6 +1,5 @@
 """The onnxruntime bridge on the CPU EP: FPLUT through ordinary sessions, bit-exact with the reference,
 clear error statuses, and concurrent runs."""
-import threading
 
 import numpy as np
 import onnx
@@ -11,7 +10,7 @@ from onnx import TensorProto
 import onnx_lowbit
 from onnx_lowbit import fplut, halfbits
 
-from helpers import SEED, fplut_model, random_like, seed_table
+from helpers import SEED, fplut_model, random_like, same_in_threads, seed_table
 
 CPU = ["CPUExecutionProvider"]
 
@@ -101,20 +100,8 @@ def test_threads_on_one_session_agree():
     sess = onnx_lowbit.InferenceSession(fplut_model(TensorProto.FLOAT, shape=["n"]), providers=CPU)
     xs = [random_like(np.float32, (5000,), seed=s) for s in range(8)]
     want = [fplut.apply(x, SEED, seed_table().values) for x in xs]
-    bad = []
-
-    def work(i):
-        for _ in range(20):
-            y = sess.run(None, {"x": xs[i]})[0]
-            if not np.array_equal(y.view(np.uint32), want[i].view(np.uint32)):
-                bad.append(i)
-
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not bad
+    assert not same_in_threads(lambda x: sess.run(None, {"x": x})[0], xs, want,
+                               lambda a, b: np.array_equal(a.view(np.uint32), b.view(np.uint32)))
 
 
 def test_two_sessions():

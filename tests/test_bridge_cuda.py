@@ -1,6 +1,5 @@
 """The bridge in onnxruntime CUDA sessions (GPU machine only; skipped without onnxruntime-gpu and a GPU):
 every FPLUT node on the CUDA EP, no Memcpy nodes, bit-exact with the reference, concurrent runs agree."""
-import threading
 
 import numpy as np
 import onnx
@@ -11,7 +10,7 @@ from onnx import TensorProto
 import onnx_lowbit
 from onnx_lowbit import fplut, halfbits
 
-from helpers import SEED, fplut_model, random_like, seed_table
+from helpers import SEED, fplut_model, random_like, same_in_threads, seed_table
 
 if "CUDAExecutionProvider" not in ort.get_available_providers():
     pytest.skip("onnxruntime has no CUDA execution provider here", allow_module_level=True)
@@ -61,17 +60,8 @@ def test_cuda_threads_agree(tmp_path):
     sess, _ = _session(fplut_model(TensorProto.FLOAT, shape=["n"]), tmp_path)
     xs = [random_like(np.float32, (10000 + i,), seed=i) for i in range(8)]
     want = [fplut.apply(x, SEED, seed_table().values) for x in xs]
-    bad = []
-
-    def work(i):
-        for _ in range(25):
-            if not np.array_equal(sess.run(None, {"x": xs[i]})[0].view(np.uint32), want[i].view(np.uint32)):
-                bad.append(i)
-
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert not bad
+    assert not same_in_threads(lambda x: sess.run(None, {"x": x})[0], xs, want,
+                               lambda a, b: np.array_equal(a.view(np.uint32), b.view(np.uint32)), repeats=25)
 
 
 def test_cuda_bad_attribute_is_an_error_status(tmp_path):

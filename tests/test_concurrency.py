@@ -2,12 +2,13 @@
 every kind of our ops the passes emit (FPLUT, MatMulNF4, MatMulAWQ; FusedFFN* when the ffn pass emits them).
 CPU here (CI); tests/test_native_plans_cuda.py does the same on the GPU machine."""
 import os
-import threading
 
 import numpy as np
 import pytest
 
 import onnx_lowbit
+
+from helpers import same_in_threads
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "samples", "gpt2_mlp.onnx")
 CPU = ["CPUExecutionProvider"]
@@ -51,17 +52,7 @@ def test_eight_threads_on_one_session(model):
     sess = onnx_lowbit.InferenceSession(model, providers=CPU)
     xs = _inputs()
     want = [sess.run(None, {"x": x})[0] for x in xs]
-    bad = []
-
-    def work(i):
-        for _ in range(10):
-            if not np.array_equal(sess.run(None, {"x": xs[i]})[0], want[i]):
-                bad.append(i)
-
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert not bad
+    assert not same_in_threads(lambda x: sess.run(None, {"x": x})[0], xs, want, np.array_equal, repeats=10)
 
 
 def test_sessions_agree(model):

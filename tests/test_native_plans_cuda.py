@@ -2,7 +2,6 @@
 onnxruntime-gpu and a real GPU). A model with FPLUT and 4-bit MatMul nodes runs with plans on and off and on
 CPU; the results agree, and Python serves one compute call per node and input signature, not one per run."""
 import os
-import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -10,6 +9,8 @@ import pytest
 
 import onnx_lowbit
 from onnx_lowbit.custom_ops import bridge
+
+from helpers import same_in_threads
 
 if "CUDAExecutionProvider" not in ort.get_available_providers():
     pytest.skip("onnxruntime has no CUDA execution provider here", allow_module_level=True)
@@ -103,17 +104,8 @@ def test_replay_with_8_threads(model):
     sess = onnx_lowbit.InferenceSession(model, providers=CUDA)
     xs = [_x(1 + i, 100 + i, model) for i in range(8)]
     want = [sess.run(None, {"x": x})[0] for x in xs]
-    bad = []
-
-    def work(i):
-        for _ in range(20):
-            if not _same(sess.run(None, {"x": xs[i]})[0], want[i], model):
-                bad.append(i)
-
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    [t.start() for t in ts]
-    [t.join() for t in ts]
-    assert not bad
+    assert not same_in_threads(lambda x: sess.run(None, {"x": x})[0], xs, want,
+                               lambda a, b: _same(a, b, model))
 
 
 def test_cuda_graph_capture_and_replay(model):
