@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
+
+from timing import time_wall  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
 def chain_model(op, length, table):
@@ -46,14 +46,8 @@ def time_session(model, runs, cuda_graph=False):
     io = sess.io_binding()
     io.bind_ortvalue_input("x", xv)
     io.bind_ortvalue_output("y", yv)
-    for _ in range(200):
-        sess.run_with_iobinding(io)
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        sess.run_with_iobinding(io)
-        ts.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(ts), float(np.percentile(ts, 90)), yv.numpy()
+    med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs, warmup=200)
+    return med, p90, yv.numpy()
 
 
 def main():

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
-from timing import time_cuda
+from timing import time_cuda, time_wall
 
 from onnx_lowbit import fplut, halfbits
 
@@ -124,18 +122,12 @@ def ort_overhead(table, reps=2000):
         io = sess.io_binding()
         io.bind_ortvalue_input("x", xv)
         io.bind_ortvalue_output("y", yv)
-        for _ in range(200):
-            sess.run_with_iobinding(io)
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            sess.run_with_iobinding(io)
-            ts.append((time.perf_counter() - t) * 1e6)
+        med, p90 = time_wall(lambda: sess.run_with_iobinding(io), reps, warmup=200)
         y = yv.numpy()
         ok = None
         if name.startswith("FPLUT"):
             ok = bool(np.array_equal(y.view(np.uint16), fplut.apply(x, table.cut_points, table.values).view(np.uint16)))
-        results[name] = (statistics.median(ts), float(np.percentile(ts, 90)), memcpy, ok)
+        results[name] = (med, p90, memcpy, ok)
     return results
 
 

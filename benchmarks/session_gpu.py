@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import numpy as np
+
+from timing import time_wall  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 K, N = 4096, 11008
 
@@ -86,14 +87,8 @@ def time_model(model, m, runs, cuda_graph):
         ov = ort.OrtValue.ortvalue_from_shape_and_type([m, N], np.float16, DEVICE, 0)
         io.bind_ortvalue_output(o.name, ov)
         outs.append(ov)
-    for _ in range(30):
-        sess.run_with_iobinding(io)
-    ts = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        sess.run_with_iobinding(io)
-        ts.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(ts), float(np.percentile(ts, 90)), [o.numpy() for o in outs], x
+    med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs, warmup=30)
+    return med, p90, [o.numpy() for o in outs], x
 
 
 def main():

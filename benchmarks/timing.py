@@ -50,3 +50,19 @@ def time_graph(fn, iters=30, batch=BATCH):
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3 / batch)
     return statistics.median(ts)
+
+
+def time_wall(fn, runs, warmup=0):
+    """(median, p90) wall time per call in us of ``fn()`` (e.g. one onnxruntime ``run_with_iobinding``), after
+    ``warmup`` untimed calls."""
+    import time
+
+    import numpy as np
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(ts), float(np.percentile(ts, 90))
