@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, after onnxruntime-gpu is staged (../shared/device/ort-gpu-prepare.sh, then
 # `stage.sh add NN` ... `stage.sh install`), with onnx-graphsurgeon installed into /tmp/gs:
-#   bash benchmarks/gpu_check.sh tests     every CUDA kernel / CUDA-EP test on the real GPU + compute-sanitizer
+#   bash benchmarks/gpu_check.sh tests     every CUDA kernel / CUDA-EP test on the real GPU + memcheck of some
+#   bash benchmarks/gpu_check.sh sanitize  memcheck + racecheck of every kernel family (split over calls: ~10 min each)
 #   bash benchmarks/gpu_check.sh bench     side-by-side onnxruntime session benchmarks (benchmarks/session_gpu.py)
 #   bash benchmarks/gpu_check.sh llama     the end-to-end LLaMA-style decode step (samples/llama_decode.py)
 # Prints a short log; JSON / PNG under $OUT.
@@ -24,9 +25,18 @@ tests)
     timeout 120 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x $t 2>&1 \
       | grep -E "ERROR SUMMARY|passed|failed|Invalid" | head -4
   done
-  echo "-- racecheck: tests/test_gru_cuda.py -k kernel_bit_exact"
-  timeout 120 compute-sanitizer --tool racecheck --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x \
-    tests/test_gru_cuda.py -k kernel_bit_exact 2>&1 | grep -E "RACECHECK SUMMARY|passed|failed" | head -3
+  ;;
+sanitize)
+  # every CUDA kernel with shared memory under racecheck, and the ones not yet memchecked (issue 7); the fused
+  # 4-bit tests compile slowly under the sanitizer: give them time
+  for t in "tests/test_ffn_cuda.py" "tests/test_ffn4_kernels.py -k cuda" "tests/test_gru_cuda.py -k kernel_bit_exact" \
+           "tests/test_awq_kernels.py -k cuda_matmul_vs_reference" "tests/test_nf4_kernels.py -k cuda_kernel"; do
+    for tool in memcheck racecheck; do
+      echo "-- $tool: $t"
+      timeout 280 compute-sanitizer --tool $tool --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x $t 2>&1 \
+        | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Invalid" | head -4
+    done
+  done
   ;;
 bench)
   python3 benchmarks/session_gpu.py --json "$OUT/session.json" 2>&1 | grep -v -i warn | tail -45
