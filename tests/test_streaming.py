@@ -196,10 +196,9 @@ def test_spilled_tensor_reads_back_at_once(tmp_path):
     assert os.listdir(tmp_path) == []                        # left without commit: nothing stays
 
 
-def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
-    """A gated FFN: weights4 quantises gate/up/down (spilled), later passes read them back; same bytes and ops as
-    the in-memory rewrite."""
-    rng = np.random.default_rng(7)
+def _swiglu_external(tmp_path, seed):
+    """A gated FFN (fp16, d=256, f=512, SiLU as x*Sigmoid(x)) saved with external data; returns its path."""
+    rng = np.random.default_rng(seed)
     d, f = 256, 512
     ws = {n: numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float16), n)
           for n, s in (("wg", (d, f)), ("wu", (d, f)), ("wd", (f, d)))}
@@ -211,6 +210,13 @@ def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
     src = str(tmp_path / "in.onnx")
     onnx.save_model(m, src, save_as_external_data=True, all_tensors_to_one_file=True, location="in.data")
+    return src
+
+
+def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
+    """A gated FFN: weights4 quantises gate/up/down (spilled), later passes read them back; same bytes and ops as
+    the in-memory rewrite."""
+    src = _swiglu_external(tmp_path, seed=7)
     out = str(tmp_path / "out.onnx")
     assert cli.main(["rewrite", src, out, "--weights", "nf4"]) == 0
     got_model = onnx.load(out)  # onnx.load itself (not model_io.load) is not blocked by no_full_load
@@ -226,18 +232,7 @@ def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
 def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load, monkeypatch):
     """Without --weights the ffn pass makes new [N, K] weights; streaming writes them to OUT.data at once (the
     graph keeps references), with the same values and ops as the in-memory rewrite."""
-    rng = np.random.default_rng(8)
-    d, f = 256, 512
-    ws = {n: numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float16), n)
-          for n, s in (("wg", (d, f)), ("wu", (d, f)), ("wd", (f, d)))}
-    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("Sigmoid", ["g"], ["sg"]),
-             helper.make_node("Mul", ["g", "sg"], ["act"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
-             helper.make_node("Mul", ["act", "u"], ["h"]), helper.make_node("MatMul", ["h", "wd"], ["y"])]
-    g = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["n", d])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["n", d])], list(ws.values()))
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
-    src = str(tmp_path / "in.onnx")
-    onnx.save_model(m, src, save_as_external_data=True, all_tensors_to_one_file=True, location="in.data")
+    src = _swiglu_external(tmp_path, seed=8)
     out = str(tmp_path / "out.onnx")
     from onnx_lowbit.passes import external
     spilled, real = [], external.constant
