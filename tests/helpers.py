@@ -47,3 +47,17 @@ def same_in_threads(run, inputs, want, equal, repeats=20, threads=8):
         t.join()
     return bad
 
+
+def skip_module_unless_cuda_sessions():
+    """Module-level skip unless onnxruntime has its CUDA EP and Numba sees a real GPU (not the simulator)."""
+    import onnxruntime as ort
+    import pytest
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA execution provider here", allow_module_level=True)
+    try:
+        from numba import config, cuda
+    except ImportError:
+        pytest.skip("numba-cuda not installed", allow_module_level=True)
+    if config.ENABLE_CUDASIM or not cuda.is_available():
+        pytest.skip("no real GPU for Numba", allow_module_level=True)
+

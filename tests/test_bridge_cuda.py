@@ -10,16 +10,9 @@ from onnx import TensorProto
 import onnx_lowbit
 from onnx_lowbit import fplut, halfbits
 
-from helpers import SEED, fplut_model, random_like, same_in_threads, seed_table
+from helpers import SEED, fplut_model, random_like, same_in_threads, seed_table, skip_module_unless_cuda_sessions
 
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDA execution provider here", allow_module_level=True)
-try:
-    from numba import config, cuda
-    if config.ENABLE_CUDASIM or not cuda.is_available():
-        pytest.skip("no real GPU for Numba", allow_module_level=True)
-except ImportError:
-    pytest.skip("numba-cuda not installed", allow_module_level=True)
+skip_module_unless_cuda_sessions()
 
 CUDA = ["CUDAExecutionProvider"]
 

@@ -10,16 +10,9 @@ import pytest
 import onnx_lowbit
 from onnx_lowbit.custom_ops import bridge
 
-from helpers import same_in_threads
+from helpers import same_in_threads, skip_module_unless_cuda_sessions
 
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime has no CUDA execution provider here", allow_module_level=True)
-try:
-    from numba import config, cuda
-    if config.ENABLE_CUDASIM or not cuda.is_available():
-        pytest.skip("no real GPU for Numba", allow_module_level=True)
-except ImportError:
-    pytest.skip("numba-cuda not installed", allow_module_level=True)
+skip_module_unless_cuda_sessions()
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "samples", "gpt2_mlp.onnx")
 CUDA = ["CUDAExecutionProvider"]
