@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .dequantawq_cpu import ORDER_NP, check_weights, dequant_rows_f32, parse_attrs
+from .dequantawq_cpu import check_weights, parse_attrs
 from .ffn4_common import check_x_biases, opt, swiglu_f32
 from .kernels import Kernel
-from .matmulawq_cpu import CHUNK_BYTES, SMALL_M, gemv
+from .matmulawq_cpu import product
 
 
 def check_both(w1, w3, sh):
@@ -23,25 +23,6 @@ def check_both(w1, w3, sh):
             for name in ("qweight", "qzeros", "scales"):
                 msg = msg.replace(f"'{name}'", f"'{name}{sfx}'")
             raise KernelError(msg) from None
-
-
-def product(x2, qw, qz, sc, sh):
-    """x2 float32 [M, K] @ W (fp32 [M, N], exact (q - z) * s weights)."""
-    m, k, n = x2.shape[0], sh.K, sh.N
-    qw, qz = np.ascontiguousarray(qw), np.ascontiguousarray(qz)
-    scf = np.asarray(sc).astype(np.float32)
-    if m <= SMALL_M:
-        out = np.empty((m, n), np.float32)
-        gemv(x2, qw, qz, scf, ORDER_NP, sh.group_size, k, out)
-        return out
-    rows = max(sh.group_size, (CHUNK_BYTES // (4 * n)) // sh.group_size * sh.group_size)
-    w = np.empty((min(rows, k), n), np.float32)
-    out = np.zeros((m, n), np.float32)
-    for k0 in range(0, k, rows):
-        k1 = min(k0 + rows, k)
-        dequant_rows_f32(qw, qz, scf, ORDER_NP, sh.group_size, k0, k1, w)
-        out += x2[:, k0:k1] @ w[: k1 - k0]
-    return out
 
 
 def swiglu(x, w1, w3, group_size, K, N, b1=None, b3=None):  # noqa: N803 - the format's names

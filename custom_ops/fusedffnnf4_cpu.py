@@ -9,24 +9,12 @@ import numpy as np
 from . import nf4_common
 from .ffn4_common import check_x_biases, opt, swiglu_f32
 from .kernels import Kernel
-from .matmulnf4_cpu import SMALL_M, dequant_t, gemv
+from .matmulnf4_cpu import product
 
 
 def check_weights(q1, am1, q3, am3, k, n, bs):
     nf4_common.check_q_absmax(q1, am1, k, n, bs, 1, 2, "Q1", "absmax1")
     nf4_common.check_q_absmax(q3, am3, k, n, bs, 3, 4, "Q3", "absmax3")
-
-
-def product(x2, q, absmax, code, k, n, bs):
-    """x2 float32 [M, K] @ W (fp32 [M, N])."""
-    m = x2.shape[0]
-    if m <= SMALL_M:
-        out = np.empty((m, n), np.float32)
-        gemv(x2, q.reshape(-1), absmax.reshape(-1), code, k, n, bs, out)
-        return out
-    w = np.empty((k, n), np.float32)
-    dequant_t(q.reshape(-1), absmax.reshape(-1), code, k, n, bs, w)
-    return x2 @ w
 
 
 def swiglu(x, q1, am1, q3, am3, code, k, n, bs, b1=None, b3=None):

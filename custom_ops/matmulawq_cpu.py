@@ -76,25 +76,33 @@ def matmul(a, qweight, qzeros, scales, group_size, K, N, bias=None):  # noqa: N8
     return _matmul(a, qweight, qzeros, scales, sh, m, bias)
 
 
+def product(a2, qweight, qzeros, scales, sh):
+    """a2 float32 [M, K] @ W -> float32 [M, N] with exact (q - z) * s weights: the Numba GEMV for M <= SMALL_M,
+    else fp32 dequantisation in row chunks (<= CHUNK_BYTES) + numpy's BLAS (also used by FusedFFNAWQ's CPU
+    face)."""
+    m, k, n = a2.shape[0], sh.K, sh.N
+    qw, qz = np.ascontiguousarray(qweight), np.ascontiguousarray(qzeros)
+    sc = np.asarray(scales).astype(np.float32)
+    if m <= SMALL_M:
+        out = np.empty((m, n), np.float32)
+        gemv(a2, qw, qz, sc, ORDER_NP, sh.group_size, k, out)
+        return out
+    rows = max(sh.group_size, (CHUNK_BYTES // (4 * n)) // sh.group_size * sh.group_size)
+    w = np.empty((min(rows, k), n), np.float32)
+    out = np.zeros((m, n), np.float32)
+    for k0 in range(0, k, rows):
+        k1 = min(k0 + rows, k)
+        dequant_rows_f32(qw, qz, sc, ORDER_NP, sh.group_size, k0, k1, w)
+        out += a2[:, k0:k1] @ w[: k1 - k0]
+    return out
+
+
 def _matmul(a, qweight, qzeros, scales, sh, m, bias):
     k, n = sh.K, sh.N
     lead = tuple(a.shape[:-1])
     if m == 0:
         return np.empty(lead + (n,), a.dtype)
-    a2 = np.ascontiguousarray(a.reshape(m, k), dtype=np.float32)
-    qw, qz = np.ascontiguousarray(qweight), np.ascontiguousarray(qzeros)
-    sc = scales.astype(np.float32)
-    if m <= SMALL_M:
-        out = np.empty((m, n), np.float32)
-        gemv(a2, qw, qz, sc, ORDER_NP, sh.group_size, k, out)
-    else:
-        rows = max(sh.group_size, (CHUNK_BYTES // (4 * n)) // sh.group_size * sh.group_size)
-        w = np.empty((min(rows, k), n), np.float32)
-        out = np.zeros((m, n), np.float32)
-        for k0 in range(0, k, rows):
-            k1 = min(k0 + rows, k)
-            dequant_rows_f32(qw, qz, sc, ORDER_NP, sh.group_size, k0, k1, w)
-            out += a2[:, k0:k1] @ w[: k1 - k0]
+    out = product(np.ascontiguousarray(a.reshape(m, k), dtype=np.float32), qweight, qzeros, scales, sh)
     if bias is not None:
         out += bias.astype(np.float32)
     return out.astype(a.dtype, copy=False).reshape(lead + (n,))

@@ -49,19 +49,25 @@ def dequant_t(q, absmax, code, k_dim, n_dim, bs, out):
             out[k, n] = code[nib] * absmax[i // bs]
 
 
-def matmul(a, q, absmax, code, k, n, bs, bias=None):
-    """Host-array entry (also used by tests): a [..., K] float32/float16 -> [..., N] of a's dtype."""
-    lead = a.shape[:-1]
-    a2 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, k)
+def product(a2, q, absmax, code, k, n, bs):
+    """a2 float32 [M, K] @ W -> float32 [M, N]: the Numba GEMV for M <= SMALL_M, else W dequantised to fp32 and
+    numpy's BLAS (also used by FusedFFNNF4's CPU face)."""
     m = a2.shape[0]
     if m <= SMALL_M:
         out = np.empty((m, n), np.float32)
         if m:
             gemv(a2, q.reshape(-1), absmax.reshape(-1), code, k, n, bs, out)
-    else:
-        w = np.empty((k, n), np.float32)
-        dequant_t(q.reshape(-1), absmax.reshape(-1), code, k, n, bs, w)
-        out = a2 @ w
+        return out
+    w = np.empty((k, n), np.float32)
+    dequant_t(q.reshape(-1), absmax.reshape(-1), code, k, n, bs, w)
+    return a2 @ w
+
+
+def matmul(a, q, absmax, code, k, n, bs, bias=None):
+    """Host-array entry (also used by tests): a [..., K] float32/float16 -> [..., N] of a's dtype."""
+    lead = a.shape[:-1]
+    a2 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, k)
+    out = product(a2, q, absmax, code, k, n, bs)
     if bias is not None:
         out += bias.astype(np.float32)
     return out.astype(a.dtype).reshape(*lead, n)
