@@ -61,3 +61,19 @@ def skip_module_unless_cuda_sessions():
     if config.ENABLE_CUDASIM or not cuda.is_available():
         pytest.skip("no real GPU for Numba", allow_module_level=True)
 
+
+def swiglu_mlp(dtype=np.float32):
+    """x[1, S, 128] -> SwiGLU MLP (gate/up 128 -> 352, SiLU as x*Sigmoid(x), down 352 -> 128) in ``dtype``."""
+    from onnx import numpy_helper
+    et = TensorProto.FLOAT16 if np.dtype(dtype) == np.float16 else TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    w = {n: (rng.standard_normal(s) * 0.1).astype(dtype) for n, s in
+         [("wg", (128, 352)), ("wu", (128, 352)), ("wd", (352, 128))]}
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["a"]),
+             helper.make_node("Mul", ["a", "u"], ["s"]), helper.make_node("MatMul", ["s", "wd"], ["y"])]
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", et, [1, "S", 128])],
+                          [helper.make_tensor_value_info("y", et, [1, "S", 128])],
+                          [numpy_helper.from_array(v, k) for k, v in w.items()])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+

@@ -8,25 +8,10 @@ import pytest
 
 import onnx_lowbit
 
-from helpers import same_in_threads
+from helpers import same_in_threads, swiglu_mlp
 
 SAMPLE = os.path.join(os.path.dirname(__file__), "..", "samples", "gpt2_mlp.onnx")
 CPU = ["CPUExecutionProvider"]
-
-
-def _swiglu():
-    """x[1, S, 128] -> SwiGLU MLP (gate/up 128 -> 352, SiLU as x*Sigmoid(x), down 352 -> 128), fp32."""
-    from onnx import TensorProto, helper, numpy_helper
-    rng = np.random.default_rng(0)
-    w = {n: (rng.standard_normal(s) * 0.1).astype(np.float32) for n, s in
-         [("wg", (128, 352)), ("wu", (128, 352)), ("wd", (352, 128))]}
-    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]), helper.make_node("MatMul", ["x", "wu"], ["u"]),
-             helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["a"]),
-             helper.make_node("Mul", ["a", "u"], ["s"]), helper.make_node("MatMul", ["s", "wd"], ["y"])]
-    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "S", 128])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "S", 128])],
-                          [numpy_helper.from_array(v, k) for k, v in w.items()])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
 CASES = {"gpt2-nf4": (SAMPLE, dict(weights="nf4"), {"FPLUT", "MatMulNF4"}),
@@ -39,7 +24,7 @@ CASES = {"gpt2-nf4": (SAMPLE, dict(weights="nf4"), {"FPLUT", "MatMulNF4"}),
 @pytest.fixture(scope="module", params=list(CASES))
 def model(request):
     src, opts, ops = CASES[request.param]
-    m, _ = onnx_lowbit.rewrite(src or _swiglu(), **opts)
+    m, _ = onnx_lowbit.rewrite(src or swiglu_mlp(), **opts)
     assert {n.op_type for n in m.graph.node if n.domain == "onnx_lowbit"} >= ops
     return m
 
