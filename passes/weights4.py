@@ -784,11 +784,13 @@ class _Run:
     def calibrate(self):
         """Runs the graph once on the calibration inputs; keeps every candidate's A as [rows, K] float32."""
         g = self.root
-        wanted = []
+        wanted, cands = [], []
         for node in g.nodes:
             cand = self.wanted(node)
-            if cand is not None and cand.a.name not in wanted:
-                wanted.append(cand.a.name)
+            if cand is not None:
+                cands.append(cand)
+                if cand.a.name not in wanted:
+                    wanted.append(cand.a.name)
         if not wanted:
             return
         feeds = calibration.check_feeds(g, self.o.calibration)
@@ -805,18 +807,17 @@ class _Run:
             if x.shape[0] > MAX_CALIBRATION_ROWS:
                 x = x[np.linspace(0, x.shape[0] - 1, MAX_CALIBRATION_ROWS).astype(np.int64)]
             self.activations[n] = x
-        self.group_scales(g)
+        self.group_scales(cands)
 
-    def group_scales(self, g: gs.Graph):
+    def group_scales(self, cands_all: list):
         """Projections reading the same A (gate and up of a SwiGLU block, q/k/v) get one activation scale,
         searched on their weights side by side: A is scaled once (folded into its producer when those
         projections are its only readers, else one Mul), so they still share one input and the ffn pass can
         fuse gate and up."""
         awq = _awq()
         groups = {}
-        for node in g.nodes:
-            cand = self.wanted(node)
-            if cand is not None and cand.a.name in self.activations and cand.N % 8 == 0:
+        for cand in cands_all:
+            if cand.a.name in self.activations and cand.N % 8 == 0:
                 groups.setdefault(cand.a.name, []).append(cand)
         for name, cands in groups.items():
             if len(cands) < 2 or len({c.K for c in cands}) != 1 or len({c.dtype for c in cands}) != 1:
@@ -842,8 +843,9 @@ class _Run:
         a = cand.a
         if a.name in self.applied:  # a shared scale, already applied for another projection of the group
             return self.applied[a.name]
-        members = self.shared_act.get(a.name, (None, set()))[1] if id(cand.node) in \
-            self.shared_act.get(a.name, (None, set()))[1] else set()
+        members = self.shared_act.get(a.name, (None, set()))[1]
+        if id(cand.node) not in members:
+            members = set()
         only_readers = (all(id(c) in members for c in a.outputs) if members else single_consumer(a) is cand.node)
         p = producer(a)
         result = None
