@@ -148,12 +148,13 @@ def main():
                                              check=chk(ref_n))
 
         # ---- AWQ fused
-        def awq_fused(rows_=None, unroll=fusedffnawq_cuda.UNROLL):
+        def awq_fused(rows_=None, unroll=None, maxreg=None):
             mt = fusedffnawq_cuda.bucket(m)
-            if unroll == fusedffnawq_cuda.UNROLL:
+            unroll = unroll or fusedffnawq_cuda.UNROLL[mt]
+            if unroll == fusedffnawq_cuda.UNROLL[mt] and maxreg is None:
                 lau = fusedffnawq_cuda.launcher(True, mt)
             else:
-                kf = fusedffnawq_cuda._make_gemv(mt, True, unroll=unroll)
+                kf = fusedffnawq_cuda._make_gemv(mt, True, unroll=unroll, max_registers=maxreg)
                 lau = Launcher(kf, fusedffnawq_cuda._sig(True, True))
                 lau.dispatcher = kf
             occ = fusedffnawq_cuda.blocks_per_sm(lau)
@@ -178,10 +179,10 @@ def main():
         fn, desc, acc_keep = awq_fused()
         t_af = record(f"FusedFFNAWQ fused (ours) [{desc}]", m, fn, check=chk(ref_a))
         if a.variants and m == 1:
-            for unroll in (4, 8):
-                for r_ in (16, 32, 64):
-                    fn, desc, _acc = awq_fused(r_, unroll)
-                    record(f"  variant AWQ [{desc}]", m, fn, check=chk(ref_a))
+            for unroll, maxreg in ((4, 80), (8, 96)):
+                for r_ in (32, 64):
+                    fn, desc, _acc = awq_fused(r_, unroll, maxreg)
+                    record(f"  variant AWQ maxreg={maxreg} [{desc}]", m, fn, check=chk(ref_a))
 
         mt_a = matmulawq_cuda.bucket(m)
         gpt = matmulawq_cuda.gpt_for(mt_a, N)

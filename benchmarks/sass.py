@@ -78,8 +78,10 @@ def report(fn, sig, maxreg=None, show=12):
     ops = mix(s)
     print(res)
     print(f"{len(ops)} instructions; top:", collections.Counter(o.split(".")[0] for o in ops).most_common(show))
-    for body in loops(s)[:2]:
-        print(f"loop of {len(body)}:", collections.Counter(o.split(".")[0] for o in body).most_common(show))
+    for body in loops(s)[:4]:
+        n = collections.Counter(o.split(".")[0] for o in body)
+        per = f" ({len(body) / n['FFMA']:.2f} per FFMA)" if n["FFMA"] else ""
+        print(f"loop of {len(body)}{per}:", n.most_common(show))
     return s
 
 

@@ -5,10 +5,12 @@ epilogue.
 Decode kernel (M <= 16): MatMulAWQ's decode kernel (matmulawq_cuda, whose device functions it uses) reading both
 weights in the same pass: lane = column group c (one int32 = 8 columns of a qweight row; a warp reads 128
 contiguous bytes of a row of each weight), warp = a slice of R rows of K inside one group; every thread loads
-the qweight words of W1 AND W3 for its rows (2 * UNROLL loads in flight, software-pipelined), the x slice is
-staged once per block in shared memory as fp32 and used for both, nibbles become v = 1 + q/16 in two integer ops,
-and per weight P[m][j] = sum x*v, S[m] = sum x (shared) give s_j (16 P - (16 + z_j) S). Split-K partials of
-both products meet in shared memory (the block's warps) and, across the blocks of a column tile, in an fp32
+the qweight words of W1 AND W3 for its rows (2 * UNROLL loads in flight, software-pipelined, UNROLL per row
+bucket; whole batches run without bounds checks), the x slice is staged once per block in shared memory as fp32
+and used for both, nibbles are decoded in 32-bit ops (matmulawq_cuda: one shift per two nibbles, one LOP3 and one
+FFMA per nibble; 3.4 SASS instructions per nibble in the hot loop), and per weight P[m][j] = sum x*v,
+S[m] = sum x (shared) give s_j (C_j P - (C_j + z_j) S); zero points and scales are read after the hot loop.
+Split-K partials of both products meet in shared memory (the block's warps) and, across the blocks of a column tile, in an fp32
 scratch acc[2, 16, N] through atomicAdd; the last block of a tile (threadfence + counter) applies the biases
 and SiLU * mul in fp32, stores S in X's type and leaves the scratch zeroed (one scratch per CUDA stream, as in
 MatMulAWQ). With a single split (K <= 8R) the block writes S directly. M runs in row buckets MT in {1, 2, 4}
@@ -27,14 +29,16 @@ from .ffn4_common import check_x_biases, opt
 from .fusedffnawq_cpu import check_both
 from .fusedffnnf4_cuda import _silu
 from .kernels import Kernel
-from .matmulawq_cuda import RMAX, _ld16, _ld32, _st16, _st32, _vnib
+from .matmulawq_cuda import ONE32, RMAX, _ld16, _ld32, _nib_scale, _nib_value, _pair_word, _st16, _st32, _vnib
 from .matmulawq_cuda import plan as awq_plan
 
 CT = 32
 WARPS = 8
 BLOCK = CT * WARPS
-UNROLL = 4               # qweight words in flight per thread and weight (2 x UNROLL loads, pipelined)
-MAX_REGISTERS = 80       # 3 blocks of 256 per SM: LLaMA-7B gate+up (344 blocks) runs in one wave
+UNROLL = {1: 8, 2: 4, 4: 4}   # per row bucket: qweight words in flight per thread and weight (2 x UNROLL loads,
+                              # pipelined); MT=1 measured 28.7 us with 8 against 29.9 with 4 (H100, LLaMA-7B)
+MAX_REGISTERS = {1: 96, 2: 80, 4: 128}   # per row bucket: no local-memory spills (ptxas); MT=1 (77 registers):
+                                          # 3 blocks of 256 per SM, so LLaMA-7B gate+up (344 blocks) is one wave
 MT_BUCKETS = (1, 2, 4)
 MAX_M_FAST = 16
 DEFAULT_BLOCKS_PER_SM = 4
@@ -42,9 +46,28 @@ U0, U1, U3, U15 = (np.uint64(v) for v in (0, 1, 3, 15))
 F0, F16 = np.float32(0.0), np.float32(16.0)
 
 
-def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
+@cuda.jit(device=True, inline=True)
+def _row2(mt, w1, w3, xs, xi, xstr, vj, p, sx, one):
+    """One row k of both weights (w1, w3: uint32 words of 8 columns): P[wsel][m][j] += x[m] * v_j, S[m] += x[m],
+    x[m] = xs[xi + m * xstr]."""
+    for m in range(mt):
+        sx[m] += xs[xi + uint32(m) * xstr]
+    for wsel in range(2):
+        w = w1 if wsel == 0 else w3
+        for h in range(4):
+            t = _pair_word(w, h)
+            vj[2 * h] = _nib_value(t, False, one)
+            vj[2 * h + 1] = _nib_value(t, True, one)
+        for m in range(mt):
+            xv = xs[xi + uint32(m) * xstr]
+            for j in range(8):
+                p[(wsel * mt + m) * 8 + j] += xv * vj[j]
+
+
+def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
     load = _ld16 if a16 else _ld32
     store = _st16 if a16 else _st32
+    unroll = unroll or UNROLL[mt]
     block = ct * warps
     xs_size = mt * warps * RMAX
     red_size = 2 * warps * ct * 8
@@ -52,7 +75,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
     w_size = 2 * unroll
     wzero = uint32(0)
 
-    @cuda.jit(**({} if SIM else {"max_registers": MAX_REGISTERS}))
+    @cuda.jit(**({} if SIM else {"max_registers": max_registers or MAX_REGISTERS[mt]}))
     def gemv(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
              has_b1, has_b3):
         """x [M*K] (fp32 or fp16 bits), qw*/qz* uint32, sc* uint16 (fp16 bits), b1/b3 [N], s [M*N], acc float32
@@ -61,7 +84,10 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
         xs = cuda.shared.array(xs_size, float32)
         red = cuda.shared.array(red_size, float32)
         flag = cuda.shared.array(1, uint32)
+        one_sm = cuda.shared.array(1, uint32)
         tid = uint64(cuda.threadIdx.x)
+        if tid == U0:
+            one_sm[0] = ONE32
         lane = tid % uint64(ct)
         warp = tid // uint64(ct)
         m64 = uint64(m_dim)
@@ -83,21 +109,11 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
         active = c < nw and k0 < kend
         wv = cuda.local.array(w_size, uint32)           # [weight][u]
         wn = cuda.local.array(w_size, uint32)
-        sj = cuda.local.array(16, float32)              # [weight][j]
-        z1 = U0
-        z3 = U0
         if active:
             for u in range(unroll):
                 kk = k0 + uint64(u)
                 wv[u] = qw1[kk * nw + c] if kk < kend else wzero
                 wv[unroll + u] = qw3[kk * nw + c] if kk < kend else wzero
-            g = k0 // uint64(g_size)
-            z1 = uint64(qz1[g * nw + c])
-            z3 = uint64(qz3[g * nw + c])
-            for j in range(8):
-                col = g * n64 + c * uint64(8) + uint64(col_of(j))
-                sj[j] = h2f(sc1[col])
-                sj[8 + j] = h2f(sc3[col])
         i = tid
         while i < uint64(mt) * span:
             m = i // span
@@ -108,6 +124,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
             xs[i] = v
             i += uint64(block)
         cuda.syncthreads()
+        one = one_sm[0]
 
         p = cuda.local.array(p_size, float32)           # [weight][m][j]
         sx = cuda.local.array(mt, float32)
@@ -117,40 +134,47 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL):
         for m in range(mt):
             sx[m] = F0
         if active:
-            xo = k0 - kb
-            k = k0
-            full = kend - k0 == r64 and r64 % uint64(unroll) == U0
-            while k < kend:
-                kn = k + uint64(unroll)
-                if kn < kend:                           # software pipeline: the next batch is in flight
+            xo = uint32(k0 - kb)
+            xstr = uint32(span)
+            nfull = (kend - k0) // uint64(unroll)     # whole batches: no bounds checks in the hot loop
+            step = uint64(unroll) * nw
+            base = k0 * nw + c
+            b = U0
+            while b < nfull:
+                if b + U1 < nfull:                      # software pipeline: the next batch is in flight
+                    nbase = base + step
                     for u in range(unroll):
-                        kk = kn + uint64(u)
-                        ok = full or kk < kend
-                        wn[u] = qw1[kk * nw + c] if ok else wzero
-                        wn[unroll + u] = qw3[kk * nw + c] if ok else wzero
+                        wn[u] = qw1[nbase + uint64(u) * nw]
+                        wn[unroll + u] = qw3[nbase + uint64(u) * nw]
                 for u in range(unroll):
-                    if full or k + uint64(u) < kend:
-                        for m in range(mt):
-                            sx[m] += xs[uint64(m) * span + xo + uint64(u)]
-                        for wsel in range(2):
-                            w = uint64(wv[wsel * unroll + u])
-                            for j in range(8):
-                                vj[j] = _vnib(w, j)
-                            for m in range(mt):
-                                xv = xs[uint64(m) * span + xo + uint64(u)]
-                                for j in range(8):
-                                    p[(wsel * mt + m) * 8 + j] += xv * vj[j]
+                    _row2(mt, wv[u], wv[unroll + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
                 for t in range(w_size):
                     wv[t] = wn[t]
-                k = kn
-                xo += uint64(unroll)
+                base += step
+                xo += uint32(unroll)
+                b += U1
+            rem = (kend - k0) - nfull * uint64(unroll)
+            if rem > U0:                                # the last rows (< unroll) of a slice at the end of K
+                if nfull > U0:
+                    for u in range(unroll):
+                        ok = uint64(u) < rem
+                        wv[u] = qw1[base + uint64(u) * nw] if ok else wzero
+                        wv[unroll + u] = qw3[base + uint64(u) * nw] if ok else wzero
+                for u in range(unroll):
+                    if uint64(u) < rem:
+                        _row2(mt, wv[u], wv[unroll + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
+            # the slice's group: zero points and scales, read after the hot loop (fewer live registers in it)
+            g = k0 // uint64(g_size)
             for wsel in range(2):
-                z = z1 if wsel == 0 else z3
+                z = uint32(qz1[g * nw + c] if wsel == 0 else qz3[g * nw + c])
                 for j in range(8):
-                    zc = F16 + float32((z >> uint64(4 * j)) & U15)
+                    col = g * n64 + c * uint64(8) + uint64(col_of(j))
+                    sc = h2f(sc1[col] if wsel == 0 else sc3[col])
+                    cj = _nib_scale(j)
+                    zc = cj + float32((z >> uint32(4 * j)) & uint32(15))
                     for m in range(mt):
                         t = (wsel * mt + m) * 8 + j
-                        p[t] = sj[wsel * 8 + j] * (F16 * p[t] - zc * sx[m])
+                        p[t] = sc * (cj * p[t] - zc * sx[m])
 
         cols = uint64(ct * 8)
         for m in range(mt):
