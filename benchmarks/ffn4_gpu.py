@@ -148,27 +148,29 @@ def main():
                                              check=chk(ref_n))
 
         # ---- AWQ fused
-        def awq_fused(rows_=None, unroll=None, maxreg=None):
+        def awq_fused(rows_=None, unroll=None, maxreg=None, ct=fusedffnawq_cuda.CT, warps=fusedffnawq_cuda.WARPS):
             mt = fusedffnawq_cuda.bucket(m)
             unroll = unroll or fusedffnawq_cuda.UNROLL[mt]
-            if unroll == fusedffnawq_cuda.UNROLL[mt] and maxreg is None:
+            if (unroll, maxreg, ct, warps) == (fusedffnawq_cuda.UNROLL[mt], None, fusedffnawq_cuda.CT,
+                                               fusedffnawq_cuda.WARPS):
                 lau = fusedffnawq_cuda.launcher(True, mt)
             else:
-                kf = fusedffnawq_cuda._make_gemv(mt, True, unroll=unroll, max_registers=maxreg)
+                kf = fusedffnawq_cuda._make_gemv(mt, True, ct=ct, warps=warps, unroll=unroll, max_registers=maxreg)
                 lau = Launcher(kf, fusedffnawq_cuda._sig(True, True))
                 lau.dispatcher = kf
             occ = fusedffnawq_cuda.blocks_per_sm(lau)
-            grid, r, splits = fusedffnawq_cuda.decode_plan(m, K, N, G, sms, occ)
-            tiles = -(-(N // 8) // fusedffnawq_cuda.CT)
+            grid, r, splits = fusedffnawq_cuda.decode_plan(m, K, N, G, sms, occ, ct, warps)
+            tiles = -(-(N // 8) // ct)
             if rows_:
-                r, splits = rows_, -(-K // (fusedffnawq_cuda.WARPS * rows_))
+                r, splits = rows_, -(-K // (warps * rows_))
                 grid = tiles * splits * fusedffnawq_cuda.chunks(m, mt)
-            acc = torch.zeros(2 * 16 * N, device="cuda", dtype=torch.float32)
+            acc = torch.zeros(splits * 2 * m * N, device="cuda", dtype=torch.float32)   # per-split partials
             cnt = torch.zeros(tiles, device="cuda", dtype=torch.int32)
             args = [ptr(x)] + [ptr(t) for w in daw for t in w] + [ptr(s), ptr(s), ptr(s), ptr(acc), ptr(cnt),
                                                                    m, K, N, G, r, splits, 0, 0]
-            desc = f"{grid} blocks, R={r}, splits={splits}, unroll={unroll}, {regs(lau)}, {occ}/SM"
-            return (lambda: lau.launch(grid, fusedffnawq_cuda.BLOCK, stream(), *args)), desc, acc
+            desc = (f"{grid} blocks, ct={ct} x {warps} warps, R={r}, splits={splits}, unroll={unroll}, {regs(lau)}, "
+                    f"{occ}/SM")
+            return (lambda: lau.launch(grid, ct * warps, stream(), *args)), desc, acc
 
         if a.profile:
             for fn in (nf4_fused()[0], nf4_fused(True, 4)[0], awq_fused()[0]):
@@ -183,6 +185,10 @@ def main():
                 for r_ in (32, 64):
                     fn, desc, _acc = awq_fused(r_, unroll, maxreg)
                     record(f"  variant AWQ maxreg={maxreg} [{desc}]", m, fn, check=chk(ref_a))
+            for ct, warps in ((64, 4), (128, 2), (256, 1)):     # wider column tiles, fewer K slices per block
+                for r_ in (32, 64):
+                    fn, desc, _acc = awq_fused(r_, 8, 96, ct, warps)
+                    record(f"  variant AWQ [{desc}]", m, fn, check=chk(ref_a))
 
         mt_a = matmulawq_cuda.bucket(m)
         gpt = matmulawq_cuda.gpt_for(mt_a, N)

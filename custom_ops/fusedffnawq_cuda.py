@@ -10,10 +10,11 @@ bucket; whole batches run without bounds checks), the x slice is staged once per
 and used for both, nibbles are decoded in 32-bit ops (matmulawq_cuda: one shift per two nibbles, one LOP3 and one
 FFMA per nibble; 3.4 SASS instructions per nibble in the hot loop), and per weight P[m][j] = sum x*v,
 S[m] = sum x (shared) give s_j (C_j P - (C_j + z_j) S); zero points and scales are read after the hot loop.
-Split-K partials of both products meet in shared memory (the block's warps) and, across the blocks of a column tile, in an fp32
-scratch acc[2, 16, N] through atomicAdd; the last block of a tile (threadfence + counter) applies the biases
-and SiLU * mul in fp32, stores S in X's type and leaves the scratch zeroed (one scratch per CUDA stream, as in
-MatMulAWQ). With a single split (K <= 8R) the block writes S directly. M runs in row buckets MT in {1, 2, 4}
+Split-K partials of both products meet in shared memory (the block's warps) and, across the blocks of a column
+tile, in an fp32 scratch acc[splits, 2, M, N] (plain stores, one slot per split); the last block of a tile
+(threadfence + counter) sums the splits in split order (deterministic: the same bits on every run and replay),
+applies the biases and SiLU * mul in fp32, stores S in X's type and resets the tile counter (one scratch per
+CUDA stream, as in MatMulAWQ). With a single split (K <= 8R) the block writes S directly. M runs in row buckets MT in {1, 2, 4}
 (2 x 4 x 8 accumulators per thread at most); M = 5..16 as row chunks of 4 in neighbouring blocks (the weight
 reads are shared through L2).
 Generic kernel (any M): thread = (row, column group), walks all of K for both weights; correct, not tuned.
@@ -102,7 +103,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
         rest = bid // nch
         tile = rest % tiles
         span = r64 * uint64(warps)
-        kb = (rest // tiles) * span
+        split = rest // tiles
+        kb = split * span
         c = tile * uint64(ct) + lane
         k0 = kb + warp * r64
         kend = min(k0 + r64, k64)
@@ -201,8 +203,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
                                 u_ += load(b3, col)
                             store(s, mg * n64 + col, _silu(g_) * u_)
                         else:
-                            cuda.atomic.add(acc, mg * n64 + col, g_)
-                            cuda.atomic.add(acc, uint64(16) * n64 + mg * n64 + col, u_)
+                            acc[(split * uint64(2) * m64 + mg) * n64 + col] = g_
+                            acc[((split * uint64(2) + U1) * m64 + mg) * n64 + col] = u_
                     cl += uint64(block)
                 cuda.syncthreads()
         if splits == 1:
@@ -222,11 +224,13 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
                     mg = U0
                     while mg < m64:
                         ai = mg * n64 + col
-                        aj = uint64(16) * n64 + ai
-                        g_ = cuda.atomic.add(acc, ai, F0)     # L2-coherent reads
-                        u_ = cuda.atomic.add(acc, aj, F0)
-                        acc[ai] = F0
-                        acc[aj] = F0
+                        g_ = F0
+                        u_ = F0
+                        sp = U0
+                        while sp < uint64(splits):           # fixed order: deterministic
+                            g_ += acc[(sp * uint64(2) * m64 + mg) * n64 + col]
+                            u_ += acc[((sp * uint64(2) + U1) * m64 + mg) * n64 + col]
+                            sp += U1
                         if has_b1:
                             g_ += load(b1, col)
                         if has_b3:
@@ -356,7 +360,7 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
     """Runs the kernels on host arrays (tests, benchmark) and returns S; w1 / w3 = (qweight, qzeros, scales).
     Simulator: Numba dispatcher (``ct`` / ``warps`` may shrink the block); GPU: the direct launch path.
     ``rows`` overrides the K slice (must divide group_size); ``repeat`` launches that many times on the same
-    scratch (each launch must leave it zeroed)."""
+    scratch (each launch must leave the counters zeroed)."""
     sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
     check_both(w1, w3, sh)
     m = check_x_biases(x, b1, b3, K, N, 7, 8)
@@ -392,7 +396,7 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
                 raise ValueError(f"rows must divide group_size and be <= {RMAX}")
             r, splits = rows, -(-K // (warps * rows))
             grid = tiles * splits * chunks(m, mt)
-        dacc = cuda.to_device(np.zeros(2 * MAX_M_FAST * N, np.float32))
+        dacc = cuda.to_device(np.zeros(max(1, splits * 2 * m * N), np.float32))
         dcnt = cuda.to_device(np.zeros(tiles, np.uint32))
         args = (dx, *dw, db1, db3, ds, dacc, dcnt, m, K, N, group_size, r, splits, hb1, hb3)
         if SIM:
@@ -408,13 +412,19 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
 
 
 class _Scratch:
-    """acc [2, 16, N] fp32 and the tile counters, zeroed; one per CUDA stream."""
+    """Per-split partials acc [splits, 2, M, N] fp32 (for the largest plan) and the tile counters (zeroed); one
+    per CUDA stream."""
 
-    def __init__(self, n, tiles):
-        self.acc = cuda.to_device(np.zeros(2 * MAX_M_FAST * n, np.float32))
+    def __init__(self, size, tiles):
+        self.acc = cuda.device_array(max(size, 1), np.float32)
         self.cnt = cuda.to_device(np.zeros(max(tiles, 1), np.uint32))
-        self.acc_arg = (self.acc.device_ctypes_pointer.value, (2 * MAX_M_FAST * n,))
+        self.acc_arg = (self.acc.device_ctypes_pointer.value, (max(size, 1),))
         self.cnt_arg = (self.cnt.device_ctypes_pointer.value, (max(tiles, 1),))
+
+
+def scratch_size(plans, n):
+    """fp32 elements of the partials for ``plans`` {M: (grid, rows, splits)}: splits x 2 x M x N at most."""
+    return max(splits * 2 * m * n for m, (_, _, splits) in plans.items())
 
 
 class FusedFFNAWQCudaKernel(Kernel):
@@ -433,13 +443,14 @@ class FusedFFNAWQCudaKernel(Kernel):
         for m in range(1, MAX_M_FAST + 1):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[m] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ)
-        self._first = _Scratch(sh.N, self.tiles)
+        self.acc_size = scratch_size(self.plans, sh.N)
+        self._first = _Scratch(self.acc_size, self.tiles)
         self._scratch = {}
 
     def _scratch_for(self, stream):
         s = self._scratch.get(stream)
         if s is None:
-            s = self._first if not self._scratch else _Scratch(self.sh.N, self.tiles)
+            s = self._first if not self._scratch else _Scratch(self.acc_size, self.tiles)
             self._scratch[stream] = s
         return s
 
