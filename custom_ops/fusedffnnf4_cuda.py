@@ -8,21 +8,29 @@ in neighbouring blocks, which share the weight reads through L2) in registers, l
 of K (32 * ceil(K/512) threads) and owns a contiguous slice of columns (grid = SMs x resident blocks, so every SM
 streams about the same bytes); it walks the slice COLS columns at a time: each thread loads word t of the 2*COLS
 rows (a warp reads 256 contiguous bytes of each row) and the words' absmax, the next step's words being
-prefetched while the current ones are decoded. Decoding: a byte-pair table in shared memory (256 uint64 entries,
-the exact fp32 code values of the byte's high then low nibble; 16 copies so that each half-warp's 8-byte loads
-hit 16 distinct bank pairs): one load and two FMAs per byte. The 2*COLS*MT partial sums are reduced across the
-warp with a reduce-scatter (2*COLS*MT - 1 shuffles + the rest of the butterfly, instead of 5 per value), across
-the block's warps through shared memory (double-buffered: one barrier per step), and COLS*MT threads apply the
-biases and SiLU * mul in fp32 and store S in X's type. The kernel is generated as straight-line code (every
-per-thread value has a constant name or index: no local-memory spills). Option pair=False: the 16-entry fp32
-code table (one lookup per nibble).
-Measured (H100, LLaMA-7B gate+up, M=1): 37.1 us against 51.0 us for two MatMulNF4 + silu*mul; ncu: latency
-bound (0.6 instructions issued per cycle and scheduler, 35% of DRAM bandwidth). See docs/ffn4.md.
+prefetched while the current ones are decoded (a step that reaches past the slice reads its last column again,
+never stored; threads past K read a valid word with x = 0 and scale 0). Index math is 32-bit (inline PTX: Numba
+types uint32 (op) uint32 as 64-bit). Decoding: a byte-pair table in dynamic shared memory (TAB_BYTES, 64 KiB:
+entry of byte v for copy l at v * 256 + l * 8, the exact fp32 code values of the byte's high then low nibble,
+16 copies so that each half-warp's 8-byte loads hit 16 distinct bank pairs); the entry's address is one PRMT
+(byte b of the word into bits 8..15, the lane's copy offset into bits 0..7) and the load LDS [R + UR]: per byte
+one PRMT, one LDS.64 and two FFMAs (SASS of the MT=1 step loop, every warp's path: 424 instructions for 128
+nibbles, 3.3 per nibble; 80 registers, no spills; 3 blocks of 256 threads per SM). The 2*COLS*MT partial sums
+are reduced across the warp with a reduce-scatter (2*COLS*MT - 1 shuffles + the rest of the butterfly, instead
+of 5 per value), across the block's warps through shared memory (double-buffered: one barrier per step), and
+COLS*MT threads apply the biases and SiLU * mul in fp32 and store S in X's type. The kernel is generated as
+straight-line code (every per-thread value has a constant name or index: no local-memory spills). Option
+pair=False: the 16-entry fp32 code table (one lookup per nibble). The same generator (matmul=True) builds
+MatMulNF4's M=1 kernel.
+Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
+51.0 us for two MatMulNF4 + silu*mul; ncu: latency bound (0.6 instructions issued per cycle and scheduler, 35%
+of DRAM bandwidth). The PRMT decode is not measured yet. See docs/ffn4.md.
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
@@ -33,14 +41,14 @@ from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
 from .matmulawq_cuda import _ld16, _ld32, _st16, _st32
-from .matmulnf4_cuda import _warp_sum
+from .matmulnf4_cuda import TAB_BYTES, _warp_sum, add32, f2u, lds32, lds64, mad32, min32, prmt, shr32
 
 COLS = 4                  # columns per block step
+MAX_REGISTERS = {1: 80}   # ptxas limit per row bucket (MT=1: 80, no spills, 3 blocks of 256 threads per SM)
 MT_BUCKETS = (1, 2)       # rows per block (x kept in registers: 16 * MT floats per thread)
 MAX_M_FAST = 16
 MAX_WPR = 1024            # words per row the decode kernel takes (K <= 16384)
 NWMAX = 32                # warps per block, at most
-TAB_PAIR = 256 * 16       # byte-pair table, 16 copies (uint64 entries)
 GEN_WARPS = 8
 FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
@@ -106,93 +114,133 @@ def _make_rs(nv):
     return cuda.jit(device=True, inline=True)(ns["rs"])
 
 
-def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True):
+def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
-    partial sums) has a constant name or index and stays in registers. ``pair``: byte-pair table (uint64
-    entries: fp32 code[b >> 4] in the low half, code[b & 15] in the high half; 16 copies so that each half-warp
-    reads 16 distinct bank pairs); else the 16-entry fp32 code table (one lookup per nibble)."""
-    nv = 2 * cols * mt                  # partial sums per thread: [weight][column][row]
+    partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
+    N * K / 16 < 2^32). ``pair``: byte-pair table in dynamic shared memory (TAB_BYTES; entry of byte v for copy l
+    at byte offset v * 256 + l * 8: fp32 code[v >> 4] in the low half, code[v & 15] in the high half), addressed
+    by one PRMT per byte (the byte into bits 8..15, the lane's copy l = lane & 15 into bits 3..6: each half-warp
+    reads 16 distinct bank pairs); else the 16-entry fp32 code table (a shift, a mask and a load per nibble).
+    ``max_registers``: ptxas limit (default MAX_REGISTERS[mt]). ``matmul``: MatMulNF4's M=1 kernel instead (one
+    weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their own dtype, the 16 fp32 code
+    values from which the pair table is built, column slices from the grid size; mt = 1, pair only).
+    ``pingpong`` (with prefetch): the step loop unrolled twice with the two word buffers' roles swapped, instead
+    of copying the prefetched words into the current ones (fewer moves, twice the code)."""
+    nw = 1 if matmul else 2
+    if max_registers is None and cols == COLS and prefetch:     # the default geometry; variants: ptxas's choice
+        max_registers = MAX_REGISTERS.get(mt)
+    nv = nw * cols * mt                 # partial sums per thread: [weight][column][row]
     steps = nv.bit_length() - 1
     low = 5 - steps                     # lane bits reduced by the final butterfly
     src = []
     a = src.append
-    a("def decode(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
-    a(f"    tab = cuda.shared.array({TAB_PAIR if pair else 16}, {'uint64' if pair else 'uint32'})")
+    if matmul:
+        a("def decode(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
+        a("    m_dim = 1")
+        a("    parts = int64(cuda.gridDim.x)")
+    else:
+        a("def decode(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
+    if pair:
+        a("    tab = cuda.shared.array(0, uint64)")
+    else:
+        a("    tab = cuda.shared.array(16, uint32)")
     a(f"    red = cuda.shared.array({2 * NWMAX * nv}, float32)")
     a(f"    simred = cuda.shared.array({1024 * nv if SIM else 1}, float32)")
     a(f"    pv = cuda.local.array({nv}, float32)")
-    a("    tid = cuda.threadIdx.x")
-    a("    nthreads = cuda.blockDim.x")
-    a("    lane = tid & 31")
-    a("    lane16 = uint32(tid & 15)")
-    a("    warp = tid >> 5")
-    a("    nwarps = nthreads >> 5")
+    a("    tid = uint32(cuda.threadIdx.x)")
+    a("    nthreads = uint32(cuda.blockDim.x)")
+    a("    lane = tid & U31")
+    a("    warp = tid >> U5")
+    a("    nwarps = nthreads >> U5")
     a("    i = tid")
-    a(f"    while i < {TAB_PAIR if pair else 16}:")
-    a("        tab[i] = lut[i >> 4]" if pair else "        tab[i] = lut[i]")
-    a("        i += nthreads")
-    a("    wpr = k_dim >> 4")
+    if pair:
+        a("    while i < U4096:")
+        if matmul:      # from the 16 fp32 code values: low half code[v >> 4], high half code[v & 15]
+            a("        v = i >> U4")
+            a("        tab[(v << U5) | (i & U15)] = uint64(f2u(lut[v >> U4])) | (uint64(f2u(lut[v & U15])) << U32)")
+        else:
+            a("        tab[((i >> U4) << U5) | (i & U15)] = lut[i >> U4]")
+    else:
+        a("    while i < U16:")
+        a("        tab[i] = lut[i]")
+    a("        i = uint32(i + nthreads)")
+    a("    lane8 = (tid & U15) << U3")
+    a("    wpr = uint32(k_dim) >> U4")
+    a("    sh = uint32(bs_shift)")
     a("    owns = tid < wpr")
-    a(f"    nch = (m_dim + {mt - 1}) // {mt}")
-    a("    bid = cuda.blockIdx.x")
-    a(f"    m0 = (bid % nch) * {mt}")
-    a("    part = bid // nch")
-    a("    n_lo = part * n_dim // parts")
-    a("    n_hi = (part + 1) * n_dim // parts")
+    a("    tcl = tid if owns else wpr - U1   # non-owners (last warp) read a valid word; their x and scales are 0")
+    a(f"    nch = (uint32(m_dim) + uint32({mt - 1})) // uint32({mt})")
+    a("    bid = uint32(cuda.blockIdx.x)")
+    a(f"    m0 = uint32(bid % nch) * uint32({mt})")
+    a("    part = uint32(bid // nch)")
+    a("    n_lo = uint32(int64(part) * n_dim // parts)")
+    a("    n_hi = uint32(int64(part + U1) * n_dim // parts)")
+    a("    mdim = uint32(m_dim)")
+    a("    ndim = uint32(n_dim)")
     for m in range(mt):
-        a(f"    okx = owns and m0 + {m} < m_dim")
-        a(f"    xb = (m0 + {m}) * k_dim + tid * 16")
+        a(f"    okx = owns and m0 + uint32({m}) < mdim")
+        a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + (tid << U4))")
         for e in range(16):
-            a(f"    x_{m}_{e} = load(x, xb + {e}) if okx else F0")
-    a("    my_idx = 0")
+            xv = f"float32(x[xb + uint32({e})])" if matmul else f"load(x, xb + uint32({e}))"
+            a(f"    x_{m}_{e} = {xv} if okx else F0")
+    a("    my_idx = uint32(0)")
     for st in range(steps):
-        a(f"    my_idx += ((lane >> {4 - st}) & 1) * {nv >> (st + 1)}")
-    a(f"    writer = (lane & {(1 << low) - 1}) == 0")
+        a(f"    my_idx += ((lane >> uint32({4 - st})) & U1) * uint32({nv >> (st + 1)})")
+    a(f"    writer = (lane & uint32({(1 << low) - 1})) == uint32(0)")
+    for c in range(1, cols + 1):
+        a(f"    cw_{c} = wpr * uint32({c})")
+    a("    cw_0 = uint32(0)")
+    a("    last = n_hi - U1 if n_lo < n_hi else n_lo    # a valid row even for an empty slice (grid > N)")
 
-    def loads(prefix, base):
+    def loads(out, prefix, nbase, wbase, ind):
+        """Loads of the step at column nbase (word index of its first column: wbase): unchecked when the whole
+        step is inside the slice, else with the columns clamped to the slice's last one (never stored)."""
+        out(f"{ind}if add32({nbase}, uint32({cols})) <= n_hi:")
         for c in range(cols):
-            a(f"    ok = owns and {base} + {c} < n_hi")
-            a(f"    wi = ({base} + {c}) * wpr + tid")
-            a(f"    {prefix}w1_{c} = q1[wi] if ok else U0")
-            a(f"    {prefix}w3_{c} = q3[wi] if ok else U0")
-            a(f"    {prefix}s1_{c} = am1[wi >> bs_shift] if ok else F0")
-            a(f"    {prefix}s3_{c} = am3[wi >> bs_shift] if ok else F0")
+            out(f"{ind}    wi_{c} = add32({wbase}, cw_{c})")
+        out(f"{ind}else:")
+        for c in range(cols):
+            out(f"{ind}    wi_{c} = mad32(min32(add32({nbase}, uint32({c})), last), wpr, tcl)")
+        for c in range(cols):
+            out(f"{ind}{prefix}w1_{c} = q1[wi_{c}]")
+            if not matmul:
+                out(f"{ind}{prefix}w3_{c} = q3[wi_{c}]")
+            out(f"{ind}{prefix}s1_{c} = am1[shr32(wi_{c}, sh)] if owns else F0")
+            if not matmul:
+                out(f"{ind}{prefix}s3_{c} = am3[shr32(wi_{c}, sh)] if owns else F0")
+
     a("    n0 = n_lo")
+    a("    wb = mad32(n_lo, wpr, tcl)")
     if prefetch:
-        loads("", "n0")
+        loads(a, "", "n0", "wb", "    ")
     a("    cuda.syncthreads()")
-    a("    buf = 0")
+    a("    buf = uint32(0)")
     a("    while n0 < n_hi:")
-    ind = "    "
     body = []
     b_ = body.append
-    b_("nn = n0 + %d" % cols)
-    # prefetch the next step (predicated off past the slice), or load this one
-    pre, base = ("n", "nn") if prefetch else ("", "n0")
+    b_("nn = add32(n0, uint32(%d))" % cols)
+    b_(f"wbn = add32(wb, cw_{cols})")
+    if prefetch:        # the next step's words (clamped past the slice: never stored)
+        loads(b_, "n", "nn", "wbn", "")
+    else:
+        loads(b_, "", "n0", "wb", "")
     for c in range(cols):
-        b_(f"ok = owns and {base} + {c} < n_hi")
-        b_(f"wi = ({base} + {c}) * wpr + tid")
-        b_(f"{pre}w1_{c} = q1[wi] if ok else U0")
-        b_(f"{pre}w3_{c} = q3[wi] if ok else U0")
-        b_(f"{pre}s1_{c} = am1[wi >> bs_shift] if ok else F0")
-        b_(f"{pre}s3_{c} = am3[wi >> bs_shift] if ok else F0")
-    for c in range(cols):
-        for wsel in (1, 3):
+        for wsel in (1,) if matmul else (1, 3):
             for m in range(mt):
                 b_(f"acc_{m} = F0")
             for half in range(2):
                 b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
                 for b in range(4):
-                    b_(f"by = (wd >> uint32({8 * b})) & uint32(0xFF)")
+                    e0 = half * 8 + 2 * b
                     if pair:
-                        b_("ent = tab[(by << uint32(4)) | lane16]")
+                        b_(f"ent = lds64(tab, prmt(wd, lane8, SEL_{b}))")
                         b_("c0 = as_f32(ent & M32)")
                         b_("c1 = as_f32(ent >> U32)")
-                    else:
-                        b_("c0 = as_f32(tab[by >> uint32(4)])")
-                        b_("c1 = as_f32(tab[by & uint32(15)])")
-                    e0 = half * 8 + 2 * b
+                    else:       # element 2b = high nibble of byte b (bits 8b+4..8b+7), 2b+1 = low nibble
+                        b_(f"c0 = as_f32(lds32(tab, (wd >> uint32({8 * b + 2})) & U60))")
+                        b_(f"c1 = as_f32(lds32(tab, (wd >> uint32({8 * b - 2})) & U60))" if b else
+                           "c1 = as_f32(lds32(tab, (wd << uint32(2)) & U60))")
                     for m in range(mt):
                         b_(f"acc_{m} += c0 * x_{m}_{e0}")
                         b_(f"acc_{m} += c1 * x_{m}_{e0 + 1}")
@@ -201,34 +249,59 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True):
                 b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
     b_("tot = rs(pv, lane, simred, tid)")
     b_("if writer:")
-    b_(f"    red[(buf * {NWMAX} + warp) * {nv} + my_idx] = tot")
+    b_(f"    red[mad32(mad32(buf, uint32({NWMAX}), warp), uint32({nv}), my_idx)] = tot")
     b_("cuda.syncthreads()")
-    b_(f"if tid < {cols * mt}:")
-    b_(f"    c = tid // {mt}")
-    b_(f"    m = tid - c * {mt}")
-    b_("    n = n0 + c")
-    b_("    if n < n_hi and m0 + m < m_dim:")
+    b_(f"if tid < uint32({cols * mt}):")
+    b_(f"    c = tid // uint32({mt})")
+    b_(f"    m = uint32(tid - c * uint32({mt}))")
+    b_("    n = add32(n0, c)")
+    b_("    if n < n_hi and add32(m0, m) < mdim:")
     b_("        g = F0")
-    b_("        u = F0")
-    b_("        for wj in range(nwarps):")
-    b_(f"            g += red[(buf * {NWMAX} + wj) * {nv} + c * {mt} + m]")
-    b_(f"            u += red[(buf * {NWMAX} + wj) * {nv} + ({cols} + c) * {mt} + m]")
-    b_("        if has_b1:")
-    b_("            g += load(b1, n)")
-    b_("        if has_b3:")
-    b_("            u += load(b3, n)")
-    b_("        store(s, (m0 + m) * n_dim + n, silu(g) * u)")
-    b_("buf ^= 1")
-    for c in range(cols if prefetch else 0):
-        for v in ("w1", "w3", "s1", "s3"):
-            b_(f"{v}_{c} = n{v}_{c}")
+    if not matmul:
+        b_("        u = F0")
+    b_(f"        r = mad32(buf, uint32({NWMAX * nv}), mad32(c, uint32({mt}), m))")
+    b_("        wj = uint32(0)")
+    b_("        while wj < nwarps:")
+    b_("            g += red[r]")
+    if not matmul:
+        b_(f"            u += red[r + uint32({cols * mt})]")
+    b_(f"            r = add32(r, uint32({nv}))")
+    b_("            wj = add32(wj, U1)")
+    if matmul:
+        b_("        if has_b1:")
+        b_("            g += float32(b1[n])")
+        b_("        s[n] = g")
+    else:
+        b_("        if has_b1:")
+        b_("            g += load(b1, n)")
+        b_("        if has_b3:")
+        b_("            u += load(b3, n)")
+        b_("        store(s, mad32(add32(m0, m), ndim, n), silu(g) * u)")
+    b_("buf ^= U1")
     b_("n0 = nn")
-    src.extend(ind + "    " + line for line in body)
-    ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "as_f32": as_f32,
+    b_("wb = wbn")
+    if prefetch and pingpong:
+        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3)_\d+)\b")
+        src.extend("        " + line for line in body)
+        src.append("        if n0 >= n_hi:")
+        src.append("            break")
+        src.extend("        " + swap.sub(lambda mo: ("" if mo.group(1) else "n") + mo.group(2), line) for line in body)
+    else:
+        for c in range(cols if prefetch else 0):
+            for v in ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
+                b_(f"{v}_{c} = n{v}_{c}")
+        src.extend("        " + line for line in body)
+    ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
-          "F0": np.float32(0.0), "U0": np.uint64(0), "M32": M32, "U32": U32}
+          "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
+          "min32": min32, "f2u": f2u,
+          "F0": np.float32(0.0), "M32": M32, "U32": U32}
+    ns.update({f"U{v}": np.uint32(v) for v in (1, 3, 4, 5, 15, 16, 31, 60, 4096)})
+    # PRMT selectors: output byte 0 = lane8 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
+    ns.update({f"SEL_{b}": np.uint32(0x5504 | (b << 4)) for b in range(4)})
     exec("\n".join(src), ns)  # noqa: S102 - generated from constants only
-    return cuda.jit(ns["decode"])
+    opts = {} if SIM or not max_registers else {"max_registers": max_registers}
+    return cuda.jit(**opts)(ns["decode"])
 
 
 def _make_generic(a16, warps=GEN_WARPS):
@@ -313,14 +386,15 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
-def launcher(a16, mt, pair=True, cols=COLS, prefetch=True):
+def launcher(a16, mt, pair=True, cols=COLS, prefetch=True, pingpong=False, max_registers=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    key = (a16, mt, pair if mt else None, cols if mt else None, prefetch if mt else None)
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers) if mt else ())
     if key not in _launchers:
-        fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch)
-        lau = Launcher(fn, _sig(a16, mt is None, pair))
+        fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
+                                                                 pingpong=pingpong)
+        lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and pair else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]
@@ -333,12 +407,14 @@ def blocks_per_sm(launcher_, block):
     fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     v = ctypes.c_int(0)
-    check(fn(ctypes.byref(v), launcher_.handle, block, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    check(fn(ctypes.byref(v), launcher_.handle, block, launcher_.dynamic_shared),
+          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
     return max(1, v.value)
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               force_generic=False, pair=True, cols=COLS, sms=None, repeat=1):
+               force_generic=False, pair=True, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
+               repeat=1):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -369,7 +445,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
-            occ = blocks_per_sm(launcher(a16, mt, pair, cols), block)
+            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers), block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -381,12 +457,12 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair)), db1, db3,
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
-        kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols)
+        kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong)
         for _ in range(repeat):
-            kern[grid, block](*args)
+            kern[grid, block, 0, 0 if generic or not pair else TAB_BYTES](*args)
     else:
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
-        lau = launcher(a16, mt, pair, cols)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()

@@ -5,6 +5,11 @@ Decode kernel (K % 16 == 0, M <= 16): one warp per output column n walks that co
 flight per lane, decodes nibbles through the 16-entry code table in shared memory, multiplies with x (read
 through L1; x is tiny and shared by all warps), scales each word's partial sum by its block's absmax, and
 reduces across the warp with shuffles. The fp16/fp32 weight is never written.
+M=1 kernel (K % 16 == 0, K <= 16384): fusedffnnf4_cuda's decode generator in its one-weight mode (thread t owns
+word t of every row with its 16 x values in registers, a block streams a contiguous slice of columns M1_COLS at
+a time, byte-pair code table in dynamic shared memory addressed by one PRMT per byte, 32-bit index math, warp
+reduce-scatter and one barrier per step; SASS: 412 instructions per 128 nibbles on every warp's path, 80
+registers (the limit), no spills; was 633 per 64 nibbles in the step loop).
 Generic kernel (any K, any M): same warp-per-column scheme, element by element; correct, not tuned (prefill).
 """
 from __future__ import annotations
@@ -13,6 +18,7 @@ import math
 
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
+from numba.cuda import libdevice
 
 from . import nf4_common
 from .kernels import Kernel
@@ -20,7 +26,11 @@ from .kernels import Kernel
 WARPS_PER_BLOCK = 8
 MAX_M_FAST = 16
 RED_SIZE = 1024
-COLS = 4                    # columns per step of the M=1 kernel (loads in flight per thread)
+M1_COLS = 8                 # columns per step of the M=1 kernel (8 words in flight per thread; no prefetch: 64
+                            # registers; prefetching 8 more needs 96)
+M1_MAX_REGISTERS = 80       # ptxas limit of the M=1 kernel (no spills)
+M1_BLOCKS_PER_SM = 3        # at most (dynamic shared memory: the 64 KiB byte-pair table per block)
+TAB_BYTES = 255 * 256 + 16 * 8  # byte-pair table (dynamic shared memory): byte v, copy l at v * 256 + l * 8
 U0, U1, U4, U15, U16, U32 = (np.uint64(v) for v in (0, 1, 4, 15, 16, 32))
 FULL = np.uint32(0xFFFFFFFF)
 
@@ -46,6 +56,92 @@ else:
         v += cuda.shfl_down_sync(FULL, v, 2)
         v += cuda.shfl_down_sync(FULL, v, 1)
         return v
+
+
+# 32-bit decode helpers of the M=1 kernels: PRMT builds a table offset from a weight byte in one instruction
+# (byte b of the word into bits 8..15, the lane's copy offset into bits 0..7), and the table is read at a byte
+# offset (one LDS with the table base folded into the address: [R + UR]).
+if config.ENABLE_CUDASIM:
+    def prmt(a, b, s):
+        """PTX prmt.b32 (default mode): output byte i = byte (s >> 4i) & 7 of b:a."""
+        v = (int(b) << 32) | int(a)
+        s = int(s)
+        return np.uint32(sum(((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4)))
+
+    def lds64(tab, off):
+        return tab[int(off) >> 3]
+
+    def add32(a, b):
+        return np.uint32((int(a) + int(b)) & 0xFFFFFFFF)
+
+    def mad32(a, b, c):
+        return np.uint32((int(a) * int(b) + int(c)) & 0xFFFFFFFF)
+
+    def shr32(a, b):
+        return np.uint32(int(a) >> int(b))
+
+    def min32(a, b):
+        return np.uint32(min(int(a), int(b)))
+
+    def f2u(v):
+        return np.float32(v).view(np.uint32)
+
+    def lds32(tab, off):
+        return tab[int(off) >> 2]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def prmt(typingctx, a, b, s):
+        """PTX prmt.b32 d, a, b, s (uint32 operands)."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+            return builder.call(asm, args)
+        return types.uint32(types.uint32, types.uint32, types.uint32), codegen
+
+    def _asm32(name, text, nargs):
+        """uint32 PTX instruction ``text`` on ``nargs`` uint32 operands: Numba types uint32 (op) uint32 as 64-bit,
+        and LLVM widens 32-bit loop counters; inline PTX keeps the index math in 32-bit registers."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            cons = ",".join(["=r"] + ["r"] * nargs)
+            return builder.call(ir.InlineAsm(ir.FunctionType(i32, [i32] * nargs), text, cons), args)
+        sig = types.uint32(*[types.uint32] * nargs)
+        if nargs == 2:
+            def op(typingctx, a, b):
+                return sig, codegen
+        else:
+            def op(typingctx, a, b, c):
+                return sig, codegen
+        op.__name__ = name
+        return intrinsic(op)
+
+    @cuda.jit(device=True, inline=True)
+    def f2u(v):
+        return uint32(libdevice.float_as_int(v))
+
+    add32 = _asm32("add32", "add.u32 $0, $1, $2;", 2)
+    mad32 = _asm32("mad32", "mad.lo.u32 $0, $1, $2, $3;", 3)
+    shr32 = _asm32("shr32", "shr.b32 $0, $1, $2;", 2)
+    min32 = _asm32("min32", "min.u32 $0, $1, $2;", 2)
+
+    def _lds(bits):
+        def lds(typingctx, tab, off):
+            """Element of the (shared) array ``tab`` at byte offset ``off`` (uint32)."""
+            def codegen(context, builder, sig, args):
+                data = context.make_array(sig.args[0])(context, builder, args[0]).data
+                p = builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()),
+                                [builder.zext(args[1], ir.IntType(64))], inbounds=True)
+                return builder.load(builder.bitcast(p, ir.IntType(bits).as_pointer()))
+            return getattr(types, f"uint{bits}")(tab, types.uint32), codegen
+        lds.__name__ = f"lds{bits}"
+        return intrinsic(lds)
+
+    lds64 = _lds(64)
+    lds32 = _lds(32)
 
 
 @cuda.jit(device=True, inline=True)
@@ -136,64 +232,15 @@ def _make_fast():
     return gemv16
 
 
-def _make_m1(COLS=COLS):
-    @cuda.jit
-    def gemv_m1(a, q64, absmax, code, bias, has_bias, y, k_dim, n_dim, bs_shift):
-        """M = 1, K % 16 == 0, K / 16 <= 1024: thread t of a block owns word position t of every row and keeps its
-        16 x values in registers; a block walks columns COLS at a time (each thread loads one 8-byte word per
-        column: a whole row per block, coalesced), reduces each column's partials across the block (warp
-        shuffles, then shared memory) and writes y. No x traffic through shared memory in the inner loop."""
-        sm_code = cuda.shared.array(16, dtype=float32)
-        red = cuda.shared.array(RED_SIZE, dtype=float32)
-        part = cuda.shared.array((COLS, 32), dtype=float32)  # noqa: F821 - COLS is the factory's constant
-        tid = cuda.threadIdx.x
-        if tid < 16:
-            sm_code[tid] = code[tid]
-        wpr = uint64(k_dim) >> U4
-        t = uint64(tid)
-        owns = t < wpr
-        xr = cuda.local.array(16, dtype=float32)
-        for e in range(16):
-            xr[e] = float32(a[(t << U4) + uint64(e)]) if owns else float32(0.0)
-        cuda.syncthreads()
-        lane = tid & 31
-        warp = tid >> 5
-        nwarps = (cuda.blockDim.x + 31) >> 5
-        nb = uint64(cuda.blockIdx.x) * uint64(COLS)
-        step = uint64(cuda.gridDim.x) * uint64(COLS)
-        while nb < uint64(n_dim):
-            for c in range(COLS):
-                n = nb + uint64(c)
-                v = float32(0.0)
-                if owns and n < uint64(n_dim):
-                    w = q64[n * wpr + t]
-                    sc = absmax[(n * wpr + t) >> uint64(bs_shift)]
-                    lo = uint32(w & np.uint64(0xFFFFFFFF))
-                    hi = uint32(w >> np.uint64(32))
-                    for b in range(4):
-                        by = (lo >> uint32(8 * b)) & uint32(0xFF)
-                        v += sm_code[by >> uint32(4)] * xr[2 * b] + sm_code[by & uint32(15)] * xr[2 * b + 1]
-                    for b in range(4):
-                        by = (hi >> uint32(8 * b)) & uint32(0xFF)
-                        v += sm_code[by >> uint32(4)] * xr[2 * b + 8] + sm_code[by & uint32(15)] * xr[2 * b + 9]
-                    v *= sc
-                v = _warp_sum(v, red, tid)
-                if lane == 0:
-                    part[c, warp] = v
-            cuda.syncthreads()
-            if tid < COLS:
-                n = nb + uint64(tid)
-                if n < uint64(n_dim):
-                    tot = float32(0.0)
-                    for wi in range(nwarps):
-                        tot += part[tid, wi]
-                    if has_bias:
-                        tot += float32(bias[n])
-                    y[n] = tot
-            cuda.syncthreads()
-            nb += step
-
-    return gemv_m1
+def _make_m1(COLS=None, prefetch=False, max_registers=None):  # noqa: N803 - the keyword benchmarks pass
+    """M = 1, K % 16 == 0, K / 16 <= 1024: fusedffnnf4_cuda's decode kernel generator in its one-weight mode
+    (thread t owns word t of every row with its 16 x values in registers; a block walks a contiguous slice of
+    columns, M1_COLS per step (prefetch=True: the next step's words in flight too); byte-pair table in dynamic
+    shared memory addressed by one PRMT per byte; 32-bit index math; warp reduce-scatter + one barrier per
+    step). Signature (a, q64, absmax, code, bias, has_bias, y, k_dim, n_dim, bs_shift); column slices = grid
+    size; dynamic shared memory TAB_BYTES (a Launcher of it needs dynamic_shared=TAB_BYTES)."""
+    from .fusedffnnf4_cuda import _make_decode
+    return _make_decode(1, False, True, COLS or M1_COLS, prefetch, max_registers or M1_MAX_REGISTERS, matmul=True)
 
 
 def _make_generic():
@@ -229,7 +276,15 @@ def _make_generic():
 
 
 GEMV16 = _make_fast()
-GEMV_M1 = _make_m1()
+_M1 = []
+
+
+def gemv_m1():
+    """The default M=1 kernel (built on first use: its generator lives in fusedffnnf4_cuda, which imports this
+    module)."""
+    if not _M1:
+        _M1.append(_make_m1())
+    return _M1[0]
 GENERIC = _make_generic()
 
 
@@ -245,8 +300,12 @@ def m1_block(k):
     return max(32, ((k // 16 + 31) // 32) * 32)
 
 
-def m1_grid(n, sms=132):
-    return max(1, min(math.ceil(n / COLS), sms * max(1, 2048 // 1024) * 4))
+def m1_grid(n, sms=132, k=4096):
+    """One wave of column slices: blocks per SM bounded by shared memory (M1_BLOCKS_PER_SM), threads and
+    registers (M1_MAX_REGISTERS per thread)."""
+    block = m1_block(k)
+    per_sm = max(1, min(M1_BLOCKS_PER_SM, 2048 // block, 65536 // (block * M1_MAX_REGISTERS)))
+    return max(1, min(math.ceil(n / M1_COLS), sms * per_sm))
 
 
 def fast_path(m, k):
@@ -264,7 +323,7 @@ def fast_grid(n, sms=132):
 def plan(m, k, n, bs, sms):
     """(mode, grid, block, shared bytes) for an M x K x N product."""
     if m1_path(m, k):
-        return "m1", m1_grid(n, sms), m1_block(k), 0
+        return "m1", m1_grid(n, sms, k), m1_block(k), TAB_BYTES
     if fast_path(m, k):
         return "fast", fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4
     return "generic", grid(n), 32 * WARPS_PER_BLOCK, 0
@@ -279,8 +338,9 @@ def _args(mode, a, q, absmax, code, bias, has_bias, y, m, k, n, bs, nq):
     return [a, q, absmax, code, bias, has_bias, y, m, k, n, bs]
 
 
-def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None):
-    """Runs the CUDA kernel on host arrays (tests): dispatcher under the simulator, Launcher on a GPU."""
+def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None):
+    """Runs the CUDA kernel on host arrays (tests): dispatcher under the simulator, Launcher on a GPU.
+    ``m1_opts``: keyword arguments of _make_m1 for a variant of the M=1 kernel."""
     from numba import config
     lead = a.shape[:-1]
     a2 = np.ascontiguousarray(a).reshape(-1)
@@ -303,13 +363,18 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None):
         da, dq, dam, dc, db, dy = dev
         tail = {"m1": [k, n, bs.bit_length() - 5], "fast": [m, k, n, bs.bit_length() - 5],
                 "generic": [m, k, n, bs]}[mode]
-        kern = {"m1": GEMV_M1, "fast": GEMV16, "generic": GENERIC}[mode]
+        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1()) if mode == "m1" else
+                {"fast": GEMV16, "generic": GENERIC}[mode])
         kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
         pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
         args = _args(mode, pa[0], pa[1], pa[2], pa[3], pa[4], int(bias is not None), pa[5], m, k, n, bs,
                      k * n // 16)
-        _launcher(mode, a.dtype).launch(g, block, 0, *args, shmem=shmem)
+        lau = _launcher(mode, a.dtype)
+        if m1_opts and mode == "m1":
+            from .cuda_launch import Launcher
+            lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=TAB_BYTES)
+        lau.launch(g, block, 0, *args, shmem=shmem)
         cuda.synchronize()
     return dev[5].copy_to_host().reshape(*lead, n)
 
@@ -324,7 +389,7 @@ def _launcher(mode, dtype):
         if mode == "m1":
             sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
                    Array(dtype), "int64", "int64", "int64"]
-            _launchers[key] = Launcher(GEMV_M1, sig)
+            _launchers[key] = Launcher(gemv_m1(), sig, dynamic_shared=TAB_BYTES)
         else:
             qdt = np.uint64 if mode == "fast" else np.uint8
             sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32",

@@ -110,6 +110,8 @@ NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
     ((2,), 128, 8, 128, "nf4", np.float16, (True, False)),
     ((2, 1, 2), 96, 12, 256, "fp4", np.float32, (False, True)),   # 3-D X, 2 row chunks of 2
     ((5,), 48, 21, 32, "nf4", np.float16, (True, True)),          # 3 row chunks (one partial), N % 8 != 0
+    ((1,), 96, 45, 32, "nf4", np.float16, (True, False)),         # M=1 slices of several steps, a partial last step
+    ((1,), 512, 19, 64, "fp4", np.float32, (False, True)),        # M=1, one full warp (every thread owns a word)
     ((1,), 40, 8, 32, "nf4", np.float32, (True, True)),           # K % 16 != 0: the generic kernel
     ((17,), 64, 8, 32, "fp4", np.float16, (False, True)),         # M > 16: the generic kernel
     ((0,), 64, 8, 64, "nf4", np.float32, (True, True)),
@@ -127,7 +129,9 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
     m = int(np.prod(lead))
     variants = [{}]
     if fc.decode_ok(m, k):   # the generic kernel too, and for M = 1 the other decode variant (16-entry table)
-        variants += [{"force_generic": True}] + ([{"pair": False, "cols": 8}] if m == 1 and SIM else [])
+        variants += [{"force_generic": True}] + ([{"pair": False, "cols": 8}, {"prefetch": False, "cols": 2},
+                                                  {"pingpong": True, "cols": 2}]
+                                                 if m == 1 and SIM else [])
     for kw in variants:
         s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)
         assert s.shape == ref.shape and s.dtype == x.dtype, kw

@@ -138,6 +138,23 @@ def test_matmul_cuda_kernel(lead, k, n, bs, qt, dtype, bias):
 
 
 @pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+@pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(96, 45, 32, "nf4", np.float16, True),    # partial warp, tails
+                                                  (512, 37, 64, "fp4", np.float32, False)])  # full warp
+def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias):
+    """The M=1 kernel on column slices of several steps with a partial last one, and its variants."""
+    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    q, am = _quantized(k, n, bs, qt, seed=4)
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((1, k)).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype)
+    ref = nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)
+    for opts in (None, {"COLS": 4, "prefetch": True}, {"COLS": 2}):
+        y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None,
+                                      mode="m1", m1_opts=opts)
+        assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), opts
+
+
+@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
 @pytest.mark.parametrize("transposed", [False, True])
 def test_dequant_cuda_kernel(transposed):
     from onnx_lowbit.custom_ops import dequantnf4_cuda
