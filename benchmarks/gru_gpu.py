@@ -5,8 +5,9 @@ torch nn.GRU on cuDNN (fp32, fp16), measured in the same run.
 
 Cases: T=100, N=1, C=H=256 and T=100, N=32, C=H=512, forward, parameters from gru_quant's calibration of a
 random float GRU; our kernels (xproj GEMM + persistent recurrent kernel) for bits 8 and 16, several block splits
-(units per block; the default plan is marked), plus the two kernels timed alone. CUDA events around 20
-back-to-back calls (median of 30), benchmarks/timing.py.
+(units per block; the default plan is marked), plus the two kernels timed alone, and every xproj tile
+(quantgru_cuda.XTILES; the default is marked): its qWx checked against gru_int.input_gemm, then timed alone and
+in the whole call. CUDA events around 20 back-to-back calls (median of 30), benchmarks/timing.py.
 """
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ def calibrated(T, N, C, H, bits, seed=0):  # noqa: N803
     p = gru_quant.quant_params(W, R, B, ranges, bits=bits)
     attrs = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"])
     return (X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], None, None), attrs, (X, W, R, B)
+
+
+def qwx_exact(p, a, attrs):
+    """The xproj output of Prepared ``p`` (after a launch) equals gru_int.input_gemm (forward, layout 0)."""
+    from onnx_lowbit import gru_int
+    X, W, R, B, ch = a[:5]
+    e, z = np.array(attrs["exponents"]), np.array(attrs["zero_points"])
+    qx = gru_int.quantize(X, e[gru_int.Q["x"]], z[gru_int.Q["x"]], attrs["bits"])
+    wq = W[0].astype(np.int64)
+    want = gru_int.input_gemm(qx, wq, wq.sum(1), ch[0, gru_int.CH_W].astype(np.int64), e, z, attrs["bits"])
+    got = p.qwx.copy_to_host()[: want.size].reshape(want.shape)
+    return np.array_equal(got, want)
 
 
 def main():
@@ -83,9 +96,22 @@ def main():
                     print(f"  {label}: {t:.1f} us  bit-exact {ok2}")
                 tx = time_cuda(lambda: p.launch(stream(), "xproj"))
                 tr = time_cuda(lambda: p.launch(stream(), "rec"))
-                rows.append((name, f"  int{bits} xproj kernel alone", tx, None))
+                rows.append((name, f"  int{bits} xproj kernel alone (tile {p.xt.name})", tx, None))
                 rows.append((name, f"  int{bits} recurrent kernel alone", tr, None))
-                print(f"  xproj alone {tx:.1f} us, recurrent alone {tr:.1f} us ({tr / T:.2f} us/step)")
+                print(f"  xproj alone {tx:.1f} us (tile {p.xt.name}), recurrent alone {tr:.1f} us "
+                      f"({tr / T:.2f} us/step)")
+                for xt in qg.XTILES[bits]:      # every xproj tile: exact, alone, whole call
+                    px = qg.Prepared(*a, **attrs, xtile=xt.name)
+                    px.launch(stream(), "xproj")
+                    torch.cuda.synchronize()
+                    okx = qwx_exact(px, a, attrs)
+                    tx = time_cuda(lambda: px.launch(stream(), "xproj"))
+                    ta = time_cuda(lambda: px.launch(stream()))
+                    mark = " default" if xt.name == p.xt.name else ""
+                    label = f"  int{bits} xproj tile {xt.name}{mark} ({xt.blocks(T * N, 3 * H, 1)} blocks)"
+                    rows.append((name, label + " alone", tx, okx))
+                    rows.append((name, label + " whole call", ta, None))
+                    print(f"{label}: qWx exact {okx}, alone {tx:.1f} us, whole call {ta:.1f} us")
                 pp = qg.Prepared(*a, **attrs, per_step=True)
                 tp = time_cuda(lambda: pp.launch(stream()), iters=5, batch=3)
                 rows.append((name, f"  int{bits} one launch per step (fallback)", tp, None))

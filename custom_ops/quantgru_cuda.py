@@ -3,8 +3,10 @@
 Two kernels per call:
 
 * ``xproj`` -- qWx for all steps and directions at once: an integer GEMM of the quantised X (quantised while it
-  is staged: rint(x 2^e_x) clamped, minus zp_x, so no row-sum correction is needed) by W, 4 x 4 outputs per
-  thread from shared-memory tiles, then sat(rshift(acc, shW[c]) + zp_Wx) stored as int16 [D, T, N, 3H].
+  is staged: rint(x 2^e_x) clamped, minus zp_x, so no row-sum correction is needed) by W, computed exactly on
+  the float pipes (int8: float32 FFMA in chunks of K_F32 products, int16: float64 DFMA; bounds below), 4 x 4 to
+  8 x 8 outputs per thread read from shared memory with 16-byte vector loads, tiles picked per shape (XTILES),
+  then sat(rshift(acc, shW[c]) + zp_Wx) stored as int16 [D, T, N, 3H].
 * ``rec`` -- the recurrence, one launch for all T steps. Block (group, b) owns the hidden units
   [b*units, +units) of one direction and batch chunk (a group); its 3*units rows of R (as int32) and the three
   lookup tables stay in shared memory for the whole launch. Per step it stages h_{t-1} (minus zp_h) of its
@@ -35,8 +37,6 @@ from .kernels import Kernel
 
 SIM = bool(config.ENABLE_CUDASIM)
 
-XS = 4 if SIM else 16        # xproj: threads per tile side (each thread 4 x 4 outputs)
-XK = 16                      # xproj: K slice staged per round
 REC_TPB = 32 if SIM else 256
 PAD = 8                      # recurrent weight rows are H + PAD int32 apart (spreads the rows over the banks)
 MAX_SMEM = 227 * 1024        # dynamic shared memory per block (H100/H200), opted in once per device
@@ -53,12 +53,18 @@ PC = 10
 if SIM:
     def _rint(v):
         return np.rint(v)
+
+    _rintf = _rint
 else:
     from numba.cuda import libdevice
 
     @cuda.jit(device=True, inline=True)
     def _rint(v):
         return libdevice.rint(v)
+
+    @cuda.jit(device=True, inline=True)
+    def _rintf(v):
+        return libdevice.rintf(v)
 
 
 @cuda.jit(device=True, inline=True)
@@ -87,6 +93,17 @@ def _quant(x, scale, lo, hi):
 
 
 @cuda.jit(device=True, inline=True)
+def _quantf(x, scale, lo, hi):
+    """_quant in float32, for X (float32) and a power-of-two scale 2^e, |e| <= 62 (exact in float32): x 2^e is
+    exact unless it overflows (inf: clamped to hi as the float64 product would be) or leaves the normal range
+    (|x 2^e| < 2^-126 rounds to 0 either way), so the result equals _quant's, as a float."""
+    v = x * scale
+    if v != v:
+        v = float32(0.0)
+    return min(max(_rintf(v), lo), hi)
+
+
+@cuda.jit(device=True, inline=True)
 def _lut(sm, base, q, lo, sh):
     """gru_int.lut on a table staged as int32 at sm[base:]."""
     u = q - lo
@@ -98,98 +115,213 @@ def _lut(sm, base, q, lo, sh):
 
 
 # ---------------------------------------------------------------------------------------------------- xproj
-def _make_xproj(wide, xs=XS):
+# Exact integer products on the float pipes. A staged operand is an integer: a = qx - zp_x with |a| <= 2^bits - 1
+# (qx and zp_x both in [qmin, qmax]) and w in [qmin, qmax], so |a w| <= (2^bits - 1) 2^(bits-1).
+#   bits=8, float32 (FFMA, twice the IMAD rate on Hopper): |a w| <= 255 * 128 = 32640, so a sum of at most
+#     K_F32 = 512 products stays below 512 * 32640 = 16,711,680 < 2^24: every partial sum is an integer that
+#     float32 represents exactly, so every FFMA is exact. The K loop runs in chunks of K_F32; each chunk's float
+#     sum is converted (exactly) and added to an integer accumulator (int32: |acc| <= C * 32640 < 2^31 for
+#     C < 65793; int64 beyond).
+#   bits=16, float64 (DFMA: one instruction per product, where int64 multiply-adds take several): |a w| <=
+#     65535 * 32768 < 2^31, so a sum of at most K_F64 = 2^22 products stays below 2^53: exact in float64. Larger
+#     C are chunked into an int64 accumulator likewise.
+K_F32 = 512
+K_F64 = 1 << 22
+ALIGN = None if SIM else 32     # the shared tiles' alignment (vector loads; the simulator takes none)
+assert K_F32 * 255 * 128 < 1 << 24 and K_F64 * 65535 * 32768 < 1 << 53
+
+if SIM:
+    def _lds4(a, i):
+        i = int(i)
+        return a[i], a[i + 1], a[i + 2], a[i + 3]
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _lds4(typingctx, arr, idx):
+        """a[i : i + 4] as one vector load (i a multiple of 4, the array 4-element aligned): LDS.128 for
+        float32, two LDS.128 for float64."""
+        dt = arr.dtype
+        rt = types.UniTuple(dt, 4)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            i = context.cast(builder, args[1], sig.args[1], types.uint64)
+            p = builder.gep(ary.data, [i], inbounds=True)
+            vt = ir.VectorType(context.get_data_type(dt), 4)
+            v = builder.load(builder.bitcast(p, vt.as_pointer()), align=4 * dt.bitwidth // 8)
+            return context.make_tuple(builder, rt, [builder.extract_element(v, ir.Constant(ir.IntType(32), k))
+                                                    for k in range(4)])
+        return rt(arr, types.uint64), codegen
+
+
+class XTile:
+    """xproj block geometry: ty x tx threads, each rm x rn outputs (rm, rn in {4, 8}: groups of 4 consecutive
+    rows / columns, 4 ty (4 tx) apart), so a tile of bm = 4 ty (rm/4) rows by bn = 4 tx (rn/4) columns; bk is the
+    K depth staged per round."""
+
+    def __init__(self, bits, name, ty, tx, rm, rn, bk):
+        self.name, self.ty, self.tx, self.rm, self.rn, self.bk = name, ty, tx, rm, rn, bk
+        self.bm, self.bn, self.nt = ty * rm, tx * rn, ty * tx
+        self.smem = 2 * bk * (self.bm + self.bn + 8) * (4 if bits == 8 else 8)   # two rounds of A and B
+
+    def blocks(self, m, g3, dirs):
+        return dirs * (-(-m // self.bm)) * (-(-g3 // self.bn))
+
+
+# tiles per bit width in order of preference, the smallest last. 128x64: 128 registers (float32) / 168
+# (float64), 2 / 1 blocks per SM; 128x128 (float32): 181 registers, 1 block per SM (benchmarks/sass.py)
+XTILES = {8: [XTile(8, "128x64", 16, 16, 8, 4, 16), XTile(8, "128x128", 16, 16, 8, 8, 16),
+              XTile(8, "64x64", 16, 16, 4, 4, 32), XTile(8, "32x32", 8, 8, 4, 4, 32)],
+          16: [XTile(16, "128x64", 16, 16, 8, 4, 16), XTile(16, "64x64", 16, 16, 4, 4, 16),
+               XTile(16, "32x32", 8, 8, 4, 4, 16)]}
+if SIM:   # few threads (the simulator runs a Python thread per CUDA thread); still two row and column groups
+    XTILES = {b: [XTile(b, "16x16", 2, 2, 8, 8, 4), XTile(b, "8x8", 2, 2, 4, 4, 2)] for b in (8, 16)}
+
+
+def pick_xtile(bits, m, g3, dirs, sms, name=None):
+    """The first tile of XTILES[bits] whose grid gives every SM a block (else the smallest), or the tile called
+    ``name``."""
+    tiles = XTILES[bits]
+    if name is not None:
+        return next(t for t in tiles if t.name == name)
+    return next((t for t in tiles if t.blocks(m, g3, dirs) >= sms), tiles[-1])
+
+
+def _make_xproj(bits, tile, chunked, wide, kc=None):
+    """xproj for one bit width and tile. chunked: the float sums are moved into an integer accumulator (int64
+    when ``wide``, else int32) every kc (default K_F32 / K_F64) products; without it the caller guarantees
+    C <= kc (one float sum, converted once)."""
+    ft = float32 if bits == 8 else float64
     acc_t = int64 if wide else int32
-    xt = 4 * xs
-    t_size = XK * xt
-    per = t_size // (xs * xs)        # tile elements each thread stages per K round (of X and of W)
-    u_xs, u_xt = np.uint64(xs), np.uint64(xt)
+    kc = kc or (K_F32 if bits == 8 else K_F64)
+    ty_n, tx_n, rm, rn, bk = tile.ty, tile.tx, tile.rm, tile.rn, tile.bk
+    bm, bn, nt = tile.bm, tile.bn, tile.nt
+    assert kc % bk == 0 and rm % 4 == 0 and rn % 4 == 0
+    lda, ldb = bm + 4, bn + 4                   # shared rows (one per k) padded: fewer bank conflicts when staging
+    assert nt % bk == 0 and bm * bk % nt == 0 and bn * bk % nt == 0
+    pa, pb = bm * bk // nt, bn * bk // nt
+    rstep = nt // bk
+    sa, sb = bk * lda, bk * ldb
+    u_lda, u_ldb = np.uint64(lda), np.uint64(ldb)
+    nacc = rm * rn
 
     @cuda.jit
     def xproj(x, w, out, prm, pch, qsc, t_dim, n_dim, c_dim, hd, layout, lo, hi):
         """x float32 [T*N*C] (layout 0) or [N*T*C], w [D*3H*C], out int16 [D*T*N*3H]: row m = t*N + n.
-        Block: direction, row tile, column tile; xs x xs threads, 4 x 4 outputs each (rows ty + xs i,
-        columns tx + xs j). The next K round's X and W values are loaded into registers while the current
-        round's tiles are multiplied."""
-        a_s = cuda.shared.array(t_size, int32)
-        b_s = cuda.shared.array(t_size, int32)
+        Block: direction, row tile, column tile. Two shared buffers per operand: round r + 1's values are loaded
+        into registers while round r is multiplied, then stored into the other buffer (one barrier per round)."""
+        sm = cuda.shared.array(0, ft, alignment=ALIGN)    # A tiles at 0 and sa, B tiles at 2 sa and 2 sa + sb
         tid = cuda.threadIdx.x
-        tx = tid % xs
-        ty = tid // xs
+        tx = tid % tx_n
+        ty = tid // tx_n
         g3 = 3 * hd
         m_dim = t_dim * n_dim
-        ct = (g3 + xt - 1) // xt
-        mt = (m_dim + xt - 1) // xt
+        ct = (g3 + bn - 1) // bn
+        mt = (m_dim + bm - 1) // bm
         bid = cuda.blockIdx.x
         d = bid // (ct * mt)
         rest = bid - d * (ct * mt)
-        m0 = (rest // ct) * xt
-        c0 = (rest % ct) * xt
-        pb = d * NP
-        zpx = prm[pb + P_ZPX]
-        scale = qsc[2 * d]
-        acc = cuda.local.array(16, acc_t)
-        for i in range(16):
-            acc[i] = acc_t(0)
+        m0 = (rest // ct) * bm
+        c0 = (rest % ct) * bn
+        pb_ = d * NP
+        zpx = prm[pb_ + P_ZPX]
+        scale = float32(qsc[2 * d])
+        qlo = float32(lo - zpx)
+        qhi = float32(hi - zpx)
+        facc = cuda.local.array(nacc, ft)
+        iacc = cuda.local.array(nacc if chunked else 1, acc_t)
+        for i in range(nacc):
+            facc[i] = ft(0)
+        if chunked:
+            for i in range(nacc):
+                iacc[i] = acc_t(0)
         wbase = d * g3 * c_dim
-        ra = cuda.local.array(per, int32)
-        rb = cuda.local.array(per, int32)
-        xoff = cuda.local.array(per, int64)     # this thread's staged elements: row offsets in x and W (-1: none)
-        woff = cuda.local.array(per, int64)
-        sidx = cuda.local.array(per, uint64)
-        for r in range(per):
-            e = tid + r * xs * xs
-            sidx[r] = uint64((e % XK) * xt + e // XK)
-            rr = e // XK
-            m = m0 + rr
-            xoff[r] = -1
-            if m < m_dim:
-                t = m // n_dim
-                n = m - t * n_dim
-                xoff[r] = (m if layout == 0 else n * t_dim + t) * c_dim
-            c = c0 + rr
-            woff[r] = wbase + c * c_dim if c < g3 else -1
+        ra = cuda.local.array(pa, ft)
+        rb = cuda.local.array(pb, ft)
+        # this thread's staged elements: offset of the row in x / W (rows past the end read the last row: their
+        # outputs are not stored), k within the round, shared index
+        # element r of this thread's share of a round: k = tid % bk, row (tid // bk) + r nt / bk of the tile;
+        # offsets of the rows in x / W (unsigned: no negative-index wraparound code; rows past the end read the
+        # last row, their outputs are not stored) and the shared index of element 0
+        kth = uint64(tid % bk)
+        xoff = cuda.local.array(pa, uint64)
+        woff = cuda.local.array(pb, uint64)
+        for r in range(pa):
+            m = min(m0 + tid // bk + r * rstep, m_dim - 1)
+            t = m // n_dim
+            n = m - t * n_dim
+            xoff[r] = uint64((m if layout == 0 else n * t_dim + t) * c_dim) + kth
+        for r in range(pb):
+            woff[r] = uint64(wbase + min(c0 + tid // bk + r * rstep, g3 - 1) * c_dim) + kth
+        xs0 = kth * u_lda + uint64(tid // bk)
+        ws0 = np.uint64(2 * sa) + kth * u_ldb + uint64(tid // bk)
+        uc = uint64(c_dim)
+        for r in range(pa):                     # round 0
+            sm[xs0 + np.uint64(r * rstep)] = ft(_quantf(x[xoff[r]], scale, qlo, qhi)) if kth < uc else ft(0)
+        for r in range(pb):
+            sm[ws0 + np.uint64(r * rstep)] = ft(w[woff[r]]) if kth < uc else ft(0)
+        cuda.syncthreads()
+        cur = uint64(0)
         k0 = 0
-        for r in range(per):                    # round 0 into registers
-            k = (tid + r * xs * xs) % XK
-            ra[r] = int32(_quant(x[xoff[r] + k], scale, lo - zpx, hi - zpx)) if k < c_dim and xoff[r] >= 0 \
-                else int32(0)
-            rb[r] = int32(w[woff[r] + k]) if k < c_dim and woff[r] >= 0 else int32(0)
         while k0 < c_dim:
-            for r in range(per):
-                a_s[sidx[r]] = ra[r]
-                b_s[sidx[r]] = rb[r]
-            cuda.syncthreads()
-            kn = k0 + XK
-            if kn < c_dim:                      # next round in flight during this round's products
-                for r in range(per):
-                    k = kn + (tid + r * xs * xs) % XK
-                    ra[r] = int32(_quant(x[xoff[r] + k], scale, lo - zpx, hi - zpx)) \
-                        if k < c_dim and xoff[r] >= 0 else int32(0)
-                    rb[r] = int32(w[woff[r] + k]) if k < c_dim and woff[r] >= 0 else int32(0)
-            ua = uint64(ty)                     # unsigned indices: no negative-index wraparound code
-            ub = uint64(tx)
-            for kk in range(XK):
-                av = cuda.local.array(4, acc_t)
-                for i in range(4):
-                    av[i] = acc_t(a_s[ua + u_xs * uint64(i)])
-                for j in range(4):
-                    bv = acc_t(b_s[ub + u_xs * uint64(j)])
-                    for i in range(4):
-                        acc[i * 4 + j] += av[i] * bv
-                ua += u_xt
-                ub += u_xt
+            kn = k0 + bk
+            if kn < c_dim:                      # next round's values in flight during this round's products
+                ukn = uint64(kn)
+                inb = ukn + kth < uc
+                for r in range(pa):
+                    ra[r] = ft(_quantf(x[xoff[r] + ukn], scale, qlo, qhi)) if inb else ft(0)
+                for r in range(pb):
+                    rb[r] = ft(w[woff[r] + ukn]) if inb else ft(0)
+            ua = cur * np.uint64(sa) + uint64(4 * ty)
+            ub = np.uint64(2 * sa) + cur * np.uint64(sb) + uint64(4 * tx)
+            for kk in range(bk):
+                av = cuda.local.array(rm, ft)
+                bv = cuda.local.array(rn, ft)
+                for g in range(rm // 4):
+                    v0, v1, v2, v3 = _lds4(sm, ua + np.uint64(4 * ty_n * g))
+                    av[4 * g] = v0
+                    av[4 * g + 1] = v1
+                    av[4 * g + 2] = v2
+                    av[4 * g + 3] = v3
+                for g in range(rn // 4):
+                    v0, v1, v2, v3 = _lds4(sm, ub + np.uint64(4 * tx_n * g))
+                    bv[4 * g] = v0
+                    bv[4 * g + 1] = v1
+                    bv[4 * g + 2] = v2
+                    bv[4 * g + 3] = v3
+                for i in range(rm):
+                    for j in range(rn):
+                        facc[i * rn + j] += av[i] * bv[j]
+                ua += u_lda
+                ub += u_ldb
+            if chunked and (kn % kc == 0 or kn >= c_dim):   # a chunk of kc products done: exact, move it
+                for i in range(nacc):
+                    iacc[i] += acc_t(facc[i])
+                    facc[i] = ft(0)
+            if kn < c_dim:
+                nxt = uint64(1) - cur
+                xs = xs0 + nxt * np.uint64(sa)
+                ws = ws0 + nxt * np.uint64(sb)
+                for r in range(pa):
+                    sm[xs + np.uint64(r * rstep)] = ra[r]
+                for r in range(pb):
+                    sm[ws + np.uint64(r * rstep)] = rb[r]
+                cur = nxt
             cuda.syncthreads()
             k0 = kn
-        zpwx = prm[pb + P_ZPWX]
-        for i in range(4):
-            m = m0 + ty + xs * i
-            if m < m_dim:
-                for j in range(4):
-                    c = c0 + tx + xs * j
-                    if c < g3:
-                        q = _sat(_rsh(int64(acc[i * 4 + j]), pch[d * PC * hd + c]) + zpwx, lo, hi)
-                        out[(d * m_dim + m) * g3 + c] = q
+        zpwx = prm[pb_ + P_ZPWX]
+        for j in range(rn):
+            c = c0 + 4 * tx_n * (j // 4) + 4 * tx + j % 4
+            if c < g3:
+                sh = pch[d * PC * hd + c]
+                for i in range(rm):
+                    m = m0 + 4 * ty_n * (i // 4) + 4 * ty + i % 4
+                    if m < m_dim:
+                        v = int64(iacc[i * rn + j]) if chunked else int64(facc[i * rn + j])
+                        out[(d * m_dim + m) * g3 + c] = _sat(_rsh(v, sh) + zpwx, lo, hi)
 
     return xproj
 
@@ -610,10 +742,13 @@ def _sig_rec(wdt):
 _xproj_fns, _rec_fns = {}, {}
 
 
-def xproj_fn(wide):
-    if wide not in _xproj_fns:
-        _xproj_fns[wide] = _make_xproj(wide)
-    return _xproj_fns[wide]
+def xproj_fn(bits, tile, c_dim, kc=None):
+    """The xproj kernel for one bit width, tile and C (chunked when C exceeds the exact float sum's length)."""
+    kc = kc or (K_F32 if bits == 8 else K_F64)
+    key = (bits, tile.name, c_dim > kc, bits == 16 or c_dim >= 65536, kc)
+    if key not in _xproj_fns:
+        _xproj_fns[key] = _make_xproj(bits, tile, *key[2:])
+    return _xproj_fns[key]
 
 
 def rec_fn(wide, tn):
@@ -649,19 +784,20 @@ class _CoopLauncher:
         self.launcher = launcher
 
 
-def launchers(bits, tn, c_dim):
+def launchers(bits, tn, c_dim, tile, kc=None):
     """(xproj, rec, rec cooperative) direct-launch wrappers, compiled once per process."""
     from .cuda_launch import Launcher
     wdt = np.int8 if bits == 8 else np.int16
-    wide_x = bits == 16 or c_dim >= 65536
-    key = (bits, tn, wide_x)
+    key = (bits, tn)
     if key not in _launchers:
-        xp = Launcher(xproj_fn(wide_x), _sig_xproj(wdt))
         rc = Launcher(rec_fn(bits == 16, tn), _sig_rec(wdt), dynamic_shared=MAX_SMEM)
         rcc = Launcher(rec_fn(bits == 16, tn), _sig_rec(wdt), dynamic_shared=MAX_SMEM)
         _CoopLauncher(rcc)
-        _launchers[key] = (xp, rc, rcc)
-    return _launchers[key]
+        _launchers[key] = (rc, rcc)
+    fn = xproj_fn(bits, tile, c_dim, kc)
+    if fn not in _launchers:
+        _launchers[fn] = Launcher(fn, _sig_xproj(wdt), dynamic_shared=MAX_SMEM)
+    return (_launchers[fn],) + _launchers[key]
 
 
 def occupancy(launcher, tpb, smem):
@@ -678,18 +814,14 @@ def occupancy(launcher, tpb, smem):
     return v.value
 
 
-def _xgrid(t, n, h, dirs):
-    xt = 4 * XS
-    return dirs * (-(-(t * n) // xt)) * (-(-(3 * h) // xt))
-
-
 class Prepared:
     """One QuantGRU call on device arrays: validated shapes, the plan, parameters and scratch; ``launch(stream)``
     issues its kernels (tests and benchmarks; the onnxruntime kernel below does the same on onnxruntime's
     buffers)."""
 
     def __init__(self, X, W, R, B, channel_exp, luts, sequence_lens=None, initial_h=None, *, hidden_size, bits,
-                 exponents, zero_points, direction="forward", layout=0, units=None, per_step=False, sms=None):
+                 exponents, zero_points, direction="forward", layout=0, units=None, per_step=False, sms=None,
+                 xtile=None, kc=None):
         a = self.a = gru_int.GRUAttrs(hidden_size, bits, exponents, zero_points, direction, layout)
         X = np.ascontiguousarray(X, np.float32)
         t, n, c = gru_int.check_inputs(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h)
@@ -698,6 +830,8 @@ class Prepared:
             from .cuda_launch import current_device, sm_count
             sms = sms or sm_count(current_device())
         self.plan = Plan(n, self.h, self.d, bits, sms or 4, units=units)
+        self.xt = pick_xtile(bits, t * n, 3 * self.h, self.d, sms or 4, xtile)
+        self.kc = kc                            # tests: a shorter exact float sum (chunk boundaries on small C)
         # the simulator runs blocks one after the other: a launch of several steps only without barriers there
         self.per_step = per_step or (SIM and self.plan.nblk > 1)
         prm, pch, qsc, dq = prepare(a, B, channel_exp)
@@ -719,7 +853,6 @@ class Prepared:
         self.cnt = cuda.to_device(np.zeros(self.plan.groups, np.uint64))
         self.revmask = 1 if direction == "reverse" else (2 if direction == "bidirectional" else 0)
         self.lo, self.hi = gru_int.qrange(bits)
-        self.wide_x = bits == 16 or c >= 65536
 
     def _args(self, p):
         return ((self.qwx, self.r, self.lut, self.h0, self.seql, self.hb, self.hw, self.y, self.yh, self.cnt,
@@ -739,15 +872,19 @@ class Prepared:
         if self.t == 0:
             steps = [(0, 0)]
         if SIM:
-            if self.t * self.n:
-                xproj_fn(self.wide_x)[_xgrid(self.t, self.n, self.h, self.d), XS * XS](*xargs, *xsc)
+            if self.t * self.n and what != "rec":
+                xt = self.xt
+                xproj_fn(bits, xt, self.c, self.kc)[xt.blocks(self.t * self.n, 3 * self.h, self.d), xt.nt, 0,
+                                                    xt.smem](*xargs, *xsc)
+            if what == "xproj":
+                return
             k = rec_fn(bits == 16, p.tn)
             for s0, s1 in steps:
                 k[p.grid, p.tpb, 0, p.smem](*arrays, *head, s0, s1, *tail)
             return
         ptr = lambda v: (v.device_ctypes_pointer.value, (v.size,))  # noqa: E731
-        self.per_step = issue(bits, p, self.c, self.t, self.n, [ptr(v) for v in xargs], xsc,
-                              [ptr(v) for v in arrays], head, tail, stream, self.per_step, what)
+        self.per_step = issue(bits, p, self.xt, self.c, self.t, self.n, [ptr(v) for v in xargs], xsc,
+                              [ptr(v) for v in arrays], head, tail, stream, self.per_step, what, self.kc)
 
     def result(self):
         """(Y, Y_h) as numpy arrays with the reference's shapes."""
@@ -760,12 +897,12 @@ class Prepared:
         return y.reshape(n, t, d, h), yh.reshape(n, d, h)
 
 
-def issue(bits, p, c, t, n, xarrays, xsc, arrays, head, tail, stream, per_step, what="all"):
+def issue(bits, p, xt, c, t, n, xarrays, xsc, arrays, head, tail, stream, per_step, what="all", kc=None):
     """GPU: launches xproj and the recurrent kernel (cooperative, all steps; or one launch per step when
     ``per_step`` or when the grid cannot be resident at once). Returns per_step as used."""
-    xp, rc, rcc = launchers(bits, p.tn, c)
+    xp, rc, rcc = launchers(bits, p.tn, c, xt, kc)
     if t * n and what != "rec":
-        xp.launch(_xgrid(t, n, head[2], head[3]), XS * XS, stream, *xarrays, *xsc)
+        xp.launch(xt.blocks(t * n, 3 * head[2], head[3]), xt.nt, stream, *xarrays, *xsc, shmem=xt.smem)
     if what == "xproj":
         return per_step
     if not per_step:
@@ -911,7 +1048,8 @@ class QuantGRUCudaKernel(Kernel):
         head = (t, n, h, d, p.nch, p.nbc, p.units, p.ks)
         tail = (p.nblk, self.revmask, a.layout, lo, hi, gru_int.LUT_SHIFT[a.bits], p.llen, flags, p.pc_off, p.rs_off,
                 p.hs_off, p.lt_off)
-        issue(a.bits, p, c, t, n, xarr, xsc, arrays, head, tail, ctx.stream, False)
+        xt = pick_xtile(a.bits, t * n, 3 * h, d, self.sms)
+        issue(a.bits, p, xt, c, t, n, xarr, xsc, arrays, head, tail, ctx.stream, False)
 
 
 KERNEL = QuantGRUCudaKernel

@@ -128,6 +128,85 @@ def test_bad_inputs_raise_clear_errors():
         qg.run_arrays(*(args[:2] + (args[2][:, :, :3],) + args[3:]), **attrs)
 
 
+def xproj_check(qg, args, attrs, **kw):
+    """The xproj kernel's qWx [D, T, N, 3H] against gru_int.input_gemm, direction by direction."""
+    X, W, R, B, ch, luts, sl, ih = args
+    p = qg.Prepared(*args, **attrs, **kw)
+    p.launch(what="xproj")
+    got = p.qwx.copy_to_host()[: p.d * p.t * p.n * 3 * p.h].reshape(p.d, p.t, p.n, 3 * p.h)
+    a = gru_int.GRUAttrs(attrs["hidden_size"], attrs["bits"], attrs["exponents"], attrs["zero_points"],
+                         attrs["direction"], attrs["layout"])
+    x = X if attrs["layout"] == 0 else X.transpose(1, 0, 2)
+    for k in range(p.d):
+        e, z = a.exponents[k], a.zero_points[k]
+        qx = gru_int.quantize(x, e[gru_int.Q["x"]], z[gru_int.Q["x"]], a.bits)
+        wq = W[k].astype(np.int64)
+        want = gru_int.input_gemm(qx, wq, wq.sum(1), ch[k, gru_int.CH_W].astype(np.int64), e, z, a.bits)
+        assert np.array_equal(got[k], want), f"direction {k}: qWx differs at {np.argwhere(got[k] != want)[:5]}"
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_xproj_tiles_edges_and_chunks(bits):
+    """Every tile on rows (T N = 21) and columns (3H = 21) that are no multiple of the tile, K (C = 13) no
+    multiple of the round depth, both layouts, two directions; and the chunked accumulation (exact float sums
+    moved into the integer accumulator every kc products) with kc = the smallest tile's round depth bk and
+    C = 3 kc + 1 (chunks kc, kc, kc, 1; kc must be a multiple of bk)."""
+    qg = _cuda()
+    small = qg.XTILES[bits][-1]
+    for layout in (0, 1):
+        args, attrs = random_case(3, 7, 13, 7, bits, "bidirectional", seed=bits + layout, layout=layout)
+        for t in qg.XTILES[bits]:
+            xproj_check(qg, args, attrs, xtile=t.name)
+    args, attrs = random_case(3, 7, 3 * small.bk + 1, 7, bits, "bidirectional", seed=bits + 5)
+    xproj_check(qg, args, attrs, xtile=small.name, kc=small.bk)
+
+
+def worst_case(bits, C, runs):  # noqa: N803
+    """A GEMM whose float sums reach the exactness limit: zp_x = qmin, x quantised to qmax (x - zp_x =
+    2^bits - 1), weight rows of runs of +-qmax (odd products), then a tail of small values, so that the partial sums
+    climb to runs * (2^bits - 1) qmax in magnitude and come back to a small result that the int8/int16 output
+    shows unsaturated (shift 0, zp_Wx = 0). Row 2 starts with a run of qmin (-2^(bits-1)), the largest |w|."""
+    lo, hi = gru_int.qrange(bits)
+    args, attrs = random_case(1, 2, C, 1, bits, "forward", seed=bits, lens=False, h0=False, specials=False)
+    X, W, R, B, ch, luts, sl, ih = args
+    e = np.array(attrs["exponents"]).reshape(1, -1)
+    z = np.array(attrs["zero_points"]).reshape(1, -1)
+    e[0, gru_int.Q["x"]] = 0
+    z[0, gru_int.Q["x"]] = lo
+    z[0, gru_int.Q["Wx"]] = 0
+    ch = ch.copy()
+    ch[0, gru_int.CH_W] = e[0, gru_int.Q["Wx"]]      # eW + e_x - e_Wx = 0
+    X = np.full((1, 2, C), hi - lo, np.float32)                # quantised: x - zp_x = hi - lo = 2^bits - 1
+    X[0, :, 2 * runs:] = np.arange(C - 2 * runs) % 3           # x - zp_x = 0, 1, 2 in the tail
+    W = np.zeros((1, 3, C), W.dtype)
+    W[0, 0, :runs], W[0, 0, runs:2 * runs] = -hi, hi
+    W[0, 1, :runs], W[0, 1, runs:2 * runs] = hi, -hi
+    r2 = 2 * runs // 3
+    W[0, 2, :r2], W[0, 2, r2:2 * r2], W[0, 2, 2 * r2:3 * r2] = lo, hi, 1
+    W[0, :, 2 * runs:] = np.arange(C - 2 * runs) % 2
+    attrs = dict(attrs, exponents=e.reshape(-1).tolist(), zero_points=z.reshape(-1).tolist())
+    return (X, W, R, B, ch, luts, None, None), attrs
+
+
+def test_xproj_exact_at_the_float_limits():
+    """int8 through float32 sums of K_F32 = 512 products at the proven bound (the partial sums reach
+    512 * 255 * 127 and run on past 2^24 without the chunking: a single float32 sum of these 600-product runs is
+    inexact, checked below, so the test fails if the chunk were too long); int16 through float64 (float32 would
+    be inexact from the second product on), also chunked into int64 every kc products (kc = the largest round
+    depth of the int16 tiles, so a multiple of every tile's: several chunks over C = 300)."""
+    qg = _cuda()
+    args, attrs = worst_case(8, 1300, 600)
+    row = args[0][0, 0] * args[1][0, 0].astype(np.float32)            # (x - zp_x) w, x - zp_x = X here
+    one_sum = np.float32(0)
+    for v in row:
+        one_sum += v
+    assert int(one_sum) != int(row.astype(np.int64).sum())      # what an unchunked float32 sum would give
+    xproj_check(qg, args, attrs)
+    args, attrs = worst_case(16, 300, 140)
+    xproj_check(qg, args, attrs)
+    xproj_check(qg, args, attrs, kc=max(t.bk for t in qg.XTILES[16]))
+
+
 @pytest.mark.skipif(SIM or not REAL_GPU, reason="real GPU only (ONNX_LOWBIT_REAL_GPU=1)")
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("T,N,C,H,direction", [(20, 1, 64, 256, "forward"), (7, 33, 40, 96, "bidirectional"),
@@ -138,6 +217,8 @@ def test_gpu_bit_exact_larger(T, N, C, H, direction, bits):  # noqa: N803
     check(qg, args, attrs)
     check(qg, args, attrs, per_step=True)
     check(qg, args, attrs, units=max(1, H // 3), repeat=2)
+    for t in qg.XTILES[bits]:
+        xproj_check(qg, args, attrs, xtile=t.name)
 
 
 def calibrated_case(T, N, C, H, bits, direction, *, seed=0, layout=0, lens=True):  # noqa: N803
