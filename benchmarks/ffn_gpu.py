@@ -150,9 +150,14 @@ def main():
             print(f"| {m} | {block} | {cols} | {uj} | {db} | {ld} | {t:.1f} | {occ}, {grid} (err {e:.0e}) |")
 
     # ---- prefill sweep, fp16
-    print("\n### M sweep, fp16, K=4096, N=11008: ours (auto path) vs torch's unfused path\n\n"
+    print("\n### M sweep, fp16, K=4096, N=11008: ours (auto path) vs torch's unfused path; the GEMMs alone: two "
+          "[N, K] GEMMs (as the cuBLAS path) vs one on concatenated gate|up weights [2N, K] (fp32 out)\n\n"
           "| M | path | ours us | decode us | cuBLAS path us | same, fp16 scratch | torch us | ours / torch | rel err |"
-          " rel err fp16 scratch |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          " rel err fp16 scratch | 2 GEMMs us | 1 GEMM [2N,K] us |\n"
+          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    from onnx_lowbit.custom_ops import cublas
+    wcat = torch.cat([w1, w3]) if k16.blas else None
+    gbuf = torch.empty(max(SWEEP) * 2 * N, device="cuda", dtype=torch.float32) if k16.blas else None
     k16h = kernel(True, True)
     k16h.use_fp16_scratch(True)
     sweep = {}
@@ -171,18 +176,26 @@ def main():
             t_h = time_cuda(runner(k16h, xm, w1, w3, ym, "gemm"))
             e_h = rel_err(ym, xm, w1, w3)
         t_t = time_cuda(torch_ffn(xm, w1, w3))
+        t_two = t_one = None
+        if k16.blas:
+            h = cublas.handle_for(torch.cuda.current_stream().cuda_stream)
+            xp, gp, r16 = xm.data_ptr(), gbuf.data_ptr(), cublas.R_16F
+            t_two = time_cuda(lambda: [h.gemm_rows(xp, r16, w.data_ptr(), r16, gp + off * 4, m, N, K, 2 * N)
+                                       for w, off in ((w1, 0), (w3, N))])
+            t_one = time_cuda(lambda: h.gemm_rows(xp, r16, wcat.data_ptr(), r16, gp, m, 2 * N, K, 2 * N))
         if t_dec is not None and t_gemm is not None and t_gemm < t_dec and cross is None:
             cross = m
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
         print(f"| {m} | {auto} | {t_auto:.1f} | {f(t_dec)} | {f(t_gemm)} | {f(t_h)} | {t_t:.1f} | {t_auto / t_t:.2f} | "
-              f"{e:.1e} | {'-' if e_h is None else f'{e_h:.1e}'} |")
+              f"{e:.1e} | {'-' if e_h is None else f'{e_h:.1e}'} | {f(t_two)} | {f(t_one)} |")
         sweep[m] = dict(path=auto, ours=t_auto, decode=t_dec, gemm=t_gemm, gemm_fp16_scratch=t_h, torch=t_t, err=e,
-                        err_fp16_scratch=e_h)
+                        err_fp16_scratch=e_h, two_gemms=t_two, one_gemm_concat=t_one)
     print(f"\ncrossover decode -> cuBLAS path: {'M = ' + str(cross) if cross else 'none where both run'} "
           f"(decode kernel used for M <= {max(m for m in SWEEP if fc.decode_ok(m, K, True))} at K={K})")
     slower = [m for m, v in sweep.items() if v["ours"] > v["torch"]]
     print(f"M where ours is slower than torch's unfused path: {slower or 'none'}")
     out["sweep"] = sweep
+    wcat = gbuf = None
     # the fallback kernel (no cuBLAS), two sizes
     for m in (1, 512):
         xm = torch.randn(m, K, device="cuda", dtype=torch.float16)

@@ -9,9 +9,14 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
                  | our MatMulNF4 x2 | our MatMulAWQ x2
   SwiGLU block:  fp16 unfused (MatMul x2, Sigmoid, Mul x2) | unfused with MatMulNBits | our FusedFFN (fp16)
                  | our FusedFFNNF4 | our FusedFFNAWQ
-  prefill sweep: SwiGLU fp16 unfused vs FusedFFN for M in 1..1024 (the crossover)
+  prefill sweep: SwiGLU fp16 unfused vs FusedFFN for M in 1..1024, without and with CUDA graphs (the crossover);
+                 FusedFFN in its default routing ("auto": decode kernel for M <= DECODE_MAX_M, else the cuBLAS path)
+                 and two alternatives timed in the same run: "decode" (the decode kernel for every M it can take,
+                 DECODE_MAX_M = 16; at K = 4096 that is M <= 4) and "fp16 G" (the cuBLAS path with fp16 GEMM
+                 outputs, FP16_SCRATCH). Each is checked against a float64 reference (first and last rows) before
+                 it is timed; "py/run" counts compute calls that reached Python per timed run (0: all native).
 
-    python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep]
+    python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep | --sweep-only] [--ms 1,8,64]
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ def rewrite(model, passes, **opts):
 DEVICE = "cuda"
 
 
-def time_model(model, m, runs, cuda_graph):
+def time_model(model, m, runs, cuda_graph, check_replay=False):
     import onnxruntime as ort
 
     import onnx_lowbit
@@ -77,8 +82,9 @@ def time_model(model, m, runs, cuda_graph):
         prov = ["CPUExecutionProvider"]
     else:
         prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
+    from onnx_lowbit.custom_ops import bridge
     sess = onnx_lowbit.InferenceSession(model, providers=prov)
-    x = (np.random.default_rng(7).standard_normal((m, K)) * 0.5).astype(np.float16)
+    x = (np.random.default_rng(7 + m).standard_normal((m, K)) * 0.5).astype(np.float16)
     xv = ort.OrtValue.ortvalue_from_numpy(x, DEVICE, 0)
     io = sess.io_binding()
     io.bind_ortvalue_input("x", xv)
@@ -87,8 +93,84 @@ def time_model(model, m, runs, cuda_graph):
         ov = ort.OrtValue.ortvalue_from_shape_and_type([m, N], np.float16, DEVICE, 0)
         io.bind_ortvalue_output(o.name, ov)
         outs.append(ov)
-    med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs, warmup=30)
-    return med, p90, [o.numpy() for o in outs], x
+    sess.run_with_iobinding(io)                  # the result checked is the first run's (recorded in Python)
+    ys = [o.numpy() for o in outs]
+    for _ in range(30):
+        sess.run_with_iobinding(io)
+    before = bridge.stats["python_computes"]
+    med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs)
+    py = (bridge.stats["python_computes"] - before) / runs
+    if check_replay and not np.array_equal(outs[0].numpy(), ys[0]):
+        raise RuntimeError(f"M={m}: the replayed result differs from the first run's")
+    return med, p90, ys, x, py
+
+
+class Reference:
+    """float64 SwiGLU of a few rows of x (first and last), weights converted once."""
+
+    def __init__(self, w1, w3):
+        self.w1, self.w3 = w1.astype(np.float64), w3.astype(np.float64)
+
+    def rel_err(self, y, x, rows=4):
+        idx = sorted(set(list(range(min(rows, len(x)))) + [len(x) - 1]))
+        xr = x[idx].astype(np.float64)
+        g, u = xr @ self.w1, xr @ self.w3
+        with np.errstate(over="ignore"):
+            ref = g / (1.0 + np.exp(-g)) * u
+        return float(np.abs(y[idx].astype(np.float64) - ref).max() / np.abs(ref).max())
+
+
+SWEEP_MS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def prefill_sweep(sw, fused, ref, runs, ms):
+    """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN as routed by default ('auto'), forced onto
+    the decode kernel where it fits ('decode'), and with fp16 GEMM outputs on the cuBLAS path ('fp16 G')."""
+    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    variants = {"auto": {}, "decode": dict(DECODE_MAX_M=16), "fp16 G": dict(FP16_SCRATCH=True)}
+    rows = []
+    for graph in (False,) if DEVICE == "cpu" else (False, True):
+        print(f"\n#### Prefill sweep, SwiGLU fp16 K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
+              "(median wall us per run; ratio = unfused / ours auto)\n")
+        print("| M | unfused | ours auto | decode | fp16 G | ratio | best ours | err auto | err fp16 G | py/run |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+        for m in ms:
+            r = dict(M=m, cuda_graph=graph)
+            try:
+                t, _, ys, x, _ = time_model(sw, m, runs, graph, True)
+                r.update(unfused=t, err_unfused=ref.rel_err(ys[0], x))
+                for name, opts in variants.items():
+                    if name == "decode" and not (m > fc.DECODE_MAX_M and fc.decode_ok(m, K, True, max_m=16)):
+                        continue
+                    if name == "fp16 G" and m <= fc.DECODE_MAX_M:
+                        continue
+                    saved = {k: getattr(fc, k) for k in opts}
+                    for k, v in opts.items():
+                        setattr(fc, k, v)
+                    try:
+                        t, _, ys, x, py = time_model(fused, m, runs, graph, True)
+                    finally:
+                        for k, v in saved.items():
+                            setattr(fc, k, v)
+                    r[name], r[f"err {name}"], r[f"py {name}"] = t, ref.rel_err(ys[0], x), py
+            except Exception as e:  # noqa: BLE001
+                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:140]} | | | | | | | | |")
+                rows.append(dict(r, error=str(e)[:300]))
+                continue
+            f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            e = lambda v: "-" if v is None else f"{v:.1e}" + (" FAIL" if v > 1e-3 else "")  # noqa: E731
+            ours = {k: r[k] for k in variants if k in r}
+            best = min(ours, key=ours.get)
+            print(f"| {m} | {f(r['unfused'])} | {f(r['auto'])} | {f(r.get('decode'))} | {f(r.get('fp16 G'))} | "
+                  f"{r['unfused'] / r['auto']:.2f} | {best} | {e(r['err auto'])} | {e(r.get('err fp16 G'))} | "
+                  f"{r['py auto']:.2f} |")
+            rows.append(r)
+        ok = [r for r in rows if r["cuda_graph"] == graph and "auto" in r]
+        slower = [r["M"] for r in ok if r["auto"] > r["unfused"]]
+        dec = [(r["M"], r["decode"], r["auto"]) for r in ok if "decode" in r]
+        print(f"\nours auto slower than unfused at M = {slower or 'none'}; decode kernel vs cuBLAS path: " +
+              (", ".join(f"M={m} {d:.1f} vs {g:.1f} us" for m, d, g in dec) or "-"))
+    return rows
 
 
 def main():
@@ -96,6 +178,8 @@ def main():
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--json")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true", help="only the prefill sweep (FusedFFN vs unfused)")
+    ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     a = ap.parse_args()
     import onnxruntime as ort
@@ -109,7 +193,7 @@ def main():
     w1, w3 = _weights(1), _weights(3)
     pair, sw = pair_model(w1, w3), swiglu_model(w1, w3)
     cases = [("gate+up", "fp16 MatMul x2 (onnxruntime)", pair, ["ai.onnx.MatMul"])]
-    for label, name_, base, passes, opts in [
+    others = [] if a.sweep_only else [
             ("gate+up", "onnxruntime MatMulBnb4 x2 (nf4, block 64)", pair, "weights4",
              dict(weights="nf4", weights_target="ort")),
             ("gate+up", "onnxruntime MatMulNBits x2 (int4, group 128)", pair, "weights4",
@@ -118,9 +202,10 @@ def main():
             ("gate+up", "ours MatMulAWQ x2 (int4, group 128)", pair, "weights4", dict(weights="awq")),
             ("SwiGLU", "onnxruntime unfused with MatMulNBits", sw, "weights4",
              dict(weights="awq", weights_target="ort")),
-            ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}),
             ("SwiGLU", "ours FusedFFNNF4", sw, "weights4,ffn", dict(weights="nf4")),
-            ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]:
+            ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]
+    others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
+    for label, name_, base, passes, opts in others:
         try:
             model, ops = rewrite(base, passes, **opts)
             cases.append((label, name_, model, ops))
@@ -129,10 +214,10 @@ def main():
     cases.insert(5, ("SwiGLU", "fp16 unfused (onnxruntime)", sw, ["ai.onnx.MatMul", "Sigmoid", "Mul"]))
     print(f"models built in {time.perf_counter() - t0:.0f} s")
     rows, ref = [], {}
-    for label, name, model, ops in cases:
+    for label, name, model, ops in ([] if a.sweep_only else cases):
         for graph in (False, True):
             try:
-                med, p90, ys, x = time_model(model, 1, a.runs, graph)
+                med, p90, ys, x, _ = time_model(model, 1, a.runs, graph)
             except Exception as e:  # noqa: BLE001
                 rows.append(dict(block=label, case=name, cuda_graph=graph, error=f"{type(e).__name__}: {str(e)[:160]}"))
                 continue
@@ -143,8 +228,9 @@ def main():
                             max(float(np.abs(r.astype(np.float32)).max()), 1e-30)) for y, r in zip(ys, ref[key]))
             rows.append(dict(block=label, case=name, cuda_graph=graph, median_us=med, p90_us=p90,
                              rel_err_vs_fp16=err, ops=ops))
-    print("\n| block (M=1) | model | CUDA graph | median us/run | p90 | speed-up vs fp16 | max rel. diff vs fp16 |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    if rows:
+        print("\n| block (M=1) | model | CUDA graph | median us/run | p90 | speed-up vs fp16 | max rel. diff vs fp16 |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     base_t = {(r["block"], r["cuda_graph"]): r["median_us"] for r in rows if "median_us" in r and
               r["case"].startswith("fp16")}
     for r in rows:
@@ -157,17 +243,9 @@ def main():
     sweep = []
     if not a.skip_sweep:
         fused = next((c[2] for c in cases if c[1] == "ours FusedFFN (fp16)"), None)
-        print("\n| M | onnxruntime unfused fp16 us/run | ours FusedFFN us/run | ratio (unfused / ours) |")
-        print("| ---: | ---: | ---: | ---: |")
-        for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-            try:
-                t_u = time_model(sw, m, max(50, a.runs // 3), False)[0]
-                t_f = time_model(fused, m, max(50, a.runs // 3), False)[0] if fused is not None else float("nan")
-            except Exception as e:  # noqa: BLE001
-                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
-                continue
-            sweep.append(dict(M=m, unfused_us=t_u, fused_us=t_f))
-            print(f"| {m} | {t_u:.1f} | {t_f:.1f} | {t_u / t_f:.2f} |")
+        ms = tuple(int(v) for v in a.ms.split(",")) if a.ms else SWEEP_MS
+        sweep = prefill_sweep(sw, fused, Reference(w1, w3), max(50, a.runs // 3), ms)
+        print(f"sweep done in {time.perf_counter() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "sweep": sweep}, f, indent=1, default=str)

@@ -32,20 +32,21 @@ class LbTensor(ctypes.Structure):
                 ("elem_type", ctypes.c_int32), ("ndim", ctypes.c_int32)]
 
 
-MAX_PLAN_STEPS, MAX_PARAMS, MAX_PATCH = 4, 192, 16
+MAX_PLAN_STEPS, MAX_PARAMS, MAX_PATCH = 16, 192, 16
 KEY_MAX = 2 + MAX_IO * (3 + MAX_DIMS)
 _i64 = ctypes.c_int64
 
 
 class LbStep(ctypes.Structure):
-    _fields_ = [("func", ctypes.c_uint64), ("grid", _i64), ("block", _i64), ("shmem", _i64), ("n_params", _i64),
-                ("n_patch", _i64), ("params", ctypes.c_uint64 * MAX_PARAMS), ("patch_slot", _i64 * MAX_PATCH),
+    """Mirror of ortshim.c's LbStep: a kernel launch (kind 0) or a cublasGemmEx call (kind 1)."""
+    _fields_ = [("kind", _i64), ("func", ctypes.c_uint64), ("grid", _i64), ("block", _i64), ("shmem", _i64),
+                ("n_params", _i64), ("n_patch", _i64), ("params", ctypes.c_uint64 * MAX_PARAMS), ("patch_slot", _i64 * MAX_PATCH),
                 ("patch_kind", _i64 * MAX_PATCH), ("patch_index", _i64 * MAX_PATCH), ("patch_off", _i64 * MAX_PATCH)]
 
 
 class LbPlan(ctypes.Structure):
     """Mirror of ortshim.c's LbPlan: a compute call recorded for native replay (see plans.py)."""
-    _fields_ = [("valid", _i64), ("never", _i64), ("n_out", _i64), ("out_ndim", _i64 * MAX_IO),
+    _fields_ = [("valid", _i64), ("never", _i64), ("serial", _i64), ("n_out", _i64), ("out_ndim", _i64 * MAX_IO),
                 ("out_dims", (_i64 * MAX_DIMS) * MAX_IO), ("n_steps", _i64), ("steps", LbStep * MAX_PLAN_STEPS),
                 ("key_len", _i64), ("key", _i64 * KEY_MAX)]
 
@@ -121,6 +122,7 @@ def _view(ptr, shape, dtype):
 # --------------------------------------------------------------------------------------------------------
 _lock = threading.Lock()
 _lib = None
+_nogil = None           # the same library through ctypes.CDLL: calls that may block release the GIL
 _path = None
 _variants = []          # op index -> (OpSpec, provider, input types, output types)
 _kernels = {}           # kernel id -> kernel object
@@ -240,7 +242,7 @@ def _destroy(kid):
 
 def library_path() -> str:
     """Loads the shim (building it if needed), declares all ops, and returns its path."""
-    global _lib, _path, _callbacks
+    global _lib, _nogil, _path, _callbacks
     with _lock:
         if _lib is not None:
             return _path
@@ -257,6 +259,7 @@ def library_path() -> str:
                                            ctypes.c_int]
         lib.lb_node_name.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.lb_ort_version.restype = ctypes.c_char_p
+        lib.lb_set_launch.restype, lib.lb_set_launch.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_set_domain(domain.DOMAIN.encode())
         if lib.lb_plan_size() != ctypes.sizeof(LbPlan):
             raise RuntimeError("onnx_lowbit: the C shim's plan layout does not match bridge.py (rebuild the shim)")
@@ -278,7 +281,7 @@ def library_path() -> str:
             lib.lb_set_launch(ctypes.cast(cuda_launch.libcuda().cuLaunchKernel, ctypes.c_void_p))
         except OSError:
             pass
-        _lib, _path = lib, path
+        _lib, _nogil, _path = lib, ctypes.CDLL(path), path
         return path
 
 
@@ -292,6 +295,13 @@ def set_native_plans(enabled: bool) -> None:
     sessions of this process; ``ONNX_LOWBIT_NATIVE_PLANS=0`` sets the default off."""
     library_path()
     _lib.lb_set_plans(int(bool(enabled)))
+
+
+def serial_lock():
+    """(acquire, release) of the shim's serial lock, the one native replays of plans marked serial hold
+    (plans.serial); waiting for it releases the GIL."""
+    library_path()
+    return _nogil.lb_serial_lock, _nogil.lb_serial_unlock
 
 
 def register(sess_options) -> None:

@@ -1,4 +1,9 @@
-"""cuBLAS through ctypes: just what the fused FFN's prefill path needs (a handle, its stream, cublasGemmEx).
+"""cuBLAS through ctypes: just what the fused FFN's prefill path needs (a handle per stream, cublasGemmEx).
+
+A handle is made once per (CUDA context, stream), bound to that stream and given a fixed workspace
+(cublasSetStream_v2, then cublasSetWorkspace_v2: setting the stream resets the workspace), and kept for the
+process. So a GEMM call never allocates and needs no per-call stream switch: the same call is valid inside a
+CUDA-graph capture, and a native launch plan (plans.py) can record it and replay it from C.
 
 The library is found, in this order: a libcublas already mapped into the process (onnxruntime-gpu or torch
 loaded it: use the same copy), the ``nvidia.cublas`` / ``nvidia.cu13`` Python packages, the loader's search
@@ -12,12 +17,17 @@ import ctypes.util
 import glob
 import os
 import sys
+import struct
 import threading
+
+from . import plans
 
 R_32F, R_16F = 0, 2              # cudaDataType_t
 COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation, no TF32
 OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
+WORKSPACE = 32 << 20             # bytes per handle (cuBLAS's recommendation for Hopper)
+GEMM_POINTER_SLOTS = (7, 10, 14)  # A, B, C among cublasGemmEx's arguments
 
 _lib = None
 _tried = False
@@ -58,6 +68,8 @@ def _bind(lib):
     lib.cublasDestroy_v2.argtypes = [p]
     lib.cublasSetStream_v2.argtypes = [p, p]
     lib.cublasGemmEx.argtypes = [p, c, c, i, i, i, p, p, c, i, p, c, i, p, p, c, i, c, c]
+    if hasattr(lib, "cublasSetWorkspace_v2"):
+        lib.cublasSetWorkspace_v2.argtypes = [p, p, ctypes.c_size_t]
     return lib
 
 
@@ -89,30 +101,61 @@ def check(rc, what):
         raise CublasError(f"{what} failed: cuBLAS status {rc}")
 
 
-class Handle:
-    """One cuBLAS handle (created in the calling thread's current CUDA context)."""
+def _f32(v):
+    """A float's 4 bytes as an integer (how a plan stores the host scalar alpha/beta)."""
+    return struct.unpack("<I", struct.pack("<f", v))[0]
 
-    def __init__(self):
+
+class Handle:
+    """One cuBLAS handle bound to one stream, with its own workspace (created in the calling thread's current
+    CUDA context). Use ``handle_for(stream)``."""
+
+    def __init__(self, stream):
         self.lib = load()
         if self.lib is None:
             raise CublasError("cuBLAS library not found")
         h = ctypes.c_void_p()
         check(self.lib.cublasCreate_v2(ctypes.byref(h)), "cublasCreate")
-        self.h = h
+        self.h, self.stream = h, stream
+        check(self.lib.cublasSetStream_v2(h, ctypes.c_void_p(stream)), "cublasSetStream")
+        self.workspace = None
+        if hasattr(self.lib, "cublasSetWorkspace_v2"):
+            from numba import cuda
+            self.workspace = cuda.device_array(WORKSPACE, "u1")
+            check(self.lib.cublasSetWorkspace_v2(h, ctypes.c_void_p(self.workspace.device_ctypes_pointer.value),
+                                                 WORKSPACE), "cublasSetWorkspace")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        self._stream = None
+        self._gemm_addr = ctypes.cast(self.lib.cublasGemmEx, ctypes.c_void_p).value
 
-    def gemm_rows(self, stream, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F):
+    def gemm_rows(self, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F):
         """C[m, n] (row-major, c_type, row stride ldc) = X[m, k] (row-major) . W[n, k]^T (row-major), all device
-        pointers; fp32 accumulation. Column-major view: C^T[n, m] = op_T(W as k x n) . (X^T as k x m)."""
-        if stream != self._stream:
-            check(self.lib.cublasSetStream_v2(self.h, ctypes.c_void_p(stream)), "cublasSetStream")
-            self._stream = stream
+        pointers, on this handle's stream; fp32 accumulation. Column-major view: C^T[n, m] = op_T(W as k x n) .
+        (X^T as k x m). Recorded into the active native plan, if any."""
         check(self.lib.cublasGemmEx(self.h, OP_T, OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), w_type,
                                     k, ctypes.c_void_p(x), x_type, k, ctypes.byref(self._zero), ctypes.c_void_p(c),
                                     c_type, ldc, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
+        rec = plans.active()
+        if rec is not None:
+            rec.gemm(self._gemm_addr, [self.h.value, OP_T, OP_N, n, m, k, _f32(1.0), w, w_type, k, x, x_type, k,
+                                       _f32(0.0), c, c_type, ldc, COMPUTE_32F, GEMM_DEFAULT], GEMM_POINTER_SLOTS)
 
-    def close(self):
-        if self.h is not None and self.lib is not None:
-            self.lib.cublasDestroy_v2(self.h)
-            self.h = None
+
+_handles = {}
+_handles_lock = threading.Lock()
+
+
+def handle_for(stream):
+    """The process's handle for ``stream`` in the current CUDA context (made on first use, never destroyed:
+    native plans keep its address)."""
+    from .cuda_launch import current_device, libcuda
+    current_device()            # makes a context current if the thread has none
+    ctx = ctypes.c_void_p()
+    libcuda().cuCtxGetCurrent(ctypes.byref(ctx))
+    key = (ctx.value, stream)
+    h = _handles.get(key)
+    if h is None:
+        with _handles_lock:
+            h = _handles.get(key)
+            if h is None:
+                h = _handles[key] = Handle(stream)
+    return h

@@ -20,8 +20,8 @@ block fits in shared memory), one launch, after the fused gate/up kernel of the 
   global memory.
 Rows past N in the last group are clamped onto row N-1 (valid reads, results discarded), so any N >= 1 works.
 
-Prefill path (any other M, K, alignment): with cuBLAS (found by custom_ops.cublas): per chunk of <= 512 rows of
-X, two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write gate and up side by side into an fp32
+Prefill path (any other M, K, alignment): with cuBLAS (found by custom_ops.cublas): per chunk of rows of X (one
+chunk unless the scratch would pass SCRATCH_MAX), two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write gate and up side by side into an fp32
 scratch [rows, 2N]; one elementwise kernel adds the biases, applies SiLU * mul in fp32 and writes S. Option
 FP16_SCRATCH (off): for fp16 X and W, GEMM outputs in fp16 as the unfused graph's MatMuls have them (2 bytes less
 per value written and read; on the H100 at K=4096, N=11008, M=512 it was 173 us against 184 us with fp32 scratch,
@@ -34,14 +34,17 @@ never widens it). Without cuBLAS (and under the CUDA simulator): a fused Numba t
 tile for both W1 and W3, 16-deep K tiles in shared memory, 4 x 4 x 2 accumulators per thread, SiLU * mul in the
 epilogue): correct, not tuned.
 
+Native plans (plans.py), every path: the GEMMs are recorded like kernel launches (cublas.Handle.gemm_rows; one
+cuBLAS handle per stream with a fixed workspace), so after the first call per input signature the C shim replays
+the whole prefill path (converts, GEMMs, activation) without Python, also under CUDA-graph capture.
+
 Scratch (prefill with cuBLAS only): module-level, one buffer per CUDA stream shared by all FusedFFN nodes
-(launches on a stream are ordered), grown when a larger shape comes (after synchronising that stream), never
-allocated again when shapes repeat. A lock keeps one call's launches (converts, 2 GEMMs, activation) together
-when several threads run on the same stream.
+(launches on a stream are ordered), grown when a larger shape comes, never allocated again when shapes repeat.
+A buffer is never freed (recorded plans keep its address); it grows at least 2x, so what is kept stays under
+twice the largest. The shim's serial lock (plans.serial) keeps one call's launches (converts, GEMMs, activation)
+together when several threads run on the same stream, in Python and in native replays alike.
 """
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
@@ -53,7 +56,8 @@ SIM = bool(config.ENABLE_CUDASIM)
 
 BLOCK = 256                     # decode kernel threads (8 warps)
 DECODE_MAX_M = 2                # rows of X routed to the decode kernel (H100, 4096 x 11008 fp16: M = 1, 2 beat the
-                                # cuBLAS path, the bucket-4 kernel did not: 99 us vs 80 us); any bucket when forced
+                                # cuBLAS path, the bucket-4 kernel did not: 99 us vs 80 us); any bucket when forced;
+                                # read at kernel creation (benchmarks/session_gpu.py varies it)
 MT_BUCKETS = (1, 2, 4, 8, 16)
 XS_MAX = 100 * 1024             # bytes of fp32 x a decode block may stage (MT * K * 4): >= 2 blocks per SM
 COLS = {1: 2, 2: 2, 4: 1, 8: 1, 16: 1}   # weight rows per group, by bucket (accumulators: 4 * COLS * MT)
@@ -61,8 +65,9 @@ UJ = {1: 2, 2: 2, 4: 2, 8: 1, 16: 1}     # chunks per thread per step, by bucket
 DB = {1: False, 2: False, 4: True, 8: True, 16: True}   # double-buffered weight registers, by bucket
 LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
 DEFAULT_BLOCKS_PER_SM = 4
-FP16_SCRATCH = False            # prefill, fp16 X and W: GEMM outputs in fp16 (faster, less accurate; see above)
-ROW_CHUNK = 512                 # prefill: rows of X per GEMM pair (bounds the scratch: ROW_CHUNK x 2N fp32)
+FP16_SCRATCH = False            # prefill, fp16 X and W: GEMM outputs in fp16 (faster, less accurate; see above);
+                                # read at kernel creation
+SCRATCH_MAX = 96 << 20          # prefill: bytes of scratch per chunk of rows (more rows: several chunks)
 TILE = dict(tx=16, ty=16, rm=4, rn=4, bk=16)   # fallback tiled kernel (GPU geometry)
 ACT_BLOCK = 256
 
@@ -626,16 +631,19 @@ def occupancy(launcher_, block, shmem):
 
 # ------------------------------------------------------------------------------------------ scratch (prefill)
 _scratch = {}
-_scratch_lock = threading.Lock()
+
+
+_kept = []                      # outgrown scratch buffers: recorded plans may still use them
 
 
 def _scratch_for(stream, nbytes):
-    """A device buffer of >= nbytes for ``stream`` (module-level, shared by all nodes on that stream)."""
+    """A device buffer of >= nbytes for ``stream`` (module-level, shared by all nodes on that stream; call under
+    plans.serial())."""
     buf = _scratch.get(stream)
     if buf is None or buf.size < nbytes:
         if buf is not None:
-            from .cuda_launch import check, libcuda
-            check(libcuda().cuStreamSynchronize(stream), "cuStreamSynchronize")   # the old one may be in use
+            _kept.append(buf)
+            nbytes = max(nbytes, 2 * buf.size)
         buf = cuda.device_array(max(nbytes, 1 << 20), np.uint8)
         _scratch[stream] = buf
     return buf.device_ctypes_pointer.value
@@ -645,21 +653,23 @@ def _r256(b):
     return -(-b // 256) * 256
 
 
-def prefill_plan(m, k, n, x16, w16, g16=False):
+def prefill_plan(m, k, n, x16, w16, g16=False, scratch_max=SCRATCH_MAX):
     """(rows per chunk, x conversion: None | 'widen' | 'split', GEMM x type, GEMM w type, scratch layout
     (offset of the converted x, offset of the row scales, total bytes)). Scratch: G [splits*rows, 2N] (fp32, or
-    fp16 with ``g16``), then
-    the converted x (fp32 [rows, K] or fp16 hi/lo [2*rows, K]), then fp32 [rows] row scales (split)."""
+    fp16 with ``g16``), then the converted x (fp32 [rows, K] or fp16 hi/lo [2*rows, K]), then fp32 [rows] row
+    scales (split). Rows: all M in one chunk if the scratch stays within ``scratch_max``, else M split evenly."""
     from . import cublas
     if w16 and not x16:
-        rows, conv, xt, wt = max(1, ROW_CHUNK // 2), "split", cublas.R_16F, cublas.R_16F
+        conv, xt, wt = "split", cublas.R_16F, cublas.R_16F
     elif x16 and not w16:
-        rows, conv, xt, wt = ROW_CHUNK, "widen", cublas.R_32F, cublas.R_32F
+        conv, xt, wt = "widen", cublas.R_32F, cublas.R_32F
     else:
         t = cublas.R_16F if x16 else cublas.R_32F
-        rows, conv, xt, wt = ROW_CHUNK, None, t, t
-    rows = min(rows, m)
+        conv, xt, wt = None, t, t
     splits = 2 if conv == "split" else 1
+    row_bytes = splits * 2 * n * (2 if g16 else 4) + (0 if conv is None else k * 4 + 4)
+    chunks = -(-m // max(1, scratch_max // row_bytes))
+    rows = max(1, -(-m // max(chunks, 1)))
     xoff = _r256(splits * rows * 2 * n * (2 if g16 else 4))
     soff = xoff + (0 if conv is None else _r256(rows * k * 4))
     return rows, conv, xt, wt, (xoff, soff, soff + (rows * 4 if conv == "split" else 0))
@@ -667,38 +677,31 @@ def prefill_plan(m, k, n, x16, w16, g16=False):
 
 # ------------------------------------------------------------------------------------------ the kernel
 class FusedFFNCudaKernel(Kernel):
-    # decode and tiled launches depend only on shapes and weight alignment (see plans.py); the cuBLAS prefill
-    # path calls plans.not_replayable(), so those shapes keep going through Python
+    # every path's steps (launches, cuBLAS GEMMs on per-stream handles) depend only on shapes and weight
+    # alignment, and its scratch and handles live for the process (see plans.py)
     native_plans = True
+
     def __init__(self, **kw):
         super().__init__(**kw)
         from .cuda_launch import current_device, sm_count
         self.x16 = self.in_types[0] == 10
         self.w16 = self.in_types[1] == 10
         self.sms = sm_count(current_device())
+        self.decode_max_m = DECODE_MAX_M
         # compile everything now (once per process and type variant), never on the hot path
-        self.decode = {mt: launcher("decode", self.x16, self.w16, mt) for mt in MT_BUCKETS if mt <= DECODE_MAX_M}
+        top = bucket(min(max(self.decode_max_m, 1), MT_BUCKETS[-1]))
+        self.decode = {mt: launcher("decode", self.x16, self.w16, mt) for mt in MT_BUCKETS if mt <= top}
         self.use_fp16_scratch(FP16_SCRATCH)
         self.conv = {"widen": launcher("widen"), "split": launcher("split")}
         self.tiled = launcher("tiled", self.x16, self.w16)
         self._occ = {}
-        self.blas = None
-        try:
-            from . import cublas
-            if cublas.load() is not None:
-                self.blas = cublas.Handle()
-        except Exception:  # noqa: BLE001 - no cuBLAS: the tiled kernel serves every shape
-            self.blas = None
+        from . import cublas
+        self.blas = cublas.load() is not None     # else the tiled kernel serves every shape
 
     def use_fp16_scratch(self, on):
         """Prefill with fp16 X and W: keep the GEMM outputs in fp16 (``on``) or fp32."""
         self.g16 = bool(on) and self.x16 and self.w16
         self.act = launcher("act", self.x16, self.g16)
-
-    def close(self):
-        if self.blas is not None:
-            self.blas.close()
-            self.blas = None
 
     def compute(self, ctx, inputs):
         from .bridge import KernelError
@@ -723,8 +726,9 @@ class FusedFFNCudaKernel(Kernel):
         bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
         aligned = ((w1p | w3p) & 15) == 0
         if path is None:
-            path = "decode" if decode_ok(m, k, self.w16, aligned) else ("gemm" if self.blas and k > 0 else "tiled")
-        elif path == "gemm" and (self.blas is None or k == 0):
+            path = "decode" if decode_ok(m, k, self.w16, aligned, self.decode_max_m) else (
+                "gemm" if self.blas and k > 0 else "tiled")
+        elif path == "gemm" and (not self.blas or k == 0):
             from .bridge import KernelError
             raise KernelError("the cuBLAS path needs cuBLAS and K > 0")
         elif path == "decode" and not decode_ok(m, k, self.w16, aligned, max_m=MT_BUCKETS[-1]):
@@ -736,7 +740,7 @@ class FusedFFNCudaKernel(Kernel):
             if variant:
                 dk, blk = launcher("decode", self.x16, self.w16, mt, **variant), variant.get("block", BLOCK)
             else:
-                if mt not in self.decode:           # past DECODE_MAX_M: only when forced (tests, benchmark)
+                if mt not in self.decode:           # past decode_max_m: only when forced (tests, benchmark)
                     self.decode[mt] = launcher("decode", self.x16, self.w16, mt)
                 dk, blk = self.decode[mt], BLOCK
             okey = (mt, shmem, tuple(sorted((variant or {}).items())))
@@ -756,12 +760,12 @@ class FusedFFNCudaKernel(Kernel):
 
     def _gemm(self, stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3):
         from . import cublas, plans
-        plans.not_replayable()  # cuBLAS work is not recorded by Launcher
         rows, conv, xt, wt, (xoff, soff, nbytes) = prefill_plan(m, k, n, self.x16, self.w16, self.g16)
         xsize = 2 if self.x16 else 4
         splits = 2 if conv == "split" else 1
         gsize, gt = (2, cublas.R_16F) if self.g16 else (4, cublas.R_32F)
-        with _scratch_lock:
+        blas = cublas.handle_for(stream)
+        with plans.serial():
             gp = _scratch_for(stream, nbytes)
             xc, sc = gp + xoff, gp + soff
             for r0 in range(0, m, rows):
@@ -775,7 +779,7 @@ class FusedFFNCudaKernel(Kernel):
                     self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
                     xr = xc
                 for w, off in ((w1p, 0), (w3p, n)):
-                    self.blas.gemm_rows(stream, xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt)
+                    blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt)
                 cnt = r * n
                 self.act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
                                 (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
@@ -842,7 +846,6 @@ def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile
         kern.run(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0,
                  p(db3) if b3 is not None else 0, p(dy), path=path, variant=decode_variant)
         cuda.synchronize()
-        kern.close()
     return dy.copy_to_host().view(x.dtype).reshape(lead + (n,))
 
 

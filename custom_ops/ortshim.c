@@ -24,7 +24,7 @@
 #define LB_MAX_DIMS 8
 #define LB_ERRLEN 2048
 #define LB_MAX_PLANS 32     /* launch plans per kernel (distinct input shapes / streams) */
-#define LB_MAX_STEPS 4      /* kernel launches per plan */
+#define LB_MAX_STEPS 16     /* steps (kernel launches, cuBLAS calls) per plan */
 #define LB_MAX_PARAMS 192   /* flattened kernel parameters per launch, 8 bytes each */
 #define LB_MAX_PATCH 16     /* parameters per launch that take an input/output pointer */
 #define LB_KEY_MAX (2 + LB_MAX_IO * (3 + LB_MAX_DIMS))
@@ -126,9 +126,16 @@ typedef struct {
 } LbTensor;
 
 /* A launch plan: what one compute call did, replayable without Python for the same key (input shapes, input
- * pointer alignment, stream). Filled by Python on a miss; layout mirrored in bridge.py (all 8-byte fields). */
+ * pointer alignment, stream). Filled by Python on a miss; layout mirrored in bridge.py (all 8-byte fields).
+ * A step is a kernel launch (LB_STEP_LAUNCH: func is the CUfunction, params its flattened parameters) or a cuBLAS
+ * GEMM (LB_STEP_GEMM: func is cublasGemmEx's address, params its 19 arguments in order, each in an 8-byte slot;
+ * the two host scalars alpha (6) and beta (13) are passed by pointer to their slots, so their bytes lie in the
+ * slot as in memory). Pointer parameters into this call's inputs/outputs are patched in either kind. */
+enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_GEMM_ARGS = 19 };
+
 typedef struct {
-  uint64_t func;                 /* CUfunction */
+  int64_t kind;                  /* LB_STEP_LAUNCH or LB_STEP_GEMM */
+  uint64_t func;                 /* CUfunction, or the address of cublasGemmEx */
   int64_t grid, block, shmem, n_params, n_patch;
   uint64_t params[LB_MAX_PARAMS]; /* each parameter's value in the low bytes of its 8-byte slot */
   int64_t patch_slot[LB_MAX_PATCH], patch_kind[LB_MAX_PATCH] /* 0 input, 1 output */,
@@ -136,8 +143,9 @@ typedef struct {
 } LbStep;
 
 typedef struct {
-  int64_t valid; /* set by Python: this call can be replayed from the plan */
-  int64_t never; /* set by Python: this kernel never gives plans (do not ask again) */
+  int64_t valid;  /* set by Python: this call can be replayed from the plan */
+  int64_t never;  /* set by Python: this kernel never gives plans (do not ask again) */
+  int64_t serial; /* set by Python: replay under the serial lock (the steps share scratch memory with other calls) */
   int64_t n_out;
   int64_t out_ndim[LB_MAX_IO];
   int64_t out_dims[LB_MAX_IO][LB_MAX_DIMS];
@@ -149,6 +157,10 @@ typedef struct {
 
 typedef int (*f_cuLaunchKernel)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                                 unsigned shmem, void* stream, void** params, void** extra);
+
+typedef int (*f_cublasGemmEx)(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
+                              const void* a, int a_type, int lda, const void* b, int b_type, int ldb, const void* beta,
+                              void* c, int c_type, int ldc, int compute_type, int algo);
 
 typedef int64_t (*lb_create_cb)(int op_index, const void* info, char* err, int errlen);
 typedef int (*lb_compute_cb)(int64_t kernel_id, void* ctx, int n_in, LbTensor* ins, void* stream, LbPlan* plan,
@@ -164,6 +176,10 @@ static const char* g_domain = "onnx_lowbit";
 
 static f_cuLaunchKernel g_launch = NULL;
 static int g_plans_enabled = 1;
+/* Held by every call whose launches must stay together against other such calls (the fused FFN's cuBLAS path: its
+ * GEMMs and elementwise kernel share one scratch per stream): native replays of plans marked serial, and Python
+ * (lb_serial_lock / lb_serial_unlock around the same work). */
+static pthread_mutex_t g_serial = PTHREAD_MUTEX_INITIALIZER;
 
 typedef struct {
   const LbOp* op;
@@ -237,6 +253,10 @@ static int add_plan(LbKernel* k, LbPlan* plan) {
   for (int s = 0; s < plan->n_steps; ++s) {
     const LbStep* st = &plan->steps[s];
     if (st->n_params < 0 || st->n_params > LB_MAX_PARAMS || st->n_patch < 0 || st->n_patch > LB_MAX_PATCH) return 0;
+    if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS)) return 0;
+    for (int i = 0; i < st->n_patch; ++i)
+      if (st->patch_slot[i] < 0 || st->patch_slot[i] >= st->n_params || st->patch_index[i] < 0 ||
+          st->patch_index[i] >= LB_MAX_IO || (st->patch_kind[i] != 0 && st->patch_kind[i] != 1)) return 0;
   }
   int added = 0;
   pthread_mutex_lock(&k->mu);
@@ -254,7 +274,42 @@ static int add_plan(LbKernel* k, LbPlan* plan) {
   return added;
 }
 
-/* Replays a plan: allocates the outputs with the recorded shapes and launches the recorded kernels with the
+/* One recorded step with this call's pointers patched in; returns the CUDA / cuBLAS status (0 = success). */
+static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, void* stream) {
+  uint64_t pv[LB_MAX_PARAMS];
+  memcpy(pv, sp->params, (size_t)sp->n_params * sizeof(uint64_t));
+  for (int i = 0; i < sp->n_patch; ++i) {
+    const char* base = sp->patch_kind[i] == 0 ? (const char*)ins[sp->patch_index[i]].data
+                                               : (const char*)outs[sp->patch_index[i]];
+    pv[sp->patch_slot[i]] = (uint64_t)(uintptr_t)(base + sp->patch_off[i]);
+  }
+  if (sp->kind == LB_STEP_GEMM) { /* the handle is bound to this plan's stream (part of the key) */
+#define P(i) ((void*)(uintptr_t)pv[i])
+#define I(i) ((int)(int64_t)pv[i])
+    return ((f_cublasGemmEx)(uintptr_t)sp->func)(P(0), I(1), I(2), I(3), I(4), I(5), &pv[6], P(7), I(8), I(9), P(10),
+                                                  I(11), I(12), &pv[13], P(14), I(15), I(16), I(17), I(18));
+#undef P
+#undef I
+  }
+  void* pp[LB_MAX_PARAMS];
+  for (int i = 0; i < sp->n_params; ++i) pp[i] = &pv[i];
+  return g_launch((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1, 1, (unsigned)sp->shmem,
+                  stream, pp, NULL);
+}
+
+/* Issues a plan's steps with this call's input/output pointers patched in (under the serial lock if the plan
+ * says so); returns 0, or the failing step's CUDA / cuBLAS status and its index in *failed. Exported so that
+ * tests can run it on the CPU with stand-in functions. */
+int lb_replay(const LbPlan* p, const LbTensor* ins, void* const* outs, void* stream, int* failed) {
+  int rc = 0, s = 0;
+  if (p->serial) pthread_mutex_lock(&g_serial);
+  for (; s < p->n_steps && rc == 0; ++s) rc = run_step(&p->steps[s], ins, outs, stream);
+  if (p->serial) pthread_mutex_unlock(&g_serial);
+  if (rc && failed) *failed = s - 1;
+  return rc;
+}
+
+/* Replays a plan: allocates the outputs with the recorded shapes and issues the recorded steps with the
  * input/output pointers of this call patched in. No Python, no GIL. */
 static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const LbTensor* ins, void* stream) {
   char err[256];
@@ -267,23 +322,13 @@ static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const 
                                                                &value))) return st;
     if ((st = API(I_GetTensorMutableData, f_GetTensorMutableData)(value, &outs[o]))) return st;
   }
-  for (int s = 0; s < p->n_steps; ++s) {
-    const LbStep* sp = &p->steps[s];
-    uint64_t pv[LB_MAX_PARAMS];
-    void* pp[LB_MAX_PARAMS];
-    memcpy(pv, sp->params, (size_t)sp->n_params * sizeof(uint64_t));
-    for (int i = 0; i < sp->n_patch; ++i) {
-      const char* base = sp->patch_kind[i] == 0 ? (const char*)ins[sp->patch_index[i]].data
-                                                 : (const char*)outs[sp->patch_index[i]];
-      pv[sp->patch_slot[i]] = (uint64_t)(uintptr_t)(base + sp->patch_off[i]);
-    }
-    for (int i = 0; i < sp->n_params; ++i) pp[i] = &pv[i];
-    int rc = g_launch((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1, 1,
-                      (unsigned)sp->shmem, stream, pp, NULL);
-    if (rc) {
-      snprintf(err, sizeof err, "onnx_lowbit %s: cuLaunchKernel failed: CUDA error %d", k->op->name, rc);
-      return fail(err);
-    }
+  int failed = 0;
+  int rc = lb_replay(p, ins, outs, stream, &failed);
+  if (rc) {
+    int gemm = p->steps[failed].kind == LB_STEP_GEMM;
+    snprintf(err, sizeof err, "onnx_lowbit %s: %s failed: %s status %d", k->op->name,
+             gemm ? "cublasGemmEx" : "cuLaunchKernel", gemm ? "cuBLAS" : "CUDA", rc);
+    return fail(err);
   }
   return NULL;
 }
@@ -372,8 +417,14 @@ void lb_set_callbacks(lb_create_cb c, lb_compute_cb r, lb_destroy_cb d) { g_crea
 
 /* The driver's cuLaunchKernel (Python passes its address, so the shim still links only libc) and the switch for
  * native plan replay (on by default; off: every call goes through Python, for comparisons). */
-void lb_set_launch(void* fn) { g_launch = (f_cuLaunchKernel)fn; }
+void* lb_set_launch(void* fn) {
+  void* old = (void*)g_launch;
+  g_launch = (f_cuLaunchKernel)fn;
+  return old;
+}
 void lb_set_plans(int enabled) { g_plans_enabled = enabled; }
+void lb_serial_lock(void) { pthread_mutex_lock(&g_serial); }
+void lb_serial_unlock(void) { pthread_mutex_unlock(&g_serial); }
 int lb_plan_size(void) { return (int)sizeof(LbPlan); }
 int lb_kernel_plans(void* kernel) { return kernel ? ((LbKernel*)kernel)->n_plans : 0; }
 

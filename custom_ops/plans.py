@@ -2,20 +2,24 @@
 
 The shim keys each call by its inputs' element types, ranks, dims and pointer alignment plus the CUDA stream.
 On a miss it calls Python with an empty plan; ``compute_and_record`` runs the kernel's ordinary ``compute`` and
-records what it did — the outputs it allocated (shapes) and every ``Launcher.launch`` (CUfunction, grid, block,
-shared memory, the flattened parameter values) — and marks each parameter that holds a pointer into one of
-this call's inputs or outputs as a patch (input/output index + byte offset). The next call with the same key is
-served entirely in C: outputs allocated with the recorded shapes, the recorded launches issued with this call's
-pointers patched in. No Python, no GIL, nothing allocated, so it is also safe under CUDA-graph capture.
+records what it did — the outputs it allocated (shapes), every ``Launcher.launch`` (CUfunction, grid, block,
+shared memory, the flattened parameter values) and every ``cublas.Handle.gemm_rows`` (cublasGemmEx's address and
+its 19 arguments, the handle bound to this stream) in order — and marks each parameter that holds a pointer into
+one of this call's inputs or outputs as a patch (input/output index + byte offset). The next call with the same
+key is served entirely in C: outputs allocated with the recorded shapes, the recorded steps issued with this
+call's pointers patched in. No Python, no GIL, nothing allocated, so it is also safe under CUDA-graph capture.
 
-A kernel class opts in with ``native_plans = True``. That promises: for a given key, compute's launches and
-output shapes depend on nothing but the key (not on input values or per-call host state), every device buffer
-it passes that is not an input or output lives as long as the kernel (tables, per-stream scratch), and all its
-GPU work goes through ``cuda_launch.Launcher`` -- or the call says ``not_replayable()`` (then that key keeps
-going through Python). Kernels without the flag run through Python on every call.
+A kernel class opts in with ``native_plans = True``. That promises: for a given key, compute's steps and output
+shapes depend on nothing but the key (not on input values or per-call host state), every device buffer or
+cuBLAS handle it passes that is not an input or output lives as long as the kernel (tables, per-stream scratch
+and handles), and all its GPU work goes through ``cuda_launch.Launcher`` or ``cublas.Handle.gemm_rows`` -- or
+the call says ``not_replayable()`` (then that key keeps going through Python). A call whose steps share scratch
+with other calls on the same stream runs them inside ``serial()``: its plan is then replayed under the same lock.
+Kernels without the flag run through Python on every call.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -23,6 +27,8 @@ import numpy as np
 _tls = threading.local()
 
 INPUT, OUTPUT = 0, 1
+LAUNCH, GEMM = 0, 1            # step kinds (ortshim.c: LB_STEP_LAUNCH, LB_STEP_GEMM)
+GEMM_ARGS = 19                 # cublasGemmEx's arguments
 
 
 class Recorder:
@@ -35,8 +41,9 @@ class Recorder:
                 self.ranges.append((INPUT, i, t.ptr, t.size * _itemsize(t.elem_type)))
         self.out_itemsizes = out_itemsizes
         self.outputs = {}  # index -> shape
-        self.steps = []    # (func, grid, block, shmem, values, pointer slot indices)
+        self.steps = []    # (kind, func, grid, block, shmem, values, pointer slot indices)
         self.ok = True
+        self.serial = False
 
     def output(self, index, shape, ptr):
         self.outputs[index] = shape
@@ -47,7 +54,14 @@ class Recorder:
             self.ranges.append((OUTPUT, index, ptr, n * self.out_itemsizes[index]))
 
     def launch(self, func, grid, block, shmem, values, pointer_slots):
-        self.steps.append((func, grid, block, shmem, values, pointer_slots))
+        self.steps.append((LAUNCH, func, grid, block, shmem, values, pointer_slots))
+
+    def gemm(self, func, values, pointer_slots):
+        """A cublasGemmEx call: ``func`` its address, ``values`` its 19 arguments as integers (host scalars alpha
+        and beta as their bytes, little-endian), ``pointer_slots`` the device-pointer arguments."""
+        if len(values) != GEMM_ARGS:
+            raise ValueError(f"cublasGemmEx takes {GEMM_ARGS} arguments, got {len(values)}")
+        self.steps.append((GEMM, func, 0, 0, 0, values, pointer_slots))
 
     def patch_for(self, value):
         """(kind, index, offset) of the input/output ``value`` points into, or None (a kernel-owned buffer)."""
@@ -76,6 +90,32 @@ def not_replayable() -> None:
         rec.ok = False
 
 
+@contextlib.contextmanager
+def serial():
+    """Holds the shim's serial lock (the one native replays of serial plans hold) around a call's steps, and marks
+    the recorded plan serial: for calls whose launches must not interleave with other calls' on the same stream
+    (a scratch shared between them). Without the shim (no C compiler) a process-wide Python lock."""
+    if not _serial_fns:
+        try:
+            from .bridge import serial_lock
+            _serial_fns.append(serial_lock())
+        except Exception:  # noqa: BLE001 - no shim (no C compiler): nothing can replay natively either
+            _serial_fns.append((_py_serial.acquire, _py_serial.release))
+    acquire, release = _serial_fns[0]
+    rec = active()
+    if rec is not None:
+        rec.serial = True
+    acquire()
+    try:
+        yield
+    finally:
+        release()
+
+
+_py_serial = threading.Lock()
+_serial_fns = []               # (acquire, release), found on first use
+
+
 def compute_and_record(kernel, ctx, inputs, plan) -> None:
     """Runs ``kernel.compute`` and, if the kernel allows it, fills ``plan`` (a bridge.LbPlan) from what it did."""
     if not getattr(kernel, "native_plans", False):
@@ -100,18 +140,19 @@ def fill(plan, rec, n_out) -> bool:
     if not rec.ok or len(rec.steps) > MAX_PLAN_STEPS or any(len(s) > MAX_DIMS for s in rec.outputs.values()):
         return False
     plan.n_out = n_out
+    plan.serial = int(rec.serial)
     for o in range(n_out):
         shape = rec.outputs.get(o)
         plan.out_ndim[o] = -1 if shape is None else len(shape)
         for d, v in enumerate(shape or ()):
             plan.out_dims[o][d] = v
-    for s, (func, grid, block, shmem, values, pointer_slots) in enumerate(rec.steps):
+    for s, (kind, func, grid, block, shmem, values, pointer_slots) in enumerate(rec.steps):
         if len(values) > MAX_PARAMS:
             return False
         st = plan.steps[s]
-        st.func, st.grid, st.block, st.shmem, st.n_params = func, grid, block, shmem, len(values)
+        st.kind, st.func, st.grid, st.block, st.shmem, st.n_params = kind, func, grid, block, shmem, len(values)
         for i, v in enumerate(values):
-            st.params[i] = v
+            st.params[i] = v & 0xFFFFFFFFFFFFFFFF     # negative integer arguments as two's complement
         n_patch = 0
         for slot in pointer_slots:
             hit = rec.patch_for(values[slot]) if values[slot] else None

@@ -185,10 +185,18 @@ def test_plans():
         groups = -(-n // fc.COLS[mt])
         steps = -(-groups // grid)
         assert grid <= sms * occ and (grid - 1) * steps < groups <= grid * steps    # balanced, none idle
-    rows, conv, *_ = fc.prefill_plan(1000, 4096, 11008, x16=False, w16=True)
-    assert (rows, conv) == (256, "split")
-    assert fc.prefill_plan(1000, 64, 64, x16=True, w16=False)[:2] == (512, "widen")
+    # prefill: one chunk while the scratch fits SCRATCH_MAX, else M split evenly into as few chunks as fit
+    rows, conv, *_, (_, _, nbytes) = fc.prefill_plan(1000, 4096, 11008, x16=False, w16=True)
+    assert (rows, conv) == (500, "split") and nbytes <= fc.SCRATCH_MAX     # 192 KiB per row: 2 chunks
+    assert fc.prefill_plan(1024, 4096, 11008, x16=True, w16=True)[:2] == (1024, None)     # 90 MB: one chunk
+    assert fc.prefill_plan(1000, 64, 64, x16=True, w16=False)[:2] == (1000, "widen")
     assert fc.prefill_plan(20, 64, 64, x16=True, w16=True)[:2] == (20, None)
+    for m, k, n, x16, w16, g16 in [(5000, 4096, 11008, True, True, False), (777, 512, 3000, False, True, False),
+                                   (3, 100, 5, False, False, False), (4096, 4096, 14336, True, True, True)]:
+        rows, conv, *_, (xoff, soff, nbytes) = fc.prefill_plan(m, k, n, x16, w16, g16, scratch_max=1 << 22)
+        chunks = -(-m // rows)
+        assert rows * chunks >= m > rows * (chunks - 1) and (nbytes <= (1 << 22) + 512 or rows == 1)
+        assert xoff >= (2 if conv == "split" else 1) * rows * 2 * n * (2 if g16 else 4) and soff >= xoff
 
 
 @pytest.mark.parametrize("xd,wd,g16", [(F32, F16, False), (F16, F32, False), (F16, F16, False), (F16, F16, True),
@@ -284,7 +292,6 @@ def test_gpu_unaligned_weights_leave_the_decode_kernel():
         kern.run(0, 2, k, n, p(dx), p(buf1) + 2, p(buf3) + 2, p(db1), 0, p(dy), path="decode")
     kern.run(0, 2, k, n, p(dx), p(buf1) + 2, p(buf3) + 2, p(db1), 0, p(dy))
     cuda.synchronize()
-    kern.close()
     check(dy.copy_to_host().view(F16).reshape(2, n), x, w1, w3, b1)
 
 

@@ -1,6 +1,7 @@
 """Native plan replay and CUDA-graph capture in onnxruntime CUDA sessions (GPU machine only: skipped without
 onnxruntime-gpu and a real GPU). A model with FPLUT and 4-bit MatMul nodes runs with plans on and off and on
-CPU; the results agree, and Python serves one compute call per node and input signature, not one per run."""
+CPU; the results agree, and Python serves one compute call per node and input signature, not one per run. A single
+FusedFFN node at prefill sizes (its cuBLAS path) is replayed natively too, also inside a CUDA graph."""
 import os
 
 import numpy as np
@@ -33,11 +34,9 @@ def model(request):
 
 
 def _python_calls(model, seq, runs):
-    """Compute calls served by Python for ``runs`` runs of one new input shape: one recording per node, plus
-    every call of a FusedFFN past the decode sizes (its cuBLAS path is not replayable)."""
-    ours = [n for n in model.graph.node if n.domain == "onnx_lowbit"]
-    prefill = sum(1 for n in ours if n.op_type == "FusedFFN") if seq > 2 else 0
-    return len(ours) + (runs - 1) * prefill
+    """Compute calls served by Python for ``runs`` runs of one new input shape: one recording per node (FusedFFN's
+    cuBLAS prefill path included: its GEMMs are plan steps too)."""
+    return sum(1 for n in model.graph.node if n.domain == "onnx_lowbit")
 
 
 def _same(a, b, model):
@@ -104,3 +103,69 @@ def test_cuda_graph_capture_and_replay(model):
         xv.update_inplace(x)
         sess.run_with_iobinding(io)
         assert _same(yv.numpy(), ref.run(None, {"x": x})[0], model), seed
+
+
+# ------------------------------------------------------------------ FusedFFN's prefill (cuBLAS) path, one node
+FK, FN = 512, 704
+
+
+def _ffn_session(xd, wd, graph=False):
+    from test_ffn_cuda import ffn_model
+    prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"] if graph else CUDA
+    return onnx_lowbit.InferenceSession(ffn_model(xd, wd, FK, FN, True, True), providers=prov)
+
+
+def _ffn_binding(sess, feeds, out_shape, out_dtype):
+    """IOBinding on fixed device buffers (all inputs and the output): what a CUDA-graph session needs."""
+    io = sess.io_binding()
+    vals = {k: ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0) for k, v in feeds.items()}
+    for k, v in vals.items():
+        io.bind_ortvalue_input(k, v)
+    y = ort.OrtValue.ortvalue_from_shape_and_type(out_shape, out_dtype, "cuda", 0)
+    io.bind_ortvalue_output("S", y)
+    return io, vals, y
+
+
+@pytest.mark.parametrize("m", [8, 64])
+@pytest.mark.parametrize("xd,wd", [(np.float16, np.float16), (np.float32, np.float16), (np.float32, np.float32)])
+def test_prefill_fusedffn_is_served_natively(m, xd, wd):
+    """M = 8, 64 take the cuBLAS path (convert, two GEMMs, SiLU*mul): the first run records it, later runs replay
+    it from C (no Python call); every output equals the first and meets the reference tolerance."""
+    from test_ffn_cuda import check, data
+    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    assert m > fc.DECODE_MAX_M
+    x, w1, w3, b1, b3 = data((1, m), FK, FN, xd, wd, True, True, seed=m)
+    sess = _ffn_session(xd, wd)
+    io, _, y = _ffn_binding(sess, {"X": x, "W1": w1, "W3": w3, "B1": b1, "B3": b3}, (1, m, FN), xd)
+    before = bridge.stats["python_computes"]
+    outs = []
+    for _ in range(6):
+        sess.run_with_iobinding(io)
+        outs.append(y.numpy())
+    assert bridge.stats["python_computes"] - before == 1          # recorded once, replayed 5 times
+    check(outs[0], x, w1, w3, b1, b3)
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("m", [8, 64])
+def test_prefill_fusedffn_in_a_cuda_graph(m):
+    """enable_cuda_graph with a prefill shape: the captured graph (native replay of the cuBLAS path inside the
+    capture) gives, for new input contents, bit-identical results to a session without graphs."""
+    from test_ffn_cuda import check, data
+    xd = wd = np.float16
+    x, w1, w3, b1, b3 = data((1, m), FK, FN, xd, wd, True, True, seed=100 + m)
+    ref = _ffn_session(xd, wd)
+    sess = _ffn_session(xd, wd, graph=True)
+    io, vals, y = _ffn_binding(sess, {"X": x, "W1": w1, "W3": w3, "B1": b1, "B3": b3}, (1, m, FN), xd)
+    for seed in range(6):  # the first runs record and capture, the others replay the graph
+        xs = data((1, m), FK, FN, xd, wd, seed=seed)[0]
+        vals["X"].update_inplace(xs)
+        before = bridge.stats["python_computes"]
+        sess.run_with_iobinding(io)
+        got = y.numpy()
+        if seed >= 3:
+            assert bridge.stats["python_computes"] == before      # graph replays never reach Python
+        want = ref.run(None, {"X": xs, "W1": w1, "W3": w3, "B1": b1, "B3": b3})[0]
+        assert np.array_equal(got, want), seed
+        check(got, xs, w1, w3, b1, b3)
