@@ -2,7 +2,8 @@
 
 Loads the C shim (ortshim.c) with ctypes, declares every op variant of the domain for the CPU and CUDA
 execution providers, and serves the shim's callbacks: kernel creation (attributes read through the shim) and
-compute (input pointers, shapes and onnxruntime's CUDA stream in; outputs allocated through the shim).
+compute (input pointers, shapes and onnxruntime's CUDA stream in; outputs and per-call scratch allocated through the
+shim, from onnxruntime's allocator).
 Kernels are looked up by op name in ``onnx_lowbit.custom_ops.kernels``.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ class LbStep(ctypes.Structure):
 
 class LbPlan(ctypes.Structure):
     """Mirror of ortshim.c's LbPlan: a compute call recorded for native replay (see plans.py)."""
-    _fields_ = [("valid", _i64), ("never", _i64), ("serial", _i64), ("n_out", _i64), ("out_ndim", _i64 * MAX_IO),
+    _fields_ = [("valid", _i64), ("never", _i64), ("scratch", _i64), ("n_out", _i64), ("out_ndim", _i64 * MAX_IO),
                 ("out_dims", (_i64 * MAX_DIMS) * MAX_IO), ("n_steps", _i64), ("steps", LbStep * MAX_PLAN_STEPS),
                 ("key_len", _i64), ("key", _i64 * KEY_MAX)]
 
@@ -90,22 +91,42 @@ class Tensor:
 
 
 class Context:
-    """What a kernel's compute sees besides its inputs: output allocation and the CUDA stream."""
-    __slots__ = ("_ctx", "stream", "_err", "recorder")
+    """What a kernel's compute sees besides its inputs: output allocation, scratch memory and the CUDA stream."""
+    __slots__ = ("_call", "stream", "_err", "recorder")
 
-    def __init__(self, ctx, stream, err, recorder=None):
-        self._ctx, self.stream, self._err, self.recorder = ctx, stream, err, recorder
+    def __init__(self, call, stream, err, recorder=None):
+        self._call, self.stream, self._err, self.recorder = call, stream, err, recorder
+
+    def _msg(self):
+        return ctypes.string_at(self._err).decode(errors="replace")
 
     def output(self, index, shape):
         """Allocates output ``index`` with ``shape``; returns its data pointer."""
         nd = len(shape)
         dims = (ctypes.c_int64 * max(nd, 1))(*shape)
         ptr = ctypes.c_void_p()
-        if _lib.lb_output(self._ctx, index, dims, nd, ctypes.byref(ptr), self._err, 512):
-            raise KernelError(f"could not allocate output {index}: {ctypes.string_at(self._err).decode(errors='replace')}")
+        if _lib.lb_output(self._call, index, dims, nd, ctypes.byref(ptr), self._err, 512):
+            raise KernelError(f"could not allocate output {index}: {self._msg()}")
         if self.recorder is not None:
             self.recorder.output(index, tuple(shape), ptr.value or 0)
         return ptr.value or 0
+
+    def scratch(self, nbytes):
+        """This call's scratch buffer of ``nbytes`` device bytes (CUDA ops; at most once per call; 0 when nbytes is
+        0): taken from onnxruntime's allocator on the call's stream and given back by the shim right after compute
+        returns, so it holds only what the launches issued in this call read and write (nothing is kept for a later
+        call). Native plans take one of the same size per replay."""
+        ptr = ctypes.c_void_p()
+        if _lib.lb_scratch(self._call, int(nbytes), ctypes.byref(ptr), self._err, 512):
+            raise KernelError(f"could not get {nbytes} bytes of scratch: {self._msg()}")
+        if self.recorder is not None:
+            self.recorder.scratch(ptr.value or 0, int(nbytes))
+        return ptr.value or 0
+
+    @property
+    def has_scratch(self):
+        """Whether ``scratch`` can serve this kernel (onnxruntime >= 1.18, a CUDA op)."""
+        return bool(_lib.lb_scratch_ok(self._call, self._err, 512))
 
     def output_numpy(self, index, shape, dtype):
         return _view(self.output(index, shape), shape, dtype)
@@ -122,7 +143,6 @@ def _view(ptr, shape, dtype):
 # --------------------------------------------------------------------------------------------------------
 _lock = threading.Lock()
 _lib = None
-_nogil = None           # the same library through ctypes.CDLL: calls that may block release the GIL
 _path = None
 _variants = []          # op index -> (OpSpec, provider, input types, output types)
 _kernels = {}           # kernel id -> kernel object
@@ -203,7 +223,7 @@ def _describe(e):
     return str(e) if isinstance(e, (KernelError, ValueError, TypeError, KeyError)) else f"{type(e).__name__}: {e}"
 
 
-def _compute(kid, ctx, n_in, ins, stream, plan, err, errlen):
+def _compute(kid, call, n_in, ins, stream, plan, err, errlen):
     kernel = _kernels.get(kid)
     stats["python_computes"] += 1
     try:
@@ -218,10 +238,10 @@ def _compute(kid, ctx, n_in, ins, stream, plan, err, errlen):
         # warnings as errors) must not turn them into failed runs
         with np.errstate(all="ignore"):
             if not plan:
-                kernel.compute(Context(ctx, stream or 0, err), inputs)
+                kernel.compute(Context(call, stream or 0, err), inputs)
                 return 0
             from . import plans
-            plans.compute_and_record(kernel, Context(ctx, stream or 0, err), inputs,
+            plans.compute_and_record(kernel, Context(call, stream or 0, err), inputs,
                                      LbPlan.from_address(plan))
         return 0
     except Exception as e:  # noqa: BLE001
@@ -242,7 +262,7 @@ def _destroy(kid):
 
 def library_path() -> str:
     """Loads the shim (building it if needed), declares all ops, and returns its path."""
-    global _lib, _nogil, _path, _callbacks
+    global _lib, _path, _callbacks
     with _lock:
         if _lib is not None:
             return _path
@@ -251,6 +271,9 @@ def library_path() -> str:
         lib.lb_add_op.restype = ctypes.c_int
         lib.lb_output.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,
                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int]
+        lib.lb_scratch.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                   ctypes.c_int]
+        lib.lb_scratch_ok.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         for name in ("lb_attr_float", "lb_attr_int", "lb_attr_string", "lb_attr_floats", "lb_attr_ints"):
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_char_p, ctypes.c_int]
@@ -281,7 +304,7 @@ def library_path() -> str:
             lib.lb_set_launch(ctypes.cast(cuda_launch.libcuda().cuLaunchKernel, ctypes.c_void_p))
         except OSError:
             pass
-        _lib, _nogil, _path = lib, ctypes.CDLL(path), path
+        _lib, _path = lib, path
         return path
 
 
@@ -297,11 +320,13 @@ def set_native_plans(enabled: bool) -> None:
     _lib.lb_set_plans(int(bool(enabled)))
 
 
-def serial_lock():
-    """(acquire, release) of the shim's serial lock, the one native replays of plans marked serial hold
-    (plans.serial); waiting for it releases the GIL."""
+def scratch_counts() -> dict:
+    """Scratch buffers the shim took from onnxruntime's allocator and gave back, and the bytes taken, since the
+    process started (all kernels; Python calls and native replays alike)."""
     library_path()
-    return _nogil.lb_serial_lock, _nogil.lb_serial_unlock
+    out = (ctypes.c_int64 * 3)()
+    _lib.lb_scratch_counts(out)
+    return {"taken": out[0], "given_back": out[1], "bytes": out[2]}
 
 
 def register(sess_options) -> None:

@@ -5,6 +5,12 @@ A handle is made once per (CUDA context, stream), bound to that stream and given
 process. So a GEMM call never allocates and needs no per-call stream switch: the same call is valid inside a
 CUDA-graph capture, and a native launch plan (plans.py) can record it and replay it from C.
 
+The workspace is the one device buffer of an onnxruntime run that does not come from onnxruntime's allocator: it
+belongs to the handle (cuBLAS keeps its address across calls, and setting it per call would change the handle's
+state under other threads), is made with the handle on the first call on a stream (a recording call, before any
+CUDA-graph capture), is only used by GEMMs issued on that stream (so in stream order) and lives for the process:
+32 MiB per (context, stream) that ever ran a cuBLAS GEMM.
+
 The library is found, in this order: a libcublas already mapped into the process (onnxruntime-gpu or torch
 loaded it: use the same copy), the ``nvidia.cublas`` / ``nvidia.cu13`` Python packages, the loader's search
 path (``ctypes.util.find_library``), the CUDA toolkit directory. ``load()`` returns None when none is found; the

@@ -38,11 +38,12 @@ Native plans (plans.py), every path: the GEMMs are recorded like kernel launches
 cuBLAS handle per stream with a fixed workspace), so after the first call per input signature the C shim replays
 the whole prefill path (converts, GEMMs, activation) without Python, also under CUDA-graph capture.
 
-Scratch (prefill with cuBLAS only): module-level, one buffer per CUDA stream shared by all FusedFFN nodes
-(launches on a stream are ordered), grown when a larger shape comes, never allocated again when shapes repeat.
-A buffer is never freed (recorded plans keep its address); it grows at least 2x, so what is kept stays under
-twice the largest. The shim's serial lock (plans.serial) keeps one call's launches (converts, GEMMs, activation)
-together when several threads run on the same stream, in Python and in native replays alike.
+Scratch (prefill with cuBLAS only: G, the converted x, the row scales; ``prefill_plan`` gives the bytes, a function
+of M, K, N and the types): taken per call from onnxruntime's allocator (``Context.scratch``: the CUDA arena, on the
+call's stream) and given back by the shim once the call's launches are issued; a native replay takes one of the
+recorded size the same way. Nothing is shared between calls, so concurrent calls need no lock. With onnxruntime
+older than 1.18 (no scratch API) the prefill shapes run the tiled kernel instead. Direct calls outside onnxruntime
+(``run`` without a scratch provider: tests, benchmarks) use a buffer the kernel object keeps and grows.
 """
 from __future__ import annotations
 
@@ -629,26 +630,7 @@ def occupancy(launcher_, block, shmem):
     return max(1, n.value)
 
 
-# ------------------------------------------------------------------------------------------ scratch (prefill)
-_scratch = {}
-
-
-_kept = []                      # outgrown scratch buffers: recorded plans may still use them
-
-
-def _scratch_for(stream, nbytes):
-    """A device buffer of >= nbytes for ``stream`` (module-level, shared by all nodes on that stream; call under
-    plans.serial())."""
-    buf = _scratch.get(stream)
-    if buf is None or buf.size < nbytes:
-        if buf is not None:
-            _kept.append(buf)
-            nbytes = max(nbytes, 2 * buf.size)
-        buf = cuda.device_array(max(nbytes, 1 << 20), np.uint8)
-        _scratch[stream] = buf
-    return buf.device_ctypes_pointer.value
-
-
+# ------------------------------------------------------------------------------------------ prefill layout
 def _r256(b):
     return -(-b // 256) * 256
 
@@ -677,8 +659,8 @@ def prefill_plan(m, k, n, x16, w16, g16=False, scratch_max=SCRATCH_MAX):
 
 # ------------------------------------------------------------------------------------------ the kernel
 class FusedFFNCudaKernel(Kernel):
-    # every path's steps (launches, cuBLAS GEMMs on per-stream handles) depend only on shapes and weight
-    # alignment, and its scratch and handles live for the process (see plans.py)
+    # every path's steps (launches, cuBLAS GEMMs on per-stream handles) and scratch size depend only on shapes and
+    # weight alignment; scratch is per call, handles live for the process (see plans.py)
     native_plans = True
 
     def __init__(self, **kw):
@@ -697,6 +679,7 @@ class FusedFFNCudaKernel(Kernel):
         self._occ = {}
         from . import cublas
         self.blas = cublas.load() is not None     # else the tiled kernel serves every shape
+        self._direct = None                       # scratch of direct calls (run without a provider)
 
     def use_fp16_scratch(self, on):
         """Prefill with fp16 X and W: keep the GEMM outputs in fp16 (``on``) or fp32."""
@@ -717,20 +700,23 @@ class FusedFFNCudaKernel(Kernel):
         if m == 0 or n == 0:
             return
         self.run(ctx.stream, m, k, n, x.ptr, w1.ptr, w3.ptr, b1.ptr if b1 is not None else 0,
-                 b3.ptr if b3 is not None else 0, y)
+                 b3.ptr if b3 is not None else 0, y, scratch=ctx.scratch if ctx.has_scratch else False)
 
-    def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None, variant=None):
+    def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None, variant=None, scratch=None):
         """Launches on device pointers (b1p/b3p 0 when absent). ``path``: force 'decode', 'gemm' or 'tiled';
-        ``variant``: decode kernel options (block, cols, uj, db, load), compiled on first use (tests, benchmark)."""
+        ``variant``: decode kernel options (block, cols, uj, db, load), compiled on first use (tests, benchmark);
+        ``scratch``: nbytes -> device pointer of the cuBLAS path's scratch for this call (onnxruntime's:
+        ``Context.scratch``), False when there is none (then no cuBLAS path), None for the kernel object's own
+        buffer (direct calls outside onnxruntime, one thread)."""
         hb1, hb3 = int(b1p != 0), int(b3p != 0)
         bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
         aligned = ((w1p | w3p) & 15) == 0
         if path is None:
             path = "decode" if decode_ok(m, k, self.w16, aligned, self.decode_max_m) else (
-                "gemm" if self.blas and k > 0 else "tiled")
-        elif path == "gemm" and (not self.blas or k == 0):
+                "gemm" if self.blas and k > 0 and scratch is not False else "tiled")
+        elif path == "gemm" and (not self.blas or k == 0 or scratch is False):
             from .bridge import KernelError
-            raise KernelError("the cuBLAS path needs cuBLAS and K > 0")
+            raise KernelError("the cuBLAS path needs cuBLAS, scratch memory and K > 0")
         elif path == "decode" and not decode_ok(m, k, self.w16, aligned, max_m=MT_BUCKETS[-1]):
             from .bridge import KernelError
             raise KernelError(f"the decode kernel does not take M={m}, K={k} (or unaligned weights)")
@@ -756,34 +742,39 @@ class FusedFFNCudaKernel(Kernel):
             self.tiled.launch(tiled_grid(m, n), TILE["tx"] * TILE["ty"], stream, (xp, (m * k,)), (w1p, (n * k,)),
                               (w3p, (n * k,)), *bias, (yp, (m * n,)), m, k, n, hb1, hb3)
         else:
-            self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3)
+            self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3, scratch or self._own_scratch)
 
-    def _gemm(self, stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3):
-        from . import cublas, plans
+    def _own_scratch(self, nbytes):
+        """The kernel object's scratch for direct calls outside onnxruntime (grown, never shrunk)."""
+        if self._direct is None or self._direct.size < nbytes:
+            self._direct = cuda.device_array(max(nbytes, 1), np.uint8)
+        return self._direct.device_ctypes_pointer.value
+
+    def _gemm(self, stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3, scratch):
+        from . import cublas
         rows, conv, xt, wt, (xoff, soff, nbytes) = prefill_plan(m, k, n, self.x16, self.w16, self.g16)
         xsize = 2 if self.x16 else 4
         splits = 2 if conv == "split" else 1
         gsize, gt = (2, cublas.R_16F) if self.g16 else (4, cublas.R_32F)
         blas = cublas.handle_for(stream)
-        with plans.serial():
-            gp = _scratch_for(stream, nbytes)
-            xc, sc = gp + xoff, gp + soff
-            for r0 in range(0, m, rows):
-                r = min(rows, m - r0)
-                xr = xp + r0 * k * xsize
-                if conv == "widen":
-                    cnt = r * k
-                    self.conv[conv].launch(-(-cnt // ACT_BLOCK), ACT_BLOCK, stream, (xr, (cnt,)), (xc, (cnt,)), cnt)
-                    xr = xc
-                elif conv == "split":
-                    self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
-                    xr = xc
-                for w, off in ((w1p, 0), (w3p, n)):
-                    blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt)
-                cnt = r * n
-                self.act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
-                                (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
-                                splits, hb1, hb3)
+        gp = scratch(nbytes)
+        xc, sc = gp + xoff, gp + soff
+        for r0 in range(0, m, rows):
+            r = min(rows, m - r0)
+            xr = xp + r0 * k * xsize
+            if conv == "widen":
+                cnt = r * k
+                self.conv[conv].launch(-(-cnt // ACT_BLOCK), ACT_BLOCK, stream, (xr, (cnt,)), (xc, (cnt,)), cnt)
+                xr = xc
+            elif conv == "split":
+                self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
+                xr = xc
+            for w, off in ((w1p, 0), (w3p, n)):
+                blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt)
+            cnt = r * n
+            self.act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
+                            (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
+                            splits, hb1, hb3)
 
 
 KERNEL = FusedFFNCudaKernel

@@ -7,9 +7,9 @@
  * onnxruntime's later dlopen of the same path returns the same instance).
  *
  * No onnxruntime header is used: OrtApi functions are called by their slot index in the OrtApi function table
- * (the C API is append-only, so indices never move; we ask for API version 16, onnxruntime >= 1.16), and
- * OrtCustomOp is laid out here by hand as its version-16 prefix, reserved at the 1.23 size.
- * Only libc is linked.
+ * (the C API is append-only, so indices never move; we ask for API version 18, or 16 from onnxruntime 1.16 / 1.17,
+ * which then lack scratch memory), and OrtCustomOp is laid out here by hand as its version-16 prefix, reserved at
+ * the 1.23 size. Only libc is linked.
  */
 #include <pthread.h>
 #include <stddef.h>
@@ -18,7 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LB_API_VERSION 16
+#define LB_API_VERSION 18     /* asked for first: scratch memory (KernelContext_GetScratchBuffer) */
+#define LB_API_MIN 16         /* enough for everything else */
+#define LB_OP_VERSION 16      /* OrtCustomOp's layout: its version-16 prefix */
 #define LB_MAX_OPS 256
 #define LB_MAX_IO 16
 #define LB_MAX_DIMS 8
@@ -26,7 +28,7 @@
 #define LB_MAX_PLANS 32     /* launch plans per kernel (distinct input shapes / streams) */
 #define LB_MAX_STEPS 16     /* steps (kernel launches, cuBLAS calls) per plan */
 #define LB_MAX_PARAMS 192   /* flattened kernel parameters per launch, 8 bytes each */
-#define LB_MAX_PATCH 16     /* parameters per launch that take an input/output pointer */
+#define LB_MAX_PATCH 16     /* parameters per launch that take an input/output/scratch pointer */
 #define LB_KEY_MAX (2 + LB_MAX_IO * (3 + LB_MAX_DIMS))
 
 /* OrtApi slot indices (zero-based position in struct OrtApi). */
@@ -50,16 +52,21 @@ enum {
   I_KernelContext_GetOutput = 91,
   I_ReleaseStatus = 93,
   I_ReleaseTensorTypeAndShapeInfo = 99,
+  I_ReleaseAllocator = 132,
   I_KernelInfoGetAttributeArray_float = 162,
   I_KernelInfoGetAttributeArray_int64 = 163,
-  I_KernelInfo_GetNodeName = 244,
   I_KernelContext_GetGPUComputeStream = 193,
+  I_KernelInfo_GetNodeName = 244,
+  I_KernelContext_GetAllocator = 253,          /* version 14 */
+  I_KernelContext_GetScratchBuffer = 277,      /* version 18 */
+  I_KernelInfoGetAllocator = 278,              /* version 18 */
 };
 
 typedef void OrtStatus;
 typedef struct { const void* const* (*GetApi)(uint32_t version); const char* (*GetVersionString)(void); } LbApiBase;
 
 static const void* const* g_api = NULL;
+static uint32_t g_api_version = 0;
 static const char* g_ort_version = "";
 #define API(idx, type) ((type)(g_api[idx]))
 
@@ -85,6 +92,18 @@ typedef OrtStatus* (*f_CtxCount)(const void*, size_t*);
 typedef OrtStatus* (*f_CtxGetInput)(const void*, size_t, const void**);
 typedef OrtStatus* (*f_CtxGetOutput)(void*, size_t, const int64_t*, size_t, void**);
 typedef OrtStatus* (*f_CtxGetStream)(const void*, void**);
+typedef OrtStatus* (*f_InfoGetAllocator)(const void* info, int mem_type, void** out);
+typedef OrtStatus* (*f_CtxGetAllocator)(const void* ctx, const void* mem_info, void** out);
+typedef OrtStatus* (*f_CtxGetScratch)(const void* ctx, const void* mem_info, size_t bytes, void** out);
+typedef void (*f_ReleaseAllocator)(void*);
+
+/* OrtAllocator: its first members (later versions append). */
+typedef struct LbAllocator {
+  uint32_t version;
+  void* (*Alloc)(struct LbAllocator*, size_t);
+  void (*Free)(struct LbAllocator*, void*);
+  const void* (*Info)(const struct LbAllocator*);
+} LbAllocator;
 
 /* OrtCustomOp, version-16 prefix; byte offsets on LP64 in comments. */
 typedef struct LbOp {
@@ -130,22 +149,25 @@ typedef struct {
  * A step is a kernel launch (LB_STEP_LAUNCH: func is the CUfunction, params its flattened parameters) or a cuBLAS
  * GEMM (LB_STEP_GEMM: func is cublasGemmEx's address, params its 19 arguments in order, each in an 8-byte slot;
  * the two host scalars alpha (6) and beta (13) are passed by pointer to their slots, so their bytes lie in the
- * slot as in memory). Pointer parameters into this call's inputs/outputs are patched in either kind. */
+ * slot as in memory). Pointer parameters into this call's inputs, outputs or scratch buffer are patched in either
+ * kind. The scratch buffer (`scratch` bytes, none when 0) is taken from onnxruntime's allocator for every call and
+ * given back right after the steps are issued. */
 enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_GEMM_ARGS = 19 };
+enum { LB_PATCH_INPUT = 0, LB_PATCH_OUTPUT = 1, LB_PATCH_SCRATCH = 2 };
 
 typedef struct {
   int64_t kind;                  /* LB_STEP_LAUNCH or LB_STEP_GEMM */
   uint64_t func;                 /* CUfunction, or the address of cublasGemmEx */
   int64_t grid, block, shmem, n_params, n_patch;
   uint64_t params[LB_MAX_PARAMS]; /* each parameter's value in the low bytes of its 8-byte slot */
-  int64_t patch_slot[LB_MAX_PATCH], patch_kind[LB_MAX_PATCH] /* 0 input, 1 output */,
+  int64_t patch_slot[LB_MAX_PATCH], patch_kind[LB_MAX_PATCH] /* LB_PATCH_* */,
       patch_index[LB_MAX_PATCH], patch_off[LB_MAX_PATCH];
 } LbStep;
 
 typedef struct {
-  int64_t valid;  /* set by Python: this call can be replayed from the plan */
-  int64_t never;  /* set by Python: this kernel never gives plans (do not ask again) */
-  int64_t serial; /* set by Python: replay under the serial lock (the steps share scratch memory with other calls) */
+  int64_t valid;   /* set by Python: this call can be replayed from the plan */
+  int64_t never;   /* set by Python: this kernel never gives plans (do not ask again) */
+  int64_t scratch; /* set by Python: bytes of scratch the call takes (0: none) */
   int64_t n_out;
   int64_t out_ndim[LB_MAX_IO];
   int64_t out_dims[LB_MAX_IO][LB_MAX_DIMS];
@@ -163,7 +185,7 @@ typedef int (*f_cublasGemmEx)(void* handle, int transa, int transb, int m, int n
                               void* c, int c_type, int ldc, int compute_type, int algo);
 
 typedef int64_t (*lb_create_cb)(int op_index, const void* info, char* err, int errlen);
-typedef int (*lb_compute_cb)(int64_t kernel_id, void* ctx, int n_in, LbTensor* ins, void* stream, LbPlan* plan,
+typedef int (*lb_compute_cb)(int64_t kernel_id, void* call, int n_in, LbTensor* ins, void* stream, LbPlan* plan,
                              char* err, int errlen);
 typedef void (*lb_destroy_cb)(int64_t kernel_id);
 
@@ -176,10 +198,7 @@ static const char* g_domain = "onnx_lowbit";
 
 static f_cuLaunchKernel g_launch = NULL;
 static int g_plans_enabled = 1;
-/* Held by every call whose launches must stay together against other such calls (the fused FFN's cuBLAS path: its
- * GEMMs and elementwise kernel share one scratch per stream): native replays of plans marked serial, and Python
- * (lb_serial_lock / lb_serial_unlock around the same work). */
-static pthread_mutex_t g_serial = PTHREAD_MUTEX_INITIALIZER;
+static int64_t g_scratch_counts[3]; /* scratch buffers taken, given back, bytes taken (tests, diagnostics) */
 
 typedef struct {
   const LbOp* op;
@@ -188,7 +207,19 @@ typedef struct {
   int n_plans;                    /* published with release semantics; plans are never removed before destroy */
   LbPlan* plans[LB_MAX_PLANS];
   pthread_mutex_t mu;             /* serialises writers of plans */
+  LbAllocator* alloc;             /* CUDA ops: onnxruntime's allocator of the kernel's device (KernelInfoGetAllocator) */
+  const void* mem_info;           /* its OrtMemoryInfo: where scratch comes from; NULL: no scratch (onnxruntime < 1.18) */
+  char no_scratch[160];           /* why mem_info is NULL */
 } LbKernel;
+
+/* One compute call as Python sees it (the `call` handle it passes back to lb_output / lb_scratch). */
+typedef struct {
+  void* ctx;                      /* OrtKernelContext */
+  const LbKernel* k;
+  void* scratch;                  /* this call's scratch buffer (NULL: none taken) */
+  int64_t scratch_bytes;
+  int scratch_taken;
+} LbCall;
 
 static OrtStatus* fail(const char* msg) { return API(I_CreateStatus, f_CreateStatus)(1 /* ORT_FAIL */, msg); }
 
@@ -215,6 +246,25 @@ static int op_mem_type(const LbOp* op, size_t i) { (void)op; (void)i; return 0; 
 static int op_one(const LbOp* op) { (void)op; return 1; }
 static int op_zero(const LbOp* op) { (void)op; return 0; }
 
+/* The kernel's device allocator (CUDA ops): its OrtMemoryInfo names the device scratch comes from. */
+static void find_allocator(LbKernel* k, const void* info) {
+  if (g_api_version < 18) {
+    snprintf(k->no_scratch, sizeof k->no_scratch, "scratch memory needs onnxruntime >= 1.18 (running %s)",
+             g_ort_version);
+    return;
+  }
+  void* a = NULL;
+  char err[96] = "none";
+  if (take_status(API(I_KernelInfoGetAllocator, f_InfoGetAllocator)(info, 0 /* OrtMemTypeDefault */, &a), err,
+                  sizeof err) || !a) {
+    snprintf(k->no_scratch, sizeof k->no_scratch, "no device allocator from onnxruntime: %s", err);
+    return;
+  }
+  k->alloc = (LbAllocator*)a;
+  k->mem_info = k->alloc->Info(k->alloc);
+  if (!k->mem_info) snprintf(k->no_scratch, sizeof k->no_scratch, "the device allocator has no memory info");
+}
+
 static OrtStatus* op_create(const LbOp* op, const void* api, const void* info, void** kernel) {
   (void)api;
   char err[LB_ERRLEN];
@@ -228,12 +278,48 @@ static OrtStatus* op_create(const LbOp* op, const void* api, const void* info, v
   k->op = op;
   k->id = id;
   pthread_mutex_init(&k->mu, NULL);
+  if (op->is_cuda) find_allocator(k, info);
   *kernel = k;
   return NULL;
 }
 
+/* Scratch: `bytes` from onnxruntime's allocator of the kernel's device, ordered on this call's compute stream
+ * (KernelContext_GetScratchBuffer: what onnxruntime's own CUDA kernels use), and given back to the same allocator
+ * (KernelContext_GetAllocator looks it up exactly as GetScratchBuffer does) once the call's work is issued: the
+ * stream-aware arena hands the block to later work on the same stream only (other streams wait for this one). */
+static OrtStatus* scratch_get(const LbKernel* k, void* ctx, int64_t bytes, void** out) {
+  char err[320];
+  *out = NULL;
+  if (bytes <= 0) return NULL;
+  if (!k->mem_info) {
+    snprintf(err, sizeof err, "onnx_lowbit %s: %s", k->op->name, k->no_scratch);
+    return fail(err);
+  }
+  OrtStatus* st = API(I_KernelContext_GetScratchBuffer, f_CtxGetScratch)(ctx, k->mem_info, (size_t)bytes, out);
+  if (st) return st;
+  if (!*out) {
+    snprintf(err, sizeof err, "onnx_lowbit %s: onnxruntime's allocator gave no %lld bytes of scratch", k->op->name,
+             (long long)bytes);
+    return fail(err);
+  }
+  __atomic_add_fetch(&g_scratch_counts[0], 1, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&g_scratch_counts[2], bytes, __ATOMIC_RELAXED);
+  return NULL;
+}
+
+static OrtStatus* scratch_put(const LbKernel* k, void* ctx, void* p) {
+  if (!p) return NULL;
+  void* a = NULL;
+  OrtStatus* st = API(I_KernelContext_GetAllocator, f_CtxGetAllocator)(ctx, k->mem_info, &a);
+  if (st) return st;
+  ((LbAllocator*)a)->Free((LbAllocator*)a, p);
+  API(I_ReleaseAllocator, f_ReleaseAllocator)(a);
+  __atomic_add_fetch(&g_scratch_counts[1], 1, __ATOMIC_RELAXED);
+  return NULL;
+}
+
 /* Plan key: per input its element type, rank, dims and pointer alignment (kernels may pick a code path by
- * alignment), then the stream (kernels keep per-stream scratch). */
+ * alignment), then the stream (cuBLAS handles are bound to one). */
 static int make_key(int64_t* key, const LbTensor* ins, size_t n_in, void* stream) {
   int n = 0;
   key[n++] = (int64_t)n_in;
@@ -248,16 +334,26 @@ static int make_key(int64_t* key, const LbTensor* ins, size_t n_in, void* stream
   return n;
 }
 
-static int add_plan(LbKernel* k, LbPlan* plan) {
-  if (plan->n_steps < 0 || plan->n_steps > LB_MAX_STEPS || plan->n_out < 0 || plan->n_out > LB_MAX_IO) return 0;
+static int plan_ok(const LbPlan* plan) {
+  if (plan->n_steps < 0 || plan->n_steps > LB_MAX_STEPS || plan->n_out < 0 || plan->n_out > LB_MAX_IO ||
+      plan->scratch < 0) return 0;
   for (int s = 0; s < plan->n_steps; ++s) {
     const LbStep* st = &plan->steps[s];
     if (st->n_params < 0 || st->n_params > LB_MAX_PARAMS || st->n_patch < 0 || st->n_patch > LB_MAX_PATCH) return 0;
     if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS)) return 0;
-    for (int i = 0; i < st->n_patch; ++i)
+    for (int i = 0; i < st->n_patch; ++i) {
+      int64_t kind = st->patch_kind[i];
       if (st->patch_slot[i] < 0 || st->patch_slot[i] >= st->n_params || st->patch_index[i] < 0 ||
-          st->patch_index[i] >= LB_MAX_IO || (st->patch_kind[i] != 0 && st->patch_kind[i] != 1)) return 0;
+          st->patch_index[i] >= LB_MAX_IO || kind < LB_PATCH_INPUT || kind > LB_PATCH_SCRATCH) return 0;
+      if (kind == LB_PATCH_SCRATCH && (st->patch_index[i] != 0 || st->patch_off[i] < 0 ||
+                                       st->patch_off[i] >= plan->scratch)) return 0;
+    }
   }
+  return 1;
+}
+
+static int add_plan(LbKernel* k, LbPlan* plan) {
+  if (!plan_ok(plan)) return 0;
   int added = 0;
   pthread_mutex_lock(&k->mu);
   int n = k->n_plans;
@@ -275,12 +371,13 @@ static int add_plan(LbKernel* k, LbPlan* plan) {
 }
 
 /* One recorded step with this call's pointers patched in; returns the CUDA / cuBLAS status (0 = success). */
-static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, void* stream) {
+static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, void* scratch, void* stream) {
   uint64_t pv[LB_MAX_PARAMS];
   memcpy(pv, sp->params, (size_t)sp->n_params * sizeof(uint64_t));
   for (int i = 0; i < sp->n_patch; ++i) {
-    const char* base = sp->patch_kind[i] == 0 ? (const char*)ins[sp->patch_index[i]].data
-                                               : (const char*)outs[sp->patch_index[i]];
+    int64_t kind = sp->patch_kind[i];
+    const char* base = kind == LB_PATCH_INPUT ? (const char*)ins[sp->patch_index[i]].data
+                       : kind == LB_PATCH_OUTPUT ? (const char*)outs[sp->patch_index[i]] : (const char*)scratch;
     pv[sp->patch_slot[i]] = (uint64_t)(uintptr_t)(base + sp->patch_off[i]);
   }
   if (sp->kind == LB_STEP_GEMM) { /* the handle is bound to this plan's stream (part of the key) */
@@ -297,20 +394,18 @@ static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, vo
                   stream, pp, NULL);
 }
 
-/* Issues a plan's steps with this call's input/output pointers patched in (under the serial lock if the plan
- * says so); returns 0, or the failing step's CUDA / cuBLAS status and its index in *failed. Exported so that
- * tests can run it on the CPU with stand-in functions. */
-int lb_replay(const LbPlan* p, const LbTensor* ins, void* const* outs, void* stream, int* failed) {
+/* Issues a plan's steps with this call's input/output/scratch pointers patched in; returns 0, or the failing
+ * step's CUDA / cuBLAS status and its index in *failed. Exported so that tests can run it on the CPU with
+ * stand-in functions. */
+int lb_replay(const LbPlan* p, const LbTensor* ins, void* const* outs, void* scratch, void* stream, int* failed) {
   int rc = 0, s = 0;
-  if (p->serial) pthread_mutex_lock(&g_serial);
-  for (; s < p->n_steps && rc == 0; ++s) rc = run_step(&p->steps[s], ins, outs, stream);
-  if (p->serial) pthread_mutex_unlock(&g_serial);
+  for (; s < p->n_steps && rc == 0; ++s) rc = run_step(&p->steps[s], ins, outs, scratch, stream);
   if (rc && failed) *failed = s - 1;
   return rc;
 }
 
-/* Replays a plan: allocates the outputs with the recorded shapes and issues the recorded steps with the
- * input/output pointers of this call patched in. No Python, no GIL. */
+/* Replays a plan: allocates the outputs with the recorded shapes, takes the scratch buffer, issues the recorded
+ * steps with this call's pointers patched in and gives the scratch back. No Python, no GIL. */
 static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const LbTensor* ins, void* stream) {
   char err[256];
   void* outs[LB_MAX_IO] = {0};
@@ -322,15 +417,19 @@ static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const 
                                                                &value))) return st;
     if ((st = API(I_GetTensorMutableData, f_GetTensorMutableData)(value, &outs[o]))) return st;
   }
+  void* scratch = NULL;
+  if ((st = scratch_get(k, ctx, p->scratch, &scratch))) return st;
   int failed = 0;
-  int rc = lb_replay(p, ins, outs, stream, &failed);
+  int rc = lb_replay(p, ins, outs, scratch, stream, &failed);
+  st = scratch_put(k, ctx, scratch);
   if (rc) {
+    if (st) API(I_ReleaseStatus, f_ReleaseStatus)(st);
     int gemm = p->steps[failed].kind == LB_STEP_GEMM;
     snprintf(err, sizeof err, "onnx_lowbit %s: %s failed: %s status %d", k->op->name,
              gemm ? "cublasGemmEx" : "cuLaunchKernel", gemm ? "cuBLAS" : "CUDA", rc);
     return fail(err);
   }
-  return NULL;
+  return st;
 }
 
 static OrtStatus* op_compute(void* kernel, void* ctx) {
@@ -391,15 +490,19 @@ static OrtStatus* op_compute(void* kernel, void* ctx) {
   }
   err[0] = 0;
   if (!g_compute) { free(plan); return fail("onnx_lowbit: the Python side of the bridge is not loaded"); }
-  if (g_compute(k->id, ctx, (int)n_in, ins, stream, plan, err, LB_ERRLEN) != 0) {
+  LbCall call = {ctx, k, NULL, 0, 0};
+  int bad = g_compute(k->id, &call, (int)n_in, ins, stream, plan, err, LB_ERRLEN);
+  st = scratch_put(k, ctx, call.scratch); /* the call's work is issued (or it failed): give the scratch back */
+  if (bad) {
     free(plan);
+    if (st) API(I_ReleaseStatus, f_ReleaseStatus)(st);
     return fail(err[0] ? err : "onnx_lowbit: kernel failed");
   }
   if (plan) {
     if (plan->never) k->no_plans = 1;
-    if (!plan->valid || !add_plan(k, plan)) free(plan);
+    if (!plan->valid || plan->scratch != call.scratch_bytes || !add_plan(k, plan)) free(plan);
   }
-  return NULL;
+  return st;
 }
 
 static void op_destroy(void* kernel) {
@@ -407,6 +510,7 @@ static void op_destroy(void* kernel) {
   if (!k) return;
   if (g_destroy) g_destroy(k->id);
   for (int i = 0; i < k->n_plans; ++i) free(k->plans[i]);
+  if (k->alloc) API(I_ReleaseAllocator, f_ReleaseAllocator)(k->alloc);
   pthread_mutex_destroy(&k->mu);
   free(k);
 }
@@ -423,9 +527,10 @@ void* lb_set_launch(void* fn) {
   return old;
 }
 void lb_set_plans(int enabled) { g_plans_enabled = enabled; }
-void lb_serial_lock(void) { pthread_mutex_lock(&g_serial); }
-void lb_serial_unlock(void) { pthread_mutex_unlock(&g_serial); }
 int lb_plan_size(void) { return (int)sizeof(LbPlan); }
+void lb_scratch_counts(int64_t* out) {
+  for (int i = 0; i < 3; ++i) out[i] = __atomic_load_n(&g_scratch_counts[i], __ATOMIC_RELAXED);
+}
 int lb_kernel_plans(void* kernel) { return kernel ? ((LbKernel*)kernel)->n_plans : 0; }
 
 void lb_set_domain(const char* domain) {
@@ -440,7 +545,7 @@ int lb_add_op(const char* name, int is_cuda, int n_in, const int* in_types, cons
   if (g_n_ops >= LB_MAX_OPS || n_in > LB_MAX_IO || n_out > LB_MAX_IO || n_in < 0 || n_out < 1) return -1;
   LbOp* op = &g_ops[g_n_ops];
   memset(op, 0, sizeof(*op));
-  op->version = LB_API_VERSION;
+  op->version = LB_OP_VERSION;
   op->GetName = op_name;
   op->GetExecutionProviderType = op_ep;
   op->GetInputType = op_in_type;
@@ -470,11 +575,34 @@ int lb_add_op(const char* name, int is_cuda, int n_in, const int* in_types, cons
 int lb_op_struct_size(void) { return (int)offsetof(LbOp, index); }
 const char* lb_ort_version(void) { return g_ort_version; }
 
-/* Allocates output `index` with the given shape in the kernel context; returns 0 and the data pointer. */
-int lb_output(void* ctx, int index, const int64_t* dims, int ndim, void** data, char* err, int errlen) {
+/* Allocates output `index` of a compute call with the given shape; returns 0 and the data pointer. */
+int lb_output(LbCall* call, int index, const int64_t* dims, int ndim, void** data, char* err, int errlen) {
   void* value = NULL;
-  if (take_status(API(I_KernelContext_GetOutput, f_CtxGetOutput)(ctx, (size_t)index, dims, (size_t)ndim, &value), err, errlen)) return 1;
+  if (take_status(API(I_KernelContext_GetOutput, f_CtxGetOutput)(call->ctx, (size_t)index, dims, (size_t)ndim, &value),
+                  err, errlen)) return 1;
   if (take_status(API(I_GetTensorMutableData, f_GetTensorMutableData)(value, data), err, errlen)) return 1;
+  return 0;
+}
+
+/* Takes the compute call's scratch buffer (once per call; 0 bytes: none, *data NULL) from onnxruntime's allocator;
+ * the shim gives it back when the call returns. Returns 0 and the pointer, or 1 with the reason in err. */
+int lb_scratch(LbCall* call, int64_t bytes, void** data, char* err, int errlen) {
+  *data = NULL;
+  if (call->scratch_taken) {
+    snprintf(err, (size_t)errlen, "scratch is taken once per compute call");
+    return 1;
+  }
+  if (take_status(scratch_get(call->k, call->ctx, bytes, data), err, errlen)) return 1;
+  call->scratch_taken = 1;
+  call->scratch = *data;
+  call->scratch_bytes = bytes > 0 ? bytes : 0;
+  return 0;
+}
+
+/* Whether compute calls of this kernel can take scratch; if not, why (in err). */
+int lb_scratch_ok(const LbCall* call, char* err, int errlen) {
+  if (call->k->mem_info) return 1;
+  snprintf(err, (size_t)errlen, "%s", call->k->no_scratch[0] ? call->k->no_scratch : "not a CUDA op");
   return 0;
 }
 
@@ -501,9 +629,12 @@ int lb_node_name(const void* info, char* buf, size_t* size, char* err, int errle
 
 /* The entry point onnxruntime calls from register_custom_ops_library. */
 OrtStatus* RegisterCustomOps(void* options, const LbApiBase* api_base) {
-  const void* const* api = api_base->GetApi(LB_API_VERSION);
+  uint32_t version = LB_API_VERSION;
+  const void* const* api = api_base->GetApi(version);
+  if (!api) api = api_base->GetApi(version = LB_API_MIN); /* onnxruntime 1.16, 1.17: no scratch memory */
   if (!api) return NULL; /* cannot even build a status: onnxruntime older than 1.16 */
   g_api = api;
+  g_api_version = version;
   if (api_base->GetVersionString) g_ort_version = api_base->GetVersionString();
   void* domain = NULL;
   OrtStatus* st = API(I_CreateCustomOpDomain, f_CreateCustomOpDomain)(g_domain, &domain);

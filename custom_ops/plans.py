@@ -2,40 +2,42 @@
 
 The shim keys each call by its inputs' element types, ranks, dims and pointer alignment plus the CUDA stream.
 On a miss it calls Python with an empty plan; ``compute_and_record`` runs the kernel's ordinary ``compute`` and
-records what it did — the outputs it allocated (shapes), every ``Launcher.launch`` (CUfunction, grid, block,
-shared memory, the flattened parameter values) and every ``cublas.Handle.gemm_rows`` (cublasGemmEx's address and
-its 19 arguments, the handle bound to this stream) in order — and marks each parameter that holds a pointer into
-one of this call's inputs or outputs as a patch (input/output index + byte offset). The next call with the same
-key is served entirely in C: outputs allocated with the recorded shapes, the recorded steps issued with this
-call's pointers patched in. No Python, no GIL, nothing allocated, so it is also safe under CUDA-graph capture.
+records what it did — the outputs it allocated (shapes), the scratch it took (``Context.scratch``: bytes), every
+``Launcher.launch`` (CUfunction, grid, block, shared memory, the flattened parameter values) and every
+``cublas.Handle.gemm_rows`` (cublasGemmEx's address and its 19 arguments, the handle bound to this stream) in
+order — and marks each parameter that holds a pointer into one of this call's inputs, outputs or its scratch
+buffer as a patch (kind, input/output index, byte offset). The next call with the same key is served entirely in
+C: outputs allocated with the recorded shapes, a scratch buffer of the recorded size taken from onnxruntime's
+allocator, the recorded steps issued with this call's pointers patched in, the scratch given back. No Python, no
+GIL, no host synchronisation, no host state changed; the only allocations are onnxruntime's own (outputs,
+scratch: arena blocks, as its own kernels take), so it is also safe under CUDA-graph capture.
 
-A kernel class opts in with ``native_plans = True``. That promises: for a given key, compute's steps and output
-shapes depend on nothing but the key (not on input values or per-call host state), every device buffer or
-cuBLAS handle it passes that is not an input or output lives as long as the kernel (tables, per-stream scratch
-and handles), and all its GPU work goes through ``cuda_launch.Launcher`` or ``cublas.Handle.gemm_rows`` -- or
-the call says ``not_replayable()`` (then that key keeps going through Python). A call whose steps share scratch
-with other calls on the same stream runs them inside ``serial()``: its plan is then replayed under the same lock.
-Kernels without the flag run through Python on every call.
+A kernel class opts in with ``native_plans = True``. That promises: for a given key, compute's steps, output
+shapes and scratch size depend on nothing but the key (not on input values or per-call host state); every
+device buffer it passes that is neither an input, an output nor the call's scratch is read-only state living as
+long as the kernel (tables, weights' derived forms) or a cuBLAS handle with its workspace; and all its GPU work
+goes through ``cuda_launch.Launcher`` or ``cublas.Handle.gemm_rows`` -- or the call says ``not_replayable()``
+(then that key keeps going through Python). Kernels without the flag run through Python on every call.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
 
 _tls = threading.local()
 
-INPUT, OUTPUT = 0, 1
+INPUT, OUTPUT, SCRATCH = 0, 1, 2  # patch kinds (ortshim.c: LB_PATCH_*)
 LAUNCH, GEMM = 0, 1            # step kinds (ortshim.c: LB_STEP_LAUNCH, LB_STEP_GEMM)
 GEMM_ARGS = 19                 # cublasGemmEx's arguments
 
 
 class Recorder:
-    """Collects one compute call's outputs and launches."""
+    """Collects one compute call's outputs, scratch and launches."""
 
     def __init__(self, inputs, out_itemsizes):
         self.ranges = []  # (kind, index, start, nbytes)
+        self.scratch_bytes = 0
         for i, t in enumerate(inputs):
             if t is not None and t.ptr:
                 self.ranges.append((INPUT, i, t.ptr, t.size * _itemsize(t.elem_type)))
@@ -43,7 +45,6 @@ class Recorder:
         self.outputs = {}  # index -> shape
         self.steps = []    # (kind, func, grid, block, shmem, values, pointer slot indices)
         self.ok = True
-        self.serial = False
 
     def output(self, index, shape, ptr):
         self.outputs[index] = shape
@@ -52,6 +53,11 @@ class Recorder:
             for d in shape:
                 n *= d
             self.ranges.append((OUTPUT, index, ptr, n * self.out_itemsizes[index]))
+
+    def scratch(self, ptr, nbytes):
+        self.scratch_bytes = nbytes
+        if ptr:
+            self.ranges.append((SCRATCH, 0, ptr, nbytes))
 
     def launch(self, func, grid, block, shmem, values, pointer_slots):
         self.steps.append((LAUNCH, func, grid, block, shmem, values, pointer_slots))
@@ -64,7 +70,8 @@ class Recorder:
         self.steps.append((GEMM, func, 0, 0, 0, values, pointer_slots))
 
     def patch_for(self, value):
-        """(kind, index, offset) of the input/output ``value`` points into, or None (a kernel-owned buffer)."""
+        """(kind, index, offset) of the input/output/scratch ``value`` points into, or None (a kernel-owned
+        buffer)."""
         for kind, index, start, nbytes in self.ranges:
             if start <= value < start + max(nbytes, 1):
                 return kind, index, value - start
@@ -82,38 +89,12 @@ def active():
 
 
 def not_replayable() -> None:
-    """Called by a kernel (with ``native_plans = True``) whose current call does GPU work outside
-    ``Launcher`` (e.g. a cuBLAS GEMM on a prefill path): no plan is made for this call's key, so calls with it
+    """Called by a kernel (with ``native_plans = True``) whose current call does GPU work outside ``Launcher`` and
+    ``Handle.gemm_rows`` or depends on more than the key: no plan is made for this call's key, so calls with it
     keep going through Python."""
     rec = active()
     if rec is not None:
         rec.ok = False
-
-
-@contextlib.contextmanager
-def serial():
-    """Holds the shim's serial lock (the one native replays of serial plans hold) around a call's steps, and marks
-    the recorded plan serial: for calls whose launches must not interleave with other calls' on the same stream
-    (a scratch shared between them). Without the shim (no C compiler) a process-wide Python lock."""
-    if not _serial_fns:
-        try:
-            from .bridge import serial_lock
-            _serial_fns.append(serial_lock())
-        except Exception:  # noqa: BLE001 - no shim (no C compiler): nothing can replay natively either
-            _serial_fns.append((_py_serial.acquire, _py_serial.release))
-    acquire, release = _serial_fns[0]
-    rec = active()
-    if rec is not None:
-        rec.serial = True
-    acquire()
-    try:
-        yield
-    finally:
-        release()
-
-
-_py_serial = threading.Lock()
-_serial_fns = []               # (acquire, release), found on first use
 
 
 def compute_and_record(kernel, ctx, inputs, plan) -> None:
@@ -140,7 +121,7 @@ def fill(plan, rec, n_out) -> bool:
     if not rec.ok or len(rec.steps) > MAX_PLAN_STEPS or any(len(s) > MAX_DIMS for s in rec.outputs.values()):
         return False
     plan.n_out = n_out
-    plan.serial = int(rec.serial)
+    plan.scratch = rec.scratch_bytes
     for o in range(n_out):
         shape = rec.outputs.get(o)
         plan.out_ndim[o] = -1 if shape is None else len(shape)

@@ -310,6 +310,39 @@ def test_gpu_prefill(m, xd, wd):
     check(fc.run_arrays(x, w1, w3, b1, b3, path="gemm", fp16_scratch=True), x, w1, w3, b1, b3, g16)
 
 
+@pytest.mark.skipif(SIM, reason="cuBLAS prefill path: real GPU only")
+def test_gpu_prefill_takes_its_scratch_from_the_provider():
+    """The cuBLAS path asks its scratch provider (onnxruntime's, through Context.scratch, in a session) once per
+    call for exactly prefill_plan's bytes and keeps no buffer of its own; without a provider (onnxruntime < 1.18)
+    prefill shapes run the tiled kernel."""
+    fc = _cuda()
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops import KernelError, cublas
+    if cublas.load() is None:
+        pytest.skip("no cuBLAS library found")
+    m, k, n = 40, 520, 200
+    x, w1, w3, b1, b3 = data((m,), k, n, F16, F16, True, True, seed=9)
+    dx, d1, d3, db1, db3 = (cuda.to_device(a.reshape(-1).view(np.uint16)) for a in (x, w1, w3, b1, b3))
+    p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
+    kern = fc.FusedFFNCudaKernel(spec=None, attrs={}, node_name="t", in_types=(10, 10), out_types=(10,))
+    asked, bufs = [], []
+
+    def scratch(nbytes):
+        asked.append(nbytes)
+        bufs.append(cuda.device_array(nbytes, np.uint8))
+        return p(bufs[-1])
+
+    for provider in (scratch, False):
+        dy = cuda.device_array(m * n, np.uint16)
+        kern.run(0, m, k, n, p(dx), p(d1), p(d3), p(db1), p(db3), p(dy), scratch=provider)
+        cuda.synchronize()
+        check(dy.copy_to_host().view(F16).reshape(m, n), x, w1, w3, b1, b3)
+    assert asked == [fc.prefill_plan(m, k, n, True, True)[4][2]] and kern._direct is None
+    with pytest.raises(KernelError, match="scratch memory"):
+        kern.run(0, m, k, n, p(dx), p(d1), p(d3), p(db1), p(db3), p(dy), path="gemm", scratch=False)
+
+
 def _ort_cuda():
     try:
         import onnxruntime as ort

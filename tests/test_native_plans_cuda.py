@@ -1,7 +1,8 @@
 """Native plan replay and CUDA-graph capture in onnxruntime CUDA sessions (GPU machine only: skipped without
 onnxruntime-gpu and a real GPU). A model with FPLUT and 4-bit MatMul nodes runs with plans on and off and on
 CPU; the results agree, and Python serves one compute call per node and input signature, not one per run. A single
-FusedFFN node at prefill sizes (its cuBLAS path) is replayed natively too, also inside a CUDA graph."""
+FusedFFN node at prefill sizes (its cuBLAS path) is replayed natively too, also inside a CUDA graph and from 8
+threads; its scratch comes from onnxruntime's allocator on every call (the shim's counters), none from ours."""
 import os
 
 import numpy as np
@@ -115,6 +116,31 @@ def _ffn_session(xd, wd, graph=False):
     return onnx_lowbit.InferenceSession(ffn_model(xd, wd, FK, FN, True, True), providers=prov)
 
 
+@pytest.fixture
+def cublas_lib():
+    from onnx_lowbit.custom_ops import cublas
+    if cublas.load() is None:
+        pytest.skip("no cuBLAS library found (prefill shapes take the tiled kernel, no scratch)")
+
+
+def _scratch_bytes(m, xd, wd):
+    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    return fc.prefill_plan(m, FK, FN, xd == np.float16, wd == np.float16)[4][2]
+
+
+def _no_own_scratch():
+    """No FusedFFN kernel of this process used a scratch buffer of its own (only direct calls outside onnxruntime
+    do)."""
+    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    ks = [k for k in list(bridge._kernels.values()) if isinstance(k, fc.FusedFFNCudaKernel)]
+    return ks and all(k._direct is None for k in ks)
+
+
+def _counts_delta(before):
+    now = bridge.scratch_counts()
+    return {k: now[k] - before[k] for k in now}
+
+
 def _ffn_binding(sess, feeds, out_shape, out_dtype):
     """IOBinding on fixed device buffers (all inputs and the output): what a CUDA-graph session needs."""
     io = sess.io_binding()
@@ -128,7 +154,7 @@ def _ffn_binding(sess, feeds, out_shape, out_dtype):
 
 @pytest.mark.parametrize("m", [8, 64])
 @pytest.mark.parametrize("xd,wd", [(np.float16, np.float16), (np.float32, np.float16), (np.float32, np.float32)])
-def test_prefill_fusedffn_is_served_natively(m, xd, wd):
+def test_prefill_fusedffn_is_served_natively(m, xd, wd, cublas_lib):
     """M = 8, 64 take the cuBLAS path (convert, two GEMMs, SiLU*mul): the first run records it, later runs replay
     it from C (no Python call); every output equals the first and meets the reference tolerance."""
     from test_ffn_cuda import check, data
@@ -137,19 +163,22 @@ def test_prefill_fusedffn_is_served_natively(m, xd, wd):
     x, w1, w3, b1, b3 = data((1, m), FK, FN, xd, wd, True, True, seed=m)
     sess = _ffn_session(xd, wd)
     io, _, y = _ffn_binding(sess, {"X": x, "W1": w1, "W3": w3, "B1": b1, "B3": b3}, (1, m, FN), xd)
-    before = bridge.stats["python_computes"]
+    before, counts = bridge.stats["python_computes"], bridge.scratch_counts()
     outs = []
     for _ in range(6):
         sess.run_with_iobinding(io)
         outs.append(y.numpy())
     assert bridge.stats["python_computes"] - before == 1          # recorded once, replayed 5 times
+    # every call (the recording one and the 5 replays) took its scratch from onnxruntime's allocator, gave it back
+    assert _counts_delta(counts) == {"taken": 6, "given_back": 6, "bytes": 6 * _scratch_bytes(m, xd, wd)}
+    assert _no_own_scratch()
     check(outs[0], x, w1, w3, b1, b3)
     for o in outs[1:]:
         assert np.array_equal(o, outs[0])
 
 
 @pytest.mark.parametrize("m", [8, 64])
-def test_prefill_fusedffn_in_a_cuda_graph(m):
+def test_prefill_fusedffn_in_a_cuda_graph(m, cublas_lib):
     """enable_cuda_graph with a prefill shape: the captured graph (native replay of the cuBLAS path inside the
     capture) gives, for new input contents, bit-identical results to a session without graphs."""
     from test_ffn_cuda import check, data
@@ -158,14 +187,44 @@ def test_prefill_fusedffn_in_a_cuda_graph(m):
     ref = _ffn_session(xd, wd)
     sess = _ffn_session(xd, wd, graph=True)
     io, vals, y = _ffn_binding(sess, {"X": x, "W1": w1, "W3": w3, "B1": b1, "B3": b3}, (1, m, FN), xd)
+    outs = []
     for seed in range(6):  # the first runs record and capture, the others replay the graph
         xs = data((1, m), FK, FN, xd, wd, seed=seed)[0]
         vals["X"].update_inplace(xs)
-        before = bridge.stats["python_computes"]
+        before, counts = bridge.stats["python_computes"], bridge.scratch_counts()
         sess.run_with_iobinding(io)
         got = y.numpy()
         if seed >= 3:
             assert bridge.stats["python_computes"] == before      # graph replays never reach Python
+            assert _counts_delta(counts)["taken"] == 0            # ... nor the shim: the scratch is baked in
         want = ref.run(None, {"X": xs, "W1": w1, "W3": w3, "B1": b1, "B3": b3})[0]
         assert np.array_equal(got, want), seed
         check(got, xs, w1, w3, b1, b3)
+        outs.append((xs, got))
+    for xs, got in outs[3:]:   # replaying the graph again on the same contents gives the same bits
+        vals["X"].update_inplace(xs)
+        sess.run_with_iobinding(io)
+        assert np.array_equal(y.numpy(), got)
+    c = bridge.scratch_counts()
+    assert c["taken"] == c["given_back"] and _no_own_scratch()
+
+
+def test_prefill_fusedffn_from_8_threads(cublas_lib):
+    """8 threads run one FusedFFN session at 8 prefill shapes (cuBLAS path, each call with its own scratch from
+    onnxruntime's allocator, no lock between calls): every result equals the single-threaded one, which meets
+    the reference tolerance; every scratch buffer went back."""
+    from test_ffn_cuda import check, data
+    xd, wd = np.float16, np.float16
+    sess = _ffn_session(xd, wd)
+    _, w1, w3, b1, b3 = data((1, 8), FK, FN, xd, wd, True, True, seed=3)
+    feeds = [{"X": data((1, 8 + 5 * i), FK, FN, xd, wd, seed=300 + i)[0], "W1": w1, "W3": w3, "B1": b1, "B3": b3}
+             for i in range(8)]
+    want = [sess.run(None, f)[0] for f in feeds]
+    for f, w in zip(feeds, want):
+        check(w, f["X"], f["W1"], f["W3"], f["B1"], f["B3"])
+    counts = bridge.scratch_counts()
+    assert not same_in_threads(lambda f: sess.run(None, f)[0], feeds, want, np.array_equal)
+    d = _counts_delta(counts)
+    assert d["taken"] == d["given_back"] == 8 * 20
+    assert d["bytes"] == 20 * sum(_scratch_bytes(8 + 5 * i, xd, wd) for i in range(8))
+    assert _no_own_scratch()
