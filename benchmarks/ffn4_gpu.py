@@ -7,7 +7,9 @@ Times: median us per call, "graph" = 20 calls replayed from a CUDA graph (no hos
 events around 20 back-to-back launches (includes our Python launch cost). % of 2900 GB/s counts the packed 4-bit
 bytes of both weights (2 * K * N / 2 = 45.1 MB), as the issue's floor does.
 
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants]
+FusedFFNAWQ / MatMulAWQ run twice: the fp32 decode kernels and the tensor-core kernel (matmulawq_cuda._make_tc).
+
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants] [--tc-variants] [--ms 1,4,16]
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def rel(y, ref):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--tc-variants", action="store_true", help="M=1 variants of the AWQ tensor-core kernels")
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--profile", action="store_true", help="only launch the fused kernels (M=1) 3 times each, for ncu")
     a = ap.parse_args()
@@ -190,6 +193,50 @@ def main():
                     fn, desc, _acc = awq_fused(r_, 8, 96, ct, warps)
                     record(f"  variant AWQ [{desc}]", m, fn, check=chk(ref_a))
 
+        # ---- AWQ tensor-core kernels (matmulawq_cuda._make_tc): fused (nw=2) and two MatMulAWQ (nw=1)
+        mc = matmulawq_cuda
+        y1t, y3t = torch.empty_like(s), torch.empty_like(s)
+
+        keep = []
+
+        def awq_tc(nw, unroll=mc.TC_UNROLL, warps=mc.TC_WARPS, maxreg=None, max_splits=mc.TC_SPLITS):
+            lau = mc.tc_launcher(nw, unroll, maxreg, warps)
+            grid, gpt, splits = mc.tc_plan(m, K, N, G, warps, max_splits)
+            psz, csz = mc.tc_scratch(m, K, N, G, nw, warps, max_splits)
+            part = torch.zeros(psz, device="cuda", dtype=torch.float32)
+            cnt = torch.zeros(csz, device="cuda", dtype=torch.int32)
+            wp = lambda w: [ptr(w[0]), ptr(w[1]), ptr(w[2], w[2].numel() // 4)]  # noqa: E731
+            tail = [ptr(part), ptr(cnt), m, K, N, G, gpt, splits, 0, 0]
+            occ = fusedffnnf4_cuda.blocks_per_sm(lau, 32 * warps)
+            desc = (f"{grid} blocks x {warps} warps, gpt={gpt}, splits={splits}, unroll={unroll}, {regs(lau)}, "
+                    f"{occ}/SM")
+            xa_ = ptr(x, m * K // 4)
+            keep.append((part, cnt))     # the launches hold raw pointers only
+            if nw == 2:
+                args = [xa_, *wp(daw[0]), *wp(daw[1]), ptr(s), ptr(s), ptr(s)] + tail
+                return (lambda: lau.launch(grid, 32 * warps, stream(), *args)), desc
+            a1 = [xa_, *wp(daw[0]), *wp(daw[0]), ptr(y1t), ptr(y1t), ptr(y1t)] + tail
+            a3 = [xa_, *wp(daw[1]), *wp(daw[1]), ptr(y3t), ptr(y3t), ptr(y3t)] + tail
+
+            def two():
+                lau.launch(grid, 32 * warps, stream(), *a1)
+                lau.launch(grid, 32 * warps, stream(), *a3)
+                torch.mul(F.silu(y1t), y3t, out=s)
+            return two, desc
+
+        fn, desc = awq_tc(2)
+        t_at = record(f"FusedFFNAWQ tensor-core (ours) [{desc}]", m, fn, check=chk(ref_a))
+        fn, desc = awq_tc(1)
+        t_at2 = record(f"two MatMulAWQ tensor-core + torch silu*mul [{desc}]", m, fn, check=chk(ref_a))
+        if a.tc_variants and m == 1:
+            for kw in ({"unroll": 2}, {"unroll": 4}, {"maxreg": 96}, {"warps": 2}, {"warps": 8}, {"max_splits": 4},
+                       {"max_splits": 16}, {"warps": 8, "max_splits": 4}, {"unroll": 2, "warps": 8}):
+                fn, desc = awq_tc(2, **kw)
+                record(f"  variant AWQ tc {kw} [{desc}]", m, fn, check=chk(ref_a))
+            for kw in ({"unroll": 2}, {"warps": 8}, {"maxreg": 128}):
+                fn, desc = awq_tc(1, **kw)
+                record(f"  variant two MatMulAWQ tc {kw} [{desc}]", m, fn, check=chk(ref_a))
+
         mt_a = matmulawq_cuda.bucket(m)
         gpt = matmulawq_cuda.gpt_for(mt_a, N)
         lau_a = matmulawq_cuda.launcher(True, mt_a, gpt)
@@ -212,15 +259,16 @@ def main():
             torch.matmul(x, w16[1], out=y3)
             torch.mul(F.silu(y1), y3, out=s)
         t_t = record("torch fp16 x@W1, x@W3 + silu*mul", m, torch_fp16)
-        summary.append((m, t_nf, t_n2, t_af, t_a2, t_t))
+        summary.append((m, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2))
 
     print("\n| op | M | fused (us) | GB/s on 4-bit bytes | % of 2900 GB/s | two MatMul4 + silu*mul (us) | "
           "torch fp16 (us) | vs two MatMul4 | vs torch fp16 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     r_ = lambda a_, b_: "-" if a_ is None or b_ is None else f"{b_ / a_:.2f}x"  # noqa: E731
-    for m, t_nf, t_n2, t_af, t_a2, t_t in summary:
-        for op, tf, t2 in (("FusedFFNNF4", t_nf, t_n2), ("FusedFFNAWQ", t_af, t_a2)):
+    for m, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2 in summary:
+        for op, tf, t2 in (("FusedFFNNF4", t_nf, t_n2), ("FusedFFNAWQ fp32 decode", t_af, t_a2),
+                           ("FusedFFNAWQ tensor-core", t_at, t_at2)):
             bw = None if tf is None else NIBBLE_BYTES / tf / 1e3
             print(f"| {op} | {m} | {f(tf)} | {f(bw)} | {f(None if bw is None else 100 * bw / PEAK)} | {f(t2)} | "
                   f"{f(t_t)} | {r_(tf, t2)} | {r_(tf, t_t)} |")

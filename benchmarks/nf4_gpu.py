@@ -84,11 +84,12 @@ def main():
     from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
     for cols in (8, 16):
         kv = Launcher(mm._make_m1(cols), [Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32),
-                                          Array(np.float16), "int32", Array(np.float16), "int64", "int64", "int64"])
+                                          Array(np.float16), "int32", Array(np.float16), "int64", "int64", "int64"],
+                      dynamic_shared=mm.TAB_BYTES)
 
         def run_v(kv=kv, cols=cols):
             for (q, am), y in zip(dev, (y1, y2)):
-                kv.launch(max(1, min((N + cols - 1) // cols, sms * 4)), mm.m1_block(K), stream, (x.data_ptr(), (K,)),
+                kv.launch(max(1, min((N + cols - 1) // cols, sms * 3)), mm.m1_block(K), stream, (x.data_ptr(), (K,)),
                           (q.data_ptr(), (K * N // 16,)), (am.data_ptr(), (am.numel(),)), (dcode.data_ptr(), (16,)),
                           (y.data_ptr(), (N,)), 0, (y.data_ptr(), (N,)), K, N, BS.bit_length() - 5)
         print(f"  variant: register-x M=1 kernel, COLS={cols}: {time_cuda(run_v):.1f} us")

@@ -28,9 +28,10 @@ from .dequantawq_cpu import parse_attrs
 from .dequantawq_cuda import SIM, col_of, h2f
 from .ffn4_common import check_x_biases, opt
 from .fusedffnawq_cpu import check_both
-from .fusedffnnf4_cuda import _silu
 from .kernels import Kernel
-from .matmulawq_cuda import ONE32, RMAX, _ld16, _ld32, _nib_scale, _nib_value, _pair_word, _st16, _st32, _vnib
+from .matmulawq_cuda import (ONE32, RMAX, TC_MIN_M, TC_WARPS, _ld16, _ld32, _nib_scale, _nib_value, _pair_word,
+                             _silu, _st16, _st32, _vnib, tc_device, tc_launcher, tc_ok, tc_plan, tc_run,
+                             tc_scratch)
 from .matmulawq_cuda import plan as awq_plan
 
 CT = 32
@@ -356,11 +357,12 @@ def blocks_per_sm(launcher_):
 
 
 def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT, warps=WARPS,  # noqa: N803
-               force_generic=False, rows=None, repeat=1):
+               force_generic=False, rows=None, repeat=1, tc=None):
     """Runs the kernels on host arrays (tests, benchmark) and returns S; w1 / w3 = (qweight, qzeros, scales).
     Simulator: Numba dispatcher (``ct`` / ``warps`` may shrink the block); GPU: the direct launch path.
     ``rows`` overrides the K slice (must divide group_size); ``repeat`` launches that many times on the same
-    scratch (each launch must leave the counters zeroed)."""
+    scratch (each launch must leave the counters zeroed); ``tc``: the tensor-core kernel (matmulawq_cuda; default:
+    where ``tc_ok`` and ``rows`` is not given)."""
     sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
     check_both(w1, w3, sh)
     m = check_x_biases(x, b1, b3, K, N, 7, 8)
@@ -368,6 +370,10 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
     if m == 0:
         return np.empty(lead + (N,), x.dtype)
     a16 = x.dtype == np.float16
+    if tc is None:
+        tc = not force_generic and rows is None and m >= TC_MIN_M and tc_ok(a16, m, K, group_size)
+    if tc:
+        return tc_run(x, w1, w3, b1, b3, group_size, K, N, repeat=repeat).reshape(lead + (N,))
     bits = np.uint16 if a16 else np.float32
     dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
     dx = dev(x, bits)
@@ -444,13 +450,19 @@ class FusedFFNAWQCudaKernel(Kernel):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[m] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ)
         self.acc_size = scratch_size(self.plans, sh.N)
-        self._first = _Scratch(self.acc_size, self.tiles)
+        self.cnt_size = self.tiles
+        self.tc = tc_launcher(2) if tc_ok(self.a16, 1, sh.K, sh.group_size) and tc_device() else None
+        self.tc_plans = {m: tc_plan(m, sh.K, sh.N, sh.group_size) for m in range(1, MAX_M_FAST + 1)} if self.tc else {}
+        for m in self.tc_plans:
+            part, cnt = tc_scratch(m, sh.K, sh.N, sh.group_size, 2)
+            self.acc_size, self.cnt_size = max(self.acc_size, part), max(self.cnt_size, cnt)
+        self._first = _Scratch(self.acc_size, self.cnt_size)
         self._scratch = {}
 
     def _scratch_for(self, stream):
         s = self._scratch.get(stream)
         if s is None:
-            s = self._first if not self._scratch else _Scratch(self.acc_size, self.tiles)
+            s = self._first if not self._scratch else _Scratch(self.acc_size, self.cnt_size)
             self._scratch[stream] = s
         return s
 
@@ -471,6 +483,15 @@ class FusedFFNAWQCudaKernel(Kernel):
                 (w1[2].ptr | w3[2].ptr) & 1:
             raise KernelError("inputs and the output must be aligned device buffers")
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
+        if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not (x.ptr | w1[2].ptr | w3[2].ptr) & 7:
+            sc = self._scratch_for(ctx.stream)
+            grid, gpt, splits = self.tc_plans[m]
+            w = [(t.ptr, (t.size // (4 if i == 2 else 1),)) for ws in (w1, w3) for i, t in enumerate(ws)]
+            sb = (s, (m * sh.N,))
+            self.tc.launch(grid, 32 * TC_WARPS, ctx.stream, (x.ptr, (m * sh.K // 4,)), *w,
+                           (b1.ptr, (sh.N,)) if hb1 else sb, (b3.ptr, (sh.N,)) if hb3 else sb, sb, sc.acc_arg,
+                           sc.cnt_arg, m, sh.K, sh.N, sh.group_size, gpt, splits, hb1, hb3)
+            return
         args = [(x.ptr, (m * sh.K,))]
         for w in (w1, w3):
             args += [(t.ptr, (t.size,)) for t in w]

@@ -24,23 +24,24 @@ pair=False: the 16-entry fp32 code table (one lookup per nibble). The same gener
 MatMulNF4's M=1 kernel.
 Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
 51.0 us for two MatMulNF4 + silu*mul; ncu: latency bound (0.6 instructions issued per cycle and scheduler, 35%
-of DRAM bandwidth). The PRMT decode is not measured yet. See docs/ffn4.md.
+of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4), 40.7 us, but on 132 blocks:
+``blocks_per_sm`` asked for the occupancy before the kernel's 64 KiB opt-in and got 0 (1 block per SM); it now
+configures the launcher first. See docs/ffn4.md.
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
 
-import math
 import re
 
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from . import nf4_common
-from .dequantawq_cuda import SIM, as_f32, device
+from .dequantawq_cuda import SIM, as_f32
 from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
-from .matmulawq_cuda import _ld16, _ld32, _st16, _st32
+from .matmulawq_cuda import _ld16, _ld32, _silu, _st16, _st32
 from .matmulnf4_cuda import TAB_BYTES, _warp_sum, add32, f2u, lds32, lds64, mad32, min32, prmt, shr32
 
 COLS = 4                  # columns per block step
@@ -54,16 +55,6 @@ FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
 U32 = np.uint64(32)
 DEFAULT_BLOCKS_PER_SM = 4
-
-if SIM:
-    def _silu(g):
-        with np.errstate(over="ignore", invalid="ignore"):
-            g = np.float32(g)
-            return g / (np.float32(1.0) + np.exp(-g))
-else:
-    @device
-    def _silu(g):
-        return g / (float32(1.0) + math.exp(-g))
 
 
 def red_index(lane, nv):
@@ -403,7 +394,10 @@ def launcher(a16, mt, pair=True, cols=COLS, prefetch=True, pingpong=False, max_r
 def blocks_per_sm(launcher_, block):
     import ctypes
 
-    from .cuda_launch import check, libcuda
+    from .cuda_launch import check, current_device, libcuda
+    dev = current_device()
+    if dev not in launcher_._configured:    # the 64 KiB table needs the opt-in first, or the answer is 0
+        launcher_._configure(dev)
     fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     v = ctypes.c_int(0)

@@ -37,18 +37,26 @@ qweight is K-major (one int32 = 8 columns of one row k), so
   M in 9..16 runs the MT=8 kernel with two row chunks as neighbouring blocks that share the weight reads through
   L2. All four are compiled at kernel creation (once per process and A type).
 
+Tensor-core decode kernel (fp16 A, M = TC_MIN_M..16, K % 4 == 0, group_size % 32 == 0; ``_make_tc``, also
+FusedFFNAWQ's): the nibbles are fed to mma.sync m16n8k16 as fp16 subnormals (exact), fp32 accumulation, 8 rows
+of A per pass; see the comment above ``_make_tc`` and docs/ffn4.md. H100, 4096 x 11008 x2 (2026-11-24): 50.3 us
+at M=4 and 80.9 us at M=16 for two launches + silu*mul, against 80.1 / 211.4 us for the fp32 decode kernel.
+
 Generic kernel (M > 16): correct, NOT tuned (prefill): a thread owns 8 columns of one row m and walks all of
 K with the same decoding; weights are re-read per row through L1/L2. For long prompts DequantAWQ + a cuBLAS
 MatMul is the faster graph.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from .dequantawq_cpu import check_a_bias, check_weights, parse_attrs
-from .dequantawq_cuda import as_f32, col_of, device, f2h, h2f
+from .dequantawq_cuda import SIM, as_f32, col_of, device, f2h, h2f
 from .kernels import Kernel
+from .matmulnf4_cuda import add32, mad32, prmt
 
 CT = 32                  # column groups per block (lanes of a warp)
 WARPS = 8                # K slices per block
@@ -76,6 +84,17 @@ def _vnib(w, j):
     else:
         t = w >> uint64(4 * j - 19)
     return as_f32((t & NIB_MASK) | ONE_BITS)
+
+
+if SIM:
+    def _silu(g):
+        with np.errstate(over="ignore", invalid="ignore"):
+            g = np.float32(g)
+            return g / (np.float32(1.0) + np.exp(-g))
+else:
+    @device
+    def _silu(g):
+        return g / (float32(1.0) + math.exp(-g))
 
 
 @device
@@ -475,13 +494,15 @@ def decode_plan(m, K, N, group_size, sms, occupancy=DEFAULT_BLOCKS_PER_SM, ct=CT
     return tiles * splits * nch, r, splits
 
 
-def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=None, ct=CT,  # noqa: N803
-               warps=WARPS, force_generic=False, rows=None, repeat=1, gpt=None):
+def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=None, ct=None,  # noqa: N803
+               warps=WARPS, force_generic=False, rows=None, repeat=1, gpt=None, tc=None):
     """Runs the kernels on host arrays and returns Y (tests, benchmark): through the Numba dispatcher under the
     CUDA simulator (``ct``/``warps`` may be shrunk there to keep it fast), through the direct launch path on a
     real GPU. Inputs are checked exactly as in a session. ``rows`` overrides the decode kernel's K slice (it must
     divide group_size); ``repeat`` launches that many times on the same scratch (which each launch must leave
-    zeroed) and returns the last result; ``gpt`` overrides the column groups per thread (1 or 2)."""
+    zeroed) and returns the last result; ``gpt`` overrides the column groups per thread (1 or 2); ``tc``: the
+    tensor-core kernel (default: where ``tc_ok`` and no option of the fp32 decode kernel is given)."""
+    ct = CT if ct is None else ct
     sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
     check_weights(qweight, qzeros, scales, sh, first=1)
     m = check_a_bias(a, bias, sh)
@@ -489,6 +510,11 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=N
     if m == 0:
         return np.empty(lead + (N,), a.dtype)
     a16 = a.dtype == np.float16
+    if tc is None:
+        tc = not (force_generic or rows or gpt) and m >= TC_MIN_M and tc_ok(a16, m, K, group_size)
+    if tc:
+        return tc_run(a, (qweight, qzeros, scales), None, bias, None, group_size, K, N, repeat=repeat).reshape(
+            lead + (N,))
     bits = np.uint16 if a16 else np.float32
     dev = lambda x, dt: cuda.to_device(np.ascontiguousarray(x).reshape(-1).view(dt))  # noqa: E731
     da = dev(a, bits)
@@ -537,6 +563,372 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=N
     return dy.copy_to_host().view(a.dtype).reshape(lead + (N,))
 
 
+# --------------------------------------------------------------------- tensor-core decode kernel (fp16 A, M <= 16)
+# mma.sync m16n8k16 (fp16 x fp16 -> fp32 accumulation) with the weights as the A operand: fragment row g (lane
+# 4g + t) = column X of the lane's column group (nibble 2b of its words), row g + 8 = column Y (nibble 2b + 1);
+# the lane's four k values are its rows 4t .. 4t+3 of a 16-row step (the sum over k does not care about the
+# order), paired (4t, 4t+1) and (4t+2, 4t+3) by one PRMT of two words. B = x: column j = activation row m0 + j
+# (rows m0 .. m0+7 in one pass), the lane's 4 x values one 8-byte load. The nibbles enter the tensor core as fp16
+# subnormals: (pair & 0x000F000F) = q * 2^-24 and (pair & 0x00F000F0) = q * 2^-20 per half, exact, so the products
+# x * q are exact and the fp32 accumulation has no offset to cancel. One more mma with A = 1.0 gives S = sum x;
+# at the end of each group sum x*(q - z) = 2^24 D - z S (2^20 for Y), times the scale. Per 8 nibbles and thread:
+# 2 PRMT, 4 LOP3, 1 mma.
+TC_COLS = 64         # columns per block tile (8 column groups: the 8 fragment rows g)
+TC_WARPS = 4         # warps per block on the GPU; warp w of split s takes groups (s * warps + w) * gpt + i
+TC_MIN_M = 2         # sessions take the tensor-core kernel from this M on; at M=1 the fp32 decode kernel is faster
+                     # (H100, gate+up 4096 x 11008, 2026-11-24: 28.5 us against 31.9 - 33.7 us)
+TC_UNROLL = 1        # 16-row steps per pipelined batch (4 * nw * unroll words in flight per thread); M=1 on the
+                     # H100: 33.7 us, 2: 31.9, 4: 33.6 (M = 4, 16 measured with 1 only)
+TC_MAX_REGISTERS = {1: 96, 2: 128}   # ptxas cap per number of weights (M=1, nw=2: 128 no slower than 96, 168
+                                     # slower)
+TC_SPLITS = 8        # K splits per column tile at most (the last block sums them)
+TC_RSTR = 65         # row stride of the per-warp partials in shared memory (64 columns + 1: fewer bank conflicts)
+LO16 = np.uint32(0x000F000F)
+HI16 = np.uint32(0x00F000F0)
+ONES16 = np.uint32(0x3C003C00)
+TC_SEL = tuple(np.uint32(b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)) for b in range(4))
+F2M24, F2M20 = np.float32(2.0 ** -24), np.float32(2.0 ** -20)
+F2P24, F2P20 = np.float32(2.0 ** 24), np.float32(2.0 ** 20)
+
+if SIM:
+    def _frag_index():
+        """Half-word index (in the warp's 32 x 6 uint32 fragments, lane-major) of A[row][k] and B[k][j]."""
+        r, k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
+        a = 2 * (((r & 7) * 4 + ((k & 7) >> 1)) * 6 + (r >> 3) + 2 * (k >> 3)) + (k & 1)
+        k2, j = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
+        b = 2 * ((j * 4 + ((k2 & 7) >> 1)) * 6 + 4 + (k2 >> 3)) + (k2 & 1)
+        return a, b
+
+    _A_IDX, _B_IDX = _frag_index()
+
+    @cuda.jit(device=True)
+    def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, tid):
+        """Simulator: mma.sync.m16n8k16.row.col f32.f16.f16.f32 through shared memory (every thread of the block
+        calls it together)."""
+        tid = int(tid)
+        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
+            scr[tid * 6 + i] = v
+        cuda.syncthreads()
+        lane = tid & 31
+        h = np.array(scr[(tid - lane) * 6:(tid - lane + 32) * 6], np.uint32).view(np.float16).astype(np.float64)
+        d = h[_A_IDX] @ h[_B_IDX]
+        cuda.syncthreads()
+        g, t = lane >> 2, lane & 3
+        return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1), np.float32(d[g + 8, 2 * t] + c2),
+                np.float32(d[g + 8, 2 * t + 1] + c3))
+else:
+    from llvmlite import ir as _ir
+    from numba import types as _types
+    from numba.extending import intrinsic as _intrinsic
+
+    @_intrinsic
+    def _mma_asm(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = _types.UniTuple(_types.float32, 4)(*([_types.uint32] * 6 + [_types.float32] * 4))
+
+        def codegen(context, builder, sig, args):
+            i32, f32 = _ir.IntType(32), _ir.FloatType()
+            asm = _ir.InlineAsm(_ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
+                                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
+                                "{$8,$9}, {$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            r = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, i) for i in range(4)])
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, tid):
+        return _mma_asm(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+
+def _make_tc(nw, a16=True, unroll=TC_UNROLL, max_registers=None, maxw=TC_WARPS):
+    """The tensor-core decode kernel (fp16 A only) for ``nw`` weights: nw=1 is MatMulAWQ (out = A W + bias),
+    nw=2 FusedFFNAWQ (out = SiLU(A W1 + B1) * (A W3 + B3)). Needs K % 4 == 0 and group_size % (32 * unroll) == 0.
+    Signature (x uint64 [M*K/4] fp16 bits, qw1, qz1 uint32, sc1 uint64 [groups*N/4] fp16 bits, qw3, qz3, sc3,
+    b1, b3 uint16, out uint16 [M*N], part float32 [splits*nw*M*N], cnt uint32 [tiles*chunks], m_dim, k_dim, n_dim,
+    g_size, gpt, splits, has_b1, has_b3); nw=1 ignores the third weight and b3 (pass the first one's buffers).
+    Block b: row chunk (8 rows) b % chunks, then column tile (64 columns) and K split from b // chunks; at most
+    ``maxw`` warps per block (the shared memory for the block's partials is sized for them)."""
+    assert a16
+    scr_size = maxw * 32 * 6 if SIM else 1
+    red_size = maxw * nw * 8 * TC_RSTR
+    wn = nw * unroll * 4
+    acc_size = nw * 16
+    cap = max_registers or TC_MAX_REGISTERS[nw]
+
+    @cuda.jit(device=True, inline=True)
+    def batch(src, dst, xsrc, xdst, more, base, qw1, qw3, ng32, x, xi, kx, k32, valid, sacc, acc, scr, tid):
+        """One batch of ``unroll`` 16-row steps on the words in ``src`` and the x fragments in ``xsrc``; with
+        ``more``, the next batch's words (rows from base + 16 * unroll) and x fragments are loaded into ``dst`` and
+        ``xdst`` first."""
+        if more:
+            for u in range(unroll):
+                for r in range(4):
+                    o = mad32(uint32(16 * (unroll + u) + r), ng32, base)
+                    dst[u * 4 + r] = qw1[o]
+                    if nw == 2:
+                        dst[(unroll + u) * 4 + r] = qw3[o]
+                xdst[u] = x[add32(xi, uint32(4 * (unroll + u)))] if valid and \
+                    add32(kx, uint32(16 * (unroll + u))) < k32 else U0
+        for u in range(unroll):
+            xq = xsrc[u]
+            xb0 = uint32(xq & M32)
+            xb1 = uint32(xq >> uint64(32))
+            r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
+            for i in range(4):
+                sacc[i] = r4[i]
+            for wsel in range(nw):
+                o = (wsel * unroll + u) * 4
+                for by in range(4):
+                    p1 = prmt(src[o], src[o + 1], TC_SEL[by])
+                    p2 = prmt(src[o + 2], src[o + 3], TC_SEL[by])
+                    ai = (wsel * 4 + by) * 4
+                    r4 = _mma(uint32(p1 & LO16), uint32(p1 & HI16), uint32(p2 & LO16), uint32(p2 & HI16),
+                              xb0, xb1, acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
+                    for i in range(4):
+                        acc[ai + i] = r4[i]
+
+    @cuda.jit(**({} if SIM else {"max_registers": cap}))
+    def tc(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, out, part, cnt, m_dim, k_dim, n_dim, g_size, gpt, splits,
+           has_b1, has_b3):
+        scr = cuda.shared.array(scr_size, uint32)
+        red = cuda.shared.array(red_size, float32)
+        flag = cuda.shared.array(1, uint32)
+        tid = uint64(cuda.threadIdx.x)
+        nthr = uint64(cuda.blockDim.x)
+        lane = tid & uint64(31)
+        warp = tid >> uint64(5)
+        nwarps = nthr >> uint64(5)
+        g = lane >> uint64(2)
+        t = lane & U3
+        m64 = uint64(m_dim)
+        k64 = uint64(k_dim)
+        n64 = uint64(n_dim)
+        g64 = uint64(g_size)
+        ng = n64 >> U3
+        tiles = (ng + uint64(7)) >> U3
+        nch = (m64 + uint64(7)) >> U3
+        bid = uint64(cuda.blockIdx.x)
+        chunk = bid % nch
+        rest = bid // nch
+        tile = rest % tiles
+        split = rest // tiles
+        m0 = chunk * uint64(8)
+        cl = min(tile * uint64(8) + g, ng - U1)             # the lane's column group (clamped: never stored)
+        groups = (k64 + g64 - U1) // g64
+        xok = m0 + g < m64                                   # the lane's x row (B column g)
+        xb = (m0 + g) * k64
+        nb = uint32((g64 >> uint64(4)) // uint64(unroll))    # batches per group (even)
+        cur = cuda.local.array(wn, uint32)                   # [weight][step][row]
+        nxt = cuda.local.array(wn, uint32)
+        xcur = cuda.local.array(unroll, uint64)              # x fragments of the batch's steps
+        xnxt = cuda.local.array(unroll, uint64)
+        acc = cuda.local.array(acc_size, float32)             # [weight][byte][4]
+        sacc = cuda.local.array(4, float32)
+        gp = uint64(gpt)
+        ng32 = uint32(ng)
+        rstep = uint32(16 * unroll) * ng32                   # words between batches
+        k32 = uint32(k64)
+        rb = ((warp * uint64(nw * 8) + t * uint64(2)) * uint64(TC_RSTR) + g * uint64(8))   # this lane's partials
+        gl = U0
+        while gl < gp:
+            gi = (split * nwarps + warp) * gp + gl
+            valid = gi < groups and xok
+            gq = min(gi, groups - U1)
+            for i in range(acc_size):
+                acc[i] = F0
+            for i in range(4):
+                sacc[i] = F0
+            kx = uint32(gq * g64 + t * uint64(4))            # the lane's first row of the batch
+            base = mad32(kx, ng32, uint32(cl))
+            xi = uint32((xb + uint64(kx)) >> uint64(2))
+            for u in range(unroll):
+                for r in range(4):
+                    o = mad32(uint32(16 * u + r), ng32, base)
+                    cur[u * 4 + r] = qw1[o]
+                    if nw == 2:
+                        cur[(unroll + u) * 4 + r] = qw3[o]
+                xcur[u] = x[add32(xi, uint32(4 * u))] if valid and add32(kx, uint32(16 * u)) < k32 else U0
+            b = uint32(0)
+            while b < nb:                                    # two batches per trip, the buffers swapping roles
+                batch(cur, nxt, xcur, xnxt, True, base, qw1, qw3, ng32, x, xi, kx, k32, valid, sacc, acc, scr, tid)
+                base = add32(base, rstep)
+                kx = add32(kx, uint32(16 * unroll))
+                xi = add32(xi, uint32(4 * unroll))
+                b = add32(b, uint32(2))
+                batch(nxt, cur, xnxt, xcur, b < nb, base, qw1, qw3, ng32, x, xi, kx, k32, valid, sacc, acc, scr, tid)
+                base = add32(base, rstep)
+                kx = add32(kx, uint32(16 * unroll))
+                xi = add32(xi, uint32(4 * unroll))
+            # this group's zero points and scales: sum x (q - z) s = s 2^24 (D - z 2^-24 S) (2^20 for column Y)
+            for wsel in range(nw):
+                z = uint32(qz1[gq * ng + cl] if wsel == 0 else qz3[gq * ng + cl])
+                so = (gq * n64 + cl * uint64(8)) >> uint64(2)
+                s0 = sc1[so] if wsel == 0 else sc3[so]
+                s1 = sc1[so + U1] if wsel == 0 else sc3[so + U1]
+                for by in range(4):
+                    for half in range(2):
+                        j = 2 * by + half
+                        col = col_of(j)
+                        sw = s0 if col < 4 else s1
+                        sv = h2f(uint32(sw >> uint64(16 * (col & 3))) & uint32(0xFFFF))
+                        sf = sv * (F2P20 if half else F2P24)
+                        zf = float32((z >> uint32(4 * j)) & uint32(15)) * (F2M20 if half else F2M24)
+                        for rr in range(2):
+                            v = sf * (acc[(wsel * 4 + by) * 4 + 2 * half + rr] - zf * sacc[rr])
+                            ri = rb + uint64((wsel * 8 + rr) * TC_RSTR + col)
+                            if gl == U0:
+                                red[ri] = v
+                            else:
+                                red[ri] += v
+            gl += U1
+        cuda.syncthreads()
+        # the block's warps, in warp order; then the output (one split) or this split's partials
+        mrows = min(uint64(8), m64 - m0)
+        i = tid
+        while i < mrows * uint64(TC_COLS):
+            row = i >> uint64(6)
+            cloc = i & uint64(63)
+            col = tile * uint64(TC_COLS) + cloc
+            if col < n64:
+                m = m0 + row
+                gv = F0
+                uv = F0
+                for w_ in range(maxw):
+                    if uint64(w_) < nwarps:
+                        gv += red[((uint64(w_) * uint64(nw)) * uint64(8) + row) * uint64(TC_RSTR) + cloc]
+                        if nw == 2:
+                            uv += red[((uint64(w_) * uint64(nw) + U1) * uint64(8) + row) * uint64(TC_RSTR) + cloc]
+                if splits == 1:
+                    _tc_store(nw, out, b1, b3, has_b1, has_b3, m * n64 + col, col, gv, uv)
+                else:
+                    part[((split * uint64(nw)) * m64 + m) * n64 + col] = gv
+                    if nw == 2:
+                        part[((split * uint64(nw) + U1) * m64 + m) * n64 + col] = uv
+            i += nthr
+        if splits == 1:
+            return
+        cuda.threadfence()
+        cuda.syncthreads()
+        ci = tile * nch + chunk
+        if tid == U0:
+            old = cuda.atomic.add(cnt, ci, uint32(1))
+            flag[0] = uint32(1) if uint64(old) == uint64(splits) - U1 else uint32(0)
+        cuda.syncthreads()
+        if flag[0] != uint32(0):
+            cuda.threadfence()
+            i = tid
+            while i < mrows * uint64(TC_COLS):
+                col = tile * uint64(TC_COLS) + (i & uint64(63))
+                if col < n64:
+                    m = m0 + (i >> uint64(6))
+                    gv = F0
+                    uv = F0
+                    sp = U0
+                    while sp < uint64(splits):           # fixed order: deterministic
+                        gv += part[((sp * uint64(nw)) * m64 + m) * n64 + col]
+                        if nw == 2:
+                            uv += part[((sp * uint64(nw) + U1) * m64 + m) * n64 + col]
+                        sp += U1
+                    _tc_store(nw, out, b1, b3, has_b1, has_b3, m * n64 + col, col, gv, uv)
+                i += nthr
+            if tid == U0:
+                cnt[ci] = uint32(0)
+
+    return tc
+
+
+@device
+def _tc_store(nw, out, b1, b3, has_b1, has_b3, oi, col, gv, uv):
+    if has_b1:
+        gv += h2f(b1[col])
+    if nw == 1:
+        out[oi] = f2h(gv)
+    else:
+        if has_b3:
+            uv += h2f(b3[col])
+        out[oi] = f2h(_silu(gv) * uv)
+
+
+def tc_ok(a16, m, k, g_size, unroll=TC_UNROLL):
+    """Whether the tensor-core kernel can take this product (sessions use it from M = TC_MIN_M on)."""
+    return a16 and 0 < m <= MAX_M_FAST and k % 4 == 0 and g_size % (32 * unroll) == 0
+
+
+def tc_device():
+    """mma.sync m16n8k16 needs compute capability 8.0 or newer (kernel classes check it before compiling)."""
+    return tuple(cuda.get_current_device().compute_capability) >= (8, 0)
+
+
+def tc_plan(m, k, n, g_size, warps=TC_WARPS, max_splits=TC_SPLITS):
+    """(grid, gpt groups per warp, splits): at most ``max_splits`` K splits per column tile."""
+    groups = -(-k // g_size)
+    gpt = max(1, -(-groups // (warps * max_splits)))
+    splits = -(-groups // (warps * gpt))
+    tiles = -(-(n // 8) // 8)
+    return -(-m // 8) * tiles * splits, gpt, splits
+
+
+def tc_scratch(m, k, n, g_size, nw, warps=TC_WARPS, max_splits=TC_SPLITS):
+    """(partials floats, counters) the tensor-core kernel needs at M = m (at least 1 each)."""
+    _, _, splits = tc_plan(m, k, n, g_size, warps, max_splits)
+    tiles = -(-(n // 8) // 8)
+    return max(1, splits * nw * m * n if splits > 1 else 1), tiles * -(-m // 8)
+
+
+def tc_sig():
+    from .cuda_launch import Array
+    w = [Array(np.uint32), Array(np.uint32), Array(np.uint64)]
+    h = Array(np.uint16)
+    return [Array(np.uint64)] + w + w + [h, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 8
+
+
+_tc_launchers = {}
+
+
+def tc_launcher(nw, unroll=TC_UNROLL, max_registers=None, maxw=TC_WARPS):
+    from .cuda_launch import Launcher
+    key = (nw, unroll, max_registers, maxw)
+    if key not in _tc_launchers:
+        fn = _make_tc(nw, True, unroll, max_registers, maxw)
+        lau = Launcher(fn, tc_sig())
+        lau.dispatcher = fn
+        _tc_launchers[key] = lau
+    return _tc_launchers[key]
+
+
+def tc_run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, repeat=1, unroll=TC_UNROLL,  # noqa: N803
+           max_splits=TC_SPLITS):
+    """Runs the tensor-core kernel on host arrays (x fp16 [M, K]; w1/w3 = (qweight, qzeros, scales), w3 None for
+    MatMulAWQ) and returns the fp16 output: Numba dispatcher under the simulator (``warps`` per block, default 2),
+    direct launch on a GPU. Inputs must already be checked."""
+    m = x.size // K
+    nw = 1 if w3 is None else 2
+    warps = warps or (2 if SIM else TC_WARPS)
+    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
+    ws = [dev(a, dt) for w in ((w1, w3) if nw == 2 else (w1, w1)) for a, dt in zip(w, (np.uint32, np.uint32,
+                                                                                         np.uint64))]
+    dx = dev(x, np.uint64)
+    dout = cuda.device_array(m * N, np.uint16)
+    db1 = dev(b1, np.uint16) if b1 is not None else dout
+    db3 = dev(b3, np.uint16) if b3 is not None else dout
+    grid, gpt, splits = tc_plan(m, K, N, group_size, warps, max_splits)
+    psize, csize = tc_scratch(m, K, N, group_size, nw, warps, max_splits)
+    dpart = cuda.to_device(np.zeros(psize, np.float32))
+    dcnt = cuda.to_device(np.zeros(csize, np.uint32))
+    args = (dx, *ws, db1, db3, dout, dpart, dcnt, m, K, N, group_size, gpt, splits, int(b1 is not None),
+            int(b3 is not None))
+    if SIM:
+        kern = _make_tc(nw, True, unroll, maxw=warps)
+        for _ in range(repeat):
+            kern[grid, 32 * warps](*args)
+    else:
+        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        lau = tc_launcher(nw, unroll, maxw=warps)
+        for _ in range(repeat):
+            lau.launch(grid, 32 * warps, 0, *[p(a) for a in args])
+        cuda.synchronize()
+    return dout.copy_to_host().view(np.float16)
+
+
 class _Scratch:
     """The decode kernel's fp32 partials [size] and zeroed tile counters; one per CUDA stream."""
 
@@ -562,6 +954,8 @@ class MatMulAWQCudaKernel(Kernel):
         self.gpt = {mt: gpt_for(mt, sh.N) for mt in MT_BUCKETS}
         self.fast = {mt: launcher(self.a16, mt, self.gpt[mt]) for mt in MT_BUCKETS}
         self.generic = launcher(self.a16, None)
+        self.tc = tc_launcher(1) if tc_ok(self.a16, 1, sh.K, sh.group_size) and tc_device() else None
+        self.tc_plans = {m: tc_plan(m, sh.K, sh.N, sh.group_size) for m in range(1, MAX_M_FAST + 1)} if self.tc else {}
         self.plans = {}
         for m in (1, 2, 4, 8, MAX_M_FAST):
             occ = blocks_per_sm(self.fast[bucket(m)])
@@ -569,13 +963,17 @@ class MatMulAWQCudaKernel(Kernel):
                                                                         gpt=self.gpt[bucket(m)])
         # partials for the largest M of each plan: splits x (rows per chunk x chunks) x N
         self.acc_size = max(splits * mt * ch for (mt, ch), (_, _, splits) in self.plans.items()) * sh.N
-        self._first = _Scratch(self.acc_size, self.tiles)
+        self.cnt_size = self.tiles
+        for m in self.tc_plans:
+            part, cnt = tc_scratch(m, sh.K, sh.N, sh.group_size, 1)
+            self.acc_size, self.cnt_size = max(self.acc_size, part), max(self.cnt_size, cnt)
+        self._first = _Scratch(self.acc_size, self.cnt_size)
         self._scratch = {}
 
     def _scratch_for(self, stream):
         s = self._scratch.get(stream)
         if s is None:
-            s = self._first if not self._scratch else _Scratch(self.acc_size, self.tiles)
+            s = self._first if not self._scratch else _Scratch(self.acc_size, self.cnt_size)
             self._scratch[stream] = s
         return s
 
@@ -588,6 +986,16 @@ class MatMulAWQCudaKernel(Kernel):
         m = check_a_bias(a, bias, sh)
         y = ctx.output(0, tuple(a.shape[:-1]) + (sh.N,))
         if m == 0:
+            return
+        if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & 3 or
+                                                   (bias is not None and bias.ptr & 1)):
+            s = self._scratch_for(ctx.stream)
+            grid, gpt, splits = self.tc_plans[m]
+            w = [(qw.ptr, (qw.size,)), (qz.ptr, (qz.size,)), (sc.ptr, (sc.size // 4,))]
+            yb = (y, (m * sh.N,))
+            bb = (bias.ptr, (sh.N,)) if bias is not None else yb
+            self.tc.launch(grid, 32 * TC_WARPS, ctx.stream, (a.ptr, (m * sh.K // 4,)), *w, *w, bb, yb, yb, s.acc_arg,
+                           s.cnt_arg, m, sh.K, sh.N, sh.group_size, gpt, splits, int(bias is not None), 0)
             return
         mt = bucket(m)
         gpt = 1 if mt is None else self.gpt[mt]

@@ -259,6 +259,23 @@ def test_cuda_matmul_two_groups_per_thread(M, K, N, G, dtype, hb):  # noqa: N803
     check_matmul(mc.run_arrays(a, qw, qz, sc, G, K, N, bias, gpt=2, **geo), a, qw, qz, sc, G, K, N, bias)
 
 
+# tensor-core kernel (fp16 A): (M, K, N, G, bias, max K splits): M = 1 (sessions use it from TC_MIN_M on), two row
+# chunks with several K splits, several groups per warp (the partials added up in shared memory), a partial
+# column tile and K padded to the group
+TC_CASES = [(1, 320, 72, 128, True, 8), (9, 256, 16, 64, False, 8), (16, 256, 8, 64, True, 1)]
+
+
+@pytest.mark.parametrize("M,K,N,G,hb,max_splits", TC_CASES)
+def test_cuda_tc_matmul(M, K, N, G, hb, max_splits):  # noqa: N803
+    mc, _ = _cuda()
+    qw, qz, sc = weights(K, N, G, seed=7)
+    a = activations((M, K), np.float16, seed=M + 30)
+    bias = activations((N,), np.float16, seed=31) if hb else None
+    assert mc.tc_ok(True, M, K, G)
+    y = mc.tc_run(a, (qw, qz, sc), None, bias, None, G, K, N, repeat=2, max_splits=max_splits).reshape(M, N)
+    check_matmul(y, a, qw, qz, sc, G, K, N, bias)
+
+
 def test_cuda_matmul_generic_and_empty():
     mc, _ = _cuda()
     K, N, G = 128, 16, 32  # noqa: N806

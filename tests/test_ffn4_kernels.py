@@ -238,6 +238,16 @@ def test_awq_cuda_kernel(M, K, N, G, dtype, biases, ct, warps, rows):  # noqa: N
         check_awq(fc.run_arrays(x, w1, w3, G, K, N, b1, b3, force_generic=True, **geo), x, w1, w3, G, K, N, b1, b3)
 
 
+# tensor-core kernel (fp16 X; matmulawq_cuda._make_tc with both weights): M = 1 (sessions use it from TC_MIN_M on),
+# and two row chunks with several K splits
+@pytest.mark.parametrize("M,K,N,G,biases", [(1, 320, 24, 128, (True, False)), (11, 256, 16, 64, (False, True))])
+def test_awq_cuda_tc_kernel(M, K, N, G, biases):  # noqa: N803
+    fc = _awq_cuda()
+    w1, w3 = awq_weights(K, N, G, seed=3)
+    x, b1, b3 = _data((M,), K, N, np.float16, biases, 8)
+    check_awq(fc.run_arrays(x, w1, w3, G, K, N, b1, b3, repeat=2, tc=True), x, w1, w3, G, K, N, b1, b3)
+
+
 def test_awq_cuda_empty():
     fc = _awq_cuda()
     w1, w3 = awq_weights(64, 8, 32)
@@ -285,7 +295,7 @@ def test_nonfinite_x_awq(dtype):
     _check_nonfinite(_session(awq_model((5,), k, n, g, dtype, w1, w3, b1, b3)).run(None, {"x": x})[0], ref, dtype)
     fc = _awq_cuda()
     geo = {"ct": 2, "warps": 2} if SIM else {}
-    for kw in ({}, {"force_generic": True}):
+    for kw in ({}, {"force_generic": True}) + (({"tc": True},) if dtype == np.float16 else ()):
         _check_nonfinite(fc.run_arrays(x, w1, w3, g, k, n, b1, None if b3 is None else b3, **geo, **kw), ref, dtype)
 
 
