@@ -200,19 +200,8 @@ def test_gemm_calls_are_recorded_and_replayed_with_this_calls_pointers():
     direct = fake.calls.pop()
     assert direct == [0x7777, cublas.OP_T, cublas.OP_N, 32, 4, 64, 1.0, W_IN.ptr, cublas.R_16F, 64,
                       X_IN.ptr + 512, cublas.R_16F, 64, 0.0, scratch, cublas.R_32F, 64, cublas.COMPUTE_32F, -1]
-    launched = []
-
-    def launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
-        launched.append((f, gx, bx, shmem, [params[i][0] for i in range(3)]))
-        return 0
-
-    fake_launch = LAUNCH_FN(launch)
-    bridge.library_path()
-    old = bridge._lib.lb_set_launch(ctypes.cast(fake_launch, ctypes.c_void_p))
-    try:
-        assert _replay(plan, [0xA00000, 0xB00000], [0xC00000]) == (0, -1)
-    finally:
-        bridge._lib.lb_set_launch(old)
+    rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000, 0xB00000], [0xC00000]), launched), 3)
+    assert rc == (0, -1)
     want = list(direct)
     want[7], want[10] = 0xB00000, 0xA00000 + 512
     assert fake.calls == [want]                       # same call, this call's X and W
@@ -234,13 +223,13 @@ def test_a_failing_gemm_stops_the_replay_and_names_the_step():
     assert _replay(plan, [X_IN.ptr, W_IN.ptr], [0x300000]) == (13, 0) and len(fake.calls) == 1
 
 
-def _with_launch(fn):
+def _with_launch(fn, nparams=4):
     """Runs ``fn(launched)`` with a cuLaunchKernel stand-in installed in the shim that appends (func, grid, block,
-    shmem, first parameters) per launch."""
+    shmem, the first ``nparams`` parameters) per launch."""
     launched = []
 
     def launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):
-        launched.append((f, gx, bx, shmem, [params[i][0] for i in range(4)]))
+        launched.append((f, gx, bx, shmem, [params[i][0] for i in range(nparams)]))
         return 0
 
     fake_launch = LAUNCH_FN(launch)
