@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_check.sh sanitize  memcheck + racecheck of every kernel family (SAN_ONLY="ffn gru" for a subset)
 #   bash benchmarks/gpu_check.sh bench     side-by-side onnxruntime session benchmarks (benchmarks/session_gpu.py)
 #   bash benchmarks/gpu_check.sh llama     the end-to-end LLaMA-style decode step (samples/llama_decode.py)
+#   bash benchmarks/gpu_check.sh profile   where that step's time goes, per kernel (benchmarks/llama_profile.py)
 # Prints a short log; JSON / PNG under $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/ortgpu/site:/tmp/gs:.:tests PYTHONUNBUFFERED=1 ONNX_LOWBIT_REAL_GPU=1
@@ -48,5 +49,11 @@ llama)
   python3 samples/llama_decode.py --device cuda --out /tmp/llama ${LLAMA_ARGS:-} 2>&1 \
     | grep -v -E "Warning|warn|self\.(keys|values)|if not self|torch.onnx.export\(" | tail -40
   cp /tmp/llama/bench-cuda*.png /tmp/llama/bench-cuda*.json "$OUT/" 2>/dev/null
+  ;;
+profile)
+  [ -f /tmp/llama/llama_decode.nf4.onnx ] || python3 samples/llama_decode.py --device cuda --out /tmp/llama --no-bench \
+    2>&1 | tail -3
+  python3 benchmarks/llama_profile.py /tmp/llama/llama_decode.onnx /tmp/llama/llama_decode.nf4.onnx \
+    --json "$OUT/profile.json" 2>&1 | grep -v -i warn | tail -60
   ;;
 esac
