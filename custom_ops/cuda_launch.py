@@ -36,6 +36,9 @@ def libcuda():
         lib.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+        lib.cuKernelGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+        lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                                    ctypes.c_int, ctypes.c_size_t]
         _libcuda = lib
     return _libcuda
 
@@ -123,6 +126,26 @@ class Launcher:
                                                   self.dynamic_shared)
             check(rc, "setting the kernel's dynamic shared memory size")
         self._configured.add(device)
+
+    def function(self):
+        """The CUfunction of the kernel in the current context (Numba may hold a CUkernel, which not every driver
+        call takes: cuKernelGetFunction; an error means the handle already is a CUfunction)."""
+        f = ctypes.c_void_p()
+        return f if libcuda().cuKernelGetFunction(ctypes.byref(f), self.handle) == 0 and f.value else self.handle
+
+    def blocks_per_sm(self, block, shmem=None):
+        """Resident blocks per SM at ``block`` threads and ``shmem`` bytes of dynamic shared memory (default: the
+        launcher's). The kernel is opted in to its dynamic shared memory first, as a launch does: before that the
+        driver answers 0 for more than 48 KiB."""
+        dev = current_device()
+        if dev not in self._configured:
+            with _lock:
+                self._configure(dev)
+        n = ctypes.c_int(0)
+        check(libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(n), self.function(), block, self.dynamic_shared if shmem is None else shmem),
+            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n.value
 
     def launch(self, grid, block, stream, *args, shmem=None):
         if len(self._configured) == 0 or self.dynamic_shared > 48 * 1024:

@@ -620,14 +620,7 @@ def launcher(kind, x16=False, w16=False, mt=None, **variant):
 
 
 def occupancy(launcher_, block, shmem):
-    import ctypes
-
-    from .cuda_launch import check, libcuda
-    fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    n = ctypes.c_int(0)
-    check(fn(ctypes.byref(n), launcher_.handle, block, shmem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    return max(1, n.value)
+    return max(1, launcher_.blocks_per_sm(block, shmem))
 
 
 # ------------------------------------------------------------------------------------------ prefill layout

@@ -25,8 +25,8 @@ MatMulNF4's M=1 kernel.
 Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
 51.0 us for two MatMulNF4 + silu*mul; ncu: latency bound (0.6 instructions issued per cycle and scheduler, 35%
 of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4), 40.7 us, but on 132 blocks:
-``blocks_per_sm`` asked for the occupancy before the kernel's 64 KiB opt-in and got 0 (1 block per SM); it now
-configures the launcher first. See docs/ffn4.md.
+``blocks_per_sm`` asked for the occupancy before the kernel's 64 KiB opt-in and got 0 (1 block per SM); the
+query (``Launcher.blocks_per_sm``) now opts the kernel in first. See docs/ffn4.md.
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
@@ -392,18 +392,8 @@ def launcher(a16, mt, pair=True, cols=COLS, prefetch=True, pingpong=False, max_r
 
 
 def blocks_per_sm(launcher_, block):
-    import ctypes
-
-    from .cuda_launch import check, current_device, libcuda
-    dev = current_device()
-    if dev not in launcher_._configured:    # the 64 KiB table needs the opt-in first, or the answer is 0
-        launcher_._configure(dev)
-    fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    v = ctypes.c_int(0)
-    check(fn(ctypes.byref(v), launcher_.handle, block, launcher_.dynamic_shared),
-          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    return max(1, v.value)
+    """Resident blocks per SM with the launcher's 64 KiB of dynamic shared memory (at least 1)."""
+    return max(1, launcher_.blocks_per_sm(block))
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803

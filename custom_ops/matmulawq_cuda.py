@@ -429,15 +429,8 @@ def plan(k_dim, n_dim, g_size, sms, ct=CT, warps=WARPS, blocks_per_sm=DEFAULT_BL
 
 
 def blocks_per_sm(launcher_):
-    """Resident blocks per SM of a compiled kernel (cuOccupancyMaxActiveBlocksPerMultiprocessor)."""
-    import ctypes
-
-    from .cuda_launch import check, libcuda
-    fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    n = ctypes.c_int(0)
-    check(fn(ctypes.byref(n), launcher_.handle, BLOCK, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    return max(1, n.value)
+    """Resident blocks per SM of a compiled kernel (at least 1)."""
+    return max(1, launcher_.blocks_per_sm(BLOCK, 0))
 
 
 def bucket(m):

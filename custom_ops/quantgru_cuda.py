@@ -757,16 +757,6 @@ def rec_fn(wide, tn):
     return _rec_fns[(wide, tn)]
 
 
-def function_handle(launcher):
-    """The CUfunction of a Launcher's kernel in the current context (Numba may hold a CUkernel, which not every
-    driver call takes: cuKernelGetFunction; an error means the handle already is a CUfunction)."""
-    from .cuda_launch import libcuda
-    fn = libcuda().cuKernelGetFunction
-    fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    f = ctypes.c_void_p()
-    return f if fn(ctypes.byref(f), launcher.handle) == 0 and f.value else launcher.handle
-
-
 class _CoopLauncher:
     """Makes a Launcher's launches cooperative (cuLaunchCooperativeKernel: all blocks resident, or an error)."""
 
@@ -778,7 +768,7 @@ class _CoopLauncher:
 
         def launch(f, gx, gy, gz, bx, by, bz, sh, st, p, extra):
             if self.func is None:
-                self.func = function_handle(launcher)
+                self.func = launcher.function()
             return fn(self.func, gx, gy, gz, bx, by, bz, sh, st, p)
         launcher._launch = launch
         self.launcher = launcher
@@ -801,17 +791,8 @@ def launchers(bits, tn, c_dim, tile, kc=None):
 
 
 def occupancy(launcher, tpb, smem):
-    """Resident blocks per SM of a Launcher's kernel with ``smem`` bytes of dynamic shared memory (after the
-    kernel was opted in to MAX_SMEM)."""
-    from .cuda_launch import check, current_device, libcuda
-    dev = current_device()
-    if dev not in launcher._configured:      # the Launcher opts in on its first launch; occupancy needs it now
-        launcher._configure(dev)
-    fn = libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor
-    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
-    v = ctypes.c_int(0)
-    check(fn(ctypes.byref(v), function_handle(launcher), tpb, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-    return v.value
+    """Resident blocks per SM of a Launcher's kernel with ``smem`` bytes of dynamic shared memory."""
+    return launcher.blocks_per_sm(tpb, smem)
 
 
 class Prepared:
