@@ -157,6 +157,16 @@ else:
         return rt(arr, types.uint64), codegen
 
 
+@cuda.jit(device=True, inline=True)
+def _lds4_into(dst, j, sm, i):
+    """dst[j : j + 4] = sm[i : i + 4], one vector load (``_lds4``)."""
+    v0, v1, v2, v3 = _lds4(sm, i)
+    dst[j] = v0
+    dst[j + 1] = v1
+    dst[j + 2] = v2
+    dst[j + 3] = v3
+
+
 class XTile:
     """xproj block geometry: ty x tx threads, each rm x rn outputs (rm, rn in {4, 8}: groups of 4 consecutive
     rows / columns, 4 ty (4 tx) apart), so a tile of bm = 4 ty (rm/4) rows by bn = 4 tx (rn/4) columns; bk is the
@@ -241,8 +251,6 @@ def _make_xproj(bits, tile, chunked, wide, kc=None):
         wbase = d * g3 * c_dim
         ra = cuda.local.array(pa, ft)
         rb = cuda.local.array(pb, ft)
-        # this thread's staged elements: offset of the row in x / W (rows past the end read the last row: their
-        # outputs are not stored), k within the round, shared index
         # element r of this thread's share of a round: k = tid % bk, row (tid // bk) + r nt / bk of the tile;
         # offsets of the rows in x / W (unsigned: no negative-index wraparound code; rows past the end read the
         # last row, their outputs are not stored) and the shared index of element 0
@@ -281,17 +289,9 @@ def _make_xproj(bits, tile, chunked, wide, kc=None):
                 av = cuda.local.array(rm, ft)
                 bv = cuda.local.array(rn, ft)
                 for g in range(rm // 4):
-                    v0, v1, v2, v3 = _lds4(sm, ua + np.uint64(4 * ty_n * g))
-                    av[4 * g] = v0
-                    av[4 * g + 1] = v1
-                    av[4 * g + 2] = v2
-                    av[4 * g + 3] = v3
+                    _lds4_into(av, 4 * g, sm, ua + np.uint64(4 * ty_n * g))
                 for g in range(rn // 4):
-                    v0, v1, v2, v3 = _lds4(sm, ub + np.uint64(4 * tx_n * g))
-                    bv[4 * g] = v0
-                    bv[4 * g + 1] = v1
-                    bv[4 * g + 2] = v2
-                    bv[4 * g + 3] = v3
+                    _lds4_into(bv, 4 * g, sm, ub + np.uint64(4 * tx_n * g))
                 for i in range(rm):
                     for j in range(rn):
                         facc[i * rn + j] += av[i] * bv[j]
