@@ -29,9 +29,8 @@ from .dequantawq_cuda import SIM, col_of, h2f
 from .ffn4_common import check_x_biases, opt
 from .fusedffnawq_cpu import check_both
 from .kernels import Kernel
-from .matmulawq_cuda import (ONE32, RMAX, TC_MIN_M, TC_WARPS, _ld16, _ld32, _nib_scale, _nib_value, _pair_word,
-                             _silu, _st16, _st32, _vnib, tc_device, tc_launcher, tc_ok, tc_plan, tc_run,
-                             tc_scratch)
+from .matmulawq_cuda import (ONE32, RMAX, TC_MIN_M, TC_WARPS, ScratchPool, _ld16, _ld32, _nib_scale, _nib_value,
+                             _pair_word, _silu, _st16, _st32, _vnib, tc_ok, tc_run, tc_setup)
 from .matmulawq_cuda import plan as awq_plan
 
 CT = 32
@@ -417,17 +416,6 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
     return ds.copy_to_host().view(x.dtype).reshape(lead + (N,))
 
 
-class _Scratch:
-    """Per-split partials acc [splits, 2, M, N] fp32 (for the largest plan) and the tile counters (zeroed); one
-    per CUDA stream."""
-
-    def __init__(self, size, tiles):
-        self.acc = cuda.device_array(max(size, 1), np.float32)
-        self.cnt = cuda.to_device(np.zeros(max(tiles, 1), np.uint32))
-        self.acc_arg = (self.acc.device_ctypes_pointer.value, (max(size, 1),))
-        self.cnt_arg = (self.cnt.device_ctypes_pointer.value, (max(tiles, 1),))
-
-
 def scratch_size(plans, n):
     """fp32 elements of the partials for ``plans`` {M: (grid, rows, splits)}: splits x 2 x M x N at most."""
     return max(splits * 2 * m * n for m, (_, _, splits) in plans.items())
@@ -449,22 +437,10 @@ class FusedFFNAWQCudaKernel(Kernel):
         for m in range(1, MAX_M_FAST + 1):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[m] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ)
-        self.acc_size = scratch_size(self.plans, sh.N)
-        self.cnt_size = self.tiles
-        self.tc = tc_launcher(2) if tc_ok(self.a16, 1, sh.K, sh.group_size) and tc_device() else None
-        self.tc_plans = {m: tc_plan(m, sh.K, sh.N, sh.group_size) for m in range(1, MAX_M_FAST + 1)} if self.tc else {}
-        for m in self.tc_plans:
-            part, cnt = tc_scratch(m, sh.K, sh.N, sh.group_size, 2)
-            self.acc_size, self.cnt_size = max(self.acc_size, part), max(self.cnt_size, cnt)
-        self._first = _Scratch(self.acc_size, self.cnt_size)
-        self._scratch = {}
-
-    def _scratch_for(self, stream):
-        s = self._scratch.get(stream)
-        if s is None:
-            s = self._first if not self._scratch else _Scratch(self.acc_size, self.cnt_size)
-            self._scratch[stream] = s
-        return s
+        # per-split partials [splits, 2, M, N] fp32 for the largest plan, tile counters; one set per CUDA stream
+        self.tc, self.tc_plans, acc_size, cnt_size = tc_setup(self.a16, sh, 2, scratch_size(self.plans, sh.N),
+                                                              self.tiles)
+        self.scratch = ScratchPool(acc_size, cnt_size)
 
     def compute(self, ctx, inputs):
         from .bridge import KernelError
@@ -484,7 +460,7 @@ class FusedFFNAWQCudaKernel(Kernel):
             raise KernelError("inputs and the output must be aligned device buffers")
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not (x.ptr | w1[2].ptr | w3[2].ptr) & 7:
-            sc = self._scratch_for(ctx.stream)
+            sc = self.scratch.for_stream(ctx.stream)
             grid, gpt, splits = self.tc_plans[m]
             w = [(t.ptr, (t.size // (4 if i == 2 else 1),)) for ws in (w1, w3) for i, t in enumerate(ws)]
             sb = (s, (m * sh.N,))
@@ -502,7 +478,7 @@ class FusedFFNAWQCudaKernel(Kernel):
             self.generic.launch(self.tiles * -(-m // WARPS), BLOCK, ctx.stream, *args, m, sh.K, sh.N,
                                 sh.group_size, hb1, hb3)
             return
-        sc = self._scratch_for(ctx.stream)
+        sc = self.scratch.for_stream(ctx.stream)
         grid, rows, splits = self.plans[m]
         self.fast[mt].launch(grid, BLOCK, ctx.stream, *args, sc.acc_arg, sc.cnt_arg, m, sh.K, sh.N, sh.group_size,
                              rows, splits, hb1, hb3)

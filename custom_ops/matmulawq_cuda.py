@@ -923,13 +923,42 @@ def tc_run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, repeat=1, unroll=
 
 
 class _Scratch:
-    """The decode kernel's fp32 partials [size] and zeroed tile counters; one per CUDA stream."""
+    """The decode kernels' fp32 partials [size] and zeroed tile counters; one per CUDA stream."""
 
     def __init__(self, size, tiles):
         self.acc = cuda.device_array(max(size, 1), np.float32)
         self.cnt = cuda.to_device(np.zeros(max(tiles, 1), np.uint32))
         self.acc_arg = (self.acc.device_ctypes_pointer.value, (max(size, 1),))
         self.cnt_arg = (self.cnt.device_ctypes_pointer.value, (max(tiles, 1),))
+
+
+class ScratchPool:
+    """A kernel's _Scratch per CUDA stream (MatMulAWQ, FusedFFNAWQ): the first made at kernel creation, the
+    others on a stream's first call."""
+
+    def __init__(self, size, tiles):
+        self.size, self.tiles = size, tiles
+        self._first = _Scratch(size, tiles)
+        self._by_stream = {}
+
+    def for_stream(self, stream):
+        s = self._by_stream.get(stream)
+        if s is None:
+            s = self._first if not self._by_stream else _Scratch(self.size, self.tiles)
+            self._by_stream[stream] = s
+        return s
+
+
+def tc_setup(a16, sh, nw, acc_size, cnt_size):
+    """The tensor-core kernel of a MatMulAWQ (nw=1) / FusedFFNAWQ (nw=2) kernel object: (launcher or None where
+    the kernel cannot serve it, plans per M, acc_size and cnt_size grown to what its partials need)."""
+    if not (tc_ok(a16, 1, sh.K, sh.group_size) and tc_device()):
+        return None, {}, acc_size, cnt_size
+    plans = {m: tc_plan(m, sh.K, sh.N, sh.group_size) for m in range(1, MAX_M_FAST + 1)}
+    for m in plans:
+        part, cnt = tc_scratch(m, sh.K, sh.N, sh.group_size, nw)
+        acc_size, cnt_size = max(acc_size, part), max(cnt_size, cnt)
+    return tc_launcher(nw), plans, acc_size, cnt_size
 
 
 class MatMulAWQCudaKernel(Kernel):
@@ -947,28 +976,15 @@ class MatMulAWQCudaKernel(Kernel):
         self.gpt = {mt: gpt_for(mt, sh.N) for mt in MT_BUCKETS}
         self.fast = {mt: launcher(self.a16, mt, self.gpt[mt]) for mt in MT_BUCKETS}
         self.generic = launcher(self.a16, None)
-        self.tc = tc_launcher(1) if tc_ok(self.a16, 1, sh.K, sh.group_size) and tc_device() else None
-        self.tc_plans = {m: tc_plan(m, sh.K, sh.N, sh.group_size) for m in range(1, MAX_M_FAST + 1)} if self.tc else {}
         self.plans = {}
         for m in (1, 2, 4, 8, MAX_M_FAST):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[(bucket(m), chunks(m, bucket(m)))] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ,
                                                                         gpt=self.gpt[bucket(m)])
         # partials for the largest M of each plan: splits x (rows per chunk x chunks) x N
-        self.acc_size = max(splits * mt * ch for (mt, ch), (_, _, splits) in self.plans.items()) * sh.N
-        self.cnt_size = self.tiles
-        for m in self.tc_plans:
-            part, cnt = tc_scratch(m, sh.K, sh.N, sh.group_size, 1)
-            self.acc_size, self.cnt_size = max(self.acc_size, part), max(self.cnt_size, cnt)
-        self._first = _Scratch(self.acc_size, self.cnt_size)
-        self._scratch = {}
-
-    def _scratch_for(self, stream):
-        s = self._scratch.get(stream)
-        if s is None:
-            s = self._first if not self._scratch else _Scratch(self.acc_size, self.cnt_size)
-            self._scratch[stream] = s
-        return s
+        acc_size = max(splits * mt * ch for (mt, ch), (_, _, splits) in self.plans.items()) * sh.N
+        self.tc, self.tc_plans, acc_size, cnt_size = tc_setup(self.a16, sh, 1, acc_size, self.tiles)
+        self.scratch = ScratchPool(acc_size, cnt_size)
 
     def compute(self, ctx, inputs):
         from .bridge import KernelError
@@ -982,7 +998,7 @@ class MatMulAWQCudaKernel(Kernel):
             return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & 3 or
                                                    (bias is not None and bias.ptr & 1)):
-            s = self._scratch_for(ctx.stream)
+            s = self.scratch.for_stream(ctx.stream)
             grid, gpt, splits = self.tc_plans[m]
             w = [(qw.ptr, (qw.size,)), (qz.ptr, (qz.size,)), (sc.ptr, (sc.size // 4,))]
             yb = (y, (m * sh.N,))
@@ -1003,7 +1019,7 @@ class MatMulAWQCudaKernel(Kernel):
             grid = self.tiles * -(-m // WARPS)
             self.generic.launch(grid, BLOCK, ctx.stream, *args, m, sh.K, sh.N, sh.group_size, hb)
             return
-        s = self._scratch_for(ctx.stream)
+        s = self.scratch.for_stream(ctx.stream)
         grid, rows, splits = self.plans[(mt, chunks(m, mt))]
         self.fast[mt].launch(grid, BLOCK, ctx.stream, *args, s.acc_arg, s.cnt_arg, m, sh.K, sh.N, sh.group_size,
                              rows, splits, hb)
