@@ -36,13 +36,13 @@ import re
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from . import nf4_common
+from . import nf4_common, nf4tc_cuda
 from .dequantawq_cuda import SIM, as_f32
 from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
 from .matmulawq_cuda import _ld16, _ld32, _silu, _st16, _st32
-from .matmulnf4_cuda import TAB_BYTES, _warp_sum, add32, f2u, lds32, lds64, mad32, min32, prmt, shr32
+from .matmulnf4_cuda import TAB_BYTES, _warp_sum, add32, f2u, lds32, lds64, mad32, min32, prmt, shr32, tc_device
 
 COLS = 4                  # columns per block step
 MAX_REGISTERS = {1: 80}   # ptxas limit per row bucket (MT=1: 80, no spills, 3 blocks of 256 threads per SM)
@@ -55,6 +55,9 @@ FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
 U32 = np.uint64(32)
 DEFAULT_BLOCKS_PER_SM = 4
+TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc_cuda); H100, LLaMA-7B gate+up
+                          # (BENCHMARKS.md): M=1 42.4 us against 31.7 for the decode kernel, M=2 43.3 / 31.7,
+                          # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3
 
 
 def red_index(lane, nv):
@@ -468,6 +471,12 @@ class FusedFFNNF4CudaKernel(Kernel):
         self.generic = launcher(self.a16, None)
         self.sms = sm_count(current_device())
         self.fast, self.parts = {}, {}
+        self.tc = None      # the tensor-core decode kernel (fp16 X, M = TC_MIN_M .. 16; nf4tc_cuda)
+        if self.a16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
+            self.tc = nf4tc_cuda.launcher(2)
+            occ = max(1, self.tc.blocks_per_sm(32 * nf4tc_cuda.WARPS))
+            self.tc_parts = {c: nf4tc_cuda.parts_for(self.n, c, self.sms, occ) for c in (1, 2)}
+            self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
         if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
             self.block = threads(self.k)
             for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
@@ -492,6 +501,14 @@ class FusedFFNNF4CudaKernel(Kernel):
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
         common = [(x.ptr, (m * k,))]
         tail = [(b1.ptr, (n,)) if hb1 else (s, (n,)), (b3.ptr, (n,)) if hb3 else (s, (n,)), (s, (m * n,))]
+        if self.tc is not None and TC_MIN_M <= m <= nf4tc_cuda.MAX_M and not ((x.ptr | q1.ptr | q3.ptr) & 7):
+            nch = nf4tc_cuda.chunks(m)
+            parts = self.tc_parts[nch]
+            self.tc.launch(nch * parts, 32 * nf4tc_cuda.WARPS, ctx.stream, (x.ptr, (m * k // 4,)),
+                           (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
+                           (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,
+                           self.bs.bit_length() - 1, parts, hb1, hb3)
+            return
         fast = m in self.parts and not ((q1.ptr | q3.ptr) & 7)
         if fast:
             mt = bucket(m)

@@ -29,6 +29,9 @@ RED_SIZE = 1024
 M1_COLS = 8                 # columns per step of the M=1 kernel (8 words in flight per thread; no prefetch: 64
                             # registers; prefetching 8 more needs 96)
 M1_MAX_REGISTERS = 80       # ptxas limit of the M=1 kernel (no spills)
+TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
+                            # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
+                            # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
 M1_BLOCKS_PER_SM = 3        # at most (dynamic shared memory: the 64 KiB byte-pair table per block)
 TAB_BYTES = 255 * 256 + 16 * 8  # byte-pair table (dynamic shared memory): byte v, copy l at v * 256 + l * 8
 U0, U1, U4, U15, U16, U32 = (np.uint64(v) for v in (0, 1, 4, 15, 16, 32))
@@ -404,6 +407,11 @@ def _sms():
     return sm_count(current_device())
 
 
+def tc_device():
+    from .matmulawq_cuda import tc_device as cc80
+    return cc80()
+
+
 class MatMulNF4CudaKernel(Kernel):
     native_plans = True  # launches depend only on shapes; see plans.py
 
@@ -415,6 +423,14 @@ class MatMulNF4CudaKernel(Kernel):
         self.code_ptr = self.code.device_ctypes_pointer.value
         self.launchers = {mode: _launcher(mode, self.dtype) for mode in ("m1", "fast", "generic")}
         self.sms = _sms()
+        from . import nf4tc_cuda    # (imports this module's PTX helpers)
+        self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)
+        if self.dtype == np.float16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
+            self.tc = nf4tc_cuda.launcher(1)
+            occ = max(1, self.tc.blocks_per_sm(32 * nf4tc_cuda.WARPS))
+            self.tc_parts = {c: nf4tc_cuda.parts_for(self.n, c, self.sms, occ) for c in (1, 2)}
+            self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
+            self.tc_block = 32 * nf4tc_cuda.WARPS
 
     def compute(self, ctx, inputs):
         a, q, absmax = inputs[0], inputs[1], inputs[2]
@@ -424,10 +440,19 @@ class MatMulNF4CudaKernel(Kernel):
         y = ctx.output(0, a.shape[:-1] + (self.n,))
         if m == 0:
             return
+        bptr = bias.ptr if bias is not None else y  # never read without has_bias
+        if self.tc is not None and TC_MIN_M <= m <= 16 and not ((a.ptr | q.ptr) & 7 or absmax.ptr & 3):
+            nch = -(-m // 8)
+            parts = self.tc_parts[nch]
+            qa, ama = (q.ptr, (q.size // 8,)), (absmax.ptr, (absmax.size,))
+            self.tc.launch(nch * parts, self.tc_block, ctx.stream, (a.ptr, (m * self.k // 4,)), qa, ama, qa,
+                           ama, (self.tc_lut.device_ctypes_pointer.value, (256,)), (bptr, (self.n,)),
+                           (bptr, (self.n,)), (y, (m * self.n,)), m, self.k, self.n, self.bs.bit_length() - 1, parts,
+                           int(bias is not None), 0)
+            return
         mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms)
         if mode != "generic" and (q.ptr & 7):  # 8-byte words need an aligned buffer (onnxruntime's always are)
             mode, g, block, shmem = "generic", grid(self.n), 32 * WARPS_PER_BLOCK, 0
-        bptr = bias.ptr if bias is not None else y  # never read without has_bias
         args = _args(mode, (a.ptr, (m * self.k,)), (q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)),
                      (self.code_ptr, (16,)), (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m,
                      self.k, self.n, self.bs, self.k * self.n // 16)

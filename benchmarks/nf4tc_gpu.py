@@ -1,0 +1,114 @@
+"""NF4 tensor-core decode kernel (custom_ops/nf4tc_cuda.py) against the kernels sessions use today, same run, H100:
+  fused  FusedFFNNF4 (gate+up + SiLU*mul): nf4tc nw=2 vs fusedffnnf4_cuda's decode kernel
+  matmul MatMulNF4 (one weight): nf4tc nw=1 vs matmulnf4_cuda's planned kernel (M=1: the PRMT M=1 kernel)
+Shape: LLaMA-7B gate/up (4096 -> 11008), fused M = 1, 2, 3, 4, 8, 16, matmul M = 1, 2, 4, 16. NF4 block 64, random bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py);
+every output checked against the CPU face on the timed data. GB/s counts the packed weight bytes + absmax.
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8:1:0,8:2:128]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from timing import time_cuda, time_graph
+
+BS = 64
+
+
+def rel(y, ref):
+    y = np.asarray(y, np.float64).reshape(ref.shape)
+    return float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="LLaMA-7B only (fused M=1, 4; matmul M=1)")
+    ap.add_argument("--variants", default="8:1:0",
+                    help="tensor-core kernel variants warps:cpl:maxreg (maxreg 0: ptxas's choice)")
+    a = ap.parse_args()
+    import torch
+
+    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    print("GPU:", torch.cuda.get_device_name(0))
+    sms = sm_count(current_device())
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = time_cuda(lambda: dst.copy_(src))
+    print(f"device copy 256 MiB: {2 * src.numel() / t_copy / 1e3:.0f} GB/s")
+    src = dst = None
+    code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": 64, "N": 64})[4]
+    td = lambda v: torch.from_numpy(np.ascontiguousarray(v)).cuda()  # noqa: E731
+    ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
+    dlut = td(tc.lut(code).view(np.int32))
+    dcode = td(code)
+    nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
+    rng = np.random.default_rng(0)
+    variants = [tuple(int(v) for v in t.split(":")) for t in a.variants.split(",")]
+    cases = [("fused", 4096, 11008, 1), ("fused", 4096, 11008, 4), ("matmul", 4096, 11008, 1)] if a.quick else [
+        ("fused", 4096, 11008, m) for m in (1, 2, 3, 4, 8, 16)] + [("matmul", 4096, 11008, m) for m in (1, 2, 4, 16)]
+    ws = {}
+    for kind, K, N, m in cases:  # noqa: N806
+        nw = 2 if kind == "fused" else 1
+        if (K, N) not in ws:
+            ws[(K, N)] = [(rng.integers(0, 256, K * N // 2, dtype=np.uint8),
+                           (rng.random(K * N // BS) * 0.1 + 0.01).astype(np.float32)) for _ in range(2)]
+        w = ws[(K, N)][:nw]
+        dw = [(td(q), td(am)) for q, am in w]
+        x = (torch.randn(m, K, device="cuda") + 0.2).half()
+        xa = x.cpu().numpy().astype(np.float32)
+        if nw == 2:
+            ref = fusedffnnf4_cpu.swiglu(xa, *w[0], *w[1], code, K, N, BS).astype(np.float64)
+        else:
+            ref = matmulnf4_cpu.matmul(xa, *w[0], code, K, N, BS).astype(np.float64)
+        wbytes = nw * (K * N // 2 + K * N // BS * 4)
+        out = torch.empty(m, N, device="cuda", dtype=torch.float16)
+        y3 = torch.empty_like(out)
+
+        def rec(name, fn):
+            try:
+                tg = time_graph(fn)
+                torch.cuda.synchronize()
+                err = rel(out.float().cpu().numpy(), ref)
+                out.zero_()
+                print(f"{kind:6s} K={K:5d} N={N:5d} M={m:2d} {name:44s} {tg:7.1f} us {wbytes / tg / 1e3:6.0f} GB/s"
+                      f"  err {err:.1e}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"{kind} K={K} N={N} M={m} {name}: FAILED {type(e).__name__}: {e}", flush=True)
+
+        q3, a3 = dw[1] if nw == 2 else dw[0]
+        for warps, cpl, maxreg in variants:
+            maxreg = maxreg or None
+            lau = tc.launcher(nw, warps, maxreg, cpl)
+            occ = max(1, lau.blocks_per_sm(32 * warps))
+            nch = tc.chunks(m)
+            parts = tc.parts_for(N, nch, sms, occ)
+            args = [ptr(x, m * K // 4), ptr(dw[0][0], K * N // 16), ptr(dw[0][1]), ptr(q3, K * N // 16), ptr(a3),
+                    ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 1, parts, 0, 0]
+            fn = (lambda lau=lau, g=nch * parts, b=32 * warps, args=args: lau.launch(g, b, stream(), *args))
+            r = lau.dispatcher.get_regs_per_thread()
+            r = list(r.values())[0] if isinstance(r, dict) else r
+            rec(f"tc w={warps} cpl={cpl} cap={maxreg} {r}r ({occ}/SM, {nch * parts} blk)", fn)
+        if nw == 2:
+            mt = fusedffnnf4_cuda.bucket(m)
+            lau = fusedffnnf4_cuda.launcher(True, mt)
+            block = fusedffnnf4_cuda.threads(K)
+            occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
+            nch = -(-m // mt)
+            parts = fusedffnnf4_cuda.parts_for(N, nch, sms, occ)
+            args = [ptr(x), ptr(dw[0][0], K * N // 16), ptr(dw[0][1]), ptr(dw[1][0], K * N // 16), ptr(dw[1][1]),
+                    ptr(nlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 5, parts, 0, 0]
+            rec("current FusedFFNNF4 decode", lambda: lau.launch(nch * parts, block, stream(), *args))
+        else:
+            mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
+            lau_n = matmulnf4_cuda._launcher(mode, np.float16)
+            nargs = matmulnf4_cuda._args(mode, ptr(x), ptr(dw[0][0]), ptr(dw[0][1]), ptr(dcode), ptr(out), 0,
+                                         ptr(out), m, K, N, BS, K * N // 16)
+            rec(f"current MatMulNF4 ({mode})", lambda: lau_n.launch(g_, blk, stream(), *nargs, shmem=shm))
+        del y3
+
+
+if __name__ == "__main__":
+    main()

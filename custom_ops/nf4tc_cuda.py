@@ -1,0 +1,331 @@
+"""NF4/FP4 tensor-core decode kernel (fp16 X, M <= 16, K % 64 == 0, block_size >= 64): MatMulNF4 (nw=1,
+Y = X W^T + bias) and FusedFFNNF4 (nw=2, S = SiLU(X W1^T + B1) * (X W3^T + B3)); the weights stay packed
+(bitsandbytes layout, onnx_lowbit.nf4: W^T [N, K] row-major, element i in byte i >> 1, high nibble first, one fp32
+absmax per block), dequantised in registers and fed to mma.sync m16n8k16 (fp16 inputs, fp32 accumulation).
+
+Why: the fp32 decode kernels (fusedffnnf4_cuda) spend one 8-byte shared-memory load and two FFMAs per weight byte;
+ncu on the H100 (FusedFFNNF4, LLaMA-7B gate+up, M=1): 0.43 instructions issued per cycle and scheduler, 35% of
+the stalls on shared-memory loads, 43% of DRAM bandwidth, while the same access pattern without decoding reads at
+2.8-3.2 TB/s (benchmarks/stream4_gpu.py). Here one 4-byte shared load gives both fp16 code values of a byte (the
+A fragment's half2 as is) and one mma takes 16 rows x 16 k: per weight byte one PRMT and one LDS.32, plus an
+mma, the x loads and 4 FFMAs per 64 k.
+
+Mapping: a warp owns a 16-row tile (fragment row g = lane >> 2: W^T rows n0 + g and n0 + g + 8) and a run of
+64-element chunks of K; for each chunk lane t = lane & 3 loads bytes 8t .. 8t+7 of the chunk of both its rows
+(one 8-byte load per row and weight: 4 lanes read one 32-byte sector), and the chunk's absmax of both rows (K %
+64 == 0 and block_size >= 64: a chunk lies in one absmax block). mma step s (0..3) takes bytes 2s and 2s+1: the
+fragment's k pair (2t, 2t+1) is byte 2s (elements 16t + 4s, +1: high, low nibble), (2t+8, 2t+9) byte 2s+1; the sum
+over k does not care about the order as long as B (= x) uses the same: B column j = activation row m0 + j (8 rows
+per pass; M = 9..16 as two row chunks in neighbouring blocks), the lane's 4 x values one 8-byte load. D of a
+chunk is scaled by its absmax (4 FFMAs per weight) into the lane's accumulators. The half2 table (the fp16 code
+values of a byte's high then low nibble) is in dynamic shared memory, 32 copies (entry of byte v for lane l at
+byte v * 256 + 4l: no bank conflicts), addressed by one PRMT (byte into bits 8..15, 4 * lane into bits 0..7).
+A block is WARPS warps on a contiguous run of tiles; its warps split K (ceil(K / 64 / WARPS) chunks each, the
+next chunk's words prefetched while the current one is decoded), their partials meet in shared memory once per
+tile (double-buffered, one barrier per tile), and 16 x rows threads apply bias / SiLU * mul in fp32 and store in
+fp16. Grid: row chunks x (SMs x resident blocks), one wave.
+
+Accuracy: the code values are rounded to fp16 (bitsandbytes' own kernels dequantise to fp16 too): at most 2^-12
+relative per weight, products and sums in fp32. NaN/Inf in a row of X make that row's outputs non-finite.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from .dequantawq_cuda import SIM, f2h, h2f
+from .matmulawq_cuda import _mma, _silu
+from .matmulnf4_cuda import add32, lds32, mad32, prmt, shr32
+
+WARPS = 8                  # warps per block (they split K)
+MAX_M = 16
+TAB_BYTES = 65536          # half2 table: 256 bytes x 32 lanes x 4 B at stride 256
+MAX_REGISTERS = None       # ptxas cap (None: its own choice)
+CPL = 2                    # chunks of 64 per load batch (the next batch is in flight while one is decoded)
+SEL = tuple(np.uint32(0x5504 | (b << 4)) for b in range(4))   # PRMT: byte b of the word -> bits 8..15
+M32 = np.uint64(0xFFFFFFFF)
+U0 = np.uint64(0)
+U32 = np.uint64(32)
+F0 = np.float32(0.0)
+
+
+def lut(code):
+    """uint32 [256]: entry v = fp16 bits of code[v >> 4] (low half: the byte's first element) | code[v & 15] << 16."""
+    h = np.asarray(code, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+    v = np.arange(256)
+    return (h[v >> 4] | (h[v & 15] << 16)).astype(np.uint32)
+
+
+def ok(a16, m, k, n, bs):
+    """Whether this kernel can take the product (element offsets of W^T are 32-bit)."""
+    return bool(a16) and 0 < m <= MAX_M and k % 64 == 0 and bs >= 64 and k * n < 2 ** 32
+
+
+def chunks(m):
+    return -(-m // 8)
+
+
+def parts_for(n, nch, sms, occupancy):
+    return max(1, min(-(-n // 16), (sms * occupancy) // nch))
+
+
+def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
+    """The kernel for ``nw`` weights (1: MatMulNF4, 2: FusedFFNNF4), ``cpl`` chunks of 64 per load batch.
+    Signature: x uint64 [M*K/4] (fp16 bits), q1 uint64 [N*K/16], am1 float32, q3, am3 (nw=1: pass q1's), lut
+    uint32 [256] (``lut``), b1, b3, out uint16, m_dim, k_dim, n_dim, bs_shift (log2 block_size), parts, has_b1,
+    has_b3."""
+    red_size = 2 * warps * nw * 128
+    scr_size = warps * 32 * 6 if SIM else 1
+    nwd = 2 * nw * cpl          # words (and absmax) per batch: [chunk][weight][row]
+    nxv = 4 * cpl               # x words per batch: [chunk][step]
+    nacc = 4 * nw
+
+    @cuda.jit(device=True, inline=True)
+    def fetch(wv, av, xv, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok):
+        """The batch of chunks jc .. jc+cpl-1 of this warp, at elements e0 / e1 of the flat W^T (rows r0 / r1, the
+        lane's 16 elements of the first chunk): 8-byte words and absmax of each weight (absmax 0 past K), and
+        the lane's 4 x words per chunk (0 where B column g is no row of X or the chunk is past K)."""
+        for u in range(cpl):
+            f0 = add32(e0, uint32(64 * u))
+            f1 = add32(e1, uint32(64 * u))
+            i0 = shr32(f0, uint32(4))
+            i1 = shr32(f1, uint32(4))
+            a0 = shr32(f0, sh)
+            a1 = shr32(f1, sh)
+            o = u * 2 * nw
+            if add32(jc, uint32(u)) < jmax:
+                wv[o] = q1[i0]
+                wv[o + 1] = q1[i1]
+                av[o] = am1[a0]
+                av[o + 1] = am1[a1]
+                if nw == 2:
+                    wv[o + 2] = q3[i0]
+                    wv[o + 3] = q3[i1]
+                    av[o + 2] = am3[a0]
+                    av[o + 3] = am3[a1]
+                for s in range(4):
+                    xv[4 * u + s] = x[add32(xi, uint32(16 * u + s))] if rok else U0
+            else:
+                for q in range(2 * nw):
+                    av[o + q] = F0
+                for s in range(4):
+                    xv[4 * u + s] = U0
+
+    @cuda.jit(device=True, inline=True)
+    def chunk(wv, av, xv, acc, tab, lane4, scr, tid):
+        for u in range(cpl):
+            for w in range(nw):
+                o = u * 2 * nw + 2 * w
+                d0 = F0
+                d1 = F0
+                d2 = F0
+                d3 = F0
+                for s in range(4):
+                    wg = wv[o]
+                    wg8 = wv[o + 1]
+                    hg = uint32(wg & M32) if s < 2 else uint32(wg >> U32)
+                    hg8 = uint32(wg8 & M32) if s < 2 else uint32(wg8 >> U32)
+                    lo = SEL[2 * (s & 1)]
+                    hi = SEL[2 * (s & 1) + 1]
+                    a0 = lds32(tab, prmt(hg, lane4, lo))
+                    a1 = lds32(tab, prmt(hg8, lane4, lo))
+                    a2 = lds32(tab, prmt(hg, lane4, hi))
+                    a3 = lds32(tab, prmt(hg8, lane4, hi))
+                    xq = xv[4 * u + s]
+                    r = _mma(a0, a1, a2, a3, uint32(xq & M32), uint32(xq >> U32), d0, d1, d2, d3, scr, tid)
+                    d0 = r[0]
+                    d1 = r[1]
+                    d2 = r[2]
+                    d3 = r[3]
+                acc[4 * w] += av[o] * d0
+                acc[4 * w + 1] += av[o] * d1
+                acc[4 * w + 2] += av[o + 1] * d2
+                acc[4 * w + 3] += av[o + 1] * d3
+
+    opts = {} if SIM or not max_registers else {"max_registers": max_registers}
+
+    @cuda.jit(**opts)
+    def nf4tc(x, q1, am1, q3, am3, lt, b1, b3, out, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):
+        tab = cuda.shared.array(0, uint32)
+        red = cuda.shared.array(red_size, float32)
+        scr = cuda.shared.array(scr_size, uint32)
+        tid = uint32(cuda.threadIdx.x)
+        nthr = uint32(cuda.blockDim.x)
+        lane = tid & uint32(31)
+        warp = tid >> uint32(5)
+        nwarps = nthr >> uint32(5)
+        g = lane >> uint32(2)
+        t = lane & uint32(3)
+        i = tid
+        while i < uint32(8192):
+            tab[((i >> uint32(5)) << uint32(6)) | (i & uint32(31))] = lt[i >> uint32(5)]
+            i = add32(i, nthr)
+        lane4 = lane << uint32(2)
+        mdim = uint32(m_dim)
+        kdim = uint32(k_dim)
+        ndim = uint32(n_dim)
+        sh = uint32(bs_shift)
+        nch = (mdim + uint32(7)) >> uint32(3)
+        bid = uint32(cuda.blockIdx.x)
+        m0 = (bid % nch) << uint32(3)
+        part = uint64(bid // nch)
+        tiles = uint64((ndim + uint32(15)) >> uint32(4))
+        t_lo = uint32(part * tiles // uint64(parts))
+        t_hi = uint32((part + uint64(1)) * tiles // uint64(parts))
+        kc = kdim >> uint32(6)
+        per = uint32((kc + nwarps * uint32(cpl) - uint32(1)) // (nwarps * uint32(cpl)))   # batches per warp
+        c_lo = uint32(warp * per * uint32(cpl))
+        jmax = uint32(kc - c_lo) if c_lo < kc else uint32(0)   # this warp's chunks inside K
+        rok = m0 + g < mdim
+        xrow = mad32(m0 + g, kdim >> uint32(2), t << uint32(2))   # x word of (row m0 + g, chunk 0, lane t)
+        last = ndim - uint32(1)
+        wv = cuda.local.array(nwd, uint64)
+        av = cuda.local.array(nwd, float32)
+        xv = cuda.local.array(nxv, uint64)
+        wn = cuda.local.array(nwd, uint64)
+        an = cuda.local.array(nwd, float32)
+        xn = cuda.local.array(nxv, uint64)
+        acc = cuda.local.array(nacc, float32)
+        for q in range(nacc):
+            acc[q] = F0
+        cuda.syncthreads()
+        if t_lo >= t_hi:
+            return
+        tile = t_lo
+        j = uint32(0)                                        # batch of the tile, first chunk jc = j * cpl
+        jc = uint32(0)
+        xc = mad32(c_lo, uint32(16), xrow)                   # the lane's x word at its first chunk
+        ec = (c_lo << uint32(6)) + (t << uint32(4))         # element offset in a row: first chunk, lane t
+        e0 = mad32(min((tile << uint32(4)) + g, last), kdim, ec)
+        e1 = mad32(min((tile << uint32(4)) + g + uint32(8), last), kdim, ec)
+        xi = xc
+        fetch(wv, av, xv, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok)
+        buf = uint32(0)
+        while True:
+            j = add32(j, uint32(1))
+            jc = add32(jc, uint32(cpl))
+            e0 = add32(e0, uint32(64 * cpl))
+            e1 = add32(e1, uint32(64 * cpl))
+            xi = add32(xi, uint32(16 * cpl))
+            end = j == per
+            more = True
+            if end:
+                j = uint32(0)
+                jc = uint32(0)
+                more = tile + uint32(1) < t_hi
+                e0 = mad32(min(((tile + uint32(1)) << uint32(4)) + g, last), kdim, ec)
+                e1 = mad32(min(((tile + uint32(1)) << uint32(4)) + g + uint32(8), last), kdim, ec)
+                xi = xc
+            if more:
+                fetch(wn, an, xn, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok)
+            chunk(wv, av, xv, acc, tab, lane4, scr, tid)
+            if end:                   # the tile's K is done: partials of the block's warps, then the epilogue
+                base = (buf * nwarps + warp) * uint32(nw * 128) + (g << uint32(3)) + (t << uint32(1))
+                for w in range(nw):
+                    o = base + uint32(w * 128)
+                    red[o] = acc[4 * w]
+                    red[o + uint32(1)] = acc[4 * w + 1]
+                    red[o + uint32(64)] = acc[4 * w + 2]
+                    red[o + uint32(65)] = acc[4 * w + 3]
+                for q in range(nacc):
+                    acc[q] = F0
+                cuda.syncthreads()
+                mc = min(uint32(8), mdim - m0)
+                e = tid
+                while e < (mc << uint32(4)):
+                    col = e >> uint32(4)
+                    row = e & uint32(15)
+                    n = (tile << uint32(4)) + row
+                    if n < ndim:
+                        gv = F0
+                        uv = F0
+                        r = buf * nwarps * uint32(nw * 128) + (row << uint32(3)) + col
+                        wj = uint32(0)
+                        while wj < nwarps:
+                            gv += red[r]
+                            if nw == 2:
+                                uv += red[r + uint32(128)]
+                            r += uint32(nw * 128)
+                            wj += uint32(1)
+                        if has_b1:
+                            gv += h2f(b1[n])
+                        oi = (m0 + col) * ndim + n
+                        if nw == 1:
+                            out[oi] = f2h(gv)
+                        else:
+                            if has_b3:
+                                uv += h2f(b3[n])
+                            out[oi] = f2h(_silu(gv) * uv)
+                    e += nthr
+                buf ^= uint32(1)
+                tile = add32(tile, uint32(1))
+                if not more:
+                    break
+            for q in range(nwd):
+                wv[q] = wn[q]
+                av[q] = an[q]
+            for q in range(nxv):
+                xv[q] = xn[q]
+
+    return nf4tc
+
+
+def sig():
+    from .cuda_launch import Array
+    u64, f32, u16 = Array(np.uint64), Array(np.float32), Array(np.uint16)
+    return [u64, u64, f32, u64, f32, Array(np.uint32), u16, u16, u16] + ["int64"] * 7
+
+
+_launchers = {}
+
+
+def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
+    """Direct-launch wrapper, compiled once per process (``.dispatcher``: the Numba kernel)."""
+    from .cuda_launch import Launcher
+    key = (nw, warps, max_registers, cpl)
+    if key not in _launchers:
+        fn = make(nw, warps, max_registers, cpl)
+        lau = Launcher(fn, sig(), dynamic_shared=TAB_BYTES)
+        lau.dispatcher = fn
+        _launchers[key] = lau
+    return _launchers[key]
+
+
+def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
+        repeat=1, max_registers=MAX_REGISTERS, cpl=CPL):
+    """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]."""
+    nw = 1 if q3 is None else 2
+    x = np.ascontiguousarray(x, np.float16)
+    lead = x.shape[:-1]
+    m = int(np.prod(lead)) if lead else 1
+    assert ok(True, m, K, N, block_size), "shape not served by the tensor-core kernel"
+    warps = warps or (2 if SIM else WARPS)
+    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
+    dx = dev(x, np.uint64)
+    dq1, dam1 = dev(q1, np.uint64), dev(np.asarray(am1, np.float32), np.float32)
+    dq3, dam3 = (dq1, dam1) if nw == 1 else (dev(q3, np.uint64), dev(np.asarray(am3, np.float32), np.float32))
+    dout = cuda.device_array(m * N, np.uint16)
+    db1 = dev(np.asarray(b1, np.float16), np.uint16) if b1 is not None else dout
+    db3 = dev(np.asarray(b3, np.float16), np.uint16) if b3 is not None else dout
+    dlut = cuda.to_device(lut(code))
+    nch = chunks(m)
+    if SIM:
+        occ, sms = 1, sms or 2
+    else:
+        from .cuda_launch import current_device, sm_count
+        lau = launcher(nw, warps, max_registers, cpl)
+        occ = max(1, lau.blocks_per_sm(32 * warps))
+        sms = sms or sm_count(current_device())
+    parts = parts_for(N, nch, sms, occ)
+    args = (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout, m, K, N, block_size.bit_length() - 1, parts,
+            int(b1 is not None), int(b3 is not None))
+    if SIM:
+        kern = make(nw, warps, cpl=cpl)
+        for _ in range(repeat):
+            kern[nch * parts, 32 * warps, 0, TAB_BYTES](*args)
+    else:
+        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        for _ in range(repeat):
+            lau.launch(nch * parts, 32 * warps, 0, *[p(a) for a in args])
+        cuda.synchronize()
+    return dout.copy_to_host().view(np.float16).reshape(tuple(lead) + (N,))
