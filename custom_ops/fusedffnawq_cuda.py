@@ -13,10 +13,12 @@ S[m] = sum x (shared) give s_j (C_j P - (C_j + z_j) S); zero points and scales a
 Split-K partials of both products meet in shared memory (the block's warps) and, across the blocks of a column
 tile, in an fp32 scratch acc[splits, 2, M, N] (plain stores, one slot per split); the last block of a tile
 (threadfence + counter) sums the splits in split order (deterministic: the same bits on every run and replay),
-applies the biases and SiLU * mul in fp32, stores S in X's type and resets the tile counter (one scratch per
-CUDA stream, as in MatMulAWQ). With a single split (K <= 8R) the block writes S directly. M runs in row buckets MT in {1, 2, 4}
-(2 x 4 x 8 accumulators per thread at most); M = 5..16 as row chunks of 4 in neighbouring blocks (the weight
-reads are shared through L2).
+applies the biases and SiLU * mul in fp32, stores S in X's type and resets the tile counter. As in MatMulAWQ
+(matmulawq_cuda, "split-K memory"): the partials come per call from onnxruntime's allocator (``Context.scratch``;
+the kernel's own per-stream buffer only with onnxruntime < 1.18), the tile counters stay the kernel's, one set per
+CUDA stream (``ScratchPool``). With a single split (K <= 8R) the block writes S directly (no partials). M runs
+in row buckets MT in {1, 2, 4} (2 x 4 x 8 accumulators per thread at most); M = 5..16 as row chunks of 4 in
+neighbouring blocks (the weight reads are shared through L2).
 Generic kernel (any M): thread = (row, column group), walks all of K for both weights; correct, not tuned.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from .ffn4_common import check_x_biases, opt
 from .fusedffnawq_cpu import check_both
 from .kernels import Kernel
 from .matmulawq_cuda import (ONE32, RMAX, TC_MIN_M, TC_WARPS, ScratchPool, _ld16, _ld32, _nib_scale, _nib_value,
-                             _pair_word, _silu, _st16, _st32, _vnib, tc_ok, tc_run, tc_setup)
+                             _pair_word, _silu, _st16, _st32, _vnib, partial_floats, tc_ok, tc_run, tc_setup)
 from .matmulawq_cuda import plan as awq_plan
 
 CT = 32
@@ -80,8 +82,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
     def gemv(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
              has_b1, has_b3):
         """x [M*K] (fp32 or fp16 bits), qw*/qz* uint32, sc* uint16 (fp16 bits), b1/b3 [N], s [M*N], acc float32
-        [2*16*N] and cnt uint32 [tiles] zero between launches. Block b: row chunk b % chunks, then column tile
-        and K split from b // chunks (as matmulawq_cuda)."""
+        [splits*2*M*N] (partials: any contents) and cnt uint32 [tiles] (zero between launches). Block b: row
+        chunk b % chunks, then column tile and K split from b // chunks (as matmulawq_cuda)."""
         xs = cuda.shared.array(xs_size, float32)
         red = cuda.shared.array(red_size, float32)
         flag = cuda.shared.array(1, uint32)
@@ -418,11 +420,11 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
 
 def scratch_size(plans, n):
     """fp32 elements of the partials for ``plans`` {M: (grid, rows, splits)}: splits x 2 x M x N at most."""
-    return max(splits * 2 * m * n for m, (_, _, splits) in plans.items())
+    return max(partial_floats(splits, 2, m, n) for m, (_, _, splits) in plans.items())
 
 
 class FusedFFNAWQCudaKernel(Kernel):
-    native_plans = True  # launches depend only on shapes; per-stream scratch lives as long as the kernel
+    native_plans = True  # launches depend only on shapes; partials per call, per-stream counters live as long as it
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -437,7 +439,8 @@ class FusedFFNAWQCudaKernel(Kernel):
         for m in range(1, MAX_M_FAST + 1):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[m] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ)
-        # per-split partials [splits, 2, M, N] fp32 for the largest plan, tile counters; one set per CUDA stream
+        # per-split partials [splits, 2, M, N] fp32: per call from onnxruntime's allocator (the pool's, sized for the
+        # largest plan, only for onnxruntime < 1.18); tile counters: the pool's, one set per CUDA stream
         self.tc, self.tc_plans, acc_size, cnt_size = tc_setup(self.a16, sh, 2, scratch_size(self.plans, sh.N),
                                                               self.tiles)
         self.scratch = ScratchPool(acc_size, cnt_size)
@@ -460,13 +463,13 @@ class FusedFFNAWQCudaKernel(Kernel):
             raise KernelError("inputs and the output must be aligned device buffers")
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not (x.ptr | w1[2].ptr | w3[2].ptr) & 7:
-            sc = self.scratch.for_stream(ctx.stream)
             grid, gpt, splits = self.tc_plans[m]
+            part = self.scratch.partials(ctx, partial_floats(splits, 2, m, sh.N))
             w = [(t.ptr, (t.size // (4 if i == 2 else 1),)) for ws in (w1, w3) for i, t in enumerate(ws)]
             sb = (s, (m * sh.N,))
             self.tc.launch(grid, 32 * TC_WARPS, ctx.stream, (x.ptr, (m * sh.K // 4,)), *w,
-                           (b1.ptr, (sh.N,)) if hb1 else sb, (b3.ptr, (sh.N,)) if hb3 else sb, sb, sc.acc_arg,
-                           sc.cnt_arg, m, sh.K, sh.N, sh.group_size, gpt, splits, hb1, hb3)
+                           (b1.ptr, (sh.N,)) if hb1 else sb, (b3.ptr, (sh.N,)) if hb3 else sb, sb, part,
+                           self.scratch.counters(ctx.stream), m, sh.K, sh.N, sh.group_size, gpt, splits, hb1, hb3)
             return
         args = [(x.ptr, (m * sh.K,))]
         for w in (w1, w3):
@@ -478,10 +481,10 @@ class FusedFFNAWQCudaKernel(Kernel):
             self.generic.launch(self.tiles * -(-m // WARPS), BLOCK, ctx.stream, *args, m, sh.K, sh.N,
                                 sh.group_size, hb1, hb3)
             return
-        sc = self.scratch.for_stream(ctx.stream)
         grid, rows, splits = self.plans[m]
-        self.fast[mt].launch(grid, BLOCK, ctx.stream, *args, sc.acc_arg, sc.cnt_arg, m, sh.K, sh.N, sh.group_size,
-                             rows, splits, hb1, hb3)
+        part = self.scratch.partials(ctx, partial_floats(splits, 2, m, sh.N))
+        self.fast[mt].launch(grid, BLOCK, ctx.stream, *args, part, self.scratch.counters(ctx.stream), m, sh.K, sh.N,
+                             sh.group_size, rows, splits, hb1, hb3)
 
 
 KERNEL = FusedFFNAWQCudaKernel

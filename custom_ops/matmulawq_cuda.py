@@ -22,11 +22,20 @@ qweight is K-major (one int32 = 8 columns of one row k), so
   `splits` partials in split order, adds bias, converts to A's type, writes Y, and resets the tile's counter.
   One launch per call, and the same result on every run (the summation order is fixed).
   Why not a second kernel over the partials: it would cost ~2-3 us per call at M=1 (the weight read itself is
-  ~8 us for 4096x11008). The scratch is splits x M x N fp32 (5.6 MB for 4096x11008 at M=16, 0.35 MB at M=1).
-  Stream-ordering: the scratch and counters are only touched by this node's kernel, whose launches are ordered
-  on onnxruntime's compute stream; each launch leaves the counters zeroed. One scratch per CUDA stream the node
-  is run on (concurrent runs on different streams never share one); the first is allocated at kernel creation
-  for the largest M <= 16, others on the first run on a new stream (synchronously, before that run's launch).
+  ~8 us for 4096x11008).
+* split-K memory. The partials (splits x M x N fp32: 5.6 MB for 4096x11008 at M=16, 0.35 MB at M=1; none with a
+  single split) are per call from onnxruntime's allocator (``Context.scratch``: the CUDA arena, on the call's
+  stream, given back once the launch is issued; a native replay takes one of the recorded size), so the nodes
+  of a model share arena memory instead of each keeping its own per stream (a LLaMA-7B has 224 such nodes, each
+  kept up to 5.6 MB per stream before). No zeroing: every slot the last block reads was stored by a block of
+  the same launch. The tile counters (uint32, one per column tile and row chunk: at most 344, 1.4 KB, for
+  N = 11008) must be zero when a launch starts and each launch leaves them zero, so they carry from call to
+  call and stay the kernel's: ``ScratchPool``, one set per CUDA stream the node runs on (the first made at
+  kernel creation, others on a new stream's first call, synchronously, before its launch), touched only by this
+  node's launches, which are ordered on that stream (zeroing them in a launch of its own would add a launch to
+  every call). With onnxruntime < 1.18 (no scratch API) the pool also keeps partials per stream, sized for the
+  largest M <= 16 and made on the stream's first such call. Direct calls (``run_arrays``, ``tc_run``: tests,
+  benchmarks) allocate both for the call.
 * grid: row chunks x column tiles x splits; R (<= 64, dividing group_size) from a small cost model of the
   kernel's occupancy and the SM count (``plan``).
 * option (GPT_SMALL_M = 2, off): for M <= 2 with N % 16 == 0 each thread takes two column groups through 8-byte
@@ -49,6 +58,7 @@ MatMul is the faster graph.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
@@ -922,31 +932,71 @@ def tc_run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, repeat=1, unroll=
     return dout.copy_to_host().view(np.float16)
 
 
-class _Scratch:
-    """The decode kernels' fp32 partials [size] and zeroed tile counters; one per CUDA stream."""
+def _dptr(a):
+    """The device address of a Numba device array (under the simulator: its host buffer's)."""
+    return int(a._ary.ctypes.data if SIM else a.device_ctypes_pointer.value)
 
-    def __init__(self, size, tiles):
-        self.acc = cuda.device_array(max(size, 1), np.float32)
-        self.cnt = cuda.to_device(np.zeros(max(tiles, 1), np.uint32))
-        self.acc_arg = (self.acc.device_ctypes_pointer.value, (max(size, 1),))
-        self.cnt_arg = (self.cnt.device_ctypes_pointer.value, (max(tiles, 1),))
+
+def partial_floats(splits, nw, m, n):
+    """fp32 split-K partials one launch of a decode kernel (fp32 or tensor-core, ``nw`` weights) writes at M = m:
+    splits x nw x M x N; none with a single split (the blocks then write the output directly)."""
+    return splits * nw * m * n if splits > 1 else 0
 
 
 class ScratchPool:
-    """A kernel's _Scratch per CUDA stream (MatMulAWQ, FusedFFNAWQ): the first made at kernel creation, the
-    others on a stream's first call."""
+    """What a MatMulAWQ / FusedFFNAWQ kernel object keeps of its decode kernels' split-K state, per CUDA stream.
+
+    * The tile counters (uint32, ``tiles`` of them: a few KB): zero when a launch starts and left zero by every
+      launch (the last block of a tile resets its counter), so they carry from one call to the next and cannot be
+      per-call scratch. One set per stream (runs on different streams never share one; the launches of one stream
+      are ordered); the first is made at kernel creation, the others on a stream's first call (synchronously,
+      before that call's launch). A native plan keeps them as kernel-owned state (the plan key holds the stream).
+    * The fp32 partials only for calls without onnxruntime's scratch (``Context.has_scratch`` false: onnxruntime
+      older than 1.18): ``size`` floats (the largest M's need) per stream, made on its first such call and never
+      replaced, so a native plan may keep it too. Sessions on onnxruntime >= 1.18 take the partials per call from
+      onnxruntime's allocator (``partials``) and this buffer is never made."""
 
     def __init__(self, size, tiles):
-        self.size, self.tiles = size, tiles
-        self._first = _Scratch(size, tiles)
-        self._by_stream = {}
+        self.size, self.tiles = max(size, 1), max(tiles, 1)
+        self._lock = threading.Lock()
+        self._first = self._zeros()
+        self._cnt = {}      # stream -> device array of counters
+        self._acc = {}      # stream -> device array of partials (calls without onnxruntime's scratch only)
 
-    def for_stream(self, stream):
-        s = self._by_stream.get(stream)
-        if s is None:
-            s = self._first if not self._by_stream else _Scratch(self.size, self.tiles)
-            self._by_stream[stream] = s
-        return s
+    def _zeros(self):
+        return cuda.to_device(np.zeros(self.tiles, np.uint32))
+
+    def counters(self, stream):
+        """(device pointer, shape) of ``stream``'s tile counters."""
+        c = self._cnt.get(stream)
+        if c is None:
+            with self._lock:
+                c = self._cnt.get(stream)
+                if c is None:
+                    c = self._cnt[stream] = self._first if not self._cnt else self._zeros()
+        return _dptr(c), (self.tiles,)
+
+    def partials(self, ctx, floats):
+        """(device pointer, shape) of this call's ``floats`` fp32 partials: onnxruntime's per-call scratch
+        (``ctx.scratch``: a native plan records it as the call's scratch and takes a new one per replay) when
+        ``ctx.has_scratch``, else the stream's own buffer; a null pointer when the launch needs none (one split)."""
+        if floats == 0:
+            return 0, (0,)
+        if ctx.has_scratch:
+            return ctx.scratch(4 * floats), (floats,)
+        if floats > self.size:
+            raise RuntimeError(f"split-K partials of {floats} floats exceed the kernel's {self.size}")
+        a = self._acc.get(ctx.stream)
+        if a is None:
+            with self._lock:
+                a = self._acc.get(ctx.stream)
+                if a is None:
+                    a = self._acc[ctx.stream] = cuda.device_array(self.size, np.float32)
+        return _dptr(a), (floats,)
+
+    def owned_partials(self):
+        """Streams that have partials of this pool's own (tests: none in sessions with onnxruntime's scratch)."""
+        return len(self._acc)
 
 
 def tc_setup(a16, sh, nw, acc_size, cnt_size):
@@ -981,8 +1031,9 @@ class MatMulAWQCudaKernel(Kernel):
             occ = blocks_per_sm(self.fast[bucket(m)])
             self.plans[(bucket(m), chunks(m, bucket(m)))] = decode_plan(m, sh.K, sh.N, sh.group_size, self.sms, occ,
                                                                         gpt=self.gpt[bucket(m)])
-        # partials for the largest M of each plan: splits x (rows per chunk x chunks) x N
-        acc_size = max(splits * mt * ch for (mt, ch), (_, _, splits) in self.plans.items()) * sh.N
+        # split-K partials (per call from onnxruntime's allocator; the pool's size, for the largest M of each plan,
+        # serves only onnxruntime < 1.18) and the tile counters (the pool's, per stream)
+        acc_size = max(partial_floats(splits, 1, mt * ch, sh.N) for (mt, ch), (_, _, splits) in self.plans.items())
         self.tc, self.tc_plans, acc_size, cnt_size = tc_setup(self.a16, sh, 1, acc_size, self.tiles)
         self.scratch = ScratchPool(acc_size, cnt_size)
 
@@ -998,13 +1049,14 @@ class MatMulAWQCudaKernel(Kernel):
             return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & 3 or
                                                    (bias is not None and bias.ptr & 1)):
-            s = self.scratch.for_stream(ctx.stream)
             grid, gpt, splits = self.tc_plans[m]
+            part = self.scratch.partials(ctx, partial_floats(splits, 1, m, sh.N))
             w = [(qw.ptr, (qw.size,)), (qz.ptr, (qz.size,)), (sc.ptr, (sc.size // 4,))]
             yb = (y, (m * sh.N,))
             bb = (bias.ptr, (sh.N,)) if bias is not None else yb
-            self.tc.launch(grid, 32 * TC_WARPS, ctx.stream, (a.ptr, (m * sh.K // 4,)), *w, *w, bb, yb, yb, s.acc_arg,
-                           s.cnt_arg, m, sh.K, sh.N, sh.group_size, gpt, splits, int(bias is not None), 0)
+            self.tc.launch(grid, 32 * TC_WARPS, ctx.stream, (a.ptr, (m * sh.K // 4,)), *w, *w, bb, yb, yb, part,
+                           self.scratch.counters(ctx.stream), m, sh.K, sh.N, sh.group_size, gpt, splits,
+                           int(bias is not None), 0)
             return
         mt = bucket(m)
         gpt = 1 if mt is None else self.gpt[mt]
@@ -1019,10 +1071,10 @@ class MatMulAWQCudaKernel(Kernel):
             grid = self.tiles * -(-m // WARPS)
             self.generic.launch(grid, BLOCK, ctx.stream, *args, m, sh.K, sh.N, sh.group_size, hb)
             return
-        s = self.scratch.for_stream(ctx.stream)
         grid, rows, splits = self.plans[(mt, chunks(m, mt))]
-        self.fast[mt].launch(grid, BLOCK, ctx.stream, *args, s.acc_arg, s.cnt_arg, m, sh.K, sh.N, sh.group_size,
-                             rows, splits, hb)
+        part = self.scratch.partials(ctx, partial_floats(splits, 1, m, sh.N))
+        self.fast[mt].launch(grid, BLOCK, ctx.stream, *args, part, self.scratch.counters(ctx.stream), m, sh.K, sh.N,
+                             sh.group_size, rows, splits, hb)
 
 
 KERNEL = MatMulAWQCudaKernel

@@ -297,6 +297,92 @@ def test_cuda_dequant_bit_exact(K, N, G, ct, warps):  # noqa: N803
     assert np.array_equal(w.view(np.uint16), awq.dequantize(qw, qz, sc, G, K, N).view(np.uint16))
 
 
+def _dequant_variants():
+    """Every option of dequantawq_cuda.Variant at least once (ct/warps shrunk under the simulator, below)."""
+    from onnx_lowbit.custom_ops.dequantawq_cuda import LEGACY, Variant as A
+    return [LEGACY, A(store="v4"), A(store="v4cs", bps=2), A(store="v4", zpre=True, h2=True, bps=0),
+            A(unroll=4, store="v4cs", zpre=True), A(unroll=3, h2=True, bps=1), A(unroll=16, zpre=True, bps=16)]
+
+
+@pytest.mark.parametrize("vi", range(7))
+def test_cuda_dequant_variants_bit_exact(vi):
+    """Each kernel variant bit-exact with the reference: K not a multiple of the group (300 / 128, 100 / 7: row runs
+    crossing groups), a partial column tile (17 column groups), several row runs per warp."""
+    _, dc = _cuda()
+    v = _dequant_variants()[vi]
+    for K, N, G in [(300, 136, 128), (100, 16, 7), (256, 64, 32)]:  # noqa: N806
+        qw, qz, sc = weights(K, N, G, seed=8)
+        geo = {"ct": 8, "warps": 2} if SIM else {}
+        w = dc.run_arrays(qw, qz, sc, G, K, N, variant=v, sms=1, **geo)
+        assert np.array_equal(w.view(np.uint16), awq.dequantize(qw, qz, sc, G, K, N).view(np.uint16)), (v, K, N, G)
+
+
+def test_dequant_variant_geometry():
+    from onnx_lowbit.custom_ops import dequantawq_cuda as dc
+    for v in _dequant_variants():
+        for K, N in [(4096, 11008), (300, 136), (100, 16)]:  # noqa: N806
+            grid, block, rows = dc.geometry(v, K, N, 132)
+            tiles = -(-(N // 8) // v.ct)
+            assert block == v.ct * v.warps and grid % tiles == 0 and (grid // tiles) * v.warps * rows >= K
+        assert dc.out_align(v) == (8 if v.store == "u64x2" else 16)
+    assert dc.geometry(dc.LEGACY, 4096, 11008, 132)[::2] == dc.plan(4096, 11008, 132)   # LEGACY = the first kernel
+
+
+@pytest.mark.skipif(not SIM, reason="stand-in launches over host memory: simulator only")
+def test_dequant_kernel_object_with_a_variant_default(monkeypatch):
+    """DequantAWQCudaKernel.compute as a session calls it, with a 128-bit-store variant as DEFAULT: bit-exact
+    through the variant's own geometry (bps 0: the stand-in's resident blocks), and a clear error for an output
+    not aligned to 16 bytes."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    from onnx_lowbit.custom_ops import cuda_launch
+    from onnx_lowbit.custom_ops import dequantawq_cuda as dc
+    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
+    launches = []
+
+    class Lau:
+        def __init__(self, v):
+            self.fn = dc._make_v(*v.kernel_key())
+
+        def blocks_per_sm(self, block, shmem=None):
+            return 3
+
+        def launch(self, grid, block, stream, *args, shmem=None):
+            launches.append((grid, block, args[-1]))
+            dts = [np.uint32, np.uint32, np.uint16, np.uint64]
+            conv = [FakeCUDAArray(np.frombuffer((ctypes.c_char * (a[1][0] * np.dtype(dt).itemsize)).from_address(a[0]),
+                                                dt)) for a, dt in zip(args[:4], dts)] + list(args[4:])
+            self.fn[grid, block](*conv)
+
+    v = dc.Variant(ct=8, warps=2, unroll=4, bps=0, store="v4cs", zpre=True, h2=True)
+    monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
+    monkeypatch.setattr(dc, "launcher", lambda variant=None: Lau(variant))
+    monkeypatch.setattr(dc, "DEFAULT", v)
+    K, N, G = 300, 136, 128  # noqa: N806
+    qw, qz, sc = weights(K, N, G, seed=9)
+    kern = dc.DequantAWQCudaKernel(spec=domain.OPS["DequantAWQ"], attrs={"group_size": G, "K": K, "N": N},
+                                   node_name="t", in_types=(6, 6, 10), out_types=(10,))
+    assert (kern.grid, kern.block, kern.rows) == dc.geometry(v, K, N, 1, kern.launcher)
+    ref = awq.dequantize(qw, qz, sc, G, K, N)
+    inputs = [Tensor(a.ctypes.data, t, a.shape) for a, t in ((qw, 6), (qz, 6), (sc, 10))]
+    for off in (0, 8):
+        buf = np.zeros(ref.nbytes + 512, np.uint8)
+        op = (buf.ctypes.data + 255) // 256 * 256 + off
+        ctx = SimpleNamespace(stream=0, output=lambda index, shape, op=op: op)
+        if off:
+            with pytest.raises(KernelError, match="output to 16 bytes"):
+                kern.compute(ctx, inputs)
+            continue
+        kern.compute(ctx, inputs)
+        assert launches[-1] == (kern.grid, v.block, kern.rows)
+        got = np.frombuffer((ctypes.c_char * ref.nbytes).from_address(op), np.uint16)
+        assert np.array_equal(got, ref.reshape(-1).view(np.uint16))
+
+
 def test_cuda_bad_inputs_name_the_input():
     mc, dc = _cuda()
     from onnx_lowbit.custom_ops import KernelError
@@ -322,6 +408,246 @@ def test_decode_plan():
         tiles, r, splits = mc.plan(k, n, g, 132)
         assert g % r == 0 and r <= mc.RMAX and splits * mc.WARPS * r >= k   # slices never straddle a group
     assert mc.bucket(1) == 1 and mc.bucket(3) == 4 and mc.bucket(16) == 8 and mc.bucket(17) is None
+
+
+
+# --------------------------------------------- split-K partials from onnxruntime's allocator (MatMulAWQ, FusedFFNAWQ)
+# The kernel objects' compute, as a session calls it, under the simulator: kernel creation with stand-ins for the
+# driver queries and for cuda_launch.Launcher (_SimLauncher: the real kernels at their GPU geometry, on arrays over
+# the simulator's host memory of exactly the declared sizes), and a stand-in Context whose scratch is filled with
+# NaN (no zeroing needed). On a GPU the session test below checks the same through onnxruntime.
+class _SimLauncher:
+    last_slots = []       # the flattened parameters' data pointer slots of the last launch, one per array
+
+    def __init__(self, fn, sig):
+        self.fn, self.sig = fn, sig
+
+    def blocks_per_sm(self, block, shmem=None):
+        return 4
+
+    def launch(self, grid, block, stream, *args, shmem=None):
+        import ctypes
+
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        from onnx_lowbit.custom_ops import plans
+        from onnx_lowbit.custom_ops.cuda_launch import Array
+        conv, flat, slots = [], [], []
+        for s, v in zip(self.sig, args):
+            if isinstance(s, Array):
+                ptr, (n,) = v
+                it = s.dtype.itemsize
+                ary = np.frombuffer((ctypes.c_char * (n * it)).from_address(ptr), s.dtype) if ptr and n else \
+                    np.zeros(0, s.dtype)
+                conv.append(FakeCUDAArray(ary))
+                slots.append(len(flat) + 4)
+                flat += [0, 0, n, it, int(ptr or 0), n, it]
+            else:
+                conv.append(v)
+                flat.append(int(v))
+        self.fn[grid, block, 0, shmem or 0](*conv)
+        _SimLauncher.last_slots = slots
+        rec = plans.active()
+        if rec is not None:
+            rec.launch(id(self.fn), int(grid), int(block), int(shmem or 0), flat, slots)
+
+
+class _ScratchCtx:
+    """bridge.Context's stand-in: outputs and (with ``has_scratch``) scratch are numpy buffers (host memory is the
+    simulator's device memory), scratch filled with NaN; both reported to the recorder as Context does."""
+
+    def __init__(self, has_scratch, stream=7):
+        self.has_scratch, self.stream, self.recorder = has_scratch, stream, None
+        self.keep, self.asked = [], []
+
+    def _buf(self, nbytes, fill):
+        b = np.full(max(nbytes, 1), fill, np.uint8)
+        self.keep.append(b)
+        return b.ctypes.data
+
+    def output(self, index, shape):
+        ptr = self._buf(int(np.prod(shape)) * 4, 0)
+        if self.recorder is not None:
+            self.recorder.output(index, tuple(shape), ptr)
+        return ptr
+
+    def scratch(self, nbytes):
+        assert self.has_scratch
+        self.asked.append(nbytes)
+        ptr = self._buf(nbytes, 0xFF)                       # NaN in every float
+        if self.recorder is not None:
+            self.recorder.scratch(ptr, nbytes)
+        return ptr
+
+
+@pytest.fixture
+def sim_kernels(monkeypatch):
+    """Kernel classes buildable under the simulator (SM count 1, 4 blocks per SM, tensor cores present)."""
+    if not SIM:
+        pytest.skip("stand-in launches over host memory: simulator only (on a GPU: test_gpu_session_...)")
+    from onnx_lowbit.custom_ops import cuda_launch, fusedffnawq_cuda, matmulawq_cuda
+    mc, fc = matmulawq_cuda, fusedffnawq_cuda
+    monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
+    monkeypatch.setattr(mc, "tc_device", lambda: True)
+    monkeypatch.setattr(mc, "tc_launcher", lambda nw, *a, **k: _SimLauncher(mc._make_tc(nw, True), mc.tc_sig()))
+    monkeypatch.setattr(mc, "launcher", lambda a16, mt, gpt=1: _SimLauncher(
+        mc._make_gemv(mt, a16, gpt=gpt) if mt else mc._make_generic(a16), mc._sig(a16, mt is not None, gpt)))
+    monkeypatch.setattr(fc, "launcher", lambda a16, mt: _SimLauncher(
+        fc._make_gemv(mt, a16) if mt else fc._make_generic(a16), fc._sig(a16, mt is not None)))
+    return mc, fc
+
+
+def _tensor(a):
+    from onnx_lowbit.custom_ops.bridge import Tensor
+    et = {np.dtype(np.float32): 1, np.dtype(np.float16): 10, np.dtype(np.int32): 6}[a.dtype]
+    return Tensor(a.ctypes.data, et, a.shape)
+
+
+def _call(kernel, ctx, arrays, out_shape, dtype):
+    """One recorded compute call: (output, plan, its launch's patches {slot: (kind, offset)}, the launch's
+    partials and counters as (pointer, nitems, slot))."""
+    from onnx_lowbit.custom_ops import plans
+    from onnx_lowbit.custom_ops.bridge import LbPlan
+    plan = LbPlan()
+    plans.compute_and_record(kernel, ctx, [_tensor(a) if a is not None else None for a in arrays], plan)
+    assert plan.valid and plan.n_steps == 1
+    st = plan.steps[0]
+    patches = {st.patch_slot[j]: (st.patch_kind[j], st.patch_off[j]) for j in range(st.n_patch)}
+    part, cnt = _SimLauncher.last_slots[-2:]     # the last two array arguments: the partials, the counters
+    y = np.frombuffer(ctx.keep[0], np.dtype(dtype))[:int(np.prod(out_shape))].reshape(out_shape).copy()
+    return y, plan, patches, (st.params[part], st.params[part - 2], part), (st.params[cnt], st.params[cnt - 2], cnt)
+
+
+SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the tensor-core one (fp16, M >= 2)
+    ("MatMulAWQ", 1, np.float32, True), ("MatMulAWQ", 3, np.float16, True), ("MatMulAWQ", 1, np.float16, False),
+    ("FusedFFNAWQ", 1, np.float32, True), ("FusedFFNAWQ", 5, np.float16, True), ("FusedFFNAWQ", 2, np.float16, False),
+]
+
+
+@pytest.mark.parametrize("op,M,dtype,has_scratch", SCRATCH_CASES)
+def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dtype, has_scratch):  # noqa: N803
+    """compute takes the split-K partials through ctx.scratch, exactly the launch's splits x nw x M x N floats, once
+    per call, recorded as the plan's SCRATCH (patched per replay); the tile counters are the kernel's per-stream
+    buffer (unpatched in the plan) and zero after every call; results meet the reference on NaN-filled scratch,
+    twice in a row. Without onnxruntime's scratch (< 1.18) the partials are the pool's own per-stream buffer."""
+    from onnx_lowbit.custom_ops import plans
+    mc, fc = sim_kernels
+    K, N, G = 256, 64, 32  # noqa: N806
+    nw = 1 if op == "MatMulAWQ" else 2
+    cls = mc.MatMulAWQCudaKernel if nw == 1 else fc.FusedFFNAWQCudaKernel
+    tid = 10 if dtype == np.float16 else 1
+    kern = cls(spec=domain.OPS[op], attrs={"group_size": G, "K": K, "N": N}, node_name="t", in_types=(tid,),
+               out_types=(tid,))
+    a = activations((M, K), dtype, seed=M + 40)
+    if nw == 1:
+        qw, qz, sc = weights(K, N, G, seed=8)
+        bias = activations((N,), dtype, seed=41)
+        arrays = [a, qw, qz, sc, bias]
+    else:
+        from test_ffn4_kernels import awq_weights, check_awq
+        w1, w3 = awq_weights(K, N, G, seed=5)
+        arrays = [a, *w1, *w3, activations((N,), dtype, seed=42), None]
+    tc = M >= mc.TC_MIN_M and dtype == np.float16
+    if tc:
+        _, _, splits = kern.tc_plans[M]
+    else:
+        _, _, splits = kern.plans[(mc.bucket(M), mc.chunks(M, mc.bucket(M)))] if nw == 1 else kern.plans[M]
+    assert splits > 1                       # the shapes need the partials
+    floats = mc.partial_floats(splits, nw, M, N)
+    for _ in range(2):                      # the counters the first call left must serve the second
+        ctx = _ScratchCtx(has_scratch)
+        y, plan, patches, part, cnt = _call(kern, ctx, arrays, (M, N), dtype)
+        if nw == 1:
+            check_matmul(y, a, qw, qz, sc, G, K, N, bias)
+        else:
+            check_awq(y, a, w1, w3, G, K, N, arrays[7], None)
+        assert plan.steps[0].block == (32 * mc.TC_WARPS if tc else mc.BLOCK)   # the kernel the case is for
+        assert part[1] == floats and cnt[1] == kern.scratch.tiles
+        assert cnt[0] == kern.scratch.counters(ctx.stream)[0] and cnt[2] not in patches   # kernel-owned, kept
+        assert np.all(kern.scratch._cnt[ctx.stream].copy_to_host() == 0)      # left zeroed for the next launch
+        scratch_slots = [s for s, (kind, _) in patches.items() if kind == plans.SCRATCH]
+        if has_scratch:
+            assert ctx.asked == [4 * floats] and plan.scratch == 4 * floats   # one buffer per call, exact size
+            assert scratch_slots == [part[2]] and patches[part[2]] == (plans.SCRATCH, 0)
+            assert kern.scratch.owned_partials() == 0
+        else:
+            assert ctx.asked == [] and plan.scratch == 0 and scratch_slots == []   # kept: the pool's, per stream
+            assert part[0] == mc._dptr(kern.scratch._acc[ctx.stream])
+            assert kern.scratch.owned_partials() == 1
+    # another stream gets counters of its own
+    assert kern.scratch.counters(8)[0] != kern.scratch.counters(7)[0]
+
+
+@pytest.mark.parametrize("M,K,G,dtype", [(1, 8, 8, np.float32), (2, 64, 64, np.float16)])
+def test_single_split_takes_no_scratch(sim_kernels, M, K, G, dtype):  # noqa: N803
+    """A launch with one K split (fp32 decode kernel, tensor-core kernel) writes the output directly: no
+    partials, no scratch asked for."""
+    mc, _ = sim_kernels
+    N = 16  # noqa: N806
+    tid = 10 if dtype == np.float16 else 1
+    kern = mc.MatMulAWQCudaKernel(spec=domain.OPS["MatMulAWQ"], attrs={"group_size": G, "K": K, "N": N},
+                                  node_name="t", in_types=(tid,), out_types=(tid,))
+    assert (kern.tc_plans[M] if M >= mc.TC_MIN_M else kern.plans[(1, 1)])[2] == 1
+    qw, qz, sc = weights(K, N, G, seed=9)
+    a = activations((M, K), dtype, seed=43)
+    ctx = _ScratchCtx(True)
+    y, plan, _, part, _ = _call(kern, ctx, [a, qw, qz, sc], (M, N), dtype)
+    check_matmul(y, a, qw, qz, sc, G, K, N)
+    assert ctx.asked == [] and plan.scratch == 0 and part[:2] == (0, 0)
+
+
+def test_gpu_session_takes_partials_from_onnxruntime():
+    """GPU: one-node MatMulAWQ and FusedFFNAWQ sessions (fp32 decode kernel at M=1, tensor-core at M=4) take
+    their partials from onnxruntime's allocator on every call (the recording one and the native replays: the
+    shim's counters) and keep none of their own; results meet the reference and repeat bit for bit."""
+    if SIM or not REAL_GPU:
+        pytest.skip("onnxruntime CUDA sessions: real GPU only (ONNX_LOWBIT_REAL_GPU=1)")
+    import onnxruntime as ort
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime has no CUDA execution provider here")
+    from test_ffn4_kernels import awq_model as ffn_model
+    from test_ffn4_kernels import awq_weights, check_awq
+
+    from onnx_lowbit.custom_ops import bridge, fusedffnawq_cuda, matmulawq_cuda
+    K, N, G = 2048, 256, 64  # noqa: N806
+    qw, qz, sc = weights(K, N, G, seed=10)
+    w1, w3 = awq_weights(K, N, G, seed=11)
+    for op in ("MatMulAWQ", "FusedFFNAWQ"):
+        for M, dtype in ((1, np.float32), (1, np.float16), (4, np.float16)):  # noqa: N806
+            a = activations((1, M, K), dtype, seed=M + 50)
+            if op == "MatMulAWQ":
+                model = awq_model(op, K, N, G, a_dtype=dtype, lead=("B", "T"),
+                                  initializers={"qweight": qw, "qzeros": qz, "scales": sc})
+                feeds = {"A": a}
+            else:
+                model = ffn_model((1, M), K, N, G, dtype, w1, w3, None, None)
+                feeds = {"x": a}
+            ids = set(bridge._kernels)
+            sess = onnx_lowbit.InferenceSession(model, providers=["CUDAExecutionProvider"])
+            kern = [k for i, k in bridge._kernels.items() if i not in ids][0]
+            assert isinstance(kern, (matmulawq_cuda.MatMulAWQCudaKernel, fusedffnawq_cuda.FusedFFNAWQCudaKernel))
+            nw = 1 if op == "MatMulAWQ" else 2
+            tc = M >= matmulawq_cuda.TC_MIN_M and dtype == np.float16 and kern.tc is not None
+            if tc:
+                splits = kern.tc_plans[M][2]
+            elif nw == 1:
+                splits = kern.plans[(matmulawq_cuda.bucket(M), 1)][2]
+            else:
+                splits = kern.plans[M][2]
+            assert splits > 1, (op, M, dtype)
+            counts = bridge.scratch_counts()
+            ys = [sess.run(None, feeds)[0] for _ in range(4)]
+            now = bridge.scratch_counts()
+            nbytes = 4 * matmulawq_cuda.partial_floats(splits, nw, M, N)
+            assert {k: now[k] - counts[k] for k in now} == {"taken": 4, "given_back": 4, "bytes": 4 * nbytes}
+            assert kern.scratch.owned_partials() == 0
+            if op == "MatMulAWQ":
+                check_matmul(ys[0], a, qw, qz, sc, G, K, N)
+            else:
+                check_awq(ys[0], a, w1, w3, G, K, N, None, None)
+            for y in ys[1:]:
+                assert np.array_equal(y, ys[0])
 
 
 if REAL_GPU and SIM:  # pragma: no cover
