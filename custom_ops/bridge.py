@@ -39,7 +39,8 @@ _i64 = ctypes.c_int64
 
 
 class LbStep(ctypes.Structure):
-    """Mirror of ortshim.c's LbStep: a kernel launch (kind 0) or a cublasGemmEx call (kind 1)."""
+    """Mirror of ortshim.c's LbStep: a kernel launch (kind 0), a cublasGemmEx call (kind 1) or a cooperative launch
+    (kind 2)."""
     _fields_ = [("kind", _i64), ("func", ctypes.c_uint64), ("grid", _i64), ("block", _i64), ("shmem", _i64),
                 ("n_params", _i64), ("n_patch", _i64), ("params", ctypes.c_uint64 * MAX_PARAMS), ("patch_slot", _i64 * MAX_PATCH),
                 ("patch_kind", _i64 * MAX_PATCH), ("patch_index", _i64 * MAX_PATCH), ("patch_off", _i64 * MAX_PATCH)]
@@ -283,6 +284,7 @@ def library_path() -> str:
         lib.lb_node_name.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.lb_ort_version.restype = ctypes.c_char_p
         lib.lb_set_launch.restype, lib.lb_set_launch.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        lib.lb_set_launch_coop.restype, lib.lb_set_launch_coop.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_set_domain(domain.DOMAIN.encode())
         if lib.lb_plan_size() != ctypes.sizeof(LbPlan):
             raise RuntimeError("onnx_lowbit: the C shim's plan layout does not match bridge.py (rebuild the shim)")
@@ -302,6 +304,7 @@ def library_path() -> str:
         try:  # native plan replay needs the driver's cuLaunchKernel; without a driver CUDA kernels cannot run anyway
             from . import cuda_launch
             lib.lb_set_launch(ctypes.cast(cuda_launch.libcuda().cuLaunchKernel, ctypes.c_void_p))
+            lib.lb_set_launch_coop(ctypes.cast(cuda_launch.libcuda().cuLaunchCooperativeKernel, ctypes.c_void_p))
         except OSError:
             pass
         _lib, _path = lib, path

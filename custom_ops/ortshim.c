@@ -146,17 +146,18 @@ typedef struct {
 
 /* A launch plan: what one compute call did, replayable without Python for the same key (input shapes, input
  * pointer alignment, stream). Filled by Python on a miss; layout mirrored in bridge.py (all 8-byte fields).
- * A step is a kernel launch (LB_STEP_LAUNCH: func is the CUfunction, params its flattened parameters) or a cuBLAS
+ * A step is a kernel launch (LB_STEP_LAUNCH: func is the CUfunction, params its flattened parameters; LB_STEP_COOP:
+ * the same through cuLaunchCooperativeKernel, for kernels whose blocks must all be resident at once) or a cuBLAS
  * GEMM (LB_STEP_GEMM: func is cublasGemmEx's address, params its 19 arguments in order, each in an 8-byte slot;
  * the two host scalars alpha (6) and beta (13) are passed by pointer to their slots, so their bytes lie in the
  * slot as in memory). Pointer parameters into this call's inputs, outputs or scratch buffer are patched in either
  * kind. The scratch buffer (`scratch` bytes, none when 0) is taken from onnxruntime's allocator for every call and
  * given back right after the steps are issued. */
-enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_GEMM_ARGS = 19 };
+enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_STEP_COOP = 2, LB_GEMM_ARGS = 19 };
 enum { LB_PATCH_INPUT = 0, LB_PATCH_OUTPUT = 1, LB_PATCH_SCRATCH = 2 };
 
 typedef struct {
-  int64_t kind;                  /* LB_STEP_LAUNCH or LB_STEP_GEMM */
+  int64_t kind;                  /* LB_STEP_LAUNCH, LB_STEP_GEMM or LB_STEP_COOP */
   uint64_t func;                 /* CUfunction, or the address of cublasGemmEx */
   int64_t grid, block, shmem, n_params, n_patch;
   uint64_t params[LB_MAX_PARAMS]; /* each parameter's value in the low bytes of its 8-byte slot */
@@ -180,6 +181,9 @@ typedef struct {
 typedef int (*f_cuLaunchKernel)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                                 unsigned shmem, void* stream, void** params, void** extra);
 
+typedef int (*f_cuLaunchCooperativeKernel)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                                           unsigned bz, unsigned shmem, void* stream, void** params);
+
 typedef int (*f_cublasGemmEx)(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
                               const void* a, int a_type, int lda, const void* b, int b_type, int ldb, const void* beta,
                               void* c, int c_type, int ldc, int compute_type, int algo);
@@ -197,6 +201,7 @@ static int g_n_ops = 0;
 static const char* g_domain = "onnx_lowbit";
 
 static f_cuLaunchKernel g_launch = NULL;
+static f_cuLaunchCooperativeKernel g_launch_coop = NULL; /* NULL: plans with cooperative steps are not kept */
 static int g_plans_enabled = 1;
 static int64_t g_scratch_counts[3]; /* scratch buffers taken, given back, bytes taken (tests, diagnostics) */
 
@@ -340,7 +345,8 @@ static int plan_ok(const LbPlan* plan) {
   for (int s = 0; s < plan->n_steps; ++s) {
     const LbStep* st = &plan->steps[s];
     if (st->n_params < 0 || st->n_params > LB_MAX_PARAMS || st->n_patch < 0 || st->n_patch > LB_MAX_PATCH) return 0;
-    if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS)) return 0;
+    if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS) &&
+        !(st->kind == LB_STEP_COOP && g_launch_coop)) return 0;
     for (int i = 0; i < st->n_patch; ++i) {
       int64_t kind = st->patch_kind[i];
       if (st->patch_slot[i] < 0 || st->patch_slot[i] >= st->n_params || st->patch_index[i] < 0 ||
@@ -390,6 +396,10 @@ static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, vo
   }
   void* pp[LB_MAX_PARAMS];
   for (int i = 0; i < sp->n_params; ++i) pp[i] = &pv[i];
+  if (sp->kind == LB_STEP_COOP) /* 1 = CUDA_ERROR_INVALID_VALUE when no cooperative launch is installed */
+    return g_launch_coop ? g_launch_coop((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1,
+                                         1, (unsigned)sp->shmem, stream, pp)
+                         : 1;
   return g_launch((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1, 1, (unsigned)sp->shmem,
                   stream, pp, NULL);
 }
@@ -424,9 +434,10 @@ static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const 
   st = scratch_put(k, ctx, scratch);
   if (rc) {
     if (st) API(I_ReleaseStatus, f_ReleaseStatus)(st);
-    int gemm = p->steps[failed].kind == LB_STEP_GEMM;
+    int gemm = p->steps[failed].kind == LB_STEP_GEMM, coop = p->steps[failed].kind == LB_STEP_COOP;
     snprintf(err, sizeof err, "onnx_lowbit %s: %s failed: %s status %d", k->op->name,
-             gemm ? "cublasGemmEx" : "cuLaunchKernel", gemm ? "cuBLAS" : "CUDA", rc);
+             gemm ? "cublasGemmEx" : coop ? "cuLaunchCooperativeKernel" : "cuLaunchKernel", gemm ? "cuBLAS" : "CUDA",
+             rc);
     return fail(err);
   }
   return st;
@@ -524,6 +535,11 @@ void lb_set_callbacks(lb_create_cb c, lb_compute_cb r, lb_destroy_cb d) { g_crea
 void* lb_set_launch(void* fn) {
   void* old = (void*)g_launch;
   g_launch = (f_cuLaunchKernel)fn;
+  return old;
+}
+void* lb_set_launch_coop(void* fn) {
+  void* old = (void*)g_launch_coop;
+  g_launch_coop = (f_cuLaunchCooperativeKernel)fn;
   return old;
 }
 void lb_set_plans(int enabled) { g_plans_enabled = enabled; }

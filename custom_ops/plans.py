@@ -28,7 +28,7 @@ import numpy as np
 _tls = threading.local()
 
 INPUT, OUTPUT, SCRATCH = 0, 1, 2  # patch kinds (ortshim.c: LB_PATCH_*)
-LAUNCH, GEMM = 0, 1            # step kinds (ortshim.c: LB_STEP_LAUNCH, LB_STEP_GEMM)
+LAUNCH, GEMM, COOP = 0, 1, 2   # step kinds (ortshim.c: LB_STEP_LAUNCH, LB_STEP_GEMM, LB_STEP_COOP)
 GEMM_ARGS = 19                 # cublasGemmEx's arguments
 
 
@@ -61,6 +61,14 @@ class Recorder:
 
     def launch(self, func, grid, block, shmem, values, pointer_slots):
         self.steps.append((LAUNCH, func, grid, block, shmem, values, pointer_slots))
+
+    def mark_cooperative(self, func):
+        """The launch just recorded was cooperative (cuLaunchCooperativeKernel: all blocks resident at once, which
+        a kernel with a grid-wide barrier needs): it is replayed the same way, on ``func`` (its CUfunction)."""
+        kind, _, grid, block, shmem, values, pointer_slots = self.steps[-1]
+        if kind != LAUNCH:
+            raise ValueError("mark_cooperative follows a kernel launch")
+        self.steps[-1] = (COOP, func, grid, block, shmem, values, pointer_slots)
 
     def gemm(self, func, values, pointer_slots):
         """A cublasGemmEx call: ``func`` its address, ``values`` its 19 arguments as integers (host scalars alpha

@@ -1,7 +1,9 @@
 """QuantGRU, CUDA face: the pure fixed-point GRU of onnx_lowbit.gru_int, bit-exact (spec: docs/gru.md).
 
-Two kernels per call:
+Three kernels per call, all on the caller's stream, with no host round trip:
 
+* ``prep`` (quantgru_prep_cuda.py) -- the per-channel parameters from the call's B and channel_exp in device
+  memory, sequence_lens clamped to 0..T, the barrier counters zeroed; all in the call's scratch.
 * ``xproj`` -- qWx for all steps and directions at once: an integer GEMM of the quantised X (quantised while it
   is staged: rint(x 2^e_x) clamped, minus zp_x, so no row-sum correction is needed) by W, computed exactly on
   the float pipes (int8: float32 FFMA in chunks of K_F32 products, int16: float64 DFMA; bounds below), 4 x 4 to
@@ -17,7 +19,16 @@ Two kernels per call:
   threadfence), which needs all blocks resident at once -- the launch is cooperative
   (cuLaunchCooperativeKernel). When the grid exceeds what can be resident (occupancy x SMs), or under the CUDA
   simulator (which runs blocks one after the other) where a group has more than one block, the same kernel is
-  launched once per step instead (the kernel boundary is the barrier). docs/gru-cuda.md has the figures.
+  launched once per step instead (the kernel boundary is the barrier); a plain launch when no barrier is
+  reached (groups of one block, or one step). docs/gru-cuda.md has the figures.
+
+Memory: per call, one scratch block (``CallPlan``: pch, lengths, counters, qWx, the h exchange) from
+onnxruntime's allocator (``Context.scratch``; a per-stream buffer of the kernel's without onnxruntime's scratch
+API, and for direct calls: ``Prepared``); the parameters that depend on the attributes alone (``Params``) are
+uploaded once per node. The launches are a function of the shapes only, so the kernel opts in to native plans
+and can be captured in a CUDA graph. (The recurrence does not leave its counters at 0 but at a multiple of the
+group's block count, all its next launch needs; zeroing them in the call's scratch is free -- the parameter
+launch does it -- and leaves no state between calls.)
 
 Accumulators: int32 for bits=8 (|R (h - zp)| <= 255 * 128 * H < 2^31 for H <= 32768; likewise W (x - zp) for
 C < 65793), int64 for bits=16 (and for bits=8 with C >= 65536). Every quantity after a GEMM is computed in int64
@@ -31,8 +42,9 @@ import numpy as np
 from numba import config, cuda, float32, float64, int32, int64, uint64
 
 from onnx_lowbit import gru_int
-from onnx_lowbit.gru_int import CH_BR, CH_BX, CH_R, CH_W, Q
+from onnx_lowbit.gru_int import Q
 
+from . import plans
 from .kernels import Kernel
 
 SIM = bool(config.ENABLE_CUDASIM)
@@ -641,16 +653,13 @@ def _make_rec(wide, tn, tpb=REC_TPB):
 
 
 # ---------------------------------------------------------------------------------------------------- host side
-def prepare(a: gru_int.GRUAttrs, B, channel_exp):
-    """Kernel parameters from validated attributes and the host values of B [D, 6H] and channel_exp [D, 4, 3H]:
-    prm int64 [D, NP], pch int64 [D, 10H], qsc float64 [D, 2] (2^e_x, 2^e_h), dq float32 [D] (2^-e_h)."""
-    d, h = a.num_directions, a.hidden_size
+def scalar_params(a: gru_int.GRUAttrs):
+    """Kernel parameters from the validated attributes alone (kernel-lifetime state): prm int64 [D, NP],
+    qsc float64 [D, 2] (2^e_x, 2^e_h), dq float32 [D] (2^-e_h)."""
+    d = a.num_directions
     prm = np.zeros((d, NP), np.int64)
-    pch = np.zeros((d, PC * h), np.int64)
     qsc = np.zeros((d, 2), np.float64)
     dq = np.zeros(d, np.float32)
-    B = np.asarray(B, np.int64)
-    ce = np.asarray(channel_exp, np.int64)
     for k in range(d):
         E = {n: int(a.exponents[k, Q[n]]) for n in gru_int.QUANTITIES}
         Z = {n: int(a.zero_points[k, Q[n]]) for n in gru_int.QUANTITIES}
@@ -665,19 +674,9 @@ def prepare(a: gru_int.GRUAttrs, B, channel_exp):
         p[P_SOLD], p[P_ZPOLD] = E["z_out"] + E["h"] - E["old"], Z["old"]
         p[P_SNEW], p[P_ZPNEW] = E["z_out"] + E["g_out"] - E["new"], Z["new"]
         p[P_SOH], p[P_SNH] = E["old"] - E["h"], E["new"] - E["h"]
-        c = pch[k]
-        c[:3 * h] = ce[k, CH_W] + E["x"] - E["Wx"]
-        c[3 * h:6 * h] = ce[k, CH_R] + E["h"] - E["Rh"]
-        bx, br, cbx, cbr = B[k, :3 * h], B[k, 3 * h:], ce[k, CH_BX], ce[k, CH_BR]
-        zs, rs_, gs = slice(0, h), slice(h, 2 * h), slice(2 * h, 3 * h)
-        c[6 * h:7 * h] = (gru_int.rshift(bx[zs], cbx[zs] - E["z_pre"]) + gru_int.rshift(br[zs], cbr[zs] - E["z_pre"]))
-        c[7 * h:8 * h] = (gru_int.rshift(bx[rs_], cbx[rs_] - E["r_pre"])
-                          + gru_int.rshift(br[rs_], cbr[rs_] - E["r_pre"]))
-        c[8 * h:9 * h] = gru_int.rshift(bx[gs], cbx[gs] - E["g_pre"])
-        c[9 * h:] = gru_int.rshift(br[gs], cbr[gs] - E["Rh_add_br"])
         qsc[k] = np.ldexp(1.0, E["x"]), np.ldexp(1.0, E["h"])
         dq[k] = np.float32(np.ldexp(1.0, -E["h"]))
-    return prm, pch, qsc, dq
+    return prm, qsc, dq
 
 
 class Plan:
@@ -758,7 +757,7 @@ def rec_fn(wide, tn):
 
 
 class _CoopLauncher:
-    """Makes a Launcher's launches cooperative (cuLaunchCooperativeKernel: all blocks resident, or an error)."""
+    """A Launcher whose launches are cooperative (cuLaunchCooperativeKernel: all blocks resident, or an error)."""
 
     def __init__(self, launcher):
         from .cuda_launch import libcuda
@@ -773,21 +772,84 @@ class _CoopLauncher:
         launcher._launch = launch
         self.launcher = launcher
 
+    def blocks_per_sm(self, block, shmem=None):
+        return self.launcher.blocks_per_sm(block, shmem)
+
+    def launch(self, *args, **kw):
+        """Launcher.launch, then: a native plan being recorded must replay this launch cooperatively too (a plain
+        cuLaunchKernel would drop the co-residency the barrier needs: with other work on the GPU a group's blocks
+        could wait for each other forever). With a bridge that has cooperative steps (Recorder.mark_cooperative)
+        the step is marked so; otherwise the call is not replayable and calls with its key keep going through
+        Python (with no host synchronisation either way, so CUDA-graph capture is unaffected)."""
+        self.launcher.launch(*args, **kw)
+        rec = plans.active()
+        if rec is not None:
+            mark = getattr(rec, "mark_cooperative", None)
+            if mark is None:
+                plans.not_replayable()
+            else:
+                mark(self.func.value)
+
+
+def _dptr(v):
+    """The device address of a Numba device array (under the simulator: its host buffer's)."""
+    return int(v._ary.ctypes.data if SIM else (v.device_ctypes_pointer.value or 0))
+
+
+class _SimLauncher:
+    """The simulator's stand-in for cuda_launch.Launcher: the same (pointer, shape) arguments, turned back into
+    arrays over the simulator's host memory (no copies: pointers into one buffer stay aliases); records into a
+    native plan being recorded as Launcher does (1-D arrays flattened the same way), so tests can check the
+    plan."""
+
+    def __init__(self, fn, signature):
+        self.fn, self.sig = fn, signature
+
+    def launch(self, grid, block, stream, *args, shmem=None):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        from .cuda_launch import Array
+        conv, flat, slots = [], [], []
+        for s, v in zip(self.sig, args):
+            if isinstance(s, Array):
+                ptr, (n,) = v
+                it = s.dtype.itemsize
+                if ptr and n:
+                    ary = np.frombuffer((ctypes.c_char * (n * it)).from_address(ptr), s.dtype)
+                else:
+                    ary = np.zeros(max(n, 1), s.dtype)
+                conv.append(FakeCUDAArray(ary))
+                slots.append(len(flat) + 4)
+                flat += [0, 0, n, it, int(ptr or 0), n, it]
+            else:
+                conv.append(v)
+                flat.append(int(v))
+        self.fn[grid, block, 0, shmem or 0](*conv)
+        rec = plans.active()
+        if rec is not None:
+            rec.launch(id(self.fn), int(grid), int(block), int(shmem or 0), flat, slots)
+
 
 def launchers(bits, tn, c_dim, tile, kc=None):
-    """(xproj, rec, rec cooperative) direct-launch wrappers, compiled once per process."""
-    from .cuda_launch import Launcher
+    """(prep, xproj, rec, rec cooperative) direct-launch wrappers, compiled once per process; under the simulator
+    _SimLauncher stand-ins and no cooperative one."""
+    from . import quantgru_prep_cuda as qp
     wdt = np.int8 if bits == 8 else np.int16
+    if SIM:
+        return (_SimLauncher(qp.prep, qp.signature()), _SimLauncher(xproj_fn(bits, tile, c_dim, kc), _sig_xproj(wdt)),
+                _SimLauncher(rec_fn(bits == 16, tn), _sig_rec(wdt)), None)
+    from .cuda_launch import Launcher
+    if "prep" not in _launchers:
+        _launchers["prep"] = Launcher(qp.prep, qp.signature())
     key = (bits, tn)
     if key not in _launchers:
         rc = Launcher(rec_fn(bits == 16, tn), _sig_rec(wdt), dynamic_shared=MAX_SMEM)
-        rcc = Launcher(rec_fn(bits == 16, tn), _sig_rec(wdt), dynamic_shared=MAX_SMEM)
-        _CoopLauncher(rcc)
+        rcc = _CoopLauncher(Launcher(rec_fn(bits == 16, tn), _sig_rec(wdt), dynamic_shared=MAX_SMEM))
         _launchers[key] = (rc, rcc)
     fn = xproj_fn(bits, tile, c_dim, kc)
     if fn not in _launchers:
         _launchers[fn] = Launcher(fn, _sig_xproj(wdt), dynamic_shared=MAX_SMEM)
-    return (_launchers[fn],) + _launchers[key]
+    return (_launchers["prep"], _launchers[fn]) + _launchers[key]
 
 
 def occupancy(launcher, tpb, smem):
@@ -795,10 +857,109 @@ def occupancy(launcher, tpb, smem):
     return launcher.blocks_per_sm(tpb, smem)
 
 
+class CallPlan:
+    """What one call's launches depend on: the attributes, the shapes (T, N, C) and whether initial_h and
+    sequence_lens are given -- nothing else. The recurrent kernel's geometry (Plan), the xproj tile, the flags and
+    the layout of the call's scratch (byte offsets, each 256-aligned): pch int64 [D*10H] and lens int32 [N]
+    (written by the parameter kernel), cnt uint64 [groups] (barrier counters, zeroed by it), qwx int16
+    [D*T*N*3H], hb int16 (the h exchange, 2 D N H values in whole uint64 words)."""
+
+    def __init__(self, a, t, n, c, sms, has_h0, has_lens, *, units=None, xtile=None, kc=None, per_step=False):
+        d, h = a.num_directions, a.hidden_size
+        self.a, self.t, self.n, self.c, self.d, self.h = a, t, n, c, d, h
+        self.plan = p = Plan(n, h, d, a.bits, sms, units=units)
+        self.xt = pick_xtile(a.bits, t * n, 3 * h, d, sms, xtile)
+        self.kc = kc                            # tests: a shorter exact float sum (chunk boundaries on small C)
+        # the simulator runs blocks one after the other: a launch of several steps only without barriers there
+        self.per_step = per_step or (SIM and p.nblk > 1)
+        self.has_h0, self.has_lens = has_h0, has_lens
+        self.flags = 12 | (1 if has_h0 else 0) | (2 if has_lens else 0) | (16 if h % 4 == 0 else 0)
+        self.nq = max(d * t * n * 3 * h, 1)
+        self.nhw = max(-(-2 * d * n * h // 4), 1)
+        self.off, o = {}, 0
+        for name, nbytes in (("pch", d * PC * h * 8), ("lens", max(n, 1) * 4), ("cnt", p.groups * 8),
+                             ("qwx", self.nq * 2), ("hb", self.nhw * 8)):
+            self.off[name] = o
+            o += -(-nbytes // 256) * 256
+        self.nbytes = o
+
+
+class Params:
+    """A node's kernel-lifetime device arrays, from its attributes alone: prm, qsc, dq (scalar_params) and the
+    exponents ex int64 [D*NQ] the parameter kernel reads. Allocated on the current device, read-only afterwards
+    (what native plans allow a kernel to own)."""
+
+    def __init__(self, a):
+        prm, qsc, dq = scalar_params(a)
+        self.arrays = [cuda.to_device(np.ascontiguousarray(v).reshape(-1))
+                       for v in (prm, qsc, dq, a.exponents.astype(np.int64))]
+        self.prm, self.qsc, self.dq, self.ex = ((_dptr(v), (v.size,)) for v in self.arrays)
+
+
+REVMASK = {"forward": 0, "reverse": 1, "bidirectional": 2}
+
+
+def issue(cp, params, ptrs, stream, what="all", prep=True):
+    """Issues one call's launches on ``stream``: the parameter kernel (quantgru_prep_cuda.prep), xproj, then the
+    recurrence -- one cooperative launch for all steps; a plain one when no group has two blocks or there is at
+    most one step (no barrier is reached); one launch per step when ``cp.per_step`` or when the grid cannot be
+    resident at once. ``ptrs``: device pointers x, w, r, luts, b, ce, seql, h0 (0 when absent), y, yh (outputs)
+    and scratch (cp.nbytes bytes); ``params``: the node's Params. ``what``: "all", or "prep" / "xproj" / "rec"
+    alone (tests, timing); ``prep``: False when an earlier launch on the same scratch left the parameters
+    (timing). Every launch depends on ``cp`` alone; everything written is in the outputs or the scratch. Returns
+    per_step as used."""
+    a, p, t, n, c, d, h = cp.a, cp.plan, cp.t, cp.n, cp.c, cp.d, cp.h
+    pk, xp, rc, rcc = launchers(a.bits, p.tn, c, cp.xt, cp.kc)
+    sb = ptrs["scratch"]
+    at = lambda name, size: (sb + cp.off[name], (size,))  # noqa: E731
+    pch, lens, cnt, qwx = at("pch", d * PC * h), at("lens", max(n, 1)), at("cnt", p.groups), at("qwx", cp.nq)
+    if prep:
+        from . import quantgru_prep_cuda as qp
+        seql = (ptrs["seql"], (n,)) if cp.has_lens else lens
+        pk.launch(qp.grid(d, h, n, p.groups), qp.TPB, stream, (ptrs["b"], (d * 6 * h,)), (ptrs["ce"], (d * 12 * h,)),
+                  seql, params.ex, pch, lens, cnt, d, h, n, t, p.groups, int(cp.has_lens))
+    if what == "prep":
+        return cp.per_step
+    lo, hi = gru_int.qrange(a.bits)
+    if t * n and what != "rec":
+        xp.launch(cp.xt.blocks(t * n, 3 * h, d), cp.xt.nt, stream, (ptrs["x"], (max(t * n * c, 1),)),
+                  (ptrs["w"], (max(d * 3 * h * c, 1),)), qwx, params.prm, pch, params.qsc, t, n, c, h, a.layout,
+                  lo, hi, shmem=cp.xt.smem)
+    if what == "xproj":
+        return cp.per_step
+    arrays = (qwx, (ptrs["r"], (d * 3 * h * h,)), (ptrs["luts"], (d * 3 * p.llen,)),
+              (ptrs["h0"], (d * n * h,)) if cp.has_h0 else (sb, (1,)), lens, at("hb", 4 * cp.nhw), at("hb", cp.nhw),
+              (ptrs["y"], (max(t * d * n * h, 1),)), (ptrs["yh"], (d * n * h,)), cnt, params.prm, pch, params.qsc,
+              params.dq)
+    head = (t, n, h, d, p.nch, p.nbc, p.units, p.ks)
+    tail = (p.nblk, REVMASK[a.direction], a.layout, lo, hi, gru_int.LUT_SHIFT[a.bits], p.llen, cp.flags, p.pc_off,
+            p.rs_off, p.hs_off, p.lt_off)
+    barrier = p.nblk > 1 and t > 1
+    per_step = cp.per_step
+    if barrier and not per_step:
+        key = (id(rcc), p.tpb, p.smem)
+        if key not in _resident:
+            _resident[key] = occupancy(rcc, p.tpb, p.smem) * sm_count_now()
+        per_step = p.grid > _resident[key]
+    coop = barrier and not per_step
+    steps = [(s, s + 1) for s in range(t)] if per_step and t > 0 else [(0, t)]
+    for s0, s1 in steps:
+        (rcc if coop else rc).launch(p.grid, p.tpb, stream, *arrays, *head, s0, s1, *tail, shmem=p.smem)
+    return per_step
+
+
+_resident = {}
+
+
+def sm_count_now():
+    from .cuda_launch import current_device, sm_count
+    return sm_count(current_device())
+
+
 class Prepared:
-    """One QuantGRU call on device arrays: validated shapes, the plan, parameters and scratch; ``launch(stream)``
-    issues its kernels (tests and benchmarks; the onnxruntime kernel below does the same on onnxruntime's
-    buffers)."""
+    """One QuantGRU call on host arrays copied to the device (tests, benchmarks): validated (values too), its
+    CallPlan, the node's Params, device copies of the inputs, the outputs and a scratch buffer of its own;
+    ``launch(stream)`` issues the call exactly as the onnxruntime kernel does on onnxruntime's buffers."""
 
     def __init__(self, X, W, R, B, channel_exp, luts, sequence_lens=None, initial_h=None, *, hidden_size, bits,
                  exponents, zero_points, direction="forward", layout=0, units=None, per_step=False, sms=None,
@@ -808,64 +969,54 @@ class Prepared:
         t, n, c = gru_int.check_inputs(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h)
         self.t, self.n, self.c, self.h, self.d = t, n, c, a.hidden_size, a.num_directions
         if not SIM:
-            from .cuda_launch import current_device, sm_count
-            sms = sms or sm_count(current_device())
-        self.plan = Plan(n, self.h, self.d, bits, sms or 4, units=units)
-        self.xt = pick_xtile(bits, t * n, 3 * self.h, self.d, sms or 4, xtile)
-        self.kc = kc                            # tests: a shorter exact float sum (chunk boundaries on small C)
-        # the simulator runs blocks one after the other: a launch of several steps only without barriers there
-        self.per_step = per_step or (SIM and self.plan.nblk > 1)
-        prm, pch, qsc, dq = prepare(a, B, channel_exp)
-        dev = lambda v, dt: cuda.to_device(np.ascontiguousarray(v, dt).reshape(-1))  # noqa: E731
+            sms = sms or sm_count_now()
+        self.cp = CallPlan(a, t, n, c, sms or 4, initial_h is not None, sequence_lens is not None, units=units,
+                           xtile=xtile, kc=kc, per_step=per_step)
+        self.plan, self.xt, self.per_step = self.cp.plan, self.cp.xt, self.cp.per_step
+        self.params = Params(a)
         qt = np.int8 if bits == 8 else np.int16
-        self.x, self.w, self.r, self.lut = dev(X, np.float32), dev(W, qt), dev(R, qt), dev(luts, qt)
-        self.prm, self.pch, self.qsc, self.dq = dev(prm, np.int64), dev(pch, np.int64), dev(qsc, np.float64), \
-            dev(dq, np.float32)
-        self.flags = 12 | (1 if initial_h is not None else 0) | (2 if sequence_lens is not None else 0) | \
-            (16 if hidden_size % 4 == 0 else 0)
-        self.h0 = dev(initial_h if initial_h is not None else np.zeros(1), np.float32)
-        self.seql = dev(sequence_lens if sequence_lens is not None else np.zeros(1), np.int32)
+        i32, f32 = np.int32, np.float32
+        host = {"x": (X, f32), "w": (W, qt), "r": (R, qt), "luts": (luts, qt), "b": (B, i32), "ce": (channel_exp, i32),
+                "seql": (sequence_lens, i32), "h0": (initial_h, f32)}
+        self.bufs = {k: cuda.to_device(np.ascontiguousarray(v, dt).reshape(-1) if v is not None and np.size(v)
+                                       else np.zeros(1, dt)) for k, (v, dt) in host.items()}
         d, h = self.d, self.h
-        self.qwx = cuda.device_array(max(d * t * n * 3 * h, 1), np.int16)
-        self.hb = cuda.device_array(-(-max(2 * d * n * h, 4) // 4) * 4, np.int16)
-        self.hw = self.hb.view(np.uint64)
         self.y = cuda.device_array(max(t * d * n * h, 1), np.float32)
         self.yh = cuda.device_array(max(d * n * h, 1), np.float32)
-        self.cnt = cuda.to_device(np.zeros(self.plan.groups, np.uint64))
-        self.revmask = 1 if direction == "reverse" else (2 if direction == "bidirectional" else 0)
-        self.lo, self.hi = gru_int.qrange(bits)
+        self.scratch = cuda.device_array(self.cp.nbytes, np.uint8)
+        self.ptrs = {k: _dptr(v) for k, v in self.bufs.items()}
+        self.ptrs.update(y=_dptr(self.y), yh=_dptr(self.yh), scratch=_dptr(self.scratch))
+        self._prepped = False
 
-    def _args(self, p):
-        return ((self.qwx, self.r, self.lut, self.h0, self.seql, self.hb, self.hw, self.y, self.yh, self.cnt,
-                 self.prm,
-                 self.pch, self.qsc, self.dq),
-                (self.t, self.n, self.h, self.d, p.nch, p.nbc, p.units, p.ks),
-                (p.nblk, self.revmask, self.a.layout, self.lo, self.hi, gru_int.LUT_SHIFT[self.a.bits], p.llen,
-                 self.flags, p.pc_off, p.rs_off, p.hs_off, p.lt_off))
+    def _view(self, name, count, dtype):
+        o = self.cp.off[name]
+        return self.scratch[o:o + count * np.dtype(dtype).itemsize].view(dtype)
+
+    @property
+    def qwx(self):
+        """xproj's output (int16 [D*T*N*3H], a view of the scratch)."""
+        return self._view("qwx", self.cp.nq, np.int16)
+
+    @property
+    def pch(self):
+        """The parameter kernel's per-channel parameters (int64 [D*10H], a view of the scratch)."""
+        return self._view("pch", self.d * PC * self.h, np.int64)
+
+    @property
+    def lens(self):
+        """The sequence lengths the recurrence reads (int32 [N]: sequence_lens clamped to 0..T, or T)."""
+        return self._view("lens", max(self.n, 1), np.int32)
+
+    @property
+    def counters(self):
+        """The barrier counters (uint64 [groups])."""
+        return self._view("cnt", self.plan.groups, np.uint64)
 
     def launch(self, stream=0, what="all"):
-        """Issues the call's kernels on ``stream`` (``what``: "all", or "xproj" / "rec" alone, for timing)."""
-        p, bits = self.plan, self.a.bits
-        xargs = (self.x, self.w, self.qwx, self.prm, self.pch, self.qsc)
-        xsc = (self.t, self.n, self.c, self.h, self.a.layout, self.lo, self.hi)
-        arrays, head, tail = self._args(p)
-        steps = [(s, s + 1) for s in range(self.t)] if self.per_step else [(0, self.t)]
-        if self.t == 0:
-            steps = [(0, 0)]
-        if SIM:
-            if self.t * self.n and what != "rec":
-                xt = self.xt
-                xproj_fn(bits, xt, self.c, self.kc)[xt.blocks(self.t * self.n, 3 * self.h, self.d), xt.nt, 0,
-                                                    xt.smem](*xargs, *xsc)
-            if what == "xproj":
-                return
-            k = rec_fn(bits == 16, p.tn)
-            for s0, s1 in steps:
-                k[p.grid, p.tpb, 0, p.smem](*arrays, *head, s0, s1, *tail)
-            return
-        ptr = lambda v: (v.device_ctypes_pointer.value, (v.size,))  # noqa: E731
-        self.per_step = issue(bits, p, self.xt, self.c, self.t, self.n, [ptr(v) for v in xargs], xsc,
-                              [ptr(v) for v in arrays], head, tail, stream, self.per_step, what, self.kc)
+        """Issues the call's kernels on ``stream`` (``what``: "all", or "prep" / "xproj" / "rec" alone, for tests
+        and timing: xproj and rec alone run the parameter kernel only on the first launch)."""
+        self.per_step = issue(self.cp, self.params, self.ptrs, stream, what, prep=what == "all" or not self._prepped)
+        self._prepped = True
 
     def result(self):
         """(Y, Y_h) as numpy arrays with the reference's shapes."""
@@ -878,37 +1029,10 @@ class Prepared:
         return y.reshape(n, t, d, h), yh.reshape(n, d, h)
 
 
-def issue(bits, p, xt, c, t, n, xarrays, xsc, arrays, head, tail, stream, per_step, what="all", kc=None):
-    """GPU: launches xproj and the recurrent kernel (cooperative, all steps; or one launch per step when
-    ``per_step`` or when the grid cannot be resident at once). Returns per_step as used."""
-    xp, rc, rcc = launchers(bits, p.tn, c, xt, kc)
-    if t * n and what != "rec":
-        xp.launch(xt.blocks(t * n, 3 * head[2], head[3]), xt.nt, stream, *xarrays, *xsc, shmem=xt.smem)
-    if what == "xproj":
-        return per_step
-    if not per_step:
-        key = (id(rcc), p.tpb, p.smem)
-        if key not in _resident:
-            _resident[key] = occupancy(rcc, p.tpb, p.smem) * sm_count_now()
-        per_step = p.grid > _resident[key]
-    steps = [(0, t)] if not per_step or t == 0 else [(s, s + 1) for s in range(t)]
-    for s0, s1 in steps:
-        (rc if per_step else rcc).launch(p.grid, p.tpb, stream, *arrays, *head, s0, s1, *tail, shmem=p.smem)
-    return per_step
-
-
-_resident = {}
-
-
-def sm_count_now():
-    from .cuda_launch import current_device, sm_count
-    return sm_count(current_device())
-
-
 def run_arrays(*args, repeat=1, **kw):
     """QuantGRU on host arrays (the arguments of gru_int.quant_gru, plus ``units``/``per_step`` overrides):
-    returns (Y, Y_h). Under the CUDA simulator through the Numba dispatcher (one launch per step), on a GPU
-    through the direct (cooperative) launch path."""
+    returns (Y, Y_h). Under the CUDA simulator through _SimLauncher (one launch per step when a group has several
+    blocks), on a GPU through the direct (cooperative) launch path."""
     p = Prepared(*args, **kw)
     for _ in range(repeat):
         p.launch()
@@ -916,54 +1040,14 @@ def run_arrays(*args, repeat=1, **kw):
 
 
 # ---------------------------------------------------------------------------------------------------- onnxruntime
-def _to_host(ptr, shape, dtype, stream):
-    """A small device tensor copied to the host (stream-ordered, then waited for)."""
-    from .cuda_launch import check, libcuda
-    out = np.empty(shape, dtype)
-    if out.nbytes:
-        lib = libcuda()
-        lib.cuMemcpyDtoHAsync_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        lib.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
-        check(lib.cuMemcpyDtoHAsync_v2(out.ctypes.data, ptr, out.nbytes, stream), "cuMemcpyDtoHAsync")
-        check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
-    return out
-
-
-def _to_device(dst, arr, stream):
-    from .cuda_launch import check, libcuda
-    lib = libcuda()
-    lib.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    arr = np.ascontiguousarray(arr)
-    check(lib.cuMemcpyHtoDAsync_v2(dst.device_ctypes_pointer.value, arr.ctypes.data, arr.nbytes, stream),
-          "cuMemcpyHtoDAsync")
-
-
-class _Scratch:
-    """Per CUDA stream: parameter buffers, qWx and the h exchange buffer (grown on demand), barrier counters."""
-
-    def __init__(self, d, h):
-        self.prm = cuda.device_array(d * NP, np.int64)
-        self.pch = cuda.device_array(d * PC * h, np.int64)
-        self.qsc = cuda.device_array(d * 2, np.float64)
-        self.dq = cuda.device_array(d, np.float32)
-        self.bufs = {}
-        self.cnt = {}
-
-    def buf(self, name, size, dtype):
-        b = self.bufs.get(name)
-        if b is None or b.size < size:
-            b = self.bufs[name] = cuda.device_array(max(size, 1), dtype)
-        return b
-
-    def counters(self, groups, nblk):
-        """Zeroed counters for one plan (a counter must start each launch at a multiple of its nblk)."""
-        key = (groups, nblk)
-        if key not in self.cnt:
-            self.cnt[key] = cuda.to_device(np.zeros(groups, np.uint64))
-        return self.cnt[key]
-
-
 class QuantGRUCudaKernel(Kernel):
+    """Per call: the parameter kernel, xproj and the recurrence on onnxruntime's stream; every buffer is an input,
+    an output, the call's scratch from onnxruntime's allocator, or the node's read-only Params. Nothing is read
+    back to the host and nothing carries over between calls (the barrier counters are zeroed in the call's
+    scratch by the parameter kernel), so the launches depend only on the shapes: native plans (the cooperative
+    launch needs a bridge that replays it cooperatively, see _CoopLauncher.launch) and CUDA-graph capture."""
+    native_plans = True
+
     def __init__(self, **kw):
         super().__init__(**kw)
         from .bridge import KernelError
@@ -975,10 +1059,12 @@ class QuantGRUCudaKernel(Kernel):
             raise KernelError(str(e)) from None
         if self.in_types[1] != (3 if self.a.bits == 8 else 5):
             raise KernelError(f"bits={self.a.bits} needs int{self.a.bits} W, R and luts")
-        self.sms = sm_count_now()
-        self.plans = {}
-        self.scratch = {}
-        self.revmask = {"forward": 0, "reverse": 1, "bidirectional": 2}[self.a.direction]
+        self.sms = 4 if SIM else sm_count_now()
+        self.params = Params(self.a)
+        from .quantgru_prep_cuda import standin_channel_exp
+        self.ce_standin = standin_channel_exp(self.a)
+        self.calls = {}                         # (T, N, C, has initial_h, has sequence_lens) -> CallPlan
+        self._own = {}                          # stream -> scratch of calls without onnxruntime's (onnxruntime < 1.18)
 
     def compute(self, ctx, inputs):
         from .bridge import NP_DTYPES, KernelError
@@ -989,48 +1075,37 @@ class QuantGRUCudaKernel(Kernel):
         x, w, r, b, ce, lt, sl, h0 = ins
         stand = lambda v: None if v is None else np.broadcast_to(  # noqa: E731 - shape and dtype only
             np.zeros((), NP_DTYPES[v.elem_type]), v.shape)
-        ce_h = _to_host(ce.ptr, ce.shape, np.int32, ctx.stream) if len(ce.shape) == 3 and ce.elem_type == 6 \
-            else stand(ce)
-        sl_h = None if sl is None else (_to_host(sl.ptr, sl.shape, np.int32, ctx.stream) if len(sl.shape) == 1
-                                        else stand(sl))
+        ce_s = self.ce_standin if tuple(ce.shape) == self.ce_standin.shape and ce.elem_type == 6 else stand(ce)
         try:
-            t, n, c = gru_int.check_inputs(a, stand(x), stand(w), stand(r), stand(b), ce_h, stand(lt), sl_h,
+            t, n, c = gru_int.check_inputs(a, stand(x), stand(w), stand(r), stand(b), ce_s, stand(lt), stand(sl),
                                            stand(h0))
         except ValueError as e:
             raise KernelError(str(e)) from None
         d, h = a.num_directions, a.hidden_size
-        b_h = _to_host(b.ptr, b.shape, np.int32, ctx.stream)
         shapes = ((t, d, n, h), (d, n, h)) if a.layout == 0 else ((n, t, d, h), (n, d, h))
         y, yh = (ctx.output(i, s) for i, s in enumerate(shapes))
         if n == 0:
             return
-        s = self.scratch.get(ctx.stream)
-        if s is None:
-            s = self.scratch[ctx.stream] = _Scratch(d, h)
-        p = self.plans.get(n)
-        if p is None:
-            p = self.plans[n] = Plan(n, h, d, a.bits, self.sms)
-        for dst, v in zip((s.prm, s.pch, s.qsc, s.dq), prepare(a, b_h, ce_h)):
-            _to_device(dst, v, ctx.stream)
-        qwx = s.buf("qwx", d * t * n * 3 * h, np.int16)
-        hb = s.buf("hb", -(-2 * d * n * h // 4) * 4, np.int16)
-        cnt = s.counters(p.groups, p.nblk)
-        dev = lambda v: (v.device_ctypes_pointer.value, (v.size,))  # noqa: E731
-        flags = 12 | (1 if h0 is not None else 0) | (2 if sl is not None else 0) | (16 if h % 4 == 0 else 0)
-        xarr = [(x.ptr, (max(x.size, 1),)), (w.ptr, (w.size,)), dev(qwx), dev(s.prm), dev(s.pch), dev(s.qsc)]
-        lo, hi = gru_int.qrange(a.bits)
-        xsc = (t, n, c, h, a.layout, lo, hi)
-        arrays = [dev(qwx), (r.ptr, (r.size,)), (lt.ptr, (lt.size,)),
-                  (h0.ptr, (h0.size,)) if h0 is not None else (x.ptr, (1,)),
-                  (sl.ptr, (n,)) if sl is not None else dev(s.dq), dev(hb),
-                  (hb.device_ctypes_pointer.value, (hb.size // 4,)),
-                  (y, (max(t * d * n * h, 1),)), (yh, (d * n * h,)), dev(cnt), dev(s.prm), dev(s.pch), dev(s.qsc),
-                  dev(s.dq)]
-        head = (t, n, h, d, p.nch, p.nbc, p.units, p.ks)
-        tail = (p.nblk, self.revmask, a.layout, lo, hi, gru_int.LUT_SHIFT[a.bits], p.llen, flags, p.pc_off, p.rs_off,
-                p.hs_off, p.lt_off)
-        xt = pick_xtile(a.bits, t * n, 3 * h, d, self.sms)
-        issue(a.bits, p, xt, c, t, n, xarr, xsc, arrays, head, tail, ctx.stream, False)
+        key = (t, n, c, h0 is not None, sl is not None)
+        cp = self.calls.get(key)
+        if cp is None:
+            cp = self.calls[key] = CallPlan(a, t, n, c, self.sms, key[3], key[4])
+        if ctx.has_scratch:
+            sb = ctx.scratch(cp.nbytes)
+        else:
+            sb = self._own_scratch(ctx.stream, cp.nbytes)
+            plans.not_replayable()              # a buffer of ours that may be replaced: no plan may keep it
+        ptrs = {"x": x.ptr, "w": w.ptr, "r": r.ptr, "luts": lt.ptr, "b": b.ptr, "ce": ce.ptr,
+                "seql": sl.ptr if sl is not None else 0, "h0": h0.ptr if h0 is not None else 0, "y": y, "yh": yh,
+                "scratch": sb}
+        issue(cp, self.params, ptrs, ctx.stream)
+
+    def _own_scratch(self, stream, nbytes):
+        """Scratch kept per stream for onnxruntime without a scratch API (grown, never shrunk)."""
+        buf = self._own.get(stream)
+        if buf is None or buf.size < nbytes:
+            buf = self._own[stream] = cuda.device_array(max(nbytes, 1), np.uint8)
+        return _dptr(buf)
 
 
 KERNEL = QuantGRUCudaKernel

@@ -266,6 +266,49 @@ def test_pointers_into_the_scratch_become_scratch_patches_and_replays_take_this_
     assert launched[1] == [(0xF00, 3, 128, 0, [0x5550000 + 512, 0x5550000, 0xC00000 + 64, scratch + 4096])]
 
 
+COOP_FN = ctypes.CFUNCTYPE(_i, _p, *[ctypes.c_uint] * 7, _p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)))
+
+
+def test_cooperative_launches_are_replayed_cooperatively():
+    """A launch marked cooperative (Recorder.mark_cooperative, on the CUfunction given) is replayed through
+    cuLaunchCooperativeKernel with this call's pointers, the plain launches around it through cuLaunchKernel;
+    without a cooperative launch installed the step fails (status 1) instead of running non-cooperatively."""
+    coop = []
+
+    def coop_launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params):
+        coop.append((f, gx, bx, shmem, [params[i][0] for i in range(2)]))
+        return 0
+
+    def compute(rec):
+        rec.launch(0xA1, 1, 32, 0, [X_IN.ptr, 7], pointer_slots=[0])
+        rec.launch(0xB2, 20, 256, 4096, [X_IN.ptr + 64, 0x300000], pointer_slots=[0, 1])
+        rec.mark_cooperative(0xC3)
+        rec.launch(0xD4, 2, 64, 0, [0x300000, 9], pointer_slots=[0])
+
+    plan = LbPlan()
+    assert plans.fill(plan, _record(compute, [X_IN]), n_out=1)
+    assert [plan.steps[s].kind for s in range(3)] == [plans.LAUNCH, plans.COOP, plans.LAUNCH]
+    fn = COOP_FN(coop_launch)
+    old = bridge._lib.lb_set_launch_coop(ctypes.cast(fn, ctypes.c_void_p))
+    try:
+        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
+    finally:
+        bridge._lib.lb_set_launch_coop(old)
+    assert rc == (0, -1)
+    assert launched == [(0xA1, 1, 32, 0, [0xA00000, 7]), (0xD4, 2, 64, 0, [0xC00000, 9])]
+    assert coop == [(0xC3, 20, 256, 4096, [0xA00000 + 64, 0xC00000])]
+    old = bridge._lib.lb_set_launch_coop(None)
+    try:
+        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
+    finally:
+        bridge._lib.lb_set_launch_coop(old)
+    assert rc == (1, 1) and len(launched) == 1
+    with pytest.raises(ValueError, match="follows a kernel launch"):
+        rec = plans.Recorder([], [2])
+        rec.steps.append((plans.GEMM, 1, 0, 0, 0, [0] * 19, []))
+        rec.mark_cooperative(2)
+
+
 def test_calls_without_scratch_record_none():
     rec = _recorder()
     rec.launch(1, 1, 32, 0, [0x10000], pointer_slots=[0])
