@@ -177,3 +177,143 @@ def test_matmul_cuda_session(lead, k, n, bs, qt, dtype, bias):
                                         providers=["CUDAExecutionProvider"])
     y = sess.run(None, {"a": a})[0]
     assert _rel(y, nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)) <= _tol(dtype)
+
+
+def _dequant_variants():
+    """Every option of the transposed=1 kernel at least once (dequantnf4_cuda.Variant), with a small block and grids
+    of 1 block per SM (grid-stride over several tiles) or one block per tile (bps=0). ``sms`` = 1 below."""
+    from onnx_lowbit.custom_ops.dequantnf4_cuda import LEGACY, Variant as V
+    return [LEGACY, V(4, 2, 32, 1, "v4"), V(4, 1, 32, 0, "scalar"), V(8, 2, 32, 1, "v4cs"), V(8, 4, 64, 0, "scalar"),
+            V(16, 1, 32, 1, "v4"), V(16, 2, 32, 0, "v4cs", h2=True), V(32, 1, 32, 1, "v4", "nc"),
+            V(32, 2, 32, 0, "v4cs", "nc_na", h2=True), V(32, 1, 64, 1, "scalar", "ld")]
+
+
+@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+@pytest.mark.parametrize("adt", [np.float32, np.float16])
+@pytest.mark.parametrize("vi", range(10))
+def test_dequant_cuda_variants(vi, adt):
+    """Each kernel variant bit-exact with the CPU face (fp32 and fp16 output): element counts that are odd (the
+    last byte's low nibble unused), not multiples of a step (a tail of 1..epv-1 elements), a partial last block,
+    K not a multiple of the block (blocks straddle rows of W^T), fewer elements than one step."""
+    from onnx_lowbit.custom_ops import dequantnf4_cpu, dequantnf4_cuda
+    v = _dequant_variants()[vi]
+    for k, n, bs, qt in [(33, 3, 32, "nf4"), (100, 7, 32, "fp4"), (96, 5, 64, "nf4"), (1, 5, 32, "nf4")]:
+        q, am = _quantized(k, n, bs, qt, seed=vi)
+        am = am.astype(adt)
+        code = nf4.code(qt).astype(np.float32)
+        w = dequantnf4_cuda.run_arrays(q, am, code, k, n, bs, True, variant=v, sms=1)
+        ref = dequantnf4_cpu.dequantize(q, am, code, k, n, bs, True)
+        assert w.dtype == ref.dtype and w.shape == (n, k)
+        assert np.array_equal(w.view(np.uint8), ref.view(np.uint8)), (v, k, n)
+
+
+def test_dequant_variant_launch_arguments():
+    """rows_args / geometry: the views a variant's kernel gets stay inside the input and output buffers, and the
+    alignment a variant asks of them matches its loads and stores."""
+    from onnx_lowbit.custom_ops import dequantnf4_cuda as dq
+    for v in _dequant_variants():
+        for total in (1, 99, 700, 4096 * 11008):
+            for f16 in (False, True):
+                args = dq.rows_args(v, f16, 0, (total + 1) // 2, 0, 1, 0, 0, total, 64)
+                if v.epv == 2:
+                    continue
+                qbytes = args[0][1][0] * (4 if v.epv == 32 else np.dtype(dq._QTYPE[v.epv]).itemsize)
+                assert qbytes <= (total + 1) // 2 and args[1][1][0] == (total + 1) // 2
+                assert args[4][1][0] * 4 <= total * (2 if f16 else 4) and args[5][1][0] == total
+                grid, block = dq.geometry(v, total, 132)
+                assert grid >= 1 and block == v.block and (v.bps == 0 or grid <= v.bps * 132)
+        assert v.q_align() == max(1, v.epv // 2) and v.out_align() in (1, 4, 16)
+    assert dq.DEFAULT["float32"].epv in (2, 4, 8, 16, 32) and dq.DEFAULT["float16"].epv in (2, 4, 8, 16, 32)
+
+
+class _SimLauncher:
+    """cuda_launch.Launcher's stand-in under the simulator: the kernel runs on arrays over the given host pointers."""
+
+    def __init__(self, fn, sig, variant):
+        self.fn, self.sig, self.variant = fn, sig, variant
+        self.used = []
+
+    def blocks_per_sm(self, block, shmem=None):
+        return 2
+
+    def launch(self, grid, block, stream, *args, shmem=None):
+        import ctypes
+
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        from onnx_lowbit.custom_ops.cuda_launch import Array
+        conv = []
+        for s, a in zip(self.sig, args):
+            if isinstance(s, Array):
+                ptr, (n,) = a
+                buf = (ctypes.c_char * max(1, n * s.dtype.itemsize)).from_address(ptr)
+                conv.append(FakeCUDAArray(np.frombuffer(buf, s.dtype, count=n)))
+            else:
+                conv.append(a)
+        self.used.append(self.variant)
+        self.fn[grid, block](*conv)
+
+
+def _aligned(nbytes, offset):
+    """A host buffer and the address ``offset`` bytes past a 256-byte boundary in it."""
+    b = np.zeros(nbytes + 512, np.uint8)
+    return b, (b.ctypes.data + 255) // 256 * 256 + offset
+
+
+@pytest.mark.skipif(not SIM, reason="stand-in launches over host memory: simulator only")
+@pytest.mark.parametrize("adt", [np.float32, np.float16])
+def test_dequant_kernel_object_default_and_fallback(monkeypatch, adt):
+    """DequantNF4CudaKernel.compute as a session calls it, with a vector variant as DEFAULT: the variant for an
+    aligned packed input, LEGACY for one that is not (bit-exact both ways), and a clear error for an output not
+    aligned to the variant's 16-byte stores."""
+    import ctypes
+    from types import SimpleNamespace
+
+    from onnx_lowbit.custom_ops import cuda_launch, dequantnf4_cpu
+    from onnx_lowbit.custom_ops import dequantnf4_cuda as dq
+    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
+    from onnx_lowbit.custom_ops.cuda_launch import Array
+    vec = dq.Variant(8, 2, 32, 1, "v4") if adt == np.float32 else dq.Variant(16, 1, 32, 0, "v4cs", h2=True)
+    launchers = []
+
+    def fake_launcher(transposed, dtype, variant=None):
+        v = variant or dq.LEGACY
+        f16 = np.dtype(dtype) == np.float16
+        if v.epv == 2:
+            fn, sig = dq.dequant_rows, [Array(np.uint64), Array(np.uint8), Array(dtype), Array(np.float32),
+                                        Array(dtype), "int64", "int64", "int64"]
+        else:
+            ow, oe = (np.uint32, np.uint16) if f16 else (np.float32, np.float32)
+            fn, sig = dq._make_vec(*v.kernel_key(f16)), [Array(dq._QTYPE[v.epv]), Array(np.uint8), Array(dtype),
+                                                        Array(np.float32), Array(ow), Array(oe), "int64", "int64"]
+        launchers.append(_SimLauncher(fn, sig, v))
+        return launchers[-1]
+
+    monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
+    monkeypatch.setattr(dq, "_launcher", fake_launcher)
+    monkeypatch.setattr(dq, "DEFAULT", {np.dtype(adt).name: vec})
+    monkeypatch.setattr(dq.cuda, "to_device", lambda a: SimpleNamespace(keep=a, device_ctypes_pointer=SimpleNamespace(
+        value=a.ctypes.data)))
+    k, n, bs, qt = 100, 7, 32, "nf4"
+    q, am = _quantized(k, n, bs, qt, seed=3)
+    am = am.astype(adt)
+    tid = 1 if adt == np.float32 else 10
+    kern = dq.DequantNF4CudaKernel(spec=domain.OPS["DequantNF4"], node_name="t", in_types=(2, tid), out_types=(tid,),
+                                   attrs={"quant_type": qt, "block_size": bs, "K": k, "N": n, "transposed": 1})
+    assert kern.variant == vec
+    ref = dequantnf4_cpu.dequantize(q, am, nf4.code(qt).astype(np.float32), k, n, bs, True)
+    for q_off, out_off, want in [(0, 0, vec), (1, 0, dq.LEGACY), (0, 4, None)]:
+        qb, qp = _aligned(q.nbytes, q_off)
+        np.frombuffer((ctypes.c_char * q.nbytes).from_address(qp), np.uint8)[:] = q
+        ob, op = _aligned(ref.nbytes, out_off)
+        ctx = SimpleNamespace(stream=0, output=lambda index, shape, op=op: op)
+        inputs = [Tensor(qp, 2, q.shape), Tensor(am.ctypes.data, tid, am.shape)]
+        if want is None:
+            with pytest.raises(KernelError, match="aligned to 16 bytes"):
+                kern.compute(ctx, inputs)
+            continue
+        kern.compute(ctx, inputs)
+        assert launchers[-1].used[-1] == want
+        got = np.frombuffer((ctypes.c_char * ref.nbytes).from_address(op), ref.dtype)
+        assert np.array_equal(got.view(np.uint8), ref.reshape(-1).view(np.uint8)), want
