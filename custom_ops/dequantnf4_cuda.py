@@ -29,7 +29,8 @@ import numpy as np
 from numba import config, cuda, float32, uint16, uint32, uint64
 
 from . import nf4_common
-from .dequantawq_cuda import SIM, f2h, make_st, pack_h2
+from .dequantawq_cuda import f2h, make_st, pack_h2
+from .fusedffn_cuda import _make_ld4
 from .kernels import Kernel
 
 BLOCK = 256
@@ -113,34 +114,6 @@ DEFAULT = {"float32": Variant(epv=4, unroll=8, block=512, bps=0, store='v4', loa
 
 _QTYPE = {4: np.uint16, 8: np.uint32, 16: np.uint64, 32: np.uint32}   # packed step as loaded (epv 32: ld4 words)
 _LD = {"ld": "ld.global.v4.u32", "nc": "ld.global.nc.v4.u32", "nc_na": "ld.global.nc.L1::no_allocate.v4.u32"}
-
-
-def _make_ld4(asm):
-    """ld4(words, i) -> the 4 uint32 words [4i, 4i+4) of a uint32 array as one 128-bit load (``asm``: the PTX
-    load instruction without operands; as fusedffn_cuda's). The address must be 16-byte aligned."""
-    if SIM:
-        def ld4(a, i):
-            j = 4 * int(i)
-            return a[j], a[j + 1], a[j + 2], a[j + 3]
-        return ld4
-    from llvmlite import ir
-    from numba import types
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def ld4(typingctx, arr, idx):
-        rt = types.UniTuple(types.uint32, 4)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            i = context.cast(builder, args[1], sig.args[1], types.uint64)
-            ptr = builder.gep(ary.data, [builder.shl(i, ir.Constant(ir.IntType(64), 2))])
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ptr.type])
-            res = builder.call(ir.InlineAsm(fnty, asm + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l"), [ptr])
-            return context.make_tuple(builder, rt, [builder.extract_value(res, k) for k in range(4)])
-        return rt(arr, idx), codegen
-    return ld4
 
 
 def _make_vec(epv, unroll, store, load, h2, f16):
