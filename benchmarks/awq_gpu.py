@@ -25,7 +25,7 @@ import traceback
 
 import numpy as np
 
-from timing import time_cuda, time_graph  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import copy_gbps, time_cuda, time_graph  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 from onnx_lowbit import awq
 
@@ -125,12 +125,8 @@ def throughput(weights, variants, rows_out):
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
 
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy = time_cuda(lambda: dst.copy_(src))
-    copy_bw = 2 * src.numel() / t_copy / 1e3
+    copy_bw, t_copy = copy_gbps()
     rows_out.append(("d2d copy 256 MiB (read+write)", t_copy, copy_bw, None))
-    del src, dst
 
     dev = [tuple(torch.from_numpy(np.ascontiguousarray(t)).cuda() for t in w) for w in weights]
     w16 = [torch.from_numpy(awq.dequantize(*w, G, K, N)).cuda() for w in weights]

@@ -24,7 +24,7 @@ import time
 import traceback
 
 import numpy as np
-from timing import time_graph
+from timing import COPY_BYTES, copy_gbps, time_graph
 
 K, N, BS, G = 4096, 11008, 64, 128
 
@@ -211,14 +211,6 @@ def awq(table, sms, stream):
     run_case(table, "AWQ->float16", awq_variants(), dc.LEGACY, make_fn, nbytes, check, sweep)
 
 
-def copy_time():
-    """us per 256 MiB device-to-device copy (CUDA graph, as the kernels)."""
-    import torch
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return time_graph(lambda: dst.copy_(src))
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--op", choices=["nf4", "awq", "all"], default="all")
@@ -232,12 +224,11 @@ def main():
     torch.cuda.init()
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731 - the capture stream inside time_graph
-    t_copy = copy_time()
-    copy_bw = 2 * (256 << 20) / t_copy / 1e3
+    copy_bw, t_copy = copy_gbps(graph=True)      # a CUDA graph, as the kernels
     table = Table(copy_bw)
     print(f"\n{'case':14s} {'variant (fields != LEGACY)':44s} {'us':>8s} {'GB/s':>7s} {'%copy':>6s}  "
           f"{'exact':9s} notes")
-    table.add("copy", "device copy 256 MiB (read + write)", None, t_copy, 2 * (256 << 20), None)
+    table.add("copy", "device copy 256 MiB (read + write)", None, t_copy, COPY_BYTES, None)
     if a.op in ("nf4", "all"):
         nf4(table, sms, stream)
     if a.op in ("awq", "all"):

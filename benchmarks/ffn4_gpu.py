@@ -18,7 +18,7 @@ import time
 import traceback
 
 import numpy as np
-from timing import time_cuda, time_graph
+from timing import copy_gbps, time_cuda, time_graph
 
 K, N, BS, G = 4096, 11008, 64, 128
 PEAK = 2900.0
@@ -71,11 +71,8 @@ def main():
     dnq = [(td(q), td(am)) for q, am in nq]
     daw = [tuple(td(t) for t in w) for w in aw]
     w16 = [torch.randn(K, N, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy = time_cuda(lambda: dst.copy_(src))
-    print(f"device copy 256 MiB: {t_copy:.1f} us = {2 * src.numel() / t_copy / 1e3:.0f} GB/s")
-    src = dst = None
+    bw, t_copy = copy_gbps()
+    print(f"device copy 256 MiB: {t_copy:.1f} us = {bw:.0f} GB/s")
     dcode = td(code)
     nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
     nlut32 = td(fusedffnnf4_cuda.lut_for(code, False).view(np.int32))
@@ -117,8 +114,9 @@ def main():
         chk = lambda ref: (lambda: rel(s.float().cpu().numpy(), ref))  # noqa: E731
 
         # ---- NF4 fused
-        def nf4_fused(pair=True, cols=fusedffnnf4_cuda.COLS, scale=1, prefetch=True):
+        def nf4_fused(pair=None, cols=fusedffnnf4_cuda.COLS, scale=1, prefetch=True):
             mt = fusedffnnf4_cuda.bucket(m)
+            pair = fusedffnnf4_cuda.PAIR[mt] if pair is None else pair
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, prefetch)
             block = fusedffnnf4_cuda.threads(K)
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)

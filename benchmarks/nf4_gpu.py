@@ -62,7 +62,7 @@ def main():
     y1 = torch.empty(1, N, device="cuda", dtype=torch.float16)
     y2 = torch.empty_like(y1)
     L = mm._launcher("fast", np.float16)
-    L1 = mm._launcher("m1", np.float16)
+    L1 = mm._launcher("m1", np.float16, mm.m1_pair(K))
     stream = torch.cuda.current_stream().cuda_stream
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
@@ -83,7 +83,7 @@ def main():
         print(f"  variant: register-x M=1 kernel, grid {gb}: {time_cuda(lambda: ours_m1(gb)):.1f} us")
     from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
     for cols in (8, 16):
-        kv = Launcher(mm._make_m1(cols), [Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32),
+        kv = Launcher(mm._make_m1(cols, prefetch=False, pair=True), [Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32),
                                           Array(np.float16), "int32", Array(np.float16), "int64", "int64", "int64"],
                       dynamic_shared=mm.TAB_BYTES)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from timing import time_cuda, time_graph
+from timing import copy_gbps, time_graph
 
 BS = 64
 
@@ -34,11 +34,7 @@ def main():
     print("GPU:", torch.cuda.get_device_name(0))
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy = time_cuda(lambda: dst.copy_(src))
-    print(f"device copy 256 MiB: {2 * src.numel() / t_copy / 1e3:.0f} GB/s")
-    src = dst = None
+    print(f"device copy 256 MiB: {copy_gbps()[0]:.0f} GB/s")
     code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": 64, "N": 64})[4]
     td = lambda v: torch.from_numpy(np.ascontiguousarray(v)).cuda()  # noqa: E731
     ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import cuda, uint32, uint64
-from timing import time_cuda, time_graph
+from timing import copy_gbps, time_graph
 
 K, N = 4096, 11008
 WPR = K // 16
@@ -70,10 +70,7 @@ def main():
     torch.zeros(1, device="cuda")     # the primary context, current (as the other benchmarks)
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
-    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy = time_cuda(lambda: dst.copy_(src))
-    print(f"GPU {torch.cuda.get_device_name(0)}, copy 256 MiB: {2 * src.numel() / t_copy / 1e3:.0f} GB/s")
+    print(f"GPU {torch.cuda.get_device_name(0)}, copy 256 MiB: {copy_gbps()[0]:.0f} GB/s")
     q1 = torch.randint(0, 2 ** 62, (N * WPR,), dtype=torch.int64, device="cuda")
     q3 = torch.randint(0, 2 ** 62, (N * WPR,), dtype=torch.int64, device="cuda")
     qq = torch.cat([q1, q3])

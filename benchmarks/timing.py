@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 
 BATCH = 20
+COPY_BYTES = 2 * (256 << 20)   # bytes one 256 MiB device-to-device copy moves (read + write)
 
 
 def time_cuda(fn, iters=30, warmup=5, batch=BATCH):
@@ -50,6 +51,17 @@ def time_graph(fn, iters=30, batch=BATCH):
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3 / batch)
     return statistics.median(ts)
+
+
+def copy_gbps(graph=False):
+    """(GB/s, us per copy) of a 256 MiB device-to-device copy (COPY_BYTES moved): the bandwidth the benchmarks
+    compare their kernels with. ``graph``: timed with time_graph (as dequant_gpu times its kernels), else with
+    time_cuda (the figure the other benchmarks print)."""
+    import torch
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = (time_graph if graph else time_cuda)(lambda: dst.copy_(src))
+    return COPY_BYTES / us / 1e3, us
 
 
 def time_wall(fn, runs, warmup=0):

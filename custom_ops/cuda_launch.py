@@ -177,3 +177,42 @@ class Launcher:
             if rec is not None:
                 rec.launch(self.handle.value, int(grid), int(block), int(shmem),
                            [int.from_bytes(bytes(v), "little") for v in self._flat], self._pointer_slots)
+
+
+class SimLauncher:
+    """Launcher's stand-in under Numba's CUDA simulator (QuantGRU there, and tests): the same ``launch`` arguments,
+    1-D arrays as ``(pointer, (nitems,))``, turned back into arrays over the simulator's host memory (no copies:
+    pointers into one buffer stay aliases). Records into a native plan being recorded as Launcher does (arrays
+    flattened the same way, the kernel keyed by ``id(fn)``), so tests can check the plan; ``last_slots`` (on the
+    instance and its class) holds the last launch's data pointer slots, one flat index per array argument. Numba's
+    simulator is imported only at launch: this module stays importable without a GPU and without the simulator."""
+
+    last_slots = []
+
+    def __init__(self, fn, signature, *, empty=1):
+        """``empty``: what a null pointer or an empty array becomes: ``max(nitems, empty)`` zeros, or with 0 an
+        empty array (strict: a kernel that reads it fails)."""
+        self.fn, self.sig, self.empty = fn, signature, empty
+
+    def launch(self, grid, block, stream, *args, shmem=None):
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        conv, flat, slots = [], [], []
+        for s, v in zip(self.sig, args):
+            if isinstance(s, Array):
+                ptr, (n,) = v
+                it = s.dtype.itemsize
+                if ptr and n:
+                    ary = np.frombuffer((ctypes.c_char * (n * it)).from_address(ptr), s.dtype)
+                else:
+                    ary = np.zeros(max(n, self.empty) if self.empty else 0, s.dtype)
+                conv.append(FakeCUDAArray(ary))
+                slots.append(len(flat) + 4)
+                flat += [0, 0, n, it, int(ptr or 0), n, it]
+            else:
+                conv.append(v)
+                flat.append(int(v))
+        self.fn[grid, block, 0, shmem or 0](*conv)
+        self.last_slots = type(self).last_slots = slots
+        rec = plans.active()
+        if rec is not None:
+            rec.launch(id(self.fn), int(grid), int(block), int(shmem or 0), flat, slots)

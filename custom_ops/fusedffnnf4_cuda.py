@@ -55,6 +55,12 @@ FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
 U32 = np.uint64(32)
 DEFAULT_BLOCKS_PER_SM = 4
+EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
+PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
+                            # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
+                            # 17.0 at 2048 -> 2 x 8192 (6 blocks of 128 threads per SM instead of 3: no 64 KiB
+                            # table), 27.0 against 28.5 at 4096 -> 2 x 11008; at M=2 (MT=2, 124 registers) the
+                            # pair table stays faster at 4096 (27.5 against 32.9 us)
 TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc_cuda); H100, LLaMA-7B gate+up
                           # (BENCHMARKS.md): M=1 42.4 us against 31.7 for the decode kernel, M=2 43.3 / 31.7,
                           # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3
@@ -108,7 +114,8 @@ def _make_rs(nv):
     return cuda.jit(device=True, inline=True)(ns["rs"])
 
 
-def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False):
+def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
+                 early=False):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -118,9 +125,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     reads 16 distinct bank pairs); else the 16-entry fp32 code table (a shift, a mask and a load per nibble).
     ``max_registers``: ptxas limit (default MAX_REGISTERS[mt]). ``matmul``: MatMulNF4's M=1 kernel instead (one
     weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their own dtype, the 16 fp32 code
-    values from which the pair table is built, column slices from the grid size; mt = 1, pair only).
+    values from which the pair table is built, column slices from the grid size; mt = 1).
     ``pingpong`` (with prefetch): the step loop unrolled twice with the two word buffers' roles swapped, instead
-    of copying the prefetched words into the current ones (fewer moves, twice the code)."""
+    of copying the prefetched words into the current ones (fewer moves, twice the code). ``early`` (with
+    prefetch): x and the first step's words are loaded before the table is built, so the table build overlaps
+    their latency (matters when a block has only a few steps). matmul with pair=False: the 16-entry table built
+    from the 16 code values (no dynamic shared memory: occupancy bound by registers only)."""
     nw = 1 if matmul else 2
     if max_registers is None and cols == COLS and prefetch:     # the default geometry; variants: ptxas's choice
         max_registers = MAX_REGISTERS.get(mt)
@@ -147,18 +157,30 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     a("    lane = tid & U31")
     a("    warp = tid >> U5")
     a("    nwarps = nthreads >> U5")
-    a("    i = tid")
-    if pair:
-        a("    while i < U4096:")
-        if matmul:      # from the 16 fp32 code values: low half code[v >> 4], high half code[v & 15]
-            a("        v = i >> U4")
-            a("        tab[(v << U5) | (i & U15)] = uint64(f2u(lut[v >> U4])) | (uint64(f2u(lut[v & U15])) << U32)")
-        else:
-            a("        tab[((i >> U4) << U5) | (i & U15)] = lut[i >> U4]")
+    tsrc = ["    i = tid"]      # the table build: emitted before or (early) after the first loads
+    t_ = tsrc.append
+    if pair:        # unrolled by 4 (independent loads and stores in flight), then the remainder
+        ent = ("uint64(f2u(lut[(I >> U4) >> U4])) | (uint64(f2u(lut[(I >> U4) & U15])) << U32)" if matmul else
+               "lut[I >> U4]")   # matmul: from the 16 fp32 code values: low half code[v >> 4], high half code[v & 15]
+        t_("    n3 = nthreads * U3")
+        t_("    while i + n3 < U4096:")
+        for u in range(4):
+            iu = "i" if u == 0 else f"i{u}"
+            if u:
+                t_(f"        {iu} = i + nthreads * uint32({u})")
+            t_(f"        e{u} = {ent.replace('I', iu)}")
+        for u in range(4):
+            iu = "i" if u == 0 else f"i{u}"
+            t_(f"        tab[(({iu} >> U4) << U5) | ({iu} & U15)] = e{u}")
+        t_("        i = uint32(i + (nthreads << uint32(2)))")
+        t_("    while i < U4096:")
+        t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
     else:
-        a("    while i < U16:")
-        a("        tab[i] = lut[i]")
-    a("        i = uint32(i + nthreads)")
+        t_("    while i < U16:")
+        t_("        tab[i] = f2u(lut[i])" if matmul else "        tab[i] = lut[i]")
+    t_("        i = uint32(i + nthreads)")
+    if not (early and prefetch):
+        src.extend(tsrc)
     a("    lane8 = (tid & U15) << U3")
     a("    wpr = uint32(k_dim) >> U4")
     a("    sh = uint32(bs_shift)")
@@ -208,6 +230,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     a("    wb = mad32(n_lo, wpr, tcl)")
     if prefetch:
         loads(a, "", "n0", "wb", "    ")
+    if early and prefetch:
+        src.extend(tsrc)
     a("    cuda.syncthreads()")
     a("    buf = uint32(0)")
     a("    while n0 < n_hi:")
@@ -365,8 +389,9 @@ def threads(k):
 
 
 def parts_for(n, nch, sms, occupancy, cols=COLS):
-    """Column slices: about sms * occupancy blocks in all (one wave), never fewer than one step per slice."""
-    return max(1, min(-(-n // cols), (sms * occupancy) // nch))
+    """Column slices: at most sms * occupancy blocks in all (one wave), every slice the same number of steps
+    (nf4_common.even_parts)."""
+    return nf4_common.even_parts(-(-n // cols), max(1, (sms * occupancy) // nch))
 
 
 def _sig(a16, generic, pair=True):
@@ -380,14 +405,16 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
-def launcher(a16, mt, pair=True, cols=COLS, prefetch=True, pingpong=False, max_registers=None):
+def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers) if mt else ())
+    pair = PAIR.get(mt, True) if pair is None else pair
+    early = EARLY.get(mt, False) if early is None else early
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early) if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
-                                                                 pingpong=pingpong)
+                                                                 pingpong=pingpong, early=early)
         lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and pair else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -400,8 +427,8 @@ def blocks_per_sm(launcher_, block):
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               force_generic=False, pair=True, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
-               repeat=1):
+               force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
+               repeat=1, early=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -427,12 +454,14 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         grid, block, mt = -(-n // gw), 32 * gw, None
     else:
         mt = bucket(m)
+        pair = PAIR[mt] if pair is None else pair
+        early = EARLY[mt] if early is None else early
         nch = -(-m // mt)
         block = threads(k)
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
-            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers), block)
+            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early), block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -444,12 +473,13 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair)), db1, db3,
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
-        kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong)
+        kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
+                                                                                   early=early)
         for _ in range(repeat):
             kern[grid, block, 0, 0 if generic or not pair else TAB_BYTES](*args)
     else:
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()
@@ -464,9 +494,10 @@ class FusedFFNNF4CudaKernel(Kernel):
         from .cuda_launch import current_device, sm_count
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.a16 = self.in_types[0] == 10
-        self.lut = cuda.to_device(lut_for(code))
+        self.luts = {p: cuda.to_device(lut_for(code, p)) for p in (False, True)}
+        self.lut_args = {mt: (self.luts[PAIR[mt]].device_ctypes_pointer.value, (self.luts[PAIR[mt]].size,))
+                         for mt in MT_BUCKETS}
         self.code = cuda.to_device(code)
-        self.lut_arg = (self.lut.device_ctypes_pointer.value, (self.lut.size,))
         self.code_arg = (self.code.device_ctypes_pointer.value, (16,))
         self.generic = launcher(self.a16, None)
         self.sms = sm_count(current_device())
@@ -515,7 +546,7 @@ class FusedFFNNF4CudaKernel(Kernel):
             parts = self.parts[m]
             self.fast[mt].launch(-(-m // mt) * parts, self.block, ctx.stream, *common,
                                  (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
-                                 (am3.ptr, (am3.size,)), self.lut_arg, *tail, m, k, n, self.bs.bit_length() - 5,
+                                 (am3.ptr, (am3.size,)), self.lut_args[mt], *tail, m, k, n, self.bs.bit_length() - 5,
                                  parts, hb1, hb3)
         else:
             self.generic.launch(-(-n // GEN_WARPS), 32 * GEN_WARPS, ctx.stream, *common, (q1.ptr, (q1.size,)),

@@ -7,9 +7,11 @@ through L1; x is tiny and shared by all warps), scales each word's partial sum b
 reduces across the warp with shuffles. The fp16/fp32 weight is never written.
 M=1 kernel (K % 16 == 0, K <= 16384): fusedffnnf4_cuda's decode generator in its one-weight mode (thread t owns
 word t of every row with its 16 x values in registers, a block streams a contiguous slice of columns M1_COLS at
-a time, byte-pair code table in dynamic shared memory addressed by one PRMT per byte, 32-bit index math, warp
-reduce-scatter and one barrier per step; SASS: 412 instructions per 128 nibbles on every warp's path, 80
-registers (the limit), no spills; was 633 per 64 nibbles in the step loop).
+a time with the next step's words in flight, 32-bit index math, warp reduce-scatter and one barrier per step).
+Decoding below K = 4096 through the 16-entry code table in static shared memory, which is faster there than the
+64 KiB byte-pair table (the pair table's shared memory caps a 128-thread block at 3 per SM); from K = 4096 on
+through the pair table, built while the first words load (3-5% faster there; BENCHMARKS.md,
+benchmarks/nf4shapes_gpu.py). Column slices are sized so that every block walks the same number of steps.
 Generic kernel (any K, any M): same warp-per-column scheme, element by element; correct, not tuned (prefill).
 """
 from __future__ import annotations
@@ -26,13 +28,17 @@ from .kernels import Kernel
 WARPS_PER_BLOCK = 8
 MAX_M_FAST = 16
 RED_SIZE = 1024
-M1_COLS = 8                 # columns per step of the M=1 kernel (8 words in flight per thread; no prefetch: 64
-                            # registers; prefetching 8 more needs 96)
+M1_COLS = 4                 # columns per step of the M=1 kernel, with the next step's 4 words prefetched
+M1_PREFETCH = True
+M1_PAIR_MIN_K = 4096        # the byte-pair table from this K on, else the 16-entry table. H100, x[1, K] fp16,
+                            # weights cycled past L2 (nf4shapes_gpu.py), us, 16-entry / pair (built early) / the
+                            # old default (pair, 8 columns, no prefetch): 2048x2048 4.73 / 5.35 / 5.61, 2048x4096
+                            # 5.94 / 6.93 / 7.10, 8192x2048 8.76 / 8.75 / 9.87, 4096x11008 15.96 / 15.22 / 18.94
+M1_PAIR = False             # _make_m1's default
 M1_MAX_REGISTERS = 80       # ptxas limit of the M=1 kernel (no spills)
 TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
                             # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
                             # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
-M1_BLOCKS_PER_SM = 3        # at most (dynamic shared memory: the 64 KiB byte-pair table per block)
 TAB_BYTES = 255 * 256 + 16 * 8  # byte-pair table (dynamic shared memory): byte v, copy l at v * 256 + l * 8
 U0, U1, U4, U15, U16, U32 = (np.uint64(v) for v in (0, 1, 4, 15, 16, 32))
 FULL = np.uint32(0xFFFFFFFF)
@@ -235,15 +241,17 @@ def _make_fast():
     return gemv16
 
 
-def _make_m1(COLS=None, prefetch=False, max_registers=None):  # noqa: N803 - the keyword benchmarks pass
+def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, early=False):  # noqa: N803
     """M = 1, K % 16 == 0, K / 16 <= 1024: fusedffnnf4_cuda's decode kernel generator in its one-weight mode
     (thread t owns word t of every row with its 16 x values in registers; a block walks a contiguous slice of
     columns, M1_COLS per step (prefetch=True: the next step's words in flight too); byte-pair table in dynamic
     shared memory addressed by one PRMT per byte; 32-bit index math; warp reduce-scatter + one barrier per
     step). Signature (a, q64, absmax, code, bias, has_bias, y, k_dim, n_dim, bs_shift); column slices = grid
-    size; dynamic shared memory TAB_BYTES (a Launcher of it needs dynamic_shared=TAB_BYTES)."""
+    size; dynamic shared memory TAB_BYTES (a Launcher of it needs dynamic_shared=TAB_BYTES; none with pair=False:
+    the 16-entry table). ``early``: the table is built while the first step's words load (with prefetch)."""
     from .fusedffnnf4_cuda import _make_decode
-    return _make_decode(1, False, True, COLS or M1_COLS, prefetch, max_registers or M1_MAX_REGISTERS, matmul=True)
+    return _make_decode(1, False, pair, COLS or M1_COLS, prefetch, max_registers or M1_MAX_REGISTERS, matmul=True,
+                        early=early)
 
 
 def _make_generic():
@@ -279,15 +287,19 @@ def _make_generic():
 
 
 GEMV16 = _make_fast()
-_M1 = []
+_M1 = {}
 
 
-def gemv_m1():
-    """The default M=1 kernel (built on first use: its generator lives in fusedffnnf4_cuda, which imports this
-    module)."""
-    if not _M1:
-        _M1.append(_make_m1())
-    return _M1[0]
+def m1_pair(k):
+    return k >= M1_PAIR_MIN_K
+
+
+def gemv_m1(pair=False):
+    """The default M=1 kernel with the 16-entry or (pair) the byte-pair table (built on first use: its generator
+    lives in fusedffnnf4_cuda, which imports this module)."""
+    if pair not in _M1:
+        _M1[pair] = _make_m1(pair=pair, early=pair)
+    return _M1[pair]
 GENERIC = _make_generic()
 
 
@@ -303,12 +315,14 @@ def m1_block(k):
     return max(32, ((k // 16 + 31) // 32) * 32)
 
 
-def m1_grid(n, sms=132, k=4096):
-    """One wave of column slices: blocks per SM bounded by shared memory (M1_BLOCKS_PER_SM), threads and
-    registers (M1_MAX_REGISTERS per thread)."""
+def m1_grid(n, sms=132, k=4096, cols=M1_COLS, pair=None):
+    """One wave of column slices, every slice the same number of steps (nf4_common.even_parts): blocks per SM
+    bounded by threads, registers (M1_MAX_REGISTERS per thread) and, for the pair table, its 64 KiB of shared
+    memory (3 per SM)."""
     block = m1_block(k)
-    per_sm = max(1, min(M1_BLOCKS_PER_SM, 2048 // block, 65536 // (block * M1_MAX_REGISTERS)))
-    return max(1, min(math.ceil(n / M1_COLS), sms * per_sm))
+    pair = m1_pair(k) if pair is None else pair
+    per_sm = max(1, min(3 if pair else 32, 2048 // block, 65536 // (block * M1_MAX_REGISTERS)))
+    return nf4_common.even_parts(math.ceil(n / cols), sms * per_sm)
 
 
 def fast_path(m, k):
@@ -326,7 +340,7 @@ def fast_grid(n, sms=132):
 def plan(m, k, n, bs, sms):
     """(mode, grid, block, shared bytes) for an M x K x N product."""
     if m1_path(m, k):
-        return "m1", m1_grid(n, sms, k), m1_block(k), TAB_BYTES
+        return "m1", m1_grid(n, sms, k), m1_block(k), TAB_BYTES if m1_pair(k) else 0
     if fast_path(m, k):
         return "fast", fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4
     return "generic", grid(n), 32 * WARPS_PER_BLOCK, 0
@@ -366,17 +380,24 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         da, dq, dam, dc, db, dy = dev
         tail = {"m1": [k, n, bs.bit_length() - 5], "fast": [m, k, n, bs.bit_length() - 5],
                 "generic": [m, k, n, bs]}[mode]
-        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1()) if mode == "m1" else
+        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k))) if mode == "m1" else
                 {"fast": GEMV16, "generic": GENERIC}[mode])
+        if m1_opts and mode == "m1":
+            pair = m1_opts.get("pair", M1_PAIR)
+            g = m1_grid(n, 2, k, m1_opts.get("COLS") or M1_COLS, pair)
+            shmem = TAB_BYTES if pair else 0
         kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
         pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
         args = _args(mode, pa[0], pa[1], pa[2], pa[3], pa[4], int(bias is not None), pa[5], m, k, n, bs,
                      k * n // 16)
-        lau = _launcher(mode, a.dtype)
+        lau = _launcher(mode, a.dtype, m1_pair(k))
         if m1_opts and mode == "m1":
             from .cuda_launch import Launcher
-            lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=TAB_BYTES)
+            pair = m1_opts.get("pair", M1_PAIR)
+            lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=TAB_BYTES if pair else 0)
+            g = m1_grid(n, _sms(), k, m1_opts.get("COLS") or M1_COLS, pair)
+            shmem = TAB_BYTES if pair else 0
         lau.launch(g, block, 0, *args, shmem=shmem)
         cuda.synchronize()
     return dev[5].copy_to_host().reshape(*lead, n)
@@ -385,14 +406,15 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
 _launchers = {}
 
 
-def _launcher(mode, dtype):
+def _launcher(mode, dtype, pair=False):
+    """The direct-launch wrapper of a mode's kernel (``pair``: the M=1 kernel's byte-pair table variant)."""
     from .cuda_launch import Array, Launcher
-    key = (mode, np.dtype(dtype).str)
+    key = (mode, np.dtype(dtype).str, pair and mode == "m1")
     if key not in _launchers:
         if mode == "m1":
             sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
                    Array(dtype), "int64", "int64", "int64"]
-            _launchers[key] = Launcher(gemv_m1(), sig, dynamic_shared=TAB_BYTES)
+            _launchers[key] = Launcher(gemv_m1(pair), sig, dynamic_shared=TAB_BYTES if pair else 0)
         else:
             qdt = np.uint64 if mode == "fast" else np.uint8
             sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32",
@@ -421,7 +443,7 @@ class MatMulNF4CudaKernel(Kernel):
         self.dtype = np.float32 if self.in_types[0] == 1 else np.float16
         self.code = cuda.to_device(code)  # once, at session creation
         self.code_ptr = self.code.device_ctypes_pointer.value
-        self.launchers = {mode: _launcher(mode, self.dtype) for mode in ("m1", "fast", "generic")}
+        self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k)) for mode in ("m1", "fast", "generic")}
         self.sms = _sms()
         from . import nf4tc_cuda    # (imports this module's PTX helpers)
         self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)

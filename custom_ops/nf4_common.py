@@ -52,3 +52,11 @@ def check_a(a, k, bias, n, bias_index=3):
     for d in a.shape[:-1]:
         m *= d
     return m
+
+
+def even_parts(steps, cap):
+    """Column slices for ``steps`` steps on at most ``cap`` resident blocks (one wave), every slice the same number
+    of steps (the last one possibly fewer): a wave where some blocks walk one step more than others takes as long
+    as if all did."""
+    per = -(-max(1, steps) // max(1, cap))
+    return max(1, -(-max(1, steps) // per))

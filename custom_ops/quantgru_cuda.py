@@ -796,48 +796,15 @@ def _dptr(v):
     return int(v._ary.ctypes.data if SIM else (v.device_ctypes_pointer.value or 0))
 
 
-class _SimLauncher:
-    """The simulator's stand-in for cuda_launch.Launcher: the same (pointer, shape) arguments, turned back into
-    arrays over the simulator's host memory (no copies: pointers into one buffer stay aliases); records into a
-    native plan being recorded as Launcher does (1-D arrays flattened the same way), so tests can check the
-    plan."""
-
-    def __init__(self, fn, signature):
-        self.fn, self.sig = fn, signature
-
-    def launch(self, grid, block, stream, *args, shmem=None):
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        from .cuda_launch import Array
-        conv, flat, slots = [], [], []
-        for s, v in zip(self.sig, args):
-            if isinstance(s, Array):
-                ptr, (n,) = v
-                it = s.dtype.itemsize
-                if ptr and n:
-                    ary = np.frombuffer((ctypes.c_char * (n * it)).from_address(ptr), s.dtype)
-                else:
-                    ary = np.zeros(max(n, 1), s.dtype)
-                conv.append(FakeCUDAArray(ary))
-                slots.append(len(flat) + 4)
-                flat += [0, 0, n, it, int(ptr or 0), n, it]
-            else:
-                conv.append(v)
-                flat.append(int(v))
-        self.fn[grid, block, 0, shmem or 0](*conv)
-        rec = plans.active()
-        if rec is not None:
-            rec.launch(id(self.fn), int(grid), int(block), int(shmem or 0), flat, slots)
-
-
 def launchers(bits, tn, c_dim, tile, kc=None):
     """(prep, xproj, rec, rec cooperative) direct-launch wrappers, compiled once per process; under the simulator
-    _SimLauncher stand-ins and no cooperative one."""
+    cuda_launch.SimLauncher stand-ins and no cooperative one."""
     from . import quantgru_prep_cuda as qp
     wdt = np.int8 if bits == 8 else np.int16
     if SIM:
-        return (_SimLauncher(qp.prep, qp.signature()), _SimLauncher(xproj_fn(bits, tile, c_dim, kc), _sig_xproj(wdt)),
-                _SimLauncher(rec_fn(bits == 16, tn), _sig_rec(wdt)), None)
+        from .cuda_launch import SimLauncher
+        return (SimLauncher(qp.prep, qp.signature()), SimLauncher(xproj_fn(bits, tile, c_dim, kc), _sig_xproj(wdt)),
+                SimLauncher(rec_fn(bits == 16, tn), _sig_rec(wdt)), None)
     from .cuda_launch import Launcher
     if "prep" not in _launchers:
         _launchers["prep"] = Launcher(qp.prep, qp.signature())
@@ -1031,8 +998,8 @@ class Prepared:
 
 def run_arrays(*args, repeat=1, **kw):
     """QuantGRU on host arrays (the arguments of gru_int.quant_gru, plus ``units``/``per_step`` overrides):
-    returns (Y, Y_h). Under the CUDA simulator through _SimLauncher (one launch per step when a group has several
-    blocks), on a GPU through the direct (cooperative) launch path."""
+    returns (Y, Y_h). Under the CUDA simulator through cuda_launch.SimLauncher (one launch per step when a group has
+    several blocks), on a GPU through the direct (cooperative) launch path."""
     p = Prepared(*args, **kw)
     for _ in range(repeat):
         p.launch()

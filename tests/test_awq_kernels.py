@@ -24,6 +24,7 @@ from onnx import TensorProto, helper
 
 import onnx_lowbit
 from onnx_lowbit import awq, domain
+from onnx_lowbit.custom_ops.cuda_launch import SimLauncher
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -416,40 +417,14 @@ def test_decode_plan():
 # driver queries and for cuda_launch.Launcher (_SimLauncher: the real kernels at their GPU geometry, on arrays over
 # the simulator's host memory of exactly the declared sizes), and a stand-in Context whose scratch is filled with
 # NaN (no zeroing needed). On a GPU the session test below checks the same through onnxruntime.
-class _SimLauncher:
-    last_slots = []       # the flattened parameters' data pointer slots of the last launch, one per array
+class _SimLauncher(SimLauncher):
+    """cuda_launch.SimLauncher, strict (a null or empty argument is an empty array), 4 resident blocks per SM."""
 
     def __init__(self, fn, sig):
-        self.fn, self.sig = fn, sig
+        super().__init__(fn, sig, empty=0)
 
     def blocks_per_sm(self, block, shmem=None):
         return 4
-
-    def launch(self, grid, block, stream, *args, shmem=None):
-        import ctypes
-
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        from onnx_lowbit.custom_ops import plans
-        from onnx_lowbit.custom_ops.cuda_launch import Array
-        conv, flat, slots = [], [], []
-        for s, v in zip(self.sig, args):
-            if isinstance(s, Array):
-                ptr, (n,) = v
-                it = s.dtype.itemsize
-                ary = np.frombuffer((ctypes.c_char * (n * it)).from_address(ptr), s.dtype) if ptr and n else \
-                    np.zeros(0, s.dtype)
-                conv.append(FakeCUDAArray(ary))
-                slots.append(len(flat) + 4)
-                flat += [0, 0, n, it, int(ptr or 0), n, it]
-            else:
-                conv.append(v)
-                flat.append(int(v))
-        self.fn[grid, block, 0, shmem or 0](*conv)
-        _SimLauncher.last_slots = slots
-        rec = plans.active()
-        if rec is not None:
-            rec.launch(id(self.fn), int(grid), int(block), int(shmem or 0), flat, slots)
 
 
 class _ScratchCtx:

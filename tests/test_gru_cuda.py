@@ -516,11 +516,11 @@ def _replay(plan, ins, outs, scratch, bits):
     from onnx_lowbit.custom_ops import plans
     from onnx_lowbit.custom_ops import quantgru_cuda as qg
     from onnx_lowbit.custom_ops import quantgru_prep_cuda as qp
-    from onnx_lowbit.custom_ops.cuda_launch import Array
+    from onnx_lowbit.custom_ops.cuda_launch import Array, SimLauncher
     wdt = np.int8 if bits == 8 else np.int16
-    kernels = {id(qp.prep): qg._SimLauncher(qp.prep, qp.signature())}
-    kernels.update({id(f): qg._SimLauncher(f, qg._sig_xproj(wdt)) for f in qg._xproj_fns.values()})
-    kernels.update({id(f): qg._SimLauncher(f, qg._sig_rec(wdt)) for f in qg._rec_fns.values()})
+    kernels = {id(qp.prep): SimLauncher(qp.prep, qp.signature())}
+    kernels.update({id(f): SimLauncher(f, qg._sig_xproj(wdt)) for f in qg._xproj_fns.values()})
+    kernels.update({id(f): SimLauncher(f, qg._sig_rec(wdt)) for f in qg._rec_fns.values()})
     owned = []
     for s in range(plan.n_steps):
         st = plan.steps[s]

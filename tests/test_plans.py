@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from onnx_lowbit import domain
 from onnx_lowbit.custom_ops import bridge, plans
 from onnx_lowbit.custom_ops.bridge import LbPlan, Tensor
 
@@ -107,14 +108,12 @@ def test_kernels_without_the_flag_say_never():
     assert k.calls == 1 and plan.never == 1 and plan.valid == 0
 
 
-@pytest.mark.parametrize("cls_path", ["fplut_cuda.FPLUTCudaKernel", "fusedffn_cuda.FusedFFNCudaKernel",
-                                      "matmulnf4_cuda.MatMulNF4CudaKernel",
-                                      "matmulawq_cuda.MatMulAWQCudaKernel", "dequantnf4_cuda.DequantNF4CudaKernel",
-                                      "dequantawq_cuda.DequantAWQCudaKernel"])
-def test_cuda_kernels_opt_in(cls_path):
-    import importlib
-    mod, cls = cls_path.split(".")
-    assert getattr(importlib.import_module(f"onnx_lowbit.custom_ops.{mod}"), cls).native_plans is True
+@pytest.mark.parametrize("op", sorted(domain.OPS))
+def test_cuda_kernels_opt_in(op):
+    """Every op's CUDA kernel class, as the bridge looks it up, opts in to native plans (a class that lost the flag
+    would silently go through Python on every call)."""
+    from onnx_lowbit.custom_ops import kernels
+    assert kernels.kernel_class(op, "CUDAExecutionProvider").native_plans is True
 
 
 # ---------------------------------------------------------------- cuBLAS steps, replayed by the shim (stand-ins)

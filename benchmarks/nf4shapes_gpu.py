@@ -1,0 +1,181 @@
+"""NF4 M=1 kernels at the shapes of the LLaMA-style decode sample (d=2048, h=8192, vocab 4096) and of LLaMA-7B,
+with the decode generator's variants: MatMulNF4's M=1 kernel (q/k/v/o 2048x2048, down 8192->2048, lm_head
+2048->4096, 4096x11008) and FusedFFNNF4's decode kernel (gate+up 2048->8192, 4096->11008).
+
+Each case cycles through a pool of distinct weights (>= 128 MB in all, more than the 50 MB L2), one per call, as a
+decode step does layer after layer; times are CUDA-graph medians per call (the graph holds one call per pool
+entry). Anchor in the same run: torch fp16 (x @ W; for the FFN x @ W1, x @ W3, silu * mul) on a pool of fp16
+weights, and a 256 MiB device copy. Every variant's output is checked against the CPU face on the last pool entry.
+
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4shapes_gpu.py [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from ffn4_gpu import regs
+from timing import copy_gbps, time_graph
+
+BS = 64
+POOL_BYTES = 128 << 20
+MM_SHAPES = [(2048, 2048), (8192, 2048), (2048, 4096), (4096, 11008)]
+FFN_SHAPES = [(1, 2048, 8192), (1, 4096, 11008), (2, 2048, 8192), (2, 4096, 11008)]
+# (label, _make_m1 keywords); grid = one wave at the variant's occupancy
+MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": True}),
+               ("tab16 c4 prefetch (default)", {}),
+               ("tab16 c4 prefetch uneven", {}),
+               ("tab16 c8 prefetch", {"COLS": 8}),
+               ("pair c4 prefetch", {"COLS": 4, "prefetch": True, "pair": True}),
+               ("pair c4 prefetch early", {"COLS": 4, "prefetch": True, "early": True, "pair": True}),
+               ("tab16 c8", {"COLS": 8, "prefetch": False}),
+               ("tab16 c2 prefetch", {"COLS": 2})]
+FFN_VARIANTS = [("pair c4 prefetch (M=1: was default)", {}),
+                ("pair c4 prefetch early", {"early": True}),
+                ("pair c2 prefetch early", {"cols": 2, "early": True}),
+                ("tab16 c4 prefetch", {"pair": False}),
+                ("tab16 c2 prefetch", {"pair": False, "cols": 2}),
+                ("tab16 c4 no prefetch", {"pair": False, "prefetch": False})]
+
+
+def rel(y, ref):
+    y = np.asarray(y, np.float64).reshape(ref.shape)
+    return float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="defaults and the tab16 variants only")
+    a = ap.parse_args()
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher, current_device, sm_count
+    torch.zeros(1, device="cuda")
+    print("GPU:", torch.cuda.get_device_name(0))
+    sms = sm_count(current_device())
+    stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+    ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
+    bw, t_copy = copy_gbps()
+    print(f"device copy 256 MiB: {t_copy:.1f} us = {bw:.0f} GB/s")
+    rng = np.random.default_rng(0)
+    code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": 64, "N": 1})[4]
+    dcode = torch.from_numpy(code).cuda()
+    nlut = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, True).view(np.int64)).cuda()
+    nlut32 = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, False).view(np.int32)).cuda()
+    mm_sig = [Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32), Array(np.float16), "int32",
+              Array(np.float16), "int64", "int64", "int64"]
+    rows = []
+
+    def pool_of(k, n, nw):
+        """Distinct NF4 weights (bytes, absmax) on the device, >= POOL_BYTES in all; the last one also on the host."""
+        per = nw * (k * n // 2 + k * n // BS * 4)
+        cnt = max(4, -(-POOL_BYTES // per))
+        host = [(rng.integers(0, 256, k * n // 2, dtype=np.uint8),
+                 (rng.random(k * n // BS) * 0.1 + 0.01).astype(np.float32)) for _ in range(nw)]
+        dev = []
+        for i in range(cnt):
+            if i == cnt - 1:
+                ws = host
+            else:   # cheap distinct bytes: a device-side permutation of the host weights
+                ws = [(np.roll(q, 977 * (i + 1)), np.roll(am, 31 * (i + 1))) for q, am in host]
+            dev.append([(torch.from_numpy(q).cuda(), torch.from_numpy(am).cuda()) for q, am in ws])
+        return host, dev
+
+    def timed(label, calls, check):
+        """calls: one closure per pool entry (the last one on the host weights); graph median per call, then the
+        last entry's output checked."""
+        it = iter(range(1 << 30))
+
+        def fn():
+            calls[next(it) % len(calls)]()
+        t = time_graph(fn, batch=len(calls))
+        calls[-1]()
+        torch.cuda.synchronize()
+        err = check() if check else None
+        return t, err
+
+    def report(case, label, t, nbytes, t_torch, err, extra=""):
+        gbs = nbytes / t / 1e3
+        rows.append((case, label, t, 100 * gbs / bw, t_torch / t, err))
+        print(f"{case:28s} {label:30s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy  "
+              f"{t_torch / t:5.2f}x torch  rel {err:.1e} {extra}", flush=True)
+
+    for k, n in MM_SHAPES:
+        case = f"MatMulNF4 M=1 {k}->{n}"
+        host, dev = pool_of(k, n, 1)
+        x = (torch.randn(1, k, device="cuda") * 0.5).half()
+        y = torch.empty(1, n, device="cuda", dtype=torch.float16)
+        ref = matmulnf4_cpu.matmul(x.float().cpu().numpy(), host[0][0], host[0][1], code, k, n, BS).astype(np.float64)
+        wp = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02
+              for _ in range(max(4, -(-POOL_BYTES // (k * n * 2))))]
+        t_torch, _ = timed("torch", [lambda w=w: torch.matmul(x, w, out=y) for w in wp], None)
+        del wp
+        print(f"{case:28s} {'torch fp16':30s} {t_torch:7.2f} us {k * n * 2 / t_torch / 1e3:6.0f} GB/s")
+        nbytes = k * n // 2 + k * n // BS * 4
+        block = matmulnf4_cuda.m1_block(k)
+        for label, kw in MM_VARIANTS:
+            if a.quick and "default" not in label:
+                continue
+            pair = kw.get("pair", matmulnf4_cuda.M1_PAIR)
+            cols = kw.get("COLS", matmulnf4_cuda.M1_COLS)
+            fn_ = matmulnf4_cuda._make_m1(**kw)
+            lau = Launcher(fn_, mm_sig, dynamic_shared=matmulnf4_cuda.TAB_BYTES if pair else 0)
+            lau.dispatcher = fn_
+            occ = max(1, lau.blocks_per_sm(block))
+            grid = matmulnf4_cuda.nf4_common.even_parts(-(-n // cols), sms * occ)
+            if "uneven" in label:
+                grid = max(1, min(-(-n // cols), sms * occ))
+            shm = matmulnf4_cuda.TAB_BYTES if pair else 0
+            calls = [lambda q=q, am=am: lau.launch(grid, block, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
+                                                    ptr(dcode), ptr(y), 0, ptr(y), k, n, BS.bit_length() - 5, shmem=shm)
+                     for ((q, am),) in dev]
+            t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
+            report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
+
+    for m, k, n in FFN_SHAPES:
+        case = f"FusedFFNNF4 M={m} {k}->2x{n}"
+        host, dev = pool_of(k, n, 2)
+        x = (torch.randn(m, k, device="cuda") * 0.5).half()
+        s = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        ref = fusedffnnf4_cpu.swiglu(x.float().cpu().numpy(), *host[0], *host[1], code, k, n, BS).astype(np.float64)
+        wp = [(torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02,
+               torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02)
+              for _ in range(max(2, -(-POOL_BYTES // (k * n * 4))))]
+        g = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        u = torch.empty_like(g)
+
+        def tffn(w1, w3):
+            torch.matmul(x, w1, out=g)
+            torch.matmul(x, w3, out=u)
+            torch.mul(F.silu(g), u, out=s)
+        t_torch, _ = timed("torch", [lambda w=w: tffn(*w) for w in wp], None)
+        del wp
+        print(f"{case:28s} {'torch fp16 (2 GEMV + silu*mul)':30s} {t_torch:7.2f} us")
+        nbytes = 2 * (k * n // 2 + k * n // BS * 4)
+        block = fusedffnnf4_cuda.threads(k)
+        mt = fusedffnnf4_cuda.bucket(m)
+        for label, kw in FFN_VARIANTS:
+            if a.quick and kw.get("pair", True) and kw:
+                continue
+            pair, cols = kw.get("pair", True), kw.get("cols", fusedffnnf4_cuda.COLS)
+            lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
+                                            early=kw.get("early", False))
+            occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
+            parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
+            lt = nlut if pair else nlut32
+            calls = [lambda w=w: lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
+                                            ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
+                                            k, n, BS.bit_length() - 5, parts, 0, 0)
+                     for w in dev]
+            t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
+            report(case, label, t, nbytes, t_torch, err, f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
+    print("\nbest per case:")
+    for case in dict.fromkeys(r[0] for r in rows):
+        best = min((r for r in rows if r[0] == case), key=lambda r: r[2])
+        print(f"  {case:28s} {best[1]:30s} {best[2]:7.2f} us ({best[3]:.1f}% copy, {best[4]:.2f}x torch)")
+
+
+if __name__ == "__main__":
+    main()
