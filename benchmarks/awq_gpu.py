@@ -213,8 +213,8 @@ def throughput(weights, variants, rows_out):
         x = (torch.randn(1, K, device="cuda") + 0.2).half()
         y = torch.empty(1, N, dtype=torch.float16, device="cuda")
         for gpt in (1, 2):
-            for unroll in (4, 8):
-                lau = fast[1] if (unroll, gpt) == (mc.UNROLL, gpts[1]) else None
+            for unroll in (4, 8, 16):
+                lau = fast[1] if (unroll, gpt) == (mc.UNROLL_M1, gpts[1]) else None
                 for r_ in (16, 32, 64):
                     name = f"  variant M=1 one weight gpt={gpt} unroll={unroll} R={r_}"
 

@@ -20,8 +20,9 @@ are reduced across the warp with a reduce-scatter (2*COLS*MT - 1 shuffles + the 
 of 5 per value), across the block's warps through shared memory (double-buffered: one barrier per step), and
 COLS*MT threads apply the biases and SiLU * mul in fp32 and store S in X's type. The kernel is generated as
 straight-line code (every per-thread value has a constant name or index: no local-memory spills). Option
-pair=False: the 16-entry fp32 code table (one lookup per nibble). The same generator (matmul=True) builds
-MatMulNF4's M=1 kernel.
+pair=False: the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (PAIR): no 64 KiB of
+shared memory per block, so twice the blocks per SM at K = 2048 and, at these latency-bound sizes, faster at every
+K measured (BENCHMARKS.md, session 13). The same generator (matmul=True) builds MatMulNF4's M=1 kernel.
 Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
 51.0 us for two MatMulNF4 + silu*mul; ncu: latency bound (0.6 instructions issued per cycle and scheduler, 35%
 of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4), 40.7 us, but on 132 blocks:

@@ -73,6 +73,9 @@ WARPS = 8                # K slices per block
 BLOCK = CT * WARPS
 RMAX = 64                # rows per K slice, at most
 UNROLL = 8               # qweight words in flight per thread
+UNROLL_M1 = 16           # ... at M = 1 (MT=1: 80 registers, 3 blocks per SM). H100, fp16 A, weights cycled past L2
+                         # (benchmarks/awq1_gpu.py), us against 8: 4096x11008 18.8 / 19.1, 2048x2048 9.3 / 11.5,
+                         # 8192x2048 11.5 / 14.0 (the smaller occupancy also makes the plan take fewer K splits)
 MT_BUCKETS = (1, 2, 4, 8)   # rows per block; M in 9..16 runs as 2 chunks of 8 (16 rows x 8 columns of fp32
 MAX_M_FAST = 16             # accumulators would not stay in registers)
 DEFAULT_BLOCKS_PER_SM = 4  # planning without an occupancy query (simulator)
@@ -179,9 +182,12 @@ def _accumulate(mt, gpt, w, xs, xi, xstride, vj, p, sx, one):
             p[m * gpt * 8 + t] += xv * vj[t]
 
 
-def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=UNROLL, gpt=1, max_registers=None):
+def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=None):
     """The decode kernel for row bucket ``mt``; ``gpt`` column groups (int32 words) per thread: 1 (4-byte loads)
-    or 2 (8-byte loads, qweight/qzeros passed as uint64 arrays; needs N % 16 == 0)."""
+    or 2 (8-byte loads, qweight/qzeros passed as uint64 arrays; needs N % 16 == 0); ``unroll`` words in flight
+    (default UNROLL_M1 for mt = 1, else UNROLL)."""
+    if unroll is None:
+        unroll = UNROLL_M1 if mt == 1 else UNROLL
     load = _ld16 if a16 else _ld32
     store = _st16 if a16 else _st32
     block = ct * warps
