@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from ffn4_gpu import regs
+from ffn4_gpu import regs, rel
 from timing import copy_gbps, time_graph
 
 BS = 64
@@ -36,11 +36,6 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: was default)", {}),
                 ("tab16 c4 prefetch", {"pair": False}),
                 ("tab16 c2 prefetch", {"pair": False, "cols": 2}),
                 ("tab16 c4 no prefetch", {"pair": False, "prefetch": False})]
-
-
-def rel(y, ref):
-    y = np.asarray(y, np.float64).reshape(ref.shape)
-    return float(np.max(np.abs(y - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
 
 
 def main():
