@@ -9,6 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_lowbit
 from onnx_lowbit import domain, nf4
+from onnx_lowbit.custom_ops.cuda_launch import SimLauncher
 
 CASES = [  # M (leading dims), K, N, block size, quant type, dtype, bias
     ((1,), 64, 16, 32, "nf4", np.float32, True),
@@ -227,32 +228,20 @@ def test_dequant_variant_launch_arguments():
     assert dq.DEFAULT["float32"].epv in (2, 4, 8, 16, 32) and dq.DEFAULT["float16"].epv in (2, 4, 8, 16, 32)
 
 
-class _SimLauncher:
-    """cuda_launch.Launcher's stand-in under the simulator: the kernel runs on arrays over the given host pointers."""
+class _SimLauncher(SimLauncher):
+    """cuda_launch.SimLauncher (strict about empty arrays) that also notes which dequant variant each launch used and
+    answers 2 resident blocks per SM."""
 
     def __init__(self, fn, sig, variant):
-        self.fn, self.sig, self.variant = fn, sig, variant
-        self.used = []
+        super().__init__(fn, sig, empty=0)
+        self.variant, self.used = variant, []
 
     def blocks_per_sm(self, block, shmem=None):
         return 2
 
     def launch(self, grid, block, stream, *args, shmem=None):
-        import ctypes
-
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        from onnx_lowbit.custom_ops.cuda_launch import Array
-        conv = []
-        for s, a in zip(self.sig, args):
-            if isinstance(s, Array):
-                ptr, (n,) = a
-                buf = (ctypes.c_char * max(1, n * s.dtype.itemsize)).from_address(ptr)
-                conv.append(FakeCUDAArray(np.frombuffer(buf, s.dtype, count=n)))
-            else:
-                conv.append(a)
         self.used.append(self.variant)
-        self.fn[grid, block](*conv)
+        super().launch(grid, block, stream, *args, shmem=shmem)
 
 
 def _aligned(nbytes, offset):
