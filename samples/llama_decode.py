@@ -12,8 +12,9 @@ Steps (each a plain call, output in --out):
               cache length is the usual benchmark unit). TorchScript exporter, opset 17, weights as external data.
               The step is a thin wrapper around the model's own forward: the past tensors are put into a
               transformers DynamicCache and the updated cache is returned as the present tensors; eager attention.
-  2. rewrite  ``onnx-lowbit rewrite llama_decode.onnx llama_decode.<weights>.onnx --weights nf4 [--passes ...]``
-              (default: every registered pass: fplut, weights4, ffn).
+  2. rewrite  ``onnx-lowbit rewrite llama_decode.onnx llama_decode.<weights>.onnx --weights nf4 --merge-siblings
+              [--passes ...]`` (--no-merge: without the merge of q/k/v)
+              (default: every registered pass: fplut, weights4, ffn, merge).
   3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
               --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
   (--reference) llama_decode.fakequant.onnx: the original with the same 4-bit weights dequantised to float (stock
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--no-graph", action="store_true", help="cuda: skip the --cuda-graph bench")
     p.add_argument("--no-bench", action="store_true", help="stop after the rewrite")
+    p.add_argument("--no-merge", action="store_true",
+                   help="rewrite without --merge-siblings (q/k/v stay three products; the merge is on by default)")
     p.add_argument("--reference", action="store_true",
                    help="also write llama_decode.fakequant.onnx (the original with each 4-bit weight replaced by "
                         "its dequantised value; nf4/fp4) and bench it against the rewritten model into "
@@ -224,7 +227,8 @@ def main(argv=None) -> int:
     if not a.skip_export:
         export(a, original)
     if not a.skip_rewrite:
-        cli("rewrite", original, rewritten, "--weights", a.weights, *(["--passes", a.passes] if a.passes else []))
+        cli("rewrite", original, rewritten, "--weights", a.weights, *(["--passes", a.passes] if a.passes else []),
+            *([] if a.no_merge else ["--merge-siblings"]))
     reference = os.path.join(a.out, NAME.replace(".onnx", ".fakequant.onnx"))
     if a.reference:
         if a.weights == "awq":

@@ -62,7 +62,10 @@ def test_script_writes_models_table_and_chart(tiny):
     assert [d.dim_value for d in orig.graph.output[1].type.tensor_type.shape.dim] == [1, 2, 17, 32]
     rew = onnx.load(str(out / "llama_decode.nf4.onnx"), load_external_data=False)
     ops = [n.op_type for n in rew.graph.node]
-    if "ffn" in passes.available():  # q, k, v, o, down per layer + lm_head; gate/up fused with the silu
+    if "merge" in passes.available():  # q/k/v merged (+ Split), o, down per layer + lm_head; gate/up fused
+        assert ops.count("FusedFFNNF4") == 2 and ops.count("MatMulNF4") == 2 * 3 + 1
+        assert sum(n.name.endswith("_merged") for n in rew.graph.node) == 2
+    elif "ffn" in passes.available():  # q, k, v, o, down per layer + lm_head; gate/up fused with the silu
         assert ops.count("FusedFFNNF4") == 2 and ops.count("MatMulNF4") == 2 * 5 + 1
     else:
         assert ops.count("MatMulNF4") == 2 * 7 + 1 and ops.count("FPLUT") == 2
