@@ -82,6 +82,9 @@ class MergePass(Pass):
         ns = [m[1]["n"] for m in members]
         labels = [node_label(n) for n in nodes]
         base = nodes[0].name or nodes[0].outputs[0].name
+        if g.opset < 11:
+            self.skipped(report, f"{op} siblings", labels, f"opset {g.opset} < 11: Split has no negative axis")
+            return
         if op == "MatMulNF4":
             bs, k = key[2], key[3]
             if any((n * k) % bs or (n * k) % 2 for n in ns[:-1]):

@@ -129,6 +129,12 @@ def test_nf4_parts_that_straddle_blocks_are_skipped_with_a_reason():
     assert ops(out) == ops(ref)
 
 
+def test_old_opset_is_skipped_with_a_reason():
+    m = qkv_model(opset=10)
+    out, rep = run_passes(m, ["merge"], merge_siblings=True)
+    assert ops(out) == ops(m) and "opset 10" in rep.skipped("merge")[0].reason
+
+
 def test_products_of_different_inputs_or_kinds_stay_apart():
     """Two MatMuls of different inputs, and one MatMul whose weight is not constant: nothing to merge."""
     rng = np.random.default_rng(0)
