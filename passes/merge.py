@@ -9,11 +9,13 @@ runs 48 fewer launches). Runs after weights4 and ffn, so it merges what they lea
 - our ``MatMulNF4`` (same quant_type, block_size, K; every weight but the last holds whole absmax blocks and whole
   bytes, N_i * K % block_size == 0): packed bytes and absmax concatenated (W^T is N-major, so the blocks of the
   merged weight are exactly the blocks of the parts: the same bits as quantising the concatenated weight);
-- our ``MatMulAWQ`` (same group_size, K): qweight, qzeros and scales concatenated along axis 1 (per-column groups).
+- our ``MatMulAWQ`` (same group_size, K): qweight, qzeros and scales concatenated along axis 1 (per-column groups);
+- onnxruntime's ``com.microsoft`` ``MatMulBnb4`` (as MatMulNF4) and ``MatMulNBits`` (same bits, block_size, K; B,
+  scales and zero points N-major, concatenated; not with g_idx), so ``--target ort`` models merge too.
 
 Biases: kept (concatenated; zeros for a part without one). The outputs keep their names, so graph outputs and
 later consumers are unchanged. Products reading one input with different kinds or attributes are merged per kind.
-Everything else (non-constant weights, Gemm, onnxruntime's com.microsoft ops, a single product) is left alone;
+Everything else (non-constant weights, Gemm, a single product) is left alone;
 candidates that cannot be merged are reported as skipped with the reason.
 """
 from __future__ import annotations
@@ -27,6 +29,21 @@ from . import external
 from .base import Pass, Report, constant_value, is_alive, iter_graphs, node_label
 
 
+MS_DOMAIN = "com.microsoft"
+# packed products: (domain, op) -> (packed inputs from input 1, bias input index or None, concat axis, absmax blocks
+# along the flat N-major weight (parts but the last must hold whole blocks), attributes that must agree)
+PACKED = {
+    (domain.DOMAIN, "MatMulNF4"): (2, 3, 0, True, ("quant_type", "block_size")),
+    (domain.DOMAIN, "MatMulAWQ"): (3, 4, 1, False, ("group_size",)),
+    (MS_DOMAIN, "MatMulBnb4"): (2, None, 0, True, ("quant_type", "block_size")),
+    (MS_DOMAIN, "MatMulNBits"): (3, 5, 0, False, ("bits", "block_size", "accuracy_level")),
+}
+
+
+def _present(node, i):
+    return len(node.inputs) > i and not (isinstance(node.inputs[i], gs.Variable) and not node.inputs[i].name)
+
+
 def _kind(node):
     """(group key, weights) of a mergeable product, else (None, reason or None)."""
     if node.op == "MatMul" and not node.domain and len(node.inputs) == 2:
@@ -34,18 +51,22 @@ def _kind(node):
         if w is None or w.ndim != 2:
             return None, None           # activations times activations (attention): not a weight product
         return ("MatMul", str(w.dtype), int(w.shape[0])), {"w": w, "n": int(w.shape[1])}
-    if node.domain != domain.DOMAIN or node.op not in ("MatMulNF4", "MatMulAWQ"):
+    spec = PACKED.get((node.domain, node.op))
+    if spec is None:
         return None, None
-    k, n = int(node.attrs["K"]), int(node.attrs["N"])
-    vals = [constant_value(t) for t in node.inputs[1:4 if node.op == "MatMulAWQ" else 3]]
+    npk, bias_at, _, _, agree = spec
+    if node.op == "MatMulNBits":
+        if _present(node, 4):
+            return None, "g_idx given (act-order): columns are not contiguous blocks"
+        npk = 3 if _present(node, 3) else 2                 # zero points optional
+    vals = [constant_value(t) for t in node.inputs[1:1 + npk]]
     if any(v is None for v in vals):
         return None, "packed weights are not constants"
-    bias = constant_value(node.inputs[-1]) if len(node.inputs) > (4 if node.op == "MatMulAWQ" else 3) else None
-    if node.op == "MatMulNF4":
-        key = ("MatMulNF4", node.attrs["quant_type"], int(node.attrs["block_size"]), k)
-    else:
-        key = ("MatMulAWQ", int(node.attrs["group_size"]), k)
-    return key, {"vals": vals, "n": n, "bias": bias}
+    bias = constant_value(node.inputs[bias_at]) if bias_at is not None and _present(node, bias_at) else None
+    if bias_at is not None and _present(node, bias_at) and bias is None:
+        return None, "bias is not a constant"
+    key = (node.op, node.domain, npk, int(node.attrs["K"])) + tuple(str(node.attrs.get(a)) for a in agree)
+    return key, {"vals": vals, "n": int(node.attrs["N"]), "bias": bias}
 
 
 class MergePass(Pass):
@@ -85,10 +106,11 @@ class MergePass(Pass):
         if g.opset < 11:
             self.skipped(report, f"{op} siblings", labels, f"opset {g.opset} < 11: Split has no negative axis")
             return
-        if op == "MatMulNF4":
-            bs, k = key[2], key[3]
+        spec = PACKED.get((nodes[0].domain, op))
+        if spec is not None and spec[3]:
+            bs, k = int(nodes[0].attrs["block_size"]), int(nodes[0].attrs["K"])
             if any((n * k) % bs or (n * k) % 2 for n in ns[:-1]):
-                self.skipped(report, "MatMulNF4 siblings", labels,
+                self.skipped(report, f"{op} siblings", labels,
                              "a weight's N*K is not a whole number of absmax blocks: blocks would straddle parts")
                 return
         out_dtype = nodes[0].outputs[0].dtype
@@ -97,18 +119,19 @@ class MergePass(Pass):
         if op == "MatMul":
             inputs = [x, self._const(base, np.concatenate([m[1]["w"] for m in members], axis=1))]
             new = gs.Node(op="MatMul", name=f"{base}_merged", inputs=inputs, outputs=[y])
-        else:
-            axis = 0 if op == "MatMulNF4" else 1
-            parts = [np.concatenate([m[1]["vals"][i].reshape(-1) if axis == 0 else m[1]["vals"][i] for m in members],
-                                    axis=axis) for i in range(len(members[0][1]["vals"]))]
+        else:   # every packed layout is N-major along its concat axis (AWQ: axis 1 of [K, N/8] / [K/G, N])
+            npk, bias_at, axis = len(members[0][1]["vals"]), spec[1], spec[2]
+            parts = [np.concatenate([m[1]["vals"][i] for m in members], axis=axis) for i in range(npk)]
             inputs = [x] + [self._const(base, p) for p in parts]
             if any(m[1]["bias"] is not None for m in members):
                 bdt = next(m[1]["bias"].dtype for m in members if m[1]["bias"] is not None)
+                inputs += [gs.Variable.empty()] * (bias_at - len(inputs))     # MatMulNBits: zero points, g_idx
                 inputs.append(self._const(base, np.concatenate(
                     [m[1]["bias"].reshape(-1).astype(bdt) if m[1]["bias"] is not None else np.zeros(m[1]["n"], bdt)
                      for m in members])))
             attrs["N"] = int(sum(ns))
-            new = gs.Node(op=op, domain=domain.DOMAIN, name=f"{base}_merged", attrs=attrs, inputs=inputs, outputs=[y])
+            new = gs.Node(op=op, domain=nodes[0].domain, name=f"{base}_merged", attrs=attrs, inputs=inputs,
+                          outputs=[y])
         outs = [n.outputs[0] for n in nodes]
         if g.opset >= 13:
             split = gs.Node(op="Split", name=f"{base}_merged_split", attrs={"axis": -1},

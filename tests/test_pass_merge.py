@@ -116,6 +116,24 @@ def test_4bit_siblings_merge_with_the_parts_bytes(fmt):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt,op", [("nf4", "MatMulBnb4"), ("awq", "MatMulNBits")])
+def test_onnxruntime_target_siblings_merge(fmt, op):
+    """--target ort: onnxruntime's own MatMulBnb4 / MatMulNBits siblings merge the same way (their layouts are N-major
+    too); the merged model runs on stock onnxruntime and gives the unmerged model's outputs."""
+    import onnxruntime as ort
+    m = qkv_model(bias=True)
+    ref, _ = run_passes(m, ["weights4"], weights=fmt, weights_target="ort")
+    out, rep = run_passes(m, ["weights4", "merge"], weights=fmt, weights_target="ort", merge_siblings=True)
+    mine = [n for n in out.graph.node if n.op_type == op]
+    assert len(mine) == 1 and len(rep.rewritten("merge")) == 1
+    assert {a.name: a.i for a in mine[0].attribute if a.name in ("K", "N")} == {"K": 128, "N": 256}
+    x = _x()
+    got = ort.InferenceSession(out.SerializeToString(), providers=CPU).run(None, {"x": x})
+    want = ort.InferenceSession(ref.SerializeToString(), providers=CPU).run(None, {"x": x})
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_nf4_parts_that_straddle_blocks_are_skipped_with_a_reason():
     """K = 96, block 64: a part of N = 2 holds 192 weights = 3 blocks, but a part of N = 1 ends inside a block, which
     only the last part of a merged weight may do; with two such parts one is not last: the group is skipped and
