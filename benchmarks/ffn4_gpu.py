@@ -116,7 +116,7 @@ def main():
         # ---- NF4 fused
         def nf4_fused(pair=None, cols=fusedffnnf4_cuda.COLS, scale=1, prefetch=True):
             mt = fusedffnnf4_cuda.bucket(m)
-            pair = fusedffnnf4_cuda.PAIR[mt] if pair is None else pair
+            pair = fusedffnnf4_cuda.table_choice(mt, pair)[0]
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, prefetch)
             block = fusedffnnf4_cuda.threads(K)
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)

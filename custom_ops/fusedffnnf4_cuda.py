@@ -406,12 +406,16 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
+def table_choice(mt, pair=None, early=None):
+    """(pair, early) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR / EARLY."""
+    return (PAIR.get(mt, True) if pair is None else pair), (EARLY.get(mt, False) if early is None else early)
+
+
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    pair = PAIR.get(mt, True) if pair is None else pair
-    early = EARLY.get(mt, False) if early is None else early
+    pair, early = table_choice(mt, pair, early)
     key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early) if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
@@ -455,8 +459,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         grid, block, mt = -(-n // gw), 32 * gw, None
     else:
         mt = bucket(m)
-        pair = PAIR[mt] if pair is None else pair
-        early = EARLY[mt] if early is None else early
+        pair, early = table_choice(mt, pair, early)
         nch = -(-m // mt)
         block = threads(k)
         if SIM:

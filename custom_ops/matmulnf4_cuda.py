@@ -367,11 +367,16 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         return y.reshape(*lead, n)
     b = np.ascontiguousarray(bias if bias is not None else np.zeros(1, a.dtype), dtype=a.dtype)
     sim = bool(config.ENABLE_CUDASIM)
-    pmode, g, block, shmem = plan(m, k, n, bs, 2 if sim else _sms())
+    sms = 2 if sim else _sms()
+    pmode, g, block, shmem = plan(m, k, n, bs, sms)
     mode = mode or pmode
     if mode != pmode:
-        g, block, shmem = {"fast": (fast_grid(n, 2 if sim else _sms()), 32 * WARPS_PER_BLOCK, m * k * 4),
+        g, block, shmem = {"fast": (fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4),
                            "generic": (grid(n), 32 * WARPS_PER_BLOCK, 0)}[mode]
+    if m1_opts and mode == "m1":    # the variant's own grid and table
+        pair = m1_opts.get("pair", M1_PAIR)
+        g = m1_grid(n, sms, k, m1_opts.get("COLS") or M1_COLS, pair)
+        shmem = TAB_BYTES if pair else 0
     words = mode in ("m1", "fast")
     dev = [cuda.to_device(a2), cuda.to_device(q.reshape(-1).view(np.uint64) if words else q.reshape(-1)),
            cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(code), cuda.to_device(b),
@@ -382,10 +387,6 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
                 "generic": [m, k, n, bs]}[mode]
         kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k))) if mode == "m1" else
                 {"fast": GEMV16, "generic": GENERIC}[mode])
-        if m1_opts and mode == "m1":
-            pair = m1_opts.get("pair", M1_PAIR)
-            g = m1_grid(n, 2, k, m1_opts.get("COLS") or M1_COLS, pair)
-            shmem = TAB_BYTES if pair else 0
         kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
         pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
@@ -394,10 +395,7 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         lau = _launcher(mode, a.dtype, m1_pair(k))
         if m1_opts and mode == "m1":
             from .cuda_launch import Launcher
-            pair = m1_opts.get("pair", M1_PAIR)
-            lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=TAB_BYTES if pair else 0)
-            g = m1_grid(n, _sms(), k, m1_opts.get("COLS") or M1_COLS, pair)
-            shmem = TAB_BYTES if pair else 0
+            lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=shmem)
         lau.launch(g, block, 0, *args, shmem=shmem)
         cuda.synchronize()
     return dev[5].copy_to_host().reshape(*lead, n)
