@@ -15,10 +15,14 @@ from timing import copy_gbps, time_graph
 G = 128
 POOL_BYTES = 128 << 20
 SHAPES = [(4096, 11008), (2048, 2048), (8192, 2048)]
-VARIANTS = [("default", {}), ("unroll 16", {"unroll": 16}),
-            ("unroll 16, cap 128", {"unroll": 16, "max_registers": 128}),
-            ("unroll 12", {"unroll": 12}), ("cap 64", {"max_registers": 64}), ("gpt 2", {"gpt": 2}),
-            ("gpt 2 unroll 4", {"gpt": 2, "unroll": 4})]
+VARIANTS = [("default", {}),
+            # narrower column tiles, more K slices per block (ct column groups x warps slices: ct * warps threads;
+            # "warp" is a K slice here, ct = 8 puts 4 slices in one hardware warp, each reading 32 B of its row)
+            ("ct 8 x 32", {"ct": 8, "warps": 32}), ("ct 8 x 16", {"ct": 8, "warps": 16}),
+            ("ct 16 x 16", {"ct": 16, "warps": 16}), ("ct 16 x 8", {"ct": 16, "warps": 8}),
+            ("ct 8 x 32 unroll 8", {"ct": 8, "warps": 32, "unroll": 8}),
+            ("ct 16 x 16 unroll 8", {"ct": 16, "warps": 16, "unroll": 8}),
+            ("ct 8 x 32 cap 64", {"ct": 8, "warps": 32, "max_registers": 64})]
 
 
 def main():
@@ -35,6 +39,7 @@ def main():
     bw, _ = copy_gbps()
     print(f"device copy 256 MiB: {bw:.0f} GB/s")
     rng = np.random.default_rng(0)
+    made = {}       # variant kernels, compiled once for all shapes
 
     def timed(calls):
         it = iter(range(1 << 30))
@@ -65,20 +70,26 @@ def main():
                 continue
             if not kw:
                 lau = mc.launcher(True, 1, gpt)
+            elif label in made:
+                lau = made[label]
             else:
-                fn = mc._make_gemv(1, True, unroll=kw.get("unroll", mc.UNROLL), gpt=gpt,
+                fn = mc._make_gemv(1, True, ct=kw.get("ct", mc.CT), warps=kw.get("warps", mc.WARPS),
+                                   unroll=kw.get("unroll", mc.UNROLL_M1), gpt=gpt,
                                    max_registers=kw.get("max_registers"))
                 lau = Launcher(fn, mc._sig(True, True, gpt))
                 lau.dispatcher = fn
-            occ = mc.blocks_per_sm(lau)
-            grid, r, splits = mc.decode_plan(1, k, n, G, sms, occ, gpt=gpt)
-            tiles = -(-(n // 8) // (mc.CT * gpt))
+                made[label] = lau
+            ct, warps = kw.get("ct", mc.CT), kw.get("warps", mc.WARPS)
+            block = ct * warps
+            occ = max(1, lau.blocks_per_sm(block, 0))
+            grid, r, splits = mc.decode_plan(1, k, n, G, sms, occ, ct, warps, gpt=gpt)
+            tiles = -(-(n // 8) // (ct * gpt))
             acc = torch.zeros(splits * n, dtype=torch.float32, device="cuda")
             ctr = torch.zeros(tiles, dtype=torch.int32, device="cuda")
 
-            def call(w, lau=lau, grid=grid, r=r, splits=splits, acc=acc, ctr=ctr, gpt=gpt):
+            def call(w, lau=lau, grid=grid, r=r, splits=splits, acc=acc, ctr=ctr, gpt=gpt, block=block):
                 qw_, qz_, sc_ = w
-                lau.launch(grid, mc.BLOCK, stream(), ptr(x), (qw_.data_ptr(), (qw_.numel() // gpt,)),
+                lau.launch(grid, block, stream(), ptr(x), (qw_.data_ptr(), (qw_.numel() // gpt,)),
                            (qz_.data_ptr(), (qz_.numel() // gpt,)), ptr(sc_), ptr(y), ptr(y), ptr(acc), ptr(ctr),
                            1, k, n, G, r, splits, 0)
             try:

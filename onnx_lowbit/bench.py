@@ -1,8 +1,10 @@
-"""``onnx-lowbit bench ORIGINAL REWRITTEN``: both models side by side in one process, on the same inputs.
+"""``onnx-lowbit bench ORIGINAL REWRITTEN [REWRITTEN ...]``: the models side by side in one process, on the same
+inputs (several rewritten models, e.g. NF4 against AWQ against onnxruntime's own MatMulNBits, each compared with the
+original).
 
 Reports per model: latency median / p90 (ms, wall clock around each ``run``, which returns once the outputs
 are complete), peak memory, weight bytes (every initializer and Constant tensor, external data included,
-counted from dims x element size), and how far the rewritten model's outputs are from the original's.
+counted from dims x element size), and how far each rewritten model's outputs are from the original's.
 A markdown table goes to stdout; ``bench-<mode>.png`` (matplotlib, Agg) and ``bench-<mode>.json`` to --out.
 
 Sessions: the caller passes ``session_factory`` (``onnx_lowbit.api.InferenceSession`` from the CLI: our ops
@@ -71,6 +73,7 @@ class Agreement:
     output: str
     max_abs: float
     max_rel: float      # max |a - b| / max |a| (a: the original's output)
+    model: str = "rewritten"    # label of the rewritten model compared with the original
 
 
 # ---------------------------------------------------------------------------------------------- model facts
@@ -383,8 +386,8 @@ class BenchResult:
     runs: int
     memory_method: str
     inputs: dict            # name -> [shape, dtype]
-    models: list            # [ModelResult original, ModelResult rewritten]
-    agreement: list         # [Agreement] per output
+    models: list            # [ModelResult original, ModelResult rewritten, ...]
+    agreement: list         # [Agreement] per rewritten model and output
     written: list = field(default_factory=list)   # files written into out_dir
 
     def to_dict(self):
@@ -394,11 +397,20 @@ class BenchResult:
         return d
 
 
+def labels_for(count: int) -> list:
+    """Labels of the models: 'original', then 'rewritten' (one) or 'rewritten 1' .. 'rewritten N'."""
+    return ["original"] + (["rewritten"] if count == 1 else [f"rewritten {i}" for i in range(1, count + 1)])
+
+
 def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=False, warmup=10, runs=100,
         inputs=None, dims=None, out_dir=".", seed=0) -> BenchResult:
-    """Times both models; returns a BenchResult and writes ``bench-<mode>.png`` / ``.json`` into ``out_dir``
+    """Times the original and the rewritten model(s) (``rewritten``: a path or a list of paths), one after the
+    other in this process; returns a BenchResult and writes ``bench-<mode>.png`` / ``.json`` into ``out_dir``
     (None: nothing written). ``session_factory(path, sess_options, providers=...)`` makes sessions with our ops
     registered. LowbitError for every bad input."""
+    rewritten = [rewritten] if isinstance(rewritten, (str, os.PathLike)) else list(rewritten)
+    if not rewritten:
+        raise LowbitError("no rewritten model to compare with the original")
     if provider not in ("cpu", "cuda"):
         raise LowbitError(f"unknown provider {provider!r}: cpu or cuda")
     if cuda_graph and provider != "cuda":
@@ -415,20 +427,25 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
     if provider == "cuda":
         _cuda_check(cuda_graph)
     from .domain import DOMAIN
+    paths = [original] + rewritten
+    labels = labels_for(len(rewritten))
     models, sigs, ours = [], [], []
-    for path in (original, rewritten):
+    for path in paths:
         m = model_io.load(path, load_external_data=False)
         model_io.check_opset(m, path)
         models.append(m)
         sigs.append(_signature(m))
         ours.append(any(n.domain == DOMAIN for n in m.graph.node))
-    ours[1] = True
-    for name in set(sigs[0]) & set(sigs[1]):
-        (d0, s0), (d1, s1) = sigs[0][name], sigs[1][name]
-        if d0 != d1 or len(s0) != len(s1):
-            raise LowbitError(f"input {name!r} differs between the models: {d0}{s0} vs {d1}{s1}")
+    ours[1:] = [True] * len(rewritten)
+    for i in range(1, len(sigs)):
+        for name in set(sigs[0]) & set(sigs[i]):
+            (d0, s0), (d1, s1) = sigs[0][name], sigs[i][name]
+            if d0 != d1 or len(s0) != len(s1):
+                raise LowbitError(f"input {name!r} differs between the models: {d0}{s0} vs {d1}{s1} "
+                                  f"({os.fspath(paths[i])})")
     sig = dict(sigs[0])
-    sig.update({k: v for k, v in sigs[1].items() if k not in sig})
+    for s_ in sigs[1:]:
+        sig.update({k: v for k, v in s_.items() if k not in sig})
     if inputs:
         feeds = load_inputs(inputs, sig)
     else:
@@ -437,7 +454,7 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
     if provider == "cuda":
         _warm_cuda_context()
     results, outs = [], []
-    for label, path, m, s, o in zip(("original", "rewritten"), (original, rewritten), models, sigs, ours):
+    for label, path, m, s, o in zip(labels, paths, models, sigs, ours):
         r = ModelResult(label, os.fspath(path), weight_bytes(m))
         f = {k: feeds[k] for k in s}
         if provider == "cpu":
@@ -454,7 +471,12 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         outs.append(out)
         release_host_memory()
     names = [o.name for o in models[0].graph.output]
-    agreement = [_agree(n, a, b) for n, a, b in zip(names, outs[0], outs[1])]
+    agreement = []
+    for label, out in zip(labels[1:], outs[1:]):
+        for n, a, b in zip(names, outs[0], out):
+            ag = _agree(n, a, b)
+            ag.model = label
+            agreement.append(ag)
     res = BenchResult(provider, cuda_graph, warmup, runs, mem.method,
                       {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement)
     if out_dir is not None:
@@ -497,20 +519,27 @@ def _inputs_summary(inputs: dict) -> str:
 
 
 def table(res: BenchResult) -> str:
-    o, r = res.models
+    o, rs = res.models[0], res.models[1:]
     mode = f"{res.provider}{' + CUDA graph' if res.cuda_graph else ''}"
+    head = "| | original |" + "".join(f" {r.label} | {r.label} / original |" for r in rs)
+
+    def row(name, fmt, get):
+        cells = "".join(f" {fmt(get(r))} | {_ratio(get(o), get(r))} |" for r in rs)
+        return f"| {name} | {fmt(get(o))} |" + cells
+
     lines = [f"onnx-lowbit bench ({mode}; {res.warmup} warm-up + {res.runs} timed runs; inputs "
-             + _inputs_summary(res.inputs) + ")", "",
-             "| | original | rewritten | rewritten / original |", "|---|---|---|---|",
-             f"| model | {os.path.basename(o.path)} | {os.path.basename(r.path)} | |",
-             f"| latency median (ms) | {o.median_ms:.3f} | {r.median_ms:.3f} | {_ratio(o.median_ms, r.median_ms)} |",
-             f"| latency p90 (ms) | {o.p90_ms:.3f} | {r.p90_ms:.3f} | {_ratio(o.p90_ms, r.p90_ms)} |",
-             f"| peak memory | {_fmt_bytes(o.peak_memory_bytes)} | {_fmt_bytes(r.peak_memory_bytes)} | "
-             f"{_ratio(o.peak_memory_bytes, r.peak_memory_bytes)} |",
-             f"| weight bytes | {o.weight_bytes:,} | {r.weight_bytes:,} | {_ratio(o.weight_bytes, r.weight_bytes)} |",
-             "", f"memory: {res.memory_method}", "",
-             "| output | max abs diff | max rel diff |", "|---|---|---|"]
-    lines += [f"| {a.output} | {a.max_abs:.4g} | {a.max_rel:.4g} |" for a in res.agreement]
+             + _inputs_summary(res.inputs) + ")", "", head, "|---|---|" + "---|---|" * len(rs),
+             f"| model | {os.path.basename(o.path)} |" + "".join(f" {os.path.basename(r.path)} | |" for r in rs),
+             row("latency median (ms)", lambda v: f"{v:.3f}", lambda m: m.median_ms),
+             row("latency p90 (ms)", lambda v: f"{v:.3f}", lambda m: m.p90_ms),
+             row("peak memory", _fmt_bytes, lambda m: m.peak_memory_bytes),
+             row("weight bytes", lambda v: f"{v:,}", lambda m: m.weight_bytes),
+             "", f"memory: {res.memory_method}", ""]
+    several = len(rs) > 1
+    lines += (["| model | output | max abs diff | max rel diff |", "|---|---|---|---|"] if several else
+              ["| output | max abs diff | max rel diff |", "|---|---|---|"])
+    lines += [("| " + a.model + " " if several else "") + f"| {a.output} | {a.max_abs:.4g} | {a.max_rel:.4g} |"
+              for a in res.agreement]
     lines += ["", "max rel diff = max |rewritten - original| / max |original| per output"]
     for m in res.models:
         if m.graph_vs_plain_max_rel is not None:
@@ -519,30 +548,39 @@ def table(res: BenchResult) -> str:
     return "\n".join(lines)
 
 
+COLORS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+
+
 def plot(res: BenchResult, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    o, r = res.models
-    labels, colors = ["original", "rewritten"], ["#7f7f7f", "#1f77b4"]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    med = [o.median_ms, r.median_ms]
-    p90 = [o.p90_ms - o.median_ms, r.p90_ms - r.median_ms]
-    axes[0].bar(labels, med, color=colors, yerr=[[0, 0], p90], capsize=6)
+    ms = res.models
+    several = len(ms) > 2
+    labels = [m.label.replace("rewritten ", "rw ") if several else m.label for m in ms]
+    colors = [COLORS[i % len(COLORS)] for i in range(len(ms))]
+    fig, axes = plt.subplots(1, 3, figsize=(11 + 1.2 * max(0, len(ms) - 2), 3.6))
+    med = [m.median_ms for m in ms]
+    p90 = [m.p90_ms - m.median_ms for m in ms]
+    axes[0].bar(labels, med, color=colors, yerr=[[0] * len(ms), p90], capsize=6)
     axes[0].set_title("latency (ms): median, bar to p90")
-    axes[1].bar(labels, [o.weight_bytes / MIB, r.weight_bytes / MIB], color=colors)
+    wmib = [m.weight_bytes / MIB for m in ms]
+    axes[1].bar(labels, wmib, color=colors)
     axes[1].set_title("weight MiB")
-    mem = [(m.peak_memory_bytes or 0) / MIB for m in (o, r)]
+    mem = [(m.peak_memory_bytes or 0) / MIB for m in ms]
     axes[2].bar(labels, mem, color=colors)
     axes[2].set_title("peak " + ("device" if res.provider == "cuda" else "RSS") + " memory MiB")
-    for ax, vals in zip(axes, (med, [o.weight_bytes / MIB, r.weight_bytes / MIB], mem)):
+    for ax, vals in zip(axes, (med, wmib, mem)):
         for i, v in enumerate(vals):
-            ax.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (i, v), xytext=(14, 2), textcoords="offset points",
-                        ha="left", va="bottom", fontsize=9)
+            ax.annotate(f"{v:,.0f}" if v >= 100 else f"{v:.3g}", (i, v), xytext=(0 if several else 14, 2),
+                        textcoords="offset points", ha="center" if several else "left", va="bottom", fontsize=9)
         ax.margins(y=0.15)
     worst = max((a.max_rel for a in res.agreement), default=0.0)
-    fig.suptitle(f"{os.path.basename(o.path)} vs {os.path.basename(r.path)} on {res.provider}"
-                 f"{' + CUDA graph' if res.cuda_graph else ''} (max rel output diff {worst:.3g})", fontsize=10)
+    names = " vs ".join(os.path.basename(m.path) for m in ms)
+    if several:
+        names = "; ".join(f"{lb} = {os.path.basename(m.path)}" for lb, m in zip(labels, ms))
+    fig.suptitle(f"{names} on {res.provider}{' + CUDA graph' if res.cuda_graph else ''} "
+                 f"(max rel output diff {worst:.3g})", fontsize=10 if not several else 8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -374,10 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
     d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")
     d.set_defaults(fn=cmd_demo)
-    b = sub.add_parser("bench", help="time ORIGINAL and REWRITTEN side by side (latency, memory, weight bytes, "
+    b = sub.add_parser("bench", help="time ORIGINAL and one or more REWRITTEN side by side (latency, memory, weight bytes, "
                                      "output agreement); a markdown table and a PNG chart")
     b.add_argument("original", metavar="ORIGINAL")
-    b.add_argument("rewritten", metavar="REWRITTEN")
+    b.add_argument("rewritten", metavar="REWRITTEN", nargs="+",
+                   help="one or more rewritten models, each timed and compared with ORIGINAL in the same run")
     b.add_argument("--provider", choices=["cpu", "cuda"], help="execution provider (default: cpu; cuda with "
                                                                "--cuda-graph)")
     b.add_argument("--cuda-graph", action="store_true", help="onnxruntime's enable_cuda_graph, io binding on "

@@ -17,6 +17,11 @@ Steps (each a plain call, output in --out):
               (default: every registered pass: fplut, weights4, ffn, merge).
   3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
               --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
+  (--compare) more rewrites of the same original, timed in the same bench runs (one column each):
+              nf4 / fp4 / awq: our ops with those weights (every pass, as step 2); ort-nbits / ort-bnb4:
+              onnxruntime's own MatMulNBits (int4, AWQ group 128) / MatMulBnb4 (NF4) from ``--target ort``
+              (passes weights4 and merge only, so the model runs on stock onnxruntime): the side-by-side of our
+              ops against onnxruntime's at the whole-model level.
   (--reference) llama_decode.fakequant.onnx: the original with the same 4-bit weights dequantised to float (stock
               onnxruntime runs it), benched against the rewritten model into --out/reference. With random
               weights the 4-bit rounding alone moves a 16-layer model's logits a lot (measured: max rel diff 0.69
@@ -38,6 +43,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "llama_decode.onnx"
+# --compare: name -> the rewrite's options (None: our ops with those weights, every pass, like the main rewrite)
+COMPARE = {"nf4": None, "fp4": None, "awq": None,
+           "ort-nbits": ["--weights", "awq", "--target", "ort", "--passes", "weights4,merge", "--merge-siblings"],
+           "ort-bnb4": ["--weights", "nf4", "--target", "ort", "--passes", "weights4,merge", "--merge-siblings"]}
 
 
 def parse_args(argv=None):
@@ -69,12 +78,18 @@ def parse_args(argv=None):
                    help="also write llama_decode.fakequant.onnx (the original with each 4-bit weight replaced by "
                         "its dequantised value; nf4/fp4) and bench it against the rewritten model into "
                         "--out/reference: their outputs differ by kernel arithmetic only, not by 4-bit rounding")
+    p.add_argument("--compare", default="", metavar="LIST",
+                   help="comma-separated more rewrites benched in the same runs: " + ", ".join(COMPARE))
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.hidden % a.heads or a.heads % a.kv_heads:
         p.error(f"--hidden ({a.hidden}) must be a multiple of --heads ({a.heads}), and --heads of --kv-heads "
                 f"({a.kv_heads})")
     a.dtype = a.dtype or ("fp16" if a.device == "cuda" else "fp32")
+    a.compare = [c for c in a.compare.split(",") if c]
+    bad = [c for c in a.compare if c not in COMPARE]
+    if bad:
+        p.error(f"--compare: unknown {', '.join(bad)}; choose from {', '.join(COMPARE)}")
     return a
 
 
@@ -226,9 +241,17 @@ def main(argv=None) -> int:
             return 2
     if not a.skip_export:
         export(a, original)
+    ours = [*(["--passes", a.passes] if a.passes else []), *([] if a.no_merge else ["--merge-siblings"])]
     if not a.skip_rewrite:
-        cli("rewrite", original, rewritten, "--weights", a.weights, *(["--passes", a.passes] if a.passes else []),
-            *([] if a.no_merge else ["--merge-siblings"]))
+        cli("rewrite", original, rewritten, "--weights", a.weights, *ours)
+    extra = []
+    for c in a.compare:
+        path = os.path.join(a.out, NAME.replace(".onnx", f".{c}.onnx"))
+        if path == rewritten:
+            continue
+        if not (a.skip_rewrite and os.path.exists(path)):
+            cli("rewrite", original, path, *(COMPARE[c] or ["--weights", c, *ours]))
+        extra.append(path)
     reference = os.path.join(a.out, NAME.replace(".onnx", ".fakequant.onnx"))
     if a.reference:
         if a.weights == "awq":
@@ -244,9 +267,9 @@ def main(argv=None) -> int:
         return 0
     common = ["--warmup", str(a.warmup), "--runs", str(a.runs)]
     provider = ["--provider", a.device]
-    cli("bench", original, rewritten, *provider, *common, "--out", a.out)
+    cli("bench", original, rewritten, *extra, *provider, *common, "--out", a.out)
     if a.device == "cuda" and not a.no_graph:
-        cli("bench", original, rewritten, *provider, "--cuda-graph", *common, "--out", a.out)
+        cli("bench", original, rewritten, *extra, *provider, "--cuda-graph", *common, "--out", a.out)
     if a.reference:
         cli("bench", reference, rewritten, *provider, *common, "--out", os.path.join(a.out, "reference"))
     return 0

@@ -97,6 +97,32 @@ def test_bench_identical_models_agree_exactly_and_inputs_file(rewritten, tmp_pat
     assert (tmp_path / "bench-cpu.png").exists()
 
 
+def test_bench_several_rewritten_models_side_by_side(tmp_path, capsys):
+    """ORIGINAL against two rewritten models in one run (here NF4 and FP4 weights of the GPT-2 MLP): one column
+    pair per model in the table, every model in the JSON, one agreement row per model and output, each equal to
+    the agreement of a two-model run on the same inputs."""
+    paths = []
+    for wt in ("nf4", "fp4"):
+        m, _ = passes.run_passes(model_io.load(GPT2), passes=["weights4"], weights=wt)
+        paths.append(str(tmp_path / f"gpt2_{wt}.onnx"))
+        model_io.save(m, paths[-1])
+    out = tmp_path / "out"
+    rc, o, e = _main(capsys, GPT2, *paths, *FAST, "--dim", "seq=8", "--out", str(out))
+    assert rc == 0, e
+    assert "| | original | rewritten 1 | rewritten 1 / original | rewritten 2 | rewritten 2 / original |" in o
+    assert "gpt2_nf4.onnx" in o and "gpt2_fp4.onnx" in o
+    d = json.loads((out / "bench-cpu.json").read_text())
+    assert [m["label"] for m in d["models"]] == ["original", "rewritten 1", "rewritten 2"]
+    assert [(a["model"], a["output"]) for a in d["agreement"]] == [("rewritten 1", "y"), ("rewritten 2", "y")]
+    assert (out / "bench-cpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for path, agr in zip(paths, d["agreement"]):
+        single = bench.run(GPT2, path, session_factory=api.InferenceSession, warmup=0, runs=1, dims={"seq": 8},
+                           out_dir=None)
+        assert single.agreement[0].max_abs == agr["max_abs"] and single.agreement[0].model == "rewritten"
+    assert d["agreement"][0]["max_abs"] != d["agreement"][1]["max_abs"]     # NF4 and FP4 round differently
+    assert d["models"][1]["weight_bytes"] == d["models"][2]["weight_bytes"]  # same packing, same bytes
+
+
 def test_weight_bytes_external_data_and_constants(tmp_path):
     m = model_io.load(GPT2)
     model_io.save(m, str(tmp_path / "ext.onnx"), external_data=True)

@@ -42,7 +42,7 @@ def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("llama")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.run([sys.executable, SCRIPT, *TINY, "--out", str(out), "--warmup", "1", "--runs", "3",
-                        "--reference"],
+                        "--reference", "--compare", "ort-nbits"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out, p.stdout
@@ -70,9 +70,15 @@ def test_script_writes_models_table_and_chart(tiny):
     else:
         assert ops.count("MatMulNF4") == 2 * 7 + 1 and ops.count("FPLUT") == 2
     d = json.loads((out / "bench-cpu.json").read_text())
-    o, r = d["models"]
-    assert r["weight_bytes"] < 0.35 * o["weight_bytes"]
-    assert [a["output"] for a in d["agreement"]][:2] == ["logits", "present.0.key"]
+    o, r, nb = d["models"]      # --compare ort-nbits: onnxruntime's MatMulNBits model in the same bench run
+    assert r["weight_bytes"] < 0.35 * o["weight_bytes"] and nb["weight_bytes"] < 0.35 * o["weight_bytes"]
+    assert nb["path"].endswith("llama_decode.ort-nbits.onnx")
+    assert [(a["model"], a["output"]) for a in d["agreement"]][:2] == [("rewritten 1", "logits"),
+                                                                      ("rewritten 1", "present.0.key")]
+    nbits = [a for a in d["agreement"] if a["model"] == "rewritten 2"]
+    assert len(nbits) == len(d["agreement"]) // 2 and all(np.isfinite(a["max_rel"]) for a in nbits)
+    ort_ops = {(n.domain, n.op_type) for n in onnx.load(nb["path"], load_external_data=False).graph.node}
+    assert ("com.microsoft", "MatMulNBits") in ort_ops and not any(dm == "onnx_lowbit" for dm, _ in ort_ops)
 
 
 def test_logits(tiny, tmp_path):
