@@ -8,10 +8,12 @@ MatMulNF4's M=1 kernel, fp16 x, random NF4 bytes (block 64), each launched twice
 import sys
 
 import numpy as np
+from numba import cuda
 
 from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
 
 BS = 64
+cuda.current_context()      # the context first (matmulnf4_cuda asks the driver for the SM count)
 what, k, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rng = np.random.default_rng(0)
 code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": k, "N": n})[4]
