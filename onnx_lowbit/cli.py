@@ -43,8 +43,8 @@ def _pass_options(a, model=None) -> dict:
     if getattr(a, "fplut_functions", None):
         options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
     options.update(_weights_options(a, model))
-    if getattr(a, "merge_siblings", False):
-        options["merge_siblings"] = True
+    if getattr(a, "merge_siblings", None) is not None:
+        options["merge_siblings"] = a.merge_siblings
     options.update(_gru_options(a, model, options.get("calibration")))
     return options
 
@@ -340,8 +340,11 @@ def _weights_arguments(p) -> None:
 
 def _gru_arguments(p) -> None:
     g = p.add_argument_group("sibling products (the merge pass)")
-    g.add_argument("--merge-siblings", action="store_true",
-                   help="merge products of one input with constant weights (e.g. q/k/v) into one and a Split")
+    g.add_argument("--merge-siblings", action="store_true", default=None,
+                   help="merge products of one input with constant weights (e.g. q/k/v) into one and a Split "
+                        "(the default)")
+    g.add_argument("--no-merge-siblings", dest="merge_siblings", action="store_false",
+                   help="leave sibling products as they are")
     g = p.add_argument_group("integer GRU (the gru pass; needs --calibration)")
     g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
 

@@ -26,7 +26,7 @@ from .weights4 import WeightsPass
 
 # weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
 # so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after both (it
-# merges what they leave, e.g. q/k/v) and changes nothing unless its option ``merge_siblings`` is given.
+# merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False).
 PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass(),
                                                                        MergePass(), GRUPass()])
 

@@ -1,4 +1,5 @@
-"""merge: sibling weight products of one input -> one product and a Split (option ``merge_siblings``; off by default).
+"""merge: sibling weight products of one input -> one product and a Split (on by default; option
+``merge_siblings=False``, CLI ``--no-merge-siblings``, turns it off).
 
 Attention's q/k/v projections (and any other products reading the same activation) become one MatMul-family node
 over the weights concatenated along N, followed by a Split of its output along the last axis into the original
@@ -76,10 +77,10 @@ def _kind(node):
 
 class MergePass(Pass):
     name = "merge"
-    description = "products of one input with constant weights (q/k/v) -> one product + Split (--merge-siblings)"
+    description = "products of one input with constant weights (q/k/v) -> one product + Split (off: --no-merge-siblings)"
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
-        if not options.get("merge_siblings"):
+        if not options.get("merge_siblings", True):
             return
         self.spill = options.get("spill")
         self.names = Names(graph)

@@ -12,8 +12,8 @@ Steps (each a plain call, output in --out):
               cache length is the usual benchmark unit). TorchScript exporter, opset 17, weights as external data.
               The step is a thin wrapper around the model's own forward: the past tensors are put into a
               transformers DynamicCache and the updated cache is returned as the present tensors; eager attention.
-  2. rewrite  ``onnx-lowbit rewrite llama_decode.onnx llama_decode.<weights>.onnx --weights nf4 --merge-siblings
-              [--passes ...]`` (--no-merge: without the merge of q/k/v)
+  2. rewrite  ``onnx-lowbit rewrite llama_decode.onnx llama_decode.<weights>.onnx --weights nf4 [--passes ...]``
+              (the merge of q/k/v is on by default; --no-merge: ``--no-merge-siblings``)
               (default: every registered pass: fplut, weights4, ffn, merge).
   3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
               --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
@@ -45,8 +45,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "llama_decode.onnx"
 # --compare: name -> the rewrite's options (None: our ops with those weights, every pass, like the main rewrite)
 COMPARE = {"nf4": None, "fp4": None, "awq": None,
-           "ort-nbits": ["--weights", "awq", "--target", "ort", "--passes", "weights4,merge", "--merge-siblings"],
-           "ort-bnb4": ["--weights", "nf4", "--target", "ort", "--passes", "weights4,merge", "--merge-siblings"]}
+           "ort-nbits": ["--weights", "awq", "--target", "ort", "--passes", "weights4,merge"],
+           "ort-bnb4": ["--weights", "nf4", "--target", "ort", "--passes", "weights4,merge"]}
 
 
 def parse_args(argv=None):
@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--no-graph", action="store_true", help="cuda: skip the --cuda-graph bench")
     p.add_argument("--no-bench", action="store_true", help="stop after the rewrite")
     p.add_argument("--no-merge", action="store_true",
-                   help="rewrite without --merge-siblings (q/k/v stay three products; the merge is on by default)")
+                   help="rewrite with --no-merge-siblings (q/k/v stay three products; the merge is on by default)")
     p.add_argument("--reference", action="store_true",
                    help="also write llama_decode.fakequant.onnx (the original with each 4-bit weight replaced by "
                         "its dequantised value; nf4/fp4) and bench it against the rewritten model into "
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
             return 2
     if not a.skip_export:
         export(a, original)
-    ours = [*(["--passes", a.passes] if a.passes else []), *([] if a.no_merge else ["--merge-siblings"])]
+    ours = [*(["--passes", a.passes] if a.passes else []), *(["--no-merge-siblings"] if a.no_merge else [])]
     if not a.skip_rewrite:
         cli("rewrite", original, rewritten, "--weights", a.weights, *ours)
     extra = []

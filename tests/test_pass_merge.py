@@ -59,10 +59,20 @@ def _x(k=128, seed=1):
     return np.random.default_rng(seed).standard_normal((2, 3, k)).astype(np.float32)
 
 
-def test_off_by_default_changes_nothing():
+def test_on_by_default_and_off_with_the_option(tmp_path):
+    """The merge runs unless merge_siblings=False (CLI --no-merge-siblings); --merge-siblings is the default."""
     m = qkv_model()
     out, rep = run_passes(m, ["merge"])
+    assert ops(out).count(("", "MatMul")) == 1 and len(rep.rewritten("merge")) == 1
+    out, rep = run_passes(m, ["merge"], merge_siblings=False)
     assert ops(out) == ops(m) and not rep.entries
+    from onnx_lowbit import cli
+    src = tmp_path / "qkv.onnx"
+    onnx.save(m, src)
+    for flags, matmuls in (([], 1), (["--merge-siblings"], 1), (["--no-merge-siblings"], 3)):
+        dst = tmp_path / f"out{len(flags)}{matmuls}.onnx"
+        assert cli.main(["rewrite", str(src), str(dst), *flags]) == 0
+        assert ops(onnx.load(dst)).count(("", "MatMul")) == matmuls, flags
 
 
 @pytest.mark.parametrize("opset", [17, 11])
