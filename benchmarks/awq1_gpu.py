@@ -16,13 +16,10 @@ G = 128
 POOL_BYTES = 128 << 20
 SHAPES = [(4096, 11008), (2048, 2048), (8192, 2048)]
 VARIANTS = [("default", {}),
+            ("serial split sum (was default)", {"serial_sum": True}),
             # narrower column tiles, more K slices per block (ct column groups x warps slices: ct * warps threads;
             # "warp" is a K slice here, ct = 8 puts 4 slices in one hardware warp, each reading 32 B of its row)
-            ("ct 8 x 32", {"ct": 8, "warps": 32}), ("ct 8 x 16", {"ct": 8, "warps": 16}),
-            ("ct 16 x 16", {"ct": 16, "warps": 16}), ("ct 16 x 8", {"ct": 16, "warps": 8}),
-            ("ct 8 x 32 unroll 8", {"ct": 8, "warps": 32, "unroll": 8}),
-            ("ct 16 x 16 unroll 8", {"ct": 16, "warps": 16, "unroll": 8}),
-            ("ct 8 x 32 cap 64", {"ct": 8, "warps": 32, "max_registers": 64})]
+            ("ct 8 x 32", {"ct": 8, "warps": 32}), ("ct 16 x 16", {"ct": 16, "warps": 16})]
 
 
 def main():
@@ -75,7 +72,7 @@ def main():
             else:
                 fn = mc._make_gemv(1, True, ct=kw.get("ct", mc.CT), warps=kw.get("warps", mc.WARPS),
                                    unroll=kw.get("unroll", mc.UNROLL_M1), gpt=gpt,
-                                   max_registers=kw.get("max_registers"))
+                                   max_registers=kw.get("max_registers"), serial_sum=kw.get("serial_sum", False))
                 lau = Launcher(fn, mc._sig(True, True, gpt))
                 lau.dispatcher = fn
                 made[label] = lau

@@ -32,7 +32,8 @@ from .ffn4_common import check_x_biases, opt
 from .fusedffnawq_cpu import check_both
 from .kernels import Kernel
 from .matmulawq_cuda import (ONE32, RMAX, TC_MIN_M, TC_WARPS, ScratchPool, _ld16, _ld32, _nib_scale, _nib_value,
-                             _pair_word, _silu, _st16, _st32, _vnib, partial_floats, tc_ok, tc_run, tc_setup)
+                             _pair_word, _silu, _st16, _st32, _vnib, partial_floats, sum_splits, tc_ok, tc_run,
+                             tc_setup)
 from .matmulawq_cuda import plan as awq_plan
 
 CT = 32
@@ -226,13 +227,9 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
                     mg = U0
                     while mg < m64:
                         ai = mg * n64 + col
-                        g_ = F0
-                        u_ = F0
-                        sp = U0
-                        while sp < uint64(splits):           # fixed order: deterministic
-                            g_ += acc[(sp * uint64(2) * m64 + mg) * n64 + col]
-                            u_ += acc[((sp * uint64(2) + U1) * m64 + mg) * n64 + col]
-                            sp += U1
+                        # split sp, weight w: ((sp * 2 + w) * M + m) * N + col; summed in split order
+                        g_ = sum_splits(acc, ai, uint64(2) * m64 * n64, splits)
+                        u_ = sum_splits(acc, ai + m64 * n64, uint64(2) * m64 * n64, splits)
                         if has_b1:
                             g_ += load(b1, col)
                         if has_b3:

@@ -220,6 +220,8 @@ CUDA_CASES = [
     (17, 128, 136, 128, np.float32, True, 8, 2, None),
     (2, 30, 16, 7, np.float32, True, 4, 2, None),          # odd group size: K slices of one row
     (1, 128, 64, 128, np.float32, True, 8, 2, 32),         # a single K split: the direct (no atomics) path
+    (1, 704, 16, 64, np.float16, True, 4, 2, 32),          # 11 K splits: a batch of 8 partials summed, then 3
+    (3, 704, 24, 64, np.float32, False, 4, 2, 32),         # the same with 3 rows of partials per split
 ]
 GPT2_CASES = [(1, 256, 64, 32, np.float16, True), (2, 30, 16, 7, np.float32, False)]   # 8-byte loads (option)
 
