@@ -14,12 +14,14 @@ from timing import copy_gbps, time_graph
 
 G = 128
 POOL_BYTES = 128 << 20
-SHAPES = [(4096, 11008), (2048, 2048), (8192, 2048)]
+SHAPES = [(4096, 11008), (2048, 2048), (8192, 2048), (2048, 6144)]   # last: q/k/v merged
 VARIANTS = [("default", {}),
-            ("serial split sum (was default)", {"serial_sum": True}),
             # narrower column tiles, more K slices per block (ct column groups x warps slices: ct * warps threads;
             # "warp" is a K slice here, ct = 8 puts 4 slices in one hardware warp, each reading 32 B of its row)
-            ("ct 8 x 32", {"ct": 8, "warps": 32}), ("ct 16 x 16", {"ct": 16, "warps": 16})]
+            ("ct 8 x 32", {"ct": 8, "warps": 32}), ("ct 16 x 16", {"ct": 16, "warps": 16}),
+            # forced rows per slice (fewer K splits than the plan takes; rows * warps >= K: one split, no partials)
+            ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64}),
+            ("ct 16 x 16, R 64", {"ct": 16, "warps": 16, "rows": 64})]
 
 
 def main():
@@ -72,7 +74,7 @@ def main():
             else:
                 fn = mc._make_gemv(1, True, ct=kw.get("ct", mc.CT), warps=kw.get("warps", mc.WARPS),
                                    unroll=kw.get("unroll", mc.UNROLL_M1), gpt=gpt,
-                                   max_registers=kw.get("max_registers"), serial_sum=kw.get("serial_sum", False))
+                                   max_registers=kw.get("max_registers"))
                 lau = Launcher(fn, mc._sig(True, True, gpt))
                 lau.dispatcher = fn
                 made[label] = lau
@@ -81,6 +83,10 @@ def main():
             occ = max(1, lau.blocks_per_sm(block, 0))
             grid, r, splits = mc.decode_plan(1, k, n, G, sms, occ, ct, warps, gpt=gpt)
             tiles = -(-(n // 8) // (ct * gpt))
+            if "rows" in kw:
+                r = kw["rows"]
+                splits = -(-k // (warps * r))
+                grid = tiles * splits
             acc = torch.zeros(splits * n, dtype=torch.float32, device="cuda")
             ctr = torch.zeros(tiles, dtype=torch.int32, device="cuda")
 

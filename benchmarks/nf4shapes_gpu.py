@@ -19,7 +19,7 @@ from timing import copy_gbps, time_graph
 
 BS = 64
 POOL_BYTES = 128 << 20
-MM_SHAPES = [(2048, 2048), (8192, 2048), (2048, 4096), (4096, 11008)]
+MM_SHAPES = [(2048, 2048), (8192, 2048), (2048, 4096), (4096, 11008), (2048, 6144)]   # last: q/k/v merged
 FFN_SHAPES = [(1, 2048, 8192), (1, 4096, 11008), (2, 2048, 8192), (2, 4096, 11008)]
 # (label, _make_m1 keywords); grid = one wave at the variant's occupancy
 MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": True}),
@@ -41,7 +41,11 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: was default)", {}),
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="defaults and the tab16 variants only")
+    ap.add_argument("--mm-only", metavar="KxN", help="only this MatMulNF4 shape (e.g. 2048x6144), no FFN cases")
     a = ap.parse_args()
+    mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
+    if a.mm_only:
+        mm_shapes, ffn_shapes = [tuple(int(v) for v in a.mm_only.lower().split("x"))], []
     import torch
     import torch.nn.functional as F  # noqa: N812
 
@@ -97,7 +101,7 @@ def main():
         print(f"{case:28s} {label:30s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy  "
               f"{t_torch / t:5.2f}x torch  rel {err:.1e} {extra}", flush=True)
 
-    for k, n in MM_SHAPES:
+    for k, n in mm_shapes:
         case = f"MatMulNF4 M=1 {k}->{n}"
         host, dev = pool_of(k, n, 1)
         x = (torch.randn(1, k, device="cuda") * 0.5).half()
@@ -129,7 +133,7 @@ def main():
             t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
 
-    for m, k, n in FFN_SHAPES:
+    for m, k, n in ffn_shapes:
         case = f"FusedFFNNF4 M={m} {k}->2x{n}"
         host, dev = pool_of(k, n, 2)
         x = (torch.randn(m, k, device="cuda") * 0.5).half()
