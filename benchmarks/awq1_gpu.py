@@ -5,6 +5,9 @@ medians per call; torch fp16 x @ W on a pool of fp16 weights in the same run; ou
 onnx_lowbit.awq.matmul on the last pool entry.
 
     PYTHONPATH=/tmp/site:.:benchmarks:tests python3 benchmarks/awq1_gpu.py
+
+Each shape ends with the same kind of int4 weights in onnxruntime's N-major MatMulNBits layout through the NF4
+decode generator's experimental int4 mode (``int4 N-major``), for comparison.
 """
 from __future__ import annotations
 
@@ -18,10 +21,9 @@ SHAPES = [(4096, 11008), (2048, 2048), (8192, 2048), (2048, 6144)]   # last: q/k
 VARIANTS = [("default", {}),
             # narrower column tiles, more K slices per block (ct column groups x warps slices: ct * warps threads;
             # "warp" is a K slice here, ct = 8 puts 4 slices in one hardware warp, each reading 32 B of its row)
-            ("ct 8 x 32", {"ct": 8, "warps": 32}), ("ct 16 x 16", {"ct": 16, "warps": 16}),
+            ("ct 16 x 16", {"ct": 16, "warps": 16}),
             # forced rows per slice (fewer K splits than the plan takes; rows * warps >= K: one split, no partials)
-            ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64}),
-            ("ct 16 x 16, R 64", {"ct": 16, "warps": 16, "rows": 64})]
+            ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64})]
 
 
 def main():
@@ -104,6 +106,39 @@ def main():
             gbs = per / t / 1e3
             print(f"  {label:22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy {t_torch / t:5.2f}x torch "
                   f"rel {err:.1e} [{grid} blocks, R={r}, {splits} splits, {occ}/SM, {regs(lau)}]", flush=True)
+        int4_nmajor(k, n, x, t_torch, bw, timed, stream)
+
+
+def int4_nmajor(k, n, x, t_torch, bw, timed, stream):
+    """The same int4 weights (group G, zero points) in onnxruntime's N-major MatMulNBits layout, through the NF4
+    decode generator's experimental int4 mode (matmulnf4_cuda.run_int4_m1): what an N-major int4 op would take.
+    Random bytes / zero points / scales (the decode does not care about their origin), a pool past L2 as above."""
+    from onnx_lowbit.custom_ops import matmulnf4_cuda as m4
+    rng = np.random.default_rng(1)
+    nb = k // G
+    per = n * k // 2 + n * nb * 2 + n * nb // 2
+    xh = x.cpu().numpy()
+    calls, last = [], None
+    for _ in range(max(4, -(-POOL_BYTES // per))):
+        b = rng.integers(0, 256, (n, nb, G // 2), dtype=np.uint8)
+        sc = (rng.random(n * nb) * 0.004 + 0.001).astype(np.float16)
+        zp = rng.integers(0, 256, n * nb // 2, dtype=np.uint8)
+        launch, dev = m4.run_int4_m1(xh, b, sc, zp, k, n, G, launch_only=True)
+        calls.append(lambda f=launch: f(stream()))
+        last = (b, sc, zp, dev)
+    t = timed(calls)
+    b, sc, zp, dev = last
+    q = np.empty((n, k), np.uint8)
+    q[:, 0::2], q[:, 1::2] = b.reshape(n, -1) & 15, b.reshape(n, -1) >> 4
+    z = np.empty((n, nb), np.uint8)
+    z[:, 0::2], z[:, 1::2] = zp.reshape(n, -1) & 15, zp.reshape(n, -1) >> 4
+    wt = (q.astype(np.float64) - np.repeat(z, G, axis=1)) * np.repeat(sc.reshape(n, nb).astype(np.float64), G, axis=1)
+    ref = xh.astype(np.float64) @ wt.T
+    y = dev[6].copy_to_host().astype(np.float64)
+    err = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
+    gbs = per / t / 1e3
+    print(f"  {'int4 N-major (NBits)':22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy "
+          f"{t_torch / t:5.2f}x torch rel {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -115,8 +115,16 @@ def _make_rs(nv):
     return cuda.jit(device=True, inline=True)(ns["rs"])
 
 
+@cuda.jit(device=True, inline=True)
+def _zval(zp, j, has_zp):
+    """Zero point of flat block j (MatMulNBits packing: two per byte, even block in the low nibble), or 8."""
+    if has_zp:
+        return float32((uint32(zp[j >> uint32(1)]) >> ((j & uint32(1)) << uint32(2))) & uint32(15))
+    return float32(8.0)
+
+
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False):
+                 early=False, int4=False):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -131,7 +139,16 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     of copying the prefetched words into the current ones (fewer moves, twice the code). ``early`` (with
     prefetch): x and the first step's words are loaded before the table is built, so the table build overlaps
     their latency (matters when a block has only a few steps). matmul with pair=False: the 16-entry table built
-    from the 16 code values (no dynamic shared memory: occupancy bound by registers only)."""
+    from the 16 code values (no dynamic shared memory: occupancy bound by registers only). ``int4`` (with matmul;
+    experimental, benchmark and tests only, no op uses it yet): int4 weights with zero points in onnxruntime's
+    MatMulNBits layout (N-major blocks, element k of a block in byte k // 2, even k in the LOW nibble; scales [N *
+    K/bs] in x's dtype; zero points uint8 [N * K/bs / 2], even block in the low nibble, or 8 without them; needs
+    K % (2 * bs) == 0): the 16-entry table holds 0..15, and each word's sum becomes (sum q x - z sum x) * s with
+    sum x of the thread's 16 x values computed once. Signature (x, q1, scales, zp, lut, b1, has_b1, s, k_dim, n_dim,
+    bs_shift, has_zp)."""
+    if int4:
+        assert matmul, "int4 is a mode of the one-weight (matmul) kernel"
+        pair = False
     nw = 1 if matmul else 2
     if max_registers is None and cols == COLS and prefetch:     # the default geometry; variants: ptxas's choice
         max_registers = MAX_REGISTERS.get(mt)
@@ -140,7 +157,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     low = 5 - steps                     # lane bits reduced by the final butterfly
     src = []
     a = src.append
-    if matmul:
+    if int4:
+        a("def decode(x, q1, am1, zp1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift, has_zp):")
+        a("    m_dim = 1")
+        a("    parts = int64(cuda.gridDim.x)")
+    elif matmul:
         a("def decode(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
         a("    m_dim = 1")
         a("    parts = int64(cuda.gridDim.x)")
@@ -201,6 +222,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         for e in range(16):
             xv = f"float32(x[xb + uint32({e})])" if matmul else f"load(x, xb + uint32({e}))"
             a(f"    x_{m}_{e} = {xv} if okx else F0")
+        if int4:
+            a(f"    xsum_{m} = " + " + ".join(f"x_{m}_{e}" for e in range(16)))
     a("    my_idx = uint32(0)")
     for st in range(steps):
         a(f"    my_idx += ((lane >> uint32({4 - st})) & U1) * uint32({nv >> (st + 1)})")
@@ -223,7 +246,9 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             out(f"{ind}{prefix}w1_{c} = q1[wi_{c}]")
             if not matmul:
                 out(f"{ind}{prefix}w3_{c} = q3[wi_{c}]")
-            out(f"{ind}{prefix}s1_{c} = am1[shr32(wi_{c}, sh)] if owns else F0")
+            out(f"{ind}{prefix}s1_{c} = float32(am1[shr32(wi_{c}, sh)]) if owns else F0")
+            if int4:
+                out(f"{ind}{prefix}z1_{c} = zval(zp1, shr32(wi_{c}, sh), has_zp)")
             if not matmul:
                 out(f"{ind}{prefix}s3_{c} = am3[shr32(wi_{c}, sh)] if owns else F0")
 
@@ -260,12 +285,16 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
                         b_(f"c0 = as_f32(lds32(tab, (wd >> uint32({8 * b + 2})) & U60))")
                         b_(f"c1 = as_f32(lds32(tab, (wd >> uint32({8 * b - 2})) & U60))" if b else
                            "c1 = as_f32(lds32(tab, (wd << uint32(2)) & U60))")
+                    e_hi, e_lo = (e0 + 1, e0) if int4 else (e0, e0 + 1)   # int4: element 2b in the low nibble
                     for m in range(mt):
-                        b_(f"acc_{m} += c0 * x_{m}_{e0}")
-                        b_(f"acc_{m} += c1 * x_{m}_{e0 + 1}")
+                        b_(f"acc_{m} += c0 * x_{m}_{e_hi}")
+                        b_(f"acc_{m} += c1 * x_{m}_{e_lo}")
             for m in range(mt):
                 idx = ((0 if wsel == 1 else 1) * cols + c) * mt + m
-                b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
+                if int4:
+                    b_(f"pv[{idx}] = (acc_{m} - z1_{c} * xsum_{m}) * s1_{c}")
+                else:
+                    b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
     b_("tot = rs(pv, lane, simred, tid)")
     b_("if writer:")
     b_(f"    red[mad32(mad32(buf, uint32({NWMAX}), warp), uint32({nv}), my_idx)] = tot")
@@ -300,20 +329,20 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     b_("n0 = nn")
     b_("wb = wbn")
     if prefetch and pingpong:
-        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3)_\d+)\b")
+        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3|z1)_\d+)\b")
         src.extend("        " + line for line in body)
         src.append("        if n0 >= n_hi:")
         src.append("            break")
         src.extend("        " + swap.sub(lambda mo: ("" if mo.group(1) else "n") + mo.group(2), line) for line in body)
     else:
         for c in range(cols if prefetch else 0):
-            for v in ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
+            for v in ("w1", "s1", "z1") if int4 else ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
                 b_(f"{v}_{c} = n{v}_{c}")
         src.extend("        " + line for line in body)
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
-          "min32": min32, "f2u": f2u,
+          "min32": min32, "f2u": f2u, "zval": _zval,
           "F0": np.float32(0.0), "M32": M32, "U32": U32}
     ns.update({f"U{v}": np.uint32(v) for v in (1, 3, 4, 5, 15, 16, 31, 60, 4096)})
     # PRMT selectors: output byte 0 = lane8 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)

@@ -401,6 +401,65 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
     return dev[5].copy_to_host().reshape(*lead, n)
 
 
+def int4_m1_ok(k, n, bs):
+    """Shapes the experimental int4 (MatMulNBits layout) M=1 kernel takes: K % 16 == 0, K <= 16384, block size a
+    power of two >= 16 with K % (2 * bs) == 0 (whole blocks per row, whole zero-point bytes per row)."""
+    return (k % 16 == 0 and k // 16 <= 1024 and bs >= 16 and bs & (bs - 1) == 0 and k % (2 * bs) == 0
+            and n >= 1)
+
+
+_int4 = {}
+
+
+def run_int4_m1(a, b, scales, zero_points, k, n, bs, bias=None, cols=None, launch_only=False):
+    """The M=1 decode generator in its experimental int4 mode (``_make_decode(..., int4=True)``) on int4 weights
+    in onnxruntime's MatMulNBits layout (B uint8 [N, K/bs, bs/2], scales [N * K/bs] in A's dtype, zero_points uint8
+    [N * K/bs / 2] or None for 8): Y[1, N] = A[1, K] . W. For tests and benchmarks only (no op runs it). Host
+    arrays in, Y out; ``launch_only``: a callable that launches on device arrays already made (benchmark)."""
+    from numba import config
+
+    from .fusedffnnf4_cuda import _make_decode
+    if not int4_m1_ok(k, n, bs):
+        raise ValueError(f"int4 M=1 kernel: K={k}, N={n}, block {bs} not supported")
+    sim = bool(config.ENABLE_CUDASIM)
+    cols = cols or M1_COLS
+    sms = 2 if sim else _sms()
+    g = m1_grid(n, sms, k, cols, False)
+    block = m1_block(k)
+    dt = np.dtype(a.dtype)
+    key = (dt.str, cols)
+    if key not in _int4:
+        fn = _make_decode(1, False, False, cols, True, M1_MAX_REGISTERS, matmul=True, int4=True)
+        lau = None
+        if not sim:
+            from .cuda_launch import Array, Launcher
+            lau = Launcher(fn, [Array(dt), Array(np.uint64), Array(dt), Array(np.uint8), Array(np.float32),
+                                Array(dt), "int32", Array(dt), "int64", "int64", "int64", "int32"])
+        _int4[key] = (fn, lau)
+    fn, lau = _int4[key]
+    code = cuda.to_device(np.arange(16, dtype=np.float32))
+    has_zp = int(zero_points is not None)
+    zp = np.ascontiguousarray(zero_points if has_zp else np.zeros(1, np.uint8), np.uint8).reshape(-1)
+    bb = np.ascontiguousarray(bias if bias is not None else np.zeros(1, dt), dtype=dt)
+    dev = [cuda.to_device(np.ascontiguousarray(a, dt).reshape(-1)),
+           cuda.to_device(np.ascontiguousarray(b, np.uint8).reshape(-1).view(np.uint64)),
+           cuda.to_device(np.ascontiguousarray(scales, dt).reshape(-1)), cuda.to_device(zp), code,
+           cuda.to_device(bb), cuda.device_array(n, dt)]
+    tail = (k, n, bs.bit_length() - 5, has_zp)
+
+    def launch(stream=0):
+        if sim:
+            fn[g, block](dev[0], dev[1], dev[2], dev[3], dev[4], dev[5], int(bias is not None), dev[6], *tail)
+        else:
+            pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
+            lau.launch(g, block, stream, *pa[:6], int(bias is not None), pa[6], *tail)
+    if launch_only:
+        return launch, dev
+    launch()
+    cuda.synchronize()
+    return dev[6].copy_to_host().reshape(1, n)
+
+
 _launchers = {}
 
 

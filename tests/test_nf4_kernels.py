@@ -307,3 +307,42 @@ def test_dequant_kernel_object_default_and_fallback(monkeypatch, adt):
         assert launchers[-1].used[-1] == want
         got = np.frombuffer((ctypes.c_char * ref.nbytes).from_address(op), ref.dtype)
         assert np.array_equal(got.view(np.uint8), ref.reshape(-1).view(np.uint8)), want
+
+
+def _nbits_weights(k, n, bs, seed):
+    """Random int4 weights in onnxruntime's MatMulNBits layout and W [K, N] (float64) they stand for."""
+    rng = np.random.default_rng(seed)
+    nb = k // bs
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    z = rng.integers(0, 16, (n, nb), dtype=np.uint8)
+    s = (rng.random((n, nb)) * 0.02 + 0.005).astype(np.float16)
+    b = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(n, nb, bs // 2)
+    zp = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+    w = (q.astype(np.float64) - np.repeat(z, bs, axis=1)) * np.repeat(s.astype(np.float64), bs, axis=1)
+    w8 = (q.astype(np.float64) - 8.0) * np.repeat(s.astype(np.float64), bs, axis=1)
+    return b, s.reshape(-1), zp, w.T, w8.T
+
+
+@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+@pytest.mark.parametrize("k,n,bs,dtype,bias", [(64, 9, 32, np.float16, False), (256, 20, 64, np.float32, True),
+                                               (128, 4, 16, np.float16, True)])
+def test_int4_nbits_layout_m1_kernel(k, n, bs, dtype, bias):
+    """The decode generator's experimental int4 mode (MatMulNBits layout: low nibble first, zero points two per
+    byte or 8 without them) against the weights it stands for, with and without zero points, NaN in x included."""
+    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    b, s, zp, w, w8 = _nbits_weights(k, n, bs, seed=k + n)
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal((1, k)) * 0.5).astype(dtype)
+    bb = rng.standard_normal(n).astype(dtype) if bias else None
+    s = s.astype(dtype)
+    for zpv, wref in ((zp, w), (None, w8)):
+        ref = a.astype(np.float64) @ wref + (bb.astype(np.float64) if bias else 0)
+        y = mc.run_int4_m1(a, b, s, zpv, k, n, bs, bias=bb)
+        assert y.dtype == dtype and y.shape == (1, n)
+        err = np.abs(y.astype(np.float64) - ref).max() / np.abs(ref).max()
+        assert err < (2e-3 if dtype == np.float16 else 1e-5), err
+    a[0, 3] = np.nan
+    y = mc.run_int4_m1(a, b, s, zp, k, n, bs)
+    assert np.isnan(y).all()
+    with pytest.raises(ValueError, match="not supported"):
+        mc.run_int4_m1(a, b, s, zp, k + 16, n, bs)
