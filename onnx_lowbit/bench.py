@@ -417,13 +417,8 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         raise LowbitError("--cuda-graph needs --provider cuda")
     if runs < 1 or warmup < 0:
         raise LowbitError(f"--runs must be >= 1 and --warmup >= 0 (got {runs}, {warmup})")
-    if out_dir is not None:
-        if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-            raise LowbitError(f"--out {out_dir}: exists and is not a directory")
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-        except OSError as e:
-            raise LowbitError(f"--out {out_dir}: cannot create ({e.strerror or e})") from None
+    if out_dir is not None and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise LowbitError(f"--out {out_dir}: exists and is not a directory")
     if provider == "cuda":
         _cuda_check(cuda_graph)
     from .domain import DOMAIN
@@ -450,6 +445,11 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         feeds = load_inputs(inputs, sig)
     else:
         feeds = random_inputs(sig, resolve_dims(sigs, dims or {}), seed)
+    if out_dir is not None:     # made once the models and inputs are good: bad input leaves no directory behind
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise LowbitError(f"--out {out_dir}: cannot create ({e.strerror or e})") from None
     mem = DeviceMemory() if provider == "cuda" else HostMemory()
     if provider == "cuda":
         _warm_cuda_context()
