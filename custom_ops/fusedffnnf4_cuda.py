@@ -147,7 +147,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     sum x of the thread's 16 x values computed once. Signature (x, q1, scales, zp, lut, b1, has_b1, s, k_dim, n_dim,
     bs_shift, has_zp)."""
     if int4:
-        assert matmul, "int4 is a mode of the one-weight (matmul) kernel"
+        if not matmul:
+            raise ValueError("int4 is a mode of the one-weight (matmul=True) kernel")
         pair = False
     nw = 1 if matmul else 2
     if max_registers is None and cols == COLS and prefetch:     # the default geometry; variants: ptxas's choice
