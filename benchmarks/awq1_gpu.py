@@ -22,7 +22,8 @@ VARIANTS = [("default", {}),
             # narrower column tiles, more K slices per block (ct column groups x warps slices: ct * warps threads;
             # "warp" is a K slice here, ct = 8 puts 4 slices in one hardware warp, each reading 32 B of its row)
             ("ct 16 x 16", {"ct": 16, "warps": 16}),
-            # forced rows per slice (fewer K splits than the plan takes; rows * warps >= K: one split, no partials)
+            # forced rows per slice (fewer K splits than the plan takes: ceil(K / (rows * warps)), e.g. one split
+            # without partials at K = 2048)
             ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64})]
 
 

@@ -82,7 +82,6 @@ MAX_M_FAST = 16             # accumulators would not stay in registers)
 DEFAULT_BLOCKS_PER_SM = 4  # planning without an occupancy query (simulator)
 OVERHEAD_ROWS = 24         # a block's fixed cost in row-steps per warp (plan)
 GPT_SMALL_M = 1            # column groups per thread for M <= 2 (2 = 8-byte loads; measured slower, see above)
-SPLIT_BATCH = 8            # partials loaded at a time by the block that sums a tile's K splits (sum_splits; fixed)
 
 U0, U1, U2, U3, U4, U5, U6, U7, U8, U15 = (np.uint64(v) for v in (0, 1, 2, 3, 4, 5, 6, 7, 8, 15))
 M32 = np.uint64(0xFFFFFFFF)
@@ -147,13 +146,13 @@ F256 = np.float32(256.0)
 @device
 def sum_splits(acc, i0, stride, splits):
     """acc[i0] + acc[i0 + stride] + ... (``splits`` terms), added one by one in split order (deterministic, the
-    same bits as a plain loop), with SPLIT_BATCH loads in flight at a time instead of one: the last block of a
+    same bits as a plain loop), with 8 loads in flight at a time instead of one: the last block of a
     column tile reads its tile's partials from L2, and one load per add made that read a chain of L2 round trips
     (32 at the small shapes' 32 splits)."""
     tot = F0
     n = uint64(splits)
     sp = U0
-    while sp + U8 <= n:                 # SPLIT_BATCH = 8 independent loads, then the adds in order
+    while sp + U8 <= n:                 # 8 independent loads, then the adds in order
         b = i0 + sp * stride
         v0 = acc[b]
         v1 = acc[b + stride]
@@ -218,7 +217,7 @@ def _accumulate(mt, gpt, w, xs, xi, xstride, vj, p, sx, one):
             p[m * gpt * 8 + t] += xv * vj[t]
 
 
-def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=None, serial_sum=False):
+def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=None):
     """The decode kernel for row bucket ``mt``; ``gpt`` column groups (int32 words) per thread: 1 (4-byte loads)
     or 2 (8-byte loads, qweight/qzeros passed as uint64 arrays; needs N % 16 == 0); ``unroll`` words in flight
     (default UNROLL_M1 for mt = 1, else UNROLL)."""
@@ -387,14 +386,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
                     mg = U0
                     while mg < m64:                          # all rows: every chunk of the tile is done
                         ai = mg * n64 + col
-                        if serial_sum:                       # the measured baseline (one load per add)
-                            v = F0
-                            sp = U0
-                            while sp < uint64(splits):       # fixed order: deterministic
-                                v += acc[sp * m64 * n64 + ai]
-                                sp += U1
-                        else:
-                            v = sum_splits(acc, ai, m64 * n64, splits)
+                        v = sum_splits(acc, ai, m64 * n64, splits)    # fixed order: deterministic
                         if has_bias:
                             v += load(bias, col)
                         store(y, ai, v)

@@ -432,15 +432,16 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         sigs.append(_signature(m))
         ours.append(any(n.domain == DOMAIN for n in m.graph.node))
     ours[1:] = [True] * len(rewritten)
+    sig, first = dict(sigs[0]), {k: 0 for k in sigs[0]}     # every input, as the first model that has it wants it
     for i in range(1, len(sigs)):
-        for name in set(sigs[0]) & set(sigs[i]):
-            (d0, s0), (d1, s1) = sigs[0][name], sigs[i][name]
+        for name, (d1, s1) in sigs[i].items():
+            if name not in sig:
+                sig[name], first[name] = (d1, s1), i
+                continue
+            d0, s0 = sig[name]
             if d0 != d1 or len(s0) != len(s1):
-                raise LowbitError(f"input {name!r} differs between the models: {d0}{s0} vs {d1}{s1} "
-                                  f"({os.fspath(paths[i])})")
-    sig = dict(sigs[0])
-    for s_ in sigs[1:]:
-        sig.update({k: v for k, v in s_.items() if k not in sig})
+                raise LowbitError(f"input {name!r} differs between the models: {d0}{s0} "
+                                  f"({os.fspath(paths[first[name]])}) vs {d1}{s1} ({os.fspath(paths[i])})")
     if inputs:
         feeds = load_inputs(inputs, sig)
     else:

@@ -389,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=int, default=10, metavar="N", help="untimed runs first (default 10)")
     b.add_argument("--runs", type=int, default=100, metavar="N", help="timed runs (default 100)")
     b.add_argument("--inputs", metavar="DATA.npz", help="inputs, one array per model input named after it "
-                                                        "(default: random, the same for both models)")
+                                                        "(default: random, the same for all models)")
     b.add_argument("--dim", action="append", metavar="NAME=VALUE",
                    help="value of a symbolic input dim for random inputs (repeatable; default 1 for batch-like "
                         "names, else 16)")

@@ -250,7 +250,9 @@ def main(argv=None) -> int:
         if path == rewritten:
             continue
         if not (a.skip_rewrite and os.path.exists(path)):
-            cli("rewrite", original, path, *(COMPARE[c] or ["--weights", c, *ours]))
+            opts = (COMPARE[c] + (["--no-merge-siblings"] if a.no_merge else [])) if COMPARE[c] else \
+                ["--weights", c, *ours]
+            cli("rewrite", original, path, *opts)
         extra.append(path)
     reference = os.path.join(a.out, NAME.replace(".onnx", ".fakequant.onnx"))
     if a.reference:

@@ -265,7 +265,8 @@ def test_cuda_matmul_two_groups_per_thread(M, K, N, G, dtype, hb):  # noqa: N803
 # tensor-core kernel (fp16 A): (M, K, N, G, bias, max K splits): M = 1 (sessions use it from TC_MIN_M on), two row
 # chunks with several K splits, several groups per warp (the partials added up in shared memory), a partial
 # column tile and K padded to the group
-TC_CASES = [(1, 320, 72, 128, True, 8), (9, 256, 16, 64, False, 8), (16, 256, 8, 64, True, 1)]
+TC_CASES = [(1, 320, 72, 128, True, 8), (9, 256, 16, 64, False, 8), (16, 256, 8, 64, True, 1),
+            (1, 1408, 16, 64, False, 16)]   # 11 K splits under the simulator (2 warps): 8 partials summed, then 3
 
 
 @pytest.mark.parametrize("M,K,N,G,hb,max_splits", TC_CASES)

@@ -179,6 +179,7 @@ def test_bad_input(rewritten, tmp_path, capsys):
     _bad(capsys, "has shape [1, 4, 7]", GPT2, r, "--inputs", str(tmp_path / "shape.npz"), *o)
     _bad(capsys, "differs between the models", GPT2, YOLO, *o)
     _bad(capsys, "nope3.onnx: no such file", GPT2, r, str(tmp_path / "nope3.onnx"), *o)   # the third model
+    _bad(capsys, "differs between the models", GPT2, r, YOLO, *o)
     assert not (tmp_path / "o").exists()      # no --out directory is left behind by a failed run
 
 

@@ -177,9 +177,11 @@ def test_products_of_different_inputs_or_kinds_stay_apart():
     assert ops(out) == ops(m) and not rep.entries
 
 
-def test_cli_flag(tmp_path):
+def test_cli_flag_last_one_wins(tmp_path):
     from onnx_lowbit.cli import main
     src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
     onnx.save(qkv_model(), src)
-    assert main(["rewrite", str(src), str(dst), "--merge-siblings"]) == 0
-    assert [n.op_type for n in onnx.load(dst).graph.node].count("Split") == 1
+    for flags, splits in ((["--merge-siblings", "--no-merge-siblings"], 0),
+                          (["--no-merge-siblings", "--merge-siblings"], 1)):
+        assert main(["rewrite", str(src), str(dst), *flags]) == 0
+        assert [n.op_type for n in onnx.load(dst).graph.node].count("Split") == splits, flags
