@@ -220,8 +220,8 @@ CUDA_CASES = [
     (17, 128, 136, 128, np.float32, True, 8, 2, None),
     (2, 30, 16, 7, np.float32, True, 4, 2, None),          # odd group size: K slices of one row
     (1, 128, 64, 128, np.float32, True, 8, 2, 32),         # a single K split: the direct (no atomics) path
-    (1, 704, 16, 64, np.float16, True, 4, 2, 32),          # 11 K splits: a batch of 8 partials summed, then 3
-    (3, 704, 24, 64, np.float32, False, 4, 2, 32),         # the same with 3 rows of partials per split
+    (1, 352, 16, 32, np.float16, True, 4, 2, 16),          # 11 K splits: a batch of 8 partials summed, then 3
+    (3, 352, 24, 32, np.float32, False, 4, 2, 16),         # the same with 3 rows of partials per split
 ]
 GPT2_CASES = [(1, 256, 64, 32, np.float16, True), (2, 30, 16, 7, np.float32, False)]   # 8-byte loads (option)
 
@@ -266,7 +266,7 @@ def test_cuda_matmul_two_groups_per_thread(M, K, N, G, dtype, hb):  # noqa: N803
 # chunks with several K splits, several groups per warp (the partials added up in shared memory), a partial
 # column tile and K padded to the group
 TC_CASES = [(1, 320, 72, 128, True, 8), (9, 256, 16, 64, False, 8), (16, 256, 8, 64, True, 1),
-            (1, 1408, 16, 64, False, 16)]   # 11 K splits under the simulator (2 warps): 8 partials summed, then 3
+            (1, 704, 16, 32, False, 16)]   # 11 K splits under the simulator (2 warps): 8 partials summed, then 3
 
 
 @pytest.mark.parametrize("M,K,N,G,hb,max_splits", TC_CASES)

@@ -222,8 +222,8 @@ AWQ_CUDA_CASES = [  # M, K, N, G, dtype, (B1, B3), ct, warps (shrunk blocks unde
     (6, 64, 16, 32, np.float16, (True, True), 2, 2, None),        # 2 row chunks of 4 (one partial)
     (2, 64, 16, 32, np.float16, (False, False), 2, 2, 32),        # a single K split: S written directly
     (17, 64, 8, 32, np.float32, (True, True), 2, 2, None),        # generic kernel
-    (1, 704, 16, 64, np.float16, (True, True), 2, 2, 32),         # 11 K splits: a batch of 8 partials summed, then 3
-    (3, 704, 16, 64, np.float32, (True, False), 2, 2, 32),        # the same with 3 rows of partials per split
+    (1, 352, 16, 32, np.float16, (True, True), 2, 2, 16),         # 11 K splits: a batch of 8 partials summed, then 3
+    (3, 352, 16, 32, np.float32, (True, False), 2, 2, 16),        # the same with 3 rows of partials per split
 ]
 
 
@@ -244,7 +244,7 @@ def test_awq_cuda_kernel(M, K, N, G, dtype, biases, ct, warps, rows):  # noqa: N
 # tensor-core kernel (fp16 X; matmulawq_cuda._make_tc with both weights): M = 1 (sessions use it from TC_MIN_M on),
 # and two row chunks with several K splits
 @pytest.mark.parametrize("M,K,N,G,biases", [(1, 320, 24, 128, (True, False)), (11, 256, 16, 64, (False, True)),
-                                             (1, 2048, 16, 128, (True, True))])   # 8 K splits under the simulator
+                                             (1, 512, 16, 32, (True, True))])   # 8 K splits under the simulator
 def test_awq_cuda_tc_kernel(M, K, N, G, biases):  # noqa: N803
     fc = _awq_cuda()
     w1, w3 = awq_weights(K, N, G, seed=3)
