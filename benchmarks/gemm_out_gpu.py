@@ -1,8 +1,8 @@
 """Why the fused FFN's cuBLAS prefill path trails onnxruntime's unfused graph by 0-8% (docs/ffn.md): the two
 GEMMs of a SwiGLU block (x[M, 4096] . W1, W3 with N = 11008, fp16) timed as the prefill path issues them
-(W stored [N, K], op T, fp32 outputs) against the same with fp16 outputs, and against the layout onnxruntime's
-MatMul uses (W stored [K, N], op N, fp16 outputs); medians per pair of GEMMs (CUDA events around 10 back-to-back pairs), and the cuBLAS kernels
-each case runs (torch.profiler), per M.
+(W stored [N, K], op T, fp32 outputs) against the same with fp16 outputs, against the layout onnxruntime's
+MatMul uses (W stored [K, N], op N) and against X as cuBLAS's A operand; medians per pair of GEMMs (CUDA events
+around 10 back-to-back pairs), and the cuBLAS kernels each case runs (torch.profiler), per M.
 
     PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/gemm_out_gpu.py
 """

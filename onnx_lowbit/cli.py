@@ -338,13 +338,16 @@ def _weights_arguments(p) -> None:
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
 
 
-def _gru_arguments(p) -> None:
+def _merge_arguments(p) -> None:
     g = p.add_argument_group("sibling products (the merge pass)")
     g.add_argument("--merge-siblings", action="store_true", default=None,
                    help="merge products of one input with constant weights (e.g. q/k/v) into one and a Split "
                         "(the default)")
     g.add_argument("--no-merge-siblings", dest="merge_siblings", action="store_false",
                    help="leave sibling products as they are")
+
+
+def _gru_arguments(p) -> None:
     g = p.add_argument_group("integer GRU (the gru pass; needs --calibration)")
     g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
 
@@ -365,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max |err| / max |reference| per output for --verify (default 0.02)")
     r.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(r)
+    _merge_arguments(r)
     _gru_arguments(r)
     r.set_defaults(fn=cmd_rewrite)
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
@@ -372,13 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--passes")
     i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(i)
+    _merge_arguments(i)
     _gru_arguments(i)
     i.set_defaults(fn=cmd_inspect)
     d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
     d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")
     d.set_defaults(fn=cmd_demo)
-    b = sub.add_parser("bench", help="time ORIGINAL and one or more REWRITTEN side by side (latency, memory, weight bytes, "
-                                     "output agreement); a markdown table and a PNG chart")
+    b = sub.add_parser("bench", help="time ORIGINAL and one or more REWRITTEN side by side (latency, memory, "
+                                     "weight bytes, output agreement); a markdown table and a PNG chart")
     b.add_argument("original", metavar="ORIGINAL")
     b.add_argument("rewritten", metavar="REWRITTEN", nargs="+",
                    help="one or more rewritten models, each timed and compared with ORIGINAL in the same run")

@@ -4,7 +4,8 @@
 Attention's q/k/v projections (and any other products reading the same activation) become one MatMul-family node
 over the weights concatenated along N, followed by a Split of its output along the last axis into the original
 tensors: one kernel launch and one pass over the activation instead of three (a decode step of a 16-layer
-LLaMA-style model runs 32 fewer product launches and 16 Splits). Runs after weights4 and ffn, so it merges what they leave:
+LLaMA-style model runs 32 fewer product launches and 16 Splits). Runs after weights4 and ffn, so it merges what
+they leave:
 
 - ``MatMul`` with a constant 2-D weight [K, N_i] (same dtype): weights concatenated along axis 1;
 - our ``MatMulNF4`` (same quant_type, block_size, K; every weight but the last holds whole absmax blocks and whole
@@ -77,7 +78,8 @@ def _kind(node):
 
 class MergePass(Pass):
     name = "merge"
-    description = "products of one input with constant weights (q/k/v) -> one product + Split (off: --no-merge-siblings)"
+    description = ("products of one input with constant weights (q/k/v) -> one product + Split "
+                   "(off: --no-merge-siblings)")
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
         if not options.get("merge_siblings", True):
