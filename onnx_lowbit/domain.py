@@ -299,6 +299,19 @@ QUANT_GRU = OpSpec(
 # The integer GRU (onnx_lowbit.gru_int).
 OPS[QUANT_GRU.name] = QUANT_GRU
 
+ROTARY = OpSpec(
+    name="Rotary",
+    doc="Rotary position embedding, half-rotation form: Y = X * cos + rotate_half(X) * sin with rotate_half(X) = "
+        "concat(-X[..., D/2:], X[..., :D/2]) over X's last axis (D even); cos and sin broadcast to X's shape. Each "
+        "product and the sum rounded to T, as the unfused ONNX ops round them (reference: onnx_lowbit.rotary).",
+    inputs=[Param("X", "T", "[..., D]"), Param("cos", "T", "broadcasts to X"), Param("sin", "T", "broadcasts to X")],
+    outputs=[Param("Y", "T", "X's shape")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    infer=_same_as_input0,
+)
+# Rotary position embedding (onnx_lowbit.rotary).
+OPS[ROTARY.name] = ROTARY
+
 
 def _schema(op: OpSpec) -> defs.OpSchema:
     opt = defs.OpSchema.FormalParameterOption

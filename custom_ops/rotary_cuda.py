@@ -1,0 +1,191 @@
+"""Rotary, CUDA face: Y = X * cos + rotate_half(X) * sin (onnx_lowbit.rotary) in one launch.
+
+One thread per pair (j, j + D/2) of a row of X [d0, d1, d2, d3, D] (rotary.layout; cos and sin read through their
+strides, 0 on broadcast axes): it reads x[j], x[j + D/2] and the four cos / sin values and writes both outputs.
+Grid-stride loop over the pairs, BLOCK threads per block, at most GRID_PER_SM blocks per SM. fp32: products and
+the sum with round-to-nearest intrinsics (never contracted into a fused multiply-add, as separate ONNX Mul / Add
+ops compute them). fp16: values widened to fp32 (exact), each product rounded to fp16 and the sum rounded to fp16,
+bit for bit the unfused fp16 ops. In a LLaMA decode step this replaces twelve small kernels per layer (two Slices
+or a Split, two Negs, two Concats, four Muls, two Adds) by two launches.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda, int64
+
+from onnx_lowbit import rotary
+
+from .dequantawq_cuda import device, f2h, h2f
+from .kernels import Kernel
+
+SIM = bool(config.ENABLE_CUDASIM)
+BLOCK = 256
+GRID_PER_SM = 8
+
+if SIM:
+    def _mul(a, b):
+        with np.errstate(all="ignore"):
+            return np.float32(np.float32(a) * np.float32(b))
+
+    def _add(a, b):
+        with np.errstate(all="ignore"):
+            return np.float32(np.float32(a) + np.float32(b))
+else:
+    from numba.cuda import libdevice
+
+    @device
+    def _mul(a, b):
+        return libdevice.fmul_rn(a, b)
+
+    @device
+    def _add(a, b):
+        return libdevice.fadd_rn(a, b)
+
+
+@device
+def _ld16(a, i):
+    return h2f(a[i])
+
+
+@device
+def _st16(a, i, v):
+    a[i] = f2h(v)
+
+
+@device
+def _r16(v):
+    return h2f(f2h(v))
+
+
+@device
+def _ld32(a, i):
+    return a[i]
+
+
+@device
+def _st32(a, i, v):
+    a[i] = v
+
+
+@device
+def _same(v):
+    return v
+
+
+def _make(f16):
+    ld, st, rnd = (_ld16, _st16, _r16) if f16 else (_ld32, _st32, _same)
+
+    @cuda.jit
+    def kernel(x, c, s, y, d0, d1, d2, d3, h, c0, c1, c2, c3, cl, s0, s1, s2, s3, sl):
+        n = d0 * d1 * d2 * d3 * h
+        p = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
+        step = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
+        while p < n:
+            j = p % h
+            r = p // h
+            xb = r * 2 * h
+            i3 = r % d3
+            r //= d3
+            i2 = r % d2
+            r //= d2
+            i1 = r % d1
+            i0 = r // d1
+            cb = i0 * c0 + i1 * c1 + i2 * c2 + i3 * c3
+            sb = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
+            x1 = ld(x, xb + j)
+            x2 = ld(x, xb + j + h)
+            a1 = rnd(_mul(x1, ld(c, cb + j * cl)))
+            b1 = rnd(_mul(-x2, ld(s, sb + j * sl)))
+            a2 = rnd(_mul(x2, ld(c, cb + (j + h) * cl)))
+            b2 = rnd(_mul(x1, ld(s, sb + (j + h) * sl)))
+            st(y, xb + j, _add(a1, b1))
+            st(y, xb + j + h, _add(a2, b2))
+            p += step
+
+    return kernel
+
+
+KERNELS = {10: _make(True), 1: _make(False)}
+STORAGE = {10: np.uint16, 1: np.float32}
+
+
+def _signature(elem):
+    from .cuda_launch import Array
+    a = Array(STORAGE[elem])
+    return [a, a, a, a] + ["int64"] * 15
+
+
+_launchers = {}
+
+
+def launcher(elem):
+    """The direct-launch wrapper of the kernel for fp16 (10) or fp32 (1) (compiled once per process); under the
+    simulator cuda_launch.SimLauncher."""
+    if elem not in _launchers:
+        from .cuda_launch import Launcher, SimLauncher
+        _launchers[elem] = (SimLauncher if SIM else Launcher)(KERNELS[elem], _signature(elem))
+    return _launchers[elem]
+
+
+def grid_for(pairs, sms):
+    return max(1, min(-(-pairs // BLOCK), sms * GRID_PER_SM))
+
+
+def launch(lau, stream, sms, shapes, ptrs):
+    """One launch for X / cos / sin of ``shapes`` at device pointers ``ptrs`` (x, cos, sin, y); nothing for an
+    empty X. Raises rotary.RotaryError for shapes the op does not take."""
+    xs, cs, ss = shapes
+    dims, d, cst, sst = rotary.layout(xs, cs, ss)
+    n = int(np.prod(xs, dtype=np.int64))
+    if n == 0:
+        return
+    sizes = (n, int(np.prod(cs, dtype=np.int64)), int(np.prod(ss, dtype=np.int64)), n)
+    arrays = [(p, (k,)) for p, k in zip(ptrs, sizes)]
+    lau.launch(grid_for(n // 2, sms), BLOCK, stream, *arrays, *dims, d // 2, *cst, *sst)
+
+
+def run_arrays(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sms: int | None = None) -> np.ndarray:
+    """The kernel on host arrays (tests): copied to the device, launched as a session launches it, copied back."""
+    rotary.check(x.shape, x.dtype, cos.shape, cos.dtype, sin.shape, sin.dtype)
+    elem = 10 if x.dtype == np.float16 else 1
+    st = STORAGE[elem]
+    flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
+    y = np.zeros(x.size, st)
+    if SIM:     # host memory is the simulator's device memory
+        bufs = [flat(x), flat(cos), flat(sin), y]
+        ptrs = [b.ctypes.data for b in bufs]
+        launch(launcher(elem), 0, sms or 2, (x.shape, cos.shape, sin.shape), ptrs)
+        return y.view(x.dtype).reshape(x.shape)
+    from .cuda_launch import current_device, sm_count
+    dev = [cuda.to_device(flat(a) if a.size else np.zeros(1, st)) for a in (x, cos, sin)]
+    dy = cuda.to_device(y if y.size else np.zeros(1, st))
+    ptrs = [d.device_ctypes_pointer.value for d in dev + [dy]]
+    launch(launcher(elem), 0, sms or sm_count(current_device()), (x.shape, cos.shape, sin.shape), ptrs)
+    cuda.synchronize()
+    return dy.copy_to_host()[: x.size].view(x.dtype).reshape(x.shape)
+
+
+class RotaryCudaKernel(Kernel):
+    native_plans = True  # one launch whose parameters depend only on the input shapes; see plans.py
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from .cuda_launch import current_device, sm_count
+        self.elem = self.in_types[0]
+        self.launcher = launcher(self.elem)
+        self.sms = 2 if SIM else sm_count(current_device())
+
+    def compute(self, ctx, inputs):
+        from .bridge import KernelError
+        x, c, s = (self.check_input(inputs, i) for i in range(3))
+        dt = np.float16 if self.elem == 10 else np.float32
+        try:
+            rotary.check(x.shape, dt, c.shape, dt, s.shape, dt)
+            rotary.layout(x.shape, c.shape, s.shape)
+        except rotary.RotaryError as e:
+            raise KernelError(str(e)) from None
+        y = ctx.output(0, x.shape)
+        launch(self.launcher, ctx.stream, self.sms, (x.shape, c.shape, s.shape), (x.ptr, c.ptr, s.ptr, y))
+
+
+KERNEL = RotaryCudaKernel
