@@ -129,6 +129,13 @@ class Context:
         """Whether ``scratch`` can serve this kernel (onnxruntime >= 1.18, a CUDA op)."""
         return bool(_lib.lb_scratch_ok(self._call, self._err, 512))
 
+    def output_count(self):
+        """How many outputs the node has (an optional trailing output it leaves out is not counted)."""
+        n = _lib.lb_output_count(self._call)
+        if n < 0:
+            raise KernelError("could not read the node's output count")
+        return n
+
     def output_numpy(self, index, shape, dtype):
         return _view(self.output(index, shape), shape, dtype)
 
@@ -283,6 +290,7 @@ def library_path() -> str:
                                            ctypes.c_int]
         lib.lb_node_name.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.lb_ort_version.restype = ctypes.c_char_p
+        lib.lb_output_count.restype, lib.lb_output_count.argtypes = ctypes.c_int64, [ctypes.c_void_p]
         lib.lb_set_launch.restype, lib.lb_set_launch.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_set_launch_coop.restype, lib.lb_set_launch_coop.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_set_domain(domain.DOMAIN.encode())

@@ -81,7 +81,7 @@ class Array:
 
 
 _SCALARS = {"int64": ctypes.c_int64, "uint64": ctypes.c_uint64, "int32": ctypes.c_int32,
-            "uint32": ctypes.c_uint32, "float32": ctypes.c_float}
+            "uint32": ctypes.c_uint32, "float32": ctypes.c_float, "float64": ctypes.c_double}
 
 
 class Launcher:
@@ -210,7 +210,7 @@ class SimLauncher:
                 flat += [0, 0, n, it, int(ptr or 0), n, it]
             else:
                 conv.append(v)
-                flat.append(int(v))
+                flat.append(int.from_bytes(bytes(_SCALARS[s](v)), "little"))   # as Launcher records it
         self.fn[grid, block, 0, shmem or 0](*conv)
         self.last_slots = type(self).last_slots = slots
         rec = plans.active()

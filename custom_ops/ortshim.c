@@ -600,6 +600,17 @@ int lb_output(LbCall* call, int index, const int64_t* dims, int ndim, void** dat
   return 0;
 }
 
+/* How many outputs the node has (optional trailing outputs it leaves out are not counted). -1 on error. */
+int64_t lb_output_count(LbCall* call) {
+  size_t n = 0;
+  OrtStatus* st = API(I_KernelContext_GetOutputCount, f_CtxCount)(call->ctx, &n);
+  if (st) {
+    API(I_ReleaseStatus, f_ReleaseStatus)(st);
+    return -1;
+  }
+  return (int64_t)n;
+}
+
 /* Takes the compute call's scratch buffer (once per call; 0 bytes: none, *data NULL) from onnxruntime's allocator;
  * the shim gives it back when the call returns. Returns 0 and the pointer, or 1 with the reason in err. */
 int lb_scratch(LbCall* call, int64_t bytes, void** data, char* err, int errlen) {

@@ -11,7 +11,7 @@ or a Split, two Negs, two Concats, four Muls, two Adds) by two launches.
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda, int64
+from numba import config, cuda, float64, int64
 
 from onnx_lowbit import rotary
 
@@ -72,24 +72,35 @@ def _same(v):
     return v
 
 
+@device
+def _divmod(a, d, inv):
+    """(a // d, a % d) for 0 <= a < 2^52 through a float64 reciprocal (``inv`` = 1 / d) and one correction step:
+    64-bit integer division costs ~80 dependent instructions on the GPU, several per thread here."""
+    q = int64(float64(a) * inv)
+    r = a - q * d
+    if r < 0:
+        q -= 1
+        r += d
+    elif r >= d:
+        q += 1
+        r -= d
+    return q, r
+
+
 def _make(f16):
     ld, st, rnd = (_ld16, _st16, _r16) if f16 else (_ld32, _st32, _same)
 
     @cuda.jit
-    def kernel(x, c, s, y, d0, d1, d2, d3, h, c0, c1, c2, c3, cl, s0, s1, s2, s3, sl):
+    def kernel(x, c, s, y, d0, d1, d2, d3, h, c0, c1, c2, c3, cl, s0, s1, s2, s3, sl, ih, i3d, i2d, i1d):
         n = d0 * d1 * d2 * d3 * h
         p = int64(cuda.blockIdx.x) * int64(cuda.blockDim.x) + int64(cuda.threadIdx.x)
         step = int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
         while p < n:
-            j = p % h
-            r = p // h
+            r, j = _divmod(p, h, ih)
             xb = r * 2 * h
-            i3 = r % d3
-            r //= d3
-            i2 = r % d2
-            r //= d2
-            i1 = r % d1
-            i0 = r // d1
+            r, i3 = _divmod(r, d3, i3d)
+            r, i2 = _divmod(r, d2, i2d)
+            i0, i1 = _divmod(r, d1, i1d)
             cb = i0 * c0 + i1 * c1 + i2 * c2 + i3 * c3
             sb = i0 * s0 + i1 * s1 + i2 * s2 + i3 * s3
             x1 = ld(x, xb + j)
@@ -112,7 +123,7 @@ STORAGE = {10: np.uint16, 1: np.float32}
 def _signature(elem):
     from .cuda_launch import Array
     a = Array(STORAGE[elem])
-    return [a, a, a, a] + ["int64"] * 15
+    return [a, a, a, a] + ["int64"] * 15 + ["float64"] * 4
 
 
 _launchers = {}
@@ -141,7 +152,8 @@ def launch(lau, stream, sms, shapes, ptrs):
         return
     sizes = (n, int(np.prod(cs, dtype=np.int64)), int(np.prod(ss, dtype=np.int64)), n)
     arrays = [(p, (k,)) for p, k in zip(ptrs, sizes)]
-    lau.launch(grid_for(n // 2, sms), BLOCK, stream, *arrays, *dims, d // 2, *cst, *sst)
+    recips = [1.0 / v for v in (d // 2, dims[3], dims[2], dims[1])]
+    lau.launch(grid_for(n // 2, sms), BLOCK, stream, *arrays, *dims, d // 2, *cst, *sst, *recips)
 
 
 def run_arrays(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sms: int | None = None) -> np.ndarray:

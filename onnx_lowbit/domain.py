@@ -313,6 +313,28 @@ ROTARY = OpSpec(
 OPS[ROTARY.name] = ROTARY
 
 
+def _rmsnorm_infer(ctx) -> None:
+    ctx.set_output_type(0, ctx.get_input_type(0))
+    if ctx.get_num_outputs() > 1:
+        ctx.set_output_type(1, ctx.get_input_type(0))
+
+
+RMS_NORM = OpSpec(
+    name="RMSNorm",
+    doc="RMS normalisation over X's last axis with an optional residual add in front: H = X + skip (rounded to T), "
+        "Y = gamma * T(float32(H) / sqrt(mean(float32(H)^2) + epsilon)) (LLaMA's RMSNorm: fp32 inside, narrowed to "
+        "T before the weight); outputs Y and, optionally, H (reference: onnx_lowbit.rmsnorm).",
+    inputs=[Param("X", "T", "[..., D]"), Param("gamma", "T", "[D]"),
+            Param("skip", "T", "X's shape, added to X first", optional=True)],
+    outputs=[Param("Y", "T", "X's shape"), Param("H", "T", "X + skip (X without skip)", optional=True)],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=[Attr("epsilon", "float", "added to the mean of squares")],
+    infer=_rmsnorm_infer,
+)
+# RMS normalisation (onnx_lowbit.rmsnorm).
+OPS[RMS_NORM.name] = RMS_NORM
+
+
 def _schema(op: OpSpec) -> defs.OpSchema:
     opt = defs.OpSchema.FormalParameterOption
     params = lambda ps: [  # noqa: E731

@@ -22,15 +22,17 @@ from .ffn import FFNPass
 from .fplut import FPLUTPass
 from .gru import GRUPass
 from .merge import MergePass
+from .rmsnorm import RMSNormPass
 from .rotary import RotaryPass
 from .weights4 import WeightsPass
 
 # weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
 # so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after both (it
-# merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotary touches no node the
-# others rewrite.
+# merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotary and rmsnorm touch no
+# node the others rewrite.
 PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass(),
-                                                                       MergePass(), RotaryPass(), GRUPass()])
+                                                                       MergePass(), RotaryPass(), RMSNormPass(),
+                                                                       GRUPass()])
 
 # Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):
 # their opset import is added to the output when one of their ops is used.

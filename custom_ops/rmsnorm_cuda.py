@@ -1,0 +1,214 @@
+"""RMSNorm, CUDA face: H = X + skip, Y = gamma * T(float32(H) / sqrt(mean(float32(H)^2) + eps))
+(onnx_lowbit.rmsnorm) in one launch.
+
+One block of BLOCK threads per row (grid-stride over rows): pass 1 forms H (rounded to T, written when the node has
+the H output) and each thread's fp32 sum of squares; the block sums them in a fixed order (warp shuffles, then the
+warps' partials in shared memory), so results are reproducible; pass 2 re-reads the row (L1/L2) and writes Y. fp16
+values go through fp32 (exact) with the hardware's round-to-nearest-even conversions. In a LLaMA decode step one
+launch replaces the residual Add and onnxruntime's fused LayerNormalization kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config, cuda, float32, int64
+
+from onnx_lowbit import rmsnorm
+
+from .dequantawq_cuda import device, f2h, h2f
+from .kernels import Kernel
+
+SIM = bool(config.ENABLE_CUDASIM)
+BLOCK = 256
+WARPS = BLOCK // 32
+FULL = np.uint32(0xFFFFFFFF)
+
+
+@device
+def _ld16(a, i):
+    return h2f(a[i])
+
+
+@device
+def _st16(a, i, v):
+    a[i] = f2h(v)
+
+
+@device
+def _r16(v):
+    return h2f(f2h(v))
+
+
+@device
+def _ld32(a, i):
+    return a[i]
+
+
+@device
+def _st32(a, i, v):
+    a[i] = v
+
+
+@device
+def _same(v):
+    return v
+
+
+if SIM:
+    def _inv(v):
+        return np.float32(np.float32(1.0) / np.sqrt(np.float32(v)))
+
+    def _block_sum(part, red, t, nt):
+        """Simulator (no warp shuffles): every thread's partial through shared memory, summed by thread 0."""
+        red[t] = part
+        cuda.syncthreads()
+        if t == 0:
+            s = np.float32(0.0)
+            for k in range(nt):
+                s = np.float32(s + red[k])
+            red[0] = s
+        cuda.syncthreads()
+        s = red[0]
+        cuda.syncthreads()
+        return s
+else:
+    import math
+
+    @device
+    def _inv(v):
+        return float32(1.0) / math.sqrt(v)
+
+    @device
+    def _block_sum(part, red, t, nt):
+        for off in (16, 8, 4, 2, 1):
+            part += cuda.shfl_down_sync(FULL, part, off)
+        if (t & 31) == 0:
+            red[t >> 5] = part
+        cuda.syncthreads()
+        s = float32(0.0)
+        for w in range((nt + 31) >> 5):
+            s += red[w]
+        cuda.syncthreads()
+        return s
+
+
+def _make(f16):
+    ld, st, rnd = (_ld16, _st16, _r16) if f16 else (_ld32, _st32, _same)
+    red_size = BLOCK if SIM else WARPS
+
+    @cuda.jit
+    def kernel(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
+        red = cuda.shared.array(red_size, float32)
+        t = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        r = int64(cuda.blockIdx.x)
+        while r < rows:
+            b = r * d
+            acc = float32(0.0)
+            i = int64(t)
+            while i < d:
+                v = ld(x, b + i)
+                if has_skip:
+                    v = rnd(v + ld(skip, b + i))
+                if has_h:
+                    st(hout, b + i, v)
+                acc += v * v
+                i += nt
+            total = _block_sum(acc, red, t, nt)
+            inv = _inv(total / float32(d) + eps)
+            i = int64(t)
+            while i < d:
+                v = ld(x, b + i)
+                if has_skip:
+                    v = rnd(v + ld(skip, b + i))
+                st(y, b + i, ld(g, i) * rnd(v * inv))
+                i += nt
+            r += int64(cuda.gridDim.x)
+
+    return kernel
+
+
+KERNELS = {10: _make(True), 1: _make(False)}
+STORAGE = {10: np.uint16, 1: np.float32}
+_launchers = {}
+
+
+def launcher(elem):
+    """The direct-launch wrapper for fp16 (10) or fp32 (1) (compiled once per process); under the simulator
+    cuda_launch.SimLauncher."""
+    if elem not in _launchers:
+        from .cuda_launch import Array, Launcher, SimLauncher
+        a = Array(STORAGE[elem])
+        sig = [a, a, a, a, a, "int64", "int64", "int64", "int64", "float32"]
+        _launchers[elem] = (SimLauncher if SIM else Launcher)(KERNELS[elem], sig)
+    return _launchers[elem]
+
+
+def grid_for(rows, sms):
+    return max(1, min(rows, sms * 16))
+
+
+def launch(lau, stream, sms, shape, ptrs, has_skip, has_h, eps, block=BLOCK):
+    """One launch for X of ``shape`` at ``ptrs`` (x, skip or 0, gamma, y, h or 0); nothing for an empty X."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if n == 0:
+        return
+    d = int(shape[-1])
+    px, ps, pg, py, ph = ptrs
+    rows = n // d
+    lau.launch(grid_for(rows, sms), block, stream, (px, (n,)), (ps if has_skip else px, (n,)), (pg, (d,)),
+               (py, (n,)), (ph if has_h else py, (n,)), rows, d, int(has_skip), int(has_h), float(eps))
+
+
+def run_arrays(x, gamma, skip=None, epsilon=1e-6, sms=None, block=BLOCK):
+    """The kernel on host arrays (tests): (Y, H) copied back, launched as a session launches it."""
+    rmsnorm.check(x.shape, x.dtype, gamma.shape, gamma.dtype, None if skip is None else skip.shape,
+                  None if skip is None else skip.dtype)
+    elem = 10 if x.dtype == np.float16 else 1
+    st = STORAGE[elem]
+    flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
+    n = x.size
+    y, h = np.zeros(max(n, 1), st), np.zeros(max(n, 1), st)
+    src = [flat(x) if n else np.zeros(1, st), flat(skip) if skip is not None and n else np.zeros(1, st),
+           flat(gamma) if gamma.size else np.zeros(1, st)]
+    if SIM:
+        bufs = src + [y, h]
+        launch(launcher(elem), 0, sms or 2, x.shape, [b.ctypes.data for b in bufs], skip is not None, True,
+               epsilon, block)
+    else:
+        from .cuda_launch import current_device, sm_count
+        dev = [cuda.to_device(a) for a in src + [y, h]]
+        launch(launcher(elem), 0, sms or sm_count(current_device()), x.shape,
+               [a.device_ctypes_pointer.value for a in dev], skip is not None, True, epsilon, block)
+        cuda.synchronize()
+        y, h = dev[3].copy_to_host(), dev[4].copy_to_host()
+    out = lambda a: a[:n].view(x.dtype).reshape(x.shape)  # noqa: E731
+    return out(y), out(h)
+
+
+class RMSNormCudaKernel(Kernel):
+    native_plans = True  # one launch whose parameters depend only on the input shapes; see plans.py
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        from .cuda_launch import current_device, sm_count
+        self.elem = self.in_types[0]
+        self.eps = float(np.float32(self.attrs["epsilon"]))
+        self.launcher = launcher(self.elem)
+        self.sms = 2 if SIM else sm_count(current_device())
+
+    def compute(self, ctx, inputs):
+        from .bridge import KernelError
+        x, g = self.check_input(inputs, 0), self.check_input(inputs, 1)
+        s = inputs[2] if len(inputs) > 2 else None
+        dt = np.float16 if self.elem == 10 else np.float32
+        try:
+            rmsnorm.check(x.shape, dt, g.shape, dt, None if s is None else s.shape, None if s is None else dt)
+        except rmsnorm.RMSNormError as e:
+            raise KernelError(str(e)) from None
+        y = ctx.output(0, x.shape)
+        h = ctx.output(1, x.shape) if ctx.output_count() > 1 else 0
+        launch(self.launcher, ctx.stream, self.sms, x.shape, (x.ptr, s.ptr if s is not None else 0, g.ptr, y, h),
+               s is not None, bool(h), self.eps)
+
+
+KERNEL = RMSNormCudaKernel
