@@ -13,7 +13,7 @@ per call, twice onnxruntime's LayerNormalization (2.7 us): its eight dependent l
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda, float32, int64
+from numba import config, cuda, float32, uint64
 
 from onnx_lowbit import rmsnorm
 
@@ -23,6 +23,7 @@ from .kernels import Kernel
 SIM = bool(config.ENABLE_CUDASIM)
 BLOCK = 256             # threads of the two-pass kernel
 FULL = np.uint32(0xFFFFFFFF)
+U0, U5, U31 = np.uint64(0), np.uint64(5), np.uint64(31)
 
 
 @device
@@ -83,52 +84,54 @@ else:
     def _block_sum(part, red, t, nt):
         for off in (16, 8, 4, 2, 1):
             part += cuda.shfl_down_sync(FULL, part, off)
-        if (t & 31) == 0:
-            red[t >> 5] = part
+        if (t & U31) == U0:
+            red[t >> U5] = part
         cuda.syncthreads()
         s = float32(0.0)
-        for w in range((nt + 31) >> 5):
+        for w in range((nt + U31) >> U5):
             s += red[w]
         cuda.syncthreads()
         return s
 
 
-def _make(f16, ept=0):
+def _make(f16, ept, has_skip, has_h):
     """``ept`` > 0: the row held in registers, ``ept`` elements per thread (element k of thread t at t + k * block,
     so each load instruction is coalesced and all of a thread's loads are in flight together; rows of at most
-    ept * block elements). ``ept`` = 0: any row length, two strided passes."""
+    ept * block elements). ``ept`` = 0: any row length, two strided passes. ``has_skip`` / ``has_h``: compiled in
+    (no per-element branch); indices are unsigned (no negative-index fix-up per access)."""
     ld, st, rnd = (_ld16, _st16, _r16) if f16 else (_ld32, _st32, _same)
     red_size = MAX_BLOCK if SIM else MAX_BLOCK // 32
     nvals = max(ept, 1)
 
     @cuda.jit
-    def kernel(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
+    def kernel(x, skip, g, y, hout, rows, d, eps):
         red = cuda.shared.array(red_size, float32)
         vals = cuda.local.array(nvals, float32)
-        t = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        r = int64(cuda.blockIdx.x)
-        while r < rows:
-            b = r * d
+        t = uint64(cuda.threadIdx.x)
+        nt = uint64(cuda.blockDim.x)
+        du, rows_u = uint64(d), uint64(rows)
+        r = uint64(cuda.blockIdx.x)
+        while r < rows_u:
+            b = r * du
             acc = float32(0.0)
             if ept:
                 for k in range(ept):
-                    i = int64(t + k * nt)
-                    if i < d:
+                    i = t + uint64(k) * nt
+                    if i < du:
                         v = ld(x, b + i)
                         if has_skip:
                             v = rnd(v + ld(skip, b + i))
                         vals[k] = v
                 for k in range(ept):
-                    i = int64(t + k * nt)
-                    if i < d:
+                    i = t + uint64(k) * nt
+                    if i < du:
                         v = vals[k]
                         if has_h:
                             st(hout, b + i, v)
                         acc += v * v
             else:
-                i = int64(t)
-                while i < d:
+                i = t
+                while i < du:
                     v = ld(x, b + i)
                     if has_skip:
                         v = rnd(v + ld(skip, b + i))
@@ -140,25 +143,24 @@ def _make(f16, ept=0):
             inv = _inv(total / float32(d) + eps)
             if ept:
                 for k in range(ept):
-                    i = int64(t + k * nt)
-                    if i < d:
+                    i = t + uint64(k) * nt
+                    if i < du:
                         st(y, b + i, ld(g, i) * rnd(vals[k] * inv))
             else:
-                i = int64(t)
-                while i < d:
+                i = t
+                while i < du:
                     v = ld(x, b + i)
                     if has_skip:
                         v = rnd(v + ld(skip, b + i))
                     st(y, b + i, ld(g, i) * rnd(v * inv))
                     i += nt
-            r += int64(cuda.gridDim.x)
+            r += uint64(cuda.gridDim.x)
 
     return kernel
 
 
 EPT = 8                 # elements per thread of the register kernel
 MAX_BLOCK = 1024        # its largest block: rows up to EPT * MAX_BLOCK = 8192 elements; longer rows: two passes
-KERNELS = {(e, k): _make(e == 10, k) for e in (10, 1) for k in (EPT, 0)}
 STORAGE = {10: np.uint16, 1: np.float32}
 _launchers = {}
 
@@ -171,15 +173,16 @@ def geometry(d, block=None):
     return 0, block or BLOCK
 
 
-def launcher(elem, ept):
-    """The direct-launch wrapper for fp16 (10) or fp32 (1) and ``ept`` (compiled once per process); under the
-    simulator cuda_launch.SimLauncher."""
-    if (elem, ept) not in _launchers:
+def launcher(elem, ept, has_skip, has_h):
+    """The direct-launch wrapper for fp16 (10) or fp32 (1), ``ept`` and the optional input / output present
+    (compiled once per process and variant); under the simulator cuda_launch.SimLauncher."""
+    key = (elem, ept, bool(has_skip), bool(has_h))
+    if key not in _launchers:
         from .cuda_launch import Array, Launcher, SimLauncher
         a = Array(STORAGE[elem])
-        sig = [a, a, a, a, a, "int64", "int64", "int64", "int64", "float32"]
-        _launchers[(elem, ept)] = (SimLauncher if SIM else Launcher)(KERNELS[(elem, ept)], sig)
-    return _launchers[(elem, ept)]
+        sig = [a, a, a, a, a, "int64", "int64", "float32"]
+        _launchers[key] = (SimLauncher if SIM else Launcher)(_make(elem == 10, *key[1:]), sig)
+    return _launchers[key]
 
 
 def grid_for(rows, sms):
@@ -196,9 +199,9 @@ def launch(elem, stream, sms, shape, ptrs, has_skip, has_h, eps, block=None):
     ept, nt = geometry(d, block)
     px, ps, pg, py, ph = ptrs
     rows = n // d
-    launcher(elem, ept).launch(grid_for(rows, sms), nt, stream, (px, (n,)), (ps if has_skip else px, (n,)),
-                               (pg, (d,)), (py, (n,)), (ph if has_h else py, (n,)), rows, d, int(has_skip),
-                               int(has_h), float(eps))
+    launcher(elem, ept, has_skip, has_h).launch(
+        grid_for(rows, sms), nt, stream, (px, (n,)), (ps if has_skip else px, (n,)), (pg, (d,)), (py, (n,)),
+        (ph if has_h else py, (n,)), rows, d, float(eps))
 
 
 def run_arrays(x, gamma, skip=None, epsilon=1e-6, sms=None, block=None):
