@@ -158,8 +158,8 @@ def load_calibration(path, model=None) -> dict:
 
 
 def _selected_passes(a, passes_mod):
-    """--passes (default: all); --weights adds weights4 when --passes leaves it out, before the first selected
-    pass that the registry orders after it (ffn: so quantised gate/up projections are fused as 4-bit)."""
+    """--passes (default: the default passes); --weights adds weights4 when --passes leaves it out, before the first
+    selected pass that the registry orders after it (ffn: so quantised gate/up projections are fused as 4-bit)."""
     selected = passes_mod.resolve(a.passes)
     if getattr(a, "weights", None) and "weights4" in passes_mod.PASSES and \
             not any(p.name == "weights4" for p in selected):
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("rewrite", help="rewrite IN into OUT")
     r.add_argument("input", metavar="IN")
     r.add_argument("output", metavar="OUT")
-    r.add_argument("--passes", help="comma-separated pass names (default: all)")
+    r.add_argument("--passes", help="comma-separated pass names (default: every default pass; rmsnorm only when named)")
     r.add_argument("--report", action="store_true", help="print what was rewritten and skipped")
     r.add_argument("--report-json", metavar="FILE", help="write the report as JSON")
     r.add_argument("--verify", action="store_true",

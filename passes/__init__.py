@@ -3,6 +3,7 @@
     PASSES                          ordered registry: pass name -> Pass instance
     available()                     the pass names, in the order run_passes applies them
     run_passes(model, passes, **o)  -> (rewritten ModelProto, Report); the input model is not modified
+                                       (passes=None: the default passes; rmsnorm runs only when named)
     inspect(model, passes, **o)     -> Report of what run_passes would rewrite / skip (changes nothing)
 
 See docs/passes.md for how a pass is written.
@@ -29,7 +30,8 @@ from .weights4 import WeightsPass
 # weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
 # so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after both (it
 # merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotary and rmsnorm touch no
-# node the others rewrite.
+# node the others rewrite; rmsnorm is not a default pass (measured slower than onnxruntime's own kernels on the
+# H100: docs/passes.md).
 PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass(),
                                                                        MergePass(), RotaryPass(), RMSNormPass(),
                                                                        GRUPass()])
@@ -45,10 +47,10 @@ def available() -> list:
 
 
 def resolve(passes=None) -> list:
-    """The Pass instances for ``passes`` (None: all; a name; a comma-separated string; or names), in the
-    order given. Raises ValueError naming unknown passes and listing the known ones."""
+    """The Pass instances for ``passes`` (None: every default pass, in registry order; a name; a comma-separated
+    string; or names, in the order given). Raises ValueError naming unknown passes and listing the known ones."""
     if passes is None:
-        return list(PASSES.values())
+        return [p for p in PASSES.values() if p.default]
     if isinstance(passes, str):
         passes = [p.strip() for p in passes.split(",") if p.strip()]
     names = list(passes)

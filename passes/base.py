@@ -117,6 +117,7 @@ class Pass:
     """
     name: str = ""
     description: str = ""
+    default: bool = True        # in the default pass list (False: runs only when named, e.g. --passes ...,rmsnorm)
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
         raise NotImplementedError

@@ -204,6 +204,7 @@ def _residual(h, dt, g_ids, used):
 
 class RMSNormPass(Pass):
     name = "rmsnorm"
+    default = False     # opt-in: slower than onnxruntime's Add + LayerNormalization on the H100 (docs/passes.md)
     description = "LLaMA RMSNorm (Cast, Pow, ReduceMean, Add, Sqrt, Div, Mul, Cast, Mul) [+ residual Add] -> RMSNorm"
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
