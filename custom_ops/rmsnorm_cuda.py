@@ -1,7 +1,7 @@
 """RMSNorm, CUDA face: H = X + skip, Y = gamma * T(float32(H) / sqrt(mean(float32(H)^2) + eps))
 (onnx_lowbit.rmsnorm) in one launch.
 
-One block per row (grid-stride over rows). Rows up to EPT * MAX_BLOCK elements stay in registers: each thread loads
+One block per row (grid-stride over rows). Rows up to EPT * MAX_BLOCK (4096) elements stay in registers: each thread loads
 its EPT elements (element k at t + k * block: coalesced, all loads in flight at once), forms H (rounded to T,
 written when the node has the H output) and its fp32 sum of squares; the block sums them in a fixed order (warp
 shuffles, then the warps' partials in shared memory), so results are reproducible; then Y from the registers.
@@ -160,7 +160,8 @@ def _make(f16, ept, has_skip, has_h):
 
 
 EPT = 8                 # elements per thread of the register kernel
-MAX_BLOCK = 1024        # its largest block: rows up to EPT * MAX_BLOCK = 8192 elements; longer rows: two passes
+MAX_BLOCK = 512         # its largest block: rows up to EPT * MAX_BLOCK = 4096 elements; longer rows: two passes
+                        # (1024 threads x 66-72 registers of the fp16 variants exceed an SM's 64K registers)
 STORAGE = {10: np.uint16, 1: np.float32}
 _launchers = {}
 

@@ -373,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_rewrite)
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
-    i.add_argument("--passes")
+    i.add_argument("--passes", help="comma-separated pass names (default: every default pass; rmsnorm only when named)")
     i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(i)
     _merge_arguments(i)

@@ -133,7 +133,8 @@ _emits_our_domain = _emits_domain
 
 
 def run_passes(model, passes=None, **options):
-    """Applies ``passes`` (default: all, in registry order) to a copy of ``model``.
+    """Applies ``passes`` (default: the default passes, ``Pass.default``, in registry order; rmsnorm only when
+    named) to a copy of ``model``.
 
     Returns ``(rewritten ModelProto, Report)``. Graph input/output names are kept; opset imports, ir_version,
     producer and metadata of the input are restored on the output, plus our domain's opset import when one of

@@ -191,7 +191,7 @@ def _why_not(g, nodes, x, cos, sin):
                                 and k not in (1, v) for k, v in zip(s[::-1], xs[::-1])):
             return f"{name} of shape {s} does not broadcast to X's shape {xs}: it would broadcast X up"
     if all(_known(v) for v in xs + _dims(cos) + _dims(sin)):
-        try:    # fully known shapes: also the kernels' layout (at most three runs of broadcast leading axes)
+        try:    # fully known shapes: also the kernels' layout (at most four runs of broadcast leading axes)
             rotary.layout(xs, _dims(cos), _dims(sin))
         except rotary.RotaryError as e:
             return str(e)

@@ -18,7 +18,7 @@ Steps (each a plain call, output in --out):
   3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
               --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
   (--compare) more rewrites of the same original, timed in the same bench runs (one column each):
-              nf4 / fp4 / awq: our ops with those weights (every pass, as step 2); ort-nbits / ort-bnb4:
+              nf4 / fp4 / awq: our ops with those weights (the default passes, as step 2); ort-nbits / ort-bnb4:
               onnxruntime's own MatMulNBits (int4, AWQ group 128) / MatMulBnb4 (NF4) from ``--target ort``
               (passes weights4 and merge only, so the model runs on stock onnxruntime): the side-by-side of our
               ops against onnxruntime's at the whole-model level. nf4-no-rotary: the default passes but
@@ -44,7 +44,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = "llama_decode.onnx"
-# --compare: name -> the rewrite's options (None: our ops with those weights, every pass, like the main rewrite)
+# --compare: name -> the rewrite's options (None: our ops with those weights, default passes, like the main rewrite)
 COMPARE = {"nf4": None, "fp4": None, "awq": None,
            "ort-nbits": ["--weights", "awq", "--target", "ort", "--passes", "weights4,merge"],
            "ort-bnb4": ["--weights", "nf4", "--target", "ort", "--passes", "weights4,merge"],
@@ -70,7 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--skip-export", action="store_true", help="reuse --out/llama_decode.onnx")
     p.add_argument("--skip-rewrite", action="store_true", help="reuse --out/llama_decode.<weights>.onnx")
     p.add_argument("--weights", choices=["nf4", "fp4", "awq"], default="nf4")
-    p.add_argument("--passes", help="passes for the rewrite, comma-separated (default: all registered)")
+    p.add_argument("--passes", help="passes for the rewrite, comma-separated (default: the default passes)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--no-graph", action="store_true", help="cuda: skip the --cuda-graph bench")

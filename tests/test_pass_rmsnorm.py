@@ -14,6 +14,7 @@ shape (the other Adds add o_proj's output, whose dims it cannot relate to the re
 from __future__ import annotations
 
 import io
+import os
 import logging
 import warnings
 
@@ -486,12 +487,29 @@ def test_llama_export(exporter, dtype, fused):
 def test_llama_all_passes(exporter, dtype):
     """Every registered pass (weights as NF4; rmsnorm is not a default pass, so named): the model runs, and every
     norm is still an RMSNorm. The default list leaves the norms alone."""
-    from onnx_lowbit import passes
     m = llama_export(exporter, dtype)
     assert "rmsnorm" not in [p.name for p in passes.resolve()]
+    default, rep0 = onnx_lowbit.rewrite(m, weights="nf4")
+    assert not rep0.rewritten("rmsnorm") and not any(n.op_type == "RMSNorm" for n in default.graph.node)
     out, rep = onnx_lowbit.rewrite(m, passes=passes.available(), weights="nf4")
     assert len(rep.rewritten("rmsnorm")) == 2 * LAYERS + 1
     feeds = {"input_ids": np.random.default_rng(3).integers(0, VOCAB, (1, SEQ)).astype(np.int64)}
     logits = m.graph.output[0].name
     got = run_session(out, feeds)[logits]
     assert got.shape == (1, SEQ, VOCAB) and np.isfinite(got).all()
+
+
+def test_cli_runs_rmsnorm_only_when_named(tmp_path):
+    """`onnx-lowbit rewrite` without --passes leaves the norm alone; with rmsnorm named it fuses it."""
+    import subprocess
+    import sys
+    src = tmp_path / "norm.onnx"
+    onnx.save(rms_model(residual=True), str(src))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for extra, want in (([], 0), (["--passes", "rmsnorm"], 1)):
+        dst = tmp_path / f"out{want}.onnx"
+        p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", "rewrite", str(src), str(dst), *extra],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+        assert sum(n.op_type == "RMSNorm" for n in onnx.load(str(dst)).graph.node) == want
