@@ -13,7 +13,7 @@ import json
 
 import numpy as np
 
-from timing import time_wall  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import time_session  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 SHAPES = [(1, 16, 1, 128), (1, 32, 1, 128), (1, 16, 128, 128), (4, 32, 512, 128)]
 
@@ -40,28 +40,6 @@ def qk_model(b, h, s, d, dt=np.float16):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
-def time_session(model, feeds, runs, cuda_graph):
-    import onnxruntime as ort
-
-    import onnx_lowbit
-    prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {}), "CPUExecutionProvider"]
-    sess = onnx_lowbit.InferenceSession(model.SerializeToString(), providers=prov)
-    io = sess.io_binding()
-    for n, a in feeds.items():
-        io.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0))
-    outs = []
-    for o in sess.get_outputs():
-        v = ort.OrtValue.ortvalue_from_shape_and_type(feeds["q"].shape, feeds["q"].dtype, "cuda", 0)
-        io.bind_ortvalue_output(o.name, v)
-        outs.append(v)
-    sess.run_with_iobinding(io)
-    ys = [o.numpy() for o in outs]
-    for _ in range(30):
-        sess.run_with_iobinding(io)
-    med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs)
-    return med, p90, ys
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=500)
@@ -79,8 +57,8 @@ def main():
         for n in ("cos", "sin"):
             feeds[n] = rng.uniform(-1, 1, (1, 1) + shape[2:]).astype(np.float16)
         for graph in (False, True):
-            tu, pu, yu = time_session(model, feeds, a.runs, graph)
-            tf, pf, yf = time_session(fused, feeds, a.runs, graph)
+            tu, pu, yu = time_session(model, feeds, a.runs, graph, feeds["q"])
+            tf, pf, yf = time_session(fused, feeds, a.runs, graph, feeds["q"])
             if not all(np.array_equal(u, f, equal_nan=True) for u, f in zip(yu, yf)):
                 raise RuntimeError(f"{shape}: Rotary differs from onnxruntime's unfused result")
             rows.append({"shape": list(shape), "cuda_graph": graph, "unfused_us": tu, "unfused_p90": pu,

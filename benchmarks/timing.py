@@ -78,3 +78,28 @@ def time_wall(fn, runs, warmup=0):
         fn()
         ts.append((time.perf_counter() - t) * 1e6)
     return statistics.median(ts), float(np.percentile(ts, 90))
+
+
+def time_session(model, feeds, runs, cuda_graph, out_like):
+    """(median us, p90 us, first run's outputs) of run_with_iobinding on an onnx_lowbit CUDA session of ``model``
+    (ModelProto) with ``feeds`` bound as device buffers and every output bound to a device buffer shaped and typed
+    like the array ``out_like``; 30 untimed runs first (with ``cuda_graph``: capture and replays)."""
+    import onnxruntime as ort
+
+    import onnx_lowbit
+    prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {}), "CPUExecutionProvider"]
+    sess = onnx_lowbit.InferenceSession(model.SerializeToString(), providers=prov)
+    io = sess.io_binding()
+    for n, a in feeds.items():
+        io.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0))
+    outs = []
+    for o in sess.get_outputs():
+        v = ort.OrtValue.ortvalue_from_shape_and_type(out_like.shape, out_like.dtype, "cuda", 0)
+        io.bind_ortvalue_output(o.name, v)
+        outs.append(v)
+    sess.run_with_iobinding(io)
+    ys = [o.numpy() for o in outs]
+    for _ in range(30):
+        sess.run_with_iobinding(io)
+    med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs)
+    return med, p90, ys

@@ -16,15 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from onnx_lowbit import halfbits
-
 from .bridge import KernelError
+from .half_cpu import f32_to_f16 as _f32_to_f16
 from .kernels import Kernel
 
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)          # nibble j -> column offset within the group of 8
 ORDER_NP = np.array(ORDER, dtype=np.int64)
-
-_f32_to_f16 = njit(inline="always")(halfbits.f32bits_to_f16bits)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,38 @@ else:
         return uint64(libdevice.float2half_rn(v)) & np.uint64(0xFFFF)
 
 
+# Element access for kernels over float32 arrays or float16 arrays held as uint16 bits (values in fp32 registers):
+# ld16 / st16 widen / round (RNE), r16 rounds an fp32 value to fp16 precision; the 32-bit twins are plain.
+@device
+def ld16(a, i):
+    return h2f(a[i])
+
+
+@device
+def st16(a, i, v):
+    a[i] = f2h(v)
+
+
+@device
+def r16(v):
+    return h2f(f2h(v))
+
+
+@device
+def ld32(a, i):
+    return a[i]
+
+
+@device
+def st32(a, i, v):
+    a[i] = v
+
+
+@device
+def same(v):
+    return v
+
+
 if SIM:
     def make_st(n, cs=False):
         """Simulator twin of the vector store: st(arr, i, v0, ..., v{n-1}) writes n 32-bit values from element i of

@@ -8,13 +8,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from onnx_lowbit import fplut, halfbits
+from onnx_lowbit import fplut
 
 from .kernels import Kernel
 
-_f32_to_f16 = njit(inline="always")(halfbits.f32bits_to_f16bits)
-_f16_to_f32 = njit(inline="always")(halfbits.f16bits_to_f32bits)
-_f32_to_bf16 = njit(inline="always")(halfbits.f32bits_to_bf16bits)
+from .half_cpu import f16_to_f32 as _f16_to_f32, f32_to_bf16 as _f32_to_bf16, f32_to_f16 as _f32_to_f16
 
 PARALLEL_MIN = 1 << 17  # below this many elements a single thread is faster than waking the pool
 

@@ -51,6 +51,7 @@ import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import as_f32, device, f2h, h2f
+from .dequantawq_cuda import ld16 as _ld16, ld32 as _ld32, st16 as _st16, st32 as _st32
 from .kernels import Kernel
 
 SIM = bool(config.ENABLE_CUDASIM)
@@ -138,26 +139,6 @@ else:
     @device
     def silu(z):
         return z / (float32(1.0) + _m.exp(-z))
-
-
-@device
-def _ld32(a, i):
-    return a[i]
-
-
-@device
-def _ld16(a, i):
-    return h2f(a[i])
-
-
-@device
-def _st32(y, i, v):
-    y[i] = v
-
-
-@device
-def _st16(y, i, v):
-    y[i] = f2h(v)
 
 
 @device

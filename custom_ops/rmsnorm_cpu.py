@@ -10,24 +10,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from onnx_lowbit import halfbits, rmsnorm
+from onnx_lowbit import rmsnorm
 
+from .half_cpu import f2h as _f2h, h2f as _h2f
 from .kernels import Kernel
 
-_f32_to_f16 = njit(inline="always")(halfbits.f32bits_to_f16bits)
-_f16_to_f32 = njit(inline="always")(halfbits.f16bits_to_f32bits)
-
 PARALLEL_MIN = 1 << 16
-
-
-@njit(inline="always")
-def _h2f(h):
-    return np.uint32(_f16_to_f32(h)).view(np.float32)
-
-
-@njit(inline="always")
-def _f2h(v):
-    return np.uint16(_f32_to_f16(np.float32(v).view(np.uint32)))
 
 
 def _norm16(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):

@@ -17,43 +17,13 @@ from numba import config, cuda, float32, uint64
 
 from onnx_lowbit import rmsnorm
 
-from .dequantawq_cuda import device, f2h, h2f
+from .dequantawq_cuda import device, ld16, ld32, r16, same, st16, st32
 from .kernels import Kernel
 
 SIM = bool(config.ENABLE_CUDASIM)
 BLOCK = 256             # threads of the two-pass kernel
 FULL = np.uint32(0xFFFFFFFF)
 U0, U5, U31 = np.uint64(0), np.uint64(5), np.uint64(31)
-
-
-@device
-def _ld16(a, i):
-    return h2f(a[i])
-
-
-@device
-def _st16(a, i, v):
-    a[i] = f2h(v)
-
-
-@device
-def _r16(v):
-    return h2f(f2h(v))
-
-
-@device
-def _ld32(a, i):
-    return a[i]
-
-
-@device
-def _st32(a, i, v):
-    a[i] = v
-
-
-@device
-def _same(v):
-    return v
 
 
 if SIM:
@@ -99,9 +69,17 @@ def _make(f16, ept, has_skip, has_h):
     so each load instruction is coalesced and all of a thread's loads are in flight together; rows of at most
     ept * block elements). ``ept`` = 0: any row length, two strided passes. ``has_skip`` / ``has_h``: compiled in
     (no per-element branch); indices are unsigned (no negative-index fix-up per access)."""
-    ld, st, rnd = (_ld16, _st16, _r16) if f16 else (_ld32, _st32, _same)
+    ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
     red_size = MAX_BLOCK if SIM else MAX_BLOCK // 32
     nvals = max(ept, 1)
+
+    @device
+    def load_h(x, skip, i):
+        """H at flat index i: X, plus skip rounded to T."""
+        v = ld(x, i)
+        if has_skip:
+            v = rnd(v + ld(skip, i))
+        return v
 
     @cuda.jit
     def kernel(x, skip, g, y, hout, rows, d, eps):
@@ -118,10 +96,7 @@ def _make(f16, ept, has_skip, has_h):
                 for k in range(ept):
                     i = t + uint64(k) * nt
                     if i < du:
-                        v = ld(x, b + i)
-                        if has_skip:
-                            v = rnd(v + ld(skip, b + i))
-                        vals[k] = v
+                        vals[k] = load_h(x, skip, b + i)
                 for k in range(ept):
                     i = t + uint64(k) * nt
                     if i < du:
@@ -132,9 +107,7 @@ def _make(f16, ept, has_skip, has_h):
             else:
                 i = t
                 while i < du:
-                    v = ld(x, b + i)
-                    if has_skip:
-                        v = rnd(v + ld(skip, b + i))
+                    v = load_h(x, skip, b + i)
                     if has_h:
                         st(hout, b + i, v)
                     acc += v * v
@@ -149,10 +122,7 @@ def _make(f16, ept, has_skip, has_h):
             else:
                 i = t
                 while i < du:
-                    v = ld(x, b + i)
-                    if has_skip:
-                        v = rnd(v + ld(skip, b + i))
-                    st(y, b + i, ld(g, i) * rnd(v * inv))
+                    st(y, b + i, ld(g, i) * rnd(load_h(x, skip, b + i) * inv))
                     i += nt
             r += uint64(cuda.gridDim.x)
 

@@ -15,7 +15,7 @@ from numba import config, cuda, float64, int64
 
 from onnx_lowbit import rotary
 
-from .dequantawq_cuda import device, f2h, h2f
+from .dequantawq_cuda import device, ld16, ld32, r16, same, st16, st32
 from .kernels import Kernel
 
 SIM = bool(config.ENABLE_CUDASIM)
@@ -43,36 +43,6 @@ else:
 
 
 @device
-def _ld16(a, i):
-    return h2f(a[i])
-
-
-@device
-def _st16(a, i, v):
-    a[i] = f2h(v)
-
-
-@device
-def _r16(v):
-    return h2f(f2h(v))
-
-
-@device
-def _ld32(a, i):
-    return a[i]
-
-
-@device
-def _st32(a, i, v):
-    a[i] = v
-
-
-@device
-def _same(v):
-    return v
-
-
-@device
 def _divmod(a, d, inv):
     """(a // d, a % d) for 0 <= a < 2^52 through a float64 reciprocal (``inv`` = 1 / d) and one correction step:
     64-bit integer division costs ~80 dependent instructions on the GPU, several per thread here."""
@@ -88,7 +58,7 @@ def _divmod(a, d, inv):
 
 
 def _make(f16):
-    ld, st, rnd = (_ld16, _st16, _r16) if f16 else (_ld32, _st32, _same)
+    ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
 
     @cuda.jit
     def kernel(x, c, s, y, d0, d1, d2, d3, h, c0, c1, c2, c3, cl, s0, s1, s2, s3, sl, ih, i3d, i2d, i1d):

@@ -157,6 +157,22 @@ def single_consumer(tensor) -> gs.Node | None:
     return tensor.outputs[0] if len(tensor.outputs) == 1 else None
 
 
+def is_op(node: gs.Node | None, op: str) -> bool:
+    """``node`` is the standard-domain op ``op`` (False for None)."""
+    return node is not None and node.op == op and node.domain in (None, "", "ai.onnx")
+
+
+def dims(tensor) -> list | None:
+    """The tensor's shape as a list (a constant's array shape; None when unknown)."""
+    shape = tensor.values.shape if isinstance(tensor, gs.Constant) else tensor.shape
+    return None if shape is None else list(shape)
+
+
+def known_dim(v) -> int | None:
+    """A dim as a positive int, None when symbolic / unknown."""
+    return int(v) if isinstance(v, (int, np.integer)) and v > 0 else None
+
+
 def is_alive(node: gs.Node) -> bool:
     """False for nodes a pass detached (no outputs left); cleanup removes those."""
     return len(node.outputs) > 0

@@ -37,16 +37,12 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
-from .base import (Names, Pass, Report, constant_value, detach, elem_type, is_alive, is_graph_output, iter_graphs,
-                   node_label, outside_consumers, producer, scalar_value, type_name)
+from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_graph_output, is_op,
+                   iter_graphs, known_dim, node_label, outside_consumers, producer, scalar_value, type_name)
 
 PATTERN = "rmsnorm: Cast,Pow,ReduceMean,Add,Sqrt,Div,Mul,Cast,Mul"
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
 TYPES = (FLOAT, FLOAT16)
-
-
-def _op(node, op):
-    return node is not None and node.op == op and node.domain in (None, "", "ai.onnx")
 
 
 def _users(t, g_ids):
@@ -64,7 +60,7 @@ def _other(node, t):
 def _source(t, g, depth=0):
     """``t`` through Identity nodes (TorchScript exports read deduplicated weights through Identity)."""
     p = producer(t)
-    while _op(p, "Identity") and p.inputs and depth < 8:
+    while is_op(p, "Identity") and p.inputs and depth < 8:
         t, p, depth = p.inputs[0], producer(p.inputs[0]), depth + 1
     return t
 
@@ -72,15 +68,6 @@ def _source(t, g, depth=0):
 def _is(t, value, max_ndim=None):
     v = scalar_value(t, max_ndim)
     return v is not None and v == value
-
-
-def _dims(t):
-    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
-    return None if shape is None else list(shape)
-
-
-def _known(v):
-    return int(v) if isinstance(v, (int, np.integer)) and v > 0 else None
 
 
 def _head(rm, g_ids):
@@ -91,14 +78,14 @@ def _head(rm, g_ids):
     p = producer(rm.inputs[0])
     if p is None or id(p) not in g_ids or len(p.inputs) != 2:
         return None
-    if _op(p, "Pow") and _is(p.inputs[1], 2.0):
+    if is_op(p, "Pow") and _is(p.inputs[1], 2.0):
         h32 = p.inputs[0]
-    elif _op(p, "Mul") and p.inputs[0] is p.inputs[1]:
+    elif is_op(p, "Mul") and p.inputs[0] is p.inputs[1]:
         h32 = p.inputs[0]
     else:
         return None
     users = _users(rm.outputs[0], g_ids)
-    v = next((u for u in users if _op(u, "Add") and len(u.inputs) == 2
+    v = next((u for u in users if is_op(u, "Add") and len(u.inputs) == 2
               and scalar_value(_other(u, rm.outputs[0])) is not None), None)
     if v is None:
         return None
@@ -114,34 +101,34 @@ def _tail(v, h32, g_ids):
     """The nodes after v = Add(ms, eps): (nodes [sqrt or Pow -0.5, r or None, n, y-Cast or None, out-Mul], gamma)
     or a reason string; None when v feeds neither Sqrt nor Pow(v, -0.5) (no candidate)."""
     vt = v.outputs[0]
-    sq = _pick(vt, g_ids, lambda u: _op(u, "Sqrt"))
+    sq = _pick(vt, g_ids, lambda u: is_op(u, "Sqrt"))
     if sq is None:
-        sq = _pick(vt, g_ids, lambda u: _op(u, "Pow") and len(u.inputs) == 2 and u.inputs[0] is vt
+        sq = _pick(vt, g_ids, lambda u: is_op(u, "Pow") and len(u.inputs) == 2 and u.inputs[0] is vt
                    and _is(u.inputs[1], -0.5))
         if sq is None:
             return None
         r = sq                                                      # r = Pow(v, -0.5)
     else:
         st = sq.outputs[0]
-        r = _pick(st, g_ids, lambda u: (_op(u, "Div") and len(u.inputs) == 2 and u.inputs[1] is st)
-                  or _op(u, "Reciprocal"))
+        r = _pick(st, g_ids, lambda u: (is_op(u, "Div") and len(u.inputs) == 2 and u.inputs[1] is st)
+                  or is_op(u, "Reciprocal"))
         if r is None:
             return f"Sqrt {node_label(sq)} feeds no Div / Reciprocal"
-        if _op(r, "Div") and r.inputs[0] is not h32 and not _is(r.inputs[0], 1.0):
+        if is_op(r, "Div") and r.inputs[0] is not h32 and not _is(r.inputs[0], 1.0):
             return f"Div {node_label(r)} divides {r.inputs[0].name}, neither 1 nor the squared tensor"
-    if _op(r, "Div") and r.inputs[0] is h32:
+    if is_op(r, "Div") and r.inputs[0] is h32:
         nodes, n = [sq], r                                          # n = Div(h32, Sqrt(v))
     else:
         rt = r.outputs[0]
-        n = _pick(rt, g_ids, lambda u: _op(u, "Mul") and _other(u, rt) is h32)
+        n = _pick(rt, g_ids, lambda u: is_op(u, "Mul") and _other(u, rt) is h32)
         if n is None:
             return f"1/sqrt {rt.name} is not multiplied by the squared tensor"
         nodes = [sq] if r is sq else [sq, r]
     nodes.append(n)
     nt = n.outputs[0]
-    y = _pick(nt, g_ids, lambda u: _op(u, "Cast"))
+    y = _pick(nt, g_ids, lambda u: is_op(u, "Cast"))
     yt = y.outputs[0] if y is not None else nt
-    out = _pick(yt, g_ids, lambda u: _op(u, "Mul") and _other(u, yt) is not None)
+    out = _pick(yt, g_ids, lambda u: is_op(u, "Mul") and _other(u, yt) is not None)
     if out is None:
         return f"the normalised tensor {yt.name} is not multiplied by a weight"
     nodes += [y, out]
@@ -167,7 +154,7 @@ def _axes_ok(rm, opset, rank):
 
 
 def _same_shape(a, b):
-    sa, sb = _dims(a), _dims(b)
+    sa, sb = dims(a), dims(b)
     if sa is None or sb is None or len(sa) != len(sb):
         return False
     return all((isinstance(x, (int, np.integer)) and x > 0 and x == y) or (isinstance(x, str) and x and x == y)
@@ -178,19 +165,19 @@ def _h_info(h):
     """(h's element type, h's dims): graphsurgeon's (shape inference fills the main graph only), else, for the
     sum of a residual Add of two tensors of the same known type and shape, theirs (subgraphs; a sum that is a
     graph output declared with symbolic dims)."""
-    dt, dims = elem_type(h), _dims(h)
+    dt, shape = elem_type(h), dims(h)
     add = producer(h)
-    if (dt is None or not dims or _known(dims[-1]) is None) and _op(add, "Add") and len(add.inputs) == 2:
+    if (dt is None or not shape or known_dim(shape[-1]) is None) and is_op(add, "Add") and len(add.inputs) == 2:
         a, b = add.inputs
         if elem_type(a) is not None and elem_type(a) == elem_type(b) and _same_shape(a, b):
-            dt, dims = (dt if dt is not None else elem_type(a)), _dims(a)
-    return dt, dims
+            dt, shape = (dt if dt is not None else elem_type(a)), dims(a)
+    return dt, shape
 
 
 def _residual(h, dt, g_ids, used):
     """(add, a, b) when h = Add(a, b) can be fused, else (None, reason or "")."""
     add = producer(h)
-    if not (_op(add, "Add") and id(add) in g_ids and len(add.inputs) == 2 and is_alive(add)):
+    if not (is_op(add, "Add") and id(add) in g_ids and len(add.inputs) == 2 and is_alive(add)):
         return None, ""
     if id(add) in used:
         return None, "the residual Add is already fused into another RMSNorm"
@@ -198,7 +185,7 @@ def _residual(h, dt, g_ids, used):
     if any(elem_type(t) != dt for t in (a, b)):
         return None, "the residual Add's inputs are not both of h's type"
     if not _same_shape(a, b):
-        return None, f"the residual Add's input shapes {_dims(a)} and {_dims(b)} are not provably equal"
+        return None, f"the residual Add's input shapes {dims(a)} and {dims(b)} are not provably equal"
     return (add, a, b), ""
 
 
@@ -214,7 +201,7 @@ class RMSNormPass(Pass):
             g_ids = {id(n) for n in g.nodes}
             order = {id(node): i for i, node in enumerate(g.nodes)}
             for rm in list(g.nodes):
-                if not (is_alive(rm) and _op(rm, "ReduceMean")):
+                if not (is_alive(rm) and is_op(rm, "ReduceMean")):
                     continue
                 head = _head(rm, g_ids)
                 if head is None:
@@ -231,7 +218,7 @@ class RMSNormPass(Pass):
                 y = rest[-2]
                 rest = [k for k in rest if k is not None]
                 cast = producer(h32)
-                cast = cast if _op(cast, "Cast") and id(cast) in g_ids else None
+                cast = cast if is_op(cast, "Cast") and id(cast) in g_ids else None
                 if cast is not None and y is None and elem_type(cast.inputs[0]) != FLOAT:
                     cast = None     # no Cast back: an fp32 graph whose h is a Cast output (e.g. of an int tensor)
                 h = cast.inputs[0] if cast is not None else h32
@@ -296,7 +283,7 @@ class RMSNormPass(Pass):
             return f"no Cast back to {type_name(dt)} before the weight"
         if not xs:
             return "h's rank is unknown"
-        d = _known(xs[-1])
+        d = known_dim(xs[-1])
         if d is None:
             return "h's last dim D is unknown"
         why = _axes_ok(rm, g.opset, len(xs))

@@ -30,15 +30,11 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain, rotary
 
-from .base import (Names, Pass, Report, constant_value, detach, elem_type, is_alive, iter_graphs, node_label,
-                   outside_consumers, producer, type_name)
+from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_op, iter_graphs,
+                   known_dim, node_label, outside_consumers, producer, type_name)
 
 PATTERN = "rotary: Mul,Slice,Slice,Neg,Concat,Mul,Add"
 TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-
-
-def _op(node, op):
-    return node is not None and node.op == op and node.domain in (None, "", "ai.onnx")
 
 
 def _present(node, i):
@@ -52,15 +48,15 @@ def _match(add):
         return None
     for ia in (0, 1):
         a, b = producer(add.inputs[ia]), producer(add.inputs[1 - ia])
-        if not (_op(a, "Mul") and _op(b, "Mul")) or a is b or len(a.inputs) != 2 or len(b.inputs) != 2:
+        if not (is_op(a, "Mul") and is_op(b, "Mul")) or a is b or len(a.inputs) != 2 or len(b.inputs) != 2:
             continue
         for ic in (0, 1):
             c = producer(b.inputs[ic])
-            if not (_op(c, "Concat") and len(c.inputs) == 2):
+            if not (is_op(c, "Concat") and len(c.inputs) == 2):
                 continue
             n, s1 = producer(c.inputs[0]), producer(c.inputs[1])
-            s2 = producer(n.inputs[0]) if _op(n, "Neg") and n.inputs else None
-            if not (_op(s1, "Slice") and _op(s2, "Slice")) or s1 is s2:
+            s2 = producer(n.inputs[0]) if is_op(n, "Neg") and n.inputs else None
+            if not (is_op(s1, "Slice") and is_op(s2, "Slice")) or s1 is s2:
                 continue
             x = s1.inputs[0]
             if a.inputs[0] is x:
@@ -97,7 +93,7 @@ def _index(t, x, rank, depth=0):
         return "D"
     if p.op == "Gather" and len(p.inputs) == 2 and _index(p.inputs[1], x, rank, depth + 1) in last:
         sh = producer(p.inputs[0])
-        if _op(sh, "Shape") and sh.inputs[0] is x and not sh.attrs.get("start", 0) and sh.attrs.get("end") is None:
+        if is_op(sh, "Shape") and sh.inputs[0] is x and not sh.attrs.get("start", 0) and sh.attrs.get("end") is None:
             return "D"
     return None
 
@@ -137,15 +133,6 @@ def _bound(v, d):
     return min(max(v + d if v < 0 else v, 0), d)
 
 
-def _known(v):
-    return int(v) if isinstance(v, (int, np.integer)) and v > 0 else None
-
-
-def _dims(t):
-    shape = t.values.shape if isinstance(t, gs.Constant) else t.shape
-    return None if shape is None else list(shape)
-
-
 def _why_not(g, nodes, x, cos, sin):
     """Why the matched pattern cannot become Rotary(X, cos, sin); None when it can."""
     a, b, c, n, s1, s2, add = nodes
@@ -160,12 +147,12 @@ def _why_not(g, nodes, x, cos, sin):
     for name, et in dts:
         if et is not None and et != dt:
             return f"{name} is {type_name(et)}, X is {type_name(dt)}"
-    xs = _dims(x)
+    xs = dims(x)
     if not xs:
         return "X's rank is unknown"
-    rank, d = len(xs), _known(xs[-1])
+    rank, d = len(xs), known_dim(xs[-1])
     if d is None:   # X's D not inferred (dynamic reshapes): a cos / sin last dim > 1 fixes it (else X's D is 1)
-        d = next((k for k in (_known((_dims(t) or [None])[-1]) for t in (cos, sin)) if k and k > 1), None)
+        d = next((k for k in (known_dim((dims(t) or [None])[-1]) for t in (cos, sin)) if k and k > 1), None)
         if d is None:
             return "X's last dim D is unknown (and cos and sin do not fix it)"
     if d % 2:
@@ -184,15 +171,15 @@ def _why_not(g, nodes, x, cos, sin):
     if c.attrs.get("axis") not in (-1, rank - 1):
         return f"Concat axis {c.attrs.get('axis')} is not the last axis"
     for name, t in (("cos", cos), ("sin", sin)):
-        s = _dims(t)
+        s = dims(t)
         if s is None:
             return f"the shape of {name} is unknown: cannot check that it broadcasts to X"
         if len(s) > rank or any(isinstance(k, (int, np.integer)) and isinstance(v, (int, np.integer))
                                 and k not in (1, v) for k, v in zip(s[::-1], xs[::-1])):
             return f"{name} of shape {s} does not broadcast to X's shape {xs}: it would broadcast X up"
-    if all(_known(v) for v in xs + _dims(cos) + _dims(sin)):
+    if all(known_dim(v) for v in xs + dims(cos) + dims(sin)):
         try:    # fully known shapes: also the kernels' layout (at most four runs of broadcast leading axes)
-            rotary.layout(xs, _dims(cos), _dims(sin))
+            rotary.layout(xs, dims(cos), dims(sin))
         except rotary.RotaryError as e:
             return str(e)
     inside = {id(m) for m in nodes}
@@ -213,7 +200,7 @@ class RotaryPass(Pass):
         for g in iter_graphs(graph):
             order = {id(node): i for i, node in enumerate(g.nodes)}
             for add in list(g.nodes):
-                if not (is_alive(add) and _op(add, "Add")):
+                if not (is_alive(add) and is_op(add, "Add")):
                     continue
                 m = _match(add)
                 if m is None:
@@ -226,7 +213,7 @@ class RotaryPass(Pass):
                     self.skipped(report, PATTERN, labels, why)
                     continue
                 out = add.outputs[0]
-                note = "" if _known(_dims(x)[-1]) else "X's last dim not inferred: D taken from cos / sin"
+                note = "" if known_dim(dims(x)[-1]) else "X's last dim not inferred: D taken from cos / sin"
                 for k in nodes:
                     detach(k)
                 new = gs.Node(op="Rotary", domain=domain.DOMAIN, name=names((add.name or out.name) + "_rotary"),

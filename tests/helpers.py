@@ -77,3 +77,63 @@ def swiglu_mlp(dtype=np.float32):
                           [numpy_helper.from_array(v, k) for k, v in w.items()])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
+
+_LLAMA_EXPORTS: dict = {}
+
+
+def tiny_llama_export(exporter, dtype, layers, vocab, seq, random_norms=False):
+    """A transformers LlamaForCausalLM (hidden 64, 4 heads / 2 kv heads, random weights; ``random_norms``: norm
+    weights 1 + 0.3 N(0, 1) instead of ones) returning logits for input_ids [1, seq], exported by ``exporter``
+    ('torchscript': opset 17, sequence axis dynamic; 'dynamo': opset 18) in ``dtype``; cached per arguments.
+    Skips the test when torch or transformers is missing."""
+    import io
+    import logging
+    import warnings
+
+    import onnx
+    import pytest
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    key = (exporter, np.dtype(dtype).str, layers, vocab, seq, random_norms)
+    if key in _LLAMA_EXPORTS:
+        return _LLAMA_EXPORTS[key]
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(cfg).eval()
+    if random_norms:
+        with torch.no_grad():
+            for name, p in lm.named_parameters():
+                if "norm" in name:
+                    p.copy_(1 + 0.3 * torch.randn_like(p))
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids):
+            return self.m(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
+
+    mod = Logits(lm).eval()
+    if np.dtype(dtype) == np.float16:
+        mod = mod.half()
+    args = (torch.randint(0, vocab, (1, seq)),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            if exporter == "dynamo":
+                m = torch.onnx.export(mod, args, dynamo=True, opset_version=18, input_names=["input_ids"],
+                                      verbose=False).model_proto
+            else:
+                f = io.BytesIO()
+                torch.onnx.export(mod, args, f, dynamo=False, opset_version=17, input_names=["input_ids"],
+                                  dynamic_axes={"input_ids": {1: "S"}})
+                m = onnx.load_from_string(f.getvalue())
+        finally:
+            logging.disable(logging.NOTSET)
+    _LLAMA_EXPORTS[key] = m
+    return m

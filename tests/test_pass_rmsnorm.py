@@ -13,10 +13,7 @@ shape (the other Adds add o_proj's output, whose dims it cannot relate to the re
 """
 from __future__ import annotations
 
-import io
 import os
-import logging
-import warnings
 
 import numpy as np
 import onnx
@@ -25,6 +22,8 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
+
+from helpers import tiny_llama_export
 
 import onnx_lowbit
 from onnx_lowbit import domain, passes, rmsnorm
@@ -404,54 +403,10 @@ def test_gemma_one_plus_weight_and_other_reductions_are_left_alone():
 # real exports: a tiny LLaMA
 # ----------------------------------------------------------------------------------------------------------------
 LAYERS, VOCAB, SEQ = 2, 128, 7
-_EXPORTS: dict = {}
 
 
 def llama_export(exporter, dtype):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    key = (exporter, dtype)
-    if key in _EXPORTS:
-        return _EXPORTS[key]
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    lm = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in lm.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids):
-            return self.m(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
-
-    mod = Logits(lm).eval()
-    if dtype == np.float16:
-        mod = mod.half()
-    args = (torch.randint(0, VOCAB, (1, SEQ)),)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            if exporter == "dynamo":
-                m = torch.onnx.export(mod, args, dynamo=True, opset_version=18, input_names=["input_ids"],
-                                      verbose=False).model_proto
-            else:
-                f = io.BytesIO()
-                torch.onnx.export(mod, args, f, dynamo=False, opset_version=17, input_names=["input_ids"],
-                                  dynamic_axes={"input_ids": {1: "S"}})
-                m = onnx.load_from_string(f.getvalue())
-        finally:
-            logging.disable(logging.NOTSET)
-    _EXPORTS[key] = m
-    return m
+    return tiny_llama_export(exporter, dtype, LAYERS, VOCAB, SEQ, random_norms=True)
 
 
 LLAMAS = [("torchscript", np.float32, 2), ("torchscript", np.float16, 2), ("dynamo", np.float32, 2 * LAYERS)]

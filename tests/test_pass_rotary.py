@@ -12,10 +12,6 @@ the original, and logits from InferenceSession equal to the original's (fp32: bi
 """
 from __future__ import annotations
 
-import io
-import logging
-import warnings
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -23,6 +19,8 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
+
+from helpers import tiny_llama_export
 
 import onnx_lowbit
 from onnx_lowbit import domain, rotary
@@ -323,50 +321,10 @@ def test_session_equals_the_unfused_ops_bit_for_bit(dtype, cos_shape):
 # real exports: a tiny LLaMA
 # ----------------------------------------------------------------------------------------------------------------
 LAYERS, VOCAB, SEQ = 2, 128, 7
-_EXPORTS: dict = {}
 
 
 def llama_export(exporter, dtype):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    key = (exporter, dtype)
-    if key in _EXPORTS:
-        return _EXPORTS[key]
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(0)
-    lm = LlamaForCausalLM(cfg).eval()
-
-    class Logits(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, input_ids):
-            return self.m(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False).logits
-
-    mod = Logits(lm).eval()
-    if dtype == np.float16:
-        mod = mod.half()
-    args = (torch.randint(0, VOCAB, (1, SEQ)),)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
-        try:
-            if exporter == "dynamo":
-                m = torch.onnx.export(mod, args, dynamo=True, opset_version=18, input_names=["input_ids"],
-                                      verbose=False).model_proto
-            else:
-                f = io.BytesIO()
-                torch.onnx.export(mod, args, f, dynamo=False, opset_version=17, input_names=["input_ids"],
-                                  dynamic_axes={"input_ids": {1: "S"}})
-                m = onnx.load_from_string(f.getvalue())
-        finally:
-            logging.disable(logging.NOTSET)
-    _EXPORTS[key] = m
-    return m
+    return tiny_llama_export(exporter, dtype, LAYERS, VOCAB, SEQ)
 
 
 LLAMAS = [("torchscript", np.float32), ("torchscript", np.float16), ("dynamo", np.float32)]
