@@ -313,6 +313,75 @@ ROTARY = OpSpec(
 OPS[ROTARY.name] = ROTARY
 
 
+def _rotarykv_infer(ctx) -> None:
+    """Q [B, Hq, S, D], present_key / present_value [B, Hkv, P + S, D], each dim where the inputs give it."""
+    attr = lambda n: onnx.helper.get_attribute_value(ctx.get_attribute(n))  # noqa: E731
+    hq, hkv = attr("num_heads"), attr("kv_num_heads")
+
+    def shape(i):
+        t = ctx.get_input_type(i)
+        if t is None or not t.tensor_type.HasField("shape"):
+            return None
+        return [d.dim_value if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim]
+
+    elem = ctx.get_input_type(0).tensor_type.elem_type
+    qkv, pk = shape(0), (shape(3) if ctx.get_num_inputs() > 3 and ctx.has_input(3) else [None, None, 0, None])
+    b = s = d = p = None
+    if qkv is not None and len(qkv) == 3:
+        b, s = qkv[0], qkv[1]
+        d = qkv[2] // (hq + 2 * hkv) if qkv[2] else None
+    if pk is not None and len(pk) == 4:
+        b, p, d = b or pk[0], pk[2], d or pk[3]
+    total = p + s if p is not None and s is not None else None
+    dim = lambda v, sym: v if v is not None else sym  # noqa: E731 - unknown: a fresh symbolic dim
+    ctx.set_output_type(0, onnx.helper.make_tensor_type_proto(elem, [dim(b, None), hq, dim(s, None), dim(d, None)]))
+    for o in (1, 2):
+        ctx.set_output_type(o, onnx.helper.make_tensor_type_proto(elem, [dim(b, None), hkv, dim(total, None),
+                                                                         dim(d, None)]))
+
+
+ROTARY_KV = OpSpec(
+    name="RotaryKV",
+    doc="Attention prologue of a decode step: QKV [B, S, (Hq + 2 Hkv) * D] (q heads, then k, then v) is split into "
+        "heads ([B, H, S, D] each); Q = Rotary(q, cos, sin), present_key = concat(past_key, Rotary(k, cos, sin), "
+        "axis 2), present_value = concat(past_value, v, axis 2). Rotary rounds as the Rotary op (reference: "
+        "onnx_lowbit.rotarykv).",
+    inputs=[Param("QKV", "T", "[B, S, (num_heads + 2 kv_num_heads) * D]"),
+            Param("cos", "T", "broadcasts to [B, 1, S, D]"), Param("sin", "T", "broadcasts to [B, 1, S, D]"),
+            Param("past_key", "T", "[B, kv_num_heads, P, D]; absent with past_value: no cache (P = 0)", optional=True),
+            Param("past_value", "T", "past_key's shape", optional=True)],
+    outputs=[Param("Q", "T", "[B, num_heads, S, D]"), Param("present_key", "T", "[B, kv_num_heads, P + S, D]"),
+             Param("present_value", "T", "[B, kv_num_heads, P + S, D]")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=[Attr("num_heads", "int", "Hq, query heads"), Attr("kv_num_heads", "int", "Hkv, key/value heads")],
+    infer=_rotarykv_infer,
+)
+# Split + rotary + KV-cache append (onnx_lowbit.rotarykv).
+OPS[ROTARY_KV.name] = ROTARY_KV
+
+
+def _attention_infer(ctx) -> None:
+    ctx.set_output_type(0, ctx.get_input_type(0))
+
+
+ATTENTION = OpSpec(
+    name="Attention",
+    doc="Scaled dot-product attention over a KV cache: O = T(softmax(T(T(T(Q K^T) * scale) + mask)) V) with Q [B, "
+        "Hq, S, D], K and V [B, Hkv, T, D] (query head h reads kv head h // (Hq / Hkv)), mask broadcasting to [B, "
+        "Hq, S, T]; each step rounded to T as the unfused ops round it, softmax and sums in fp32 (reference: "
+        "onnx_lowbit.attention).",
+    inputs=[Param("Q", "T", "[B, Hq, S, D]"), Param("K", "T", "[B, Hkv, T, D]"), Param("V", "T", "K's shape"),
+            Param("mask", "T", "additive, broadcasts to [B, Hq, S, T]", optional=True)],
+    outputs=[Param("O", "T", "Q's shape")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=[Attr("scale", "float", "multiplies the scores (default 1)", required=False),
+                Attr("divide", "int", "1: the scores are divided by scale instead (default 0)", required=False)],
+    infer=_attention_infer,
+)
+# Attention over the KV cache (onnx_lowbit.attention).
+OPS[ATTENTION.name] = ATTENTION
+
+
 def _rmsnorm_infer(ctx) -> None:
     ctx.set_output_type(0, ctx.get_input_type(0))
     if ctx.get_num_outputs() > 1:

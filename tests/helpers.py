@@ -137,3 +137,54 @@ def tiny_llama_export(exporter, dtype, layers, vocab, seq, random_norms=False):
             logging.disable(logging.NOTSET)
     _LLAMA_EXPORTS[key] = m
     return m
+
+
+_DECODE_EXPORTS: dict = {}
+
+
+def tiny_decode_export(dtype=np.float32, heads=4, kv_heads=2, layers=1, past=8, hidden=64, seed=0):
+    """samples/llama_decode.py's single-token decode step with a KV cache (TorchScript, opset 17, eager attention)
+    at a tiny size: hidden ``hidden``, ``heads`` / ``kv_heads`` heads, ``layers`` layers, vocab 64, cache length
+    ``past``; returns (ModelProto with weights inline, feeds {name: array}) for the inputs input_ids [1, 1] and
+    past_key_values.<i>.key / .value [1, kv_heads, past, hidden / heads]; cached per arguments. Skips the test
+    when torch or transformers is missing."""
+    import io
+    import logging
+    import os
+    import sys
+    import warnings
+
+    import onnx
+    import pytest
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    key = (np.dtype(dtype).str, heads, kv_heads, layers, past, hidden, seed)
+    if key in _DECODE_EXPORTS:
+        return _DECODE_EXPORTS[key]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from samples import llama_decode as ld
+    a = ld.parse_args(["--device", "cpu", "--layers", str(layers), "--hidden", str(hidden), "--intermediate",
+                       str(hidden * 11 // 4), "--heads", str(heads), "--kv-heads", str(kv_heads), "--vocab", "64",
+                       "--past", str(past), "--dtype", "fp16" if np.dtype(dtype) == np.float16 else "fp32",
+                       "--seed", str(seed)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
+        try:
+            model = ld.build_model(a)
+            step = ld.make_step(model)
+            ids, past_t = ld.example_inputs(a, model)
+            ins, outs = ld.io_names(layers)
+            f = io.BytesIO()
+            with torch.no_grad():
+                torch.onnx.export(step, (ids, *past_t), f, input_names=ins, output_names=outs, opset_version=17,
+                                  dynamo=False, do_constant_folding=True)
+            m = onnx.load_from_string(f.getvalue())
+        finally:
+            logging.disable(logging.NOTSET)
+    feeds = {ins[0]: ids.numpy()}
+    feeds.update({n: t.numpy() for n, t in zip(ins[1:], past_t)})
+    _DECODE_EXPORTS[key] = (m, feeds)
+    return m, feeds
