@@ -4,8 +4,8 @@
 #   bash benchmarks/gpu_check.sh tests     every CUDA kernel / CUDA-EP test on the real GPU + memcheck of some
 #   bash benchmarks/gpu_check.sh sanitize  memcheck + racecheck of every kernel family (SAN_ONLY="ffn gru" for a subset)
 #   bash benchmarks/gpu_check.sh bench     side-by-side onnxruntime session benchmarks (benchmarks/session_gpu.py)
-#   bash benchmarks/gpu_check.sh attn      RotaryKV / Attention on the GPU: their tests, memcheck + racecheck of the
-#                                          Attention kernel, benchmarks/attention_gpu.py
+#   bash benchmarks/gpu_check.sh attn      RotaryKV / KVAttention on the GPU: their tests, memcheck + racecheck of the
+#                                          KVAttention kernel, benchmarks/kvattention_gpu.py
 #   bash benchmarks/gpu_check.sh llama     the end-to-end LLaMA-style decode step (samples/llama_decode.py)
 #   bash benchmarks/gpu_check.sh profile   where that step's time goes, per kernel (benchmarks/llama_profile.py)
 # Prints a short log; JSON / PNG under $OUT.
@@ -15,7 +15,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GPU_TESTS="tests/test_fplut_cuda.py tests/test_bridge_cuda.py tests/test_bridge_cpu.py tests/test_nf4_kernels.py
   tests/test_awq_kernels.py tests/test_native_plans_cuda.py tests/test_ffn_cuda.py tests/test_ffn4_kernels.py
   tests/test_gru_cuda.py tests/test_nan_cuda.py tests/test_concurrency.py tests/test_rotary_kernels.py
-  tests/test_rmsnorm_kernels.py tests/test_rotarykv_kernels.py tests/test_attention_kernels.py"
+  tests/test_rmsnorm_kernels.py tests/test_rotarykv_kernels.py tests/test_kvattention_kernels.py"
 case "${1:-tests}" in
 tests)
   echo "== tests on the GPU"
@@ -46,15 +46,15 @@ sanitize)
   done
   ;;
 attn)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_rotarykv_kernels.py tests/test_attention_kernels.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_rotarykv_kernels.py tests/test_kvattention_kernels.py \
     2>&1 | tail -5
   for tool in memcheck racecheck; do
-    echo "-- $tool: tests/test_attention_kernels.py -k cuda_kernel"
+    echo "-- $tool: tests/test_kvattention_kernels.py -k cuda_kernel"
     timeout 200 compute-sanitizer --tool $tool --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x \
-      tests/test_attention_kernels.py -k "cuda_kernel and not object" 2>&1 \
+      tests/test_kvattention_kernels.py -k "cuda_kernel and not object" 2>&1 \
       | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Invalid|Race" | head -4
   done
-  python3 benchmarks/attention_gpu.py --json "$OUT/attention.json" 2>&1 | grep -v -i warn | tail -12
+  python3 benchmarks/kvattention_gpu.py --json "$OUT/attention.json" 2>&1 | grep -v -i warn | tail -12
   ;;
 bench)
   python3 benchmarks/session_gpu.py --json "$OUT/session.json" 2>&1 | grep -v -i warn | tail -45

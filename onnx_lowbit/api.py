@@ -42,8 +42,8 @@ def InferenceSession(model, sess_options=None, providers=None, **kwargs) -> ort.
 
 
 def rewrite(model, passes=None, **options):
-    """Rewrites ``model`` (ModelProto or path) with the named passes (default: the default passes; rmsnorm only
-    when named); returns (model, report)."""
+    """Rewrites ``model`` (ModelProto or path) with the named passes (default: the default passes; kvattention and
+    rmsnorm only when named); returns (model, report)."""
     import onnx
 
     from onnx_lowbit.passes import run_passes

@@ -45,6 +45,8 @@ def _pass_options(a, model=None) -> dict:
     options.update(_weights_options(a, model))
     if getattr(a, "merge_siblings", None) is not None:
         options["merge_siblings"] = a.merge_siblings
+    if getattr(a, "kvattention_max_query", None) is not None:
+        options["kvattention_max_query"] = a.kvattention_max_query
     options.update(_gru_options(a, model, options.get("calibration")))
     return options
 
@@ -338,6 +340,17 @@ def _weights_arguments(p) -> None:
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
 
 
+def _non_negative(v: str) -> int:
+    import argparse
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v!r}")
+    return n
+
+
 def _merge_arguments(p) -> None:
     g = p.add_argument_group("sibling products (the merge pass)")
     g.add_argument("--merge-siblings", action="store_true", default=None,
@@ -345,6 +358,10 @@ def _merge_arguments(p) -> None:
                         "(the default)")
     g.add_argument("--no-merge-siblings", dest="merge_siblings", action="store_false",
                    help="leave sibling products as they are")
+    g = p.add_argument_group("attention over a KV cache (the kvattention pass)")
+    g.add_argument("--kvattention-max-query", type=_non_negative, metavar="S",
+                   help="rewrite attention only where the query length is known to be <= S (default 4: decoding; "
+                        "0: no limit)")
 
 
 def _gru_arguments(p) -> None:
@@ -359,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("rewrite", help="rewrite IN into OUT")
     r.add_argument("input", metavar="IN")
     r.add_argument("output", metavar="OUT")
-    r.add_argument("--passes", help="comma-separated pass names (default: every default pass; rmsnorm only when named)")
+    r.add_argument("--passes", help="comma-separated pass names (default: every default pass; kvattention and "
+                                         "rmsnorm only when named)")
     r.add_argument("--report", action="store_true", help="print what was rewritten and skipped")
     r.add_argument("--report-json", metavar="FILE", help="write the report as JSON")
     r.add_argument("--verify", action="store_true",
@@ -373,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_rewrite)
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
-    i.add_argument("--passes", help="comma-separated pass names (default: every default pass; rmsnorm only when named)")
+    i.add_argument("--passes", help="comma-separated pass names (default: every default pass; kvattention and "
+                                         "rmsnorm only when named)")
     i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(i)
     _merge_arguments(i)

@@ -360,26 +360,27 @@ ROTARY_KV = OpSpec(
 OPS[ROTARY_KV.name] = ROTARY_KV
 
 
-def _attention_infer(ctx) -> None:
+def _kvattention_infer(ctx) -> None:
     ctx.set_output_type(0, ctx.get_input_type(0))
 
 
-ATTENTION = OpSpec(
-    name="Attention",
+KV_ATTENTION = OpSpec(
+    name="KVAttention",
     doc="Scaled dot-product attention over a KV cache: O = T(softmax(T(T(T(Q K^T) * scale) + mask)) V) with Q [B, "
         "Hq, S, D], K and V [B, Hkv, T, D] (query head h reads kv head h // (Hq / Hkv)), mask broadcasting to [B, "
         "Hq, S, T]; each step rounded to T as the unfused ops round it, softmax and sums in fp32 (reference: "
-        "onnx_lowbit.attention).",
+        "onnx_lowbit.kvattention).",
     inputs=[Param("Q", "T", "[B, Hq, S, D]"), Param("K", "T", "[B, Hkv, T, D]"), Param("V", "T", "K's shape"),
             Param("mask", "T", "additive, broadcasts to [B, Hq, S, T]", optional=True)],
     outputs=[Param("O", "T", "Q's shape")],
     type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
     attributes=[Attr("scale", "float", "multiplies the scores (default 1)", required=False),
                 Attr("divide", "int", "1: the scores are divided by scale instead (default 0)", required=False)],
-    infer=_attention_infer,
+    infer=_kvattention_infer,
 )
-# Attention over the KV cache (onnx_lowbit.attention).
-OPS[ATTENTION.name] = ATTENTION
+# Attention over the KV cache (onnx_lowbit.kvattention); not named Attention: ONNX has an Attention op (opset 23) and
+# onnx.reference refuses one name in two domains.
+OPS[KV_ATTENTION.name] = KV_ATTENTION
 
 
 def _rmsnorm_infer(ctx) -> None:

@@ -1,9 +1,10 @@
 """Graph rewrites (onnx-graphsurgeon), one per file.
 
-    PASSES                          ordered registry: pass name -> Pass instance
+    PASSES                          ordered registry: pass name -> Pass instance (fplut, weights4, ffn, merge,
+                                       rotary, rotarykv, kvattention, rmsnorm, gru)
     available()                     the pass names, in the order run_passes applies them
     run_passes(model, passes, **o)  -> (rewritten ModelProto, Report); the input model is not modified
-                                       (passes=None: the default passes; rmsnorm runs only when named)
+                                       (passes=None: the default passes; kvattention and rmsnorm run only when named)
     inspect(model, passes, **o)     -> Report of what run_passes would rewrite / skip (changes nothing)
 
 See docs/passes.md for how a pass is written.
@@ -18,6 +19,7 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
+from .kvattention import KVAttentionPass
 from .base import Entry, Pass, Report, module_paths  # noqa: F401 - re-exported
 from .ffn import FFNPass
 from .fplut import FPLUTPass
@@ -25,16 +27,20 @@ from .gru import GRUPass
 from .merge import MergePass
 from .rmsnorm import RMSNormPass
 from .rotary import RotaryPass
+from .rotarykv import RotaryKVPass
 from .weights4 import WeightsPass
 
 # weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
 # so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after both (it
-# merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotary and rmsnorm touch no
-# node the others rewrite; rmsnorm is not a default pass (measured slower than onnxruntime's own kernels on the
-# H100: docs/passes.md).
+# merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotarykv runs after merge
+# and rotary (it needs both: it takes the merged q/k/v Split, their Rotary nodes and the KV-cache Concats into one
+# RotaryKV node). kvattention runs after rotarykv (its Q is RotaryKV's output, its K and V the present tensors; it
+# takes the K / V repeats, the scores' MatMul, scale, mask Add, Softmax and the MatMul with V into one KVAttention
+# node). kvattention and rmsnorm are not default passes (measured no faster / slower than onnxruntime's own kernels
+# in the decode step on the H100: docs/passes.md).
 PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass(),
-                                                                       MergePass(), RotaryPass(), RMSNormPass(),
-                                                                       GRUPass()])
+                                                                       MergePass(), RotaryPass(), RotaryKVPass(),
+                                                                       KVAttentionPass(), RMSNormPass(), GRUPass()])
 
 # Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):
 # their opset import is added to the output when one of their ops is used.

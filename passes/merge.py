@@ -87,8 +87,12 @@ class MergePass(Pass):
         self.spill = options.get("spill")
         self.names = Names(graph)
         for g in iter_graphs(graph):
+            # parts in graph order (q, k, v as exported; a consumer list follows the order in which earlier passes
+            # attached nodes): rotarykv needs the packed product as q, then k, then v
+            pos = {id(n): i for i, n in enumerate(g.nodes)}
             for x in list(g.tensors().values()):
                 cands = [n for n in x.outputs if is_alive(n) and n.inputs and n.inputs[0] is x and _candidate(n)]
+                cands.sort(key=lambda n: pos.get(id(n), len(pos)))
                 if len(cands) < 2:      # read no weights for a product without a sibling
                     continue
                 groups = {}

@@ -575,8 +575,15 @@ class _Run:
             self.calibrate()
         for g in list(iter_graphs(self.root)):
             g.toposort()
-            for node in reversed(list(g.nodes)):  # from the end: AWQ folds reach producers before they quantise
+            # from the end: AWQ folds reach producers before they quantise; the nodes one() appends then take the
+            # place of the node they came from, so the graph keeps its order (merge packs q/k/v in that order)
+            key = {id(n): (i, 0) for i, n in enumerate(g.nodes)}
+            for node in reversed(list(g.nodes)):
+                n0 = len(g.nodes)
                 self.one(g, node)
+                for k, new in enumerate(g.nodes[n0:]):
+                    key[id(new)] = (key[id(node)][0], k + 1)
+            g.nodes.sort(key=lambda n: key[id(n)])
             self.flush()
         done = self.report.rewritten(self.owner.name)
         if done:

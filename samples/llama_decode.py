@@ -14,15 +14,16 @@ Steps (each a plain call, output in --out):
               transformers DynamicCache and the updated cache is returned as the present tensors; eager attention.
   2. rewrite  ``onnx-lowbit rewrite llama_decode.onnx llama_decode.<weights>.onnx --weights nf4 [--passes ...]``
               (the merge of q/k/v is on by default; --no-merge: ``--no-merge-siblings``)
-              (default passes: fplut, weights4, ffn, merge, rotary, gru; rmsnorm is opt-in).
+              (default passes: fplut, weights4, ffn, merge, rotary, rotarykv, gru; kvattention and rmsnorm are opt-in).
   3. bench    ``onnx-lowbit bench`` on both: --device cpu: CPU EP; --device cuda: CUDA EP without and with
               --cuda-graph (--no-graph: without only). Tables on stdout, bench-*.png/.json in --out.
   (--compare) more rewrites of the same original, timed in the same bench runs (one column each):
               nf4 / fp4 / awq: our ops with those weights (the default passes, as step 2); ort-nbits / ort-bnb4:
               onnxruntime's own MatMulNBits (int4, AWQ group 128) / MatMulBnb4 (NF4) from ``--target ort``
               (passes weights4 and merge only, so the model runs on stock onnxruntime): the side-by-side of our
-              ops against onnxruntime's at the whole-model level. nf4-no-rotary: the default passes but
-              rotary; nf4-rmsnorm: the default passes and the opt-in rmsnorm (what those ops add).
+              ops against onnxruntime's at the whole-model level. nf4-no-rotary / nf4-no-rotarykv: the
+              default passes up to merge / rotary (what the later ones add); nf4-kvattention / nf4-rmsnorm: the
+              default passes and the opt-in kvattention / rmsnorm.
   (--reference) llama_decode.fakequant.onnx: the original with the same 4-bit weights dequantised to float (stock
               onnxruntime runs it), benched against the rewritten model into --out/reference. With random
               weights the 4-bit rounding alone moves a 16-layer model's logits a lot (measured: max rel diff 0.69
@@ -49,7 +50,9 @@ COMPARE = {"nf4": None, "fp4": None, "awq": None,
            "ort-nbits": ["--weights", "awq", "--target", "ort", "--passes", "weights4,merge"],
            "ort-bnb4": ["--weights", "nf4", "--target", "ort", "--passes", "weights4,merge"],
            "nf4-no-rotary": ["--weights", "nf4", "--passes", "fplut,weights4,ffn,merge"],
-           "nf4-rmsnorm": ["--weights", "nf4", "--passes", "fplut,weights4,ffn,merge,rotary,rmsnorm"]}
+           "nf4-no-rotarykv": ["--weights", "nf4", "--passes", "fplut,weights4,ffn,merge,rotary"],
+           "nf4-kvattention": ["--weights", "nf4", "--passes", "fplut,weights4,ffn,merge,rotary,rotarykv,kvattention"],
+           "nf4-rmsnorm": ["--weights", "nf4", "--passes", "fplut,weights4,ffn,merge,rotary,rotarykv,rmsnorm"]}
 
 
 def parse_args(argv=None):

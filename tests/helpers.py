@@ -188,3 +188,51 @@ def tiny_decode_export(dtype=np.float32, heads=4, kv_heads=2, layers=1, past=8, 
     feeds.update({n: t.numpy() for n, t in zip(ins[1:], past_t)})
     _DECODE_EXPORTS[key] = (m, feeds)
     return m, feeds
+
+
+# ---------------------------------------------------------------- CUDA kernel tests (simulator or a real GPU)
+def gpu_or_sim():
+    """Skips a CUDA-kernel test unless it can run: Numba's simulator (NUMBA_ENABLE_CUDASIM=1) or
+    ONNX_LOWBIT_REAL_GPU=1."""
+    import os
+
+    import pytest
+    from numba import config
+    if not config.ENABLE_CUDASIM and os.environ.get("ONNX_LOWBIT_REAL_GPU") != "1":
+        pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
+
+
+def ort_cuda_or_skip():
+    """onnxruntime, when its CUDA execution provider and a real GPU are there (ONNX_LOWBIT_REAL_GPU=1, not the
+    simulator); else the test is skipped."""
+    import os
+
+    import pytest
+    from numba import config
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        pytest.skip("onnxruntime not installed")
+    if (config.ENABLE_CUDASIM or os.environ.get("ONNX_LOWBIT_REAL_GPU") != "1"
+            or "CUDAExecutionProvider" not in ort.get_available_providers()):
+        pytest.skip("onnxruntime's CUDA execution provider and a real GPU needed")
+    return ort
+
+
+def lowbit_session(model, providers):
+    """An onnxruntime session of ``model`` (ModelProto) with our library registered."""
+    import onnx_lowbit
+    return onnx_lowbit.InferenceSession(model.SerializeToString(), providers=providers)
+
+
+class SimContext:
+    """bridge.Context's stand-in under the simulator: outputs are host buffers (the simulator's device memory), kept
+    in ``keep`` as (buffer, shape)."""
+
+    def __init__(self):
+        self.stream, self.recorder, self.keep = 0, None, []
+
+    def output(self, index, shape):
+        b = np.zeros(max(int(np.prod(shape)) * 4, 8), np.uint64)
+        self.keep.append((b, shape))
+        return b.ctypes.data

@@ -525,7 +525,9 @@ def test_torch_export(kind, exporter, dynamo, opset, half):
 # (e) framework: registry, errors, report, inspect, the input model is not modified
 # ----------------------------------------------------------------------------------------------------------------
 def test_registry():
-    assert available() == ["fplut", "weights4", "ffn", "merge", "rotary", "rmsnorm", "gru"] and list(PASSES) == available()
+    assert available() == ["fplut", "weights4", "ffn", "merge", "rotary", "rotarykv", "kvattention", "rmsnorm",
+                           "gru"]
+    assert list(PASSES) == available()
     assert PASSES["fplut"].name == "fplut" and PASSES["fplut"].description
 
 

@@ -13,6 +13,7 @@ import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers import SimContext, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import domain, rotarykv
 from onnx_lowbit.custom_ops import rotarykv_cpu, rotarykv_cuda
 
@@ -117,18 +118,13 @@ def test_cpu_kernel_parallel_path():
     assert _all_same(rotarykv_cpu.run(*args, 8, 4), _want(case, args, True))
 
 
-def _gpu_or_sim():
-    if not SIM and not REAL_GPU:
-        pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
-
-
 @pytest.mark.parametrize("dt", [F16, F32])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("cache,misalign", [(True, False), (False, False), (True, True)])
 def test_cuda_kernel_bit_exact(case, dt, cache, misalign):
     """Every output element written (outputs start NaN-filled), 8-byte copy units where D and the pointers allow,
     element copies for a QKV 2 bytes off (fp16) / 4 bytes off (fp32) an 8-byte boundary."""
-    _gpu_or_sim()
+    gpu_or_sim()
     args = _data(case, dt, seed=case[1])
     qkv, c, s, pk, pv = args
     got = rotarykv_cuda.run_arrays(qkv, c, s, pk if cache else None, pv if cache else None, case[4], case[5],
@@ -139,7 +135,7 @@ def test_cuda_kernel_bit_exact(case, dt, cache, misalign):
 def test_cuda_kernel_grid_stride():
     """More work items than the grid has threads (one SM: 8 blocks of 256): each thread takes several, of
     different kinds."""
-    _gpu_or_sim()
+    gpu_or_sim()
     case = (2, 3, 40, 32, 4, 2, (2, 1, 3, 32))
     args = _data(case, F16)
     assert 2 * case[0] * case[5] * case[2] * case[3] // 4 > rotarykv_cuda.BLOCK * rotarykv_cuda.GRID_PER_SM
@@ -153,18 +149,6 @@ def test_cuda_kernel_grid_stride():
 def test_gpu_large(case, dt):
     args = _data(case, dt)
     assert _all_same(rotarykv_cuda.run_arrays(*args, case[4], case[5]), _want(case, args, True))
-
-
-class _Ctx:
-    """bridge.Context's stand-in under the simulator: outputs are host buffers (the simulator's device memory)."""
-
-    def __init__(self):
-        self.stream, self.recorder, self.keep = 0, None, []
-
-    def output(self, index, shape):
-        b = np.zeros(max(int(np.prod(shape)) * 4, 8), np.uint64)
-        self.keep.append((b, shape))
-        return b.ctypes.data
 
 
 @pytest.mark.skipif(not SIM, reason="stand-in context over host memory: simulator only")
@@ -183,12 +167,12 @@ def test_cuda_kernel_object_compute(dt, cache, monkeypatch):
     case = CASES[0]
     args = _data(case, dt)
     tensors = [Tensor(a.ctypes.data, et, a.shape) for a in args]
-    ctx = _Ctx()
+    ctx = SimContext()
     kern.compute(ctx, tensors if cache else tensors[:3] + [None, None])
     got = [b.view(dt)[: int(np.prod(sh))].reshape(sh) for b, sh in ctx.keep]
     assert _all_same(got, _want(case, args, cache))
     with pytest.raises(KernelError, match="past_key must be"):
-        kern.compute(_Ctx(), tensors[:3] + [Tensor(args[3].ctypes.data, et, (2, 3, 5, 16))] * 2)
+        kern.compute(SimContext(), tensors[:3] + [Tensor(args[3].ctypes.data, et, (2, 3, 5, 16))] * 2)
 
 
 # ------------------------------------------------------------------------------------------------ sessions
@@ -253,11 +237,6 @@ def _feeds(case, dt, cache=True, seed=0):
     return f
 
 
-def _session(model, providers):
-    import onnx_lowbit
-    return onnx_lowbit.InferenceSession(model.SerializeToString(), providers=providers)
-
-
 def _ref(case, feeds):
     return rotarykv.apply(feeds["QKV"], feeds["cos"], feeds["sin"], feeds.get("past_key"), feeds.get("past_value"),
                           case[4], case[5])
@@ -272,10 +251,10 @@ def test_cpu_session(case, cache):
     cpu = ["CPUExecutionProvider"]
     for dt in (F32, F16):
         feeds = _feeds(case, dt, cache)
-        got = _session(fused_model(case, dt, cache), cpu).run(None, feeds)
+        got = lowbit_session(fused_model(case, dt, cache), cpu).run(None, feeds)
         assert _all_same(got, _ref(case, feeds))
         if dt == F32:
-            assert _all_same(got, _session(unfused_model(case, dt, cache), cpu).run(None, feeds))
+            assert _all_same(got, lowbit_session(unfused_model(case, dt, cache), cpu).run(None, feeds))
 
 
 def test_cpu_session_bad_shapes_name_the_problem():
@@ -288,17 +267,7 @@ def test_cpu_session_bad_shapes_name_the_problem():
     feeds = _feeds(case, F32)
     feeds["past_value"] = feeds["past_value"][:, :, :4]
     with pytest.raises(Fail, match=r"RotaryKV node 'rkv0'.*past_value must have"):
-        _session(m, ["CPUExecutionProvider"]).run(None, feeds)
-
-
-def _ort_cuda():
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        pytest.skip("onnxruntime not installed")
-    if SIM or not REAL_GPU or "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime's CUDA execution provider and a real GPU needed")
-    return ort
+        lowbit_session(m, ["CPUExecutionProvider"]).run(None, feeds)
 
 
 @pytest.mark.parametrize("dt", [F16, F32])
@@ -307,11 +276,11 @@ def _ort_cuda():
 def test_cuda_session_equals_the_unfused_graph(case, dt, graph):
     """On the CUDA EP: the RotaryKV node equals onnxruntime's own unfused kernels bit for bit, also replayed in a
     CUDA graph with new input contents."""
-    ort = _ort_cuda()
+    ort = ort_cuda_or_skip()
     cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     ref = ort.InferenceSession(unfused_model(case, dt).SerializeToString(), providers=cuda)
     prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"] if graph else cuda
-    sess = _session(fused_model(case, dt), prov)
+    sess = lowbit_session(fused_model(case, dt), prov)
     feeds0 = _feeds(case, dt)
     bound = {n: ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for n, a in feeds0.items()}
     b, s, p, d, hq, hkv, _ = case

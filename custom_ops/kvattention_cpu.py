@@ -1,4 +1,4 @@
-"""Attention, CPU face: O = T(softmax(T(T(T(Q K^T) * scale) + mask)) V) (onnx_lowbit.attention), one Numba pass.
+"""KVAttention, CPU face: O = T(softmax(T(T(T(Q K^T) * scale) + mask)) V) (onnx_lowbit.kvattention), one Numba pass.
 
 Inputs are widened to fp32 (fp16 exactly), one query row (b, h, s) per iteration (parallel over rows): T scores
 as fp32 dot products, each rounded to T where the unfused ops round (``f16``: to fp16 precision, kept as fp32),
@@ -12,7 +12,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from onnx_lowbit import attention, rotary
+from onnx_lowbit import kvattention, rotary
 
 from .kernels import Kernel
 from .rotary_cpu import _r16
@@ -66,7 +66,7 @@ KERNELS = (njit(cache=True, nogil=True, boundscheck=False)(_attn),
 
 def run(q, k, v, mask=None, scale=1.0, divide=False, out=None):
     """The CPU kernel on numpy arrays, into ``out`` (contiguous, Q's shape and type) or a new array."""
-    b, hq, s, d, hkv, t = attention.check(q, k, v, mask)
+    b, hq, s, d, hkv, t = kvattention.check(q, k, v, mask)
     out = np.empty(q.shape, q.dtype) if out is None else out
     if q.size == 0:
         return out
@@ -75,14 +75,14 @@ def run(q, k, v, mask=None, scale=1.0, divide=False, out=None):
     o = np.empty(q.size, np.float32)
     m = f32(mask) if mask is not None else np.zeros(1, np.float32)
     mst = np.asarray(rotary._strides(mask.shape, 4) if mask is not None else [0, 0, 0, 0], np.int64)
-    sc = np.float32(attention.scale_value(scale, q.dtype))
+    sc = np.float32(kvattention.scale_value(scale, q.dtype))
     fn = KERNELS[1] if b * hq * s * t >= PARALLEL_MIN else KERNELS[0]
     fn(f32(q), f32(k), f32(v), m, mask is not None, mst, o, b, hq, s, d, hkv, t, sc, bool(divide), f16)
     out[...] = o.reshape(q.shape)      # rounded to T (fp16: nearest even)
     return out
 
 
-class AttentionKernel(Kernel):
+class KVAttentionKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.scale = float(self.attrs.get("scale", 1.0))
@@ -93,10 +93,10 @@ class AttentionKernel(Kernel):
         q, k, v = (self.check_input(inputs, i).numpy() for i in range(3))
         m = inputs[3].numpy() if len(inputs) > 3 and inputs[3] is not None else None
         try:
-            attention.check(q, k, v, m)
-        except attention.AttentionError as e:
+            kvattention.check(q, k, v, m)
+        except kvattention.KVAttentionError as e:
             raise KernelError(str(e)) from None
         run(q, k, v, m, self.scale, self.divide, ctx.output_numpy(0, q.shape, q.dtype))
 
 
-KERNEL = AttentionKernel
+KERNEL = KVAttentionKernel

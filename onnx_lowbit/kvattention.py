@@ -1,4 +1,4 @@
-"""Scaled dot-product attention over a KV cache (reference semantics of the Attention op).
+"""Scaled dot-product attention over a KV cache (reference semantics of the KVAttention op).
 
     Q [B, Hq, S, D], K [B, Hkv, T, D], V [B, Hkv, T, D]   (Hq a multiple of Hkv; query head h reads kv head
                                                           h // (Hq / Hkv), as transformers' repeat_kv expands it)
@@ -21,26 +21,26 @@ import numpy as np
 DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 
-class AttentionError(ValueError):
+class KVAttentionError(ValueError):
     """Shapes or types the op does not accept."""
 
 
 def dims(q_shape, k_shape, v_shape, mask_shape=None):
-    """(B, Hq, S, D, Hkv, T) of a valid call, else AttentionError naming the problem."""
+    """(B, Hq, S, D, Hkv, T) of a valid call, else KVAttentionError naming the problem."""
     if len(q_shape) != 4 or len(k_shape) != 4:
-        raise AttentionError(f"Q and K must be rank 4 ([B, H, S, D] / [B, Hkv, T, D]), got shapes {list(q_shape)} "
+        raise KVAttentionError(f"Q and K must be rank 4 ([B, H, S, D] / [B, Hkv, T, D]), got shapes {list(q_shape)} "
                              f"and {list(k_shape)}")
     b, hq, s, d = (int(v) for v in q_shape)
     kb, hkv, t, kd = (int(v) for v in k_shape)
     if kb != b or kd != d:
-        raise AttentionError(f"K must be [B, Hkv, T, D] with Q's B = {b} and D = {d}, got {list(k_shape)}")
+        raise KVAttentionError(f"K must be [B, Hkv, T, D] with Q's B = {b} and D = {d}, got {list(k_shape)}")
     if hkv < 1 or hq % hkv:
-        raise AttentionError(f"Q's heads ({hq}) must be a multiple of K's ({hkv})")
+        raise KVAttentionError(f"Q's heads ({hq}) must be a multiple of K's ({hkv})")
     if [int(v) for v in v_shape] != [b, hkv, t, d]:
-        raise AttentionError(f"V must have K's shape {list(k_shape)}, got {list(v_shape)}")
+        raise KVAttentionError(f"V must have K's shape {list(k_shape)}, got {list(v_shape)}")
     if mask_shape is not None:
         if len(mask_shape) > 4 or any(int(m) not in (1, x) for m, x in zip(tuple(mask_shape)[::-1], (t, s, hq, b))):
-            raise AttentionError(f"mask of shape {list(mask_shape)} does not broadcast to [B, Hq, S, T] = "
+            raise KVAttentionError(f"mask of shape {list(mask_shape)} does not broadcast to [B, Hq, S, T] = "
                                  f"[{b}, {hq}, {s}, {t}]")
     return b, hq, s, d, hkv, t
 
@@ -48,10 +48,10 @@ def dims(q_shape, k_shape, v_shape, mask_shape=None):
 def check(q, k, v, mask=None):
     dt = np.dtype(q.dtype)
     if dt not in DTYPES:
-        raise AttentionError(f"Q must be float or float16, got {dt}")
+        raise KVAttentionError(f"Q must be float or float16, got {dt}")
     for name, a in (("K", k), ("V", v), ("mask", mask)):
         if a is not None and np.dtype(a.dtype) != dt:
-            raise AttentionError(f"{name} must have Q's type {dt}, got {np.dtype(a.dtype)}")
+            raise KVAttentionError(f"{name} must have Q's type {dt}, got {np.dtype(a.dtype)}")
     return dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
 
 

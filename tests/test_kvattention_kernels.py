@@ -1,10 +1,10 @@
-"""Attention: reference (onnx_lowbit.attention), CPU face (custom_ops/attention_cpu.py) and CUDA face
-(custom_ops/attention_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
+"""KVAttention: reference (onnx_lowbit.kvattention), CPU face (custom_ops/kvattention_cpu.py) and CUDA face
+(custom_ops/kvattention_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
 
 The sums run in fp32 in another order than the reference's float64, so the kernels agree with the reference within
 those sums (fp32) or within one fp16 rounding of a score or probability (fp16), not bit for bit; the non-finite
 pattern must be the same. The reference must agree with onnxruntime's unfused graph (MatMul, Mul / Div, Add,
-Softmax, MatMul) on the CPU EP and, on a GPU with onnxruntime-gpu, the Attention node with the unfused graph on the
+Softmax, MatMul) on the CPU EP and, on a GPU with onnxruntime-gpu, the KVAttention node with the unfused graph on the
 CUDA EP, with and without CUDA graphs.
 """
 import os
@@ -14,8 +14,9 @@ import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
-from onnx_lowbit import attention, domain
-from onnx_lowbit.custom_ops import attention_cpu, attention_cuda
+from helpers import SimContext, gpu_or_sim, lowbit_session, ort_cuda_or_skip
+from onnx_lowbit import domain, kvattention
+from onnx_lowbit.custom_ops import kvattention_cpu, kvattention_cuda
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -49,7 +50,7 @@ def _data(case, dt, seed=0, specials=False):
 
 
 def _want(case, args):
-    return attention.apply(*args, scale=case[7], divide=bool(case[8]))
+    return kvattention.apply(*args, scale=case[7], divide=bool(case[8]))
 
 
 def _close(got, want, dt):
@@ -75,22 +76,22 @@ def test_reference_is_softmax_attention():
     p = np.exp(a - a.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     want = p @ vv
-    got = attention.apply(q, k, v, m, scale=case[7])
+    got = kvattention.apply(q, k, v, m, scale=case[7])
     assert got.dtype == F32 and np.abs(got - want).max() < 1e-5 * np.abs(want).max()
-    assert np.array_equal(attention.apply(q, k, v, m, scale=4.0, divide=True), got)    # x / 4 = x * 0.25 exactly
+    assert np.array_equal(kvattention.apply(q, k, v, m, scale=4.0, divide=True), got)    # x / 4 = x * 0.25 exactly
 
 
 def test_reference_gqa_is_repeat():
     q, k, v, m = _data(CASES[0], F16)
-    assert np.array_equal(attention.apply(q, k, v, m, 0.25),
-                          attention.apply(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), m, 0.25))
+    assert np.array_equal(kvattention.apply(q, k, v, m, 0.25),
+                          kvattention.apply(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), m, 0.25))
 
 
 def test_reference_rows_without_keys_are_zero_and_masked_rows_nan():
     q, k, v, _ = _data((1, 2, 1, 8, 2, 0, None, 1.0, 0), F16)
-    assert np.array_equal(attention.apply(q, k, v), np.zeros(q.shape, F16))
+    assert np.array_equal(kvattention.apply(q, k, v), np.zeros(q.shape, F16))
     q, k, v, _ = _data((1, 2, 1, 8, 2, 3, None, 1.0, 0), F32)
-    got = attention.apply(q, k, v, np.full((1, 1, 1, 3), -np.inf, F32))
+    got = kvattention.apply(q, k, v, np.full((1, 1, 1, 3), -np.inf, F32))
     assert np.isnan(got).all()
 
 
@@ -104,20 +105,20 @@ def test_reference_rows_without_keys_are_zero_and_masked_rows_nan():
 def test_reference_and_kernels_refuse(qs, ks, vs, ms, match):
     z = lambda sh: None if sh is None else np.ones(sh, F32)  # noqa: E731
     args = (z(qs), z(ks), z(vs), z(ms))
-    with pytest.raises(attention.AttentionError, match=match):
-        attention.apply(*args)
-    with pytest.raises(attention.AttentionError, match=match):
-        attention_cpu.run(*args)
-    with pytest.raises(attention.AttentionError, match=match):
-        attention_cuda.launch(1, 0, (qs, ks, vs, ms), [0] * 5, 1.0, False)
+    with pytest.raises(kvattention.KVAttentionError, match=match):
+        kvattention.apply(*args)
+    with pytest.raises(kvattention.KVAttentionError, match=match):
+        kvattention_cpu.run(*args)
+    with pytest.raises(kvattention.KVAttentionError, match=match):
+        kvattention_cuda.launch(1, 0, (qs, ks, vs, ms), [0] * 5, 1.0, False)
 
 
 def test_reference_refuses_mixed_types():
     q, k, v, m = _data(CASES[0], F32)
-    with pytest.raises(attention.AttentionError, match="V must have Q's type"):
-        attention.apply(q, k, v.astype(F16), m)
-    with pytest.raises(attention.AttentionError, match="float or float16"):
-        attention.apply(q.astype(np.float64), k, v, m)
+    with pytest.raises(kvattention.KVAttentionError, match="V must have Q's type"):
+        kvattention.apply(q, k, v.astype(F16), m)
+    with pytest.raises(kvattention.KVAttentionError, match="float or float16"):
+        kvattention.apply(q.astype(np.float64), k, v, m)
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -126,21 +127,16 @@ def test_reference_refuses_mixed_types():
 @pytest.mark.parametrize("specials", [False, True])
 def test_cpu_kernel(case, dt, specials):
     args = _data(case, dt, seed=case[5], specials=specials)
-    _close(attention_cpu.run(*args, scale=case[7], divide=bool(case[8])), _want(case, args), dt)
+    _close(kvattention_cpu.run(*args, scale=case[7], divide=bool(case[8])), _want(case, args), dt)
 
 
 def test_cpu_kernel_parallel_path_and_empty():
     case = (1, 8, 16, 32, 4, 130, (1, 1, 16, 130), 0.18, 0)
     args = _data(case, F16)
-    assert case[0] * case[1] * case[2] * case[5] >= attention_cpu.PARALLEL_MIN
-    _close(attention_cpu.run(*args, scale=case[7]), _want(case, args), F16)
+    assert case[0] * case[1] * case[2] * case[5] >= kvattention_cpu.PARALLEL_MIN
+    _close(kvattention_cpu.run(*args, scale=case[7]), _want(case, args), F16)
     q, k, v, _ = _data((1, 2, 1, 8, 2, 0, None, 1.0, 0), F32)
-    assert np.array_equal(attention_cpu.run(q, k, v), np.zeros(q.shape, F32))
-
-
-def _gpu_or_sim():
-    if not SIM and not REAL_GPU:
-        pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
+    assert np.array_equal(kvattention_cpu.run(q, k, v), np.zeros(q.shape, F32))
 
 
 @pytest.mark.parametrize("dt", [F16, F32])
@@ -149,21 +145,21 @@ def _gpu_or_sim():
 def test_cuda_kernel(case, dt, specials, misalign):
     """Every output element written (the output starts NaN-filled); 8-byte units where D and the pointers allow,
     element units for K one element off an 8-byte boundary."""
-    _gpu_or_sim()
+    gpu_or_sim()
     args = _data(case, dt, seed=case[5], specials=specials)
-    got = attention_cuda.run_arrays(*args, scale=case[7], divide=bool(case[8]), misalign=misalign)
+    got = kvattention_cuda.run_arrays(*args, scale=case[7], divide=bool(case[8]), misalign=misalign)
     _close(got, _want(case, args), dt)
 
 
 def test_cuda_kernel_no_keys_and_long_rows():
     """T = 0 gives zeros; a head size whose score step needs several threads per key and more units than one
     thread's CU (D = 100 fp32: 50 units, 7 threads per key)."""
-    _gpu_or_sim()
+    gpu_or_sim()
     q, k, v, _ = _data((1, 2, 1, 8, 2, 0, None, 1.0, 0), F16)
-    assert np.array_equal(attention_cuda.run_arrays(q, k, v), np.zeros(q.shape, F16))
+    assert np.array_equal(kvattention_cuda.run_arrays(q, k, v), np.zeros(q.shape, F16))
     case = (1, 1, 1, 100, 1, 5, (1, 1, 1, 5), 0.1, 0)
     args = _data(case, F32)
-    _close(attention_cuda.run_arrays(*args, scale=0.1), _want(case, args), F32)
+    _close(kvattention_cuda.run_arrays(*args, scale=0.1), _want(case, args), F32)
 
 
 @pytest.mark.parametrize("dt", [F16, F32])
@@ -179,18 +175,18 @@ def test_kernels_causal_mask_with_minus_inf(dt):
     mask = np.where(np.arange(t)[None, :] > p + np.arange(s)[:, None], neg, 0).astype(dt)[None, None]
     if dt == F32:
         mask[..., -1, :] = -np.inf
-    want = attention.apply(q, k, v, mask, 0.3)
+    want = kvattention.apply(q, k, v, mask, 0.3)
     assert np.isnan(want[..., -1, :]).all() == (dt == F32) and np.isfinite(want[..., :-1, :]).all()
-    _close(attention_cpu.run(q, k, v, mask, 0.3), want, dt)
+    _close(kvattention_cpu.run(q, k, v, mask, 0.3), want, dt)
     if SIM or REAL_GPU:
-        _close(attention_cuda.run_arrays(q, k, v, mask, 0.3), want, dt)
+        _close(kvattention_cuda.run_arrays(q, k, v, mask, 0.3), want, dt)
 
 
 def test_cuda_kernel_refuses_too_many_keys():
     d = 64
-    t = attention_cuda.max_keys(d) + 1
-    with pytest.raises(attention.AttentionError, match=f"at most {t - 1} keys"):
-        attention_cuda.launch(10, 0, ((1, 1, 1, d), (1, 1, t, d), (1, 1, t, d), None), [8] * 5, 1.0, False)
+    t = kvattention_cuda.max_keys(d) + 1
+    with pytest.raises(kvattention.KVAttentionError, match=f"at most {t - 1} keys"):
+        kvattention_cuda.launch(10, 0, ((1, 1, 1, d), (1, 1, t, d), (1, 1, t, d), None), [8] * 5, 1.0, False)
 
 
 @pytest.mark.skipif(not REAL_GPU, reason="LLaMA-size shapes on the GPU only")
@@ -201,19 +197,7 @@ def test_cuda_kernel_refuses_too_many_keys():
                                   (1, 4, 1, 80, 2, 20000, None, 0.11, 0), (1, 2, 1, 256, 1, 300, None, 0.0625, 1)])
 def test_gpu_large(case, dt):
     args = _data(case, dt, specials=True)
-    _close(attention_cuda.run_arrays(*args, scale=case[7], divide=bool(case[8])), _want(case, args), dt)
-
-
-class _Ctx:
-    """bridge.Context's stand-in under the simulator: outputs are host buffers (the simulator's device memory)."""
-
-    def __init__(self):
-        self.stream, self.recorder, self.keep = 0, None, []
-
-    def output(self, index, shape):
-        b = np.zeros(max(int(np.prod(shape)) * 4, 8), np.uint64)
-        self.keep.append((b, shape))
-        return b.ctypes.data
+    _close(kvattention_cuda.run_arrays(*args, scale=case[7], divide=bool(case[8])), _want(case, args), dt)
 
 
 @pytest.mark.skipif(not SIM, reason="stand-in context over host memory: simulator only")
@@ -225,18 +209,18 @@ def test_cuda_kernel_object_compute(dt, with_mask):
     from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
     et = int(ET[dt])
     case = CASES[0]
-    kern = attention_cuda.KERNEL(spec=domain.OPS["Attention"], attrs={"scale": case[7]}, node_name="att0",
+    kern = kvattention_cuda.KERNEL(spec=domain.OPS["KVAttention"], attrs={"scale": case[7]}, node_name="att0",
                                  in_types=(et,) * 4, out_types=(et,))
     args = _data(case, dt)
     if not with_mask:
         args = args[:3] + (None,)
     tensors = [None if a is None else Tensor(a.ctypes.data, et, a.shape) for a in args]
-    ctx = _Ctx()
+    ctx = SimContext()
     kern.compute(ctx, tensors)
     (buf, sh), = ctx.keep
     _close(buf.view(dt)[: int(np.prod(sh))].reshape(sh), _want(case, args), dt)
     with pytest.raises(KernelError, match="V must have K's shape"):
-        kern.compute(_Ctx(), tensors[:2] + [Tensor(args[2].ctypes.data, et, (1, 2, 8, 16))] + tensors[3:])
+        kern.compute(SimContext(), tensors[:2] + [Tensor(args[2].ctypes.data, et, (1, 2, 8, 16))] + tensors[3:])
 
 
 # ------------------------------------------------------------------------------------------------ sessions
@@ -246,7 +230,6 @@ def unfused_model(case, dt, repeat=True):
     for fp16), MatMul with V."""
     b, hq, s, d, hkv, t, ms, scale, divide = case
     rep = hq // hkv
-    et = ET[dt]
     inits = [numpy_helper.from_array(np.asarray(scale, dt), "scale"),
              numpy_helper.from_array(np.asarray([2], np.int64), "ax2"),
              numpy_helper.from_array(np.asarray([b, hkv, rep, t, d], np.int64), "exp"),
@@ -275,7 +258,7 @@ def unfused_model(case, dt, repeat=True):
 
 def fused_model(case, dt):
     ins = ["Q", "K", "V"] + (["mask"] if case[6] is not None else [])
-    node = helper.make_node("Attention", ins, ["O"], domain=domain.DOMAIN, name="att0", scale=float(case[7]),
+    node = helper.make_node("KVAttention", ins, ["O"], domain=domain.DOMAIN, name="att0", scale=float(case[7]),
                             divide=int(case[8]))
     return _model([node], [], case, dt, ours=True)
 
@@ -300,23 +283,18 @@ def _feeds(case, dt, seed=0):
     return f
 
 
-def _session(model, providers):
-    import onnx_lowbit
-    return onnx_lowbit.InferenceSession(model.SerializeToString(), providers=providers)
-
-
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2]])
 def test_cpu_session(case):
-    """The Attention node on onnxruntime's CPU EP agrees with the reference and with onnxruntime's unfused graph
+    """The KVAttention node on onnxruntime's CPU EP agrees with the reference and with onnxruntime's unfused graph
     (fp32; fp16 against the reference: the CPU EP runs fp16 MatMuls with other roundings)."""
     cpu = ["CPUExecutionProvider"]
     for dt in (F32, F16):
         feeds = _feeds(case, dt)
-        got = _session(fused_model(case, dt), cpu).run(None, feeds)[0]
-        _close(got, attention.apply(feeds["Q"], feeds["K"], feeds["V"], feeds.get("mask"), case[7], bool(case[8])),
+        got = lowbit_session(fused_model(case, dt), cpu).run(None, feeds)[0]
+        _close(got, kvattention.apply(feeds["Q"], feeds["K"], feeds["V"], feeds.get("mask"), case[7], bool(case[8])),
                dt)
         if dt == F32:
-            _close(got, _session(unfused_model(case, dt), cpu).run(None, feeds)[0], dt)
+            _close(got, lowbit_session(unfused_model(case, dt), cpu).run(None, feeds)[0], dt)
 
 
 def test_cpu_session_bad_shapes_name_the_problem():
@@ -327,18 +305,8 @@ def test_cpu_session_bad_shapes_name_the_problem():
         dim.dim_param = "x"
     feeds = _feeds(case, F32)
     feeds["V"] = feeds["V"][:, :, :4]
-    with pytest.raises(Fail, match=r"Attention node 'att0'.*V must have"):
-        _session(m, ["CPUExecutionProvider"]).run(None, feeds)
-
-
-def _ort_cuda():
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        pytest.skip("onnxruntime not installed")
-    if SIM or not REAL_GPU or "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime's CUDA execution provider and a real GPU needed")
-    return ort
+    with pytest.raises(Fail, match=r"KVAttention node 'att0'.*V must have"):
+        lowbit_session(m, ["CPUExecutionProvider"]).run(None, feeds)
 
 
 @pytest.mark.parametrize("dt", [F16, F32])
@@ -346,13 +314,13 @@ def _ort_cuda():
 @pytest.mark.parametrize("case", [(1, 16, 1, 128, 16, 129, (1, 1, 1, 129), 0.0884, 0),
                                   (1, 8, 1, 128, 2, 33, (1, 1, 1, 33), 0.0884, 0)])
 def test_cuda_session_agrees_with_the_unfused_graph(case, dt, graph):
-    """On the CUDA EP: the Attention node agrees with onnxruntime's own unfused kernels and with the reference, also
+    """On the CUDA EP: the KVAttention node agrees with onnxruntime's own unfused kernels and with the reference, also
     replayed in a CUDA graph with new input contents."""
-    ort = _ort_cuda()
+    ort = ort_cuda_or_skip()
     cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
     ref = ort.InferenceSession(unfused_model(case, dt).SerializeToString(), providers=cuda)
     prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"] if graph else cuda
-    sess = _session(fused_model(case, dt), prov)
+    sess = lowbit_session(fused_model(case, dt), prov)
     feeds0 = _feeds(case, dt)
     bound = {n: ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for n, a in feeds0.items()}
     out = ort.OrtValue.ortvalue_from_shape_and_type(feeds0["Q"].shape, dt, "cuda", 0)
@@ -367,4 +335,4 @@ def test_cuda_session_agrees_with_the_unfused_graph(case, dt, graph):
         sess.run_with_iobinding(io)
         got = out.numpy()
         _close(got, ref.run(None, feeds)[0], dt)
-        _close(got, attention.apply(feeds["Q"], feeds["K"], feeds["V"], feeds.get("mask"), case[7]), dt)
+        _close(got, kvattention.apply(feeds["Q"], feeds["K"], feeds["V"], feeds.get("mask"), case[7]), dt)

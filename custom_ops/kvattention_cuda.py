@@ -1,15 +1,16 @@
-"""Attention, CUDA face: O = T(softmax(T(T(T(Q K^T) * scale) + mask)) V) (onnx_lowbit.attention) in one launch.
+"""KVAttention, CUDA face: O = T(softmax(T(T(T(Q K^T) * scale) + mask)) V) (onnx_lowbit.kvattention) in one launch.
 
 One block of NT threads per query row (b, h, s); query head h reads kv head h // (Hq / Hkv). Dynamic shared
 memory holds the row of Q (fp32), the row's T scores and a reduction area, so T is limited by shared memory
-(max_keys(): ~57K keys at D = 128 on the H100; longer caches get a clear error, the CPU face has no limit).
+(max_keys(): ~56K keys at D = 128 on the H100; longer caches get a clear error, the CPU face has no limit; above
+48 KiB, ~11K keys, the kernel asks for Hopper's shared memory opt-in).
   1. scores: C = ceil(D / (CU units)) threads per key, each summing the products of CU consecutive units of the key
      row (a unit: 4 fp16 or 2 fp32 elements read as one 8-byte word when D and the pointers allow, else one
      element; the CU loads of a thread are unrolled, so they are in flight together), NT / C keys per round; the
      C partials of a key are added in a fixed order, rounded to T, scaled (fmul_rn / fp32 division, rounded to T)
      and the mask added (fadd_rn, rounded to T), as the separate ops round them.
-  2. softmax over the T scores in fp32 (tree reductions in shared memory for the max and the sum), each
-     probability rounded to T.
+  2. softmax over the T scores in fp32: each thread's (max, sum of exponentials) over its keys, combined in one
+     tree reduction in shared memory; each probability exp(s - max) / sum rounded to T.
   3. O: G = NT / (D units) groups of keys; a thread accumulates one unit column of V over its group's keys (four
      keys per step, loads in flight together), the G partials of a column are added in a fixed order and rounded
      to T on the store.
@@ -26,13 +27,14 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from onnx_lowbit import attention, rotary
+from onnx_lowbit import kvattention, rotary
 
 from .dequantawq_cuda import as_f32, device, h2f, ld16, ld32, r16, same, st16, st32
 from .kernels import Kernel
-from .rotary_cuda import SIM, _add, _mul
+from .rotary_cuda import SIM, _add, _divmod, _mul
 
-NT = 64 if SIM else 1024    # threads per block (a power of two: tree reductions); fewer in the simulator: speed
+NT = 64 if SIM else 512     # threads per block (a power of two: tree reductions; 1024 needs more registers than an
+#                             SM has at this kernel's 55); fewer in the simulator: speed
 CU = 8                      # units per thread per key in the scores (unrolled)
 SHARED_MAX = 227 * 1024     # the most dynamic shared memory a block may have on Hopper (opted in above 48 KiB)
 M16, S16, S32, S48 = np.uint64(0xFFFF), np.uint64(16), np.uint64(32), np.uint64(48)
@@ -89,27 +91,32 @@ def _make(f16, wide):
     neg_inf = float32(-np.inf)
 
     @cuda.jit
-    def kernel(q, kk, vv, m, o, hq, s_, d, hkv, t_, cw, c_, g_, has_m, m0, m1, m2, m3, divide, scale):
-        # cw: units per key row (D / vw); c_: threads per key in the scores; g_: key groups in P V
+    def kernel(q, kk, vv, m, o, hq, s_, d, hkv, t_, cw, c_, g_, has_m, m0, m1, m2, m3, divide, rep, scale, i_s,
+               i_hq, i_rep, i_c, i_cw):
+        # cw: units per key row (D / vw); c_: threads per key in the scores; g_: key groups in P V; rep = Hq / Hkv;
+        # i_*: float64 reciprocals of s_, hq, rep, c_, cw (divisions through rotary_cuda._divmod: a 64-bit integer
+        # division, and so a range() with a step, costs ~80 instructions, which dominated the first kernel)
         sm = cuda.shared.array(0, float32)      # [0, d): Q's row; [d, d + t_): scores; [d + t_, ...): reductions
         red = d + t_
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x
-        si = row % s_
-        h = (row // s_) % hq
-        b = row // (s_ * hq)
-        kvb = (b * hkv + h // (hq // hkv)) * t_          # the row's first key
+        bh, si = _divmod(row, s_, i_s)
+        b, h = _divmod(bh, hq, i_hq)
+        kvb = (b * hkv + _divmod(h, rep, i_rep)[0]) * t_          # the row's first key
         mb = b * m0 + h * m1 + si * m2
         scl = float32(scale)
-        for x in range(tid, d, NT):
+        x = tid
+        while x < d:
             sm[x] = ld(q, row * d + x)
+            x += NT
         cuda.syncthreads()
 
         # 1. scores
-        kr = NT // c_                  # keys per round
-        kl = tid // c_
-        u0 = (tid % c_) * CU
-        for t0 in range(0, t_, kr):
+        kl, cc = _divmod(tid, c_, i_c)
+        kr = _divmod(NT, c_, i_c)[0]   # keys per round
+        u0 = cc * CU
+        t0 = 0
+        while t0 < t_:
             tk = t0 + kl
             part = float32(0.0)
             if kl < kr and tk < t_:
@@ -129,21 +136,26 @@ def _make(f16, wide):
                     v = rnd(_add(v, ld(m, mb + (t0 + tid) * m3)))
                 sm[d + t0 + tid] = v
             cuda.syncthreads()
+            t0 += kr
 
         # 2. softmax: each thread's max m and sum l = sum exp(s - m) over its keys, combined pairwise in a tree
         # ((m, l) with (m', l'): max, l e^(m - max) + l' e^(m' - max)); a NaN score makes l NaN (the max skips it),
         # a row of -inf scores keeps m = -inf, l = 0 and gives NaN, as Softmax does
         mx = neg_inf
-        for j in range(tid, t_, NT):
+        j = tid
+        while j < t_:
             v = sm[d + j]
             mx = v if v > mx else mx
+            j += NT
         tot = float32(0.0)
-        for j in range(tid, t_, NT):
+        j = tid
+        while j < t_:
             v = sm[d + j]
             if mx != neg_inf:
                 tot += math.exp(v - mx)
             elif v != neg_inf:
                 tot += v        # NaN (all other scores of this thread are -inf: they add 0)
+            j += NT
         sm[red + tid] = mx
         sm[red + NT + tid] = tot
         cuda.syncthreads()
@@ -163,15 +175,17 @@ def _make(f16, wide):
             n //= 2
         mx = sm[red]
         tot = sm[red + NT]
-        for j in range(tid, t_, NT):
+        j = tid
+        while j < t_:
             sm[d + j] = rnd(math.exp(sm[d + j] - mx) / tot)
+            j += NT
         cuda.syncthreads()
 
         # 3. O = P V
         acc = cuda.local.array(4, float32)
-        for idx in range(tid, cw * g_, NT):
-            gi = idx // cw
-            u = idx % cw
+        idx = tid
+        while idx < cw * g_:
+            gi, u = _divmod(idx, cw, i_cw)
             for k in range(vw):
                 acc[k] = float32(0.0)
             base = kvb * cw + u
@@ -188,12 +202,15 @@ def _make(f16, wide):
                 j += g_
             for k in range(vw):
                 sm[red + gi * d + u * vw + k] = acc[k]
+            idx += NT
         cuda.syncthreads()
-        for x in range(tid, d, NT):
+        x = tid
+        while x < d:
             acc0 = float32(0.0)
             for gi in range(g_):
                 acc0 += sm[red + gi * d + x]
             st(o, row * d + x, acc0)
+            x += NT
 
     return kernel
 
@@ -212,20 +229,23 @@ def kernel_for(elem, wide):
 def _signature(elem, wide):
     from .cuda_launch import Array
     a, kv = Array(STORAGE[elem]), Array(np.uint64 if wide else STORAGE[elem])
-    return [a, kv, kv, a, a] + ["int64"] * 14 + ["float64"]
+    return [a, kv, kv, a, a] + ["int64"] * 15 + ["float64"] * 6
 
 
 _launchers = {}
 
 
-def launcher(elem, wide):
+def launcher(elem, wide, big=False):
     """The direct-launch wrapper for fp16 (10) or fp32 (1), 8-byte (``wide``) or element units (compiled once per
-    process); under the simulator cuda_launch.SimLauncher."""
-    key = (elem, wide)
+    process); under the simulator cuda_launch.SimLauncher. ``big``: opted in to SHARED_MAX bytes of dynamic shared
+    memory (launches needing more than 48 KiB: a Hopper-sized opt-in, which a GPU with less refuses), else up to the
+    48 KiB every GPU gives without one."""
+    key = (elem, wide, big)
     if key not in _launchers:
         from .cuda_launch import Launcher, SimLauncher
         fn, sig = kernel_for(elem, wide), _signature(elem, wide)
-        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, dynamic_shared=SHARED_MAX)
+        dyn = SHARED_MAX if big else 0
+        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, dynamic_shared=dyn)
     return _launchers[key]
 
 
@@ -246,9 +266,9 @@ def max_keys(d, elem=10):
 
 def launch(elem, stream, shapes, ptrs, scale, divide):
     """One launch for Q / K / V / mask of ``shapes`` (mask None: absent) at device pointers ``ptrs`` (q, k, v, mask or
-    0, o); nothing when O is empty. Raises attention.AttentionError for shapes the op or this kernel does not take."""
+    0, o); nothing when O is empty. Raises kvattention.KVAttentionError for shapes the op or this kernel does not take."""
     qs, ks, vs, ms = shapes
-    b, hq, s, d, hkv, t = attention.dims(qs, ks, vs, ms)
+    b, hq, s, d, hkv, t = kvattention.dims(qs, ks, vs, ms)
     rows = b * hq * s
     if rows == 0 or d == 0:
         return
@@ -258,22 +278,24 @@ def launch(elem, stream, shapes, ptrs, scale, divide):
     vw = wvw if wide else 1
     cw, c, g, shmem = geometry(d, t, vw)
     if c > NT or shmem > SHARED_MAX:
-        raise attention.AttentionError(
-            f"Attention on CUDA takes at most {max_keys(d, elem)} keys (T) at head size D = {d} (shared memory); "
-            f"got T = {t}" if c <= NT else f"Attention on CUDA takes head sizes up to {NT * CU * vw}, got D = {d}")
+        raise kvattention.KVAttentionError(
+            f"KVAttention on CUDA takes at most {max_keys(d, elem)} keys (T) at head size D = {d} (shared memory); "
+            f"got T = {t}" if c <= NT else f"KVAttention on CUDA takes head sizes up to {NT * CU * vw}, got D = {d}")
     mst = rotary._strides(ms, 4) if ms is not None else [0, 0, 0, 0]
     mn = int(np.prod(ms, dtype=np.int64)) if ms is not None else 0
     kvn = b * hkv * t * d // vw
     arrays = [(q, (rows * d,)), (k, (kvn,)), (v, (kvn,)), (m, (mn,)), (o, (rows * d,))]
-    sc = float(attention.scale_value(scale, np.float16 if elem == 10 else np.float32))
-    launcher(elem, wide).launch(rows, NT, stream, *arrays, hq, s, d, hkv, t, cw, c, g, int(ms is not None),
-                                *[int(x) for x in mst], int(bool(divide)), sc, shmem=shmem)
+    sc = float(kvattention.scale_value(scale, np.float16 if elem == 10 else np.float32))
+    rep = hq // hkv
+    launcher(elem, wide, shmem > 48 * 1024).launch(rows, NT, stream, *arrays, hq, s, d, hkv, t, cw, c, g, int(ms is not None),
+                                *[int(x) for x in mst], int(bool(divide)), rep, sc,
+                                *[1.0 / x for x in (s, hq, rep, c, cw)], shmem=shmem)
 
 
 def run_arrays(q, k, v, mask=None, scale=1.0, divide=False, misalign=False):
     """The kernel on host arrays (tests): copied to the device, launched as a session launches it, copied back.
     ``misalign``: K placed one element past an 8-byte boundary (takes the element-unit variant)."""
-    attention.check(q, k, v, mask)
+    kvattention.check(q, k, v, mask)
     elem = 10 if q.dtype == np.float16 else 1
     st = STORAGE[elem]
     flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
@@ -300,7 +322,7 @@ def run_arrays(q, k, v, mask=None, scale=1.0, divide=False, misalign=False):
     return out[:q.size].view(q.dtype).reshape(q.shape)
 
 
-class AttentionCudaKernel(Kernel):
+class KVAttentionCudaKernel(Kernel):
     native_plans = True  # one launch whose parameters depend only on the input shapes and alignments; see plans.py
 
     def __init__(self, **kw):
@@ -315,15 +337,15 @@ class AttentionCudaKernel(Kernel):
         m = inputs[3] if len(inputs) > 3 else None
         shapes = (q.shape, k.shape, v.shape, None if m is None else m.shape)
         try:
-            attention.dims(*shapes)
-        except attention.AttentionError as e:
+            kvattention.dims(*shapes)
+        except kvattention.KVAttentionError as e:
             raise KernelError(str(e)) from None
         o = ctx.output(0, q.shape)
         try:
             launch(self.elem, ctx.stream, shapes, [q.ptr, k.ptr, v.ptr, 0 if m is None else m.ptr, o], self.scale,
                    self.divide)
-        except attention.AttentionError as e:
+        except kvattention.KVAttentionError as e:
             raise KernelError(str(e)) from None
 
 
-KERNEL = AttentionCudaKernel
+KERNEL = KVAttentionCudaKernel
