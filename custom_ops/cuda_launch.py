@@ -69,6 +69,15 @@ def sm_count(device: int) -> int:
     return v.value
 
 
+def shared_optin(device: int) -> int:
+    """The most dynamic shared memory a block may opt in to on ``device`` (bytes; 227 KiB on Hopper, 163 KiB on
+    the A100, 99 KiB on sm_86 / sm_89)."""
+    v = ctypes.c_int(0)
+    check(libcuda().cuDeviceGetAttribute(ctypes.byref(v), 97, device),  # MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+          "cuDeviceGetAttribute")
+    return v.value
+
+
 class Array:
     """Signature entry: a C-contiguous array of ``dtype`` and ``ndim`` dimensions."""
 

@@ -3,7 +3,7 @@
 One block of NT threads per query row (b, h, s); query head h reads kv head h // (Hq / Hkv). Dynamic shared
 memory holds the row of Q (fp32), the row's T scores and a reduction area, so T is limited by shared memory
 (max_keys(): ~56K keys at D = 128 on the H100; longer caches get a clear error, the CPU face has no limit; above
-48 KiB, ~11K keys, the kernel asks for Hopper's shared memory opt-in).
+48 KiB, ~10K keys at D = 128, the launch opts in to the device's shared memory limit).
   1. scores: C = ceil(D / (CU units)) threads per key, each summing the products of CU consecutive units of the key
      row (a unit: 4 fp16 or 2 fp32 elements read as one 8-byte word when D and the pointers allow, else one
      element; the CU loads of a thread are unrolled, so they are in flight together), NT / C keys per round; the
@@ -33,10 +33,12 @@ from .dequantawq_cuda import as_f32, device, h2f, ld16, ld32, r16, same, st16, s
 from .kernels import Kernel
 from .rotary_cuda import SIM, _add, _divmod, _mul
 
-NT = 64 if SIM else 512     # threads per block (a power of two: tree reductions; 1024 needs more registers than an
-#                             SM has at this kernel's 55); fewer in the simulator: speed
+NT = 64 if SIM else 512     # threads per block (a power of two: tree reductions; 1024 did not launch with the first
+#                             kernel's 76 registers); fewer in the simulator: speed
 CU = 8                      # units per thread per key in the scores (unrolled)
-SHARED_MAX = 227 * 1024     # the most dynamic shared memory a block may have on Hopper (opted in above 48 KiB)
+SHARED_MAX = 227 * 1024     # the most dynamic shared memory a block may have on Hopper (the simulator's limit; on a
+#                             GPU: the device's opt-in limit, cuda_launch.shared_optin)
+SHARED_PLAIN = 48 * 1024    # what every GPU gives a block without an opt-in
 M16, S16, S32, S48 = np.uint64(0xFFFF), np.uint64(16), np.uint64(32), np.uint64(48)
 
 
@@ -162,15 +164,15 @@ def _make(f16, wide):
         n = NT // 2
         while n > 0:
             if tid < n:
-                m1, m2 = sm[red + tid], sm[red + tid + n]
-                l1, l2 = sm[red + NT + tid], sm[red + NT + tid + n]
-                if m2 > m1:
-                    sm[red + tid] = m2
-                    sm[red + NT + tid] = l2 + l1 * math.exp(m1 - m2)
-                elif m1 > m2:
-                    sm[red + NT + tid] = l1 + l2 * math.exp(m2 - m1)
+                xa, xb = sm[red + tid], sm[red + tid + n]
+                la, lb = sm[red + NT + tid], sm[red + NT + tid + n]
+                if xb > xa:
+                    sm[red + tid] = xb
+                    sm[red + NT + tid] = lb + la * math.exp(xa - xb)
+                elif xa > xb:
+                    sm[red + NT + tid] = la + lb * math.exp(xb - xa)
                 else:
-                    sm[red + NT + tid] = l1 + l2
+                    sm[red + NT + tid] = la + lb
             cuda.syncthreads()
             n //= 2
         mx = sm[red]
@@ -235,18 +237,31 @@ def _signature(elem, wide):
 _launchers = {}
 
 
-def launcher(elem, wide, big=False):
+def launcher(elem, wide, big=0):
     """The direct-launch wrapper for fp16 (10) or fp32 (1), 8-byte (``wide``) or element units (compiled once per
-    process); under the simulator cuda_launch.SimLauncher. ``big``: opted in to SHARED_MAX bytes of dynamic shared
-    memory (launches needing more than 48 KiB: a Hopper-sized opt-in, which a GPU with less refuses), else up to the
-    48 KiB every GPU gives without one."""
+    process); under the simulator cuda_launch.SimLauncher. ``big``: the bytes of dynamic shared memory the kernel
+    is opted in to (launches needing more than SHARED_PLAIN), 0: up to SHARED_PLAIN without an opt-in."""
     key = (elem, wide, big)
     if key not in _launchers:
         from .cuda_launch import Launcher, SimLauncher
         fn, sig = kernel_for(elem, wide), _signature(elem, wide)
-        dyn = SHARED_MAX if big else 0
-        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, dynamic_shared=dyn)
+        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, dynamic_shared=big)
     return _launchers[key]
+
+
+_limits = {}
+
+
+def shared_limit():
+    """The most dynamic shared memory a launch may have here: SHARED_MAX under the simulator, else the current
+    device's opt-in limit (asked once per device)."""
+    if SIM:
+        return SHARED_MAX
+    from .cuda_launch import current_device, shared_optin
+    dev = current_device()
+    if dev not in _limits:
+        _limits[dev] = shared_optin(dev)
+    return _limits[dev]
 
 
 def geometry(d, t, vw):
@@ -257,16 +272,18 @@ def geometry(d, t, vw):
     return cw, c, g, 4 * (d + t + max(2 * NT, g * d))
 
 
-def max_keys(d, elem=10):
-    """The most keys (T) the kernel takes at head size ``d``."""
+def max_keys(d, elem=10, limit=SHARED_MAX):
+    """The most keys (T) the kernel takes at head size ``d`` with ``limit`` bytes of shared memory (default:
+    Hopper's)."""
     vw = unit_width(elem == 10, True) if d % unit_width(elem == 10, True) == 0 else 1
     cw, c, g, _ = geometry(d, 0, vw)
-    return SHARED_MAX // 4 - d - max(2 * NT, g * d)
+    return limit // 4 - d - max(2 * NT, g * d)
 
 
 def launch(elem, stream, shapes, ptrs, scale, divide):
     """One launch for Q / K / V / mask of ``shapes`` (mask None: absent) at device pointers ``ptrs`` (q, k, v, mask or
-    0, o); nothing when O is empty. Raises kvattention.KVAttentionError for shapes the op or this kernel does not take."""
+    0, o); nothing when O is empty. Raises kvattention.KVAttentionError for shapes the op or this kernel does not
+    take."""
     qs, ks, vs, ms = shapes
     b, hq, s, d, hkv, t = kvattention.dims(qs, ks, vs, ms)
     rows = b * hq * s
@@ -277,19 +294,21 @@ def launch(elem, stream, shapes, ptrs, scale, divide):
     wide = d % wvw == 0 and k % 8 == 0 and v % 8 == 0
     vw = wvw if wide else 1
     cw, c, g, shmem = geometry(d, t, vw)
-    if c > NT or shmem > SHARED_MAX:
+    limit = shared_limit() if shmem > SHARED_PLAIN else SHARED_PLAIN
+    if c > NT or shmem > limit:
         raise kvattention.KVAttentionError(
-            f"KVAttention on CUDA takes at most {max_keys(d, elem)} keys (T) at head size D = {d} (shared memory); "
-            f"got T = {t}" if c <= NT else f"KVAttention on CUDA takes head sizes up to {NT * CU * vw}, got D = {d}")
+            f"KVAttention on CUDA takes at most {max_keys(d, elem, limit)} keys (T) at head size D = {d} on this GPU "
+            f"(shared memory); got T = {t}" if c <= NT else
+            f"KVAttention on CUDA takes head sizes up to {NT * CU * vw}, got D = {d}")
     mst = rotary._strides(ms, 4) if ms is not None else [0, 0, 0, 0]
     mn = int(np.prod(ms, dtype=np.int64)) if ms is not None else 0
     kvn = b * hkv * t * d // vw
     arrays = [(q, (rows * d,)), (k, (kvn,)), (v, (kvn,)), (m, (mn,)), (o, (rows * d,))]
     sc = float(kvattention.scale_value(scale, np.float16 if elem == 10 else np.float32))
     rep = hq // hkv
-    launcher(elem, wide, shmem > 48 * 1024).launch(rows, NT, stream, *arrays, hq, s, d, hkv, t, cw, c, g, int(ms is not None),
-                                *[int(x) for x in mst], int(bool(divide)), rep, sc,
-                                *[1.0 / x for x in (s, hq, rep, c, cw)], shmem=shmem)
+    lau = launcher(elem, wide, limit if shmem > SHARED_PLAIN else 0)
+    lau.launch(rows, NT, stream, *arrays, hq, s, d, hkv, t, cw, c, g, int(ms is not None), *[int(x) for x in mst],
+               int(bool(divide)), rep, sc, *[1.0 / x for x in (s, hq, rep, c, cw)], shmem=shmem)
 
 
 def run_arrays(q, k, v, mask=None, scale=1.0, divide=False, misalign=False):

@@ -299,6 +299,13 @@ class Names:
         return name
 
 
+def scope_stem(node: gs.Node) -> str:
+    """A name stem for a node that replaces ``node``: the scope of its name (``/a/b/MatMul_1`` -> ``/a/b/``), or the
+    name and ``_`` when it has no scope."""
+    name = node.name or node.outputs[0].name
+    return name.rsplit("/", 1)[0] + "/" if "/" in name else name + "_"
+
+
 def detach(node: gs.Node) -> None:
     """Disconnects ``node`` from its inputs and outputs (cleanup then drops it)."""
     node.inputs.clear()

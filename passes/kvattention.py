@@ -53,7 +53,7 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_graph_output, is_op,
-                   iter_graphs, known_dim, node_label, producer, scalar_value, type_name)
+                   iter_graphs, known_dim, node_label, producer, scalar_value, scope_stem, type_name)
 
 PATTERN = "kvattention: MatMul,Transpose,Mul,Add,Softmax,MatMul"
 TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -555,21 +555,20 @@ def _why_not(g, sm, fwd, max_query):
     return inputs, out, scale, divide, rep_k, nodes
 
 
-def _base(node):
-    """A name stem for the new node: the scope of ``node``'s name (``/a/b/MatMul_1`` -> ``/a/b/``)."""
-    name = node.name or node.outputs[0].name
-    return name.rsplit("/", 1)[0] + "/" if "/" in name else name + "_"
-
 
 class KVAttentionPass(Pass):
     name = "kvattention"
-    default = False     # opt-in: no faster than onnxruntime's own kernels in the decode step on the H100 (docs/passes.md)
+    default = False     # opt-in: no faster than onnxruntime's kernels in the H100 decode step (docs/passes.md)
     description = ("eager attention (MatMul with Transpose(K), scale, mask, Softmax, MatMul with V; K / V repeats of "
                    "grouped-query attention) -> one KVAttention node")
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
         names = Names(graph)
         max_query = options.get("kvattention_max_query", MAX_QUERY)
+        if max_query is not None and (isinstance(max_query, bool) or not isinstance(max_query, (int, np.integer))
+                                      or max_query < 0):
+            raise ValueError(f"kvattention_max_query must be an integer >= 0 (0 or None: no limit), got "
+                             f"{max_query!r}")
         for g in iter_graphs(graph):
             order = {id(node): i for i, node in enumerate(g.nodes)}
 
@@ -591,8 +590,8 @@ class KVAttentionPass(Pass):
                 attrs = {"scale": float(scale)}
                 if divide:
                     attrs["divide"] = 1
-                new = gs.Node(op="KVAttention", domain=domain.DOMAIN, name=names(_base(fwd[1]) + "KVAttention"),
-                              attrs=attrs, inputs=inputs, outputs=[out])
+                new = gs.Node(op="KVAttention", domain=domain.DOMAIN,
+                              name=names(scope_stem(fwd[1]) + "KVAttention"), attrs=attrs, inputs=inputs, outputs=[out])
                 g.nodes.append(new)
                 self.rewritten(report, PATTERN, labels(nodes), "" if len(inputs) == 4 else "no mask",
                                new_node=new.name, scale=float(scale), divide=int(divide), kv_repeat=rep,

@@ -29,8 +29,8 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
-from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_op, iter_graphs,
-                   is_graph_output, known_dim, node_label, producer, type_name)
+from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_graph_output, is_op,
+                   iter_graphs, known_dim, node_label, producer, scope_stem, type_name)
 
 PATTERN = "rotarykv: Split,Reshape,Transpose,Rotary,Concat"
 TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -265,11 +265,6 @@ def _why_not(g, split, chains):
     return [qkv, cos, sin, *past], outs, hq, hkv, nodes
 
 
-def _base(node):
-    """A name stem for the new node: the scope of ``node``'s name (``/a/b/Add_rotary`` -> ``/a/b/``)."""
-    name = node.name or node.outputs[0].name
-    return name.rsplit("/", 1)[0] + "/" if "/" in name else name + "_"
-
 
 class RotaryKVPass(Pass):
     name = "rotarykv"
@@ -297,7 +292,7 @@ class RotaryKVPass(Pass):
                 q_rot = chains[0][2]
                 for k in nodes:
                     detach(k)
-                new = gs.Node(op="RotaryKV", domain=domain.DOMAIN, name=names(_base(q_rot) + "RotaryKV"),
+                new = gs.Node(op="RotaryKV", domain=domain.DOMAIN, name=names(scope_stem(q_rot) + "RotaryKV"),
                               attrs={"num_heads": hq, "kv_num_heads": hkv}, inputs=inputs, outputs=outs)
                 g.nodes.append(new)
                 cache = len(inputs) == 5

@@ -28,8 +28,8 @@ TOL = {F32: 2e-5, F16: 4e-3}
 # [B, 1, S, T]), D not a multiple of 4 (element units in the CUDA kernel), more keys than one round of the score
 # step / than four steps of every key group, one head, a Div-spelled scale, no mask, T = 1
 CASES = [(1, 4, 1, 16, 2, 9, (1, 1, 1, 9), 0.25, 0), (2, 1, 2, 8, 1, 7, (2, 1, 2, 7), 0.35, 0),
-         (1, 2, 2, 6, 1, 5, (2, 5), 2.5, 1), (1, 1, 1, 40, 1, 70, None, 0.16, 0), (1, 3, 1, 12, 3, 33, (1, 3, 1, 33), 0.3, 0),
-         (1, 2, 1, 4, 2, 1, (1,), 1.0, 0)]
+         (1, 2, 2, 6, 1, 5, (2, 5), 2.5, 1), (1, 1, 1, 40, 1, 70, None, 0.16, 0),
+         (1, 3, 1, 12, 3, 33, (1, 3, 1, 33), 0.3, 0), (1, 2, 1, 4, 2, 1, (1,), 1.0, 0)]
 
 
 def _data(case, dt, seed=0, specials=False):
@@ -187,6 +187,22 @@ def test_cuda_kernel_refuses_too_many_keys():
     t = kvattention_cuda.max_keys(d) + 1
     with pytest.raises(kvattention.KVAttentionError, match=f"at most {t - 1} keys"):
         kvattention_cuda.launch(10, 0, ((1, 1, 1, d), (1, 1, t, d), (1, 1, t, d), None), [8] * 5, 1.0, False)
+
+
+def test_cuda_kernel_key_limit_follows_the_device(monkeypatch):
+    """Above 48 KiB of shared memory the launch opts in to the device's own limit (cuda_launch.shared_optin; a
+    stand-in here: 99 KiB, as sm_86 / sm_89 give): the error names that device's key limit, not Hopper's."""
+    from onnx_lowbit.custom_ops import cuda_launch
+    monkeypatch.setattr(kvattention_cuda, "SIM", False)
+    monkeypatch.setattr(kvattention_cuda, "_limits", {})
+    monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_launch, "shared_optin", lambda device: 99 * 1024)
+    d = 128
+    small = kvattention_cuda.max_keys(d, 10, 99 * 1024)
+    assert small < kvattention_cuda.max_keys(d)
+    with pytest.raises(kvattention.KVAttentionError, match=f"at most {small} keys"):
+        kvattention_cuda.launch(10, 0, ((1, 1, 1, d), (1, 1, small + 1, d), (1, 1, small + 1, d), None), [8] * 5,
+                                1.0, False)
 
 
 @pytest.mark.skipif(not REAL_GPU, reason="LLaMA-size shapes on the GPU only")

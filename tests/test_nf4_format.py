@@ -27,7 +27,7 @@ def _bits32(x):
     return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
 
 
-def _bits32_zeros_as_one(x):
+def _bits32_signless_zero(x):
     """_bits32 with -0.0 read as +0.0: bitsandbytes 0.50.2's CPU dequantisation gives FP4 index 8 (sign bit, zero
     magnitude) as -0.0 on some machines and +0.0 on others (seen 2026-11-25: the same wheel, inputs and bytes), so
     the sign of a zero is not bitsandbytes' format; every other value is compared bit for bit."""
@@ -259,8 +259,8 @@ def test_dequantize_matches_bitsandbytes(bnb, qt, dtype):
                 pos0 = lambda b: np.where(b == 0x8000, np.uint16(0), b)  # noqa: E731 - -0.0 as +0.0, as above
                 np.testing.assert_array_equal(pos0(mine), pos0(ref.view(torch.int16).numpy().view(np.uint16).T))
             else:
-                np.testing.assert_array_equal(_bits32_zeros_as_one(mine.astype(np.float32)),
-                                              _bits32_zeros_as_one(ref.float().numpy().T))
+                np.testing.assert_array_equal(_bits32_signless_zero(mine.astype(np.float32)),
+                                              _bits32_signless_zero(ref.float().numpy().T))
             checked += 1
     assert checked >= 20
 
@@ -329,5 +329,5 @@ def test_double_quant_matches_bitsandbytes(bnb, qt):
         np.testing.assert_array_equal(rebuilt.view(np.uint32), ref_rebuilt.view(np.uint32))
         if K % 2 or K % bs == 0:
             ref_w = F.dequantize_4bit(ref_q, state).numpy().T
-            np.testing.assert_array_equal(_bits32_zeros_as_one(nf4.dequantize(packed, rebuilt, qt, bs, K, N)),
-                                          _bits32_zeros_as_one(ref_w))
+            np.testing.assert_array_equal(_bits32_signless_zero(nf4.dequantize(packed, rebuilt, qt, bs, K, N)),
+                                          _bits32_signless_zero(ref_w))

@@ -290,7 +290,7 @@ def test_spellings_become_one_attention(kw, want):
         assert ops(out) == [(domain.DOMAIN, "KVAttention")]
 
 
-def test_k_already_transposed_without_repeat():
+def test_k_transposed_without_repeat():
     """MatMul(Q, Transpose(K)) with K read straight from the input (no repeat: Hq = Hkv), the decode export's
     form for 4 / 4 heads; the report names the inputs."""
     m = attention_model(hkv=4, mask=(2, 1, 3, 5))
@@ -508,8 +508,9 @@ def test_decode_export(dtype, heads, kv_heads, layers, weights):
         (n,) = [a for a in att if f"layers.{i}/" in a.name]
         assert attrs(n)["scale"] == pytest.approx(0.25) and attrs(n).get("divide", 0) == 0
         assert list(n.input[1:3]) == [f"present.{i}.key", f"present.{i}.value"] and len(n.input) == 4
-        q = writer[n.input[0]]     # Q: RotaryKV's first output (or Rotary's where merge left q apart: nf4 today)
-        assert q.domain == domain.DOMAIN and q.op_type in ("RotaryKV", "Rotary") and q.output[0] == n.input[0]
+        q = writer[n.input[0]]     # Q: RotaryKV's first output (with nf4 at this size merge leaves q apart: Rotary)
+        kinds = ("RotaryKV",) if weights is None else ("RotaryKV", "Rotary")
+        assert q.domain == domain.DOMAIN and q.op_type in kinds and q.output[0] == n.input[0]
         assert rep.rewritten("kvattention")[i].details["kv_repeat"] == heads // kv_heads
     got = run_ours(out, feeds)
     without, _ = rewrite(m, passes=default_passes_but_attention(), **opts)
@@ -603,3 +604,9 @@ def test_kvattention_is_opt_in():
     assert not attention_nodes(out.graph) and any(n.op_type == "Softmax" for n in out.graph.node)
     out, rep = rewrite(m, passes=WITH_KV)
     assert len(attention_nodes(out.graph)) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, "4", 2.5, True])
+def test_bad_max_query_option_is_refused(bad):
+    with pytest.raises(ValueError, match="kvattention_max_query must be an integer >= 0"):
+        run_passes(attention_model(), ["kvattention"], kvattention_max_query=bad)
