@@ -341,7 +341,6 @@ def _weights_arguments(p) -> None:
 
 
 def _non_negative(v: str) -> int:
-    import argparse
     try:
         n = int(v)
     except ValueError:
@@ -377,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("input", metavar="IN")
     r.add_argument("output", metavar="OUT")
     r.add_argument("--passes", help="comma-separated pass names (default: every default pass; kvattention and "
-                                         "rmsnorm only when named)")
+                                      "rmsnorm only when named)")
     r.add_argument("--report", action="store_true", help="print what was rewritten and skipped")
     r.add_argument("--report-json", metavar="FILE", help="write the report as JSON")
     r.add_argument("--verify", action="store_true",
@@ -392,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
     i.add_argument("--passes", help="comma-separated pass names (default: every default pass; kvattention and "
-                                         "rmsnorm only when named)")
+                                      "rmsnorm only when named)")
     i.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(i)
     _merge_arguments(i)

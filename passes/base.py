@@ -299,6 +299,11 @@ class Names:
         return name
 
 
+def labels_in_order(nodes, order: dict) -> list:
+    """node_label of ``nodes`` in graph order: ``order`` maps id(node) to its position (nodes not in it last)."""
+    return [node_label(k) for k in sorted(nodes, key=lambda k: order.get(id(k), len(order)))]
+
+
 def scope_stem(node: gs.Node) -> str:
     """A name stem for a node that replaces ``node``: the scope of its name (``/a/b/MatMul_1`` -> ``/a/b/``), or the
     name and ``_`` when it has no scope."""

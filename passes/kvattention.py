@@ -53,7 +53,7 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_graph_output, is_op,
-                   iter_graphs, known_dim, node_label, producer, scalar_value, scope_stem, type_name)
+                   iter_graphs, known_dim, labels_in_order, node_label, producer, scalar_value, scope_stem, type_name)
 
 PATTERN = "kvattention: MatMul,Transpose,Mul,Add,Softmax,MatMul"
 TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -571,9 +571,6 @@ class KVAttentionPass(Pass):
                              f"{max_query!r}")
         for g in iter_graphs(graph):
             order = {id(node): i for i, node in enumerate(g.nodes)}
-
-            def labels(ns):
-                return [node_label(k) for k in sorted(ns, key=lambda k: order.get(id(k), len(order)))]
             for sm in list(g.nodes):
                 if not (is_alive(sm) and is_op(sm, "Softmax") and sm.inputs):
                     continue
@@ -582,7 +579,7 @@ class KVAttentionPass(Pass):
                     continue
                 m = _why_not(g, sm, fwd, max_query)
                 if isinstance(m, str):
-                    self.skipped(report, PATTERN, labels([sm] + fwd[0] + [fwd[1]]), m)
+                    self.skipped(report, PATTERN, labels_in_order([sm] + fwd[0] + [fwd[1]], order), m)
                     continue
                 inputs, out, scale, divide, rep, nodes = m
                 for k in nodes:
@@ -593,7 +590,8 @@ class KVAttentionPass(Pass):
                 new = gs.Node(op="KVAttention", domain=domain.DOMAIN,
                               name=names(scope_stem(fwd[1]) + "KVAttention"), attrs=attrs, inputs=inputs, outputs=[out])
                 g.nodes.append(new)
-                self.rewritten(report, PATTERN, labels(nodes), "" if len(inputs) == 4 else "no mask",
+                self.rewritten(report, PATTERN, labels_in_order(nodes, order),
+                               "" if len(inputs) == 4 else "no mask",
                                new_node=new.name, scale=float(scale), divide=int(divide), kv_repeat=rep,
                                q=inputs[0].name, k=inputs[1].name, v=inputs[2].name,
                                mask=inputs[3].name if len(inputs) == 4 else None, output=out.name)

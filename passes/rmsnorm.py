@@ -38,7 +38,8 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_graph_output, is_op,
-                   iter_graphs, known_dim, node_label, outside_consumers, producer, scalar_value, type_name)
+                   iter_graphs, known_dim, labels_in_order, node_label, outside_consumers, producer, scalar_value,
+                   type_name)
 
 PATTERN = "rmsnorm: Cast,Pow,ReduceMean,Add,Sqrt,Div,Mul,Cast,Mul"
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -212,7 +213,7 @@ class RMSNormPass(Pass):
                     continue
                 nodes = [p, rm, v]
                 if isinstance(tail, str):
-                    self.skipped(report, PATTERN, self._labels(nodes, order), tail)
+                    self.skipped(report, PATTERN, labels_in_order(nodes, order), tail)
                     continue
                 rest, gamma = tail
                 y = rest[-2]
@@ -223,7 +224,7 @@ class RMSNormPass(Pass):
                     cast = None     # no Cast back: an fp32 graph whose h is a Cast output (e.g. of an int tensor)
                 h = cast.inputs[0] if cast is not None else h32
                 nodes = [n for n in [cast, p, rm, v] + rest if n is not None]
-                labels = self._labels(nodes, order)
+                labels = labels_in_order(nodes, order)
                 why = self._why_not(g, nodes, cast, y, h, gamma, eps_t, rm)
                 if why:
                     self.skipped(report, PATTERN, labels, why)
@@ -243,7 +244,7 @@ class RMSNormPass(Pass):
                 if res is not None:
                     add, a, b = res
                     used.add(id(add))
-                    labels = self._labels(nodes + [add], order)
+                    labels = labels_in_order(nodes + [add], order)
                 for k in nodes:
                     if not (k is cast and keep_cast):
                         detach(k)
@@ -261,10 +262,6 @@ class RMSNormPass(Pass):
                 self.rewritten(report, PATTERN, labels, note, new_node=new.name, input=h.name, gamma=gamma.name,
                                output=out.name, epsilon=eps, residual_fused=res is not None,
                                residual="yes" if res is not None else "no")
-
-    @staticmethod
-    def _labels(nodes, order):
-        return [node_label(k) for k in sorted(nodes, key=lambda k: order.get(id(k), len(order)))]
 
     @staticmethod
     def _why_not(g, nodes, cast, y, h, gamma, eps_t, rm):

@@ -31,7 +31,7 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain, rotary
 
 from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_op, iter_graphs,
-                   known_dim, node_label, outside_consumers, producer, type_name)
+                   known_dim, labels_in_order, node_label, outside_consumers, producer, type_name)
 
 PATTERN = "rotary: Mul,Slice,Slice,Neg,Concat,Mul,Add"
 TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -207,7 +207,7 @@ class RotaryPass(Pass):
                     continue
                 a, b, c, n, s1, s2, x, cos, sin = m
                 nodes = (a, b, c, n, s1, s2, add)
-                labels = [node_label(k) for k in sorted(nodes, key=lambda k: order.get(id(k), len(order)))]
+                labels = labels_in_order(nodes, order)
                 why = _why_not(g, nodes, x, cos, sin)
                 if why:
                     self.skipped(report, PATTERN, labels, why)

@@ -30,7 +30,7 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type, is_alive, is_graph_output, is_op,
-                   iter_graphs, known_dim, node_label, producer, scope_stem, type_name)
+                   iter_graphs, known_dim, labels_in_order, node_label, producer, scope_stem, type_name)
 
 PATTERN = "rotarykv: Split,Reshape,Transpose,Rotary,Concat"
 TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
@@ -284,11 +284,11 @@ class RotaryKVPass(Pass):
                 m = _why_not(g, split, chains)
                 if isinstance(m, str):
                     nodes = [split] + [n for c in chains for n in c if n is not None]
-                    labels = [node_label(k) for k in sorted(nodes, key=lambda k: order.get(id(k), len(order)))]
+                    labels = labels_in_order(nodes, order)
                     self.skipped(report, PATTERN, labels, m)
                     continue
                 inputs, outs, hq, hkv, nodes = m
-                labels = [node_label(k) for k in sorted(nodes, key=lambda k: order.get(id(k), len(order)))]
+                labels = labels_in_order(nodes, order)
                 q_rot = chains[0][2]
                 for k in nodes:
                     detach(k)

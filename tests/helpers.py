@@ -219,6 +219,24 @@ def ort_cuda_or_skip():
     return ort
 
 
+def run_cpu(model, feeds, ours=True):
+    """{output name: array} of one run of ``model`` (ModelProto) on onnxruntime's CPU EP: with our library
+    registered (``ours``) or on stock onnxruntime."""
+    import onnxruntime as ort
+    make = lowbit_session if ours else (lambda m, p: ort.InferenceSession(m.SerializeToString(), providers=p))
+    sess = make(model, ["CPUExecutionProvider"])
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def input_specs(model, dims=None):
+    """(name, shape, numpy dtype) of every graph input of ``model``; symbolic dims from ``dims`` ({name: size})."""
+    from onnx import helper
+    for i in model.graph.input:
+        tt = i.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else dims[d.dim_param] for d in tt.shape.dim]
+        yield i.name, shape, helper.tensor_dtype_to_np_dtype(tt.elem_type)
+
+
 def lowbit_session(model, providers):
     """An onnxruntime session of ``model`` (ModelProto) with our library registered."""
     import onnx_lowbit

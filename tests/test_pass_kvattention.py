@@ -19,17 +19,17 @@ Tolerances (max |got - want| / max |want| of the compared tensor; measured on th
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from helpers import tiny_decode_export, tiny_llama_export
+from helpers import input_specs, run_cpu, tiny_decode_export, tiny_llama_export
 
-import onnx_lowbit
 from onnx_lowbit import domain, kvattention
 from onnx_lowbit.passes import PASSES, run_passes
 from onnx_lowbit.passes.kvattention import PATTERN
@@ -167,28 +167,21 @@ def feeds_for(model, seed=0, dims=None):
     """Normal q / k / v; a mask of 0 and the type's lowest value (about a third; last axis' first entry 0)."""
     rng = np.random.default_rng(seed)
     out = {}
-    for i in model.graph.input:
-        tt = i.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else dims[d.dim_param] for d in tt.shape.dim]
-        dt = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if i.name == "mask":
+    for name, shape, dt in input_specs(model, dims):
+        if name == "mask":
             m = np.where(rng.random(shape) < 0.35, np.finfo(dt).min, 0).astype(dt)
             if m.ndim:
                 m[..., 0] = 0
-            out[i.name] = m
+            out[name] = m
         else:
-            out[i.name] = rng.standard_normal(shape).astype(dt)
+            out[name] = rng.standard_normal(shape).astype(dt)
     return out
 
 
-def run_ort(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=CPU)
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+run_ort = partial(run_cpu, ours=False)
 
 
-def run_ours(model, feeds):
-    sess = onnx_lowbit.InferenceSession(model.SerializeToString(), providers=CPU)
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+run_ours = run_cpu
 
 
 def rel_err(got, want):

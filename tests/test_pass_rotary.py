@@ -12,15 +12,16 @@ the original, and logits from InferenceSession equal to the original's (fp32: bi
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from helpers import tiny_llama_export
+from helpers import input_specs, run_cpu, tiny_llama_export
 
 import onnx_lowbit
 from onnx_lowbit import domain, rotary
@@ -95,17 +96,10 @@ def ops(model):
 def feeds_for(model, seed=0, dims=None):
     """Random normal inputs for every graph input (symbolic dims from ``dims``)."""
     rng = np.random.default_rng(seed)
-    out = {}
-    for i in model.graph.input:
-        tt = i.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else dims[d.dim_param] for d in tt.shape.dim]
-        out[i.name] = rng.standard_normal(shape).astype(onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type))
-    return out
+    return {name: rng.standard_normal(shape).astype(dt) for name, shape, dt in input_specs(model, dims)}
 
 
-def run_ort(model, feeds):
-    sess = ort.InferenceSession(model.SerializeToString(), providers=CPU)
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+run_ort = partial(run_cpu, ours=False)
 
 
 def run_reference(model, feeds):

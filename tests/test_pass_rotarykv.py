@@ -27,7 +27,7 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from helpers import tiny_decode_export
+from helpers import input_specs, run_cpu, tiny_decode_export
 
 import onnx_lowbit
 from onnx_lowbit import domain, rotarykv
@@ -48,9 +48,7 @@ def ops(model):
     return sorted((n.domain, n.op_type) for n in model.graph.node)
 
 
-def run_ours(model, feeds):
-    sess = onnx_lowbit.InferenceSession(model.SerializeToString(), providers=CPU)
-    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+run_ours = run_cpu
 
 
 def rewrite(model, passes=("rotarykv",), **options):
@@ -141,12 +139,9 @@ def feeds_for(model, seed=0, dims=None):
     """Random inputs: qkv and past normal, cos and sin uniform in [-1, 1]; symbolic dims from ``dims``."""
     rng = np.random.default_rng(seed)
     out = {}
-    for i in model.graph.input:
-        tt = i.type.tensor_type
-        shape = [x.dim_value if x.HasField("dim_value") else dims[x.dim_param] for x in tt.shape.dim]
-        dt = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        v = rng.uniform(-1, 1, shape) if i.name in ("cos", "sin") else rng.standard_normal(shape) * 3
-        out[i.name] = v.astype(dt)
+    for name, shape, dt in input_specs(model, dims):
+        v = rng.uniform(-1, 1, shape) if name in ("cos", "sin") else rng.standard_normal(shape) * 3
+        out[name] = v.astype(dt)
     return out
 
 
