@@ -37,7 +37,7 @@ import re
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from . import nf4_common, nf4tc_cuda
+from . import nf4_common, nf4mma_cuda, nf4tc_cuda
 from .dequantawq_cuda import SIM, as_f32
 from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
@@ -65,6 +65,11 @@ PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-e
 TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc_cuda); H100, LLaMA-7B gate+up
                           # (BENCHMARKS.md): M=1 42.4 us against 31.7 for the decode kernel, M=2 43.3 / 31.7,
                           # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3
+MMA_M = (3, 4)            # fp16 X at these M and K * N >= MMA_MIN_KN: the balanced tensor-core kernel
+MMA_MIN_KN = 1 << 25      # (nf4mma_cuda) instead of nf4tc. H200, weights cycled past L2 (benchmarks/nf4mma_gpu.py,
+                          # BENCHMARKS.md), us, nf4mma / nf4tc: 4096 -> 2 x 11008 M=3 35.1 / 41.4, M=4 35.3 / 41.6;
+                          # 2048 -> 2 x 8192 M=3 19.5 / 17.4, M=4 20.0 / 17.5 (the crossover lies between the two
+                          # sizes); M=1 31.4 against 26.3 for the decode kernel, M=2 34.5 / 27.0
 
 
 def red_index(lane, nv):
@@ -542,6 +547,18 @@ class FusedFFNNF4CudaKernel(Kernel):
             occ = max(1, self.tc.blocks_per_sm(32 * nf4tc_cuda.WARPS))
             self.tc_parts = {c: nf4tc_cuda.parts_for(self.n, c, self.sms, occ) for c in (1, 2)}
             self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
+        self.mma = None     # the balanced tensor-core kernel at M in MMA_M (nf4mma_cuda)
+        if (self.tc is not None and nf4mma_cuda.ok(True, max(MMA_M), self.k, self.n, self.bs)
+                and self.k * self.n >= MMA_MIN_KN):
+            from .matmulawq_cuda import ScratchPool
+            mm = nf4mma_cuda.mm_for(max(MMA_M))
+            self.mma = nf4mma_cuda.launcher(2, mm)
+            self.mma_shm = nf4mma_cuda.shared_bytes(2, mm)
+            occ = max(1, self.mma.blocks_per_sm(32 * nf4mma_cuda.WARPS, self.mma_shm))
+            self.mma_blocks = nf4mma_cuda.plan_blocks(self.k, self.n, self.sms, occ)
+            pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
+            self.mma_scratch = ScratchPool(pf, nc)
+            self.mma_floats = pf
         if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
             self.block = threads(self.k)
             for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
@@ -566,6 +583,14 @@ class FusedFFNNF4CudaKernel(Kernel):
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
         common = [(x.ptr, (m * k,))]
         tail = [(b1.ptr, (n,)) if hb1 else (s, (n,)), (b3.ptr, (n,)) if hb3 else (s, (n,)), (s, (m * n,))]
+        if self.mma is not None and m in MMA_M and not ((x.ptr | q1.ptr | q3.ptr) & 15):
+            blocks = self.mma_blocks
+            self.mma.launch(blocks, 32 * nf4mma_cuda.WARPS, ctx.stream, (x.ptr, (m * k // 2,)),
+                            (q1.ptr, (q1.size // 4,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 4,)),
+                            (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail,
+                            self.mma_scratch.partials(ctx, self.mma_floats), self.mma_scratch.counters(ctx.stream),
+                            m, k, n, self.bs.bit_length() - 1, blocks, hb1, hb3, shmem=self.mma_shm)
+            return
         if self.tc is not None and TC_MIN_M <= m <= nf4tc_cuda.MAX_M and not ((x.ptr | q1.ptr | q3.ptr) & 7):
             nch = nf4tc_cuda.chunks(m)
             parts = self.tc_parts[nch]

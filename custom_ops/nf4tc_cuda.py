@@ -56,6 +56,19 @@ def lut(code):
     return (h[v >> 4] | (h[v & 15] << 16)).astype(np.uint32)
 
 
+@cuda.jit(device=True, inline=True)
+def build_table(tab, lt, tid, nthr, lane):
+    """The 32 copies of the half2 table (entry v of copy l at word 64 v + l): thread v loads entry v once and
+    writes its copies starting at its own lane, so a warp's 32 stores of a step hit 32 banks. (Loading an entry per
+    store: 32 dependent global loads per thread.)"""
+    v = tid
+    while v < uint32(256):
+        val = lt[v]
+        for s in range(32):
+            tab[(v << uint32(6)) | ((uint32(s) + lane) & uint32(31))] = val
+        v = add32(v, nthr)
+
+
 def ok(a16, m, k, n, bs):
     """Whether this kernel can take the product (element offsets of W^T are 32-bit)."""
     return bool(a16) and 0 < m <= MAX_M and k % 64 == 0 and bs >= 64 and k * n < 2 ** 32
@@ -156,10 +169,7 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
         nwarps = nthr >> uint32(5)
         g = lane >> uint32(2)
         t = lane & uint32(3)
-        i = tid
-        while i < uint32(8192):
-            tab[((i >> uint32(5)) << uint32(6)) | (i & uint32(31))] = lt[i >> uint32(5)]
-            i = add32(i, nthr)
+        build_table(tab, lt, tid, nthr, lane)
         lane4 = lane << uint32(2)
         mdim = uint32(m_dim)
         kdim = uint32(k_dim)

@@ -1,0 +1,122 @@
+"""The balanced NF4/FP4 tensor-core GEMV (custom_ops/nf4mma_cuda.py: MatMulNF4 nw=1, FusedFFNNF4 nw=2) against
+onnx_lowbit's float64 references, under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small shapes) or on a real
+GPU (ONNX_LOWBIT_REAL_GPU=1). Bar: max |y - ref| / max |ref| <= 2^-10 for MatMul, 2^-9 for SwiGLU (its product
+compounds two such errors; 1.04e-3 on one case here, the same bits as nf4tc_cuda's): fp16 X and output, code
+values rounded to fp16 inside. The grids are chosen so that tiles are finished inside one block, across two blocks and across
+several (the per-tile counters, which every launch must leave at zero: ``run`` asserts it). Non-finite X: only
+that row is non-finite."""
+import os
+
+import numpy as np
+import pytest
+from numba import config
+
+from onnx_lowbit import ffn, nf4
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+
+def _mod():
+    if not SIM and not os.environ.get("ONNX_LOWBIT_REAL_GPU"):
+        pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a GPU (ONNX_LOWBIT_REAL_GPU=1)")
+    from onnx_lowbit.custom_ops import nf4mma_cuda
+    return nf4mma_cuda
+
+
+def _rel(y, ref):
+    ref = np.asarray(ref, np.float64)
+    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / max(float(np.max(np.abs(ref))), 1e-12))
+
+
+def _mm_ref(x, q, am, qt, bs, k, n, b=None):
+    y = x.astype(np.float64) @ nf4.dequantize(q, am, qt, bs, k, n, np.float32).astype(np.float64)
+    return y if b is None else y + b.astype(np.float64)
+
+
+def _case(m, k, n, bs, qt, biases, seed):
+    rng = np.random.default_rng(seed)
+    w1, w3 = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
+    ws = nf4.quantize(w1, qt, bs) + nf4.quantize(w3, qt, bs)
+    x = (rng.standard_normal((m, k)) + 0.2).astype(np.float16)
+    b1 = rng.standard_normal(n).astype(np.float16) if biases[0] else None
+    b3 = rng.standard_normal(n).astype(np.float16) if biases[1] else None
+    return ws, x, b1, b3
+
+
+CASES = [  # m, k, n, block size, type, biases, warps, blocks (None: the plan's), depth (units in flight ahead)
+    (1, 256, 40, 64, "nf4", (True, True), 2, 4, 1),   # 6 units in 4 blocks: two tiles shared by two blocks
+    (1, 256, 40, 64, "nf4", (True, True), 2, 1, 2),      # one block: every tile finished in the block
+    (1, 256, 40, 64, "nf4", (False, False), 2, 6, 1),    # one unit per block: every tile shared
+    (1, 384, 24, 64, "nf4", (True, False), 2, 2, 2),     # a tile over 3 units: warps idle on the last step
+    (1, 512, 16, 64, "fp4", (False, True), 2, 3, 2),     # one tile shared by 3 blocks (counter counts to 3)
+    (3, 256, 20, 128, "fp4", (False, True), 2, 3, 1),    # M = 3 (the M <= 4 kernel), last tile partial
+    (4, 128, 16, 64, "nf4", (True, True), 1, 1, 2),      # M = 4, one warp, one unit
+    (2, 256, 16, 4096, "nf4", (False, False), 2, 2, 2),  # absmax blocks straddle rows
+    (1, 256, 40, 64, "nf4", (True, True), 2, None, 1),   # the plan's grid
+]
+
+
+@pytest.mark.parametrize("m,k,n,bs,qt,biases,warps,blocks,depth", CASES)
+def test_mma_kernel_vs_reference(m, k, n, bs, qt, biases, warps, blocks, depth):
+    mma = _mod()
+    ws, x, b1, b3 = _case(m, k, n, bs, qt, biases, 7)
+    code = nf4.code(qt)
+    kw = dict(warps=warps, sms=1 if SIM else None, blocks=blocks, depth=depth)
+    s = mma.run(x, *ws, code, bs, k, n, b1, b3, **kw)
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    assert s.shape == ref.shape and _rel(s, ref) <= 2.0 ** -9
+    y = mma.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, **kw)
+    assert _rel(y, _mm_ref(x, ws[0], ws[1], qt, bs, k, n, b1)) <= 2.0 ** -10
+
+
+def test_mma_kernel_repeat_and_nonfinite_rows():
+    """Launches in a row reuse the counters (left at zero) and give the same bits; a NaN in X row 1 makes that
+    row, and only it, NaN."""
+    mma = _mod()
+    ws, x, _, _ = _case(3, 256, 24, 64, "nf4", (False, False), 8)
+    x[1, 5] = np.nan
+    kw = dict(warps=2, sms=1 if SIM else None, blocks=3, depth=2)
+    y = mma.run(x, ws[0], ws[1], None, None, nf4.code("nf4"), 64, 256, 24, **kw)
+    y2 = mma.run(x, ws[0], ws[1], None, None, nf4.code("nf4"), 64, 256, 24, repeat=2, **kw)
+    assert np.array_equal(y.view(np.uint16), y2.view(np.uint16))
+    yref = _mm_ref(x, ws[0], ws[1], "nf4", 64, 256, 24)
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    assert _rel(y[[0, 2]], yref[[0, 2]]) <= 2.0 ** -10
+
+
+def test_mma_plan():
+    mma = _mod()
+    assert mma.ok(True, 4, 4096, 11008, 64) and not mma.ok(True, 5, 4096, 11008, 64)
+    assert not mma.ok(True, 1, 4032, 11008, 64) and not mma.ok(True, 1, 4096, 11008, 32)
+    assert not mma.ok(False, 1, 4096, 11008, 64) and not mma.ok(True, 1, 4096, 11008, 96)
+    # one wave at LLaMA-7B's gate/up; more blocks where a range would touch more than TLMAX tiles
+    assert mma.plan_blocks(4096, 11008, 132, 2) == 264
+    b = mma.plan_blocks(128, 65536, 2, 1)
+    assert -(-mma.units(128, 65536) // b) <= (mma.TLMAX - 1) * 1 + 1
+    assert mma.plan_blocks(128, 16, 132, 2) == 1
+
+
+@pytest.mark.parametrize("m", [3, 4])
+def test_fusedffnnf4_session_routes_mma(m, monkeypatch):
+    """A FusedFFNNF4 node in an onnxruntime CUDA session at M = 3, 4 (fp16) runs this kernel (fusedffnnf4_cuda
+    MMA_M; MMA_MIN_KN lowered so that a small weight takes it): outputs against the reference, the same bits on a
+    second run (counters left at zero), and the kernel object has it planned."""
+    from helpers import lowbit_session, ort_cuda_or_skip
+    from test_ffn4_kernels import nf4_model, nf4_weights
+    ort_cuda_or_skip()
+    from onnx_lowbit.custom_ops import fusedffnnf4_cuda
+    monkeypatch.setattr(fusedffnnf4_cuda, "MMA_MIN_KN", 0)
+    k, n, bs = 512, 72, 64
+    ws = nf4_weights(k, n, bs, "nf4", seed=4)
+    rng = np.random.default_rng(m)
+    x = (rng.standard_normal((m, k)) + 0.2).astype(np.float16)
+    b1 = rng.standard_normal(n).astype(np.float16)
+    b3 = rng.standard_normal(n).astype(np.float16)
+    sess = lowbit_session(nf4_model((m,), k, n, bs, "nf4", np.float16, ws, b1, b3), ["CUDAExecutionProvider"])
+    s1 = sess.run(None, {"x": x})[0]
+    s2 = sess.run(None, {"x": x})[0]
+    assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
+    assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 2.0 ** -9
+    from onnx_lowbit.custom_ops import nf4mma_cuda
+    assert m in fusedffnnf4_cuda.MMA_M
+    assert (2, nf4mma_cuda.MAX_M, nf4mma_cuda.WARPS, None, nf4mma_cuda.DEPTH) in nf4mma_cuda._launchers
