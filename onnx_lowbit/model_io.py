@@ -365,7 +365,20 @@ def load_bytes(data, what: str = "model") -> onnx.ModelProto:
 
 def malformed(model: onnx.ModelProto) -> str | None:
     """Why onnx's checker rejects ``model`` (one line), or None when it passes: used to tell a broken model from a
-    bug of ours when a pass fails on it."""
+    bug of ours when a pass fails on it. Tensors whose data is external (a model streamed without its data) are
+    checked as empty tensors: the checker would look for their files relative to the working directory, not the
+    model's folder, and the streaming reader checks those files itself."""
+    from onnx.external_data_helper import _get_all_tensors
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in _get_all_tensors(model)):
+        stripped = onnx.ModelProto()
+        stripped.CopyFrom(model)     # without external data, so cheap
+        for t in _get_all_tensors(stripped):
+            if t.data_location == onnx.TensorProto.EXTERNAL:
+                dt, name = t.data_type, t.name
+                t.Clear()
+                t.data_type, t.name = dt, name
+                t.dims.append(0)
+        model = stripped
     try:
         from . import domain
         domain.register_schemas()

@@ -306,3 +306,23 @@ def test_symlinked_data_file_inside_the_folder_is_read(tmp_path):
     os.symlink(src, snap / "in.onnx")
     os.symlink(blobs / "weights.bin", snap / "weights.bin")
     assert cli.main(["rewrite", str(snap / "in.onnx"), str(tmp_path / "out.onnx"), "--weights", "nf4"]) == 0
+
+
+def test_bad_option_on_streamed_model_from_another_folder(tmp_path, monkeypatch, capsys):
+    """An option error on a model with external data names the option, also when the command runs from another
+    folder (onnx's checker, asked whether the model is malformed, resolved the data file against the working
+    directory and answered "not regular file" instead)."""
+    (tmp_path / "m").mkdir()
+    src = build(str(tmp_path / "m"), layers=1, d=256, f=512)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert cli.main(["rewrite", src, str(tmp_path / "out.onnx"), "--weights", "nf4", "--block-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "block_size: 3" in err and "malformed" not in err
+    assert not (tmp_path / "out.onnx").exists()
+    m = onnx.load(src, load_external_data=False)
+    assert model_io.malformed(m) is None       # external tensors are not the checker's business here
+    m.graph.node.add().CopyFrom(helper.make_node("NoSuchOp", ["x"], ["z"]))
+    assert "NoSuchOp" in model_io.malformed(m)  # the rest of the model still is
+    assert m.graph.initializer[0].data_location == TensorProto.EXTERNAL   # (the model itself is left as it was)
