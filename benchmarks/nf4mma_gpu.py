@@ -29,7 +29,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4096 -> 11008 at M = 1 only")
     ap.add_argument("--ms", default="", help="only these M (comma list)")
-    ap.add_argument("--variants", default="8:0:1,8:0:2,4:0:1,4:0:2",
+    ap.add_argument("--variants", default="8:0:1,8:0:2,4:0:1",
                     help="nf4mma variants warps:maxreg:depth (maxreg 0: ptxas's choice)")
     ap.add_argument("--occ", default="0", help="blocks per SM to plan with, comma list (0: the occupancy query)")
     a = ap.parse_args()

@@ -67,9 +67,9 @@ TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc
                           # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3
 MMA_M = (3, 4)            # fp16 X at these M and K * N >= MMA_MIN_KN: the balanced tensor-core kernel
 MMA_MIN_KN = 1 << 25      # (nf4mma_cuda) instead of nf4tc. H200, weights cycled past L2 (benchmarks/nf4mma_gpu.py,
-                          # BENCHMARKS.md), us, nf4mma / nf4tc: 4096 -> 2 x 11008 M=3 35.1 / 41.4, M=4 35.3 / 41.6;
-                          # 2048 -> 2 x 8192 M=3 19.5 / 17.4, M=4 20.0 / 17.5 (the crossover lies between the two
-                          # sizes); M=1 31.4 against 26.3 for the decode kernel, M=2 34.5 / 27.0
+                          # BENCHMARKS.md), us, nf4mma / nf4tc: 4096 -> 2 x 11008 M=3 33.5 / 41.3, M=4 33.9 / 41.6;
+                          # 2048 -> 2 x 8192 M=3 19.1 / 17.5, M=4 19.6 / 17.5 (the crossover lies between the two
+                          # sizes); M=1 30.4 against 26.4 for the decode kernel, M=2 32.5 / 26.9; the H100 agrees
 
 
 def red_index(lane, nv):

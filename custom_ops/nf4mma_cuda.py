@@ -321,19 +321,20 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                     fetch(wn, an, q1, am1, q3, am3, ta, ca, g, t, kdim, ndim, sh, amok)
             elif ub < u_hi:
                 fetch(wm, am_, q1, am1, q3, am3, tb, cb, g, t, kdim, ndim, sh, amok)
-            if valid or SIM:
-                sg = mad32(c, uint32(4), xrow)
-                xo = ((sg >> uint32(1)) << uint32(8)) | uint32(128) | ((sg & uint32(1)) << uint32(6))
-                for q in range(4):
-                    if xok and valid:
-                        p0, p1, p2, p3 = lds128(tab, xo | (uint32(q << 4) ^ rot))
-                    else:
-                        p0, p1, p2, p3 = U0, U0, U0, U0
-                    xw[4 * q] = p0
-                    xw[4 * q + 1] = p1
-                    xw[4 * q + 2] = p2
-                    xw[4 * q + 3] = p3
-                chunk(wv, av, xw, acc, tab, lane4, valid, scr, tid)
+            # every warp decodes n_iter units (at most one past its range, with x zero and no accumulation): the
+            # decode stays in block-uniform control flow (fewer instructions: ptxas had branched around it)
+            sg = mad32(c, uint32(4), xrow)
+            xo = ((sg >> uint32(1)) << uint32(8)) | uint32(128) | ((sg & uint32(1)) << uint32(6))
+            for q in range(4):
+                if xok and valid:
+                    p0, p1, p2, p3 = lds128(tab, xo | (uint32(q << 4) ^ rot))
+                else:
+                    p0, p1, p2, p3 = U0, U0, U0, U0
+                xw[4 * q] = p0
+                xw[4 * q + 1] = p1
+                xw[4 * q + 2] = p2
+                xw[4 * q + 3] = p3
+            chunk(wv, av, xw, acc, tab, lane4, valid, scr, tid)
             if valid and (ua >= u_hi or ta != tile):
                 if amok:
                     base = TAB_WORDS + mad32(mad32(sub32(tile, tau0), uint32(warps), warp), uint32(slot),
