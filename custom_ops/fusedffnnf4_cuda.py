@@ -547,9 +547,9 @@ class FusedFFNNF4CudaKernel(Kernel):
             occ = max(1, self.tc.blocks_per_sm(32 * nf4tc_cuda.WARPS))
             self.tc_parts = {c: nf4tc_cuda.parts_for(self.n, c, self.sms, occ) for c in (1, 2)}
             self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
-        self.mma = None     # the balanced tensor-core kernel at M in MMA_M (nf4mma_cuda)
-        if (self.tc is not None and nf4mma_cuda.ok(True, max(MMA_M), self.k, self.n, self.bs)
-                and self.k * self.n >= MMA_MIN_KN):
+        self.mma = None     # the balanced tensor-core kernel at M in mma_ms (nf4mma_cuda)
+        self.mma_ms = {m for m in MMA_M if nf4mma_cuda.ok(True, m, self.k, self.n, self.bs)}
+        if self.tc is not None and self.mma_ms and self.k * self.n >= MMA_MIN_KN:
             from .matmulawq_cuda import ScratchPool
             mm = nf4mma_cuda.mm_for(max(MMA_M))
             self.mma = nf4mma_cuda.launcher(2, mm)
@@ -583,7 +583,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
         common = [(x.ptr, (m * k,))]
         tail = [(b1.ptr, (n,)) if hb1 else (s, (n,)), (b3.ptr, (n,)) if hb3 else (s, (n,)), (s, (m * n,))]
-        if self.mma is not None and m in MMA_M and not ((x.ptr | q1.ptr | q3.ptr) & 15):
+        if self.mma is not None and m in self.mma_ms and not ((x.ptr | q1.ptr | q3.ptr) & 15):
             blocks = self.mma_blocks
             self.mma.launch(blocks, 32 * nf4mma_cuda.WARPS, ctx.stream, (x.ptr, (m * k // 2,)),
                             (q1.ptr, (q1.size // 4,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 4,)),
