@@ -42,7 +42,7 @@ from .dequantawq_cuda import SIM
 from .fusedffn_cuda import LOAD, _make_ld4
 from .matmulawq_cuda import _mma, _tc_store
 from .matmulnf4_cuda import add32, lds32, mad32, min32, prmt
-from .nf4tc_cuda import SEL, build_table, lut  # noqa: F401  (lut: the half2 table this kernel takes)
+from .nf4tc_cuda import SEL, build_table, device_args
 
 WARPS = 8
 MAX_M = 4
@@ -464,21 +464,14 @@ def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=
         blocks=None, repeat=1, max_registers=MAX_REGISTERS, depth=DEPTH):
     """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K].
     ``blocks``: the grid (default: the plan's)."""
-    nw = 1 if q3 is None else 2
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
     assert ok(True, m, K, N, block_size), "shape not served by the balanced tensor-core kernel"
     mm = mm_for(m)
     warps = warps or (2 if SIM else WARPS)
-    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
-    dx = dev(x, np.uint32)
-    dq1, dam1 = dev(q1, np.uint32), dev(np.asarray(am1, np.float32), np.float32)
-    dq3, dam3 = (dq1, dam1) if nw == 1 else (dev(q3, np.uint32), dev(np.asarray(am3, np.float32), np.float32))
-    dout = cuda.device_array(m * N, np.uint16)
-    db1 = dev(np.asarray(b1, np.float16), np.uint16) if b1 is not None else dout
-    db3 = dev(np.asarray(b3, np.float16), np.uint16) if b3 is not None else dout
-    dlut = cuda.to_device(lut(code))
+    nw, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
+                                                                        np.uint32)
     if SIM:
         occ, sms = 1, sms or 2
     else:

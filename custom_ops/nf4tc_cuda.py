@@ -301,23 +301,30 @@ def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
     return _launchers[key]
 
 
+def device_args(x, q1, am1, q3, am3, code, b1, b3, out_size, words):
+    """(nw, device arrays x, q1, am1, q3, am3, the half2 table, b1, b3, out) of a host run of this kernel or
+    nf4mma_cuda's: x and the packed weights as ``words`` (uint64 here, uint32 there), fp16 as uint16; nw = 2 when
+    q3 is given (else q3 / am3 are q1's), a missing bias is the output array (never read)."""
+    nw = 1 if q3 is None else 2
+    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
+    dq1, dam1 = dev(q1, words), dev(np.asarray(am1, np.float32), np.float32)
+    dq3, dam3 = (dq1, dam1) if nw == 1 else (dev(q3, words), dev(np.asarray(am3, np.float32), np.float32))
+    dout = cuda.device_array(out_size, np.uint16)
+    db1 = dev(np.asarray(b1, np.float16), np.uint16) if b1 is not None else dout
+    db3 = dev(np.asarray(b3, np.float16), np.uint16) if b3 is not None else dout
+    return nw, (dev(x, words), dq1, dam1, dq3, dam3, cuda.to_device(lut(code)), db1, db3, dout)
+
+
 def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
         repeat=1, max_registers=MAX_REGISTERS, cpl=CPL):
     """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]."""
-    nw = 1 if q3 is None else 2
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
     assert ok(True, m, K, N, block_size), "shape not served by the tensor-core kernel"
     warps = warps or (2 if SIM else WARPS)
-    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
-    dx = dev(x, np.uint64)
-    dq1, dam1 = dev(q1, np.uint64), dev(np.asarray(am1, np.float32), np.float32)
-    dq3, dam3 = (dq1, dam1) if nw == 1 else (dev(q3, np.uint64), dev(np.asarray(am3, np.float32), np.float32))
-    dout = cuda.device_array(m * N, np.uint16)
-    db1 = dev(np.asarray(b1, np.float16), np.uint16) if b1 is not None else dout
-    db3 = dev(np.asarray(b3, np.float16), np.uint16) if b3 is not None else dout
-    dlut = cuda.to_device(lut(code))
+    nw, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
+                                                                        np.uint64)
     nch = chunks(m)
     if SIM:
         occ, sms = 1, sms or 2

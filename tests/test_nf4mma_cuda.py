@@ -12,6 +12,7 @@ import pytest
 from numba import config
 
 from onnx_lowbit import ffn, nf4
+from test_nf4tc_cuda import _case, _mm_ref, _rel
 
 SIM = bool(config.ENABLE_CUDASIM)
 
@@ -21,26 +22,6 @@ def _mod():
         pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a GPU (ONNX_LOWBIT_REAL_GPU=1)")
     from onnx_lowbit.custom_ops import nf4mma_cuda
     return nf4mma_cuda
-
-
-def _rel(y, ref):
-    ref = np.asarray(ref, np.float64)
-    return float(np.max(np.abs(np.asarray(y, np.float64) - ref)) / max(float(np.max(np.abs(ref))), 1e-12))
-
-
-def _mm_ref(x, q, am, qt, bs, k, n, b=None):
-    y = x.astype(np.float64) @ nf4.dequantize(q, am, qt, bs, k, n, np.float32).astype(np.float64)
-    return y if b is None else y + b.astype(np.float64)
-
-
-def _case(m, k, n, bs, qt, biases, seed):
-    rng = np.random.default_rng(seed)
-    w1, w3 = (rng.standard_normal((k, n)).astype(np.float32) for _ in range(2))
-    ws = nf4.quantize(w1, qt, bs) + nf4.quantize(w3, qt, bs)
-    x = (rng.standard_normal((m, k)) + 0.2).astype(np.float16)
-    b1 = rng.standard_normal(n).astype(np.float16) if biases[0] else None
-    b3 = rng.standard_normal(n).astype(np.float16) if biases[1] else None
-    return ws, x, b1, b3
 
 
 CASES = [  # m, k, n, block size, type, biases, warps, blocks (None: the plan's), depth (units in flight ahead)
