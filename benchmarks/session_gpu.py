@@ -17,6 +17,7 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
                  it is timed; "py/run" counts compute calls that reached Python per timed run (0: all native).
 
     python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep | --sweep-only] [--ms 1,8,64]
+                                      [--block-ms 1,4]
 """
 from __future__ import annotations
 
@@ -181,6 +182,7 @@ def main():
     ap.add_argument("--sweep-only", action="store_true", help="only the prefill sweep (FusedFFN vs unfused)")
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
+    ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
     a = ap.parse_args()
     import onnxruntime as ort
     global K, N, DEVICE
@@ -214,22 +216,25 @@ def main():
     cases.insert(5, ("SwiGLU", "fp16 unfused (onnxruntime)", sw, ["ai.onnx.MatMul", "Sigmoid", "Mul"]))
     print(f"models built in {time.perf_counter() - t0:.0f} s")
     rows, ref = [], {}
-    for label, name, model, ops in ([] if a.sweep_only else cases):
-        for graph in (False, True):
-            try:
-                med, p90, ys, x, _ = time_model(model, 1, a.runs, graph)
-            except Exception as e:  # noqa: BLE001
-                rows.append(dict(block=label, case=name, cuda_graph=graph, error=f"{type(e).__name__}: {str(e)[:160]}"))
-                continue
-            key = (label, graph)
-            if key not in ref:
-                ref[key] = ys
-            err = max(float(np.abs(y.astype(np.float32) - r.astype(np.float32)).max() /
-                            max(float(np.abs(r.astype(np.float32)).max()), 1e-30)) for y, r in zip(ys, ref[key]))
-            rows.append(dict(block=label, case=name, cuda_graph=graph, median_us=med, p90_us=p90,
-                             rel_err_vs_fp16=err, ops=ops))
+    for bm in [int(v) for v in a.block_ms.split(",")]:
+        for label, name, model, ops in ([] if a.sweep_only else cases):
+            for graph in (False, True):
+                blk = f"{label} (M={bm})"
+                try:
+                    med, p90, ys, x, _ = time_model(model, bm, a.runs, graph)
+                except Exception as e:  # noqa: BLE001
+                    rows.append(dict(block=blk, case=name, cuda_graph=graph,
+                                     error=f"{type(e).__name__}: {str(e)[:160]}"))
+                    continue
+                key = (blk, graph)
+                if key not in ref:
+                    ref[key] = ys
+                err = max(float(np.abs(y.astype(np.float32) - r.astype(np.float32)).max() /
+                                max(float(np.abs(r.astype(np.float32)).max()), 1e-30)) for y, r in zip(ys, ref[key]))
+                rows.append(dict(block=blk, case=name, cuda_graph=graph, median_us=med, p90_us=p90,
+                                 rel_err_vs_fp16=err, ops=ops))
     if rows:
-        print("\n| block (M=1) | model | CUDA graph | median us/run | p90 | speed-up vs fp16 | max rel. diff vs fp16 |")
+        print("\n| block | model | CUDA graph | median us/run | p90 | speed-up vs fp16 | max rel. diff vs fp16 |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     base_t = {(r["block"], r["cuda_graph"]): r["median_us"] for r in rows if "median_us" in r and
               r["case"].startswith("fp16")}
