@@ -29,13 +29,17 @@ MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": 
                ("pair c4 prefetch", {"COLS": 4, "prefetch": True, "pair": True}),
                ("pair c4 prefetch early", {"COLS": 4, "prefetch": True, "early": True, "pair": True}),
                ("tab16 c8", {"COLS": 8, "prefetch": False}),
-               ("tab16 c2 prefetch", {"COLS": 2})]
-FFN_VARIANTS = [("pair c4 prefetch (M=1: was default)", {}),
+               ("tab16 c2 prefetch", {"COLS": 2}),
+               ("tab16 nib c4 prefetch", {"nib": True}),
+               ("tab16 nib c8 prefetch", {"COLS": 8, "nib": True})]
+FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("pair c4 prefetch early", {"early": True}),
                 ("pair c2 prefetch early", {"cols": 2, "early": True}),
-                ("tab16 c4 prefetch", {"pair": False}),
+                ("tab16 c4 prefetch (M=1: was default)", {"pair": False, "nib": False}),
                 ("tab16 c2 prefetch", {"pair": False, "cols": 2}),
-                ("tab16 c4 no prefetch", {"pair": False, "prefetch": False})]
+                ("tab16 c4 no prefetch", {"pair": False, "prefetch": False}),
+                ("tab16 nib c4 prefetch (M=1: default)", {"pair": False, "nib": True}),
+                ("tab16 nib c2 prefetch", {"pair": False, "nib": True, "cols": 2})]
 
 
 def main():
@@ -115,7 +119,7 @@ def main():
         nbytes = k * n // 2 + k * n // BS * 4
         block = matmulnf4_cuda.m1_block(k)
         for label, kw in MM_VARIANTS:
-            if a.quick and "default" not in label:
+            if a.quick and "default" not in label and "nib" not in label:
                 continue
             pair = kw.get("pair", matmulnf4_cuda.M1_PAIR)
             cols = kw.get("COLS", matmulnf4_cuda.M1_COLS)
@@ -160,7 +164,7 @@ def main():
                 continue
             pair, cols = kw.get("pair", True), kw.get("cols", fusedffnnf4_cuda.COLS)
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
-                                            early=kw.get("early", False))
+                                            early=kw.get("early", False), nib=kw.get("nib", False))
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
             lt = nlut if pair else nlut32

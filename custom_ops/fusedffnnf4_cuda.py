@@ -56,6 +56,9 @@ FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
 U32 = np.uint64(32)
 DEFAULT_BLOCKS_PER_SM = 4
+NIB = {1: True, 2: False}   # per row bucket: the 16-entry table addressed by PRMT (``nib``; pair=False only).
+                            # H100, M=1, weights cycled past L2 (benchmarks/nf4shapes_gpu.py, BENCHMARKS.md): 25.5 us
+                            # against 27.1 at 4096 -> 2 x 11008, 14.0 against 14.5 at 2048 -> 2 x 8192
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
@@ -129,7 +132,7 @@ def _zval(zp, j, has_zp):
 
 
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False):
+                 early=False, int4=False, nib=False):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -150,7 +153,10 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     K/bs] in x's dtype; zero points uint8 [N * K/bs / 2], even block in the low nibble, or 8 without them; needs
     K % (2 * bs) == 0): the 16-entry table holds 0..15, and each word's sum becomes (sum q x - z sum x) * s with
     sum x of the thread's 16 x values computed once. Signature (x, q1, scales, zp, lut, b1, has_b1, s, k_dim, n_dim,
-    bs_shift, has_zp)."""
+    bs_shift, has_zp). ``nib`` (with pair=False): the 16-entry table as 32 lane copies in static shared memory
+    (entry v of lane l at byte v * 256 + 4 l, 4 KiB): each word's nibbles are split into two words of bytes (one
+    AND, one shift + AND per 8 nibbles) and each nibble's table address is one PRMT (nibble byte into bits 8..15,
+    4 * lane into bits 0..7) instead of a shift and a mask."""
     if int4:
         if not matmul:
             raise ValueError("int4 is a mode of the one-weight (matmul=True) kernel")
@@ -173,8 +179,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         a("    parts = int64(cuda.gridDim.x)")
     else:
         a("def decode(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
+    nib = nib and not pair
     if pair:
         a("    tab = cuda.shared.array(0, uint64)")
+    elif nib:
+        a("    tab = cuda.shared.array(1024, uint32)")
     else:
         a("    tab = cuda.shared.array(16, uint32)")
     a(f"    red = cuda.shared.array({2 * NWMAX * nv}, float32)")
@@ -203,6 +212,10 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_("        i = uint32(i + (nthreads << uint32(2)))")
         t_("    while i < U4096:")
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
+    elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
+        t_("    while i < uint32(512):")
+        t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
+           "        tab[((i >> U5) << uint32(6)) | (i & U31)] = lut[i >> U5]")
     else:
         t_("    while i < U16:")
         t_("        tab[i] = f2u(lut[i])" if matmul else "        tab[i] = lut[i]")
@@ -210,6 +223,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     if not (early and prefetch):
         src.extend(tsrc)
     a("    lane8 = (tid & U15) << U3")
+    a("    lane4 = lane << uint32(2)")
     a("    wpr = uint32(k_dim) >> U4")
     a("    sh = uint32(bs_shift)")
     a("    owns = tid < wpr")
@@ -281,12 +295,18 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
                 b_(f"acc_{m} = F0")
             for half in range(2):
                 b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
+                if nib:
+                    b_("wl = wd & NIBS")                 # the low nibble of each byte, as a byte
+                    b_("wh = (wd >> U4) & NIBS")         # the high nibble of each byte
                 for b in range(4):
                     e0 = half * 8 + 2 * b
                     if pair:
                         b_(f"ent = lds64(tab, prmt(wd, lane8, SEL_{b}))")
                         b_("c0 = as_f32(ent & M32)")
                         b_("c1 = as_f32(ent >> U32)")
+                    elif nib:
+                        b_(f"c0 = as_f32(lds32(tab, prmt(wh, lane4, SEL_{b})))")
+                        b_(f"c1 = as_f32(lds32(tab, prmt(wl, lane4, SEL_{b})))")
                     else:       # element 2b = high nibble of byte b (bits 8b+4..8b+7), 2b+1 = low nibble
                         b_(f"c0 = as_f32(lds32(tab, (wd >> uint32({8 * b + 2})) & U60))")
                         b_(f"c1 = as_f32(lds32(tab, (wd >> uint32({8 * b - 2})) & U60))" if b else
@@ -349,7 +369,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "zval": _zval,
-          "F0": np.float32(0.0), "M32": M32, "U32": U32}
+          "F0": np.float32(0.0), "M32": M32, "U32": U32, "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (1, 3, 4, 5, 15, 16, 31, 60, 4096)})
     # PRMT selectors: output byte 0 = lane8 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
     ns.update({f"SEL_{b}": np.uint32(0x5504 | (b << 4)) for b in range(4)})
@@ -446,15 +466,17 @@ def table_choice(mt, pair=None, early=None):
     return (PAIR.get(mt, True) if pair is None else pair), (EARLY.get(mt, False) if early is None else early)
 
 
-def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None):
+def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
+             nib=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
     pair, early = table_choice(mt, pair, early)
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early) if mt else ())
+    nib = NIB.get(mt, False) if nib is None else nib
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib) if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
-                                                                 pingpong=pingpong, early=early)
+                                                                 pingpong=pingpong, early=early, nib=nib)
         lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and pair else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -468,7 +490,7 @@ def blocks_per_sm(launcher_, block):
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
                force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
-               repeat=1, early=None):
+               repeat=1, early=None, nib=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -495,12 +517,13 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     else:
         mt = bucket(m)
         pair, early = table_choice(mt, pair, early)
+        nib = NIB.get(mt, False) if nib is None else nib
         nch = -(-m // mt)
         block = threads(k)
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
-            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early), block)
+            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib), block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -513,12 +536,12 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
         kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                                   early=early)
+                                                                                   early=early, nib=nib)
         for _ in range(repeat):
             kern[grid, block, 0, 0 if generic or not pair else TAB_BYTES](*args)
     else:
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()

@@ -241,7 +241,7 @@ def _make_fast():
     return gemv16
 
 
-def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, early=False):  # noqa: N803
+def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, early=False, nib=False):  # noqa: N803
     """M = 1, K % 16 == 0, K / 16 <= 1024: fusedffnnf4_cuda's decode kernel generator in its one-weight mode
     (thread t owns word t of every row with its 16 x values in registers; a block walks a contiguous slice of
     columns, M1_COLS per step (prefetch=True: the next step's words in flight too); byte-pair table in dynamic
@@ -251,7 +251,7 @@ def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, 
     the 16-entry table). ``early``: the table is built while the first step's words load (with prefetch)."""
     from .fusedffnnf4_cuda import _make_decode
     return _make_decode(1, False, pair, COLS or M1_COLS, prefetch, max_registers or M1_MAX_REGISTERS, matmul=True,
-                        early=early)
+                        early=early, nib=nib)
 
 
 def _make_generic():

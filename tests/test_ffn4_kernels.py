@@ -131,7 +131,8 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
     if fc.decode_ok(m, k):   # the generic kernel too, and for M = 1 the other decode variant (16-entry table)
         variants += [{"force_generic": True}] + ([{"pair": False, "cols": 8}, {"pair": True}, {"prefetch": False, "cols": 2},
                                                   {"pingpong": True, "cols": 2},
-                                                  {"early": True, "cols": 2, "pair": True}, {"early": True, "pair": False}]
+                                                  {"early": True, "cols": 2, "pair": True}, {"early": True, "pair": False},
+                                                  {"pair": False, "nib": False}, {"pair": False, "nib": True, "cols": 2}]
                                                  if m == 1 and SIM else [])
     for kw in variants:
         s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)

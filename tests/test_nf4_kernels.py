@@ -150,7 +150,8 @@ def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias):
     b = rng.standard_normal(n).astype(dtype)
     ref = nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)
     for opts in (None, {"COLS": 4, "prefetch": True}, {"COLS": 2}, {"COLS": 4, "prefetch": True, "early": True},
-                 {"COLS": 8, "pair": False}, {"COLS": 2, "prefetch": True, "pair": False, "early": True}):
+                 {"COLS": 8, "pair": False}, {"COLS": 2, "prefetch": True, "pair": False, "early": True},
+                 {"COLS": 4, "pair": False, "nib": True}):
         y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None,
                                       mode="m1", m1_opts=opts)
         assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), opts
