@@ -461,9 +461,11 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
-def table_choice(mt, pair=None, early=None):
-    """(pair, early) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR / EARLY."""
-    return (PAIR.get(mt, True) if pair is None else pair), (EARLY.get(mt, False) if early is None else early)
+def table_choice(mt, pair=None, early=None, nib=None):
+    """(pair, early, nib) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR / EARLY /
+    NIB."""
+    return ((PAIR.get(mt, True) if pair is None else pair), (EARLY.get(mt, False) if early is None else early),
+            (NIB.get(mt, False) if nib is None else nib))
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
@@ -471,8 +473,7 @@ def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_r
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    pair, early = table_choice(mt, pair, early)
-    nib = NIB.get(mt, False) if nib is None else nib
+    pair, early, nib = table_choice(mt, pair, early, nib)
     key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib) if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
@@ -516,8 +517,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         grid, block, mt = -(-n // gw), 32 * gw, None
     else:
         mt = bucket(m)
-        pair, early = table_choice(mt, pair, early)
-        nib = NIB.get(mt, False) if nib is None else nib
+        pair, early, nib = table_choice(mt, pair, early, nib)
         nch = -(-m // mt)
         block = threads(k)
         if SIM:

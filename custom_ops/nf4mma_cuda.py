@@ -131,6 +131,29 @@ def scratch(nw, mm, blocks, k, n):
     return 2 * blocks * nw * mm * 16, -(-n // 16)
 
 
+@cuda.jit(device=True, inline=True)
+def advance(c, tile, step, cpt):
+    """(chunk, tile) of the unit ``step`` units after (c, tile): chunks of K per tile ``cpt``."""
+    c = add32(c, step)
+    while c >= cpt:
+        c = sub32(c, cpt)
+        tile = add32(tile, uint32(1))
+    return c, tile
+
+
+@cuda.jit(device=True, inline=True)
+def first_unit(b, utot, nb):
+    """The first unit of block ``b`` of ``nb`` (equal ranges of the ``utot`` units)."""
+    return uint32(b * utot // nb)
+
+
+@cuda.jit(device=True, inline=True)
+def blocks_of(tau, cpt, utot, nb):
+    """(first, last) block whose range holds units of tile ``tau``: block(u) = ((u + 1) nb - 1) // utot."""
+    lo_u = uint64(tau * cpt)
+    return ((lo_u + uint64(1)) * nb - uint64(1)) // utot, ((lo_u + uint64(cpt)) * nb - uint64(1)) // utot
+
+
 def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
     """The kernel for ``nw`` weights and at most ``mm`` rows of X. Signature: x uint32 [M*K/2] (fp16 pairs), q1
     uint32 [N*K/8], am1 float32, q3, am3 (nw=1: pass q1's), lut uint32 [256] (nf4tc_cuda.lut), b1, b3 uint16, out
@@ -251,8 +274,8 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
         utot = uint64(tiles) * uint64(cpt)
         bid = uint64(cuda.blockIdx.x)
         nb = uint64(nblk)
-        u_lo = uint32(bid * utot // nb)
-        u_hi = uint32((bid + uint64(1)) * utot // nb)
+        u_lo = first_unit(bid, utot, nb)
+        u_hi = first_unit(bid + uint64(1), utot, nb)
         tau0 = u_lo // cpt
         n_iter = (sub32(u_hi, u_lo) + uint32(warps - 1)) // uint32(warps)
         amok = t < mdim
@@ -282,11 +305,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
         if u < u_hi:           # the first units' words fly while the table and x are staged
             fetch(wv, av, q1, am1, q3, am3, tile, c, g, t, kdim, ndim, sh, amok)
         ua = add32(u, uint32(warps))                 # the next unit (its tile and chunk)
-        ca = add32(c, uint32(warps))
-        ta = tile
-        while ca >= cpt:
-            ca = sub32(ca, cpt)
-            ta = add32(ta, uint32(1))
+        ca, ta = advance(c, tile, uint32(warps), cpt)
         if depth == 2 and ua < u_hi:
             fetch(wn, an, q1, am1, q3, am3, ta, ca, g, t, kdim, ndim, sh, amok)
         build_table(tab, lt, tid, nthr, lane)
@@ -311,11 +330,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
         while it < n_iter:
             valid = u < u_hi
             ub = add32(ua, uint32(warps))            # the unit after the next
-            cb = add32(ca, uint32(warps))
-            tb = ta
-            while cb >= cpt:
-                cb = sub32(cb, cpt)
-                tb = add32(tb, uint32(1))
+            cb, tb = advance(ca, ta, uint32(warps), cpt)
             if depth == 1:
                 if ua < u_hi:
                     fetch(wn, an, q1, am1, q3, am3, ta, ca, g, t, kdim, ndim, sh, amok)
@@ -400,9 +415,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                 flag[k] = U0
                 tau = tau0 if k == 0 else tau_last
                 if (k == 0 and not full0) or (k == 1 and not full1):
-                    lo_u = uint64(tau * cpt)
-                    b_lo = ((lo_u + uint64(1)) * nb - uint64(1)) // utot
-                    b_hi = ((lo_u + uint64(cpt)) * nb - uint64(1)) // utot
+                    b_lo, b_hi = blocks_of(tau, cpt, utot, nb)
                     old = cuda.atomic.add(cnt, tau, uint32(1))
                     if uint64(old) == b_hi - b_lo:
                         flag[k] = uint32(1)
@@ -411,9 +424,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
             if flag[k] != U0:
                 cuda.threadfence()
                 tau = tau0 if k == 0 else tau_last
-                lo_u = uint64(tau * cpt)
-                b_lo = ((lo_u + uint64(1)) * nb - uint64(1)) // utot
-                b_hi = ((lo_u + uint64(cpt)) * nb - uint64(1)) // utot
+                b_lo, b_hi = blocks_of(tau, cpt, utot, nb)
                 e = tid
                 while e < per:
                     mr = e >> uint32(4)
@@ -423,7 +434,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                     uv = F0
                     bb = b_lo
                     while bb <= b_hi:
-                        first = uint32(bb * utot // nb) // cpt
+                        first = first_unit(bb, utot, nb) // cpt
                         s = uint64(0) if first == tau else uint64(1)
                         pb = (bb * uint64(2) + s) * uint64(slot) + uint64(e)
                         gv += part[pb]
