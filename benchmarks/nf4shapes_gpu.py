@@ -39,15 +39,33 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("tab16 c2 prefetch", {"pair": False, "cols": 2}),
                 ("tab16 c4 no prefetch", {"pair": False, "prefetch": False}),
                 ("tab16 nib c4 prefetch (M=1: default)", {"pair": False, "nib": True}),
-                ("tab16 nib c2 prefetch", {"pair": False, "nib": True, "cols": 2})]
+                ("tab16 nib c2 prefetch", {"pair": False, "nib": True, "cols": 2}),
+                ("h2 chain2 c4", {"h2": 2}),
+                ("h2 chain2 c8", {"h2": 2, "cols": 8}),
+                ("h2 chain2 c4 pingpong", {"h2": 2, "pingpong": True}),
+                ("h2 chain2 c8 early", {"h2": 2, "cols": 8, "early": True}),
+                ("h2 chain4 c4", {"h2": 4}),
+                ("h2 chain4 c8", {"h2": 4, "cols": 8}),
+                ("h2 chain2 c4 early", {"h2": 2, "early": True}),
+                ("h2 chain4 c4 pingpong", {"h2": 4, "pingpong": True}),
+                ("h2 chain2 c8 pingpong", {"h2": 2, "cols": 8, "pingpong": True}),
+                ("h2 chain2 c2", {"h2": 2, "cols": 2})]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="defaults and the tab16 variants only")
     ap.add_argument("--mm-only", metavar="KxN", help="only this MatMulNF4 shape (e.g. 2048x6144), no FFN cases")
+    ap.add_argument("--ffn-only", action="store_true", help="only the FusedFFNNF4 cases")
+    ap.add_argument("--only", metavar="S1,S2", help="only the variants whose label holds one of these strings")
+    ap.add_argument("--ffn-ms", metavar="M1,M2", help="only the FusedFFNNF4 cases at these M")
     a = ap.parse_args()
     mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
+    if a.ffn_only:
+        mm_shapes = []
+    if a.ffn_ms:
+        ffn_shapes = [c for c in ffn_shapes if str(c[0]) in a.ffn_ms.split(",")]
+    keep = (lambda label: any(t in label for t in a.only.split(","))) if a.only else (lambda label: True)  # noqa: E731
     if a.mm_only:
         mm_shapes, ffn_shapes = [tuple(int(v) for v in a.mm_only.lower().split("x"))], []
     import torch
@@ -67,6 +85,7 @@ def main():
     dcode = torch.from_numpy(code).cuda()
     nlut = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, True).view(np.int64)).cuda()
     nlut32 = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, False).view(np.int32)).cuda()
+    nlut16 = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, False, h2=True).view(np.int32)).cuda()
     mm_sig = [Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32), Array(np.float16), "int32",
               Array(np.float16), "int64", "int64", "int64"]
     rows = []
@@ -119,7 +138,7 @@ def main():
         nbytes = k * n // 2 + k * n // BS * 4
         block = matmulnf4_cuda.m1_block(k)
         for label, kw in MM_VARIANTS:
-            if a.quick and "default" not in label and "nib" not in label:
+            if a.quick and "default" not in label and "nib" not in label or not keep(label):
                 continue
             pair = kw.get("pair", matmulnf4_cuda.M1_PAIR)
             cols = kw.get("COLS", matmulnf4_cuda.M1_COLS)
@@ -160,14 +179,15 @@ def main():
         block = fusedffnnf4_cuda.threads(k)
         mt = fusedffnnf4_cuda.bucket(m)
         for label, kw in FFN_VARIANTS:
-            if a.quick and kw.get("pair", True) and kw:
+            if a.quick and kw.get("pair", True) and kw and "h2" not in kw or not keep(label):
                 continue
-            pair, cols = kw.get("pair", True), kw.get("cols", fusedffnnf4_cuda.COLS)
+            pair, cols, h2 = kw.get("pair", True), kw.get("cols", fusedffnnf4_cuda.COLS), kw.get("h2", 0)
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
-                                            early=kw.get("early", False), nib=kw.get("nib", False))
+                                            pingpong=kw.get("pingpong", False), early=kw.get("early", False),
+                                            nib=kw.get("nib", False), h2=h2)
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
-            lt = nlut if pair else nlut32
+            lt = nlut16 if h2 else nlut if pair else nlut32
             calls = [lambda w=w: lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
                                             ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
                                             k, n, BS.bit_length() - 5, parts, 0, 0)

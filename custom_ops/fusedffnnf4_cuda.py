@@ -20,7 +20,7 @@ are reduced across the warp with a reduce-scatter (2*COLS*MT - 1 shuffles + the 
 of 5 per value), across the block's warps through shared memory (double-buffered: one barrier per step), and
 COLS*MT threads apply the biases and SiLU * mul in fp32 and store S in X's type. The kernel is generated as
 straight-line code (every per-thread value has a constant name or index: no local-memory spills). Option
-pair=False: the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (PAIR): no 64 KiB of
+pair=False: the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (PAIR) for fp32 X: no 64 KiB of
 shared memory per block, so twice the blocks per SM at K = 2048 and, at these latency-bound sizes, faster at every
 K measured (BENCHMARKS.md, session 13). The same generator (matmul=True) builds MatMulNF4's M=1 kernel.
 Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
@@ -28,17 +28,21 @@ Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions 
 of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4), 40.7 us, but on 132 blocks:
 ``blocks_per_sm`` asked for the occupancy before the kernel's 64 KiB opt-in and got 0 (1 block per SM); the
 query (``Launcher.blocks_per_sm``) now opts the kernel in first. See docs/ffn4.md.
+With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, H2): one PRMT, one LDS and
+one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us (H100),
+21.8 against 25.1 (H200).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from . import nf4_common, nf4mma_cuda, nf4tc_cuda
-from .dequantawq_cuda import SIM, as_f32
+from . import half2, nf4_common, nf4mma_cuda, nf4tc_cuda
+from .dequantawq_cuda import SIM, as_f32, pack_h2
 from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
@@ -59,6 +63,13 @@ DEFAULT_BLOCKS_PER_SM = 4
 NIB = {1: True, 2: False}   # per row bucket: the 16-entry table addressed by PRMT (``nib``; pair=False only).
                             # H100, M=1, weights cycled past L2 (benchmarks/nf4shapes_gpu.py, BENCHMARKS.md): 25.5 us
                             # against 27.1 at 4096 -> 2 x 11008, 14.0 against 14.5 at 2048 -> 2 x 8192
+H2 = {1: 2, 2: 0}          # per row bucket, fp16 X only: the packed-fp16 decode with chains of this many products
+                            # (0: off; ``h2``, see _make_decode). Weights cycled past L2, M=1 (benchmarks/
+                            # nf4shapes_gpu.py, BENCHMARKS.md), us, against the fp32 decode (nib): LLaMA-7B gate+up
+                            # H100 24.8 / 25.6, H200 21.8 / 25.1; 2048 -> 2 x 8192 H100 12.5 / 14.2, H200 12.0 / 13.7.
+                            # Chains of 4 (H100 23.8 us at 4096 with 8 columns a step) round about twice as much,
+                            # so 2; M=2, chains of 4 against the pair table: H100 27.4 / 27.5 (the pair figure from an
+                            # earlier run), H200 26.1 / 27.0: kept
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
@@ -132,7 +143,7 @@ def _zval(zp, j, has_zp):
 
 
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False, nib=False):
+                 early=False, int4=False, nib=False, h2=False):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -156,7 +167,20 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     bs_shift, has_zp). ``nib`` (with pair=False): the 16-entry table as 32 lane copies in static shared memory
     (entry v of lane l at byte v * 256 + 4 l, 4 KiB): each word's nibbles are split into two words of bytes (one
     AND, one shift + AND per 8 nibbles) and each nibble's table address is one PRMT (nibble byte into bits 8..15,
-    4 * lane into bits 0..7) instead of a shift and a mask."""
+    4 * lane into bits 0..7) instead of a shift and a mask. ``h2`` = c (2 or 4; fp16 X, two weights; replaces
+    pair / nib): packed-fp16 decode. Each row of X is scaled by p = 2^(11 - floor(log2 max|x|)) (the row's largest
+    |x| over the block: |x p| < 2^12, so a chain of c <= 4 products with code values |v| <= 1 stays below 2^14 and
+    never overflows; tiny rows become normal fp16) and held as 8 half2 registers; the table holds the byte-pair
+    values as fp16 (high nibble's value in the low half), 32 lane copies in dynamic shared memory (byte v, lane l
+    at byte v * 256 + 4 l), addressed by one PRMT per byte. Per byte: one PRMT, one LDS, one fma.rn.f16x2 into a
+    chain of c bytes; each word's chains are converted to fp32 and summed (hsum2) and scaled by the absmax; the
+    epilogue multiplies by 1/p. NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error (numpy
+    emulation, LLaMA-7B gate+up): x W^T within 2.8e-4 (c=2) / 3.6e-4 (c=4) RMS relative, against 1.6e-4 for fp16
+    code values alone and 0 for the fp32 decode."""
+    if h2 and (matmul or int4 or not a16 or h2 not in (2, 4)):
+        raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode of the two-weight kernel with fp16 X")
+    if h2:
+        pair = nib = False
     if int4:
         if not matmul:
             raise ValueError("int4 is a mode of the one-weight (matmul=True) kernel")
@@ -182,6 +206,9 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     nib = nib and not pair
     if pair:
         a("    tab = cuda.shared.array(0, uint64)")
+    elif h2:
+        a("    tab = cuda.shared.array(0, uint32)")
+        a(f"    xmax = cuda.shared.array({NWMAX * mt}, float32)")
     elif nib:
         a("    tab = cuda.shared.array(1024, uint32)")
     else:
@@ -212,6 +239,13 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_("        i = uint32(i + (nthreads << uint32(2)))")
         t_("    while i < U4096:")
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
+    elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy
+        t_("    while i < U256:")
+        t_("        e = lut[i]")
+        t_("        j = uint32(0)")
+        t_("        while j < uint32(32):")
+        t_("            tab[(i << uint32(6)) | ((i + j) & U31)] = e")
+        t_("            j = uint32(j + U1)")
     elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
         t_("    while i < uint32(512):")
         t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
@@ -244,6 +278,14 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             a(f"    x_{m}_{e} = {xv} if okx else F0")
         if int4:
             a(f"    xsum_{m} = " + " + ".join(f"x_{m}_{e}" for e in range(16)))
+        if h2:      # the row's largest |x| over the block (NaN ignored), for its power-of-two scale
+            a(f"    xm = F0")
+            for e in range(16):
+                a(f"    av = abs(x_{m}_{e})")
+                a(f"    xm = av if av > xm else xm")
+            a("    xm = warp_max(xm, simred, tid)")
+            a("    if lane == U0:")
+            a(f"        xmax[uint32({m * NWMAX}) + warp] = xm")
     a("    my_idx = uint32(0)")
     for st in range(steps):
         a(f"    my_idx += ((lane >> uint32({4 - st})) & U1) * uint32({nv >> (st + 1)})")
@@ -279,6 +321,20 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     if early and prefetch:
         src.extend(tsrc)
     a("    cuda.syncthreads()")
+    if h2:
+        for m in range(mt):     # p = 2^(11 - floor(log2 max|x|)): |x p| < 2^12, a chain of 4 products < 2^14
+            a("    xm = F0")
+            a("    wj = uint32(0)")
+            a("    while wj < nwarps:")
+            a(f"        av = xmax[uint32({m * NWMAX}) + wj]")
+            a("        xm = av if av > xm else xm")
+            a("        wj = uint32(wj + U1)")
+            a("    eb = (f2u(xm) >> uint32(23)) & uint32(255)")
+            a("    okp = eb >= uint32(11) and eb != uint32(255)")
+            a(f"    p_{m} = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
+            a(f"    ip_{m} = as_f32((eb - uint32(11)) << uint32(23)) if okp else F1")
+            for j in range(8):
+                a(f"    x2_{m}_{j} = pack_h2(x_{m}_{2 * j} * p_{m}, x_{m}_{2 * j + 1} * p_{m})")
     a("    buf = uint32(0)")
     a("    while n0 < n_hi:")
     body = []
@@ -289,7 +345,22 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         loads(b_, "n", "nn", "wbn", "")
     else:
         loads(b_, "", "n0", "wb", "")
-    for c in range(cols):
+    nch2 = 8 // h2 if h2 else 0         # fp16 chains per word (h2 bytes each)
+    for c in range(cols if h2 else 0):
+        for wsel in (1, 3):
+            for half in range(2):
+                b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
+                for b in range(4):
+                    j = half * 4 + b
+                    b_(f"t = lds32(tab, prmt(wd, lane4, SEL_{b}))")
+                    for m in range(mt):
+                        hv = f"h{j // h2}_{m}"
+                        b_(f"{hv} = hfma2(t, x2_{m}_{j}, {'H0' if j % h2 == 0 else hv})")
+            for m in range(mt):
+                idx = ((0 if wsel == 1 else 1) * cols + c) * mt + m
+                tot = " + ".join(f"hsum2(h{2 * i}_{m}, h{2 * i + 1}_{m})" for i in range(nch2 // 2))
+                b_(f"pv[{idx}] = ({tot}) * s{wsel}_{c}")
+    for c in range(0 if h2 else cols):
         for wsel in (1,) if matmul else (1, 3):
             for m in range(mt):
                 b_(f"acc_{m} = F0")
@@ -341,6 +412,10 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         b_(f"            u += red[r + uint32({cols * mt})]")
     b_(f"            r = add32(r, uint32({nv}))")
     b_("            wj = add32(wj, U1)")
+    if h2:
+        b_("        ipm = " + " if m == U0 else ".join(f"ip_{m}" for m in range(mt)))
+        b_("        g *= ipm")
+        b_("        u *= ipm")
     if matmul:
         b_("        if has_b1:")
         b_("            g += float32(b1[n])")
@@ -368,9 +443,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
-          "min32": min32, "f2u": f2u, "zval": _zval,
-          "F0": np.float32(0.0), "M32": M32, "U32": U32, "NIBS": np.uint32(0x0F0F0F0F)}
-    ns.update({f"U{v}": np.uint32(v) for v in (1, 3, 4, 5, 15, 16, 31, 60, 4096)})
+          "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": half2.hfma2, "hsum2": half2.hsum2,
+          "pack_h2": pack_h2, "warp_max": half2.warp_max,
+          "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
+          "NIBS": np.uint32(0x0F0F0F0F)}
+    ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
     # PRMT selectors: output byte 0 = lane8 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
     ns.update({f"SEL_{b}": np.uint32(0x5504 | (b << 4)) for b in range(4)})
     exec("\n".join(src), ns)  # noqa: S102 - generated from constants only
@@ -422,9 +499,14 @@ def _make_generic(a16, warps=GEN_WARPS):
 
 
 # ------------------------------------------------------------------------------------------------- host side
-def lut_for(code, pair=True):
+def lut_for(code, pair=True, h2=False):
     """The decode kernel's table: pair -> uint64 [256], entry b = fp32 bits of code[b >> 4] (low half, the first
-    element of the byte) | code[b & 15] << 32; else the 16 fp32 code values' bits (uint32)."""
+    element of the byte) | code[b & 15] << 32; h2 -> uint32 [256], the same two values as fp16 bits (RNE); else the
+    16 fp32 code values' bits (uint32)."""
+    if h2:
+        c16 = np.ascontiguousarray(code, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+        b = np.arange(256)
+        return (c16[b >> 4] | (c16[b & 15] << np.uint32(16))).astype(np.uint32)
     code = np.ascontiguousarray(code, np.float32).view(np.uint32).astype(np.uint64)
     if not pair:
         return code.astype(np.uint32)
@@ -461,24 +543,32 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
-def table_choice(mt, pair=None, early=None, nib=None):
-    """(pair, early, nib) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR / EARLY /
-    NIB."""
-    return ((PAIR.get(mt, True) if pair is None else pair), (EARLY.get(mt, False) if early is None else early),
-            (NIB.get(mt, False) if nib is None else nib))
+def fp32_decode():
+    """``ONNX_LOWBIT_FP32_DECODE=1``: the decode kernel's defaults keep fp32 arithmetic (no packed-fp16 decode, H2)
+    for users who want the smallest rounding error over the last few microseconds."""
+    return os.environ.get("ONNX_LOWBIT_FP32_DECODE", "0").lower() not in ("0", "", "false", "no", "off")
+
+
+def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True):
+    """(pair, early, nib, h2) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR / EARLY
+    / NIB / H2 (h2 only with fp16 X; it replaces the pair and nib tables)."""
+    h2 = ((0 if fp32_decode() else H2.get(mt, 0)) if h2 is None else int(h2)) if a16 else 0
+    return ((PAIR.get(mt, True) if pair is None else pair) and not h2,
+            (EARLY.get(mt, False) if early is None else early), (NIB.get(mt, False) if nib is None else nib) and not h2,
+            h2)
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
-             nib=None):
+             nib=None, h2=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    pair, early, nib = table_choice(mt, pair, early, nib)
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib) if mt else ())
+    pair, early, nib, h2 = table_choice(mt, pair, early, nib, h2, a16)
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2) if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
-                                                                 pingpong=pingpong, early=early, nib=nib)
-        lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and pair else 0)
+                                                                 pingpong=pingpong, early=early, nib=nib, h2=h2)
+        lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]
@@ -491,7 +581,7 @@ def blocks_per_sm(launcher_, block):
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
                force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
-               repeat=1, early=None, nib=None):
+               repeat=1, early=None, nib=None, h2=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -517,13 +607,14 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         grid, block, mt = -(-n // gw), 32 * gw, None
     else:
         mt = bucket(m)
-        pair, early, nib = table_choice(mt, pair, early, nib)
+        pair, early, nib, h2 = table_choice(mt, pair, early, nib, h2, a16)
         nch = -(-m // mt)
         block = threads(k)
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
-            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib), block)
+            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2),
+                                block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -532,16 +623,16 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 sms = sm_count(current_device())
         parts = parts_for(n, nch, sms, occ, cols)
         grid = nch * parts
-        args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair)), db1, db3,
+        args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair, h2)), db1, db3,
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
         kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                                   early=early, nib=nib)
+                                                                                   early=early, nib=nib, h2=h2)
         for _ in range(repeat):
-            kern[grid, block, 0, 0 if generic or not pair else TAB_BYTES](*args)
+            kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
     else:
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()
@@ -556,9 +647,13 @@ class FusedFFNNF4CudaKernel(Kernel):
         from .cuda_launch import current_device, sm_count
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.a16 = self.in_types[0] == 10
-        self.luts = {p: cuda.to_device(lut_for(code, p)) for p in (False, True)}
-        self.lut_args = {mt: (self.luts[PAIR[mt]].device_ctypes_pointer.value, (self.luts[PAIR[mt]].size,))
-                         for mt in MT_BUCKETS}
+        self.luts, self.lut_args = {}, {}
+        for mt in MT_BUCKETS:
+            pair, _, _, h2 = table_choice(mt, a16=self.a16)
+            if (pair, h2) not in self.luts:
+                self.luts[pair, h2] = cuda.to_device(lut_for(code, pair, h2))
+            lut = self.luts[pair, h2]
+            self.lut_args[mt] = (lut.device_ctypes_pointer.value, (lut.size,))
         self.code = cuda.to_device(code)
         self.code_arg = (self.code.device_ctypes_pointer.value, (16,))
         self.generic = launcher(self.a16, None)

@@ -134,6 +134,8 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
                                                   {"early": True, "cols": 2, "pair": True}, {"early": True, "pair": False},
                                                   {"pair": False, "nib": False}, {"pair": False, "nib": True, "cols": 2}]
                                                  if m == 1 and SIM else [])
+        if np.dtype(dtype) == np.float16 and m <= 2:     # the packed-fp16 decode (its default is per bucket)
+            variants += [{"h2": 2}, {"h2": 4}, {"h2": 0}] + ([{"h2": 2, "cols": 2, "early": True}] if SIM else [])
     for kw in variants:
         s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)
         assert s.shape == ref.shape and s.dtype == x.dtype, kw
@@ -287,6 +289,56 @@ def test_nonfinite_x_nf4(dtype):
     fc = _nf4_cuda()
     for kw in ({}, {"force_generic": True}):
         _check_nonfinite(fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw), ref, dtype)
+    if dtype == np.float16:     # the packed-fp16 decode at M = 1 and 2 (rows 0 and 1 hold NaN / Inf, row 4 none)
+        for rows in ([0], [1], [0, 1], [4], [3, 4]):
+            xr = x[rows]
+            s = fc.run_arrays(xr, *ws, qt, bs, k, n, b1, b3, h2=2)
+            bad = ~np.isfinite(ref[rows])
+            assert np.array_equal(~np.isfinite(s), bad), rows
+            assert _rel(s[~bad.any(axis=1)], ref[rows][~bad.any(axis=1)]) <= _tol(dtype), rows
+
+
+def test_nf4_h2_default_and_opt_out(monkeypatch):
+    """fp16 X at M = 1 decodes in packed fp16 by default (chains of 2), fp32 X never does, and
+    ONNX_LOWBIT_FP32_DECODE=1 keeps the fp32 decode (its table choice and the outputs of run_arrays)."""
+    fc = _nf4_cuda()
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    assert fc.table_choice(1, a16=True)[3] == 2 and fc.table_choice(1, a16=False)[3] == 0
+    assert fc.table_choice(2, a16=True)[3] == 0
+    k, n, bs = 128, 8, 64
+    ws = nf4_weights(k, n, bs, "nf4", seed=7)
+    x, _, _ = _data((1,), k, n, np.float16, (False, False), 7)
+    fast = fc.run_arrays(x, *ws, "nf4", bs, k, n)
+    assert np.array_equal(fast.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=2).view(np.uint16))
+    monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
+    assert fc.table_choice(1, a16=True) == (False, False, True, 0)
+    exact = fc.run_arrays(x, *ws, "nf4", bs, k, n)
+    assert np.array_equal(exact.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=0).view(np.uint16))
+    ref = ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, None, None)
+    assert _rel(exact, ref) <= _tol(np.float16) and _rel(fast, ref) <= _tol(np.float16)
+
+
+@pytest.mark.parametrize("scale,chain", [(2.0 ** -20, 2), (2.0 ** -9, 4), (1.0, 2), (3000.0, 4), (30000.0, 2)])
+def test_nf4_h2_decode_x_range(scale, chain):
+    """The packed-fp16 decode scales each row of X by a power of two: activations near fp16's largest value do not
+    overflow its fp16 partial sums, tiny ones (subnormal in fp16) keep their precision; M = 1 and 2, rows of
+    different magnitude (the absmax scaled so that the outputs stay inside fp16's range)."""
+    fc = _nf4_cuda()
+    k, n, bs, qt = 256, 12, 64, "nf4"
+    q1, am1, q3, am3 = nf4_weights(k, n, bs, qt, seed=5)
+    am1, am3 = (np.float32(1 / (16 * scale)) * a for a in (am1, am3))
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, k)) * scale / 4
+    x[0, 7] = scale                                   # one outlier sets the row's scale
+    x[1] *= 2.0 ** -3
+    x = x.astype(np.float16)
+    ws = (q1, am1.astype(np.float32), q3, am3.astype(np.float32))
+    for m in (1, 2):
+        ref = ffn.swiglu_nf4_ref(x[:m], *ws, qt, bs, k, n, None, None)
+        s = fc.run_arrays(x[:m], *ws, qt, bs, k, n, h2=chain)
+        assert np.isfinite(ref).all() and np.isfinite(s).all(), m
+        for r in range(m):      # each row against its own magnitude; chains of 4 round about twice as much
+            assert _rel(s[r], ref[r]) <= _tol(np.float16) * (1 if chain == 2 else 2), (m, r)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
