@@ -49,7 +49,13 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain2 c4 early", {"h2": 2, "early": True}),
                 ("h2 chain4 c4 pingpong", {"h2": 4, "pingpong": True}),
                 ("h2 chain2 c8 pingpong", {"h2": 2, "cols": 8, "pingpong": True}),
-                ("h2 chain2 c2", {"h2": 2, "cols": 2})]
+                ("h2 chain2 c2", {"h2": 2, "cols": 2}),
+                ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
+                ("h2 chain2 c2 wide", {"h2": 2, "cols": 2, "wide": True}),
+                ("h2 chain2 c8 wide", {"h2": 2, "cols": 8, "wide": True}),
+                ("h2 chain4 c4 wide", {"h2": 4, "wide": True}),
+                ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
+                ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
 
 
 def main():
@@ -184,7 +190,8 @@ def main():
             pair, cols, h2 = kw.get("pair", True), kw.get("cols", fusedffnnf4_cuda.COLS), kw.get("h2", 0)
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
                                             pingpong=kw.get("pingpong", False), early=kw.get("early", False),
-                                            nib=kw.get("nib", False), h2=h2)
+                                            nib=kw.get("nib", False), h2=h2, wide=kw.get("wide", False))
+            block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
             lt = nlut16 if h2 else nlut if pair else nlut32

@@ -30,7 +30,7 @@ of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4
 query (``Launcher.blocks_per_sm``) now opts the kernel in first. See docs/ffn4.md.
 With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, H2): one PRMT, one LDS and
 one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us (H100),
-21.8 against 25.1 (H200).
+21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row (WIDE): 24.1 us.
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
@@ -70,6 +70,11 @@ H2 = {1: 2, 2: 0}          # per row bucket, fp16 X only: the packed-fp16 decode
                             # Chains of 4 (H100 23.8 us at 4096 with 8 columns a step) round about twice as much,
                             # so 2; M=2, chains of 4 against the pair table: H100 27.4 / 27.5 (the pair figure from an
                             # earlier run), H200 26.1 / 27.0: kept
+WIDE = {1: True, 2: False}   # per row bucket, with h2, K % 32 == 0 and K >= WIDE_MIN_K: two words (16 bytes) per
+WIDE_MIN_K = 4096           # thread and row, one ld.global.nc.L1::no_allocate.v4 each (half the threads and absmax
+                            # loads). H100, weights past L2, M=1 (nf4shapes_gpu.py): LLaMA-7B gate+up 24.08 / 24.16
+                            # us against 24.80 / 24.81 (two runs); 2048 -> 2 x 8192 14.68 against 12.46 (64-thread
+                            # blocks), hence the bound
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
@@ -143,7 +148,7 @@ def _zval(zp, j, has_zp):
 
 
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False, nib=False, h2=False):
+                 early=False, int4=False, nib=False, h2=False, wide=False):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -181,12 +186,16 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode of the two-weight kernel with fp16 X")
     if h2:
         pair = nib = False
+    if wide and not h2:
+        raise ValueError("wide (two words per thread and row) is a mode of the h2 decode")
+    ne = 32 if wide else 16             # elements of K per thread
     if int4:
         if not matmul:
             raise ValueError("int4 is a mode of the one-weight (matmul=True) kernel")
         pair = False
     nw = 1 if matmul else 2
-    if max_registers is None and cols == COLS and prefetch:     # the default geometry; variants: ptxas's choice
+    if max_registers is None and cols == COLS and prefetch and not wide:   # the default geometry; variants and
+                                                                           # wide (3 blocks of K/32 per SM): ptxas's
         max_registers = MAX_REGISTERS.get(mt)
     nv = nw * cols * mt                 # partial sums per thread: [weight][column][row]
     steps = nv.bit_length() - 1
@@ -260,8 +269,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     a("    lane4 = lane << uint32(2)")
     a("    wpr = uint32(k_dim) >> U4")
     a("    sh = uint32(bs_shift)")
-    a("    owns = tid < wpr")
-    a("    tcl = tid if owns else wpr - U1   # non-owners (last warp) read a valid word; their x and scales are 0")
+    if wide:    # thread t: words 2t, 2t + 1 (K % 32 == 0)
+        a("    owns = (tid << U1) < wpr")
+        a("    tcl = (tid << U1) if owns else wpr - uint32(2)   # non-owners read valid words; their x and scales are 0")
+    else:
+        a("    owns = tid < wpr")
+        a("    tcl = tid if owns else wpr - U1   # non-owners (last warp) read a valid word; their x and scales are 0")
     a(f"    nch = (uint32(m_dim) + uint32({mt - 1})) // uint32({mt})")
     a("    bid = uint32(cuda.blockIdx.x)")
     a(f"    m0 = uint32(bid % nch) * uint32({mt})")
@@ -272,15 +285,15 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     a("    ndim = uint32(n_dim)")
     for m in range(mt):
         a(f"    okx = owns and m0 + uint32({m}) < mdim")
-        a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + (tid << U4))")
-        for e in range(16):
+        a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + (tid << {'U5' if wide else 'U4'}))")
+        for e in range(ne):
             xv = f"float32(x[xb + uint32({e})])" if matmul else f"load(x, xb + uint32({e}))"
             a(f"    x_{m}_{e} = {xv} if okx else F0")
         if int4:
             a(f"    xsum_{m} = " + " + ".join(f"x_{m}_{e}" for e in range(16)))
         if h2:      # the row's largest |x| over the block (NaN ignored), for its power-of-two scale
-            a(f"    xm = F0")
-            for e in range(16):
+            a("    xm = F0")
+            for e in range(ne):
                 a(f"    av = abs(x_{m}_{e})")
                 a(f"    xm = av if av > xm else xm")
             a("    xm = warp_max(xm, simred, tid)")
@@ -305,9 +318,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         for c in range(cols):
             out(f"{ind}    wi_{c} = mad32(min32(add32({nbase}, uint32({c})), last), wpr, tcl)")
         for c in range(cols):
-            out(f"{ind}{prefix}w1_{c} = q1[wi_{c}]")
-            if not matmul:
-                out(f"{ind}{prefix}w3_{c} = q3[wi_{c}]")
+            for w in (1,) if matmul else (1, 3):
+                if wide:    # 16 bytes: the two words as 4 uint32 halves, low first
+                    out(f"{ind}" + ", ".join(f"{prefix}w{w}_{c}_{h}" for h in range(4)) + f" = ld16(q{w}, wi_{c})")
+                else:
+                    out(f"{ind}{prefix}w{w}_{c} = q{w}[wi_{c}]")
             out(f"{ind}{prefix}s1_{c} = float32(am1[shr32(wi_{c}, sh)]) if owns else F0")
             if int4:
                 out(f"{ind}{prefix}z1_{c} = zval(zp1, shr32(wi_{c}, sh), has_zp)")
@@ -333,7 +348,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             a("    okp = eb >= uint32(11) and eb != uint32(255)")
             a(f"    p_{m} = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
             a(f"    ip_{m} = as_f32((eb - uint32(11)) << uint32(23)) if okp else F1")
-            for j in range(8):
+            for j in range(ne // 2):
                 a(f"    x2_{m}_{j} = pack_h2(x_{m}_{2 * j} * p_{m}, x_{m}_{2 * j + 1} * p_{m})")
     a("    buf = uint32(0)")
     a("    while n0 < n_hi:")
@@ -345,11 +360,14 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         loads(b_, "n", "nn", "wbn", "")
     else:
         loads(b_, "", "n0", "wb", "")
-    nch2 = 8 // h2 if h2 else 0         # fp16 chains per word (h2 bytes each)
+    nch2 = ne // 2 // h2 if h2 else 0   # fp16 chains per row and step (h2 bytes each)
     for c in range(cols if h2 else 0):
         for wsel in (1, 3):
-            for half in range(2):
-                b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
+            for half in range(ne // 8):
+                if wide:
+                    b_(f"wd = w{wsel}_{c}_{half}")
+                else:
+                    b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
                 for b in range(4):
                     j = half * 4 + b
                     b_(f"t = lds32(tab, prmt(wd, lane4, SEL_{b}))")
@@ -393,44 +411,51 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
                 else:
                     b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
     b_("tot = rs(pv, lane, simred, tid)")
-    b_("if writer:")
+
+    def epilogue(ind, rbase, nbase, cexpr, mexpr):
+        """The biases and SiLU * mul of one (column c, row m) from the warps' partials at red[rbase + ...]."""
+        e_ = lambda t: b_(ind + t)  # noqa: E731
+        e_(f"c = {cexpr}")
+        e_(f"m = {mexpr}")
+        e_(f"n = add32({nbase}, c)")
+        e_("if n < n_hi and add32(m0, m) < mdim:")
+        e_("    g = F0")
+        if not matmul:
+            e_("    u = F0")
+        e_(f"    r = add32({rbase}, mad32(c, uint32({mt}), m))")
+        e_("    wj = uint32(0)")
+        e_("    while wj < nwarps:")
+        e_("        g += red[r]")
+        if not matmul:
+            e_(f"        u += red[r + uint32({cols * mt})]")
+        e_(f"        r = add32(r, uint32({nv}))")
+        e_("        wj = add32(wj, U1)")
+        if h2:
+            e_("    ipm = " + " if m == U0 else ".join(f"ip_{m}" for m in range(mt)))
+            e_("    g *= ipm")
+            e_("    u *= ipm")
+        if matmul:
+            e_("    if has_b1:")
+            e_("        g += float32(b1[n])")
+            e_("    s[n] = g")
+        else:
+            e_("    if has_b1:")
+            e_("        g += load(b1, n)")
+            e_("    if has_b3:")
+            e_("        u += load(b3, n)")
+            e_("    store(s, mad32(add32(m0, m), ndim, n), silu(g) * u)")
+
+    b_("if writer:")        # double-buffered partials: one barrier per step
     b_(f"    red[mad32(mad32(buf, uint32({NWMAX}), warp), uint32({nv}), my_idx)] = tot")
     b_("cuda.syncthreads()")
     b_(f"if tid < uint32({cols * mt}):")
-    b_(f"    c = tid // uint32({mt})")
-    b_(f"    m = uint32(tid - c * uint32({mt}))")
-    b_("    n = add32(n0, c)")
-    b_("    if n < n_hi and add32(m0, m) < mdim:")
-    b_("        g = F0")
-    if not matmul:
-        b_("        u = F0")
-    b_(f"        r = mad32(buf, uint32({NWMAX * nv}), mad32(c, uint32({mt}), m))")
-    b_("        wj = uint32(0)")
-    b_("        while wj < nwarps:")
-    b_("            g += red[r]")
-    if not matmul:
-        b_(f"            u += red[r + uint32({cols * mt})]")
-    b_(f"            r = add32(r, uint32({nv}))")
-    b_("            wj = add32(wj, U1)")
-    if h2:
-        b_("        ipm = " + " if m == U0 else ".join(f"ip_{m}" for m in range(mt)))
-        b_("        g *= ipm")
-        b_("        u *= ipm")
-    if matmul:
-        b_("        if has_b1:")
-        b_("            g += float32(b1[n])")
-        b_("        s[n] = g")
-    else:
-        b_("        if has_b1:")
-        b_("            g += load(b1, n)")
-        b_("        if has_b3:")
-        b_("            u += load(b3, n)")
-        b_("        store(s, mad32(add32(m0, m), ndim, n), silu(g) * u)")
+    epilogue("    ", f"mad32(buf, uint32({NWMAX * nv}), U0)", "n0", "tid // uint32(%d)" % mt,
+             f"uint32(tid - (tid // uint32({mt})) * uint32({mt}))")
     b_("buf ^= U1")
     b_("n0 = nn")
     b_("wb = wbn")
     if prefetch and pingpong:
-        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3|z1)_\d+)\b")
+        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3|z1)_\d+(?:_\d)?)\b")
         src.extend("        " + line for line in body)
         src.append("        if n0 >= n_hi:")
         src.append("            break")
@@ -438,13 +463,14 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     else:
         for c in range(cols if prefetch else 0):
             for v in ("w1", "s1", "z1") if int4 else ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
-                b_(f"{v}_{c} = n{v}_{c}")
+                for sfx in ([f"_{h}" for h in range(4)] if wide and v[0] == "w" else [""]):
+                    b_(f"{v}_{c}{sfx} = n{v}_{c}{sfx}")
         src.extend("        " + line for line in body)
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": half2.hfma2, "hsum2": half2.hsum2,
-          "pack_h2": pack_h2, "warp_max": half2.warp_max,
+          "pack_h2": pack_h2, "warp_max": half2.warp_max, "ld16": half2.ld16,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
@@ -522,8 +548,8 @@ def bucket(m):
     return 1 if m == 1 else 2
 
 
-def threads(k):
-    return 32 * -(-(k // 16) // 32)
+def threads(k, wide=False):
+    return 32 * -(-(k // (32 if wide else 16)) // 32)
 
 
 def parts_for(n, nch, sms, occupancy, cols=COLS):
@@ -549,25 +575,30 @@ def fp32_decode():
     return os.environ.get("ONNX_LOWBIT_FP32_DECODE", "0").lower() not in ("0", "", "false", "no", "off")
 
 
-def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True):
-    """(pair, early, nib, h2) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR / EARLY
-    / NIB / H2 (h2 only with fp16 X; it replaces the pair and nib tables)."""
+def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=None, k=None):
+    """(pair, early, nib, h2, wide) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR /
+    EARLY / NIB / H2 / WIDE (h2 only with fp16 X; it replaces the pair and nib tables; wide only with h2 and, when
+    ``k`` is given, K % 32 == 0)."""
     h2 = ((0 if fp32_decode() else H2.get(mt, 0)) if h2 is None else int(h2)) if a16 else 0
+    if wide is None:
+        wide = WIDE.get(mt, False) and (k is None or k >= WIDE_MIN_K)
+    wide = bool(h2) and bool(wide) and (k is None or k % 32 == 0)
     return ((PAIR.get(mt, True) if pair is None else pair) and not h2,
             (EARLY.get(mt, False) if early is None else early), (NIB.get(mt, False) if nib is None else nib) and not h2,
-            h2)
+            h2, wide)
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
-             nib=None, h2=None):
+             nib=None, h2=None, wide=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
-    pair, early, nib, h2 = table_choice(mt, pair, early, nib, h2, a16)
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2) if mt else ())
+    pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide)
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide) if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
-                                                                 pingpong=pingpong, early=early, nib=nib, h2=h2)
+                                                                 pingpong=pingpong, early=early, nib=nib, h2=h2,
+                                                                 wide=wide)
         lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -581,7 +612,7 @@ def blocks_per_sm(launcher_, block):
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
                force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
-               repeat=1, early=None, nib=None, h2=None):
+               repeat=1, early=None, nib=None, h2=None, wide=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -607,14 +638,14 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         grid, block, mt = -(-n // gw), 32 * gw, None
     else:
         mt = bucket(m)
-        pair, early, nib, h2 = table_choice(mt, pair, early, nib, h2, a16)
+        pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide, k)
         nch = -(-m // mt)
-        block = threads(k)
+        block = threads(k, wide)
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
-            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2),
-                                block)
+            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2,
+                                         wide), block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -627,12 +658,13 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
         kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                                   early=early, nib=nib, h2=h2)
+                                                                                   early=early, nib=nib, h2=h2,
+                                                                                   wide=wide)
         for _ in range(repeat):
             kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
     else:
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()
@@ -649,7 +681,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         self.a16 = self.in_types[0] == 10
         self.luts, self.lut_args = {}, {}
         for mt in MT_BUCKETS:
-            pair, _, _, h2 = table_choice(mt, a16=self.a16)
+            pair, _, _, h2, _ = table_choice(mt, a16=self.a16)
             if (pair, h2) not in self.luts:
                 self.luts[pair, h2] = cuda.to_device(lut_for(code, pair, h2))
             lut = self.luts[pair, h2]
@@ -677,11 +709,14 @@ class FusedFFNNF4CudaKernel(Kernel):
             pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
             self.mma_scratch = ScratchPool(pf, nc)
             self.mma_floats = pf
+        self.block, self.align = {}, {}
         if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
-            self.block = threads(self.k)
             for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
-                self.fast[mt] = launcher(self.a16, mt)
-                occ = blocks_per_sm(self.fast[mt], self.block)
+                wide = table_choice(mt, a16=self.a16, k=self.k)[4]
+                self.block[mt] = threads(self.k, wide)
+                self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
+                self.fast[mt] = launcher(self.a16, mt, wide=wide)
+                occ = blocks_per_sm(self.fast[mt], self.block[mt])
                 for m in range(1, MAX_M_FAST + 1):
                     if bucket(m) == mt:
                         self.parts[m] = parts_for(self.n, -(-m // mt), self.sms, occ)
@@ -717,11 +752,10 @@ class FusedFFNNF4CudaKernel(Kernel):
                            (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,
                            self.bs.bit_length() - 1, parts, hb1, hb3)
             return
-        fast = m in self.parts and not ((q1.ptr | q3.ptr) & 7)
-        if fast:
-            mt = bucket(m)
+        mt = bucket(m)
+        if m in self.parts and not ((q1.ptr | q3.ptr) & self.align[mt]):
             parts = self.parts[m]
-            self.fast[mt].launch(-(-m // mt) * parts, self.block, ctx.stream, *common,
+            self.fast[mt].launch(-(-m // mt) * parts, self.block[mt], ctx.stream, *common,
                                  (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
                                  (am3.ptr, (am3.size,)), self.lut_args[mt], *tail, m, k, n, self.bs.bit_length() - 5,
                                  parts, hb1, hb3)

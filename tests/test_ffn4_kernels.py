@@ -136,6 +136,9 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
                                                  if m == 1 and SIM else [])
         if np.dtype(dtype) == np.float16 and m <= 2:     # the packed-fp16 decode (its default is per bucket)
             variants += [{"h2": 2}, {"h2": 4}, {"h2": 0}] + ([{"h2": 2, "cols": 2, "early": True}] if SIM else [])
+            if k % 32 == 0:     # two words (16 bytes) per thread and row
+                variants += [{"h2": 2, "wide": True}] + ([{"h2": 4, "wide": True, "cols": 2, "pingpong": True}]
+                                                         if SIM else [])
     for kw in variants:
         s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)
         assert s.shape == ref.shape and s.dtype == x.dtype, kw
@@ -305,13 +308,17 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     assert fc.table_choice(1, a16=True)[3] == 2 and fc.table_choice(1, a16=False)[3] == 0
     assert fc.table_choice(2, a16=True)[3] == 0
+    # two words per thread and row from K = 4096 (K % 32 == 0), never without h2
+    assert fc.table_choice(1, a16=True, k=4096)[4] and fc.table_choice(1, a16=True, k=8192)[4]
+    assert not fc.table_choice(1, a16=True, k=2048)[4] and not fc.table_choice(1, a16=True, k=4112)[4]
+    assert not fc.table_choice(1, a16=False, k=4096)[4] and not fc.table_choice(1, a16=True, k=4096, h2=0)[4]
     k, n, bs = 128, 8, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=7)
     x, _, _ = _data((1,), k, n, np.float16, (False, False), 7)
     fast = fc.run_arrays(x, *ws, "nf4", bs, k, n)
     assert np.array_equal(fast.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=2).view(np.uint16))
     monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
-    assert fc.table_choice(1, a16=True) == (False, False, True, 0)
+    assert fc.table_choice(1, a16=True)[:4] == (False, False, True, 0)
     exact = fc.run_arrays(x, *ws, "nf4", bs, k, n)
     assert np.array_equal(exact.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=0).view(np.uint16))
     ref = ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, None, None)
@@ -415,3 +422,24 @@ def test_awq_cuda_host_entry_checks_inputs():
     w1, w3 = awq_weights(128, 16, 128)
     with pytest.raises(KernelError, match="input 4 'qweight3'"):
         fc.run_arrays(np.ones((1, 128), np.float32), w1, (w3[0][:64], w3[1], w3[2]), 128, 128, 16)
+
+
+@pytest.mark.parametrize("wide_min_k", [0, 1 << 20])
+def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
+    """A FusedFFNNF4 node in an onnxruntime CUDA session at M = 1 with fp16 X (GPU machine only) runs the
+    packed-fp16 decode, with two words per thread and row (WIDE_MIN_K lowered so that a small weight takes it) and
+    without: outputs against the reference, the same bits on a second run."""
+    from helpers import lowbit_session, ort_cuda_or_skip
+    ort_cuda_or_skip()
+    from onnx_lowbit.custom_ops import fusedffnnf4_cuda
+    monkeypatch.setattr(fusedffnnf4_cuda, "WIDE_MIN_K", wide_min_k)
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    k, n, bs = 512, 72, 64
+    ws = nf4_weights(k, n, bs, "nf4", seed=4)
+    x, b1, b3 = _data((1, 1), k, n, np.float16, (True, True), 5)
+    sess = lowbit_session(nf4_model((1, 1), k, n, bs, "nf4", np.float16, ws, b1, b3), ["CUDAExecutionProvider"])
+    s1 = sess.run(None, {"x": x})[0]
+    s2 = sess.run(None, {"x": x})[0]
+    assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
+    assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= _tol(np.float16)
+    assert fusedffnnf4_cuda.table_choice(1, a16=True, k=k)[3:] == (2, wide_min_k == 0)
