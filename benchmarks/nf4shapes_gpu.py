@@ -31,7 +31,11 @@ MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": 
                ("tab16 c8", {"COLS": 8, "prefetch": False}),
                ("tab16 c2 prefetch", {"COLS": 2}),
                ("tab16 nib c4 prefetch", {"nib": True}),
-               ("tab16 nib c8 prefetch", {"COLS": 8, "nib": True})]
+               ("tab16 nib c8 prefetch", {"COLS": 8, "nib": True}),
+               ("h2 chain2 c4", {"h2": 2}),
+               ("h2 chain4 c4", {"h2": 4}),
+               ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
+               ("h2 chain2 c8", {"h2": 2, "COLS": 8})]
 FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("pair c4 prefetch early", {"early": True}),
                 ("pair c2 prefetch early", {"cols": 2, "early": True}),
@@ -146,10 +150,11 @@ def main():
         for label, kw in MM_VARIANTS:
             if a.quick and "default" not in label and "nib" not in label or not keep(label):
                 continue
-            pair = kw.get("pair", matmulnf4_cuda.M1_PAIR)
+            pair = kw.get("pair", matmulnf4_cuda.M1_PAIR) or bool(kw.get("h2"))     # 64 KiB of table
             cols = kw.get("COLS", matmulnf4_cuda.M1_COLS)
             fn_ = matmulnf4_cuda._make_m1(**kw)
             lau = Launcher(fn_, mm_sig, dynamic_shared=matmulnf4_cuda.TAB_BYTES if pair else 0)
+            block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
             lau.dispatcher = fn_
             occ = max(1, lau.blocks_per_sm(block))
             grid = matmulnf4_cuda.nf4_common.even_parts(-(-n // cols), sms * occ)

@@ -35,7 +35,6 @@ Generic kernel (any K, any M): one warp per column, element by element, both wei
 """
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -182,8 +181,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     epilogue multiplies by 1/p. NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error (numpy
     emulation, LLaMA-7B gate+up): x W^T within 2.8e-4 (c=2) / 3.6e-4 (c=4) RMS relative, against 1.6e-4 for fp16
     code values alone and 0 for the fp32 decode."""
-    if h2 and (matmul or int4 or not a16 or h2 not in (2, 4)):
-        raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode of the two-weight kernel with fp16 X")
+    if h2 and (int4 or not (a16 or matmul) or h2 not in (2, 4)):
+        raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
         pair = nib = False
     if wide and not h2:
@@ -250,7 +249,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
     elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy
         t_("    while i < U256:")
-        t_("        e = lut[i]")
+        t_("        e = pack_h2(lut[i >> U4], lut[i & U15])" if matmul else "        e = lut[i]")
         t_("        j = uint32(0)")
         t_("        while j < uint32(32):")
         t_("            tab[(i << uint32(6)) | ((i + j) & U31)] = e")
@@ -362,7 +361,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         loads(b_, "", "n0", "wb", "")
     nch2 = ne // 2 // h2 if h2 else 0   # fp16 chains per row and step (h2 bytes each)
     for c in range(cols if h2 else 0):
-        for wsel in (1, 3):
+        for wsel in (1,) if matmul else (1, 3):
             for half in range(ne // 8):
                 if wide:
                     b_(f"wd = w{wsel}_{c}_{half}")
@@ -433,7 +432,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         if h2:
             e_("    ipm = " + " if m == U0 else ".join(f"ip_{m}" for m in range(mt)))
             e_("    g *= ipm")
-            e_("    u *= ipm")
+            if not matmul:
+                e_("    u *= ipm")
         if matmul:
             e_("    if has_b1:")
             e_("        g += float32(b1[n])")
@@ -569,10 +569,7 @@ def _sig(a16, generic, pair=True):
 _launchers = {}
 
 
-def fp32_decode():
-    """``ONNX_LOWBIT_FP32_DECODE=1``: the decode kernel's defaults keep fp32 arithmetic (no packed-fp16 decode, H2)
-    for users who want the smallest rounding error over the last few microseconds."""
-    return os.environ.get("ONNX_LOWBIT_FP32_DECODE", "0").lower() not in ("0", "", "false", "no", "off")
+fp32_decode = half2.fp32_decode
 
 
 def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=None, k=None):

@@ -3,10 +3,18 @@ versions: ``hfma2`` (one fma.rn.f16x2), ``hsum2`` (two half2 values' four halves
 (the largest value of a warp, in lane 0) and ``ld16`` (16 bytes of a uint64 array in one streaming load)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import config, cuda, float32
 
 FULL = np.uint32(0xFFFFFFFF)
+
+
+def fp32_decode():
+    """``ONNX_LOWBIT_FP32_DECODE=1``: the NF4 decode kernels' defaults keep fp32 arithmetic (no packed-fp16 decode)
+    for users who want the smallest rounding error over the last few microseconds."""
+    return os.environ.get("ONNX_LOWBIT_FP32_DECODE", "0").lower() not in ("0", "", "false", "no", "off")
 
 if config.ENABLE_CUDASIM:
     def _halves(u):

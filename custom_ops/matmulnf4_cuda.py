@@ -11,7 +11,10 @@ a time with the next step's words in flight, 32-bit index math, warp reduce-scat
 Decoding below K = 4096 through the 16-entry code table in static shared memory, which is faster there than the
 64 KiB byte-pair table (the pair table's shared memory caps a 128-thread block at 3 per SM); from K = 4096 on
 through the pair table, built while the first words load (3-5% faster there; BENCHMARKS.md,
-benchmarks/nf4shapes_gpu.py). Column slices are sized so that every block walks the same number of steps.
+benchmarks/nf4shapes_gpu.py). With fp16 A from K = 4096 (M1_H2_MIN_K) the packed-fp16 decode instead (one
+fma.rn.f16x2 per byte in chains of 2, as FusedFFNNF4's; ``M1_H2``): 14.45 against 15.22 us at 4096 x 11008, 7.94
+against 8.75 at 8192 x 2048 (H100); ONNX_LOWBIT_FP32_DECODE=1 keeps fp32 arithmetic.
+Column slices are sized so that every block walks the same number of steps.
 Generic kernel (any K, any M): same warp-per-column scheme, element by element; correct, not tuned (prefill).
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 from numba.cuda import libdevice
 
-from . import nf4_common
+from . import half2, nf4_common
 from .kernels import Kernel
 
 WARPS_PER_BLOCK = 8
@@ -36,6 +39,11 @@ M1_PAIR_MIN_K = 4096        # the byte-pair table from this K on, else the 16-en
                             # 5.94 / 6.93 / 7.10, 8192x2048 8.76 / 8.75 / 9.87, 4096x11008 15.96 / 15.22 / 18.94
 M1_PAIR = False             # _make_m1's default
 M1_MAX_REGISTERS = 80       # ptxas limit of the M=1 kernel (no spills)
+M1_H2 = 2                   # fp16 A, K >= M1_H2_MIN_K: the M=1 kernel's packed-fp16 decode, chains of this many
+M1_H2_MIN_K = 4096          # bytes (0: fp32 arithmetic; see fusedffnnf4_cuda.H2). H100, weights past L2 (nf4shapes_gpu
+                            # .py), us, h2 / 16-entry table: 4096x11008 14.45 / 15.79 (the pair table, used there
+                            # before: 15.22), 8192x2048 7.94 / 8.53 (pair 8.75); below K = 4096 its 64 KiB table
+                            # halves the resident blocks: 2048x2048 4.97 / 4.68, 2048x4096 6.28 / 5.88
 TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
                             # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
                             # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
@@ -241,17 +249,20 @@ def _make_fast():
     return gemv16
 
 
-def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, early=False, nib=False):  # noqa: N803
+def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, early=False, nib=False,  # noqa: N803
+             h2=0, wide=False):
     """M = 1, K % 16 == 0, K / 16 <= 1024: fusedffnnf4_cuda's decode kernel generator in its one-weight mode
     (thread t owns word t of every row with its 16 x values in registers; a block walks a contiguous slice of
     columns, M1_COLS per step (prefetch=True: the next step's words in flight too); byte-pair table in dynamic
     shared memory addressed by one PRMT per byte; 32-bit index math; warp reduce-scatter + one barrier per
     step). Signature (a, q64, absmax, code, bias, has_bias, y, k_dim, n_dim, bs_shift); column slices = grid
     size; dynamic shared memory TAB_BYTES (a Launcher of it needs dynamic_shared=TAB_BYTES; none with pair=False:
-    the 16-entry table). ``early``: the table is built while the first step's words load (with prefetch)."""
+    the 16-entry table). ``early``: the table is built while the first step's words load (with prefetch).
+    ``h2`` (fp16 A only; 2 or 4): the packed-fp16 decode with chains of h2 bytes (fusedffnnf4_cuda._make_decode; its
+    64 KiB table like the pair table's), ``wide``: with it, 16 bytes per thread and row."""
     from .fusedffnnf4_cuda import _make_decode
     return _make_decode(1, False, pair, COLS or M1_COLS, prefetch, max_registers or M1_MAX_REGISTERS, matmul=True,
-                        early=early, nib=nib)
+                        early=early, nib=nib, h2=h2, wide=wide)
 
 
 def _make_generic():
@@ -294,12 +305,19 @@ def m1_pair(k):
     return k >= M1_PAIR_MIN_K
 
 
-def gemv_m1(pair=False):
-    """The default M=1 kernel with the 16-entry or (pair) the byte-pair table (built on first use: its generator
-    lives in fusedffnnf4_cuda, which imports this module)."""
-    if pair not in _M1:
-        _M1[pair] = _make_m1(pair=pair, early=pair)
-    return _M1[pair]
+def gemv_m1(pair=False, h2=0):
+    """The default M=1 kernel with the 16-entry or (pair) the byte-pair table, or (h2, fp16 A) the packed-fp16
+    decode (built on first use: its generator lives in fusedffnnf4_cuda, which imports this module)."""
+    key = (pair and not h2, h2)
+    if key not in _M1:
+        _M1[key] = _make_m1(pair=key[0], early=key[0], h2=h2)
+    return _M1[key]
+
+
+def m1_h2(dtype, k):
+    """The M=1 kernel's fp16 chain length for A of ``dtype`` and K = ``k``: M1_H2 for fp16 from K = M1_H2_MIN_K (0
+    with ONNX_LOWBIT_FP32_DECODE=1), else 0 (fp32 arithmetic)."""
+    return M1_H2 if np.dtype(dtype) == np.float16 and k >= M1_H2_MIN_K and not half2.fp32_decode() else 0
 GENERIC = _make_generic()
 
 
@@ -337,10 +355,11 @@ def fast_grid(n, sms=132):
     return max(1, min(grid(n), sms * BLOCKS_PER_SM))
 
 
-def plan(m, k, n, bs, sms):
-    """(mode, grid, block, shared bytes) for an M x K x N product."""
+def plan(m, k, n, bs, sms, h2=0):
+    """(mode, grid, block, shared bytes) for an M x K x N product (``h2``: the M=1 kernel's packed-fp16 decode)."""
     if m1_path(m, k):
-        return "m1", m1_grid(n, sms, k), m1_block(k), TAB_BYTES if m1_pair(k) else 0
+        big = m1_pair(k) or bool(h2)    # 64 KiB of table
+        return "m1", m1_grid(n, sms, k, pair=big), m1_block(k), TAB_BYTES if big else 0
     if fast_path(m, k):
         return "fast", fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4
     return "generic", grid(n), 32 * WARPS_PER_BLOCK, 0
@@ -368,15 +387,18 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
     b = np.ascontiguousarray(bias if bias is not None else np.zeros(1, a.dtype), dtype=a.dtype)
     sim = bool(config.ENABLE_CUDASIM)
     sms = 2 if sim else _sms()
-    pmode, g, block, shmem = plan(m, k, n, bs, sms)
+    h2 = m1_h2(a.dtype, k)
+    pmode, g, block, shmem = plan(m, k, n, bs, sms, h2)
     mode = mode or pmode
     if mode != pmode:
         g, block, shmem = {"fast": (fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4),
                            "generic": (grid(n), 32 * WARPS_PER_BLOCK, 0)}[mode]
     if m1_opts and mode == "m1":    # the variant's own grid and table
-        pair = m1_opts.get("pair", M1_PAIR)
+        pair = m1_opts.get("pair", M1_PAIR) or bool(m1_opts.get("h2"))
         g = m1_grid(n, sms, k, m1_opts.get("COLS") or M1_COLS, pair)
         shmem = TAB_BYTES if pair else 0
+        if m1_opts.get("wide"):
+            block = 32 * -(-(k // 32) // 32)
     words = mode in ("m1", "fast")
     dev = [cuda.to_device(a2), cuda.to_device(q.reshape(-1).view(np.uint64) if words else q.reshape(-1)),
            cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(code), cuda.to_device(b),
@@ -385,14 +407,14 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         da, dq, dam, dc, db, dy = dev
         tail = {"m1": [k, n, bs.bit_length() - 5], "fast": [m, k, n, bs.bit_length() - 5],
                 "generic": [m, k, n, bs]}[mode]
-        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k))) if mode == "m1" else
+        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k), h2)) if mode == "m1" else
                 {"fast": GEMV16, "generic": GENERIC}[mode])
         kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
         pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
         args = _args(mode, pa[0], pa[1], pa[2], pa[3], pa[4], int(bias is not None), pa[5], m, k, n, bs,
                      k * n // 16)
-        lau = _launcher(mode, a.dtype, m1_pair(k))
+        lau = _launcher(mode, a.dtype, m1_pair(k), h2)
         if m1_opts and mode == "m1":
             from .cuda_launch import Launcher
             lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=shmem)
@@ -463,15 +485,16 @@ def run_int4_m1(a, b, scales, zero_points, k, n, bs, bias=None, cols=None, launc
 _launchers = {}
 
 
-def _launcher(mode, dtype, pair=False):
-    """The direct-launch wrapper of a mode's kernel (``pair``: the M=1 kernel's byte-pair table variant)."""
+def _launcher(mode, dtype, pair=False, h2=0):
+    """The direct-launch wrapper of a mode's kernel (``pair``: the M=1 kernel's byte-pair table variant, ``h2``:
+    its packed-fp16 decode)."""
     from .cuda_launch import Array, Launcher
-    key = (mode, np.dtype(dtype).str, pair and mode == "m1")
+    key = (mode, np.dtype(dtype).str) + ((pair and not h2, h2) if mode == "m1" else ())
     if key not in _launchers:
         if mode == "m1":
             sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
                    Array(dtype), "int64", "int64", "int64"]
-            _launchers[key] = Launcher(gemv_m1(pair), sig, dynamic_shared=TAB_BYTES if pair else 0)
+            _launchers[key] = Launcher(gemv_m1(pair, h2), sig, dynamic_shared=TAB_BYTES if pair or h2 else 0)
         else:
             qdt = np.uint64 if mode == "fast" else np.uint8
             sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32",
@@ -500,7 +523,9 @@ class MatMulNF4CudaKernel(Kernel):
         self.dtype = np.float32 if self.in_types[0] == 1 else np.float16
         self.code = cuda.to_device(code)  # once, at session creation
         self.code_ptr = self.code.device_ctypes_pointer.value
-        self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k)) for mode in ("m1", "fast", "generic")}
+        self.h2 = m1_h2(self.dtype, self.k)
+        self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k), self.h2)
+                          for mode in ("m1", "fast", "generic")}
         self.sms = _sms()
         from . import nf4tc_cuda    # (imports this module's PTX helpers)
         self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)
@@ -529,7 +554,7 @@ class MatMulNF4CudaKernel(Kernel):
                            (bptr, (self.n,)), (y, (m * self.n,)), m, self.k, self.n, self.bs.bit_length() - 1, parts,
                            int(bias is not None), 0)
             return
-        mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms)
+        mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2)
         if mode != "generic" and (q.ptr & 7):  # 8-byte words need an aligned buffer (onnxruntime's always are)
             mode, g, block, shmem = "generic", grid(self.n), 32 * WARPS_PER_BLOCK, 0
         args = _args(mode, (a.ptr, (m * self.k,)), (q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)),

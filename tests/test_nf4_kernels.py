@@ -151,7 +151,9 @@ def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias):
     ref = nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)
     for opts in (None, {"COLS": 4, "prefetch": True}, {"COLS": 2}, {"COLS": 4, "prefetch": True, "early": True},
                  {"COLS": 8, "pair": False}, {"COLS": 2, "prefetch": True, "pair": False, "early": True},
-                 {"COLS": 4, "pair": False, "nib": True}):
+                 {"COLS": 4, "pair": False, "nib": True}) + (
+                 ({"h2": 2}, {"h2": 4, "COLS": 2, "early": True}, {"h2": 2, "wide": True})
+                 if dtype == np.float16 else ()):     # the packed-fp16 decode (fp16 A only)
         y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None,
                                       mode="m1", m1_opts=opts)
         assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), opts
@@ -347,3 +349,47 @@ def test_int4_nbits_layout_m1_kernel(k, n, bs, dtype, bias):
     assert np.isnan(y).all()
     with pytest.raises(ValueError, match="not supported"):
         mc.run_int4_m1(a, b, s, zp, k + 16, n, bs)
+
+
+@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+def test_matmul_cuda_m1_default_h2(monkeypatch):
+    """fp16 A at M = 1 from K = M1_H2_MIN_K (lowered here so a small weight takes it) runs the packed-fp16 decode by
+    default, fp32 A never does, ONNX_LOWBIT_FP32_DECODE=1 keeps fp32: the routes, and the default's outputs."""
+    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    assert mc.m1_h2(np.float16, 4096) == mc.M1_H2 == 2 and mc.m1_h2(np.float16, 2048) == 0
+    assert mc.m1_h2(np.float32, 8192) == 0
+    monkeypatch.setattr(mc, "M1_H2_MIN_K", 64)
+    k, n, bs = 128, 24, 64
+    q, am = _quantized(k, n, bs, "nf4", seed=6)
+    a = np.random.default_rng(6).standard_normal((1, k)).astype(np.float16)
+    b = np.random.default_rng(7).standard_normal(n).astype(np.float16)
+    ref = nf4.matmul(a, q, am, "nf4", bs, k, n, b)
+    code = nf4.code("nf4").astype(np.float32)
+    y = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    assert _rel(y, ref) <= _tol(np.float16)
+    assert np.array_equal(y.view(np.uint16), mc.run_arrays(a, q, am, code, k, n, bs, b, mode="m1",
+                                                           m1_opts={"h2": 2}).view(np.uint16))
+    monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
+    assert mc.m1_h2(np.float16, 4096) == 0
+    exact = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    assert _rel(exact, ref) <= _tol(np.float16) and not np.array_equal(exact, y)
+
+
+@pytest.mark.parametrize("m1_h2_min_k", [64, 1 << 20])
+def test_matmul_cuda_session_m1_h2(m1_h2_min_k, monkeypatch):
+    """A MatMulNF4 node in an onnxruntime CUDA session at M = 1 with fp16 A (GPU machine only), with the
+    packed-fp16 decode (M1_H2_MIN_K lowered) and without: outputs against the reference, the same bits twice."""
+    from helpers import lowbit_session, ort_cuda_or_skip
+    ort_cuda_or_skip()
+    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    monkeypatch.setattr(mc, "M1_H2_MIN_K", m1_h2_min_k)
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    k, n, bs = 256, 40, 64
+    q, am = _quantized(k, n, bs, "nf4", seed=8)
+    a = np.random.default_rng(8).standard_normal((1, 1, k)).astype(np.float16)
+    sess = lowbit_session(matmul_model((1, 1), k, n, bs, "nf4", np.float16, False, q, am), ["CUDAExecutionProvider"])
+    y1 = sess.run(None, {"a": a})[0]
+    y2 = sess.run(None, {"a": a})[0]
+    assert np.array_equal(y1.view(np.uint16), y2.view(np.uint16))
+    assert _rel(y1, nf4.matmul(a, q, am, "nf4", bs, k, n, None)) <= _tol(np.float16)
