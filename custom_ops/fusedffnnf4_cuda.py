@@ -46,7 +46,8 @@ from .ffn4_common import check_x_biases, opt
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
 from .matmulawq_cuda import _ld16, _ld32, _silu, _st16, _st32
-from .matmulnf4_cuda import TAB_BYTES, _warp_sum, add32, f2u, lds32, lds64, mad32, min32, prmt, shr32, tc_device
+from .matmulnf4_cuda import (TAB_BYTES, _warp_sum, add32, f2u, hfma2, lds32, lds64, mad32, min32, prmt, shr32,
+                             tc_device)
 
 COLS = 4                  # columns per block step
 MAX_REGISTERS = {1: 80}   # ptxas limit per row bucket (MT=1: 80, no spills, 3 blocks of 256 threads per SM)
@@ -469,7 +470,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
-          "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": half2.hfma2, "hsum2": half2.hsum2,
+          "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": hfma2, "hsum2": half2.hsum2,
           "pack_h2": pack_h2, "warp_max": half2.warp_max, "ld16": half2.ld16,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}

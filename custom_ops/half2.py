@@ -1,6 +1,8 @@
 """Packed fp16 (half2, held as uint32 bits) device helpers for the decode kernels, GPU (inline PTX) and CUDA-simulator
-versions: ``hfma2`` (one fma.rn.f16x2), ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max``
-(the largest value of a warp, in lane 0) and ``ld16`` (16 bytes of a uint64 array in one streaming load)."""
+versions: ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max`` (the largest value of a warp, in
+lane 0), ``ld16`` (16 bytes of a uint64 array in one streaming load), ``fp32_decode`` (the opt-out of packed-fp16
+arithmetic); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
+ops: one fma.rn.f16x2)."""
 from __future__ import annotations
 
 import os
@@ -53,15 +55,6 @@ else:
     from llvmlite import ir
     from numba import types
     from numba.extending import intrinsic
-
-    @intrinsic
-    def hfma2(typingctx, a, b, c):
-        """PTX fma.rn.f16x2 d, a, b, c on half2 values held as uint32 bits."""
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r")
-            return builder.call(asm, args)
-        return types.uint32(types.uint32, types.uint32, types.uint32), codegen
 
     @intrinsic
     def hsum2(typingctx, a, b):

@@ -105,6 +105,8 @@ if config.ENABLE_CUDASIM:
 
     def lds32(tab, off):
         return tab[int(off) >> 2]
+
+    hfma2 = half2.hfma2
 else:
     from llvmlite import ir
     from numba import types
@@ -144,6 +146,7 @@ else:
     mad32 = _asm32("mad32", "mad.lo.u32 $0, $1, $2, $3;", 3)
     shr32 = _asm32("shr32", "shr.b32 $0, $1, $2;", 2)
     min32 = _asm32("min32", "min.u32 $0, $1, $2;", 2)
+    hfma2 = _asm32("hfma2", "fma.rn.f16x2 $0, $1, $2, $3;", 3)    # half2 values held as uint32 bits
 
     def _lds(bits):
         def lds(typingctx, tab, off):
