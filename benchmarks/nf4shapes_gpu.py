@@ -32,7 +32,7 @@ MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": 
                ("tab16 c2 prefetch", {"COLS": 2}),
                ("tab16 nib c4 prefetch", {"nib": True}),
                ("tab16 nib c8 prefetch", {"COLS": 8, "nib": True}),
-               ("h2 chain2 c4", {"h2": 2}),
+               ("h2 chain2 c4 (fp16 default from K 4096)", {"h2": 2}),
                ("h2 chain4 c4", {"h2": 4}),
                ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
                ("h2 chain2 c8", {"h2": 2, "COLS": 8})]
@@ -42,9 +42,9 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("tab16 c4 prefetch (M=1: was default)", {"pair": False, "nib": False}),
                 ("tab16 c2 prefetch", {"pair": False, "cols": 2}),
                 ("tab16 c4 no prefetch", {"pair": False, "prefetch": False}),
-                ("tab16 nib c4 prefetch (M=1: default)", {"pair": False, "nib": True}),
+                ("tab16 nib c4 prefetch (M=1: fp32 decode default)", {"pair": False, "nib": True}),
                 ("tab16 nib c2 prefetch", {"pair": False, "nib": True, "cols": 2}),
-                ("h2 chain2 c4", {"h2": 2}),
+                ("h2 chain2 c4 (M=1: fp16 default below K 4096)", {"h2": 2}),
                 ("h2 chain2 c8", {"h2": 2, "cols": 8}),
                 ("h2 chain2 c4 pingpong", {"h2": 2, "pingpong": True}),
                 ("h2 chain2 c8 early", {"h2": 2, "cols": 8, "early": True}),
@@ -54,7 +54,7 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c4 pingpong", {"h2": 4, "pingpong": True}),
                 ("h2 chain2 c8 pingpong", {"h2": 2, "cols": 8, "pingpong": True}),
                 ("h2 chain2 c2", {"h2": 2, "cols": 2}),
-                ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
+                ("h2 chain2 c4 wide (M=1: fp16 default from K 4096)", {"h2": 2, "wide": True}),
                 ("h2 chain2 c2 wide", {"h2": 2, "cols": 2, "wide": True}),
                 ("h2 chain2 c8 wide", {"h2": 2, "cols": 8, "wide": True}),
                 ("h2 chain4 c4 wide", {"h2": 4, "wide": True}),
@@ -146,7 +146,6 @@ def main():
         del wp
         print(f"{case:28s} {'torch fp16':30s} {t_torch:7.2f} us {k * n * 2 / t_torch / 1e3:6.0f} GB/s")
         nbytes = k * n // 2 + k * n // BS * 4
-        block = matmulnf4_cuda.m1_block(k)
         for label, kw in MM_VARIANTS:
             if a.quick and "default" not in label and "nib" not in label or not keep(label):
                 continue
@@ -154,7 +153,7 @@ def main():
             cols = kw.get("COLS", matmulnf4_cuda.M1_COLS)
             fn_ = matmulnf4_cuda._make_m1(**kw)
             lau = Launcher(fn_, mm_sig, dynamic_shared=matmulnf4_cuda.TAB_BYTES if pair else 0)
-            block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
+            block = matmulnf4_cuda.m1_block(k, kw.get("wide", False))
             lau.dispatcher = fn_
             occ = max(1, lau.blocks_per_sm(block))
             grid = matmulnf4_cuda.nf4_common.even_parts(-(-n // cols), sms * occ)
@@ -187,7 +186,6 @@ def main():
         del wp
         print(f"{case:28s} {'torch fp16 (2 GEMV + silu*mul)':30s} {t_torch:7.2f} us")
         nbytes = 2 * (k * n // 2 + k * n // BS * 4)
-        block = fusedffnnf4_cuda.threads(k)
         mt = fusedffnnf4_cuda.bucket(m)
         for label, kw in FFN_VARIANTS:
             if a.quick and kw.get("pair", True) and kw and "h2" not in kw or not keep(label):

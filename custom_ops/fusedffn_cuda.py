@@ -81,10 +81,15 @@ M16 = np.uint64(0xFFFF)
 
 # ------------------------------------------------------------------------------------------ device helpers
 def _make_ld4(asm):
-    """ld4(words, i) -> the 4 uint32 words [4i, 4i+4) of a uint32 array as one 128-bit load (``asm``: the PTX
-    load instruction without operands). The address must be 16-byte aligned."""
+    """ld4(arr, i) -> bytes [16i, 16i + 16) of a uint32 or uint64 array (its 16-byte chunk i) as 4 uint32 words,
+    low first, in one 128-bit load (``asm``: the PTX load instruction without operands). The address must be 16-byte
+    aligned."""
     if SIM:
         def ld4(a, i):
+            if a.dtype.itemsize == 8:
+                j = 2 * int(i)
+                u, v = int(a[j]), int(a[j + 1])
+                return (np.uint32(u & 0xFFFFFFFF), np.uint32(u >> 32), np.uint32(v & 0xFFFFFFFF), np.uint32(v >> 32))
             j = 4 * int(i)
             return a[j], a[j + 1], a[j + 2], a[j + 3]
         return ld4
@@ -99,7 +104,8 @@ def _make_ld4(asm):
         def codegen(context, builder, sig, args):
             ary = context.make_array(sig.args[0])(context, builder, value=args[0])
             i = context.cast(builder, args[1], sig.args[1], types.uint64)
-            ptr = builder.gep(ary.data, [builder.shl(i, ir.Constant(ir.IntType(64), 2))])
+            per = 16 // context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))   # elements per chunk
+            ptr = builder.gep(ary.data, [builder.shl(i, ir.Constant(ir.IntType(64), per.bit_length() - 1))])
             i32 = ir.IntType(32)
             fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ptr.type])
             res = builder.call(ir.InlineAsm(fnty, asm + " {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l"), [ptr])

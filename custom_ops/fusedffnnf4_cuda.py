@@ -43,11 +43,12 @@ from numba import cuda, float32, int64, uint32, uint64
 from . import half2, nf4_common, nf4mma_cuda, nf4tc_cuda
 from .dequantawq_cuda import SIM, as_f32, pack_h2
 from .ffn4_common import check_x_biases, opt
+from .fusedffn_cuda import LOAD, _make_ld4
 from .fusedffnnf4_cpu import check_weights
 from .kernels import Kernel
 from .matmulawq_cuda import _ld16, _ld32, _silu, _st16, _st32
-from .matmulnf4_cuda import (TAB_BYTES, _warp_sum, add32, f2u, hfma2, lds32, lds64, mad32, min32, prmt, shr32,
-                             tc_device)
+from .matmulnf4_cuda import (TAB_BYTES, _warp_sum, add32, f2u, hfma2, lds32, lds64, m1_block, mad32, min32, prmt,
+                             shr32, tc_device)
 
 COLS = 4                  # columns per block step
 MAX_REGISTERS = {1: 80}   # ptxas limit per row bucket (MT=1: 80, no spills, 3 blocks of 256 threads per SM)
@@ -60,6 +61,7 @@ FULL = np.uint32(0xFFFFFFFF)
 M32 = np.uint64(0xFFFFFFFF)
 U32 = np.uint64(32)
 DEFAULT_BLOCKS_PER_SM = 4
+_ld4w = _make_ld4(LOAD)     # wide: a 16-byte chunk of a weight row, streamed past L1
 NIB = {1: True, 2: False}   # per row bucket: the 16-entry table addressed by PRMT (``nib``; pair=False only).
                             # H100, M=1, weights cycled past L2 (benchmarks/nf4shapes_gpu.py, BENCHMARKS.md): 25.5 us
                             # against 27.1 at 4096 -> 2 x 11008, 14.0 against 14.5 at 2048 -> 2 x 8192
@@ -267,14 +269,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         src.extend(tsrc)
     a("    lane8 = (tid & U15) << U3")
     a("    lane4 = lane << uint32(2)")
-    a("    wpr = uint32(k_dim) >> U4")
-    a("    sh = uint32(bs_shift)")
-    if wide:    # thread t: words 2t, 2t + 1 (K % 32 == 0)
-        a("    owns = (tid << U1) < wpr")
-        a("    tcl = (tid << U1) if owns else wpr - uint32(2)   # non-owners read valid words; their x and scales are 0")
-    else:
-        a("    owns = tid < wpr")
-        a("    tcl = tid if owns else wpr - U1   # non-owners (last warp) read a valid word; their x and scales are 0")
+    # a thread's unit of each row: one 8-byte word, or (wide, K % 32 == 0) two words read as one 16-byte chunk;
+    # wpr units per row, absmax block of unit i: i >> sh
+    a(f"    wpr = uint32(k_dim) >> {'U5' if wide else 'U4'}")
+    a(f"    sh = uint32(bs_shift){' - U1' if wide else ''}")
+    a("    owns = tid < wpr")
+    a("    tcl = tid if owns else wpr - U1   # non-owners (last warp) read a valid unit; their x and scales are 0")
     a(f"    nch = (uint32(m_dim) + uint32({mt - 1})) // uint32({mt})")
     a("    bid = uint32(cuda.blockIdx.x)")
     a(f"    m0 = uint32(bid % nch) * uint32({mt})")
@@ -320,7 +320,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         for c in range(cols):
             for w in (1,) if matmul else (1, 3):
                 if wide:    # 16 bytes: the two words as 4 uint32 halves, low first
-                    out(f"{ind}" + ", ".join(f"{prefix}w{w}_{c}_{h}" for h in range(4)) + f" = ld16(q{w}, wi_{c})")
+                    out(f"{ind}" + ", ".join(f"{prefix}w{w}_{c}_{h}" for h in range(4)) + f" = ld4(q{w}, wi_{c})")
                 else:
                     out(f"{ind}{prefix}w{w}_{c} = q{w}[wi_{c}]")
             out(f"{ind}{prefix}s1_{c} = float32(am1[shr32(wi_{c}, sh)]) if owns else F0")
@@ -411,47 +411,40 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
                 else:
                     b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
     b_("tot = rs(pv, lane, simred, tid)")
-
-    def epilogue(ind, rbase, nbase, cexpr, mexpr):
-        """The biases and SiLU * mul of one (column c, row m) from the warps' partials at red[rbase + ...]."""
-        e_ = lambda t: b_(ind + t)  # noqa: E731
-        e_(f"c = {cexpr}")
-        e_(f"m = {mexpr}")
-        e_(f"n = add32({nbase}, c)")
-        e_("if n < n_hi and add32(m0, m) < mdim:")
-        e_("    g = F0")
-        if not matmul:
-            e_("    u = F0")
-        e_(f"    r = add32({rbase}, mad32(c, uint32({mt}), m))")
-        e_("    wj = uint32(0)")
-        e_("    while wj < nwarps:")
-        e_("        g += red[r]")
-        if not matmul:
-            e_(f"        u += red[r + uint32({cols * mt})]")
-        e_(f"        r = add32(r, uint32({nv}))")
-        e_("        wj = add32(wj, U1)")
-        if h2:
-            e_("    ipm = " + " if m == U0 else ".join(f"ip_{m}" for m in range(mt)))
-            e_("    g *= ipm")
-            if not matmul:
-                e_("    u *= ipm")
-        if matmul:
-            e_("    if has_b1:")
-            e_("        g += float32(b1[n])")
-            e_("    s[n] = g")
-        else:
-            e_("    if has_b1:")
-            e_("        g += load(b1, n)")
-            e_("    if has_b3:")
-            e_("        u += load(b3, n)")
-            e_("    store(s, mad32(add32(m0, m), ndim, n), silu(g) * u)")
-
-    b_("if writer:")        # double-buffered partials: one barrier per step
+    b_("if writer:")
     b_(f"    red[mad32(mad32(buf, uint32({NWMAX}), warp), uint32({nv}), my_idx)] = tot")
     b_("cuda.syncthreads()")
     b_(f"if tid < uint32({cols * mt}):")
-    epilogue("    ", f"mad32(buf, uint32({NWMAX * nv}), U0)", "n0", "tid // uint32(%d)" % mt,
-             f"uint32(tid - (tid // uint32({mt})) * uint32({mt}))")
+    b_(f"    c = tid // uint32({mt})")
+    b_(f"    m = uint32(tid - c * uint32({mt}))")
+    b_("    n = add32(n0, c)")
+    b_("    if n < n_hi and add32(m0, m) < mdim:")
+    b_("        g = F0")
+    if not matmul:
+        b_("        u = F0")
+    b_(f"        r = mad32(buf, uint32({NWMAX * nv}), mad32(c, uint32({mt}), m))")
+    b_("        wj = uint32(0)")
+    b_("        while wj < nwarps:")
+    b_("            g += red[r]")
+    if not matmul:
+        b_(f"            u += red[r + uint32({cols * mt})]")
+    b_(f"            r = add32(r, uint32({nv}))")
+    b_("            wj = add32(wj, U1)")
+    if h2:              # undo the rows' power-of-two scale
+        b_("        ipm = " + " if m == U0 else ".join(f"ip_{m}" for m in range(mt)))
+        b_("        g *= ipm")
+        if not matmul:
+            b_("        u *= ipm")
+    if matmul:
+        b_("        if has_b1:")
+        b_("            g += float32(b1[n])")
+        b_("        s[n] = g")
+    else:
+        b_("        if has_b1:")
+        b_("            g += load(b1, n)")
+        b_("        if has_b3:")
+        b_("            u += load(b3, n)")
+        b_("        store(s, mad32(add32(m0, m), ndim, n), silu(g) * u)")
     b_("buf ^= U1")
     b_("n0 = nn")
     b_("wb = wbn")
@@ -471,7 +464,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": hfma2, "hsum2": half2.hsum2,
-          "pack_h2": pack_h2, "warp_max": half2.warp_max, "ld16": half2.ld16,
+          "pack_h2": pack_h2, "warp_max": half2.warp_max, "ld4": _ld4w,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
@@ -550,7 +543,7 @@ def bucket(m):
 
 
 def threads(k, wide=False):
-    return 32 * -(-(k // (32 if wide else 16)) // 32)
+    return m1_block(k, wide)
 
 
 def parts_for(n, nch, sms, occupancy, cols=COLS):
@@ -677,13 +670,6 @@ class FusedFFNNF4CudaKernel(Kernel):
         from .cuda_launch import current_device, sm_count
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.a16 = self.in_types[0] == 10
-        self.luts, self.lut_args = {}, {}
-        for mt in MT_BUCKETS:
-            pair, _, _, h2, _ = table_choice(mt, a16=self.a16)
-            if (pair, h2) not in self.luts:
-                self.luts[pair, h2] = cuda.to_device(lut_for(code, pair, h2))
-            lut = self.luts[pair, h2]
-            self.lut_args[mt] = (lut.device_ctypes_pointer.value, (lut.size,))
         self.code = cuda.to_device(code)
         self.code_arg = (self.code.device_ctypes_pointer.value, (16,))
         self.generic = launcher(self.a16, None)
@@ -707,10 +693,14 @@ class FusedFFNNF4CudaKernel(Kernel):
             pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
             self.mma_scratch = ScratchPool(pf, nc)
             self.mma_floats = pf
-        self.block, self.align = {}, {}
+        self.block, self.align, self.luts, self.lut_args = {}, {}, {}, {}
         if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
             for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
-                wide = table_choice(mt, a16=self.a16, k=self.k)[4]
+                pair, _, _, h2, wide = table_choice(mt, a16=self.a16, k=self.k)
+                if (pair, h2) not in self.luts:
+                    self.luts[pair, h2] = cuda.to_device(lut_for(code, pair, h2))
+                lut = self.luts[pair, h2]
+                self.lut_args[mt] = (lut.device_ctypes_pointer.value, (lut.size,))
                 self.block[mt] = threads(self.k, wide)
                 self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
                 self.fast[mt] = launcher(self.a16, mt, wide=wide)

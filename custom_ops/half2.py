@@ -1,7 +1,6 @@
 """Packed fp16 (half2, held as uint32 bits) device helpers for the decode kernels, GPU (inline PTX) and CUDA-simulator
 versions: ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max`` (the largest value of a warp, in
-lane 0), ``ld16`` (16 bytes of a uint64 array in one streaming load), ``fp32_decode`` (the opt-out of packed-fp16
-arithmetic); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
+lane 0), ``fp32_decode`` (the opt-out of packed-fp16 arithmetic); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
 ops: one fma.rn.f16x2)."""
 from __future__ import annotations
 
@@ -34,11 +33,6 @@ if config.ENABLE_CUDASIM:
         with np.errstate(all="ignore"):
             return np.float32(np.float32(ha[0] + ha[1]) + np.float32(hb[0] + hb[1]))
 
-    def ld16(arr, i):
-        """The 16 bytes at uint64 element i (even) as 4 uint32 words, low word first."""
-        a, b = int(arr[i]), int(arr[i + 1])
-        return (np.uint32(a & 0xFFFFFFFF), np.uint32(a >> 32), np.uint32(b & 0xFFFFFFFF), np.uint32(b >> 32))
-
     @cuda.jit(device=True)
     def warp_max(v, red, tid):
         """Largest of the warp's ``v`` (NaN ignored), in lane 0 (the simulator has no shuffles: shared memory)."""
@@ -69,22 +63,6 @@ else:
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i32, i32]), text, "=f,r,r")
             return builder.call(asm, args)
         return types.float32(types.uint32, types.uint32), codegen
-
-    @intrinsic
-    def ld16(typingctx, arr, idx):
-        """The 16 bytes at uint64 element ``idx`` (16-byte aligned) of ``arr`` as 4 uint32 words, low word first: one
-        ld.global.nc.L1::no_allocate.v4.u32 (read-only, streamed past L1)."""
-        rt = types.UniTuple(types.uint32, 4)
-
-        def codegen(context, builder, sig, args):
-            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            ptr = builder.gep(ary.data, [context.cast(builder, args[1], sig.args[1], types.uint64)])
-            i32 = ir.IntType(32)
-            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ptr.type])
-            res = builder.call(ir.InlineAsm(fnty, "ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$4];",
-                                            "=r,=r,=r,=r,l"), [ptr])
-            return context.make_tuple(builder, rt, [builder.extract_value(res, k) for k in range(4)])
-        return rt(arr, idx), codegen
 
     @cuda.jit(device=True, inline=True)
     def warp_max(v, red, tid):

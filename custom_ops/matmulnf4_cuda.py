@@ -332,8 +332,9 @@ def m1_path(m, k):
     return m == 1 and k % 16 == 0 and k // 16 <= 1024
 
 
-def m1_block(k):
-    return max(32, ((k // 16 + 31) // 32) * 32)
+def m1_block(k, wide=False):
+    """Threads of an M=1 block: one per 8-byte word of a row (wide: per 16 bytes), whole warps."""
+    return max(32, 32 * -(-(k // (32 if wide else 16)) // 32))
 
 
 def m1_grid(n, sms=132, k=4096, cols=M1_COLS, pair=None):
@@ -400,8 +401,7 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         pair = m1_opts.get("pair", M1_PAIR) or bool(m1_opts.get("h2"))
         g = m1_grid(n, sms, k, m1_opts.get("COLS") or M1_COLS, pair)
         shmem = TAB_BYTES if pair else 0
-        if m1_opts.get("wide"):
-            block = 32 * -(-(k // 32) // 32)
+        block = m1_block(k, m1_opts.get("wide", False))
     words = mode in ("m1", "fast")
     dev = [cuda.to_device(a2), cuda.to_device(q.reshape(-1).view(np.uint64) if words else q.reshape(-1)),
            cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(code), cuda.to_device(b),
