@@ -37,7 +37,7 @@ MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": 
                ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
                ("h2 chain2 c8", {"h2": 2, "COLS": 8})]
 FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
-                ("pair c4 prefetch early", {"early": True}),
+                ("pair c4 prefetch early (M=2: default below K 4096)", {"early": True}),
                 ("pair c2 prefetch early", {"cols": 2, "early": True}),
                 ("tab16 c4 prefetch (M=1: was default)", {"pair": False, "nib": False}),
                 ("tab16 c2 prefetch", {"pair": False, "cols": 2}),
@@ -54,10 +54,10 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c4 pingpong", {"h2": 4, "pingpong": True}),
                 ("h2 chain2 c8 pingpong", {"h2": 2, "cols": 8, "pingpong": True}),
                 ("h2 chain2 c2", {"h2": 2, "cols": 2}),
-                ("h2 chain2 c4 wide (M=1: fp16 default from K 4096)", {"h2": 2, "wide": True}),
+                ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
                 ("h2 chain2 c2 wide", {"h2": 2, "cols": 2, "wide": True}),
                 ("h2 chain2 c8 wide", {"h2": 2, "cols": 8, "wide": True}),
-                ("h2 chain4 c4 wide", {"h2": 4, "wide": True}),
+                ("h2 chain4 c4 wide (fp16 default from K 4096)", {"h2": 4, "wide": True}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
                 ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
 
@@ -67,7 +67,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="defaults and the tab16 variants only")
     ap.add_argument("--mm-only", metavar="KxN", help="only this MatMulNF4 shape (e.g. 2048x6144), no FFN cases")
     ap.add_argument("--ffn-only", action="store_true", help="only the FusedFFNNF4 cases")
-    ap.add_argument("--only", metavar="S1,S2", help="only the variants whose label holds one of these strings")
+    ap.add_argument("--only", metavar="S1,S2", help="only the variants whose label holds one of these strings (=S: "
+                    "is S; separated by ';' when a label has a comma)")
     ap.add_argument("--ffn-ms", metavar="M1,M2", help="only the FusedFFNNF4 cases at these M")
     a = ap.parse_args()
     mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
@@ -75,7 +76,8 @@ def main():
         mm_shapes = []
     if a.ffn_ms:
         ffn_shapes = [c for c in ffn_shapes if str(c[0]) in a.ffn_ms.split(",")]
-    keep = (lambda label: any(t in label for t in a.only.split(","))) if a.only else (lambda label: True)  # noqa: E731
+    keep = (lambda label: any(label == t[1:] if t.startswith("=") else t in label  # noqa: E731
+                              for t in a.only.split(";" if ";" in a.only else ","))) if a.only else (lambda label: True)
     if a.mm_only:
         mm_shapes, ffn_shapes = [tuple(int(v) for v in a.mm_only.lower().split("x"))], []
     import torch
@@ -197,13 +199,14 @@ def main():
             block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
+            grid = parts
             lt = nlut16 if h2 else nlut if pair else nlut32
-            calls = [lambda w=w: lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
+            calls = [lambda w=w: lau.launch(grid, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
                                             ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
                                             k, n, BS.bit_length() - 5, parts, 0, 0)
                      for w in dev]
             t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
-            report(case, label, t, nbytes, t_torch, err, f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
+            report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
     print("\nbest per case:")
     for case in dict.fromkeys(r[0] for r in rows):
         best = min((r for r in rows if r[0] == case), key=lambda r: r[2])

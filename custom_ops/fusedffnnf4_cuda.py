@@ -31,6 +31,9 @@ query (``Launcher.blocks_per_sm``) now opts the kernel in first. See docs/ffn4.m
 With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, H2): one PRMT, one LDS and
 one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us (H100),
 21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row (WIDE): 24.1 us.
+X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sectors each and held the prologue for
+~2 us): LLaMA-7B gate+up 21.7-21.9 us at M = 1 (H100, 2026-11-26); at M = 2 from K = 4096 chains of 4 with 16-byte
+weight loads (H2_WIDE): 23.4-23.9 us against 26.9-27.3 for the pair table.
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
@@ -72,11 +75,14 @@ H2 = {1: 2, 2: 0}          # per row bucket, fp16 X only: the packed-fp16 decode
                             # Chains of 4 (H100 23.8 us at 4096 with 8 columns a step) round about twice as much,
                             # so 2; M=2, chains of 4 against the pair table: H100 27.4 / 27.5 (the pair figure from an
                             # earlier run), H200 26.1 / 27.0: kept
-WIDE = {1: True, 2: False}   # per row bucket, with h2, K % 32 == 0 and K >= WIDE_MIN_K: two words (16 bytes) per
-WIDE_MIN_K = 4096           # thread and row, one ld.global.nc.L1::no_allocate.v4 each (half the threads and absmax
-                            # loads). H100, weights past L2, M=1 (nf4shapes_gpu.py): LLaMA-7B gate+up 24.08 / 24.16
-                            # us against 24.80 / 24.81 (two runs); 2048 -> 2 x 8192 14.68 against 12.46 (64-thread
-                            # blocks), hence the bound
+WIDE = {1: True, 2: True}   # per row bucket, fp16 X, K % 32 == 0 and K >= WIDE_MIN_K: the h2 decode with chains of
+WIDE_MIN_K = 4096           # H2_WIDE[mt] and two words (16 bytes) per thread and row, one ld.global.nc.L1::no_allocate
+H2_WIDE = {1: 2, 2: 4}      # .v4 each (half the threads and absmax loads). H100, weights past L2 (nf4shapes_gpu.py,
+                            # 2026-11-26 after the 16-byte X loads, two runs), LLaMA-7B gate+up, us: M=2 chains of 4
+                            # 23.38 / 23.86 against 26.85 / 27.32 for the pair table (26.47 / 26.93 chains of 2); M=1
+                            # chains of 4 21.05 / 21.80 against 21.89 / 21.68 for chains of 2: inside the spread, so
+                            # M=1 keeps the smaller rounding. At 2048 -> 2 x 8192 the 64-thread blocks are slower (M=1
+                            # 13.07 against 12.31; M=2 15.42 / 15.03), hence the bound
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
@@ -196,9 +202,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             raise ValueError("int4 is a mode of the one-weight (matmul=True) kernel")
         pair = False
     nw = 1 if matmul else 2
-    if max_registers is None and cols == COLS and prefetch and not wide:   # the default geometry; variants and
-                                                                           # wide (3 blocks of K/32 per SM): ptxas's
-        max_registers = MAX_REGISTERS.get(mt)
+    if max_registers is None and cols == COLS and prefetch and not wide:
+        max_registers = MAX_REGISTERS.get(mt)       # the default geometry; variants and wide: ptxas's choice
     nv = nw * cols * mt                 # partial sums per thread: [weight][column][row]
     steps = nv.bit_length() - 1
     low = 5 - steps                     # lane bits reduced by the final butterfly
@@ -250,13 +255,23 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_("        i = uint32(i + (nthreads << uint32(2)))")
         t_("    while i < U4096:")
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
-    elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy
+    elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy.
+                   # Four entries' loads are issued before their stores (one load's latency, not one per entry)
         t_("    while i < U256:")
-        t_("        e = pack_h2(lut[i >> U4], lut[i & U15])" if matmul else "        e = lut[i]")
-        t_("        j = uint32(0)")
-        t_("        while j < uint32(32):")
-        t_("            tab[(i << uint32(6)) | ((i + j) & U31)] = e")
-        t_("            j = uint32(j + U1)")
+        for u in range(4):
+            iu = "i" if u == 0 else f"i{u}"
+            if u:
+                t_(f"        {iu} = i + nthreads * uint32({u})")
+            t_(f"        e{u} = (pack_h2(lut[{iu} >> U4], lut[{iu} & U15]) if {iu} < U256 else U0)" if matmul else
+               f"        e{u} = lut[{iu}] if {iu} < U256 else U0")
+        for u in range(4):
+            iu = "i" if u == 0 else f"i{u}"
+            t_(f"        if {iu} < U256:")
+            t_("            j = uint32(0)")
+            t_("            while j < uint32(32):")
+            t_(f"                tab[({iu} << uint32(6)) | (({iu} + j) & U31)] = e{u}")
+            t_("                j = uint32(j + U1)")
+        t_("        i = uint32(i + nthreads * uint32(3))")
     elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
         t_("    while i < uint32(512):")
         t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
@@ -286,17 +301,26 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     for m in range(mt):
         a(f"    okx = owns and m0 + uint32({m}) < mdim")
         a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + (tid << {'U5' if wide else 'U4'}))")
+        a("    if okx:     # 16-byte loads (X's base 16-byte aligned: the hosts check)")
+        for e in range(0, ne, 8):
+            a("        " + ", ".join(f"x_{m}_{e + j}" for j in range(8)) + f" = ldx8(x, (xb >> U3) + uint32({e // 8}))")
+        a("    else:")
         for e in range(ne):
-            xv = f"float32(x[xb + uint32({e})])" if matmul else f"load(x, xb + uint32({e}))"
-            a(f"    x_{m}_{e} = {xv} if okx else F0")
+            a(f"        x_{m}_{e} = F0")
         if int4:
             a(f"    xsum_{m} = " + " + ".join(f"x_{m}_{e}" for e in range(16)))
-        if h2:      # the row's largest |x| over the block (NaN ignored), for its power-of-two scale
-            a("    xm = F0")
-            for e in range(ne):
-                a(f"    av = abs(x_{m}_{e})")
-                a(f"    xm = av if av > xm else xm")
-            a("    xm = warp_max(xm, simred, tid)")
+        if h2:      # the row's largest |x| over the block (NaN ignored), for its power-of-two scale: a tree of
+                    # fmax (depth 5 for 32 values; a chain took ~6% of the kernel's warp time), then the warp's max
+            lv = [f"abs(x_{m}_{e})" for e in range(ne)]
+            t = 0
+            while len(lv) > 1:
+                nxt = []
+                for i in range(0, len(lv) - 1, 2):
+                    a(f"    xt{t} = fmax({lv[i]}, {lv[i + 1]})")
+                    nxt.append(f"xt{t}")
+                    t += 1
+                lv = nxt + lv[len(lv) - len(lv) % 2:]
+            a(f"    xm = warp_max({lv[0]}, simred, tid)")
             a("    if lane == U0:")
             a(f"        xmax[uint32({m * NWMAX}) + warp] = xm")
     a("    my_idx = uint32(0)")
@@ -464,7 +488,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": hfma2, "hsum2": half2.hsum2,
-          "pack_h2": pack_h2, "warp_max": half2.warp_max, "ld4": _ld4w,
+          "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w, "ldx8": half2.ldx8,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
@@ -568,15 +592,20 @@ fp32_decode = half2.fp32_decode
 
 def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=None, k=None):
     """(pair, early, nib, h2, wide) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR /
-    EARLY / NIB / H2 / WIDE (h2 only with fp16 X; it replaces the pair and nib tables; wide only with h2 and, when
-    ``k`` is given, K % 32 == 0)."""
-    h2 = ((0 if fp32_decode() else H2.get(mt, 0)) if h2 is None else int(h2)) if a16 else 0
+    EARLY / NIB / H2 (with fp16 X from K = WIDE_MIN_K, K % 32 == 0: WIDE with chains of H2_WIDE; h2 only with fp16 X;
+    it replaces the pair and nib tables and early; wide only with h2 and, when ``k`` is given, K % 32 == 0)."""
+    big = k is not None and k >= WIDE_MIN_K and k % 32 == 0 and WIDE.get(mt, False) and wide is not False
+    if not a16:
+        h2 = 0
+    elif h2 is None:
+        h2 = 0 if fp32_decode() else H2_WIDE[mt] if big else H2.get(mt, 0)
+    h2 = int(h2)
     if wide is None:
         wide = WIDE.get(mt, False) and (k is None or k >= WIDE_MIN_K)
     wide = bool(h2) and bool(wide) and (k is None or k % 32 == 0)
     return ((PAIR.get(mt, True) if pair is None else pair) and not h2,
-            (EARLY.get(mt, False) if early is None else early), (NIB.get(mt, False) if nib is None else nib) and not h2,
-            h2, wide)
+            (EARLY.get(mt, False) and not h2 if early is None else early),
+            (NIB.get(mt, False) if nib is None else nib) and not h2, h2, wide)
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
@@ -649,8 +678,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
         kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                                   early=early, nib=nib, h2=h2,
-                                                                                   wide=wide)
+                                                                   early=early, nib=nib, h2=h2, wide=wide)
         for _ in range(repeat):
             kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
     else:
@@ -703,7 +731,7 @@ class FusedFFNNF4CudaKernel(Kernel):
                 self.lut_args[mt] = (lut.device_ctypes_pointer.value, (lut.size,))
                 self.block[mt] = threads(self.k, wide)
                 self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
-                self.fast[mt] = launcher(self.a16, mt, wide=wide)
+                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide)
                 occ = blocks_per_sm(self.fast[mt], self.block[mt])
                 for m in range(1, MAX_M_FAST + 1):
                     if bucket(m) == mt:
@@ -741,7 +769,7 @@ class FusedFFNNF4CudaKernel(Kernel):
                            self.bs.bit_length() - 1, parts, hb1, hb3)
             return
         mt = bucket(m)
-        if m in self.parts and not ((q1.ptr | q3.ptr) & self.align[mt]):
+        if m in self.parts and not ((q1.ptr | q3.ptr) & self.align[mt] or x.ptr & 15):   # 16-byte loads of X
             parts = self.parts[m]
             self.fast[mt].launch(-(-m // mt) * parts, self.block[mt], ctx.stream, *common,
                                  (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),

@@ -1,13 +1,14 @@
 """Packed fp16 (half2, held as uint32 bits) device helpers for the decode kernels, GPU (inline PTX) and CUDA-simulator
 versions: ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max`` (the largest value of a warp, in
-lane 0), ``fp32_decode`` (the opt-out of packed-fp16 arithmetic); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
-ops: one fma.rn.f16x2)."""
+lane 0), ``ldx8`` (8 consecutive elements of X as fp32, in one or two 16-byte loads), ``fp32_decode`` (the opt-out
+of packed-fp16 arithmetic); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other
+32-bit PTX ops: one fma.rn.f16x2)."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
-from numba import config, cuda, float32
+from numba import config, cuda, float32, int32, uint32
 
 FULL = np.uint32(0xFFFFFFFF)
 
@@ -33,9 +34,14 @@ if config.ENABLE_CUDASIM:
         with np.errstate(all="ignore"):
             return np.float32(np.float32(ha[0] + ha[1]) + np.float32(hb[0] + hb[1]))
 
+    def fmax(a, b):
+        """IEEE maxNum (fmaxf: a NaN operand is ignored)."""
+        return np.fmax(np.float32(a), np.float32(b))
+
     @cuda.jit(device=True)
     def warp_max(v, red, tid):
-        """Largest of the warp's ``v`` (NaN ignored), in lane 0 (the simulator has no shuffles: shared memory)."""
+        """Largest of the warp's ``v`` (>= 0; NaN ignored), in lane 0 (the simulator has no shuffles: shared
+        memory)."""
         red[tid] = v
         cuda.syncthreads()
         s = float32(0.0)
@@ -45,9 +51,17 @@ if config.ENABLE_CUDASIM:
                     s = red[tid + i]
         cuda.syncthreads()
         return s
+
+    def ldx8(a, i):
+        """Elements 8 i .. 8 i + 7 of ``a`` (fp16, fp16 bits as uint16, or fp32) as fp32 values."""
+        v = np.asarray([a[8 * int(i) + j] for j in range(8)])
+        if v.dtype == np.uint16:
+            v = v.view(np.float16)
+        return tuple(np.float32(t) for t in v)
 else:
     from llvmlite import ir
     from numba import types
+    from numba.cuda import libdevice
     from numba.extending import intrinsic
 
     @intrinsic
@@ -64,11 +78,44 @@ else:
             return builder.call(asm, args)
         return types.float32(types.uint32, types.uint32), codegen
 
+    fmax = cuda.jit(device=True, inline=True)(lambda a, b: libdevice.fmaxf(a, b))
+
+    @intrinsic
+    def _redux_umax(typingctx, u):
+        """redux.sync.max.u32 over the full warp (sm_80+)."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "redux.sync.max.u32 $0, $1, 0xffffffff;", "=r,r")
+            return builder.call(asm, args)
+        return types.uint32(types.uint32), codegen
+
     @cuda.jit(device=True, inline=True)
     def warp_max(v, red, tid):
-        """Largest of the warp's ``v`` (NaN ignored), in lane 0."""
-        for off in (16, 8, 4, 2, 1):
-            o = cuda.shfl_down_sync(FULL, v, off)
-            if o > v:
-                v = o
-        return v
+        """Largest of the warp's ``v`` (>= 0: their bit patterns order as their values; a NaN counts as the
+        largest), in every lane: one redux.sync on the bits."""
+        return libdevice.int_as_float(int32(_redux_umax(uint32(libdevice.float_as_int(v)))))
+
+    @intrinsic
+    def ldx8(typingctx, arr, idx):
+        """Elements 8 i .. 8 i + 7 of ``arr`` (fp16, fp16 bits as uint16, or fp32) as fp32 values: one 16-byte load
+        (fp32: two). Every thread of a decode kernel reads its own 16 or 32 consecutive elements of X: element-wise
+        loads would ask a warp for 32 sectors each (measured: the kernel's prologue waited ~29% of its warp time)."""
+        rt = types.UniTuple(types.float32, 8)
+        half = arr.dtype.bitwidth == 16
+
+        def codegen(context, builder, sig, args):
+            i32, f32 = ir.IntType(32), ir.FloatType()
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            i = context.cast(builder, args[1], sig.args[1], types.uint64)
+            ptr = builder.gep(ary.data, [builder.shl(i, ir.Constant(ir.IntType(64), 3))])
+            if half:
+                v = builder.load(builder.bitcast(ptr, ir.VectorType(ir.HalfType(), 8).as_pointer()), align=16)
+                vals = [builder.fpext(builder.extract_element(v, ir.Constant(i32, j)), f32) for j in range(8)]
+            else:
+                p4 = builder.bitcast(ptr, ir.VectorType(f32, 4).as_pointer())
+                vs = [builder.load(builder.gep(p4, [ir.Constant(i32, h)]), align=16) for h in range(2)]
+                vals = [builder.extract_element(vs[j >> 2], ir.Constant(i32, j & 3)) for j in range(8)]
+            return context.make_tuple(builder, rt, vals)
+        if not (half or arr.dtype == types.float32):
+            return None
+        return rt(arr, idx), codegen

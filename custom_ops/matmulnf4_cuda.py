@@ -558,7 +558,8 @@ class MatMulNF4CudaKernel(Kernel):
                            int(bias is not None), 0)
             return
         mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2)
-        if mode != "generic" and (q.ptr & 7):  # 8-byte words need an aligned buffer (onnxruntime's always are)
+        if mode != "generic" and (q.ptr & 7 or mode == "m1" and a.ptr & 15):  # 8-byte words, 16-byte loads of A:
+            # aligned buffers (onnxruntime's always are)
             mode, g, block, shmem = "generic", grid(self.n), 32 * WARPS_PER_BLOCK, 0
         args = _args(mode, (a.ptr, (m * self.k,)), (q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)),
                      (self.code_ptr, (16,)), (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m,

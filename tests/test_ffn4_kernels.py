@@ -137,8 +137,8 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
         if np.dtype(dtype) == np.float16 and m <= 2:     # the packed-fp16 decode (its default is per bucket)
             variants += [{"h2": 2}, {"h2": 4}, {"h2": 0}] + ([{"h2": 2, "cols": 2, "early": True}] if SIM else [])
             if k % 32 == 0:     # two words (16 bytes) per thread and row
-                variants += [{"h2": 2, "wide": True}] + ([{"h2": 4, "wide": True, "cols": 2, "pingpong": True}]
-                                                         if SIM else [])
+                variants += [{"h2": 2, "wide": True}, {"h2": 4, "wide": True}] + (
+                    [{"h2": 4, "wide": True, "cols": 2, "pingpong": True}] if SIM else [])
     for kw in variants:
         s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)
         assert s.shape == ref.shape and s.dtype == x.dtype, kw
@@ -302,8 +302,9 @@ def test_nonfinite_x_nf4(dtype):
 
 
 def test_nf4_h2_default_and_opt_out(monkeypatch):
-    """fp16 X at M = 1 decodes in packed fp16 by default (chains of 2), fp32 X never does, and
-    ONNX_LOWBIT_FP32_DECODE=1 keeps the fp32 decode (its table choice and the outputs of run_arrays)."""
+    """fp16 X at M = 1 decodes in packed fp16 by default (chains of 2; from K = 4096 with two words per thread and
+    row; at M = 2 from K = 4096 with chains of 4), fp32 X never does, and ONNX_LOWBIT_FP32_DECODE=1 keeps the fp32
+    decode (its table choice and the outputs of run_arrays)."""
     fc = _nf4_cuda()
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     assert fc.table_choice(1, a16=True)[3] == 2 and fc.table_choice(1, a16=False)[3] == 0
@@ -312,6 +313,10 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
     assert fc.table_choice(1, a16=True, k=4096)[4] and fc.table_choice(1, a16=True, k=8192)[4]
     assert not fc.table_choice(1, a16=True, k=2048)[4] and not fc.table_choice(1, a16=True, k=4112)[4]
     assert not fc.table_choice(1, a16=False, k=4096)[4] and not fc.table_choice(1, a16=True, k=4096, h2=0)[4]
+    assert fc.table_choice(1, a16=True, k=4096)[3:] == (2, True) and fc.table_choice(1, a16=True, k=2048)[3:] == (2, False)
+    assert fc.table_choice(2, a16=True, k=4096) == (False, False, False, 4, True)
+    assert fc.table_choice(2, a16=True, k=2048) == (True, True, False, 0, False)      # the pair table, built early
+    assert fc.table_choice(1, a16=True, k=4096, wide=False)[3:] == (2, False)
     k, n, bs = 128, 8, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=7)
     x, _, _ = _data((1,), k, n, np.float16, (False, False), 7)
@@ -319,6 +324,7 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
     assert np.array_equal(fast.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=2).view(np.uint16))
     monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
     assert fc.table_choice(1, a16=True)[:4] == (False, False, True, 0)
+    assert fc.table_choice(1, a16=True, k=4096)[3:] == (0, False) and fc.table_choice(2, a16=True, k=4096)[3] == 0
     exact = fc.run_arrays(x, *ws, "nf4", bs, k, n)
     assert np.array_equal(exact.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=0).view(np.uint16))
     ref = ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, None, None)
