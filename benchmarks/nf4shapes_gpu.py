@@ -70,12 +70,15 @@ def main():
     ap.add_argument("--only", metavar="S1,S2", help="only the variants whose label holds one of these strings (=S: "
                     "is S; separated by ';' when a label has a comma)")
     ap.add_argument("--ffn-ms", metavar="M1,M2", help="only the FusedFFNNF4 cases at these M")
+    ap.add_argument("--ffn-k", metavar="K1,K2", help="only the FusedFFNNF4 cases at these K")
     a = ap.parse_args()
     mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
     if a.ffn_only:
         mm_shapes = []
     if a.ffn_ms:
         ffn_shapes = [c for c in ffn_shapes if str(c[0]) in a.ffn_ms.split(",")]
+    if a.ffn_k:
+        ffn_shapes = [c for c in ffn_shapes if str(c[1]) in a.ffn_k.split(",")]
     keep = (lambda label: any(label == t[1:] if t.startswith("=") else t in label  # noqa: E731
                               for t in a.only.split(";" if ";" in a.only else ","))) if a.only else (lambda label: True)
     if a.mm_only:

@@ -32,8 +32,8 @@ With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2`
 one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us (H100),
 21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row (WIDE): 24.1 us.
 X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sectors each and held the prologue for
-~2 us): LLaMA-7B gate+up 21.7-21.9 us at M = 1 (H100, 2026-11-26); at M = 2 from K = 4096 chains of 4 with 16-byte
-weight loads (H2_WIDE): 23.4-23.9 us against 26.9-27.3 for the pair table.
+~2 us), and from K = 4096 the chains are 4 bytes long (H2_WIDE): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
+2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
@@ -77,12 +77,13 @@ H2 = {1: 2, 2: 0}          # per row bucket, fp16 X only: the packed-fp16 decode
                             # earlier run), H200 26.1 / 27.0: kept
 WIDE = {1: True, 2: True}   # per row bucket, fp16 X, K % 32 == 0 and K >= WIDE_MIN_K: the h2 decode with chains of
 WIDE_MIN_K = 4096           # H2_WIDE[mt] and two words (16 bytes) per thread and row, one ld.global.nc.L1::no_allocate
-H2_WIDE = {1: 2, 2: 4}      # .v4 each (half the threads and absmax loads). H100, weights past L2 (nf4shapes_gpu.py,
-                            # 2026-11-26 after the 16-byte X loads, two runs), LLaMA-7B gate+up, us: M=2 chains of 4
-                            # 23.38 / 23.86 against 26.85 / 27.32 for the pair table (26.47 / 26.93 chains of 2); M=1
-                            # chains of 4 21.05 / 21.80 against 21.89 / 21.68 for chains of 2: inside the spread, so
-                            # M=1 keeps the smaller rounding. At 2048 -> 2 x 8192 the 64-thread blocks are slower (M=1
-                            # 13.07 against 12.31; M=2 15.42 / 15.03), hence the bound
+H2_WIDE = {1: 4, 2: 4}      # .v4 each (half the threads and absmax loads). H100, weights past L2 (nf4shapes_gpu.py,
+                            # 2026-11-26 after the 16-byte X loads), LLaMA-7B gate+up, us: M=2 chains of 4 23.38 /
+                            # 23.86 / 24.09 against 26.85 / 27.32 for the pair table (chains of 2: 26.47 / 26.93 /
+                            # 27.05); M=1 chains of 4 21.05 / 21.80 / 21.25 (mean 21.37) against 21.89 / 21.68 / 22.44
+                            # / 21.99 (mean 22.0) for chains of 2. Rounding (benchmarks/h2_error.py, RMS of x W^T):
+                            # 3.9e-4 against 3.2e-4 (zero-mean X). At 2048 -> 2 x 8192 the 64-thread blocks are slower
+                            # (M=1 13.07 against 12.31; M=2 15.42 / 15.03), hence the bound
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against

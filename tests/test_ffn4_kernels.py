@@ -302,9 +302,9 @@ def test_nonfinite_x_nf4(dtype):
 
 
 def test_nf4_h2_default_and_opt_out(monkeypatch):
-    """fp16 X at M = 1 decodes in packed fp16 by default (chains of 2; from K = 4096 with two words per thread and
-    row; at M = 2 from K = 4096 with chains of 4), fp32 X never does, and ONNX_LOWBIT_FP32_DECODE=1 keeps the fp32
-    decode (its table choice and the outputs of run_arrays)."""
+    """fp16 X at M = 1 decodes in packed fp16 by default (chains of 2; from K = 4096 chains of 4 with two words per
+    thread and row, also at M = 2), fp32 X never does, and ONNX_LOWBIT_FP32_DECODE=1 keeps the fp32 decode (its
+    table choice and the outputs of run_arrays)."""
     fc = _nf4_cuda()
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     assert fc.table_choice(1, a16=True)[3] == 2 and fc.table_choice(1, a16=False)[3] == 0
@@ -313,7 +313,7 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
     assert fc.table_choice(1, a16=True, k=4096)[4] and fc.table_choice(1, a16=True, k=8192)[4]
     assert not fc.table_choice(1, a16=True, k=2048)[4] and not fc.table_choice(1, a16=True, k=4112)[4]
     assert not fc.table_choice(1, a16=False, k=4096)[4] and not fc.table_choice(1, a16=True, k=4096, h2=0)[4]
-    assert fc.table_choice(1, a16=True, k=4096)[3:] == (2, True) and fc.table_choice(1, a16=True, k=2048)[3:] == (2, False)
+    assert fc.table_choice(1, a16=True, k=4096)[3:] == (4, True) and fc.table_choice(1, a16=True, k=2048)[3:] == (2, False)
     assert fc.table_choice(2, a16=True, k=4096) == (False, False, False, 4, True)
     assert fc.table_choice(2, a16=True, k=2048) == (True, True, False, 0, False)      # the pair table, built early
     assert fc.table_choice(1, a16=True, k=4096, wide=False)[3:] == (2, False)
@@ -433,8 +433,8 @@ def test_awq_cuda_host_entry_checks_inputs():
 @pytest.mark.parametrize("wide_min_k", [0, 1 << 20])
 def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     """A FusedFFNNF4 node in an onnxruntime CUDA session at M = 1 with fp16 X (GPU machine only) runs the
-    packed-fp16 decode, with two words per thread and row (WIDE_MIN_K lowered so that a small weight takes it) and
-    without: outputs against the reference, the same bits on a second run."""
+    packed-fp16 decode, with chains of 4 and two words per thread and row (WIDE_MIN_K lowered so that a small
+    weight takes it) and without: outputs against the reference, the same bits on a second run."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops import fusedffnnf4_cuda
@@ -448,4 +448,4 @@ def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     s2 = sess.run(None, {"x": x})[0]
     assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
     assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= _tol(np.float16)
-    assert fusedffnnf4_cuda.table_choice(1, a16=True, k=k)[3:] == (2, wide_min_k == 0)
+    assert fusedffnnf4_cuda.table_choice(1, a16=True, k=k)[3:] == ((4, True) if wide_min_k == 0 else (2, False))
