@@ -240,16 +240,23 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     a("    nwarps = nthreads >> U5")
     tsrc = ["    i = tid"]      # the table build: emitted before or (early) after the first loads
     t_ = tsrc.append
+
+    def loads4(ent, guard=""):
+        """The table build's loads of entries i, i + n, i + 2n, i + 3n (``ent``: I for the index) before their
+        stores (independent loads in flight); ``guard``: a bound on the index (else 0)."""
+        for u in range(4):
+            iu = "i" if u == 0 else f"i{u}"
+            if u:
+                t_(f"        {iu} = i + nthreads * uint32({u})")
+            e = ent.replace("I", iu)
+            t_(f"        e{u} = ({e}) if {iu} < {guard} else U0" if guard else f"        e{u} = {e}")
+
     if pair:        # unrolled by 4 (independent loads and stores in flight), then the remainder
         ent = ("uint64(f2u(lut[(I >> U4) >> U4])) | (uint64(f2u(lut[(I >> U4) & U15])) << U32)" if matmul else
                "lut[I >> U4]")   # matmul: from the 16 fp32 code values: low half code[v >> 4], high half code[v & 15]
         t_("    n3 = nthreads * U3")
         t_("    while i + n3 < U4096:")
-        for u in range(4):
-            iu = "i" if u == 0 else f"i{u}"
-            if u:
-                t_(f"        {iu} = i + nthreads * uint32({u})")
-            t_(f"        e{u} = {ent.replace('I', iu)}")
+        loads4(ent)
         for u in range(4):
             iu = "i" if u == 0 else f"i{u}"
             t_(f"        tab[(({iu} >> U4) << U5) | ({iu} & U15)] = e{u}")
@@ -259,12 +266,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy.
                    # Four entries' loads are issued before their stores (one load's latency, not one per entry)
         t_("    while i < U256:")
-        for u in range(4):
-            iu = "i" if u == 0 else f"i{u}"
-            if u:
-                t_(f"        {iu} = i + nthreads * uint32({u})")
-            t_(f"        e{u} = (pack_h2(lut[{iu} >> U4], lut[{iu} & U15]) if {iu} < U256 else U0)" if matmul else
-               f"        e{u} = lut[{iu}] if {iu} < U256 else U0")
+        loads4("pack_h2(lut[I >> U4], lut[I & U15])" if matmul else "lut[I]", "U256")
         for u in range(4):
             iu = "i" if u == 0 else f"i{u}"
             t_(f"        if {iu} < U256:")
