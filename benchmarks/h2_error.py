@@ -1,7 +1,8 @@
 """Rounding error of the NF4 decode kernels' packed-fp16 arithmetic (``h2``), emulated in numpy (CPU, no GPU):
 x W^T for one row of X against float64, for the fp32 decode (exact products, fp32 sums), fp16 code values with
 exact products, and chains of 2 / 4 bytes (fma.rn.f16x2 into an fp16 partial sum, then fp32), as
-fusedffnnf4_cuda._make_decode(h2=c) computes them (X scaled by a power of two so that |x p| < 2^12).
+fusedffnnf4_cuda._make_decode(h2=c) computes them (X scaled by a power of two so that |x p| < 2^12), with the
+levels as plain fp16 and as fp16 of a * level (half2.h2_scale: what the kernels' tables hold).
 
 Three kinds of X: zero-mean N(0, 1), mean-shifted N(0.2, 1), and N(0, 1) with 8 outlier channels x 30 (as hidden
 states with massive activations). NF4 weights of N(0, 1) values, block 64. Prints the RMS of the error over the
@@ -16,6 +17,7 @@ import sys
 import numpy as np
 
 from onnx_lowbit import nf4
+from onnx_lowbit.custom_ops import half2
 
 
 def chains(codes16, xs16, c):
@@ -31,6 +33,14 @@ def chains(codes16, xs16, c):
                 h = (codes16[:, e].astype(np.float64) * np.float64(xs16[e]) + h.astype(np.float64)).astype(np.float16)
             unit += h.astype(np.float32)
     return unit
+
+
+def run(codes, amk, xp, p, c, k, n):
+    """x W^T by the h2 decode: per 16-byte unit the chains' fp32 sum times the absmax, over p."""
+    tot = np.zeros(n, np.float64)
+    for u0 in range(0, k, 32):
+        tot += chains(codes[:, u0:u0 + 32], xp[u0:u0 + 32], c).astype(np.float64) * amk[:, u0]
+    return tot / p
 
 
 def main():
@@ -55,15 +65,14 @@ def main():
         p = 2.0 ** (11 - np.floor(np.log2(xm)))
         xp = (x16.astype(np.float32) * np.float32(p)).astype(np.float16)
         c16 = codes.astype(np.float16)
+        a = np.float64(half2.h2_scale(nf4.code("nf4")))
+        ca16 = (codes.astype(np.float32) * np.float32(a)).astype(np.float16)
         rows = {"fp32 decode": ((codes * amk).astype(np.float32) @ x16.astype(np.float32)).astype(np.float64),
-                "fp16 code values": (c16.astype(np.float64) * amk) @ x16.astype(np.float64)}
+                "fp16 code values": (c16.astype(np.float64) * amk) @ x16.astype(np.float64),
+                "fp16 code values x a": (ca16.astype(np.float64) / a * amk) @ x16.astype(np.float64)}
         for c in (2, 4):
-            # per 16-byte unit one absmax (block 64 holds two units)
-            tot = np.zeros(n, np.float64)
-            for u0 in range(0, k, 32):
-                part = chains(c16[:, u0:u0 + 32], xp[u0:u0 + 32], c).astype(np.float64)
-                tot += part * amk[:, u0]
-            rows[f"h2 chains of {c}"] = tot / p
+            rows[f"h2 chains of {c}, plain levels"] = run(c16, amk, xp, p, c, k, n)
+            rows[f"h2 chains of {c} (levels x a)"] = run(ca16, amk, xp, p * a, c, k, n)
         line = [f"{name:24s}"]
         for label, y in rows.items():
             e = y - ref

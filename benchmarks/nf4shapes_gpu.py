@@ -86,7 +86,8 @@ def main():
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops import (fusedffnnf4_cpu, fusedffnnf4_cuda, half2, matmulnf4_cpu, matmulnf4_cuda,
+                                        nf4_common)
     from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher, current_device, sm_count
     torch.zeros(1, device="cuda")
     print("GPU:", torch.cuda.get_device_name(0))
@@ -97,7 +98,7 @@ def main():
     print(f"device copy 256 MiB: {t_copy:.1f} us = {bw:.0f} GB/s")
     rng = np.random.default_rng(0)
     code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": 64, "N": 1})[4]
-    dcode = torch.from_numpy(code).cuda()
+    dcode = torch.from_numpy(half2.code_with_scale(code)).cuda()     # the h2 kernels read entries 16, 17
     nlut = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, True).view(np.int64)).cuda()
     nlut32 = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, False).view(np.int32)).cuda()
     nlut16 = torch.from_numpy(fusedffnnf4_cuda.lut_for(code, False, h2=True).view(np.int32)).cuda()

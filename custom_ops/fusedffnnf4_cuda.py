@@ -183,14 +183,13 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     AND, one shift + AND per 8 nibbles) and each nibble's table address is one PRMT (nibble byte into bits 8..15,
     4 * lane into bits 0..7) instead of a shift and a mask. ``h2`` = c (2 or 4; fp16 X, two weights; replaces
     pair / nib): packed-fp16 decode. Each row of X is scaled by p = 2^(11 - floor(log2 max|x|)) (the row's largest
-    |x| over the block: |x p| < 2^12, so a chain of c <= 4 products with code values |v| <= 1 stays below 2^14 and
+    |x| over the block: |x p| < 2^12, so a chain of c <= 4 products with code values |a v| < 2 stays below 2^15 and
     never overflows; tiny rows become normal fp16) and held as 8 half2 registers; the table holds the byte-pair
-    values as fp16 (high nibble's value in the low half), 32 lane copies in dynamic shared memory (byte v, lane l
-    at byte v * 256 + 4 l), addressed by one PRMT per byte. Per byte: one PRMT, one LDS, one fma.rn.f16x2 into a
-    chain of c bytes; each word's chains are converted to fp32 and summed (hsum2) and scaled by the absmax; the
-    epilogue multiplies by 1/p. NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error (numpy
-    emulation, LLaMA-7B gate+up): x W^T within 2.8e-4 (c=2) / 3.6e-4 (c=4) RMS relative, against 1.6e-4 for fp16
-    code values alone and 0 for the fp32 decode."""
+    values times a = half2.h2_scale(code) (1.3662 for NF4: it halves the fp16 rounding of the levels) as fp16 (high
+    nibble's value in the low half), 32 lane copies in dynamic shared memory (byte v, lane l at byte v * 256 + 4 l),
+    addressed by one PRMT per byte. Per byte: one PRMT, one LDS, one fma.rn.f16x2 into a chain of c bytes; each
+    word's chains are converted to fp32 and summed (hsum2) and scaled by the absmax; the epilogue multiplies by
+    1 / (p a). NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error: benchmarks/h2_error.py."""
     if h2 and (int4 or not (a16 or matmul) or h2 not in (2, 4)):
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
@@ -264,9 +263,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_("    while i < U4096:")
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
     elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy.
-                   # Four entries' loads are issued before their stores (one load's latency, not one per entry)
+                   # Four entries' loads are issued before their stores (one load's latency, not one per entry).
+                   # The values are the code values times half2.h2_scale (matmul: lut[16]; else the host's lut)
+        if matmul:
+            t_("    al = lut[16]")
         t_("    while i < U256:")
-        loads4("pack_h2(lut[I >> U4], lut[I & U15])" if matmul else "lut[I]", "U256")
+        loads4("pack_h2(lut[I >> U4] * al, lut[I & U15] * al)" if matmul else "lut[I]", "U256")
         for u in range(4):
             iu = "i" if u == 0 else f"i{u}"
             t_(f"        if {iu} < U256:")
@@ -364,7 +366,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         src.extend(tsrc)
     a("    cuda.syncthreads()")
     if h2:
-        for m in range(mt):     # p = 2^(11 - floor(log2 max|x|)): |x p| < 2^12, a chain of 4 products < 2^14
+        a("    ia = lut[17]" if matmul else "    ia = as_f32(lut[U256])")
+        for m in range(mt):     # p = 2^(11 - floor(log2 max|x|)): |x p| < 2^12, a chain of 4 products < 2^15
             a("    xm = F0")
             a("    wj = uint32(0)")
             a("    while wj < nwarps:")
@@ -374,7 +377,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             a("    eb = (f2u(xm) >> uint32(23)) & uint32(255)")
             a("    okp = eb >= uint32(11) and eb != uint32(255)")
             a(f"    p_{m} = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
-            a(f"    ip_{m} = as_f32((eb - uint32(11)) << uint32(23)) if okp else F1")
+            a(f"    ip_{m} = (as_f32((eb - uint32(11)) << uint32(23)) if okp else F1) * ia   # and 1 / h2_scale")
             for j in range(ne // 2):
                 a(f"    x2_{m}_{j} = pack_h2(x_{m}_{2 * j} * p_{m}, x_{m}_{2 * j + 1} * p_{m})")
     a("    buf = uint32(0)")
@@ -548,12 +551,14 @@ def _make_generic(a16, warps=GEN_WARPS):
 # ------------------------------------------------------------------------------------------------- host side
 def lut_for(code, pair=True, h2=False):
     """The decode kernel's table: pair -> uint64 [256], entry b = fp32 bits of code[b >> 4] (low half, the first
-    element of the byte) | code[b & 15] << 32; h2 -> uint32 [256], the same two values as fp16 bits (RNE); else the
-    16 fp32 code values' bits (uint32)."""
+    element of the byte) | code[b & 15] << 32; h2 -> uint32 [257], the same two values times a = half2.h2_scale(code)
+    as fp16 bits (RNE), then the fp32 bits of 1 / a; else the 16 fp32 code values' bits (uint32)."""
     if h2:
-        c16 = np.ascontiguousarray(code, np.float32).astype(np.float16).view(np.uint16).astype(np.uint32)
+        a = half2.h2_scale(code)
+        c16 = (np.ascontiguousarray(code, np.float32) * a).astype(np.float16).view(np.uint16).astype(np.uint32)
         b = np.arange(256)
-        return (c16[b >> 4] | (c16[b & 15] << np.uint32(16))).astype(np.uint32)
+        tab = (c16[b >> 4] | (c16[b & 15] << np.uint32(16))).astype(np.uint32)
+        return np.append(tab, (np.float32(1) / a).view(np.uint32))
     code = np.ascontiguousarray(code, np.float32).view(np.uint32).astype(np.uint64)
     if not pair:
         return code.astype(np.uint32)

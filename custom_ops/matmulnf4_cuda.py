@@ -404,7 +404,8 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         block = m1_block(k, m1_opts.get("wide", False))
     words = mode in ("m1", "fast")
     dev = [cuda.to_device(a2), cuda.to_device(q.reshape(-1).view(np.uint64) if words else q.reshape(-1)),
-           cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(code), cuda.to_device(b),
+           cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(half2.code_with_scale(code)),
+           cuda.to_device(b),
            cuda.to_device(y)]
     if sim:
         da, dq, dam, dc, db, dy = dev
@@ -524,7 +525,8 @@ class MatMulNF4CudaKernel(Kernel):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.dtype = np.float32 if self.in_types[0] == 1 else np.float16
-        self.code = cuda.to_device(code)  # once, at session creation
+        self.code = cuda.to_device(half2.code_with_scale(code))  # once, at session creation (the h2 kernel reads
+        # entries 16, 17: half2.h2_scale and its inverse)
         self.code_ptr = self.code.device_ctypes_pointer.value
         self.h2 = m1_h2(self.dtype, self.k)
         self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k), self.h2)
@@ -562,7 +564,7 @@ class MatMulNF4CudaKernel(Kernel):
             # aligned buffers (onnxruntime's always are)
             mode, g, block, shmem = "generic", grid(self.n), 32 * WARPS_PER_BLOCK, 0
         args = _args(mode, (a.ptr, (m * self.k,)), (q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)),
-                     (self.code_ptr, (16,)), (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m,
+                     (self.code_ptr, (18,)), (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m,
                      self.k, self.n, self.bs, self.k * self.n // 16)
         self.launchers[mode].launch(g, block, ctx.stream, *args, shmem=shmem)
 

@@ -332,10 +332,11 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
 
 
 def test_nf4_h2_rounding_with_a_mean_in_x():
-    """The packed-fp16 decode's known limit: its fp16 code values round each of the 16 NF4 levels once, so the
-    error is systematic per level and does not average out when X has a mean. Here (K = 1024, X ~ N(0.2, 1),
-    weights N(0, 1), SiLU(g) * u after sums with cancellation) it reaches ~2e-3 of the largest output, twice the
-    fp16 tolerance, whatever the chain length; the fp32 decode (ONNX_LOWBIT_FP32_DECODE=1) stays far inside it."""
+    """The packed-fp16 decode rounds each of the 16 NF4 levels to fp16 once, so that error is systematic per level
+    and does not average out when X has a mean. Here (K = 1024, X ~ N(0.2, 1), weights N(0, 1), SiLU(g) * u after
+    sums with cancellation) plain fp16 levels gave 1.9e-3 of the largest output, twice the fp16 tolerance; the
+    table holds the levels times half2.h2_scale (1.3662 for NF4: half the rounding), which brings it to 6.8e-4.
+    The fp32 decode (ONNX_LOWBIT_FP32_DECODE=1) stays far inside."""
     fc = _nf4_cuda()
     k, n, bs = 1024, 3, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=2)
@@ -344,7 +345,7 @@ def test_nf4_h2_rounding_with_a_mean_in_x():
     assert _rel(fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, h2=0), ref) <= _tol(np.float16) / 8
     for kw in ({"h2": 2}, {"h2": 4, "wide": True}):
         err = _rel(fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, **kw), ref)
-        assert err <= 2.5e-3, (kw, err)
+        assert err <= _tol(np.float16), (kw, err)
 
 
 @pytest.mark.parametrize("scale,chain", [(2.0 ** -20, 2), (2.0 ** -9, 4), (1.0, 2), (3000.0, 4), (30000.0, 2)])
