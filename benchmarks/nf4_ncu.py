@@ -4,7 +4,7 @@ MatMulNF4's M=1 kernel, fp16 x, random NF4 bytes (block 64), each launched twice
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:decode python3 benchmarks/nf4_ncu.py ffn 2048 8192
     python3 benchmarks/nf4_ncu.py mm 8192 2048
-    python3 benchmarks/nf4_ncu.py ffn 4096 11008 "groups=2, tabv4=True"     # run_arrays options of a variant
+    python3 benchmarks/nf4_ncu.py ffn 4096 11008 "h2=2, wide=True"     # run_arrays options of a variant
 """
 import sys
 
@@ -16,7 +16,7 @@ from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_
 BS = 64
 cuda.current_context()      # the context first (matmulnf4_cuda asks the driver for the SM count)
 what, k, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-kw = eval("dict(" + sys.argv[4] + ")") if len(sys.argv) > 4 else {}     # run_arrays options, e.g. "groups=2"  # noqa: S307
+kw = eval("dict(" + sys.argv[4] + ")") if len(sys.argv) > 4 else {}     # run_arrays options, e.g. "h2=2"  # noqa: S307
 rng = np.random.default_rng(0)
 code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": k, "N": n})[4]
 x = (rng.standard_normal((1, k)) * 0.5).astype(np.float16)

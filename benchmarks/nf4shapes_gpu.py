@@ -203,14 +203,13 @@ def main():
             block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
-            grid = parts
             lt = nlut16 if h2 else nlut if pair else nlut32
-            calls = [lambda w=w: lau.launch(grid, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
+            calls = [lambda w=w: lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
                                             ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
                                             k, n, BS.bit_length() - 5, parts, 0, 0)
                      for w in dev]
             t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
-            report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
+            report(case, label, t, nbytes, t_torch, err, f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
     print("\nbest per case:")
     for case in dict.fromkeys(r[0] for r in rows):
         best = min((r for r in rows if r[0] == case), key=lambda r: r[2])

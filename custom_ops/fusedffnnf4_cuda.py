@@ -72,9 +72,9 @@ H2 = {1: 2, 2: 0}          # per row bucket, fp16 X only: the packed-fp16 decode
                             # (0: off; ``h2``, see _make_decode). Weights cycled past L2, M=1 (benchmarks/
                             # nf4shapes_gpu.py, BENCHMARKS.md), us, against the fp32 decode (nib): LLaMA-7B gate+up
                             # H100 24.8 / 25.6, H200 21.8 / 25.1; 2048 -> 2 x 8192 H100 12.5 / 14.2, H200 12.0 / 13.7.
-                            # Chains of 4 (H100 23.8 us at 4096 with 8 columns a step) round about twice as much,
-                            # so 2; M=2, chains of 4 against the pair table: H100 27.4 / 27.5 (the pair figure from an
-                            # earlier run), H200 26.1 / 27.0: kept
+                            # Below WIDE_MIN_K; from it H2_WIDE (chains of 4) applies. Earlier (before the 16-byte X
+                            # loads), chains of 4 measured H100 23.8 us at 4096 with 8 columns a step, and at M=2
+                            # against the pair table H100 27.4 / 27.5, H200 26.1 / 27.0
 WIDE = {1: True, 2: True}   # per row bucket, fp16 X, K % 32 == 0 and K >= WIDE_MIN_K: the h2 decode with chains of
 WIDE_MIN_K = 4096           # H2_WIDE[mt] and two words (16 bytes) per thread and row, one ld.global.nc.L1::no_allocate
 H2_WIDE = {1: 4, 2: 4}      # .v4 each (half the threads and absmax loads). H100, weights past L2 (nf4shapes_gpu.py,
@@ -240,11 +240,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     tsrc = ["    i = tid"]      # the table build: emitted before or (early) after the first loads
     t_ = tsrc.append
 
+    iu4 = ("i", "i1", "i2", "i3")   # the table build's four entry indices i + u * nthreads, unrolled by 4
+
     def loads4(ent, guard=""):
         """The table build's loads of entries i, i + n, i + 2n, i + 3n (``ent``: I for the index) before their
         stores (independent loads in flight); ``guard``: a bound on the index (else 0)."""
-        for u in range(4):
-            iu = "i" if u == 0 else f"i{u}"
+        for u, iu in enumerate(iu4):
             if u:
                 t_(f"        {iu} = i + nthreads * uint32({u})")
             e = ent.replace("I", iu)
@@ -256,8 +257,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_("    n3 = nthreads * U3")
         t_("    while i + n3 < U4096:")
         loads4(ent)
-        for u in range(4):
-            iu = "i" if u == 0 else f"i{u}"
+        for u, iu in enumerate(iu4):
             t_(f"        tab[(({iu} >> U4) << U5) | ({iu} & U15)] = e{u}")
         t_("        i = uint32(i + (nthreads << uint32(2)))")
         t_("    while i < U4096:")
@@ -269,8 +269,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             t_("    al = lut[16]")
         t_("    while i < U256:")
         loads4("pack_h2(lut[I >> U4] * al, lut[I & U15] * al)" if matmul else "lut[I]", "U256")
-        for u in range(4):
-            iu = "i" if u == 0 else f"i{u}"
+        for u, iu in enumerate(iu4):
             t_(f"        if {iu} < U256:")
             t_("            j = uint32(0)")
             t_("            while j < uint32(32):")
