@@ -60,12 +60,18 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c4 wide (fp16 default from K 4096)", {"h2": 4, "wide": True}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
                 ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
+# M=1, the warp-column kernel (nf4warp_cuda; FusedFFNNF4 and MatMulNF4): (label, warps per block, ptxas register
+# limit); "(default ...)" is what sessions take
+WC_VARIANTS = [("warpcols 6w r168", 6, 168), ("warpcols 4w r168", 4, 168), ("warpcols 8w r168", 8, 168),
+               ("warpcols 4w", 4, None), ("warpcols 8w", 8, None), ("warpcols 12w r168", 12, 168),
+               ("warpcols 8w r128", 8, 128)]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="defaults and the tab16 variants only")
-    ap.add_argument("--mm-only", metavar="KxN", help="only this MatMulNF4 shape (e.g. 2048x6144), no FFN cases")
+    ap.add_argument("--mm-only", metavar="KxN,...",
+                    help="only these MatMulNF4 shapes (e.g. 2048x6144,2048x2048), no FFN cases")
     ap.add_argument("--ffn-only", action="store_true", help="only the FusedFFNNF4 cases")
     ap.add_argument("--only", metavar="S1,S2", help="only the variants whose label holds one of these strings (=S: "
                     "is S; separated by ';' when a label has a comma)")
@@ -82,12 +88,12 @@ def main():
     keep = (lambda label: any(label == t[1:] if t.startswith("=") else t in label  # noqa: E731
                               for t in a.only.split(";" if ";" in a.only else ","))) if a.only else (lambda label: True)
     if a.mm_only:
-        mm_shapes, ffn_shapes = [tuple(int(v) for v in a.mm_only.lower().split("x"))], []
+        mm_shapes, ffn_shapes = [tuple(int(v) for v in sh.split("x")) for sh in a.mm_only.lower().split(",")], []
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     from onnx_lowbit.custom_ops import (fusedffnnf4_cpu, fusedffnnf4_cuda, half2, matmulnf4_cpu, matmulnf4_cuda,
-                                        nf4_common)
+                                        nf4_common, nf4warp_cuda)
     from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher, current_device, sm_count
     torch.zeros(1, device="cuda")
     print("GPU:", torch.cuda.get_device_name(0))
@@ -171,6 +177,16 @@ def main():
                      for ((q, am),) in dev]
             t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
+        for label, warps, mr in WC_VARIANTS if nf4warp_cuda.ok(1, k, True, BS) else ():
+            if not keep(label):
+                continue
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 1, mr)
+            grid = nf4warp_cuda.grid_for(lau, warps, sms)
+            calls = [lambda q=q, am=am: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
+                                                    ptr(dcode), ptr(y), 0, ptr(y), k, n, BS.bit_length() - 5)
+                     for ((q, am),) in dev]
+            t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
+            report(case, label, t, nbytes, t_torch, err, f"[{grid} x {32 * warps}, {grid // sms}/SM, {regs(lau)}]")
 
     for m, k, n in ffn_shapes:
         case = f"FusedFFNNF4 M={m} {k}->2x{n}"
@@ -210,6 +226,17 @@ def main():
                      for w in dev]
             t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
+        for label, warps, mr in WC_VARIANTS if nf4warp_cuda.ok(m, k, True, BS) else ():
+            if not keep(label):
+                continue
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr)
+            grid = nf4warp_cuda.grid_for(lau, warps, sms)
+            calls = [lambda w=w: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(w[0][0], k * n // 16),
+                                            ptr(w[0][1]), ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(nlut16),
+                                            ptr(s), ptr(s), ptr(s), m, k, n, BS.bit_length() - 5, grid, 0, 0)
+                     for w in dev]
+            t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
+            report(case, label, t, nbytes, t_torch, err, f"[{grid} x {32 * warps}, {grid // sms}/SM, {regs(lau)}]")
     print("\nbest per case:")
     for case in dict.fromkeys(r[0] for r in rows):
         best = min((r for r in rows if r[0] == case), key=lambda r: r[2])

@@ -17,7 +17,10 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
                  it is timed; "py/run" counts compute calls that reached Python per timed run (0: all native).
 
     python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep | --sweep-only] [--ms 1,8,64]
-                                      [--block-ms 1,4]
+                                      [--block-ms 1,4] [--shape 2048x8192]
+
+Where FusedFFNNF4 takes the warp-column kernel at M = 1 (fusedffnnf4_cuda.WARPCOLS, K = 2048), a row "ours
+FusedFFNNF4 (block kernel, WARPCOLS off)" times the same model with the block decode kernel.
 """
 from __future__ import annotations
 
@@ -71,6 +74,7 @@ def rewrite(model, passes, **opts):
 
 
 DEVICE = "cuda"
+BLOCK_KERNEL = "(block kernel, WARPCOLS off)"   # a row that times FusedFFNNF4 without the warp-column kernel
 
 
 def time_model(model, m, runs, cuda_graph, check_replay=False):
@@ -175,6 +179,7 @@ def prefill_sweep(sw, fused, ref, runs, ms):
 
 
 def main():
+    global K, N, DEVICE
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--json")
@@ -183,9 +188,10 @@ def main():
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
+    ap.add_argument("--shape", default=f"{K}x{N}", help="K x N of the weights (default LLaMA-7B's gate/up)")
     a = ap.parse_args()
     import onnxruntime as ort
-    global K, N, DEVICE
+    K, N = (int(v) for v in a.shape.lower().split("x"))
     if a.smoke:
         K, N, DEVICE = 256, 512, "cpu"
     else:
@@ -207,6 +213,9 @@ def main():
             ("SwiGLU", "ours FusedFFNNF4", sw, "weights4,ffn", dict(weights="nf4")),
             ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]
     others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
+    from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f4
+    if not a.sweep_only and DEVICE == "cuda" and f4.WARPCOLS.get(K // 1024) and K % 1024 == 0:
+        others.insert(-1, ("SwiGLU", f"ours FusedFFNNF4 {BLOCK_KERNEL}", sw, "weights4,ffn", dict(weights="nf4")))
     for label, name_, base, passes, opts in others:
         try:
             model, ops = rewrite(base, passes, **opts)
@@ -220,12 +229,17 @@ def main():
         for label, name, model, ops in ([] if a.sweep_only else cases):
             for graph in (False, True):
                 blk = f"{label} (M={bm})"
+                saved = f4.WARPCOLS
+                if BLOCK_KERNEL in name:        # the kernel objects read it when the session is made
+                    f4.WARPCOLS = {}
                 try:
                     med, p90, ys, x, _ = time_model(model, bm, a.runs, graph)
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(block=blk, case=name, cuda_graph=graph,
                                      error=f"{type(e).__name__}: {str(e)[:160]}"))
                     continue
+                finally:
+                    f4.WARPCOLS = saved
                 key = (blk, graph)
                 if key not in ref:
                     ref[key] = ys

@@ -1,6 +1,6 @@
 """Packed fp16 (half2, held as uint32 bits) device helpers for the decode kernels, GPU (inline PTX) and CUDA-simulator
 versions: ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max`` (the largest value of a warp, in
-lane 0 at least), ``fmax``, ``ldx8`` (8 consecutive elements of X as fp32, in one or two 16-byte loads),
+lane 0 at least), ``fmax``, ``hscale2`` (a half2 times an fp32 scale), ``ldx8`` (8 consecutive elements of X as fp32, in one or two 16-byte loads),
 ``fp32_decode`` (the opt-out of packed-fp16 arithmetic), host side ``h2_scale`` / ``code_with_scale`` (the scaled
 fp16 levels); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
 ops: one fma.rn.f16x2)."""
@@ -62,6 +62,13 @@ if config.ENABLE_CUDASIM:
         with np.errstate(all="ignore"):
             return np.float32(np.float32(ha[0] + ha[1]) + np.float32(hb[0] + hb[1]))
 
+    def hscale2(u, p):
+        """Both halves of half2 ``u`` times the fp32 ``p``, each rounded once to fp16 (RNE)."""
+        h = _halves(u).astype(np.float32)
+        with np.errstate(all="ignore"):
+            r = (h * np.float32(p)).astype(np.float16).view(np.uint16)
+        return np.uint32(int(r[0]) | int(r[1]) << 16)
+
     def fmax(a, b):
         """IEEE maxNum (fmaxf: a NaN operand is ignored)."""
         return np.fmax(np.float32(a), np.float32(b))
@@ -105,6 +112,18 @@ else:
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [i32, i32]), text, "=f,r,r")
             return builder.call(asm, args)
         return types.float32(types.uint32, types.uint32), codegen
+
+    @intrinsic
+    def hscale2(typingctx, u, p):
+        """Both halves of half2 ``u`` (uint32 bits) converted to fp32, times ``p``, packed back to fp16 (RNE): the
+        same value as pack_h2 of the fp32 products."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            text = ("{ .reg .b16 l, h; .reg .f32 a, b; mov.b32 {l, h}, $1; cvt.f32.f16 a, l; cvt.f32.f16 b, h; "
+                    "mul.f32 a, a, $2; mul.f32 b, b, $2; cvt.rn.f16x2.f32 $0, b, a; }")
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, ir.FloatType()]), text, "=r,r,f")
+            return builder.call(asm, args)
+        return types.uint32(types.uint32, types.float32), codegen
 
     fmax = cuda.jit(device=True, inline=True)(lambda a, b: libdevice.fmaxf(a, b))
 

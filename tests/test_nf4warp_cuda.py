@@ -1,0 +1,114 @@
+"""The warp-column NF4/FP4 decode kernel (custom_ops/nf4warp_cuda.py: FusedFFNNF4 and MatMulNF4 at M = 1, fp16 X,
+K % 1024 == 0) under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small grids) or on a real GPU
+(ONNX_LOWBIT_REAL_GPU=1).
+
+It does the same fp16 arithmetic as the block decode kernel's packed-fp16 mode with chains of 4 (fusedffnnf4_cuda
+h2=4, wide), only the fp32 sums over K are taken in another order, so the SwiGLU face is checked against that kernel
+tightly (2^-10 of the largest output: at most an fp16 rounding step apart) and both faces against the
+float64 references with the packed-fp16 decode's bar (4 * 2^-10 here: X with a mean and sums with cancellation,
+where both kernels measure 2.3e-3 .. 3.1e-3 on such cases against 2.3e-4 for the fp32 decode). The MatMul face
+likewise against MatMulNF4's block M=1 kernel in the same mode."""
+import os
+
+import numpy as np
+import pytest
+from numba import config
+
+from onnx_lowbit import ffn, nf4
+from test_ffn4_kernels import _data, _rel, nf4_weights
+
+SIM = bool(config.ENABLE_CUDASIM)
+TOL = 2.0 ** -10
+
+
+def _mods():
+    if not SIM and not os.environ.get("ONNX_LOWBIT_REAL_GPU"):
+        pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a GPU (ONNX_LOWBIT_REAL_GPU=1)")
+    from onnx_lowbit.custom_ops import fusedffnnf4_cuda, nf4warp_cuda
+    return nf4warp_cuda, fusedffnnf4_cuda
+
+
+CASES = [  # k, n, block size, type, biases, warps per block, blocks (None: one wave)
+    (1024, 7, 64, "nf4", (True, True), 2, 2),       # 4 warps: ranges of 1 and 2 columns
+    (2048, 5, 32, "fp4", (False, True), 2, 1),      # 2 chunks, absmax blocks of 32, 3 columns per warp
+    (1024, 3, 128, "nf4", (False, False), 2, 2),    # more warps than columns: an empty range
+    (3072, 4, 4096, "nf4", (True, False), 1, 2),    # absmax blocks straddle rows; 3 chunks
+]
+GPU_CASES = [
+    (2048, 8192, 64, "nf4", (True, True), 6, None),
+    (4096, 11008, 64, "nf4", (True, True), 4, None),
+    (5120, 1000, 64, "fp4", (False, True), 8, None),
+    (1024, 77, 256, "nf4", (True, False), 6, None),
+]
+
+
+@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks", CASES + ([] if SIM else GPU_CASES))
+def test_warpcols_swiglu(k, n, bs, qt, biases, warps, blocks):
+    wc, fc = _mods()
+    ws = nf4_weights(k, n, bs, qt, seed=k + 3 * n)
+    x, b1, b3 = _data((1,), k, n, np.float16, biases, 3)
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, warps=warps, blocks=blocks)
+    assert s.shape == (1, n) and s.dtype == np.float16
+    blk = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, h2=4, wide=True)
+    assert _rel(s, blk) <= TOL, _rel(s, blk)
+    assert _rel(s, ref) <= 4 * TOL, _rel(s, ref)
+
+
+@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks", CASES + ([] if SIM else GPU_CASES))
+def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks):
+    wc, _ = _mods()
+    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    q, am = nf4_weights(k, n, bs, qt, seed=k + n)[:2]
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((1, k)).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float16) if biases[0] else None
+    ref = nf4.matmul(x, q, am, qt, bs, k, n, b)
+    y = wc.run_arrays(x, q, am, None, None, qt, bs, k, n, b, warps=warps, blocks=blocks)
+    assert y.shape == (1, n) and y.dtype == np.float16
+    blk = matmulnf4_cuda.run_arrays(x, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b, mode="m1",
+                                    m1_opts={"h2": 4, "wide": True})
+    assert _rel(y, blk) <= TOL, _rel(y, blk)
+    assert _rel(y, ref) <= 4 * TOL, _rel(y, ref)
+
+
+@pytest.mark.parametrize("scale", [2.0 ** -20, 1.0, 30000.0])
+def test_warpcols_x_range(scale):
+    """X's power-of-two scale (every warp reduces the row's max itself): tiny rows keep their precision, rows near
+    fp16's largest value do not overflow the fp16 chains."""
+    wc, _ = _mods()
+    k, n, bs, qt = 1024, 6, 64, "nf4"
+    q1, am1, q3, am3 = nf4_weights(k, n, bs, qt, seed=5)
+    am1, am3 = (np.float32(1 / (16 * scale)) * a for a in (am1, am3))
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((1, k)) * scale / 4
+    x[0, 700] = scale                                   # one outlier (in a later lane and chunk) sets the scale
+    x = x.astype(np.float16)
+    ws = (q1, am1.astype(np.float32), q3, am3.astype(np.float32))
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, None, None)
+    s = wc.run_arrays(x, *ws, qt, bs, k, n, blocks=1, warps=2)
+    assert np.isfinite(ref).all() and np.isfinite(s).all()
+    assert _rel(s, ref) <= 2 * TOL
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_warpcols_nonfinite_x(bad):
+    """A NaN or Inf anywhere in X makes every output non-finite, as in the reference."""
+    wc, _ = _mods()
+    k, n, bs, qt = 1024, 4, 64, "nf4"
+    ws = nf4_weights(k, n, bs, qt, seed=8)
+    x, b1, b3 = _data((1,), k, n, np.float16, (True, True), 4)
+    x[0, 1000] = bad
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, blocks=1, warps=2)
+    assert not np.isfinite(ref).any() and not np.isfinite(s).any()
+
+
+def test_warpcols_refuses_other_shapes():
+    wc, _ = _mods()
+    ws = nf4_weights(1000, 4, 64, "nf4")
+    x = np.ones((1, 1000), np.float16)
+    with pytest.raises(ValueError, match="K % 1024"):
+        wc.run_arrays(x, *ws, "nf4", 64, 1000, 4)
+    assert not wc.ok(2, 1024, True, 64) and not wc.ok(1, 1024, False, 64) and not wc.ok(1, 6144, True, 64)
+    assert wc.ok(1, 4096, True, 64) and not wc.ok(1, 4096, True, 16)
