@@ -12,5 +12,15 @@ VENV=${VENV:-.venv-test}
 # AutoAWQ's packing code is the reference the AWQ format tests compare with; its own dependencies (transformers,
 # accelerate, triton) are not needed for that and are left out.
 "$VENV/bin/python" -m pip install -q --no-deps autoawq==0.2.9
-if [ "${ONNX_LOWBIT_REAL_GPU:-0}" != "1" ]; then export NUMBA_ENABLE_CUDASIM=1; fi
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+# Workers (pytest-xdist): one per CPU core, at most 4 (each imports torch and compiles its own kernels), under the
+# simulator; none on a real GPU (the GPU tests share one device). ONNX_LOWBIT_TEST_WORKERS=0 runs in-process.
+if [ "${ONNX_LOWBIT_REAL_GPU:-0}" != "1" ]; then
+    export NUMBA_ENABLE_CUDASIM=1
+    CORES=$(nproc 2>/dev/null || echo 1)
+    WORKERS=${ONNX_LOWBIT_TEST_WORKERS:-$(( CORES < 4 ? CORES : 4 ))}
+else
+    WORKERS=${ONNX_LOWBIT_TEST_WORKERS:-0}
+fi
+XDIST=()
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS"); fi
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
