@@ -61,10 +61,13 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
                 ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
 # M=1, the warp-column kernel (nf4warp_cuda; FusedFFNNF4 and MatMulNF4): (label, warps per block, ptxas register
-# limit); "(default ...)" is what sessions take
-WC_VARIANTS = [("warpcols 6w r168", 6, 168), ("warpcols 4w r168", 4, 168), ("warpcols 8w r168", 8, 168),
-               ("warpcols 4w", 4, None), ("warpcols 8w", 8, None), ("warpcols 12w r168", 12, 168),
-               ("warpcols 8w r128", 8, 128)]
+# limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier))
+WC_VARIANTS = [("warpcols 6w r168", 6, 168, 1), ("warpcols 4w r168", 4, 168, 1), ("warpcols 8w r168", 8, 168, 1),
+               ("warpcols 4w", 4, None, 1), ("warpcols 8w", 8, None, 1), ("warpcols 12w r168", 12, 168, 1),
+               ("warpcols 8w r128", 8, 128, 1),
+               ("warpcols split2 8w r168", 8, 168, 2), ("warpcols split2 4w r168", 4, 168, 2),
+               ("warpcols split2 6w r168", 6, 168, 2), ("warpcols split2 12w r168", 12, 168, 2),
+               ("warpcols split2 16w r128", 16, 128, 2), ("warpcols split2 8w r128", 8, 128, 2)]
 
 
 def main():
@@ -177,10 +180,10 @@ def main():
                      for ((q, am),) in dev]
             t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
-        for label, warps, mr in WC_VARIANTS if nf4warp_cuda.ok(1, k, True, BS) else ():
-            if not keep(label):
+        for label, warps, mr, split in WC_VARIANTS:
+            if not keep(label) or not nf4warp_cuda.ok(1, k, True, BS, split):
                 continue
-            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 1, mr)
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 1, mr, split)
             grid = nf4warp_cuda.grid_for(lau, warps, sms)
             calls = [lambda q=q, am=am: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
                                                     ptr(dcode), ptr(y), 0, ptr(y), k, n, BS.bit_length() - 5)
@@ -226,10 +229,10 @@ def main():
                      for w in dev]
             t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
-        for label, warps, mr in WC_VARIANTS if nf4warp_cuda.ok(m, k, True, BS) else ():
-            if not keep(label):
+        for label, warps, mr, split in WC_VARIANTS:
+            if not keep(label) or not nf4warp_cuda.ok(m, k, True, BS, split):
                 continue
-            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr)
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr, split)
             grid = nf4warp_cuda.grid_for(lau, warps, sms)
             calls = [lambda w=w: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(w[0][0], k * n // 16),
                                             ptr(w[0][1]), ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(nlut16),

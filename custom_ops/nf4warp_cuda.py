@@ -16,10 +16,16 @@ shuffles (6 for the gate / up pair, 5 for one) and lane 0 applies 1 / (p a), the
 stores the column. Under the CUDA simulator (no shuffles) the warps step in lockstep and reduce through shared
 memory.
 
+``split=2``: a pair of warps shares each column range, warp 2p + h decoding half h of K (X and weights), so K up
+to 2 * 1024 * MAX_CHUNKS with the registers of half; half 1's lane 0 leaves its sums in shared memory and the pair
+meets at its own named barrier (``bar.sync 1 + p, 64``) once a column; the row's max |x| is taken over the block.
+
 Where it pays (H100, weights cycled past L2, benchmarks/nf4shapes_gpu.py, BENCHMARKS.md 2026-11-26): FusedFFNNF4
 2048 -> 2 x 8192 10.96 / 11.05 / 10.98 us against 12.43 / 12.45 / 12.95 for the block kernel (6 warps per block,
 128 registers, 2 blocks per SM); at 4096 -> 2 x 11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8
-warps per SM), and so were X in the table's unused half (24.8) and cp.async rings of 2-4 stages per warp (24.6+).
+warps per SM), and so were X in the table's unused half (24.8) and cp.async rings of 2-4 stages per warp (24.6+);
+split=2 (8 warps, 128 registers) ties with the block kernel there (21.51 against 21.75, same run), MatMulNF4 4096 x
+11008 13.50 against 13.96, 8192 x 2048 8.93 against 7.92: no default uses it.
 """
 from __future__ import annotations
 
@@ -40,10 +46,11 @@ FULL = np.uint32(0xFFFFFFFF)
 _ld4 = _make_ld4(LOAD)
 
 
-def ok(m, k, a16, bs):
-    """Whether the warp-column kernel can take this call: fp16 X, M = 1, K a multiple of 1024 up to MAX_CHUNKS
-    chunks, absmax blocks of at least 32 elements (one per 16-byte unit)."""
-    return a16 and m == 1 and k % CHUNK == 0 and 1 <= k // CHUNK <= MAX_CHUNKS and bs >= 32
+def ok(m, k, a16, bs, split=1):
+    """Whether the warp-column kernel can take this call: fp16 X, M = 1, K a multiple of 1024 * split up to
+    MAX_CHUNKS chunks per warp (``split`` warps share a column), absmax blocks of at least 32 elements (one per
+    16-byte unit)."""
+    return (a16 and m == 1 and k % (CHUNK * split) == 0 and 1 <= k // CHUNK // split <= MAX_CHUNKS and bs >= 32)
 
 
 if SIM:
@@ -76,14 +83,38 @@ else:
         return v, cuda.shfl_xor_sync(FULL, v, 16)
 
 
-def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
+if SIM:
+    @cuda.jit(device=True)
+    def _pair_bar(p):
+        """Barrier of warp pair p (the simulator's warps run in lockstep: the block's barrier)."""
+        cuda.syncthreads()
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    @intrinsic
+    def _pair_bar(typingctx, p):
+        """bar.sync 1 + p, 64: the named barrier of warp pair p (ids 1..15; 0 is __syncthreads')."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            pid = builder.add(context.cast(builder, args[0], sig.args[0], types.uint32), ir.Constant(i32, 1))
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32]), "bar.sync $0, 64;", "r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [pid])
+            return context.get_dummy_value()
+        return types.void(p), codegen
+
+
+def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
     """The kernel for K = 1024 * ``chunks``, generated as straight-line code (every per-lane value has its own
     name: X as x2_{chunk}_{pair}, the current and next column's words as a{w}_{chunk}_{h} / na..., so nothing
     spills to local memory). nw=2: fusedffnnf4_cuda's decode signature (``lut`` its h2 table: 256 half2 entries +
     the bits of 1 / a; ``parts`` unused: the columns are split over all the grid's warps); nw=1: MatMulNF4's M=1
     signature (``lut`` = half2.code_with_scale: 16 code values, a, 1 / a; the table is built from them)."""
-    if not 1 <= chunks <= MAX_CHUNKS or nw not in (1, 2):
-        raise ValueError(f"chunks must be 1..{MAX_CHUNKS} and nw 1 or 2")
+    if not 1 <= chunks // split <= MAX_CHUNKS or nw not in (1, 2) or split not in (1, 2) or chunks % split:
+        raise ValueError(f"chunks / split must be 1..{MAX_CHUNKS}, nw 1 or 2, split 1 or 2 (dividing chunks)")
+    cl = chunks // split            # the chunks one warp decodes
     ws = (1, 3) if nw == 2 else (1,)
     src = []
     a = src.append
@@ -93,14 +124,27 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
         a("def kern(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
     a("    tab = cuda.shared.array(0, uint32)")
     a("    xmaxs = cuda.shared.array(32, float32)")
+    a("    red = cuda.shared.array(64, float32)")
     a(f"    simred = cuda.shared.array({2048 if SIM else 1}, float32)")
     a("    tid = uint32(cuda.threadIdx.x)")
     a("    nthreads = uint32(cuda.blockDim.x)")
     a("    lane = tid & U31")
     a("    warp = tid >> U5")
     a("    nwb = nthreads >> U5")
-    a("    tw = uint32(cuda.gridDim.x) * nwb")
-    a("    gw = uint32(cuda.blockIdx.x) * nwb + warp")
+    if split == 2:    # warps 2p, 2p + 1 of a block: a pair on the same columns, halves hf = 0, 1 of K
+        a("    pw = warp >> U1")
+        a("    hf = warp & U1")
+        a("    npb = nwb >> U1")
+        a("    tw = uint32(cuda.gridDim.x) * npb")
+        a("    gw = uint32(cuda.blockIdx.x) * npb + pw")
+        a(f"    hoff = hf * uint32({32 * cl})      # the half's first 16-byte unit of a row")
+        a(f"    xoff = hf * uint32({128 * cl})     # and of X, in units of 8 elements")
+        a("    bufi = pw * uint32(4)")
+    else:
+        a("    tw = uint32(cuda.gridDim.x) * nwb")
+        a("    gw = uint32(cuda.blockIdx.x) * nwb + warp")
+        a("    hoff = U0")
+        a("    xoff = U0")
     a("    ndim = uint32(n_dim)")
     a("    n_lo = uint32(int64(gw) * n_dim // int64(tw))")
     a("    n_hi = uint32(int64(gw + U1) * n_dim // int64(tw))")
@@ -108,9 +152,9 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
     a("    sh = uint32(bs_shift) - U1")
 
     def loads(pre, col, ind):
-        a(f"{ind}wb = mad32({col}, wpr, lane)")
+        a(f"{ind}wb = mad32({col}, wpr, lane) + hoff")
         for w in ws:
-            for j in range(chunks):
+            for j in range(cl):
                 a(f"{ind}wi = add32(wb, uint32({32 * j}))")
                 a(f"{ind}" + ", ".join(f"{pre}a{w}_{j}_{h}" for h in range(4)) + f" = ld4(q{w}, wi)")
                 a(f"{ind}{pre}s{w}_{j} = am{w}[shr32(wi, sh)]")
@@ -131,9 +175,9 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
 
     # X: lane l's elements 1024 j + 32 l .. + 31 of chunk j as unscaled half2 (exact), and the row's max |x|
     mx = []
-    for j in range(chunks):
+    for j in range(cl):
         for e in range(4):
-            a("    " + ", ".join(f"xv{i}" for i in range(8)) + f" = ldx8(x, lane * U4 + uint32({128 * j + e}))")
+            a("    " + ", ".join(f"xv{i}" for i in range(8)) + f" = ldx8(x, lane * U4 + xoff + uint32({128 * j + e}))")
             for i in range(4):
                 a(f"    x2_{j}_{4 * e + i} = pack_h2(xv{2 * i}, xv{2 * i + 1})")
             mx.append(tree([f"abs(xv{i})" for i in range(8)]))
@@ -157,12 +201,20 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
         a("                j = uint32(j + U1)")
     a("        i = uint32(i + nthreads * U4)")
     a("    cuda.syncthreads()")
-    a("    eb = (f2u(xmaxs[warp]) >> uint32(23)) & uint32(255)")
+    if split == 2:      # the row's max over all the block's warps (each holds half of X)
+        a("    xm = F0")
+        a("    wj = uint32(0)")
+        a("    while wj < nwb:")
+        a("        xm = fmax(xm, xmaxs[wj])")
+        a("        wj = uint32(wj + U1)")
+    else:
+        a("    xm = xmaxs[warp]")
+    a("    eb = (f2u(xm) >> uint32(23)) & uint32(255)")
     a("    okp = eb >= uint32(11) and eb != uint32(255)")
     a("    p = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
     ia = "as_f32(lut[U256])" if nw == 2 else "lut[17]"
     a(f"    ip = (as_f32((eb - uint32(11)) << uint32(23)) if okp else F1) * {ia}   # and 1 / h2_scale")
-    for j in range(chunks):
+    for j in range(cl):
         for i in range(16):
             a(f"    x2_{j}_{i} = hscale2(x2_{j}_{i}, p)")
     a("    lane4 = lane << U2")
@@ -186,12 +238,12 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
         if SIM:     # lockstep: a warp past its range still decodes (never stores) its next "column"
             a(f"{ind}else:")
             for w in ws:
-                for j in range(chunks):
+                for j in range(cl):
                     a(f"{ind}    " + ", ".join(f"{nxt}a{w}_{j}_{h}" for h in range(4)) + " = U0, U0, U0, U0")
                     a(f"{ind}    {nxt}s{w}_{j} = F0")
         for w in ws:
             a(f"{ind}acc{w} = F0")
-        for j in range(chunks):
+        for j in range(cl):
             for w in ws:
                 for h in range(4):          # word h of the chunk: bytes 4h .. 4h + 3, one chain of 4 products
                     for b in range(4):
@@ -202,7 +254,17 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
             a(f"{ind}g, u = pair_sum(acc1, acc3, lane, simred, tid)")
         else:
             a(f"{ind}g = warp_sum(acc1, simred, tid)")
-        a(f"{ind}if lane == U0 and n < n_hi:")
+        if split == 2:      # the pair meets: half 1's lane 0 leaves its sums, half 0's finishes the column
+            sums = ("g", "u") if nw == 2 else ("g",)
+            a(f"{ind}if hf == U1 and lane == U0:")
+            for i, v in enumerate(sums):
+                a(f"{ind}    red[bufi + uint32({i})] = {v}")
+            a(f"{ind}pair_bar(pw)")
+            a(f"{ind}if hf == U0 and lane == U0:")
+            for i, v in enumerate(sums):
+                a(f"{ind}    {v} += red[bufi + uint32({i})]")
+            a(f"{ind}bufi ^= uint32(2)")
+        a(f"{ind}if lane == U0 and n < n_hi{' and hf == U0' if split == 2 else ''}:")
         a(f"{ind}    g *= ip")
         if nw == 2:
             a(f"{ind}    u *= ip")
@@ -228,7 +290,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS):
           "store": _st16, "silu": _silu, "prmt": prmt, "lds32": lds32, "add32": add32, "mad32": mad32,
           "shr32": shr32, "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "hscale2": half2.hscale2, "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax,
-          "ld4": _ld4, "ldx8": half2.ldx8, "pair_sum": _pair_sum, "warp_sum": _warp_sum, "F0": np.float32(0.0),
+          "ld4": _ld4, "ldx8": half2.ldx8, "pair_sum": _pair_sum, "pair_bar": _pair_bar, "warp_sum": _warp_sum, "F0": np.float32(0.0),
           "F1": np.float32(1.0), "H0": np.uint32(0)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 2, 4, 5, 15, 31, 256)})
     # PRMT selectors: output byte 0 = lane4 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
@@ -252,12 +314,12 @@ def sig(nw=2):
             "int64"]
 
 
-def launcher(chunks, nw=2, max_registers=MAX_REGISTERS):
+def launcher(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
     """Direct-launch wrapper of the kernel (compiled once per process; GPU only)."""
     from .cuda_launch import Launcher
-    key = (chunks, nw, max_registers)
+    key = (chunks, nw, max_registers, split)
     if key not in _launchers:
-        fn = _make(chunks, nw, max_registers)
+        fn = _make(chunks, nw, max_registers, split)
         lau = Launcher(fn, sig(nw), dynamic_shared=TAB_BYTES)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -270,7 +332,7 @@ def grid_for(lau, warps, sms):
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               warps=WARPS, sms=None, blocks=None, max_registers=MAX_REGISTERS):
+               warps=WARPS, sms=None, blocks=None, max_registers=MAX_REGISTERS, split=1):
     """Runs the kernel on host arrays (tests, benchmarks; fp16 X with one row) and returns S (q3 None: MatMulNF4,
     Y = X W1^T + b1): through the Numba dispatcher under the simulator, the direct launch path on a GPU.
     ``blocks``: the grid (default one wave)."""
@@ -282,7 +344,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     nw = 1 if q3 is None else 2
     check_weights(q1, am1, q1 if nw == 1 else q3, am1 if nw == 1 else am3, k, n, bs)
     m = check_x_biases(x, b1, b3, k, n, 5, 6)
-    if not ok(m, k, x.dtype == np.float16, bs):
+    if not ok(m, k, x.dtype == np.float16, bs, split):
         raise ValueError("the warp-column kernel takes fp16 X with one row, K % 1024 == 0, K <= 5120, bs >= 32")
     dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
     dx = dev(x, np.uint16 if nw == 2 else np.float16)
@@ -298,10 +360,10 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 int(b1 is not None), ds, k, n, bs.bit_length() - 5)
     chunks = k // CHUNK
     if SIM:
-        _make(chunks, nw)[blocks or 2, 32 * warps, 0, TAB_BYTES](*args)
+        _make(chunks, nw, split=split)[blocks or 2, 32 * warps, 0, TAB_BYTES](*args)
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(chunks, nw, max_registers)
+        lau = launcher(chunks, nw, max_registers, split)
         grid = blocks or grid_for(lau, warps, sms or sm_count(current_device()))
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
         lau.launch(grid, 32 * warps, 0, *[p(a) for a in args])

@@ -28,35 +28,39 @@ def _mods():
     return nf4warp_cuda, fusedffnnf4_cuda
 
 
-CASES = [  # k, n, block size, type, biases, warps per block, blocks (None: one wave)
-    (1024, 7, 64, "nf4", (True, True), 2, 2),       # 4 warps: ranges of 1 and 2 columns
-    (2048, 5, 32, "fp4", (False, True), 2, 1),      # 2 chunks, absmax blocks of 32, 3 columns per warp
-    (1024, 3, 128, "nf4", (False, False), 2, 2),    # more warps than columns: an empty range
-    (3072, 4, 4096, "nf4", (True, False), 1, 2),    # absmax blocks straddle rows; 3 chunks
+CASES = [  # k, n, block size, type, biases, warps per block, blocks (None: one wave), warps per column (split)
+    (1024, 7, 64, "nf4", (True, True), 2, 2, 1),       # 4 warps: ranges of 1 and 2 columns
+    (2048, 5, 32, "fp4", (False, True), 2, 1, 1),      # 2 chunks, absmax blocks of 32, 3 columns per warp
+    (1024, 3, 128, "nf4", (False, False), 2, 2, 1),    # more warps than columns: an empty range
+    (3072, 4, 4096, "nf4", (True, False), 1, 2, 1),    # absmax blocks straddle rows; 3 chunks
+    (2048, 7, 64, "nf4", (True, True), 4, 1, 2),       # pairs of warps on halves of K: 2 pairs, 3-4 columns each
+    (4096, 3, 32, "fp4", (False, True), 2, 2, 2),      # 2 pairs on 3 columns (an empty range), 2 chunks a half
 ]
 GPU_CASES = [
-    (2048, 8192, 64, "nf4", (True, True), 6, None),
-    (4096, 11008, 64, "nf4", (True, True), 4, None),
-    (5120, 1000, 64, "fp4", (False, True), 8, None),
-    (1024, 77, 256, "nf4", (True, False), 6, None),
+    (2048, 8192, 64, "nf4", (True, True), 8, None, 1),
+    (4096, 11008, 64, "nf4", (True, True), 4, None, 1),
+    (4096, 11008, 64, "nf4", (True, True), 8, None, 2),
+    (5120, 1000, 64, "fp4", (False, True), 8, None, 1),
+    (8192, 300, 64, "fp4", (False, True), 12, None, 2),
+    (1024, 77, 256, "nf4", (True, False), 6, None, 1),
 ]
 
 
-@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks", CASES + ([] if SIM else GPU_CASES))
-def test_warpcols_swiglu(k, n, bs, qt, biases, warps, blocks):
+@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", CASES + ([] if SIM else GPU_CASES))
+def test_warpcols_swiglu(k, n, bs, qt, biases, warps, blocks, split):
     wc, fc = _mods()
     ws = nf4_weights(k, n, bs, qt, seed=k + 3 * n)
     x, b1, b3 = _data((1,), k, n, np.float16, biases, 3)
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
-    s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, warps=warps, blocks=blocks)
+    s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, warps=warps, blocks=blocks, split=split)
     assert s.shape == (1, n) and s.dtype == np.float16
     blk = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, h2=4, wide=True)
     assert _rel(s, blk) <= TOL, _rel(s, blk)
     assert _rel(s, ref) <= 4 * TOL, _rel(s, ref)
 
 
-@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks", CASES + ([] if SIM else GPU_CASES))
-def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks):
+@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", CASES + ([] if SIM else GPU_CASES))
+def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks, split):
     wc, _ = _mods()
     from onnx_lowbit.custom_ops import matmulnf4_cuda
     q, am = nf4_weights(k, n, bs, qt, seed=k + n)[:2]
@@ -64,7 +68,7 @@ def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks):
     x = rng.standard_normal((1, k)).astype(np.float16)
     b = rng.standard_normal(n).astype(np.float16) if biases[0] else None
     ref = nf4.matmul(x, q, am, qt, bs, k, n, b)
-    y = wc.run_arrays(x, q, am, None, None, qt, bs, k, n, b, warps=warps, blocks=blocks)
+    y = wc.run_arrays(x, q, am, None, None, qt, bs, k, n, b, warps=warps, blocks=blocks, split=split)
     assert y.shape == (1, n) and y.dtype == np.float16
     blk = matmulnf4_cuda.run_arrays(x, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b, mode="m1",
                                     m1_opts={"h2": 4, "wide": True})
@@ -112,3 +116,4 @@ def test_warpcols_refuses_other_shapes():
         wc.run_arrays(x, *ws, "nf4", 64, 1000, 4)
     assert not wc.ok(2, 1024, True, 64) and not wc.ok(1, 1024, False, 64) and not wc.ok(1, 6144, True, 64)
     assert wc.ok(1, 4096, True, 64) and not wc.ok(1, 4096, True, 16)
+    assert wc.ok(1, 8192, True, 64, split=2) and not wc.ok(1, 3072, True, 64, split=2)
