@@ -92,10 +92,10 @@ PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-e
                             # pair table stays faster at 4096 (27.5 against 32.9 us)
 WARPCOLS = {2: 8}         # fp16 X, M = 1, K / 1024 -> warps per block: the warp-column kernel (nf4warp_cuda: a
                           # warp owns whole columns, no barrier per step). H100, weights past L2 (nf4shapes_gpu.py,
-                          # 2026-11-26), 2048 -> 2 x 8192: 10.16 / 10.14 us with 8 warps (6 warps: 10.96 / 11.05 /
-                          # 10.98 / 10.86) against 12.43 / 12.45 / 12.95 / 12.68 for the block kernel (h2 chains of
-                          # 2); at 4096 -> 2 x 11008 slower (22.8 at best against 21.4-22.5), K = 1024 / 3072 not
-                          # measured for the pair
+                          # 2026-11-26), 2048 -> 2 x 8192: 10.16 / 10.22 us with 8 warps against 12.68 / 12.61 for
+                          # the block kernel (h2 chains of 2) in the same runs (6 warps: 10.86-11.05 against
+                          # 12.43-12.95); at 4096 -> 2 x 11008 slower (22.8 at best against 21.4-22.5; pairs of warps
+                          # on halves of K, split=2: 21.51 against 21.75, a tie); K = 1024 / 3072 not measured
 TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc_cuda); H100, LLaMA-7B gate+up
                           # (BENCHMARKS.md): M=1 42.4 us against 31.7 for the decode kernel, M=2 43.3 / 31.7,
                           # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3

@@ -20,9 +20,9 @@ memory.
 to 2 * 1024 * MAX_CHUNKS with the registers of half; half 1's lane 0 leaves its sums in shared memory and the pair
 meets at its own named barrier (``bar.sync 1 + p, 64``) once a column; the row's max |x| is taken over the block.
 
-Where it pays (H100, weights cycled past L2, benchmarks/nf4shapes_gpu.py, BENCHMARKS.md 2026-11-26): FusedFFNNF4
-2048 -> 2 x 8192 10.96 / 11.05 / 10.98 us against 12.43 / 12.45 / 12.95 for the block kernel (6 warps per block,
-128 registers, 2 blocks per SM); at 4096 -> 2 x 11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8
+Where it pays (H100, weights cycled past L2, benchmarks/nf4shapes_gpu.py, BENCHMARKS.md 2026-11-26 session 21):
+FusedFFNNF4 2048 -> 2 x 8192 10.16 / 10.22 us against 12.68 / 12.61 for the block kernel in the same runs (8 warps
+per block, 128 registers, 2 blocks per SM; 6 warps: 10.86-11.05 against 12.43-12.95 in four runs); at 4096 -> 2 x 11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8
 warps per SM), and so were X in the table's unused half (24.8) and cp.async rings of 2-4 stages per warp (24.6+);
 split=2 (8 warps, 128 registers) ties with the block kernel there (21.51 against 21.75, same run), MatMulNF4 4096 x
 11008 13.50 against 13.96, 8192 x 2048 8.93 against 7.92: no default uses it.
@@ -40,8 +40,8 @@ from .matmulnf4_cuda import TAB_BYTES, _warp_sum, add32, f2u, hfma2, lds32, mad3
 
 CHUNK = 1024            # elements of K per warp-wide 16-byte load
 MAX_CHUNKS = 5          # X in registers: 16 half2 per chunk
-WARPS = 6               # warps per block (the table is built once per block): 2 blocks per SM at 128 registers
-MAX_REGISTERS = 168     # 12 warps per SM at most
+WARPS = 8               # warps per block (the table is built once per block): 2 blocks per SM at 128 registers
+MAX_REGISTERS = 168     # ptxas limit (12 warps per SM at most); K = 2048 needs 128
 FULL = np.uint32(0xFFFFFFFF)
 _ld4 = _make_ld4(LOAD)
 
