@@ -232,7 +232,7 @@ def main():
         for label, warps, mr, split in WC_VARIANTS:
             if not keep(label) or not nf4warp_cuda.ok(m, k, True, BS, split):
                 continue
-            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr, split)
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr, split, m)
             grid = nf4warp_cuda.grid_for(lau, warps, sms)
             calls = [lambda w=w: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(w[0][0], k * n // 16),
                                             ptr(w[0][1]), ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(nlut16),

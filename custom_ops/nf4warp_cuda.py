@@ -46,11 +46,12 @@ FULL = np.uint32(0xFFFFFFFF)
 _ld4 = _make_ld4(LOAD)
 
 
-def ok(m, k, a16, bs, split=1):
-    """Whether the warp-column kernel can take this call: fp16 X, M = 1, K a multiple of 1024 * split up to
-    MAX_CHUNKS chunks per warp (``split`` warps share a column), absmax blocks of at least 32 elements (one per
-    16-byte unit)."""
-    return (a16 and m == 1 and k % (CHUNK * split) == 0 and 1 <= k // CHUNK // split <= MAX_CHUNKS and bs >= 32)
+def ok(m, k, a16, bs, split=1, nw=2):
+    """Whether the warp-column kernel can take this call: fp16 X, M = 1 (two weights: M = 1 or 2), K a multiple of
+    1024 * split up to MAX_CHUNKS chunks per warp (``split`` warps share a column), absmax blocks of at least 32
+    elements (one per 16-byte unit)."""
+    return (a16 and 1 <= m <= (2 if nw == 2 else 1) and k % (CHUNK * split) == 0
+            and 1 <= k // CHUNK // split <= MAX_CHUNKS and bs >= 32)
 
 
 if SIM:
@@ -106,16 +107,21 @@ else:
         return types.void(p), codegen
 
 
-def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
+def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
     """The kernel for K = 1024 * ``chunks``, generated as straight-line code (every per-lane value has its own
-    name: X as x2_{chunk}_{pair}, the current and next column's words as a{w}_{chunk}_{h} / na..., so nothing
+    name: X as x2_{row}_{chunk}_{pair}, the current and next column's words as a{w}_{chunk}_{h} / na..., so nothing
     spills to local memory). nw=2: fusedffnnf4_cuda's decode signature (``lut`` its h2 table: 256 half2 entries +
     the bits of 1 / a; ``parts`` unused: the columns are split over all the grid's warps); nw=1: MatMulNF4's M=1
-    signature (``lut`` = half2.code_with_scale: 16 code values, a, 1 / a; the table is built from them)."""
-    if not 1 <= chunks // split <= MAX_CHUNKS or nw not in (1, 2) or split not in (1, 2) or chunks % split:
-        raise ValueError(f"chunks / split must be 1..{MAX_CHUNKS}, nw 1 or 2, split 1 or 2 (dividing chunks)")
+    signature (``lut`` = half2.code_with_scale: 16 code values, a, 1 / a; the table is built from them). ``mt``
+    (nw=2): rows of X, 1 or 2 (M must equal it: each weight byte's table entry serves both rows)."""
+    if not 1 <= chunks // split <= MAX_CHUNKS or nw not in (1, 2) or split not in (1, 2) or chunks % split or \
+            mt not in (1, 2) or (mt == 2 and nw == 1):
+        raise ValueError(f"chunks / split must be 1..{MAX_CHUNKS}, nw 1 or 2, split 1 or 2 (dividing chunks), "
+                         "mt 1 or 2 (2 only with nw=2)")
     cl = chunks // split            # the chunks one warp decodes
     ws = (1, 3) if nw == 2 else (1,)
+    rows = range(mt)
+    nv = nw * mt                    # sums per column leaving a warp
     src = []
     a = src.append
     if nw == 2:
@@ -123,8 +129,8 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
     else:
         a("def kern(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
     a("    tab = cuda.shared.array(0, uint32)")
-    a("    xmaxs = cuda.shared.array(32, float32)")
-    a("    red = cuda.shared.array(64, float32)")
+    a("    xmaxs = cuda.shared.array(64, float32)")
+    a("    red = cuda.shared.array(128, float32)")
     a(f"    simred = cuda.shared.array({2048 if SIM else 1}, float32)")
     a("    tid = uint32(cuda.threadIdx.x)")
     a("    nthreads = uint32(cuda.blockDim.x)")
@@ -139,7 +145,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
         a("    gw = uint32(cuda.blockIdx.x) * npb + pw")
         a(f"    hoff = hf * uint32({32 * cl})      # the half's first 16-byte unit of a row")
         a(f"    xoff = hf * uint32({128 * cl})     # and of X, in units of 8 elements")
-        a("    bufi = pw * uint32(4)")
+        a(f"    bufi = pw * uint32({2 * nv})        # the pair's two slots of {nv} sums in red")
     else:
         a("    tw = uint32(cuda.gridDim.x) * nwb")
         a("    gw = uint32(cuda.blockIdx.x) * nwb + warp")
@@ -150,6 +156,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
     a("    n_hi = uint32(int64(gw + U1) * n_dim // int64(tw))")
     a("    wpr = uint32(k_dim) >> U5")
     a("    sh = uint32(bs_shift) - U1")
+    a("    xrow = uint32(k_dim) >> uint32(3)     # a row of X in units of 8 elements")
 
     def loads(pre, col, ind):
         a(f"{ind}wb = mad32({col}, wpr, lane) + hoff")
@@ -173,17 +180,19 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
             vals = nxt + vals[len(vals) - len(vals) % 2:]
         return vals[0]
 
-    # X: lane l's elements 1024 j + 32 l .. + 31 of chunk j as unscaled half2 (exact), and the row's max |x|
-    mx = []
-    for j in range(cl):
-        for e in range(4):
-            a("    " + ", ".join(f"xv{i}" for i in range(8)) + f" = ldx8(x, lane * U4 + xoff + uint32({128 * j + e}))")
-            for i in range(4):
-                a(f"    x2_{j}_{4 * e + i} = pack_h2(xv{2 * i}, xv{2 * i + 1})")
-            mx.append(tree([f"abs(xv{i})" for i in range(8)]))
-    a(f"    xm = warp_max({tree(mx)}, simred, tid)")
-    a("    if lane == U0:")
-    a("        xmaxs[warp] = xm")
+    # X: lane l's elements 1024 j + 32 l .. + 31 of chunk j of each row as unscaled half2 (exact), the rows' max |x|
+    for m in rows:
+        mx = []
+        for j in range(cl):
+            for e in range(4):
+                a("    " + ", ".join(f"xv{i}" for i in range(8)) +
+                  f" = ldx8(x, lane * U4 + xoff + xrow * uint32({m}) + uint32({128 * j + e}))")
+                for i in range(4):
+                    a(f"    x2_{m}_{j}_{4 * e + i} = pack_h2(xv{2 * i}, xv{2 * i + 1})")
+                mx.append(tree([f"abs(xv{i})" for i in range(8)]))
+        a(f"    xm = warp_max({tree(mx)}, simred, tid)")
+        a("    if lane == U0:")
+        a(f"        xmaxs[warp + uint32({32 * m})] = xm")
     # the table: entry i's 32 lane copies at words i * 64 + l; four entries' loads in flight before their stores
     if nw == 1:
         a("    al = lut[16]")
@@ -201,22 +210,23 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
         a("                j = uint32(j + U1)")
     a("        i = uint32(i + nthreads * U4)")
     a("    cuda.syncthreads()")
-    if split == 2:      # the row's max over all the block's warps (each holds half of X)
-        a("    xm = F0")
-        a("    wj = uint32(0)")
-        a("    while wj < nwb:")
-        a("        xm = fmax(xm, xmaxs[wj])")
-        a("        wj = uint32(wj + U1)")
-    else:
-        a("    xm = xmaxs[warp]")
-    a("    eb = (f2u(xm) >> uint32(23)) & uint32(255)")
-    a("    okp = eb >= uint32(11) and eb != uint32(255)")
-    a("    p = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
     ia = "as_f32(lut[U256])" if nw == 2 else "lut[17]"
-    a(f"    ip = (as_f32((eb - uint32(11)) << uint32(23)) if okp else F1) * {ia}   # and 1 / h2_scale")
-    for j in range(cl):
-        for i in range(16):
-            a(f"    x2_{j}_{i} = hscale2(x2_{j}_{i}, p)")
+    for m in rows:
+        if split == 2:      # the row's max over all the block's warps (each holds half of X)
+            a("    xm = F0")
+            a("    wj = uint32(0)")
+            a("    while wj < nwb:")
+            a(f"        xm = fmax(xm, xmaxs[wj + uint32({32 * m})])")
+            a("        wj = uint32(wj + U1)")
+        else:
+            a(f"    xm = xmaxs[warp + uint32({32 * m})]")
+        a("    eb = (f2u(xm) >> uint32(23)) & uint32(255)")
+        a("    okp = eb >= uint32(11) and eb != uint32(255)")
+        a("    p = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
+        a(f"    ip{m} = (as_f32((eb - uint32(11)) << uint32(23)) if okp else F1) * {ia}   # and 1 / h2_scale")
+        for j in range(cl):
+            for i in range(16):
+                a(f"    x2_{m}_{j}_{i} = hscale2(x2_{m}_{j}_{i}, p)")
     a("    lane4 = lane << U2")
     a("    n = n_lo")
     if SIM:     # lockstep: every warp runs the largest range's steps (the reductions synchronise the block)
@@ -228,6 +238,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
         a("    while n < n_hi:")
         more = "", "if n >= n_hi:"
     ind = "        "
+    sums = [f"{v}{m}" for m in rows for v in (("g", "u") if nw == 2 else ("g",))]
 
     def body(cur, nxt):
         """One column: the next column's loads into ``nxt``-prefixed registers (skipped past the range: those
@@ -242,20 +253,23 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
                     a(f"{ind}    " + ", ".join(f"{nxt}a{w}_{j}_{h}" for h in range(4)) + " = U0, U0, U0, U0")
                     a(f"{ind}    {nxt}s{w}_{j} = F0")
         for w in ws:
-            a(f"{ind}acc{w} = F0")
+            for m in rows:
+                a(f"{ind}acc{w}_{m} = F0")
         for j in range(cl):
             for w in ws:
                 for h in range(4):          # word h of the chunk: bytes 4h .. 4h + 3, one chain of 4 products
                     for b in range(4):
                         a(f"{ind}tv = lds32(tab, prmt({cur}a{w}_{j}_{h}, lane4, SEL_{b}))")
-                        a(f"{ind}c{h} = hfma2(tv, x2_{j}_{4 * h + b}, {'H0' if b == 0 else f'c{h}'})")
-                a(f"{ind}acc{w} += (hsum2(c0, c1) + hsum2(c2, c3)) * {cur}s{w}_{j}")
-        if nw == 2:
-            a(f"{ind}g, u = pair_sum(acc1, acc3, lane, simred, tid)")
-        else:
-            a(f"{ind}g = warp_sum(acc1, simred, tid)")
+                        for m in rows:
+                            a(f"{ind}c{h}_{m} = hfma2(tv, x2_{m}_{j}_{4 * h + b}, {'H0' if b == 0 else f'c{h}_{m}'})")
+                for m in rows:
+                    a(f"{ind}acc{w}_{m} += (hsum2(c0_{m}, c1_{m}) + hsum2(c2_{m}, c3_{m})) * {cur}s{w}_{j}")
+        for m in rows:
+            if nw == 2:
+                a(f"{ind}g{m}, u{m} = pair_sum(acc1_{m}, acc3_{m}, lane, simred, tid)")
+            else:
+                a(f"{ind}g{m} = warp_sum(acc1_{m}, simred, tid)")
         if split == 2:      # the pair meets: half 1's lane 0 leaves its sums, half 0's finishes the column
-            sums = ("g", "u") if nw == 2 else ("g",)
             a(f"{ind}if hf == U1 and lane == U0:")
             for i, v in enumerate(sums):
                 a(f"{ind}    red[bufi + uint32({i})] = {v}")
@@ -263,20 +277,21 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
             a(f"{ind}if hf == U0 and lane == U0:")
             for i, v in enumerate(sums):
                 a(f"{ind}    {v} += red[bufi + uint32({i})]")
-            a(f"{ind}bufi ^= uint32(2)")
+            a(f"{ind}bufi ^= uint32({nv})")
         a(f"{ind}if lane == U0 and n < n_hi{' and hf == U0' if split == 2 else ''}:")
-        a(f"{ind}    g *= ip")
-        if nw == 2:
-            a(f"{ind}    u *= ip")
-            a(f"{ind}    if has_b1:")
-            a(f"{ind}        g += load(b1, n)")
-            a(f"{ind}    if has_b3:")
-            a(f"{ind}        u += load(b3, n)")
-            a(f"{ind}    store(s, n, silu(g) * u)")
-        else:
-            a(f"{ind}    if has_b1:")
-            a(f"{ind}        g += float32(b1[n])")
-            a(f"{ind}    s[n] = g")
+        for m in rows:
+            a(f"{ind}    g{m} *= ip{m}")
+            if nw == 2:
+                a(f"{ind}    u{m} *= ip{m}")
+                a(f"{ind}    if has_b1:")
+                a(f"{ind}        g{m} += load(b1, n)")
+                a(f"{ind}    if has_b3:")
+                a(f"{ind}        u{m} += load(b3, n)")
+                a(f"{ind}    store(s, n + ndim * uint32({m}), silu(g{m}) * u{m})")
+            else:
+                a(f"{ind}    if has_b1:")
+                a(f"{ind}        g{m} += float32(b1[n])")
+                a(f"{ind}    s[n] = g{m}")
         a(f"{ind}n = nn")
         if more[0]:
             a(ind + more[0])
@@ -290,8 +305,8 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
           "store": _st16, "silu": _silu, "prmt": prmt, "lds32": lds32, "add32": add32, "mad32": mad32,
           "shr32": shr32, "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "hscale2": half2.hscale2, "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax,
-          "ld4": _ld4, "ldx8": half2.ldx8, "pair_sum": _pair_sum, "pair_bar": _pair_bar, "warp_sum": _warp_sum, "F0": np.float32(0.0),
-          "F1": np.float32(1.0), "H0": np.uint32(0)}
+          "ld4": _ld4, "ldx8": half2.ldx8, "pair_sum": _pair_sum, "pair_bar": _pair_bar, "warp_sum": _warp_sum,
+          "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 2, 4, 5, 15, 31, 256)})
     # PRMT selectors: output byte 0 = lane4 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
     ns.update({f"SEL_{b}": np.uint32(0x5504 | (b << 4)) for b in range(4)})
@@ -314,12 +329,12 @@ def sig(nw=2):
             "int64"]
 
 
-def launcher(chunks, nw=2, max_registers=MAX_REGISTERS, split=1):
+def launcher(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
     """Direct-launch wrapper of the kernel (compiled once per process; GPU only)."""
     from .cuda_launch import Launcher
-    key = (chunks, nw, max_registers, split)
+    key = (chunks, nw, max_registers, split, mt)
     if key not in _launchers:
-        fn = _make(chunks, nw, max_registers, split)
+        fn = _make(chunks, nw, max_registers, split, mt)
         lau = Launcher(fn, sig(nw), dynamic_shared=TAB_BYTES)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -344,11 +359,12 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     nw = 1 if q3 is None else 2
     check_weights(q1, am1, q1 if nw == 1 else q3, am1 if nw == 1 else am3, k, n, bs)
     m = check_x_biases(x, b1, b3, k, n, 5, 6)
-    if not ok(m, k, x.dtype == np.float16, bs, split):
-        raise ValueError("the warp-column kernel takes fp16 X with one row, K % 1024 == 0, K <= 5120, bs >= 32")
+    if not ok(m, k, x.dtype == np.float16, bs, split, nw):
+        raise ValueError("the warp-column kernel takes fp16 X with one row (two weights: 1 or 2), K % 1024 == 0, "
+                         "K / 1024 / split <= 5, bs >= 32")
     dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
     dx = dev(x, np.uint16 if nw == 2 else np.float16)
-    ds = cuda.device_array(n, np.uint16 if nw == 2 else np.float16)
+    ds = cuda.device_array(m * n, np.uint16 if nw == 2 else np.float16)
     w1 = (dev(q1, np.uint64), dev(np.asarray(am1, np.float32), np.float32))
     if nw == 2:
         args = (dx, *w1, dev(q3, np.uint64), dev(np.asarray(am3, np.float32), np.float32),
@@ -360,10 +376,10 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 int(b1 is not None), ds, k, n, bs.bit_length() - 5)
     chunks = k // CHUNK
     if SIM:
-        _make(chunks, nw, split=split)[blocks or 2, 32 * warps, 0, TAB_BYTES](*args)
+        _make(chunks, nw, split=split, mt=m)[blocks or 2, 32 * warps, 0, TAB_BYTES](*args)
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(chunks, nw, max_registers, split)
+        lau = launcher(chunks, nw, max_registers, split, m)
         grid = blocks or grid_for(lau, warps, sms or sm_count(current_device()))
         p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
         lau.launch(grid, 32 * warps, 0, *[p(a) for a in args])

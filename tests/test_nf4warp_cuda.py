@@ -59,6 +59,30 @@ def test_warpcols_swiglu(k, n, bs, qt, biases, warps, blocks, split):
     assert _rel(s, ref) <= 4 * TOL, _rel(s, ref)
 
 
+TWO_ROWS = [  # k, n, block size, type, biases, warps per block, blocks, split
+    (2048, 24, 64, "nf4", (True, True), 2, 2, 1),
+    (2048, 21, 32, "fp4", (False, True), 4, 1, 2),
+] + ([] if SIM else [(2048, 8192, 64, "nf4", (True, True), 8, None, 2), (4096, 11008, 64, "nf4", (False, False), 8,
+                                                                          None, 2)])
+
+
+@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", TWO_ROWS)
+def test_warpcols_swiglu_two_rows(k, n, bs, qt, biases, warps, blocks, split):
+    """M = 2 (mt=2: each weight byte's table entry serves both rows), rows of different magnitude (each its own
+    power-of-two scale): each row against the block kernel and the reference, against its own largest output."""
+    wc, fc = _mods()
+    ws = nf4_weights(k, n, bs, qt, seed=k + n)
+    x, b1, b3 = _data((2,), k, n, np.float16, biases, 5)
+    x[1] *= np.float16(0.01)
+    ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, warps=warps, blocks=blocks, split=split)
+    assert s.shape == (2, n)
+    blk = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, h2=4, wide=True)
+    for r in range(2):
+        assert _rel(s[r], blk[r]) <= TOL, (r, _rel(s[r], blk[r]))
+        assert _rel(s[r], ref[r]) <= 4 * TOL, (r, _rel(s[r], ref[r]))
+
+
 @pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", CASES + ([] if SIM else GPU_CASES))
 def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks, split):
     wc, _ = _mods()
@@ -114,6 +138,7 @@ def test_warpcols_refuses_other_shapes():
     x = np.ones((1, 1000), np.float16)
     with pytest.raises(ValueError, match="K % 1024"):
         wc.run_arrays(x, *ws, "nf4", 64, 1000, 4)
-    assert not wc.ok(2, 1024, True, 64) and not wc.ok(1, 1024, False, 64) and not wc.ok(1, 6144, True, 64)
+    assert not wc.ok(3, 1024, True, 64) and not wc.ok(2, 1024, True, 64, nw=1) and wc.ok(2, 1024, True, 64)
+    assert not wc.ok(1, 1024, False, 64) and not wc.ok(1, 6144, True, 64)
     assert wc.ok(1, 4096, True, 64) and not wc.ok(1, 4096, True, 16)
     assert wc.ok(1, 8192, True, 64, split=2) and not wc.ok(1, 3072, True, 64, split=2)
