@@ -19,7 +19,7 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
     python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep | --sweep-only] [--ms 1,8,64]
                                       [--block-ms 1,4] [--shape 2048x8192]
 
-Where FusedFFNNF4 takes the warp-column kernel at M = 1 (fusedffnnf4_cuda.WARPCOLS, K = 2048), a row "ours
+Where FusedFFNNF4 takes the warp-column kernel (fusedffnnf4_cuda.WARPCOLS: K = 2048, M = 1, 2), a row "ours
 FusedFFNNF4 (block kernel, WARPCOLS off)" times the same model with the block decode kernel.
 """
 from __future__ import annotations
@@ -214,7 +214,7 @@ def main():
             ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]
     others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
     from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f4
-    if not a.sweep_only and DEVICE == "cuda" and f4.WARPCOLS.get(K // 1024) and K % 1024 == 0:
+    if not a.sweep_only and DEVICE == "cuda" and K % 1024 == 0 and any(c == K // 1024 for _, c in f4.WARPCOLS):
         others.insert(-1, ("SwiGLU", f"ours FusedFFNNF4 {BLOCK_KERNEL}", sw, "weights4,ffn", dict(weights="nf4")))
     for label, name_, base, passes, opts in others:
         try:

@@ -90,12 +90,14 @@ PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-e
                             # 17.0 at 2048 -> 2 x 8192 (6 blocks of 128 threads per SM instead of 3: no 64 KiB
                             # table), 27.0 against 28.5 at 4096 -> 2 x 11008; at M=2 (MT=2, 124 registers) the
                             # pair table stays faster at 4096 (27.5 against 32.9 us)
-WARPCOLS = {2: 8}         # fp16 X, M = 1, K / 1024 -> warps per block: the warp-column kernel (nf4warp_cuda: a
-                          # warp owns whole columns, no barrier per step). H100, weights past L2 (nf4shapes_gpu.py,
-                          # 2026-11-26), 2048 -> 2 x 8192: 10.16 / 10.22 us with 8 warps against 12.68 / 12.61 for
-                          # the block kernel (h2 chains of 2) in the same runs (6 warps: 10.86-11.05 against
-                          # 12.43-12.95); at 4096 -> 2 x 11008 slower (22.8 at best against 21.4-22.5; pairs of warps
-                          # on halves of K, split=2: 21.51 against 21.75, a tie); K = 1024 / 3072 not measured
+WARPCOLS = {(1, 2): (8, 1),  # fp16 X, (M, K / 1024) -> (warps per block, warps per column): the warp-column kernel
+            (2, 2): (8, 2)}  # (nf4warp_cuda: a warp, or a pair of warps on halves of K, owns whole columns; no
+                             # barrier per step). H100, weights past L2 (nf4shapes_gpu.py, 2026-11-26), 2048 -> 2 x
+                             # 8192: M=1 10.16 / 10.22 us with 8 warps against 12.68 / 12.61 for the block kernel (h2
+                             # chains of 2) in the same runs (6 warps: 10.86-11.05 against 12.43-12.95); M=2 (pairs,
+                             # 128 registers) 12.24 / 12.72 against 15.13 (pair table). At 4096 -> 2 x 11008 slower
+                             # (M=1 22.8 at best against 21.4-22.5; pairs 21.51 against 21.75, a tie; M=2 26.7 against
+                             # 23.6); K = 1024 / 3072 not measured
 TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc_cuda); H100, LLaMA-7B gate+up
                           # (BENCHMARKS.md): M=1 42.4 us against 31.7 for the decode kernel, M=2 43.3 / 31.7,
                           # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3
@@ -603,12 +605,13 @@ _launchers = {}
 fp32_decode = half2.fp32_decode
 
 
-def warpcols_warps(m, k, a16, bs):
-    """Warps per block of the warp-column kernel for this call (WARPCOLS), or 0 for the block kernels (also with
-    ONNX_LOWBIT_FP32_DECODE=1: it is a packed-fp16 decode)."""
-    if fp32_decode() or not nf4warp_cuda.ok(m, k, a16, bs):
-        return 0
-    return WARPCOLS.get(k // nf4warp_cuda.CHUNK, 0)
+def warpcols_plan(m, k, a16, bs):
+    """(warps per block, warps per column) of the warp-column kernel for this call (WARPCOLS), or None for the
+    block kernels (also with ONNX_LOWBIT_FP32_DECODE=1: it is a packed-fp16 decode)."""
+    plan = WARPCOLS.get((m, k // nf4warp_cuda.CHUNK))
+    if plan is None or fp32_decode() or not nf4warp_cuda.ok(m, k, a16, bs, plan[1]):
+        return None
+    return plan
 
 
 def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=None, k=None):
@@ -671,11 +674,12 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     db3 = dev(b3, bits) if b3 is not None else ds
     dam1 = dev(np.asarray(am1, np.float32), np.float32)
     dam3 = dev(np.asarray(am3, np.float32), np.float32)
-    wcw = warpcols_warps(m, k, a16, bs)
-    if wcw and not force_generic and (pair, early, nib, h2, wide) == (None,) * 5 and cols == COLS and prefetch \
+    wcp = warpcols_plan(m, k, a16, bs)
+    if wcp and not force_generic and (pair, early, nib, h2, wide) == (None,) * 5 and cols == COLS and prefetch \
             and not pingpong:      # the default at this shape: the warp-column kernel
         return nf4warp_cuda.run_arrays(x, q1, am1, q3, am3, quant_type, block_size, k, n, b1, b3,
-                                       warps=2 if SIM else wcw, sms=sms, blocks=2 if SIM else None)
+                                       warps=2 * wcp[1] if SIM else wcp[0], sms=sms, blocks=2 if SIM else None,
+                                       split=wcp[1])
     generic = force_generic or not decode_ok(m, k)
     gw = 2 if SIM else GEN_WARPS       # fewer simulated threads
     if generic:
@@ -747,11 +751,13 @@ class FusedFFNNF4CudaKernel(Kernel):
             pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
             self.mma_scratch = ScratchPool(pf, nc)
             self.mma_floats = pf
-        self.wc = None      # the warp-column kernel at M = 1 (nf4warp_cuda; fp16 X, K in WARPCOLS)
-        self.wc_warps = warpcols_warps(1, self.k, self.a16, self.bs)
-        if self.wc_warps:
-            self.wc = nf4warp_cuda.launcher(self.k // nf4warp_cuda.CHUNK)
-            self.wc_grid = nf4warp_cuda.grid_for(self.wc, self.wc_warps, self.sms)
+        self.wc = {}        # M -> (launcher, block, grid) of the warp-column kernel (nf4warp_cuda; WARPCOLS)
+        for m in (1, 2):
+            plan = warpcols_plan(m, self.k, self.a16, self.bs)
+            if plan:
+                lau = nf4warp_cuda.launcher(self.k // nf4warp_cuda.CHUNK, split=plan[1], mt=m)
+                self.wc[m] = (lau, 32 * plan[0], nf4warp_cuda.grid_for(lau, plan[0], self.sms))
+        if self.wc:
             self.wc_lut = cuda.to_device(lut_for(code, False, True))
         self.block, self.align, self.luts, self.lut_args = {}, {}, {}, {}
         if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
@@ -800,11 +806,12 @@ class FusedFFNNF4CudaKernel(Kernel):
                            (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,
                            self.bs.bit_length() - 1, parts, hb1, hb3)
             return
-        if m == 1 and self.wc is not None and not ((x.ptr | q1.ptr | q3.ptr) & 15):    # 16-byte loads
-            self.wc.launch(self.wc_grid, 32 * self.wc_warps, ctx.stream, *common, (q1.ptr, (q1.size // 8,)),
-                           (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)), (am3.ptr, (am3.size,)),
-                           (self.wc_lut.device_ctypes_pointer.value, (257,)), *tail, m, k, n,
-                           self.bs.bit_length() - 5, self.wc_grid, hb1, hb3)
+        if m in self.wc and not ((x.ptr | q1.ptr | q3.ptr) & 15):    # 16-byte loads
+            lau, block, grid = self.wc[m]
+            lau.launch(grid, block, ctx.stream, *common, (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)),
+                       (q3.ptr, (q3.size // 8,)), (am3.ptr, (am3.size,)),
+                       (self.wc_lut.device_ctypes_pointer.value, (257,)), *tail, m, k, n, self.bs.bit_length() - 5,
+                       grid, hb1, hb3)
             return
         mt = bucket(m)
         if m in self.parts and not ((q1.ptr | q3.ptr) & self.align[mt] or x.ptr & 15):   # 16-byte loads of X

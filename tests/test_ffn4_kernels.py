@@ -334,11 +334,12 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
     x, _, _ = _data((1,), k, n, np.float16, (False, False), 7)
     fast = fc.run_arrays(x, *ws, "nf4", bs, k, n)
     assert np.array_equal(fast.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=2).view(np.uint16))
-    # the warp-column kernel: fp16 X, M = 1, K in WARPCOLS (2048)
-    assert fc.warpcols_warps(1, 2048, True, 64) == 8 and fc.warpcols_warps(2, 2048, True, 64) == 0
-    assert fc.warpcols_warps(1, 4096, True, 64) == 0 and fc.warpcols_warps(1, 2048, False, 64) == 0
+    # the warp-column kernel: fp16 X, (M, K) in WARPCOLS (M = 1, 2 at K = 2048; pairs of warps at M = 2)
+    assert fc.warpcols_plan(1, 2048, True, 64) == (8, 1) and fc.warpcols_plan(2, 2048, True, 64) == (8, 2)
+    assert fc.warpcols_plan(3, 2048, True, 64) is None and fc.warpcols_plan(1, 4096, True, 64) is None
+    assert fc.warpcols_plan(1, 2048, False, 64) is None and fc.warpcols_plan(1, 2048, True, 16) is None
     monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
-    assert fc.warpcols_warps(1, 2048, True, 64) == 0
+    assert fc.warpcols_plan(1, 2048, True, 64) is None
     assert fc.table_choice(1, a16=True)[:4] == (False, False, True, 0)
     assert fc.table_choice(1, a16=True, k=4096)[3:] == (0, False) and fc.table_choice(2, a16=True, k=4096)[3] == 0
     exact = fc.run_arrays(x, *ws, "nf4", bs, k, n)
@@ -463,44 +464,47 @@ def test_awq_cuda_host_entry_checks_inputs():
         fc.run_arrays(np.ones((1, 128), np.float32), w1, (w3[0][:64], w3[1], w3[2]), 128, 128, 16)
 
 
-def test_nf4_m1_default_is_warpcols_at_k2048(monkeypatch):
-    """At M = 1 with fp16 X and K = 2048 run_arrays' default (as the session's) is the warp-column kernel: the same
-    bits as nf4warp_cuda's, and the block kernel when a table option is given."""
+@pytest.mark.parametrize("m", [1, 2])
+def test_nf4_default_is_warpcols_at_k2048(m, monkeypatch):
+    """At M = 1, 2 with fp16 X and K = 2048 run_arrays' default (as the session's) is the warp-column kernel (pairs
+    of warps at M = 2): the same bits as nf4warp_cuda's, and the block kernel when a table option is given."""
     fc = _nf4_cuda()
     from onnx_lowbit.custom_ops import nf4warp_cuda
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 2048, 5, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=11)
-    x, b1, b3 = _data((1,), k, n, np.float16, (True, False), 12)
+    x, b1, b3 = _data((m,), k, n, np.float16, (True, False), 12)
     s = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3)
-    wc = nf4warp_cuda.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, warps=2 if SIM else 8, blocks=2 if SIM else None)
+    warps, split = fc.warpcols_plan(m, k, True, bs)
+    wc = nf4warp_cuda.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, warps=2 * split if SIM else warps,
+                                 blocks=2 if SIM else None, split=split)
     assert np.array_equal(s.view(np.uint16), wc.view(np.uint16))
     blk = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True)
     assert _rel(s, blk) <= _tol(np.float16)
 
 
-def test_nf4_cuda_session_m1_warpcols(monkeypatch):
-    """A FusedFFNNF4 node in an onnxruntime CUDA session at M = 1 with fp16 X (GPU machine only) takes the
-    warp-column kernel where WARPCOLS says so (here lowered to K = 1024, 2 warps a block): outputs against the
-    block kernel in the same arithmetic and the reference, the same bits on a second run."""
+def test_nf4_cuda_session_warpcols(monkeypatch):
+    """FusedFFNNF4 nodes in onnxruntime CUDA sessions at M = 1 and 2 with fp16 X and K = 2048 (GPU machine only)
+    take the warp-column kernel (WARPCOLS): outputs against the block kernel in the same arithmetic and the
+    reference, the same bits on a second run."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops import bridge, fusedffnnf4_cuda
-    monkeypatch.setattr(fusedffnnf4_cuda, "WARPCOLS", {1: 2})
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
-    k, n, bs = 1024, 300, 64
+    k, n, bs = 2048, 300, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=6)
-    x, b1, b3 = _data((1, 1), k, n, np.float16, (True, True), 7)
-    sess = lowbit_session(nf4_model((1, 1), k, n, bs, "nf4", np.float16, ws, b1, b3), ["CUDAExecutionProvider"])
-    s1 = sess.run(None, {"x": x})[0]
-    s2 = sess.run(None, {"x": x})[0]
-    assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
-    ks = [kk for kk in list(bridge._kernels.values()) if isinstance(kk, fusedffnnf4_cuda.FusedFFNNF4CudaKernel)
-          and kk.k == k and kk.n == n]
-    assert ks and all(kk.wc is not None and kk.wc_warps == 2 for kk in ks)
-    blk = fusedffnnf4_cuda.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True)
-    assert _rel(s1, blk) <= _tol(np.float16)
-    assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16)
+    for lead in ((1, 1), (2,)):
+        x, b1, b3 = _data(lead, k, n, np.float16, (True, True), 7)
+        sess = lowbit_session(nf4_model(lead, k, n, bs, "nf4", np.float16, ws, b1, b3), ["CUDAExecutionProvider"])
+        s1 = sess.run(None, {"x": x})[0]
+        s2 = sess.run(None, {"x": x})[0]
+        assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
+        ks = [kk for kk in list(bridge._kernels.values()) if isinstance(kk, fusedffnnf4_cuda.FusedFFNNF4CudaKernel)
+              and kk.k == k and kk.n == n]
+        assert ks and all(set(kk.wc) == {1, 2} for kk in ks)
+        blk = fusedffnnf4_cuda.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True)
+        assert _rel(s1, blk) <= _tol(np.float16), lead
+        assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), lead
 
 
 @pytest.mark.parametrize("wide_min_k", [0, 1 << 20])
