@@ -1,5 +1,5 @@
-"""NF4/FP4 GEMV at M = 1 with fp16 X, warp-column decode (FusedFFNNF4: two weights, nw=2; MatMulNF4: one, nw=1):
-every warp owns a contiguous range of output columns and reads the whole of K for each of them, so partial sums
+"""NF4/FP4 GEMV at M = 1, 2 with fp16 X, warp-column decode (FusedFFNNF4: two weights, nw=2; MatMulNF4: one,
+nw=1): every warp owns a contiguous range of output columns and reads the whole of K for each of them, so partial sums
 never leave the warp (no shared-memory reduction, no barrier per step; the block decode kernel of
 fusedffnnf4_cuda.py splits K over a block's warps and meets once a step). K % 1024 == 0 and K <= 1024 *
 MAX_CHUNKS: a 16-byte load per lane covers 32 elements, a warp-wide load 1024 (a chunk), and a lane keeps its 32
@@ -16,16 +16,20 @@ shuffles (6 for the gate / up pair, 5 for one) and lane 0 applies 1 / (p a), the
 stores the column. Under the CUDA simulator (no shuffles) the warps step in lockstep and reduce through shared
 memory.
 
+``mt=2`` (two weights): two rows of X (M = 2), each with its own scale; each weight byte's table entry serves both.
+
 ``split=2``: a pair of warps shares each column range, warp 2p + h decoding half h of K (X and weights), so K up
 to 2 * 1024 * MAX_CHUNKS with the registers of half; half 1's lane 0 leaves its sums in shared memory and the pair
 meets at its own named barrier (``bar.sync 1 + p, 64``) once a column; the row's max |x| is taken over the block.
 
 Where it pays (H100, weights cycled past L2, benchmarks/nf4shapes_gpu.py, BENCHMARKS.md 2026-11-26 session 21):
 FusedFFNNF4 2048 -> 2 x 8192 10.16 / 10.22 us against 12.68 / 12.61 for the block kernel in the same runs (8 warps
-per block, 128 registers, 2 blocks per SM; 6 warps: 10.86-11.05 against 12.43-12.95 in four runs); at 4096 -> 2 x 11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8
-warps per SM), and so were X in the table's unused half (24.8) and cp.async rings of 2-4 stages per warp (24.6+);
+per block, 128 registers, 2 blocks per SM; 6 warps: 10.86-11.05 against 12.43-12.95 in four runs); at 4096 -> 2
+x 11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8 warps per SM), and so were X in the table's unused half (24.8) and cp.async rings of 2-4 stages per warp (24.6+);
 split=2 (8 warps, 128 registers) ties with the block kernel there (21.51 against 21.75, same run), MatMulNF4 4096 x
-11008 13.50 against 13.96, 8192 x 2048 8.93 against 7.92: no default uses it.
+11008 13.50 against 13.96, 8192 x 2048 8.93 against 7.92. At M = 2 (mt=2) pairs are needed for the registers:
+2048 -> 2 x 8192 12.24 / 12.72 against 15.13 for the pair-table block kernel (sessions take it), 4096 26.7 at best
+against 23.6. Sessions: fusedffnnf4_cuda.WARPCOLS.
 """
 from __future__ import annotations
 
