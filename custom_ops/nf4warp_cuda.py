@@ -24,12 +24,12 @@ meets at its own named barrier (``bar.sync 1 + p, 64``) once a column; the row's
 
 Where it pays (H100, weights cycled past L2, benchmarks/nf4shapes_gpu.py, BENCHMARKS.md 2026-11-26 session 21):
 FusedFFNNF4 2048 -> 2 x 8192 10.16 / 10.22 us against 12.68 / 12.61 for the block kernel in the same runs (8 warps
-per block, 128 registers, 2 blocks per SM; 6 warps: 10.86-11.05 against 12.43-12.95 in four runs); at 4096 -> 2
-x 11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8 warps per SM), and so were X in the table's unused
-half (24.8) and cp.async rings of 2-4 stages per warp (24.6+); split=2 (8 warps, 128 registers) ties with the block kernel there (21.51 against 21.75, same run), MatMulNF4 4096 x
-11008 13.50 against 13.96, 8192 x 2048 8.93 against 7.92. At M = 2 (mt=2) pairs are needed for the registers:
-2048 -> 2 x 8192 12.24 / 12.72 against 15.13 for the pair-table block kernel (sessions take it), 4096 26.7 at best
-against 23.6. Sessions: fusedffnnf4_cuda.WARPCOLS.
+per block, 128 registers, 2 blocks per SM; 6 warps: 10.86-11.05 against 12.43-12.95 in four runs); at 4096 -> 2 x
+11008 it is slower (23.1 against 21.4-22.5: 254 registers, 8 warps per SM), and so were X in the table's unused half
+(24.8) and cp.async rings of 2-4 stages per warp (24.6+); split=2 (8 warps, 128 registers) ties with the block
+kernel there (21.51 against 21.75, same run), MatMulNF4 4096 x 11008 13.50 against 13.96, 8192 x 2048 8.93 against
+7.92. At M = 2 (mt=2) pairs are needed for the registers: 2048 -> 2 x 8192 12.24 / 12.72 against 15.13 for the pair-
+table block kernel (sessions take it), 4096 26.7 at best against 23.6. Sessions: fusedffnnf4_cuda.WARPCOLS.
 """
 from __future__ import annotations
 
