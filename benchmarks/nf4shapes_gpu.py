@@ -60,8 +60,8 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c4 wide (fp16 default from K 4096)", {"h2": 4, "wide": True}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
                 ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
-# M=1, 2, the warp-column kernel (nf4warp_cuda; FusedFFNNF4, and MatMulNF4 at M=1): (label, warps per block, ptxas register
-# limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier))
+# the warp-column kernel (nf4warp_cuda; FusedFFNNF4 at M=1, 2, MatMulNF4 at M=1): (label, warps per block, ptxas
+# register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier))
 WC_VARIANTS = [("warpcols 6w r168", 6, 168, 1), ("warpcols 4w r168", 4, 168, 1),
                ("warpcols 8w r168 (M=1 default at K 2048)", 8, 168, 1), ("warpcols 4w", 4, None, 1),
                ("warpcols 8w", 8, None, 1), ("warpcols 12w r168", 12, 168, 1), ("warpcols 8w r128", 8, 128, 1),
