@@ -81,10 +81,13 @@ def main():
                     "is S; separated by ';' when a label has a comma)")
     ap.add_argument("--ffn-ms", metavar="M1,M2", help="only the FusedFFNNF4 cases at these M")
     ap.add_argument("--ffn-k", metavar="K1,K2", help="only the FusedFFNNF4 cases at these K")
+    ap.add_argument("--ffn-shapes", metavar="MxKxN,...", help="these FusedFFNNF4 cases instead (e.g. 1x3072x8192)")
     a = ap.parse_args()
     mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
     if a.ffn_only:
         mm_shapes = []
+    if a.ffn_shapes:
+        ffn_shapes = [tuple(int(v) for v in sh.split("x")) for sh in a.ffn_shapes.lower().split(",")]
     if a.ffn_ms:
         ffn_shapes = [c for c in ffn_shapes if str(c[0]) in a.ffn_ms.split(",")]
     if a.ffn_k:
