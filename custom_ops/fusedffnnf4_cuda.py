@@ -90,14 +90,14 @@ PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-e
                             # 17.0 at 2048 -> 2 x 8192 (6 blocks of 128 threads per SM instead of 3: no 64 KiB
                             # table), 27.0 against 28.5 at 4096 -> 2 x 11008; at M=2 (MT=2, 124 registers) the
                             # pair table stays faster at 4096 (27.5 against 32.9 us)
-WARPCOLS = {(1, 2): (8, 1),  # fp16 X, (M, K / 1024) -> (warps per block, warps per column): the warp-column kernel
-            (2, 2): (8, 2)}  # (nf4warp_cuda: a warp, or a pair of warps on halves of K, owns whole columns; no
-                             # barrier per step). H100, weights past L2 (nf4shapes_gpu.py, 2026-11-26), 2048 -> 2 x
-                             # 8192: M=1 10.16 / 10.22 us with 8 warps against 12.68 / 12.61 for the block kernel (h2
-                             # chains of 2) in the same runs (6 warps: 10.86-11.05 against 12.43-12.95); M=2 (pairs,
-                             # 128 registers) 12.24 / 12.72 against 15.13 (pair table). At 4096 -> 2 x 11008 slower
-                             # (M=1 22.8 at best against 21.4-22.5; pairs 21.51 against 21.75, a tie; M=2 26.7 against
-                             # 23.6); K = 1024 / 3072 not measured
+WARPCOLS = {(1, 1): (8, 1), (2, 1): (8, 1),   # fp16 X, (M, K / 1024) -> (warps per block, warps per column): the
+            (1, 2): (8, 1), (2, 2): (8, 2),   # warp-column kernel (nf4warp_cuda: a warp, or a pair of warps on
+            (1, 3): (6, 1)}                   # halves of K, owns whole columns; no barrier per step). H100, weights
+# past L2 (nf4shapes_gpu.py, 2026-11-26), us, against the block kernel's default in the same run: 1024 -> 2 x 4096 M=1
+# 4.89 / 6.75, M=2 6.11 / 9.87; 2048 -> 2 x 8192 M=1 10.16 / 12.68 and 10.22 / 12.61 (6 warps: 10.86-11.05 against
+# 12.43-12.95), M=2 (pairs) 12.24 / 15.13; 3072 -> 2 x 8192 M=1 14.78 / 17.06. Not taken: 3072 at M=2 (96 registers of
+# X, spills: 34.0 against 17.8), 4096 (M=1 22.8 at best against 21.4-22.5, pairs 21.51 against 21.75, a tie; M=2 26.7
+# against 23.6)
 TC_MIN_M = 3              # fp16 X from this M on: the tensor-core kernel (nf4tc_cuda); H100, LLaMA-7B gate+up
                           # (BENCHMARKS.md): M=1 42.4 us against 31.7 for the decode kernel, M=2 43.3 / 31.7,
                           # M=3 43.8 / 47.8, M=8 46.8 / 84.6, M=16 75.3 / 156.3

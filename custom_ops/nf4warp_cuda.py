@@ -29,7 +29,8 @@ per block, 128 registers, 2 blocks per SM; 6 warps: 10.86-11.05 against 12.43-12
 (24.8) and cp.async rings of 2-4 stages per warp (24.6+); split=2 (8 warps, 128 registers) ties with the block
 kernel there (21.51 against 21.75, same run), MatMulNF4 4096 x 11008 13.50 against 13.96, 8192 x 2048 8.93 against
 7.92. At M = 2 (mt=2) pairs are needed for the registers: 2048 -> 2 x 8192 12.24 / 12.72 against 15.13 for the pair-
-table block kernel (sessions take it), 4096 26.7 at best against 23.6. Sessions: fusedffnnf4_cuda.WARPCOLS.
+table block kernel (sessions take it), 4096 26.7 at best against 23.6. K = 1024 (M = 1, 2) and 3072 (M = 1) gain
+too (4.89 / 6.75, 6.11 / 9.87, 14.78 / 17.06). Sessions: fusedffnnf4_cuda.WARPCOLS.
 """
 from __future__ import annotations
 

@@ -334,8 +334,11 @@ def test_nf4_h2_default_and_opt_out(monkeypatch):
     x, _, _ = _data((1,), k, n, np.float16, (False, False), 7)
     fast = fc.run_arrays(x, *ws, "nf4", bs, k, n)
     assert np.array_equal(fast.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=2).view(np.uint16))
-    # the warp-column kernel: fp16 X, (M, K) in WARPCOLS (M = 1, 2 at K = 2048; pairs of warps at M = 2)
+    # the warp-column kernel: fp16 X, (M, K) in WARPCOLS (M = 1, 2 at K = 1024, 2048; M = 1 at 3072; pairs of
+    # warps at M = 2, K = 2048)
     assert fc.warpcols_plan(1, 2048, True, 64) == (8, 1) and fc.warpcols_plan(2, 2048, True, 64) == (8, 2)
+    assert fc.warpcols_plan(1, 1024, True, 64) == (8, 1) and fc.warpcols_plan(2, 1024, True, 64) == (8, 1)
+    assert fc.warpcols_plan(1, 3072, True, 64) == (6, 1) and fc.warpcols_plan(2, 3072, True, 64) is None
     assert fc.warpcols_plan(3, 2048, True, 64) is None and fc.warpcols_plan(1, 4096, True, 64) is None
     assert fc.warpcols_plan(1, 2048, False, 64) is None and fc.warpcols_plan(1, 2048, True, 16) is None
     monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
