@@ -34,6 +34,8 @@ one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 
 X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sectors each and held the prologue for
 ~2 us), and from K = 4096 the chains are 4 bytes long (H2_WIDE): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
 2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table).
+With fp16 X at M = 1, 2 and K = 1024 .. 3072 (WARPCOLS) sessions take the warp-column kernel of nf4warp_cuda
+instead (a warp, or a pair of warps, owns whole columns: no barrier per step; 13-38% faster there, BENCHMARKS.md).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 """
 from __future__ import annotations
