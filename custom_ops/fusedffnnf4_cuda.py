@@ -250,42 +250,24 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     tsrc = ["    i = tid"]      # the table build: emitted before or (early) after the first loads
     t_ = tsrc.append
 
-    iu4 = ("i", "i1", "i2", "i3")   # the table build's four entry indices i + u * nthreads, unrolled by 4
-
-    def loads4(ent, guard=""):
-        """The table build's loads of entries i, i + n, i + 2n, i + 3n (``ent``: I for the index) before their
-        stores (independent loads in flight); ``guard``: a bound on the index (else 0)."""
-        for u, iu in enumerate(iu4):
-            if u:
-                t_(f"        {iu} = i + nthreads * uint32({u})")
-            e = ent.replace("I", iu)
-            t_(f"        e{u} = ({e}) if {iu} < {guard} else U0" if guard else f"        e{u} = {e}")
-
     if pair:        # unrolled by 4 (independent loads and stores in flight), then the remainder
         ent = ("uint64(f2u(lut[(I >> U4) >> U4])) | (uint64(f2u(lut[(I >> U4) & U15])) << U32)" if matmul else
                "lut[I >> U4]")   # matmul: from the 16 fp32 code values: low half code[v >> 4], high half code[v & 15]
+        iu4 = ("i", "i1", "i2", "i3")   # entries i + u * nthreads: their loads before their stores
         t_("    n3 = nthreads * U3")
         t_("    while i + n3 < U4096:")
-        loads4(ent)
+        for u, iu in enumerate(iu4):
+            if u:
+                t_(f"        {iu} = i + nthreads * uint32({u})")
+            t_(f"        e{u} = {ent.replace('I', iu)}")
         for u, iu in enumerate(iu4):
             t_(f"        tab[(({iu} >> U4) << U5) | ({iu} & U15)] = e{u}")
         t_("        i = uint32(i + (nthreads << uint32(2)))")
         t_("    while i < U4096:")
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
-    elif h2:       # entry i's 32 lane copies at words i * 64 + l; a warp's stores start at the lane's own copy.
-                   # Four entries' loads are issued before their stores (one load's latency, not one per entry).
-                   # The values are the code values times half2.h2_scale (matmul: lut[16]; else the host's lut)
-        if matmul:
-            t_("    al = lut[16]")
-        t_("    while i < U256:")
-        loads4("pack_h2(lut[I >> U4] * al, lut[I & U15] * al)" if matmul else "lut[I]", "U256")
-        for u, iu in enumerate(iu4):
-            t_(f"        if {iu} < U256:")
-            t_("            j = uint32(0)")
-            t_("            while j < uint32(32):")
-            t_(f"                tab[({iu} << uint32(6)) | (({iu} + j) & U31)] = e{u}")
-            t_("                j = uint32(j + U1)")
-        t_("        i = uint32(i + nthreads * uint32(3))")
+    elif h2:       # half2.h2_table_src: the values are the code values times half2.h2_scale (matmul: built from
+                   # lut[0..16]; else the host's lut)
+        tsrc[:] = half2.h2_table_src(matmul)
     elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
         t_("    while i < uint32(512):")
         t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
@@ -293,7 +275,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     else:
         t_("    while i < U16:")
         t_("        tab[i] = f2u(lut[i])" if matmul else "        tab[i] = lut[i]")
-    t_("        i = uint32(i + nthreads)")
+    if not h2:
+        t_("        i = uint32(i + nthreads)")
     if not (early and prefetch):
         src.extend(tsrc)
     a("    lane8 = (tid & U15) << U3")

@@ -1,8 +1,9 @@
 """Packed fp16 (half2, held as uint32 bits) device helpers for the decode kernels, GPU (inline PTX) and CUDA-simulator
 versions: ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max`` (the largest value of a warp, in
 lane 0 at least), ``fmax``, ``hscale2`` (a half2 times an fp32 scale), ``ldx8`` (8 consecutive elements of X as
-fp32, in one or two 16-byte loads), ``fp32_decode`` (the opt-out of packed-fp16 arithmetic), host side ``h2_scale`` / ``code_with_scale`` (the scaled
-fp16 levels); under the simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
+fp32, in one or two 16-byte loads), ``fp32_decode`` (the opt-out of packed-fp16 arithmetic), host side ``h2_scale`` /
+``code_with_scale`` (the scaled fp16 levels) and ``h2_table_src`` (the generated kernels' table build); under the
+simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
 ops: one fma.rn.f16x2)."""
 from __future__ import annotations
 
@@ -39,6 +40,26 @@ def code_with_scale(code):
     c = np.ascontiguousarray(code, np.float32).reshape(-1)[:16]
     a = h2_scale(c)
     return np.concatenate([c, np.array([a, np.float32(1) / a], np.float32)])
+
+
+def h2_table_src(from_codes):
+    """Source lines (4-space indent, for a generated kernel body) that build the packed-fp16 decode's byte-pair table
+    in dynamic shared memory ``tab``: entry i's 32 lane copies at words i * 64 + l, a warp's stores starting at the
+    lane's own copy; four entries' loads issued before their stores (one load's latency, not one per entry). The
+    entries come from ``lut``: ``from_codes`` builds them from the 16 code values and their scale (lut[16];
+    code_with_scale), else lut holds them (fusedffnnf4_cuda.lut_for(..., h2=True)). Names used: tid, nthreads,
+    uint32, pack_h2 and the constants U0, U1, U4, U15, U31, U256."""
+    lines = ["    al = lut[16]"] if from_codes else []
+    lines += ["    i = tid", "    while i < U256:"]
+    for u in range(4):
+        iu = f"i{u}"
+        ent = f"pack_h2(lut[{iu} >> U4] * al, lut[{iu} & U15] * al)" if from_codes else f"lut[{iu}]"
+        lines += [f"        {iu} = i + nthreads * uint32({u})", f"        e{u} = {ent} if {iu} < U256 else U0"]
+    for u in range(4):
+        lines += [f"        if i{u} < U256:", "            j = uint32(0)", "            while j < uint32(32):",
+                  f"                tab[(i{u} << uint32(6)) | ((i{u} + j) & U31)] = e{u}",
+                  "                j = uint32(j + U1)"]
+    return lines + ["        i = uint32(i + nthreads * U4)"]
 
 
 def fp32_decode():

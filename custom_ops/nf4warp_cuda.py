@@ -198,22 +198,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
         a(f"    xm = warp_max({tree(mx)}, simred, tid)")
         a("    if lane == U0:")
         a(f"        xmaxs[warp + uint32({32 * m})] = xm")
-    # the table: entry i's 32 lane copies at words i * 64 + l; four entries' loads in flight before their stores
-    if nw == 1:
-        a("    al = lut[16]")
-    a("    i = tid")
-    a("    while i < U256:")
-    for u in range(4):
-        a(f"        i{u} = i + nthreads * uint32({u})")
-        ent = f"lut[i{u}]" if nw == 2 else f"pack_h2(lut[i{u} >> U4] * al, lut[i{u} & U15] * al)"
-        a(f"        e{u} = {ent} if i{u} < U256 else U0")
-    for u in range(4):
-        a(f"        if i{u} < U256:")
-        a("            j = uint32(0)")
-        a("            while j < uint32(32):")
-        a(f"                tab[(i{u} << uint32(6)) | ((i{u} + j) & U31)] = e{u}")
-        a("                j = uint32(j + U1)")
-    a("        i = uint32(i + nthreads * U4)")
+    src.extend(half2.h2_table_src(nw == 1))     # nw=1: built from the code values and their scale
     a("    cuda.syncthreads()")
     ia = "as_f32(lut[U256])" if nw == 2 else "lut[17]"
     for m in rows:
