@@ -651,6 +651,12 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     if m == 0:
         return np.empty(lead + (n,), x.dtype)
     a16 = x.dtype == np.float16
+    wcp = warpcols_plan(m, k, a16, bs)
+    if wcp and not force_generic and (pair, early, nib, h2, wide) == (None,) * 5 and cols == COLS and prefetch \
+            and not pingpong:      # the default at this shape: the warp-column kernel
+        return nf4warp_cuda.run_arrays(x, q1, am1, q3, am3, quant_type, block_size, k, n, b1, b3,
+                                       warps=2 * wcp[1] if SIM else wcp[0], sms=sms, blocks=2 if SIM else None,
+                                       split=wcp[1])
     bits = np.uint16 if a16 else np.float32
     dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
     dx = dev(x, bits)
@@ -659,12 +665,6 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     db3 = dev(b3, bits) if b3 is not None else ds
     dam1 = dev(np.asarray(am1, np.float32), np.float32)
     dam3 = dev(np.asarray(am3, np.float32), np.float32)
-    wcp = warpcols_plan(m, k, a16, bs)
-    if wcp and not force_generic and (pair, early, nib, h2, wide) == (None,) * 5 and cols == COLS and prefetch \
-            and not pingpong:      # the default at this shape: the warp-column kernel
-        return nf4warp_cuda.run_arrays(x, q1, am1, q3, am3, quant_type, block_size, k, n, b1, b3,
-                                       warps=2 * wcp[1] if SIM else wcp[0], sms=sms, blocks=2 if SIM else None,
-                                       split=wcp[1])
     generic = force_generic or not decode_ok(m, k)
     gw = 2 if SIM else GEN_WARPS       # fewer simulated threads
     if generic:
@@ -736,6 +736,14 @@ class FusedFFNNF4CudaKernel(Kernel):
             pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
             self.mma_scratch = ScratchPool(pf, nc)
             self.mma_floats = pf
+        self.block, self.align, self.luts, self.lut_args = {}, {}, {}, {}
+
+        def lut_arg(pair, h2):
+            """(pointer, shape) of the device table; one copy per table (the h2 one serves every chain length)."""
+            key = (pair and not h2, bool(h2))
+            if key not in self.luts:
+                self.luts[key] = cuda.to_device(lut_for(code, pair, h2))
+            return self.luts[key].device_ctypes_pointer.value, (self.luts[key].size,)
         self.wc = {}        # M -> (launcher, block, grid) of the warp-column kernel (nf4warp_cuda; WARPCOLS)
         for m in (1, 2):
             plan = warpcols_plan(m, self.k, self.a16, self.bs)
@@ -743,15 +751,11 @@ class FusedFFNNF4CudaKernel(Kernel):
                 lau = nf4warp_cuda.launcher(self.k // nf4warp_cuda.CHUNK, split=plan[1], mt=m)
                 self.wc[m] = (lau, 32 * plan[0], nf4warp_cuda.grid_for(lau, plan[0], self.sms))
         if self.wc:
-            self.wc_lut = cuda.to_device(lut_for(code, False, True))
-        self.block, self.align, self.luts, self.lut_args = {}, {}, {}, {}
+            self.wc_lut = lut_arg(False, True)
         if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
             for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
                 pair, _, _, h2, wide = table_choice(mt, a16=self.a16, k=self.k)
-                if (pair, h2) not in self.luts:
-                    self.luts[pair, h2] = cuda.to_device(lut_for(code, pair, h2))
-                lut = self.luts[pair, h2]
-                self.lut_args[mt] = (lut.device_ctypes_pointer.value, (lut.size,))
+                self.lut_args[mt] = lut_arg(pair, h2)
                 self.block[mt] = threads(self.k, wide)
                 self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
                 self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide)
@@ -795,7 +799,7 @@ class FusedFFNNF4CudaKernel(Kernel):
             lau, block, grid = self.wc[m]
             lau.launch(grid, block, ctx.stream, *common, (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)),
                        (q3.ptr, (q3.size // 8,)), (am3.ptr, (am3.size,)),
-                       (self.wc_lut.device_ctypes_pointer.value, (257,)), *tail, m, k, n, self.bs.bit_length() - 5,
+                       self.wc_lut, *tail, m, k, n, self.bs.bit_length() - 5,
                        grid, hb1, hb3)
             return
         mt = bucket(m)
