@@ -58,14 +58,21 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain2 c2 wide", {"h2": 2, "cols": 2, "wide": True}),
                 ("h2 chain2 c8 wide", {"h2": 2, "cols": 8, "wide": True}),
                 ("h2 chain4 c4 wide (fp16 default from K 4096)", {"h2": 4, "wide": True}),
+                ("h2 chain4 c4 wide 4-byte table stores", {"h2": 4, "wide": True, "vec_table": False}),
+                ("h2 chain4 c4 wide early", {"h2": 4, "wide": True, "early": True}),
+                ("h2 chain4 c4 wide am16 (fp16 absmax)", {"h2": 4, "wide": True, "am16": True}),
+                ("h2 chain4 c4 wide early am16", {"h2": 4, "wide": True, "early": True, "am16": True}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
                 ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
 # the warp-column kernel (nf4warp_cuda; FusedFFNNF4 at M=1, 2, MatMulNF4 at M=1): (label, warps per block, ptxas
-# register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier))
-WC_VARIANTS = [("warpcols 6w r168", 6, 168, 1), ("warpcols 4w r168", 4, 168, 1),
-               ("warpcols 8w r168 (M=1 default at K 2048)", 8, 168, 1), ("warpcols 4w", 4, None, 1),
+# register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier; negative:
+# the same with the table built by 4-byte stores))
+WC_VARIANTS = [("warpcols 6w r168", 6, 168, 1), ("warpcols 6w r168 4-byte table stores", 6, 168, -1), ("warpcols 4w r168", 4, 168, 1),
+               ("warpcols 8w r168 (M=1 default at K 2048)", 8, 168, 1),
+               ("warpcols 8w r168 4-byte table stores", 8, 168, -1), ("warpcols 4w", 4, None, 1),
                ("warpcols 8w", 8, None, 1), ("warpcols 12w r168", 12, 168, 1), ("warpcols 8w r128", 8, 128, 1),
                ("warpcols split2 8w r168 (M=2 default at K 2048)", 8, 168, 2),
+               ("warpcols split2 8w r168 4-byte table stores", 8, 168, -2),
                ("warpcols split2 4w r168", 4, 168, 2), ("warpcols split2 6w r168", 6, 168, 2),
                ("warpcols split2 12w r168", 12, 168, 2), ("warpcols split2 16w r128", 16, 128, 2),
                ("warpcols split2 8w r128", 8, 128, 2)]
@@ -185,9 +192,10 @@ def main():
             t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
         for label, warps, mr, split in WC_VARIANTS:
+            vec, split = split > 0, abs(split)
             if not keep(label) or not nf4warp_cuda.ok(1, k, True, BS, split):
                 continue
-            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 1, mr, split)
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 1, mr, split, vec_table=vec)
             grid = nf4warp_cuda.grid_for(lau, warps, sms)
             calls = [lambda q=q, am=am: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
                                                     ptr(dcode), ptr(y), 0, ptr(y), k, n, BS.bit_length() - 5)
@@ -215,14 +223,20 @@ def main():
         del wp
         print(f"{case:28s} {'torch fp16 (2 GEMV + silu*mul)':30s} {t_torch:7.2f} us")
         nbytes = 2 * (k * n // 2 + k * n // BS * 4)
+        # fp16 absmax (am16 variants): the same values rounded to fp16, and the reference on them
+        dev16 = [[(q, am.half()) for q, am in w] for w in dev]
+        ref16 = fusedffnnf4_cpu.swiglu(x.float().cpu().numpy(), host[0][0], host[0][1].astype(np.float16),
+                                       host[1][0], host[1][1].astype(np.float16), code, k, n, BS).astype(np.float64)
         mt = fusedffnnf4_cuda.bucket(m)
         for label, kw in FFN_VARIANTS:
             if a.quick and kw.get("pair", True) and kw and "h2" not in kw or not keep(label):
                 continue
             pair, cols, h2 = kw.get("pair", True), kw.get("cols", fusedffnnf4_cuda.COLS), kw.get("h2", 0)
+            am16 = kw.get("am16", False)
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
                                             pingpong=kw.get("pingpong", False), early=kw.get("early", False),
-                                            nib=kw.get("nib", False), h2=h2, wide=kw.get("wide", False))
+                                            nib=kw.get("nib", False), h2=h2, wide=kw.get("wide", False), am16=am16,
+                                            vec_table=kw.get("vec_table"))
             block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
@@ -230,13 +244,15 @@ def main():
             calls = [lambda w=w: lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
                                             ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
                                             k, n, BS.bit_length() - 5, parts, 0, 0)
-                     for w in dev]
-            t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref))
-            report(case, label, t, nbytes, t_torch, err, f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
+                     for w in (dev16 if am16 else dev)]
+            t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref16 if am16 else ref))
+            report(case, label, t, nbytes - (k * n // BS * 4 if am16 else 0), t_torch, err,
+                   f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
         for label, warps, mr, split in WC_VARIANTS:
+            vec, split = split > 0, abs(split)
             if not keep(label) or not nf4warp_cuda.ok(m, k, True, BS, split):
                 continue
-            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr, split, m)
+            lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr, split, m, vec_table=vec)
             grid = nf4warp_cuda.grid_for(lau, warps, sms)
             calls = [lambda w=w: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(w[0][0], k * n // 16),
                                             ptr(w[0][1]), ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(nlut16),

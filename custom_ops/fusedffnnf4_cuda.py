@@ -46,7 +46,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from . import half2, nf4_common, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
-from .dequantawq_cuda import SIM, as_f32, pack_h2
+from .dequantawq_cuda import SIM, as_f32, h2f, pack_h2
 from .ffn4_common import check_x_biases, opt
 from .fusedffn_cuda import LOAD, _make_ld4
 from .fusedffnnf4_cpu import check_weights
@@ -167,7 +167,7 @@ def _zval(zp, j, has_zp):
 
 
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False, nib=False, h2=False, wide=False):
+                 early=False, int4=False, nib=False, h2=False, wide=False, am16=False, vec_table=None):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -199,7 +199,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     nibble's value in the low half), 32 lane copies in dynamic shared memory (byte v, lane l at byte v * 256 + 4 l),
     addressed by one PRMT per byte. Per byte: one PRMT, one LDS, one fma.rn.f16x2 into a chain of c bytes; each
     word's chains are converted to fp32 and summed (hsum2) and scaled by the absmax; the epilogue multiplies by
-    1 / (p a). NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error: benchmarks/h2_error.py."""
+    1 / (p a). NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error: benchmarks/h2_error.py.
+    ``vec_table`` (h2): the table build's store width (half2.h2_table_src; default half2.VEC_TABLE, 16-byte stores).
+    ``am16`` (experimental, benchmarks only: no op takes it): absmax as fp16 bits (uint16 arrays) instead of fp32;
+    H100, LLaMA-7B gate+up M=1: 21.0-21.3 us against 21.4-22.3 for fp32 absmax in the same runs (BENCHMARKS.md,
+    session 22), short of a reason to leave bitsandbytes' fp32 absmax."""
     if h2 and (int4 or not (a16 or matmul) or h2 not in (2, 4)):
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
@@ -267,7 +271,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
     elif h2:       # half2.h2_table_src: the values are the code values times half2.h2_scale (matmul: built from
                    # lut[0..16]; else the host's lut)
-        tsrc[:] = half2.h2_table_src(matmul)
+        tsrc[:] = half2.h2_table_src(matmul, vec_table)
     elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
         t_("    while i < uint32(512):")
         t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
@@ -344,11 +348,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
                     out(f"{ind}" + ", ".join(f"{prefix}w{w}_{c}_{h}" for h in range(4)) + f" = ld4(q{w}, wi_{c})")
                 else:
                     out(f"{ind}{prefix}w{w}_{c} = q{w}[wi_{c}]")
-            out(f"{ind}{prefix}s1_{c} = float32(am1[shr32(wi_{c}, sh)]) if owns else F0")
+            cvt = "h2f" if am16 else "float32"     # am16: absmax as fp16 bits
+            out(f"{ind}{prefix}s1_{c} = {cvt}(am1[shr32(wi_{c}, sh)]) if owns else F0")
             if int4:
                 out(f"{ind}{prefix}z1_{c} = zval(zp1, shr32(wi_{c}, sh), has_zp)")
             if not matmul:
-                out(f"{ind}{prefix}s3_{c} = am3[shr32(wi_{c}, sh)] if owns else F0")
+                out(f"{ind}{prefix}s3_{c} = {cvt}(am3[shr32(wi_{c}, sh)]) if owns else F0")
 
     a("    n0 = n_lo")
     a("    wb = mad32(n_lo, wpr, tcl)")
@@ -486,7 +491,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
           "load": _ld16 if a16 else _ld32, "store": _st16 if a16 else _st32, "silu": _silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": hfma2, "hsum2": half2.hsum2,
-          "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w, "ldx8": half2.ldx8,
+          "pack_h2": pack_h2, "h2f": h2f, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w,
+          "ldx8": half2.ldx8, "sts4": half2.sts4,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
@@ -576,12 +582,13 @@ def parts_for(n, nch, sms, occupancy, cols=COLS):
     return nf4_common.even_parts(-(-n // cols), max(1, (sms * occupancy) // nch))
 
 
-def _sig(a16, generic, pair=True):
+def _sig(a16, generic, pair=True, am16=False):
     from .cuda_launch import Array
     t = Array(np.uint16) if a16 else Array(np.float32)
     q = Array(np.uint8) if generic else Array(np.uint64)
     tab = Array(np.float32) if generic else Array(np.uint64 if pair else np.uint32)
-    return [t, q, Array(np.float32), q, Array(np.float32), tab, t, t, t] + ["int64"] * (6 if generic else 7)
+    am = Array(np.uint16) if am16 else Array(np.float32)
+    return [t, q, am, q, am, tab, t, t, t] + ["int64"] * (6 if generic else 7)
 
 
 _launchers = {}
@@ -618,17 +625,19 @@ def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=No
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
-             nib=None, h2=None, wide=None):
+             nib=None, h2=None, wide=None, am16=False, vec_table=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
     pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide)
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide) if mt else ())
+    vec_table = half2.VEC_TABLE if vec_table is None else vec_table
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, am16, vec_table)
+                       if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
                                                                  pingpong=pingpong, early=early, nib=nib, h2=h2,
-                                                                 wide=wide)
-        lau = Launcher(fn, _sig(a16, mt is None, pair), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
+                                                                 wide=wide, am16=am16, vec_table=vec_table)
+        lau = Launcher(fn, _sig(a16, mt is None, pair, am16), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]

@@ -42,13 +42,24 @@ def code_with_scale(code):
     return np.concatenate([c, np.array([a, np.float32(1) / a], np.float32)])
 
 
-def h2_table_src(from_codes):
+VEC_TABLE = True     # the table build's stores: 16 bytes (4 lane copies) each, a quarter of the store instructions
+                     # (SASS of the build loop: 247 against 557 instructions). H100, weights past L2
+                     # (benchmarks/nf4shapes_gpu.py, BENCHMARKS.md session 22), us, against 4-byte stores: warp
+                     # columns FusedFFNNF4 M=1 1024 -> 2 x 4096 4.72 / 4.90, 2048 -> 2 x 8192 9.96 / 10.21, M=2
+                     # 2048 12.68 / 12.65; MatMulNF4 2048x2048 4.62 / 4.86, 2048x6144 6.28 / 6.53; LLaMA-7B block
+                     # kernel 21.40 / 21.52 and 22.28 / 22.25 (within the run-to-run spread)
+
+
+def h2_table_src(from_codes, vec=None):
     """Source lines (4-space indent, for a generated kernel body) that build the packed-fp16 decode's byte-pair table
-    in dynamic shared memory ``tab``: entry i's 32 lane copies at words i * 64 + l, a warp's stores starting at the
-    lane's own copy; four entries' loads issued before their stores (one load's latency, not one per entry). The
-    entries come from ``lut``: ``from_codes`` builds them from the 16 code values and their scale (lut[16];
-    code_with_scale), else lut holds them (fusedffnnf4_cuda.lut_for(..., h2=True)). Names used: tid, nthreads,
-    uint32, pack_h2 and the constants U0, U1, U4, U15, U31, U256."""
+    in dynamic shared memory ``tab``: entry i's 32 lane copies at words i * 64 + l; four entries' loads issued before
+    their stores (one load's latency, not one per entry). ``vec`` (default VEC_TABLE): 8 stores of 16 bytes per entry
+    (``sts4``: copies 4c .. 4c + 3, c = (i & 7) ^ j at store j, so the 8 lanes of a quarter-warp hit 8 distinct
+    bank quads), else 32 stores of 4 bytes (copy (i + j) & 31 at store j). The entries come from ``lut``: ``from_codes``
+    builds them from the 16 code values and their scale (lut[16]; code_with_scale), else lut holds them
+    (fusedffnnf4_cuda.lut_for(..., h2=True)). Names used: tid, nthreads, uint32, pack_h2, sts4, the constants U0, U1,
+    U4, U15, U31, U256; names set: i, i0..i3, e0..e3, tb0..tb3, j (al with from_codes)."""
+    vec = VEC_TABLE if vec is None else vec
     lines = ["    al = lut[16]"] if from_codes else []
     lines += ["    i = tid", "    while i < U256:"]
     for u in range(4):
@@ -56,9 +67,15 @@ def h2_table_src(from_codes):
         ent = f"pack_h2(lut[{iu} >> U4] * al, lut[{iu} & U15] * al)" if from_codes else f"lut[{iu}]"
         lines += [f"        {iu} = i + nthreads * uint32({u})", f"        e{u} = {ent} if {iu} < U256 else U0"]
     for u in range(4):
-        lines += [f"        if i{u} < U256:", "            j = uint32(0)", "            while j < uint32(32):",
-                  f"                tab[(i{u} << uint32(6)) | ((i{u} + j) & U31)] = e{u}",
-                  "                j = uint32(j + U1)"]
+        if vec:
+            lines += [f"        if i{u} < U256:",
+                      f"            tb{u} = (i{u} << uint32(6)) | ((i{u} & uint32(7)) << uint32(2))",
+                      "            j = uint32(0)", "            while j < uint32(32):",
+                      f"                sts4(tab, tb{u} ^ j, e{u})", "                j = uint32(j + uint32(4))"]
+        else:
+            lines += [f"        if i{u} < U256:", "            j = uint32(0)", "            while j < uint32(32):",
+                      f"                tab[(i{u} << uint32(6)) | ((i{u} + j) & U31)] = e{u}",
+                      "                j = uint32(j + U1)"]
     return lines + ["        i = uint32(i + nthreads * U4)"]
 
 
@@ -107,6 +124,11 @@ if config.ENABLE_CUDASIM:
                     s = red[tid + i]
         cuda.syncthreads()
         return s
+
+    def sts4(tab, w, v):
+        """tab[w .. w + 3] = v (uint32 words; w % 4 == 0)."""
+        for j in range(4):
+            tab[int(w) + j] = v
 
     def ldx8(a, i):
         """Elements 8 i .. 8 i + 7 of ``a`` (fp16, fp16 bits as uint16, or fp32) as fp32 values."""
@@ -162,6 +184,24 @@ else:
         """Largest of the warp's ``v`` (>= 0: their bit patterns order as their values; a NaN counts as the
         largest), in every lane: one redux.sync on the bits."""
         return libdevice.int_as_float(int32(_redux_umax(uint32(libdevice.float_as_int(v)))))
+
+    @intrinsic
+    def sts4(typingctx, tab, w, v):
+        """tab[w .. w + 3] = v: one 16-byte store of four copies of the uint32 ``v`` (w % 4 == 0; shared memory:
+        STS.128)."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            p = builder.gep(data, [builder.zext(args[1], ir.IntType(64))], inbounds=True)
+            vt = ir.VectorType(i32, 4)
+            val = ir.Constant(vt, ir.Undefined)
+            for j in range(4):
+                val = builder.insert_element(val, args[2], ir.Constant(i32, j))
+            builder.store(val, builder.bitcast(p, vt.as_pointer()), align=16)
+            return context.get_dummy_value()
+        if tab.dtype != types.uint32:
+            return None
+        return types.void(tab, types.uint32, types.uint32), codegen
 
     @intrinsic
     def ldx8(typingctx, arr, idx):

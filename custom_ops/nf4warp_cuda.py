@@ -112,7 +112,7 @@ else:
         return types.void(p), codegen
 
 
-def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
+def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=None):
     """The kernel for K = 1024 * ``chunks``, generated as straight-line code (every per-lane value has its own
     name: X as x2_{row}_{chunk}_{pair}, the current and next column's words as a{w}_{chunk}_{h} / na..., so nothing
     spills to local memory). nw=2: fusedffnnf4_cuda's decode signature (``lut`` its h2 table: 256 half2 entries +
@@ -198,7 +198,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
         a(f"    xm = warp_max({tree(mx)}, simred, tid)")
         a("    if lane == U0:")
         a(f"        xmaxs[warp + uint32({32 * m})] = xm")
-    src.extend(half2.h2_table_src(nw == 1))     # nw=1: built from the code values and their scale
+    src.extend(half2.h2_table_src(nw == 1, vec_table))     # nw=1: built from the code values and their scale
     a("    cuda.syncthreads()")
     ia = "as_f32(lut[U256])" if nw == 2 else "lut[17]"
     for m in rows:
@@ -295,7 +295,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
           "store": _st16, "silu": _silu, "prmt": prmt, "lds32": lds32, "add32": add32, "mad32": mad32,
           "shr32": shr32, "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "hscale2": half2.hscale2, "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax,
-          "ld4": _ld4, "ldx8": half2.ldx8, "pair_sum": _pair_sum, "pair_bar": _pair_bar, "warp_sum": _warp_sum,
+          "ld4": _ld4, "ldx8": half2.ldx8, "sts4": half2.sts4, "pair_sum": _pair_sum, "pair_bar": _pair_bar, "warp_sum": _warp_sum,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 2, 4, 5, 15, 31, 256)})
     # PRMT selectors: output byte 0 = lane4 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
@@ -319,12 +319,14 @@ def sig(nw=2):
             "int64"]
 
 
-def launcher(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1):
-    """Direct-launch wrapper of the kernel (compiled once per process; GPU only)."""
+def launcher(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=None):
+    """Direct-launch wrapper of the kernel (compiled once per process; GPU only). ``vec_table``: half2.h2_table_src's
+    store width (default half2.VEC_TABLE)."""
     from .cuda_launch import Launcher
-    key = (chunks, nw, max_registers, split, mt)
+    vec_table = half2.VEC_TABLE if vec_table is None else vec_table
+    key = (chunks, nw, max_registers, split, mt, vec_table)
     if key not in _launchers:
-        fn = _make(chunks, nw, max_registers, split, mt)
+        fn = _make(chunks, nw, max_registers, split, mt, vec_table)
         lau = Launcher(fn, sig(nw), dynamic_shared=TAB_BYTES)
         lau.dispatcher = fn
         _launchers[key] = lau

@@ -142,3 +142,33 @@ def test_warpcols_refuses_other_shapes():
     assert not wc.ok(1, 1024, False, 64) and not wc.ok(1, 6144, True, 64)
     assert wc.ok(1, 4096, True, 64) and not wc.ok(1, 4096, True, 16)
     assert wc.ok(1, 8192, True, 64, split=2) and not wc.ok(1, 3072, True, 64, split=2)
+
+
+@pytest.mark.parametrize("threads", [32, 96, 128])
+def test_h2_table_build_store_widths_agree(threads):
+    """half2.h2_table_src's 16-byte stores (sts4, the default) build the same 32-copy table as 4-byte stores, for
+    block sizes that do and do not divide the 256 entries, from the host table and from the 16 code values."""
+    _mods()
+    from numba import cuda, uint32
+
+    from onnx_lowbit.custom_ops import dequantawq_cuda, fusedffnnf4_cuda, half2
+    code = nf4.code("nf4").astype(np.float32)
+    out = {}
+    for from_codes in (False, True):
+        lut = half2.code_with_scale(code) if from_codes else fusedffnnf4_cuda.lut_for(code, False, h2=True)
+        for vec in (False, True):
+            src = ["def build(lut, dst):", "    tab = cuda.shared.array(16384, uint32)",
+                   "    tid = uint32(cuda.threadIdx.x)", "    nthreads = uint32(cuda.blockDim.x)",
+                   *half2.h2_table_src(from_codes, vec), "    cuda.syncthreads()", "    w = tid",
+                   "    while w < uint32(16384):", "        dst[w] = tab[w]", "        w = uint32(w + nthreads)"]
+            ns = {"cuda": cuda, "uint32": uint32, "pack_h2": dequantawq_cuda.pack_h2, "sts4": half2.sts4,
+                  **{f"U{v}": np.uint32(v) for v in (0, 1, 4, 15, 31, 256)}}
+            exec("\n".join(src), ns)  # noqa: S102 - generated from constants only
+            dst = cuda.device_array(16384, np.uint32)
+            cuda.jit(ns["build"])[1, threads](cuda.to_device(lut), dst)
+            out[vec] = dst.copy_to_host().reshape(256, 64)[:, :32]      # copies 32..63 of each entry are unused
+        assert np.array_equal(out[True], out[False])
+        ent = out[True][:, 0]
+        assert np.all(out[True] == ent[:, None])                        # every lane copy holds the entry
+        if not from_codes:
+            assert np.array_equal(ent, lut[:256])
