@@ -149,6 +149,9 @@ def test_h2_table_build_store_widths_agree(threads):
     """half2.h2_table_src's 16-byte stores (sts4, the default) build the same 32-copy table as 4-byte stores, for
     block sizes that do and do not divide the 256 entries, from the host table and from the 16 code values."""
     _mods()
+    if not SIM:
+        pytest.skip("simulator only: the 64 KiB table exceeds static shared memory (on a GPU the kernels' tests, "
+                    "whose results depend on every entry, cover the build)")
     from numba import cuda, uint32
 
     from onnx_lowbit.custom_ops import dequantawq_cuda, fusedffnnf4_cuda, half2
