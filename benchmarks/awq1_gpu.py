@@ -4,14 +4,12 @@ variants of it: words in flight per thread (unroll), column groups per thread (g
 medians per call; torch fp16 x @ W on a pool of fp16 weights in the same run; outputs checked against
 onnx_lowbit.awq.matmul on the last pool entry.
 
-    PYTHONPATH=/tmp/site:.:benchmarks:tests [AWQ1_QUICK=1] python3 benchmarks/awq1_gpu.py
+    PYTHONPATH=/tmp/site:.:benchmarks:tests python3 benchmarks/awq1_gpu.py
 
 Each shape ends with the same kind of int4 weights in onnxruntime's N-major MatMulNBits layout through the NF4
 decode generator's experimental int4 mode (``int4 N-major``), for comparison.
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 from ffn4_gpu import regs
@@ -44,7 +42,6 @@ def main():
     print(f"device copy 256 MiB: {bw:.0f} GB/s")
     rng = np.random.default_rng(0)
     made = {}       # variant kernels, compiled once for all shapes
-    quick = os.environ.get("AWQ1_QUICK") == "1"     # the default kernel and the awqh2 geometries only
 
     def timed(calls):
         it = iter(range(1 << 30))
@@ -69,7 +66,7 @@ def main():
         t_torch = timed([lambda w=w: torch.matmul(x, w, out=y) for w in wp])
         del wp
         print(f"MatMulAWQ M=1 {k}->{n}: torch fp16 {t_torch:.2f} us")
-        for label, kw in VARIANTS[:1] if quick else VARIANTS:
+        for label, kw in VARIANTS:
             gpt = kw.get("gpt", mc.gpt_for(1, n))
             if n % (16 * gpt):
                 continue
@@ -110,41 +107,7 @@ def main():
             gbs = per / t / 1e3
             print(f"  {label:22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy {t_torch / t:5.2f}x torch "
                   f"rel {err:.1e} [{grid} blocks, R={r}, {splits} splits, {occ}/SM, {regs(lau)}]", flush=True)
-        awqh2(k, n, x, y, pool, per, ref, t_torch, bw, timed, stream)
-        if not quick:
-            int4_nmajor(k, n, x, t_torch, bw, timed, stream)
-
-
-H2_VARIANTS = [(32, 4), (16, 4), (16, 8), (32, 8), (64, 2), (8, 8)]    # (rows per warp, warps per block)
-
-
-def awqh2(k, n, x, y, pool, per, ref, t_torch, bw, timed, stream):
-    """The experimental packed-fp16 decode of the same AutoAWQ weights (custom_ops/awqh2_cuda.py), per geometry."""
-    import torch
-
-    from onnx_lowbit.custom_ops import awqh2_cuda as h2
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
-    sms = sm_count(current_device())
-    for rows, warps in H2_VARIANTS:
-        if not h2.ok(k, n, G, rows):
-            continue
-        lau = h2.launcher(rows, warps)
-        blocks, splits = h2.grid(k, n, rows, warps)
-        part = torch.empty(max(1, splits * n), dtype=torch.float32, device="cuda")
-        cnt = torch.zeros(-(-(n // 32) // 32), dtype=torch.int32, device="cuda")
-        p = lambda t, d=1: (t.data_ptr(), (t.numel() // d,))  # noqa: E731
-
-        def call(w, lau=lau, blocks=blocks, warps=warps, splits=splits, part=part, cnt=cnt):
-            qw_, qz_, sc_ = w
-            lau.launch(blocks, 32 * warps, stream(), p(x), p(qw_), p(qz_), p(sc_, 2), p(y), p(y), p(part), p(cnt),
-                       k, n, G.bit_length() - 1, splits, 0)
-        t = timed([lambda w=w: call(w) for w in pool])
-        err = float(np.max(np.abs(y.float().cpu().numpy().astype(np.float64) - ref)) / np.max(np.abs(ref)))
-        gbs = per / t / 1e3
-        occ = lau.blocks_per_sm(32 * warps, 0)
-        print(f"  awqh2 R={rows} W={warps:<10d} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy "
-              f"{t_torch / t:5.2f}x torch rel {err:.1e} [{blocks} blocks, {splits} splits, {occ}/SM of {sms} SMs, "
-              f"{regs(lau)}]", flush=True)
+        int4_nmajor(k, n, x, t_torch, bw, timed, stream)
 
 
 def int4_nmajor(k, n, x, t_torch, bw, timed, stream):
