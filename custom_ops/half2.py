@@ -1,7 +1,8 @@
 """Packed fp16 (half2, held as uint32 bits) device helpers for the decode kernels, GPU (inline PTX) and CUDA-simulator
 versions: ``hsum2`` (two half2 values' four halves summed in fp32), ``warp_max`` (the largest value of a warp, in
 lane 0 at least), ``fmax``, ``hscale2`` (a half2 times an fp32 scale), ``ldx8`` (8 consecutive elements of X as
-fp32, in one or two 16-byte loads), ``fp32_decode`` (the opt-out of packed-fp16 arithmetic), host side ``h2_scale`` /
+fp32, in one or two 16-byte loads), ``sts4`` (one 16-byte shared-memory store of four copies of a word),
+``fp32_decode`` (the opt-out of packed-fp16 arithmetic), host side ``h2_scale`` /
 ``code_with_scale`` (the scaled fp16 levels) and ``h2_table_src`` (the generated kernels' table build); under the
 simulator also ``hfma2`` (on the GPU matmulnf4_cuda builds it like its other 32-bit PTX
 ops: one fma.rn.f16x2)."""
