@@ -43,8 +43,8 @@ from . import external
 from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, is_float_type,
                    iter_graphs, node_label, outside_consumers, producer, remove_dead, type_name)
 from .fplut import _ANCHORS, _ARITH, _Run as _FplutRun, _single_op
-from .weights4 import _bias_vector, _constant_weight, _rank
-from .weights4 import match as _match_linear
+from .linear import bias_vector, constant_weight, rank
+from .linear import match as _match_linear
 
 _SEARCH_DEPTH = 4  # arithmetic steps from a SiLU's output back to its Sigmoid
 _FOUR_BIT = {"MatMulNF4": ("nf4", ("quant_type", "block_size", "K", "N"), 2),
@@ -135,13 +135,13 @@ def _mixed_proj(node: gs.Node) -> _Proj | None:
     if cast is None or cast.op != "Cast" or cast.domain or not is_alive(cast) or \
             int(cast.attrs.get("to", 0)) != onnx.TensorProto.FLOAT:
         return None
-    found = _constant_weight(cast.inputs[0])
+    found = constant_weight(cast.inputs[0])
     if found is None:
         return None
     value, stored, via, transposed = found
     if value.ndim != 2 or value.dtype != np.float16:
         return None
-    r = _rank(node.inputs[0])
+    r = rank(node.inputs[0])
     if r is None or r < 2:
         raise _Skip("MatMul(A, Cast(W))", f"rank of A {'unknown' if r is None else r}; a rank >= 2 A is needed")
     wt = value if transposed else value.T
@@ -223,7 +223,7 @@ def find_projection(g: gs.Graph, t) -> _Proj | None:
     if add is not None:
         if proj.bias is not None:
             raise _Skip(proj.spelling + " -> Add(bias)", "projection already has a bias and is followed by an Add")
-        vec = _bias_vector(bias_vec, proj.N, _rank(proj.x))
+        vec = bias_vector(bias_vec, proj.N, rank(proj.x))
         if vec is None:
             raise _Skip(proj.spelling + " -> Add(bias)",
                         f"Add constant of shape {list(bias_vec.shape)} is not a bias [N={proj.N}]")

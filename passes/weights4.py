@@ -63,14 +63,14 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
 from . import calibration, external
-from .base import (Names, Pass, Report, constant_value, elem_type, is_alive, is_graph_output, iter_graphs,
+from .base import (Names, Pass, Report, constant_value, is_alive, is_graph_output, iter_graphs,
                    node_label, producer, single_consumer)
+from .linear import Linear, Skip, following_bias, match, rank
 
 FORMATS = ("nf4", "fp4", "awq")
 TARGETS = ("lowbit", "ort")
@@ -83,7 +83,6 @@ ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatM
 MAX_CALIBRATION_ROWS = 8192          # activation rows per MatMul handed to the AWQ search (evenly subsampled)
 CHUNK_ELEMENTS = 1 << 22             # weight elements quantised at a time (column chunks; bounds the temporaries)
 BNB4_QUANT_TYPE = {"fp4": 0, "nf4": 1}  # com.microsoft.MatMulBnb4's quant_type attribute
-_FLOAT = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,179 +213,14 @@ def nbits_layout(qweight, qzeros, scales, K: int, group_size: int, dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# matching
+# matching helpers (the matcher itself: passes/linear.py)
 # ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class _Cand:
-    node: gs.Node
-    spelling: str          # e.g. "MatMul(A, Transpose(W))"
-    a: object              # the activation input
-    out: object            # the tensor the new op writes
-    value: np.ndarray      # the weight as stored (float32 or float16)
-    transpose: bool        # value is [N, K] (a Transpose node, or Gemm transB=1, but not both)
-    alpha: float           # Gemm alpha, folded into the weight
-    stored: object         # the constant tensor holding the weight (initializer / Constant output)
-    weight_name: str
-    w_node: gs.Node | None  # the Transpose / Constant node between the constant and the op, if any
-    bias: np.ndarray | None = None
-    bias_add: gs.Node | None = None   # a MatMul's following Add whose constant is the bias
-    _w: np.ndarray | None = None
-
-    @property
-    def dtype(self):
-        return self.value.dtype.type
-
-    @property
-    def bytes_before(self) -> int:
-        return int(self.value.nbytes)
-
-    @property
-    def size(self) -> int:
-        return int(self.value.size)
-
-    @property
-    def K(self):  # noqa: N802
-        return self.value.shape[1 if self.transpose else 0]
-
-    @property
-    def N(self):  # noqa: N802
-        return self.value.shape[0 if self.transpose else 1]
-
-    @property
-    def w(self) -> np.ndarray:
-        """The effective [K, N] weight in float32 (alpha folded), built on first use."""
-        if self._w is None:
-            w = self.value.T if self.transpose else self.value
-            w = np.ascontiguousarray(w, dtype=np.float32)
-            if self.alpha != 1.0:
-                w = w * np.float32(self.alpha)
-            self._w = w
-        return self._w
-
-
-def _constant_weight(t):
-    """(value as stored, stored tensor, via node, transposed) for a constant or a Transpose of a constant."""
-    v = constant_value(t)
-    if v is not None:
-        return v, t, producer(t), False
-    p = producer(t)
-    if p is not None and p.op == "Transpose" and not p.domain and is_alive(p) and p.inputs:
-        src = p.inputs[0]
-        v = constant_value(src)
-        perm = p.attrs.get("perm")
-        if v is not None and v.ndim == 2 and (perm is None or list(perm) == [1, 0]):
-            return v, src, p, True
-    return None
-
-
-def _source(t) -> str:
-    p = producer(t)
-    if p is None:
-        return "a graph input" if not isinstance(t, gs.Constant) else "a constant"
-    return f"{p.op} {node_label(p)!r}"
-
-
-def _rank(t):
-    shape = getattr(t, "shape", None)
-    return None if shape is None else len(shape)
-
-
-def _bias_vector(v: np.ndarray, n: int, max_rank: int | None):
-    """A bias-shaped constant as a [N] vector: a scalar, [N], or [1, .., 1, N] of rank <= max_rank; else None."""
-    if v.size == 1 and (max_rank is None or v.ndim <= max_rank):
-        return np.full(n, v.reshape(-1)[0], dtype=v.dtype)
-    if v.ndim >= 1 and v.shape[-1] == n and v.size == n and (max_rank is None or v.ndim <= max_rank):
-        return v.reshape(n)
-    return None
-
-
-class _Skip(Exception):
-    pass
-
-
 def _format_call(fn, *args):
     """A quantiser of onnx_lowbit.nf4 / awq; its ValueError (e.g. NaN/Inf weights) skips the weight."""
     try:
         return fn(*args)
     except ValueError as e:
-        raise _Skip(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} refused the weight: {e}") from None
-
-
-def match(node: gs.Node):
-    """(_Cand, None) for a candidate, (None, (spelling, reason)) for a skipped one, (None, None) for no match."""
-    if node.domain or node.op not in ("MatMul", "Gemm") or not is_alive(node) or len(node.outputs) != 1:
-        return None, None
-    ins = node.inputs
-    if len(ins) < 2:
-        return None, None
-    a, b = ins[0], ins[1]
-    spelling = f"{node.op}(A, W)"
-    try:
-        found = _constant_weight(b)
-        if found is None:
-            raise _Skip(f"weight (input B {b.name!r}) is not a constant: computed by {_source(b)}")
-        value, stored, via, transposed = found
-        if via is not None and via.op == "Transpose":
-            spelling = f"{node.op}(A, Transpose(W))"
-        elif via is not None:
-            spelling = f"{node.op}(A, Constant W)"
-        if value.ndim != 2:
-            raise _Skip(f"weight {stored.name!r} has shape {list(value.shape)}, not 2-D")
-        if value.dtype not in (np.float32, np.float16):
-            raise _Skip(f"weight {stored.name!r} is {value.dtype}, not float32/float16")
-        et = elem_type(a)
-        if et is not None and _FLOAT.get(et) != value.dtype.type:
-            raise _Skip(f"A is {onnx.TensorProto.DataType.Name(et).lower()}, the weight {value.dtype}")
-        transpose, alpha, bias = transposed, 1.0, None
-        n_out = value.shape[0 if transposed else 1]
-        if node.op == "Gemm":
-            at = node.attrs
-            alpha, beta = float(at.get("alpha", 1.0)), float(at.get("beta", 1.0))
-            if int(at.get("transA", 0)):
-                raise _Skip("Gemm with transA=1")
-            if int(at.get("transB", 0)):
-                transpose = not transpose
-                n_out = value.shape[0 if transpose else 1]
-                spelling = f"Gemm(A, {'Transpose(W)' if transposed else 'W'}, transB=1)"
-            if len(ins) > 2 and ins[2].name:
-                c = constant_value(ins[2])
-                if c is None:
-                    raise _Skip(f"Gemm bias C {ins[2].name!r} is not a constant (computed by {_source(ins[2])})")
-                vec = _bias_vector(np.asarray(c), n_out, 2)
-                if vec is None:
-                    raise _Skip(f"Gemm C of shape {list(np.shape(c))} is not a bias (a scalar, [N] or [1, N] "
-                                f"with N={n_out})")
-                bias = (vec.astype(np.float32) * np.float32(beta)).astype(value.dtype) if beta != 1.0 else \
-                    vec.astype(value.dtype)
-                spelling += " + C"
-        else:
-            r = _rank(a)
-            if r is None:
-                raise _Skip("rank of A unknown (shape inference gave none)")
-            if r < 2:
-                raise _Skip(f"A has rank {r}; a rank >= 2 A is needed")
-        cand = _Cand(node=node, spelling=spelling, a=a, out=node.outputs[0], value=value, transpose=transpose,
-                     alpha=alpha, stored=stored, weight_name=stored.name, w_node=via, bias=bias)
-        return cand, None
-    except _Skip as e:
-        return None, (spelling, str(e))
-
-
-def _following_bias(graph: gs.Graph, cand: _Cand):
-    """A MatMul's single following Add with a constant bias [N] (as (Add node, vector)), else None."""
-    y = cand.out
-    add = single_consumer(y)
-    if add is None or add.op != "Add" or add.domain or not is_alive(add) or is_graph_output(graph, y):
-        return None
-    other = [t for t in add.inputs if t is not y]
-    if len(other) != 1 or len(add.outputs) != 1:
-        return None
-    v = constant_value(other[0])
-    if v is None or v.dtype.type is not cand.dtype:
-        return None
-    r = _rank(cand.a)
-    vec = _bias_vector(np.asarray(v), cand.N, r)
-    return None if vec is None else (add, vec)
+        raise Skip(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} refused the weight: {e}") from None
 
 
 @dataclass
@@ -397,7 +231,7 @@ class _Kept:
     weight_name: str
 
 
-def _excluded(cand: _Cand, patterns, module_paths=None) -> str | None:
+def _excluded(cand: Linear, patterns, module_paths=None) -> str | None:
     names = [n for n in (cand.node.name, cand.weight_name, (module_paths or {}).get(cand.node.name)) if n]
     for pat, rx in patterns:
         for n in names:
@@ -424,7 +258,7 @@ def _column_chunks(k: int, n: int, multiple: int):
         yield n0, min(n, n0 + step)
 
 
-def _columns(cand: "_Cand", n0: int, n1: int) -> np.ndarray:
+def _columns(cand: "Linear", n0: int, n1: int) -> np.ndarray:
     """Columns n0..n1 of the effective [K, N] weight in float32 (alpha folded), as ``cand.w`` would give them."""
     v = cand.value[n0:n1, :].T if cand.transpose else cand.value[:, n0:n1]
     w = np.ascontiguousarray(v, dtype=np.float32)
@@ -440,7 +274,7 @@ def _rel_from(err2: float, ref2: float) -> float:
     return float(np.sqrt(err2) / np.sqrt(ref2)) if ref2 > 0 else float(np.sqrt(err2))
 
 
-def quantize_nf4_chunked(cand: "_Cand", fmt: str, block_size: int):
+def quantize_nf4_chunked(cand: "Linear", fmt: str, block_size: int):
     """(packed uint8 flat, absmax float32 flat, relative reconstruction error) of cand's weight, quantised
     CHUNK_ELEMENTS at a time (the same bytes as nf4.quantize of the whole weight)."""
     nf4 = _nf4()
@@ -458,7 +292,7 @@ def quantize_nf4_chunked(cand: "_Cand", fmt: str, block_size: int):
     return np.concatenate(packs), np.concatenate(maxes), _rel_from(err2, ref2)
 
 
-def quantize_rtn_chunked(cand: "_Cand", group_size: int):
+def quantize_rtn_chunked(cand: "Linear", group_size: int):
     """(qweight, qzeros, scales, relative reconstruction error) of AWQ round-to-nearest on cand's weight,
     CHUNK_ELEMENTS at a time (columns in multiples of 8: the same arrays as awq.quantize_rtn of the whole)."""
     awq = _awq()
@@ -513,7 +347,7 @@ class _Run:
         self.names = Names(graph)
         self.entries: list = []       # (action, pattern, nodes, reason, details) buffered per graph
         self.shared: dict = {}        # (id(stored), transpose, alpha) -> (Q, absmax, rel_error, first node)
-        self.kept_checks: list = []   # (index in entries, _Cand) of rewrites whose float weight may stay
+        self.kept_checks: list = []   # (index in entries, Linear) of rewrites whose float weight may stay
         self.activations: dict = {}   # tensor name -> [rows, K] float32 calibration activations
         self.shared_act: dict = {}    # A's name -> (act_scale [K] float32, ids of the candidate nodes sharing it)
         self.applied: dict = {}       # A's name -> (tensor, note) once a shared act_scale has been applied
@@ -611,7 +445,7 @@ class _Run:
             return
         with_bias_input = not (self.o.target == "ort" and self.o.fmt in ("nf4", "fp4"))
         if node.op == "MatMul" and with_bias_input:
-            found = _following_bias(g, cand)
+            found = following_bias(g, cand)
             if found is not None:
                 cand.bias_add, cand.bias = found
                 cand.out = cand.bias_add.outputs[0]
@@ -619,7 +453,7 @@ class _Run:
         notes = []
         try:
             new, info = (self.emit_awq if self.o.fmt == "awq" else self.emit_nf4)(g, cand, notes)
-        except _Skip as e:  # the format refused the weight (e.g. NaN/Inf for AWQ); nothing was changed yet
+        except Skip as e:  # the format refused the weight (e.g. NaN/Inf for AWQ); nothing was changed yet
             self.skip(self.pattern(cand.spelling), label, str(e), **details)
             return
         details.update(info)
@@ -634,7 +468,7 @@ class _Run:
         self.done(self.pattern(cand.spelling), nodes, "; ".join(notes), **details)
 
     # -- NF4 / FP4 -----------------------------------------------------------------------------------------
-    def emit_nf4(self, g: gs.Graph, cand: _Cand, notes: list):
+    def emit_nf4(self, g: gs.Graph, cand: Linear, notes: list):
         o = self.o
         key = (id(cand.stored), cand.transpose, cand.alpha)
         shared = self.shared.get(key)
@@ -681,7 +515,7 @@ class _Run:
         return new, info
 
     # -- AWQ -----------------------------------------------------------------------------------------------
-    def emit_awq(self, g: gs.Graph, cand: _Cand, notes: list):
+    def emit_awq(self, g: gs.Graph, cand: Linear, notes: list):
         awq, o = _awq(), self.o
         group_size = o.group_size
         if o.checkpoint is not None:
@@ -731,16 +565,16 @@ class _Run:
         info["calibrated"] = act is not None
         return new, info
 
-    def from_checkpoint(self, cand: _Cand, notes: list):
+    def from_checkpoint(self, cand: Linear, notes: list):
         """The checkpoint's tensors for cand (qweight, qzeros, scales, group size, rel. error vs the model's
-        weight, A), or _Skip when no module matches or its shape differs."""
+        weight, A), or Skip when no module matches or its shape differs."""
         awq = _awq()
         mod, why = self.o.checkpoint.find(self.o.module_paths.get(cand.node.name, ""), cand.weight_name,
                                           cand.node.name)
         if mod is None:
-            raise _Skip(f"not in the AWQ checkpoint: {why}")
+            raise Skip(f"not in the AWQ checkpoint: {why}")
         if (mod.K, mod.N) != (cand.K, cand.N):
-            raise _Skip(f"AWQ checkpoint module {mod.name} is [K={mod.K}, N={mod.N}], the weight [K={cand.K}, "
+            raise Skip(f"AWQ checkpoint module {mod.name} is [K={mod.K}, N={mod.N}], the weight [K={cand.K}, "
                         f"N={cand.N}]")
         qweight, qzeros = np.array(mod.qweight, np.int32), np.array(mod.qzeros, np.int32)
         scales = np.array(mod.scales, np.float16)
@@ -752,10 +586,10 @@ class _Run:
                          f"same model?")
         return qweight, qzeros, scales, mod.group_size, rel, cand.a
 
-    def emit_awq_tensors(self, g: gs.Graph, cand: _Cand, notes: list, qweight, qzeros, scales, group_size, rel, a_in):
+    def emit_awq_tensors(self, g: gs.Graph, cand: Linear, notes: list, qweight, qzeros, scales, group_size, rel, a_in):
         o = self.o
         if o.target == "ort" and group_size not in ORT_BLOCK_SIZES:
-            raise _Skip(f"group size {group_size} is not supported by onnxruntime's MatMulNBits "
+            raise Skip(f"group size {group_size} is not supported by onnxruntime's MatMulNBits "
                         f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
         base = cand.weight_name
         base_name = cand.node.name or cand.out.name
@@ -844,7 +678,7 @@ class _Run:
             for c in cands:
                 c._w = None
 
-    def apply_act_scale(self, g: gs.Graph, cand: _Cand, act: np.ndarray):
+    def apply_act_scale(self, g: gs.Graph, cand: Linear, act: np.ndarray):
         """Makes cand's A become A * act (per input channel): folded into A's producer when possible, else a
         Mul in front. Returns (the tensor to feed the quantised op, a note for the report)."""
         a = cand.a
@@ -925,7 +759,7 @@ def _fold_plan(p: gs.Node, g: gs.Graph, inv: np.ndarray, k: int, depth: int = 0)
     if dom == "" and p.op in ("Mul", "Add") and len(p.inputs) == 2:
         for i in (0, 1):
             v, other = constant_value(p.inputs[i]), p.inputs[1 - i]
-            r = _rank(other)
+            r = rank(other)
             if v is None or constant_value(other) is not None or v.size != k or v.shape[-1] != k or \
                     r is None or v.ndim > r:
                 continue
