@@ -65,17 +65,18 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
                 ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
 # the warp-column kernel (nf4warp_cuda; FusedFFNNF4 at M=1, 2, MatMulNF4 at M=1): (label, warps per block, ptxas
-# register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier; negative:
-# the same with the table built by 4-byte stores))
-WC_VARIANTS = [("warpcols 6w r168", 6, 168, 1), ("warpcols 6w r168 4-byte table stores", 6, 168, -1), ("warpcols 4w r168", 4, 168, 1),
-               ("warpcols 8w r168 (M=1 default at K 2048)", 8, 168, 1),
-               ("warpcols 8w r168 4-byte table stores", 8, 168, -1), ("warpcols 4w", 4, None, 1),
-               ("warpcols 8w", 8, None, 1), ("warpcols 12w r168", 12, 168, 1), ("warpcols 8w r128", 8, 128, 1),
-               ("warpcols split2 8w r168 (M=2 default at K 2048)", 8, 168, 2),
-               ("warpcols split2 8w r168 4-byte table stores", 8, 168, -2),
-               ("warpcols split2 4w r168", 4, 168, 2), ("warpcols split2 6w r168", 6, 168, 2),
-               ("warpcols split2 12w r168", 12, 168, 2), ("warpcols split2 16w r128", 16, 128, 2),
-               ("warpcols split2 8w r128", 8, 128, 2)]
+# register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier), the
+# table built with 16-byte stores (half2.VEC_TABLE; False: 4-byte stores))
+WC_VARIANTS = [("warpcols 6w r168", 6, 168, 1, True), ("warpcols 6w r168 4-byte table stores", 6, 168, 1, False),
+               ("warpcols 4w r168", 4, 168, 1, True), ("warpcols 8w r168 (M=1 default at K 2048)", 8, 168, 1, True),
+               ("warpcols 8w r168 4-byte table stores", 8, 168, 1, False), ("warpcols 4w", 4, None, 1, True),
+               ("warpcols 8w", 8, None, 1, True), ("warpcols 12w r168", 12, 168, 1, True),
+               ("warpcols 8w r128", 8, 128, 1, True),
+               ("warpcols split2 8w r168 (M=2 default at K 2048)", 8, 168, 2, True),
+               ("warpcols split2 8w r168 4-byte table stores", 8, 168, 2, False),
+               ("warpcols split2 4w r168", 4, 168, 2, True), ("warpcols split2 6w r168", 6, 168, 2, True),
+               ("warpcols split2 12w r168", 12, 168, 2, True), ("warpcols split2 16w r128", 16, 128, 2, True),
+               ("warpcols split2 8w r128", 8, 128, 2, True)]
 
 
 def main():
@@ -191,8 +192,7 @@ def main():
                      for ((q, am),) in dev]
             t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
-        for label, warps, mr, split in WC_VARIANTS:
-            vec, split = split > 0, abs(split)
+        for label, warps, mr, split, vec in WC_VARIANTS:
             if not keep(label) or not nf4warp_cuda.ok(1, k, True, BS, split):
                 continue
             lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 1, mr, split, vec_table=vec)
@@ -223,10 +223,13 @@ def main():
         del wp
         print(f"{case:28s} {'torch fp16 (2 GEMV + silu*mul)':30s} {t_torch:7.2f} us")
         nbytes = 2 * (k * n // 2 + k * n // BS * 4)
-        # fp16 absmax (am16 variants): the same values rounded to fp16, and the reference on them
-        dev16 = [[(q, am.half()) for q, am in w] for w in dev]
-        ref16 = fusedffnnf4_cpu.swiglu(x.float().cpu().numpy(), host[0][0], host[0][1].astype(np.float16),
-                                       host[1][0], host[1][1].astype(np.float16), code, k, n, BS).astype(np.float64)
+        # fp16 absmax (am16 variants, when one is selected): the same values rounded to fp16, and the reference on them
+        dev16 = ref16 = None
+        if any(kw.get("am16") and keep(label) for label, kw in FFN_VARIANTS):
+            dev16 = [[(q, am.half()) for q, am in w] for w in dev]
+            ref16 = fusedffnnf4_cpu.swiglu(x.float().cpu().numpy(), host[0][0], host[0][1].astype(np.float16),
+                                           host[1][0], host[1][1].astype(np.float16), code, k, n,
+                                           BS).astype(np.float64)
         mt = fusedffnnf4_cuda.bucket(m)
         for label, kw in FFN_VARIANTS:
             if a.quick and kw.get("pair", True) and kw and "h2" not in kw or not keep(label):
@@ -248,8 +251,7 @@ def main():
             t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref16 if am16 else ref))
             report(case, label, t, nbytes - (k * n // BS * 4 if am16 else 0), t_torch, err,
                    f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
-        for label, warps, mr, split in WC_VARIANTS:
-            vec, split = split > 0, abs(split)
+        for label, warps, mr, split, vec in WC_VARIANTS:
             if not keep(label) or not nf4warp_cuda.ok(m, k, True, BS, split):
                 continue
             lau = nf4warp_cuda.launcher(k // nf4warp_cuda.CHUNK, 2, mr, split, m, vec_table=vec)

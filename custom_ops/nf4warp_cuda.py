@@ -295,7 +295,8 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=No
           "store": _st16, "silu": _silu, "prmt": prmt, "lds32": lds32, "add32": add32, "mad32": mad32,
           "shr32": shr32, "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "hscale2": half2.hscale2, "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax,
-          "ld4": _ld4, "ldx8": half2.ldx8, "sts4": half2.sts4, "pair_sum": _pair_sum, "pair_bar": _pair_bar, "warp_sum": _warp_sum,
+          "ld4": _ld4, "ldx8": half2.ldx8, "sts4": half2.sts4, "pair_sum": _pair_sum, "pair_bar": _pair_bar,
+          "warp_sum": _warp_sum,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 2, 4, 5, 15, 31, 256)})
     # PRMT selectors: output byte 0 = lane4 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
