@@ -4,12 +4,16 @@ variants of it: words in flight per thread (unroll), column groups per thread (g
 medians per call; torch fp16 x @ W on a pool of fp16 weights in the same run; outputs checked against
 onnx_lowbit.awq.matmul on the last pool entry.
 
-    PYTHONPATH=/tmp/site:.:benchmarks:tests python3 benchmarks/awq1_gpu.py
+    PYTHONPATH=/tmp/site:.:benchmarks:tests python3 benchmarks/awq1_gpu.py [KxN ...] [--tc1]
+
+``--tc1``: only torch, the default kernel and the M = 1 tensor-core kernel's variants (matmulawq1_cuda).
 
 Each shape ends with the same kind of int4 weights in onnxruntime's N-major MatMulNBits layout through the NF4
 decode generator's experimental int4 mode (``int4 N-major``), for comparison.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 from ffn4_gpu import regs
@@ -25,6 +29,18 @@ VARIANTS = [("default", {}),
             # forced rows per slice (fewer K splits than the plan takes: ceil(K / (rows * warps)), e.g. one split
             # without partials at K = 2048)
             ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64})]
+# the M = 1 tensor-core kernel (custom_ops/matmulawq1_cuda): (label, warps per block, unroll, groups per warp or
+# None for the plan's, register cap, int32 words per lane and row; all None: what sessions launch)
+TC1_VARIANTS = [("tc1 (session config)", None, None, None, None, None),
+                ("tc1 wpl 2 unroll 4", 4, 4, None, None, 2),
+                ("tc1 wpl 2 unroll 4 cap 128", 4, 4, None, 128, 2),
+                ("tc1 wpl 2 unroll 8", 4, 8, None, None, 2),
+                ("tc1 wpl 2 unroll 8 cap 168", 4, 8, None, 168, 2),
+                ("tc1 wpl 2 unroll 4 gpw 1", 4, 4, 1, None, 2),
+                ("tc1 wpl 1 unroll 4", 4, 4, None, None, 1),
+                ("tc1 wpl 1 unroll 8", 4, 8, None, None, 1),
+                ("tc1 wpl 1 unroll 8 gpw 1", 4, 8, 1, None, 1),
+                ("tc1 wpl 1 unroll 4 8 warps", 8, 4, None, None, 1)]
 
 
 def main():
@@ -50,7 +66,9 @@ def main():
         torch.cuda.synchronize()
         return t
 
-    for k, n in SHAPES:
+    only_tc1 = "--tc1" in sys.argv
+    shapes = [tuple(int(v) for v in a.split("x")) for a in sys.argv[1:] if "x" in a] or SHAPES
+    for k, n in shapes:
         qw = rng.integers(-2 ** 31, 2 ** 31, (k, n // 8), dtype=np.int64).astype(np.int32)
         qz = rng.integers(-2 ** 31, 2 ** 31, (k // G, n // 8), dtype=np.int64).astype(np.int32)
         sc = (rng.random((k // G, n)) * 0.004 + 0.001).astype(np.float16)
@@ -66,7 +84,8 @@ def main():
         t_torch = timed([lambda w=w: torch.matmul(x, w, out=y) for w in wp])
         del wp
         print(f"MatMulAWQ M=1 {k}->{n}: torch fp16 {t_torch:.2f} us")
-        for label, kw in VARIANTS:
+        tc1(k, n, pool, x, y, ref, per, bw, t_torch, timed, stream, ptr)
+        for label, kw in (VARIANTS[:1] if only_tc1 else VARIANTS):
             gpt = kw.get("gpt", mc.gpt_for(1, n))
             if n % (16 * gpt):
                 continue
@@ -107,7 +126,46 @@ def main():
             gbs = per / t / 1e3
             print(f"  {label:22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy {t_torch / t:5.2f}x torch "
                   f"rel {err:.1e} [{grid} blocks, R={r}, {splits} splits, {occ}/SM, {regs(lau)}]", flush=True)
-        int4_nmajor(k, n, x, t_torch, bw, timed, stream)
+        if not only_tc1:
+            int4_nmajor(k, n, x, t_torch, bw, timed, stream)
+
+
+def tc1(k, n, pool, x, y, ref, per, bw, t_torch, timed, stream, ptr):
+    """The M = 1 tensor-core kernel's variants on the same pool."""
+    import torch
+
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    if not m1.ok(True, 1, k, n, G, 1, 1):
+        return
+    sms = sm_count(current_device())
+    u64 = lambda t: (t.data_ptr(), (t.numel() * t.element_size() // 8,))  # noqa: E731
+    for label, warps, unroll, gpw, cap, wpl in TC1_VARIANTS:
+        if warps is None:
+            warps, unroll, cap, wpl = m1.config(True, k, n, G, sms)
+        if not m1.ok(True, 1, k, n, G, unroll, wpl):
+            continue
+        try:
+            lau = m1.launcher(warps, unroll, cap, wpl)
+            occ = max(1, lau.blocks_per_sm(32 * warps))
+        except Exception as e:  # noqa: BLE001
+            print(f"  {label}: FAILED {type(e).__name__}: {e}")
+            continue
+        grid, gp, splits = m1.plan(k, n, G, sms, occ, warps, gpw, wpl)
+        part = torch.zeros(max(1, splits * n), dtype=torch.float32, device="cuda")
+        ctr = torch.zeros(m1.tiles(n, wpl), dtype=torch.int32, device="cuda")
+
+        wv = u64 if wpl == 2 else ptr
+
+        def call(w, lau=lau, grid=grid, gp=gp, splits=splits, part=part, ctr=ctr, warps=warps, wv=wv):
+            qw_, qz_, sc_ = w
+            lau.launch(grid, 32 * warps, stream(), u64(x), wv(qw_), wv(qz_), u64(sc_), ptr(y), ptr(y), ptr(part),
+                       ptr(ctr), k, n, G, gp, splits, 0)
+        t = timed([lambda w=w: call(w) for w in pool])
+        err = float(np.max(np.abs(y.float().cpu().numpy().astype(np.float64) - ref)) / np.max(np.abs(ref)))
+        gbs = per / t / 1e3
+        print(f"  {label:22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy {t_torch / t:5.2f}x torch "
+              f"rel {err:.1e} [{grid} blocks, gpw {gp}, {splits} splits, {occ}/SM, {regs(lau)}]", flush=True)
 
 
 def int4_nmajor(k, n, x, t_torch, bw, timed, stream):

@@ -464,7 +464,10 @@ def sim_kernels(monkeypatch):
     if not SIM:
         pytest.skip("stand-in launches over host memory: simulator only (on a GPU: test_gpu_session_...)")
     from onnx_lowbit.custom_ops import cuda_launch, fusedffnawq_cuda, matmulawq_cuda
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
     mc, fc = matmulawq_cuda, fusedffnawq_cuda
+    monkeypatch.setattr(m1c, "launcher", lambda warps=m1c.WARPS, unroll=m1c.UNROLL, max_registers=None, wpl=m1c.WPL:
+                        _SimLauncher(m1c._make(warps, unroll, None, wpl), m1c.sig(wpl)))
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     monkeypatch.setattr(mc, "tc_device", lambda: True)
@@ -497,8 +500,10 @@ def _call(kernel, ctx, arrays, out_shape, dtype):
     return y, plan, patches, (st.params[part], st.params[part - 2], part), (st.params[cnt], st.params[cnt - 2], cnt)
 
 
-SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the tensor-core one (fp16, M >= 2)
+SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the tensor-core one (fp16, M >= 2),
+    # MatMulAWQ's M=1 tensor-core GEMV (fp16, M = 1)
     ("MatMulAWQ", 1, np.float32, True), ("MatMulAWQ", 3, np.float16, True), ("MatMulAWQ", 1, np.float16, False),
+    ("MatMulAWQ", 1, np.float16, True),
     ("FusedFFNAWQ", 1, np.float32, True), ("FusedFFNAWQ", 5, np.float16, True), ("FusedFFNAWQ", 2, np.float16, False),
 ]
 
@@ -527,7 +532,11 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
         w1, w3 = awq_weights(K, N, G, seed=5)
         arrays = [a, *w1, *w3, activations((N,), dtype, seed=42), None]
     tc = M >= mc.TC_MIN_M and dtype == np.float16
-    if tc:
+    m1 = nw == 1 and M == 1 and dtype == np.float16
+    if m1:
+        assert kern.m1 is not None          # the shape suits the M=1 tensor-core GEMV
+        splits = kern.m1[4]
+    elif tc:
         _, _, splits = kern.tc_plans[M]
     else:
         _, _, splits = kern.plans[(mc.bucket(M), mc.chunks(M, mc.bucket(M)))] if nw == 1 else kern.plans[M]
@@ -540,7 +549,8 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
             check_matmul(y, a, qw, qz, sc, G, K, N, bias)
         else:
             check_awq(y, a, w1, w3, G, K, N, arrays[7], None)
-        assert plan.steps[0].block == (32 * mc.TC_WARPS if tc else mc.BLOCK)   # the kernel the case is for
+        block = kern.m1[2] if m1 else 32 * mc.TC_WARPS if tc else mc.BLOCK
+        assert plan.steps[0].block == block     # the kernel the case is for
         assert part[1] == floats and cnt[1] == kern.scratch.tiles
         assert cnt[0] == kern.scratch.counters(ctx.stream)[0] and cnt[2] not in patches   # kernel-owned, kept
         assert np.all(kern.scratch._cnt[ctx.stream].copy_to_host() == 0)      # left zeroed for the next launch
@@ -576,7 +586,8 @@ def test_single_split_takes_no_scratch(sim_kernels, M, K, G, dtype):  # noqa: N8
 
 
 def test_gpu_session_takes_partials_from_onnxruntime():
-    """GPU: one-node MatMulAWQ and FusedFFNAWQ sessions (fp32 decode kernel at M=1, tensor-core at M=4) take
+    """GPU: one-node MatMulAWQ and FusedFFNAWQ sessions (fp32 decode kernel at M=1, MatMulAWQ's M=1 tensor-core
+    GEMV with fp16 A, tensor-core at M=4) take
     their partials from onnxruntime's allocator on every call (the recording one and the native replays: the
     shim's counters) and keep none of their own; results meet the reference and repeat bit for bit."""
     if SIM or not REAL_GPU:
@@ -607,7 +618,10 @@ def test_gpu_session_takes_partials_from_onnxruntime():
             assert isinstance(kern, (matmulawq_cuda.MatMulAWQCudaKernel, fusedffnawq_cuda.FusedFFNAWQCudaKernel))
             nw = 1 if op == "MatMulAWQ" else 2
             tc = M >= matmulawq_cuda.TC_MIN_M and dtype == np.float16 and kern.tc is not None
-            if tc:
+            if nw == 1 and M == 1 and dtype == np.float16:
+                assert kern.m1 is not None
+                splits = kern.m1[4]
+            elif tc:
                 splits = kern.tc_plans[M][2]
             elif nw == 1:
                 splits = kern.plans[(matmulawq_cuda.bucket(M), 1)][2]

@@ -1,0 +1,42 @@
+"""Launch the AWQ M=1 kernels once per shape (for ncu / compute-sanitizer): MatMulAWQ's fp32 decode kernel (``mm``), its M = 1 tensor-core kernel (``mm1``) or
+FusedFFNAWQ's (``ffn``), fp16 x, random int4 weights (group 128), each launched twice (profile the second:
+``--launch-skip 1``) and checked against the CPU reference.
+
+    ncu --section SpeedOfLight --section WarpStateStats -k regex:gemv --launch-skip 1 --launch-count 1 \\
+        python3 benchmarks/awq_ncu.py mm 4096 11008
+"""
+import sys
+
+import numpy as np
+from numba import cuda
+
+from onnx_lowbit import awq
+from onnx_lowbit.custom_ops import fusedffnawq_cuda, matmulawq1_cuda, matmulawq_cuda
+
+G = 128
+cuda.current_context()      # the context first (the launchers ask the driver for the SM count)
+what, k, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kw = eval("dict(" + sys.argv[4] + ")") if len(sys.argv) > 4 else {}     # run_arrays options  # noqa: S307
+rng = np.random.default_rng(0)
+x = (rng.standard_normal((1, k)) * 0.5).astype(np.float16)
+
+
+def weights():
+    return (rng.integers(-2 ** 31, 2 ** 31, (k, n // 8), dtype=np.int64).astype(np.int32),
+            rng.integers(-2 ** 31, 2 ** 31, (k // G, n // 8), dtype=np.int64).astype(np.int32),
+            (rng.random((k // G, n)) * 0.004 + 0.001).astype(np.float16))
+
+
+w1, w3 = weights(), weights()
+if what == "ffn":
+    for _ in range(2):
+        y = fusedffnawq_cuda.run_arrays(x, w1, w3, G, k, n, **kw)
+    g = awq.matmul(x, *w1, G, k, n).astype(np.float64)
+    ref = g / (1 + np.exp(-g)) * awq.matmul(x, *w3, G, k, n).astype(np.float64)
+else:
+    run = matmulawq1_cuda.run_arrays if what == "mm1" else matmulawq_cuda.run_arrays
+    for _ in range(2):
+        y = run(x, *w1, G, k, n, **kw)
+    ref = awq.matmul(x, *w1, G, k, n).astype(np.float64)
+err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
+print(what, k, n, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")

@@ -1,0 +1,343 @@
+"""MatMulAWQ at M = 1 on the tensor cores: y[N] = x[K] W (+ bias), W in AutoAWQ's K-major layout (qweight int32
+[Kp, N/8], nibble j of word c = column 8c + ORDER[j]; qzeros, fp16 scales per group of G rows).
+
+Why a kernel of its own (H100, 4096 x 11008, ncu): the fp32 decode kernel (matmulawq_cuda._make_gemv) executes
+8.1 M warp instructions for 45 M nibbles and issues on 56% of its cycles; the M >= 2 tensor-core kernel
+(matmulawq_cuda._make_tc) executes 4.9 M, most of them per-warp set-up and reductions (every warp streams only 8
+16-row steps), and waits on memory (16 bytes in flight per thread). Reading the weights alone takes 9.4-10.6 us
+with any of these block shapes (benchmarks/awq_read_probe.py), against 18.5 us for the whole fp32 kernel.
+
+This kernel keeps the tensor-core arithmetic (mma.sync m16n8k16, the nibbles as exact fp16 subnormals, see
+matmulawq_cuda) and changes what each warp streams:
+- lane (g, t) reads 8 bytes per row: words 2g and 2g + 1 of the warp's 16-word column tile (128 columns), so one
+  warp instruction reads 64 contiguous bytes from each of 4 rows;
+- each warp streams ``gpw`` whole groups (``gpw`` x G / 16 steps) through one software pipeline of ``unroll``
+  16-row steps per batch that runs on across group boundaries, with the next group's zero points and scales
+  loaded a group ahead;
+- per group the 16 x 16 tensor-core tile's accumulators are scaled into 16 fp32 column sums per lane (at M = 1
+  only the first of each pair of D columns is a real row, so the epilogue computes half of what the M >= 2
+  kernel does);
+- the block's warps (``warps``, all on the same column tile, consecutive K ranges) add their sums in shared memory
+  in warp order, and the K splits through fp32 partials that the last block of a tile adds in split order
+  (matmulawq_cuda.sum_splits): the result does not depend on timing.
+
+Needs fp16 x, K % 4 == 0, N % 16 == 0 (8-byte loads of qweight / qzeros) and G % (16 * unroll) == 0; other
+products take the fp32 decode kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, uint32, uint64
+
+from .dequantawq_cuda import SIM, col_of, device, f2h, h2f
+from .matmulawq_cuda import (F2M20, F2M24, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, F0, _mma,
+                             sum_splits)
+from .matmulnf4_cuda import add32, mad32, prmt
+
+WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
+                          # instruction) or 1 (4-byte loads, 32 bytes; half the accumulators)
+WARPS = 4                 # warps per block (consecutive K ranges of one column tile)
+UNROLL = 2                # 16-row steps per pipelined batch (a ring: unroll x 4 rows x 4 WPL bytes in flight per lane)
+GPW = 2                   # groups per warp at most (the plan may take fewer)
+MAX_REGISTERS = 128
+DEFAULT_BLOCKS_PER_SM = 4  # planning without an occupancy query (simulator)
+
+
+# What sessions launch (config): per words per lane, (warps, unroll, register cap); H100, weights cycled past L2
+# (benchmarks/awq1_gpu.py --tc1, 2026-11-26), us against the fp32 decode kernel in the same run:
+# wpl 2 (unroll 4: 118 registers, 4 blocks per SM): 4096 x 11008 15.30 / 18.34;
+# wpl 1 (unroll 4: 80 registers, 6 blocks per SM): 2048 x 2048 6.41 / 8.32, 8192 x 2048 9.08 / 10.76,
+# 2048 x 6144 8.32 / 9.95; at 4096 x 11008 15.85. Wpl 1 doubles the blocks; it is taken where its grid with
+# one group per warp fits one wave.
+CONFIGS = {2: (WARPS, 4, None), 1: (WARPS, 4, None)}
+WPL1_BLOCKS_PER_SM = 6      # the wpl 1 configuration's occupancy (H100) (for the choice, before compiling anything)
+
+
+def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
+    """Whether this kernel can take the product."""
+    return a16 and m == 1 and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
+
+
+def config(a16, k, n, g_size, sms):
+    """(warps, unroll, register cap, wpl) that a session launches for this product, or None where the kernel
+    cannot take it (fp32 A, K % 4, N % 8 only, group sizes not a multiple of 16): wpl 1 where its grid with one
+    group per warp fits one wave of the SMs, else wpl 2; unroll 4, or the largest of 2, 1 that divides G / 16."""
+    unroll = next((u for u in (4, 2, 1) if g_size % (16 * u) == 0), None)
+    if unroll is None or not ok(a16, 1, k, n, g_size, unroll, 1):
+        return None
+    fits = plan(k, n, g_size, sms, WPL1_BLOCKS_PER_SM, WARPS, 1, 1)[0] <= sms * WPL1_BLOCKS_PER_SM
+    wpl = 1 if fits or not ok(a16, 1, k, n, g_size, unroll, 2) else 2
+    warps, _, cap = CONFIGS[wpl]
+    return warps, unroll, cap, wpl
+
+
+def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
+    """The kernel. Signature: (x uint64 [K/4] (fp16 bits), qw [Kp * N/8/wpl], qz [groups * N/8/wpl] (uint64 for
+    wpl = 2, uint32 for 1), sc uint64 [groups * N/4] (fp16 bits), bias uint16 [N], out uint16 [N],
+    part float32 [splits * N], cnt uint32 [tiles], k_dim, n_dim, g_size, gpw, splits, has_bias).
+    Block b: column tile (8 wpl words) b % tiles, K split b // tiles; warp w of split s takes groups
+    (s * warps + w) * gpw .. + gpw - 1 (past the last group: re-reads of the last batch with x = 0, whose sums are
+    dropped, so that every warp runs the same steps, as the simulator's mma needs)."""
+    scr_size = warps * 32 * 6 if SIM else 1
+    nbuf = unroll * 4
+    tile_w = 8 * wpl                         # words per column tile
+    ncol_c = tile_w * 8                      # columns per tile
+    red_size = warps * ncol_c
+    nacc = 16 * wpl
+    no = 8 * wpl
+    nsv = 2 * wpl                            # (array sizes: closure constants, not expressions)
+    wdt = uint64 if wpl == 2 else uint32
+    opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
+
+    @device
+    def word(v, h):
+        return uint32((v >> uint64(32 * h)) & M32) if wpl == 2 else uint32(v)
+
+    @device
+    def batch(buf, xbuf, more, nbase, qw, nq32, x, nkx, k32, xok, sacc, acc, scr, tid):
+        """``unroll`` 16-row steps on the words in ``buf`` and x fragments in ``xbuf`` (a ring: with ``more``, each
+        step's slots are reloaded with the next batch's step, from word index ``nbase`` and row ``nkx``, as soon as
+        the step has used them, so that ``unroll`` steps stay in flight)."""
+        for u in range(unroll):
+            xq = xbuf[u]
+            xb0 = uint32(xq & M32)
+            xb1 = uint32(xq >> uint64(32))
+            r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
+            for i in range(4):
+                sacc[i] = r4[i]
+            for h in range(wpl):                     # the lane's words of each row
+                w0 = word(buf[u * 4], h)
+                w1 = word(buf[u * 4 + 1], h)
+                w2 = word(buf[u * 4 + 2], h)
+                w3 = word(buf[u * 4 + 3], h)
+                for by in range(4):
+                    p1 = prmt(w0, w1, TC_SEL[by])
+                    p2 = prmt(w2, w3, TC_SEL[by])
+                    ai = (h * 4 + by) * 4
+                    r4 = _mma(uint32(p1 & LO16), uint32(p1 & HI16), uint32(p2 & LO16), uint32(p2 & HI16),
+                              xb0, xb1, acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
+                    for i in range(4):
+                        acc[ai + i] = r4[i]
+            if more:
+                for r in range(4):
+                    buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq32, nbase)]
+                kk = add32(nkx, uint32(16 * u))
+                xbuf[u] = x[kk >> uint32(2)] if xok and kk < k32 else U0
+
+    @device
+    def group_end(acc, sacc, o, zq, sv, use):
+        """This group's sums into the lane's column sums: o[8 h + j] += s (2^24 D - z S) (2^20 for odd nibbles),
+        D = the accumulator of nibble j of word h (lanes t = 0 hold the real row in their first D column); then the
+        accumulators are cleared."""
+        for h in range(wpl):
+            z = word(zq, h)
+            for by in range(4):
+                for half in range(2):
+                    j = 2 * by + half
+                    col = col_of(j)
+                    sw = sv[2 * h + (col >> 2)]
+                    s = h2f(uint32(sw >> uint64(16 * (col & 3))) & uint32(0xFFFF))
+                    sf = s * (F2P20 if half else F2P24)
+                    zf = float32((z >> uint32(4 * j)) & uint32(15)) * (F2M20 if half else F2M24)
+                    if use:
+                        o[8 * h + j] += sf * (acc[(h * 4 + by) * 4 + 2 * half] - zf * sacc[0])
+        for i in range(nacc):
+            acc[i] = F0
+        for i in range(4):
+            sacc[i] = F0
+
+    @device
+    def load_sz(qz, sc, sv, gq, nq, n64, wi):
+        """Group gq's zero word(s) and the 8 wpl scales of the lane's words (2 wpl x 8 bytes)."""
+        so = (gq * n64 + wi * uint64(8 * wpl)) >> uint64(2)
+        for i in range(2 * wpl):
+            sv[i] = sc[so + uint64(i)]
+        return qz[gq * nq + wi]
+
+    @cuda.jit(**opts)
+    def gemv1(x, qw, qz, sc, bias, out, part, cnt, k_dim, n_dim, g_size, gpw, splits, has_bias):
+        scr = cuda.shared.array(scr_size, uint32)
+        red = cuda.shared.array(red_size, float32)
+        flag = cuda.shared.array(1, uint32)
+        tid = uint64(cuda.threadIdx.x)
+        lane = tid & uint64(31)
+        warp = tid >> uint64(5)
+        g = lane >> uint64(2)
+        t = lane & uint64(3)
+        k64 = uint64(k_dim)
+        n64 = uint64(n_dim)
+        g64 = uint64(g_size)
+        nq = n64 >> uint64(2 + wpl)                   # loads (wpl words) per row
+        tiles = (nq + uint64(7)) >> uint64(3)
+        bid = uint64(cuda.blockIdx.x)
+        tile = bid % tiles
+        split = bid // tiles
+        wi = min(tile * uint64(8) + g, nq - U1)       # the lane's load of each row (clamped: not stored)
+        groups = (k64 + g64 - U1) // g64
+        kp = groups * g64
+        gp = uint64(gpw)
+        gw0 = (split * uint64(warps) + warp) * gp     # the warp's first group
+        xok = g == U0                                 # B column g = activation row g: only row 0 exists
+        bpg = (g64 >> uint64(4)) // uint64(unroll)    # batches per group
+        nb = gp * bpg
+        nq32 = uint32(nq)
+        k32 = uint32(k64)
+        bstep = uint64(16 * unroll)                   # rows per batch
+        rstep = uint32(bstep) * nq32                  # words between batches
+        buf = cuda.local.array(nbuf, wdt)
+        xbuf = cuda.local.array(unroll, uint64)
+        o = cuda.local.array(no, float32)             # the lane's column sums, [word h][nibble j]
+        acc = cuda.local.array(nacc, float32)         # [word h][byte][4]
+        sacc = cuda.local.array(4, float32)
+        sv = cuda.local.array(nsv, uint64)
+        for i in range(nacc):
+            acc[i] = F0
+        for i in range(4):
+            sacc[i] = F0
+        for i in range(no):
+            o[i] = F0
+        # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
+        kb = gw0 * g64
+        last = uint32(kp - bstep + t * uint64(4)) * nq32 + uint32(wi)
+        base = min(uint32(min(kb, kp - bstep) + t * uint64(4)) * nq32 + uint32(wi), last)
+        kx = uint32(kb + t * uint64(4))
+        for u in range(unroll):
+            for r in range(4):
+                buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq32, base)]
+            kk = add32(kx, uint32(16 * u))
+            xbuf[u] = x[kk >> uint32(2)] if xok and kk < k32 else U0
+        gl = U0
+        zq = load_sz(qz, sc, sv, min(gw0, groups - U1), nq, n64, wi)
+        b = U0
+        while b < nb:
+            base = min(add32(base, rstep), last)
+            kx = add32(kx, uint32(bstep))
+            batch(buf, xbuf, b + U1 < nb, base, qw, nq32, x, kx, k32, xok, sacc, acc, scr, tid)
+            b += U1
+            if b % bpg == U0:                   # group end
+                group_end(acc, sacc, o, zq, sv, gw0 + gl < groups)
+                gl += U1
+                if gl < gp:
+                    zq = load_sz(qz, sc, sv, min(gw0 + gl, groups - U1), nq, n64, wi)
+        if t == U0:
+            for h in range(wpl):
+                for j in range(8):
+                    red[warp * uint64(ncol_c) + (g * uint64(wpl) + uint64(h)) * uint64(8) + uint64(col_of(j))] = \
+                        o[8 * h + j]
+        # the block's warps in warp order, then the output (one split) or this split's partials
+        cuda.syncthreads()
+        ncol = uint64(ncol_c)
+        i = tid
+        while i < ncol:
+            col = tile * ncol + i
+            if col < n64:
+                tot = F0
+                for w_ in range(warps):
+                    tot += red[uint64(w_) * ncol + i]
+                if splits == 1:
+                    if has_bias:
+                        tot += h2f(bias[col])
+                    out[col] = f2h(tot)
+                else:
+                    part[split * n64 + col] = tot
+            i += uint64(warps * 32)
+        if splits == 1:
+            return
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == U0:
+            old = cuda.atomic.add(cnt, tile, uint32(1))
+            flag[0] = uint32(1) if uint64(old) == uint64(splits) - U1 else uint32(0)
+        cuda.syncthreads()
+        if flag[0] != uint32(0):
+            cuda.threadfence()
+            i = tid
+            while i < ncol:
+                col = tile * ncol + i
+                if col < n64:
+                    v = sum_splits(part, col, n64, splits)     # split order: deterministic
+                    if has_bias:
+                        v += h2f(bias[col])
+                    out[col] = f2h(v)
+                i += uint64(warps * 32)
+            if tid == U0:
+                cnt[tile] = uint32(0)
+
+    return gemv1
+
+
+def tiles(n, wpl=WPL):
+    """Column tiles (8 wpl words each) of N."""
+    return -(-(n // (8 * wpl)) // 8)
+
+
+def plan(k, n, g_size, sms, blocks_per_sm=DEFAULT_BLOCKS_PER_SM, warps=WARPS, gpw=None, wpl=WPL):
+    """(grid, gpw, splits): the fewest groups per warp (at most GPW, or ``gpw``) whose grid fits one wave of
+    ``sms`` x ``blocks_per_sm`` blocks (else GPW)."""
+    groups = -(-k // g_size)
+    t = tiles(n, wpl)
+    if gpw is None:
+        gpw = GPW
+        for c in range(1, GPW + 1):
+            if t * -(-groups // (warps * c)) <= sms * blocks_per_sm:
+                gpw = c
+                break
+    gpw = max(1, min(gpw, groups))
+    splits = -(-groups // (warps * gpw))
+    return t * splits, gpw, splits
+
+
+def sig(wpl=WPL):
+    from .cuda_launch import Array
+    u64 = Array(np.uint64)
+    w = Array(np.uint64 if wpl == 2 else np.uint32)
+    h = Array(np.uint16)
+    return [u64, w, w, u64, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 6
+
+
+_launchers = {}
+
+
+def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
+    from .cuda_launch import Launcher
+    key = (warps, unroll, max_registers, wpl)
+    if key not in _launchers:
+        fn = _make(warps, unroll, max_registers, wpl)
+        lau = Launcher(fn, sig(wpl))
+        lau.dispatcher = fn
+        _launchers[key] = lau
+    return _launchers[key]
+
+
+def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, warps=None, unroll=UNROLL,  # noqa: N803
+               gpw=None, max_registers=MAX_REGISTERS, wpl=WPL, sms=None, repeat=1):
+    """Runs the kernel on host arrays (tests, benchmarks; inputs must already be checked, ``ok`` true) and returns
+    the fp16 output [1, N]: the Numba dispatcher under the simulator (``warps`` per block, default 2), the direct
+    launch path on a GPU. ``repeat`` launches that many times on the same scratch."""
+    assert ok(a.dtype == np.float16, a.size // K, K, N, group_size, unroll, wpl)
+    warps = warps or (2 if SIM else WARPS)
+    wdt = np.uint64 if wpl == 2 else np.uint32
+    dev = lambda v, dt: cuda.to_device(np.ascontiguousarray(v).reshape(-1).view(dt))  # noqa: E731
+    dx, dqw, dqz, dsc = dev(a, np.uint64), dev(qweight, wdt), dev(qzeros, wdt), dev(scales, np.uint64)
+    dout = cuda.device_array(N, np.uint16)
+    db = dev(bias, np.uint16) if bias is not None else dout
+    if SIM:
+        occ, sms = DEFAULT_BLOCKS_PER_SM, sms or 2
+    else:
+        from .cuda_launch import current_device, sm_count
+        lau = launcher(warps, unroll, max_registers, wpl)
+        occ, sms = lau.blocks_per_sm(32 * warps), sms or sm_count(current_device())
+    grid, gp, splits = plan(K, N, group_size, sms, occ, warps, gpw, wpl)
+    dpart = cuda.to_device(np.zeros(max(1, splits * N), np.float32))
+    dcnt = cuda.to_device(np.zeros(tiles(N, wpl), np.uint32))
+    args = (dx, dqw, dqz, dsc, db, dout, dpart, dcnt, K, N, group_size, gp, splits, int(bias is not None))
+    if SIM:
+        kern = _make(warps, unroll, None, wpl)
+        for _ in range(repeat):
+            kern[grid, 32 * warps](*args)
+    else:
+        p = lambda v: (v.device_ctypes_pointer.value, (v.size,)) if hasattr(v, "device_ctypes_pointer") else v  # noqa: E731
+        for _ in range(repeat):
+            lau.launch(grid, 32 * warps, 0, *[p(v) for v in args])
+        cuda.synchronize()
+    return dout.copy_to_host().view(np.float16).reshape(1, N)

@@ -1,0 +1,104 @@
+"""MatMulAWQ's M=1 tensor-core GEMV (custom_ops/matmulawq1_cuda) against the numpy reference (onnx_lowbit.awq):
+under Numba's CUDA simulator in CI (small shapes, 2 warps per block), on the GPU with ONNX_LOWBIT_REAL_GPU=1 (the
+session configuration too). Its session dispatch is tested in test_awq_kernels.py (scratch cases) and through
+onnxruntime there and in test_nan_cuda.py."""
+import numpy as np
+import pytest
+from numba import config
+
+from onnx_lowbit import awq
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+
+def _cuda():
+    if not SIM:
+        from numba import cuda
+        if not cuda.is_available():
+            pytest.skip("no GPU and the CUDA simulator is off")
+
+
+def _weights(k, n, g, seed):
+    """Random AutoAWQ tensors (every nibble, zero point and scale drawn; Kp = K rounded up to G rows)."""
+    rng = np.random.default_rng(seed)
+    kp = -(-k // g) * g
+    qw = rng.integers(-2 ** 31, 2 ** 31, (kp, n // 8), dtype=np.int64).astype(np.int32)
+    qz = rng.integers(-2 ** 31, 2 ** 31, (kp // g, n // 8), dtype=np.int64).astype(np.int32)
+    sc = (rng.random((kp // g, n)) * 0.004 + 0.001).astype(np.float16)
+    return qw, qz, sc
+
+
+def _check(y, x, w, g, k, n, bias=None):
+    ref = awq.matmul(x, *w, g, k, n, bias).astype(np.float64)
+    y = y.astype(np.float64)
+    # fp16 output: half an ulp of rounding plus the fp32 sums' error (the products are exact on the tensor cores)
+    assert np.allclose(y, ref, rtol=2e-3, atol=2e-3 * np.max(np.abs(ref)))
+
+
+# K, N, G, words per lane, unroll, groups per warp, bias: one split (direct output), K padded to the group with
+# two splits (partials, counters), a warp whose second group is past the last one (clamped re-reads), partial
+# column tiles (N = 24, 48: lanes clamped), unroll 4
+CASES = [(64, 32, 32, 2, 2, 1, True), (100, 16, 32, 1, 1, 1, False), (96, 24, 32, 1, 2, 2, True),
+         (128, 48, 64, 2, 4, 1, False)]
+GPU_CASES = [(4096, 11008, 128, 2, 4, None, True), (2048, 2048, 128, 1, 4, None, False),
+             (688, 1024, 128, 1, 2, None, True), (8192, 2048, 128, 1, 4, 2, False)]
+
+
+@pytest.mark.parametrize("K,N,G,wpl,unroll,gpw,hb", CASES + ([] if SIM else GPU_CASES))
+def test_gemv1_vs_reference(K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    w = _weights(K, N, G, seed=K + N)
+    rng = np.random.default_rng(K)
+    x = (rng.standard_normal((1, K)) * 0.5).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float16) if hb else None
+    # twice on the same scratch: the last block of each column tile must leave its counter at zero
+    y = m1.run_arrays(x, *w, G, K, N, bias, wpl=wpl, unroll=unroll, gpw=gpw, repeat=2)
+    _check(y, x, w, G, K, N, bias)
+
+
+def test_gemv1_is_deterministic():
+    """The K splits are added in split order by the last block of each tile: the same bits every launch."""
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    K, N, G = (128, 16, 32) if SIM else (4096, 2048, 128)  # noqa: N806
+    w = _weights(K, N, G, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, K)).astype(np.float16)
+    kw = {"wpl": 1, "unroll": 2, "gpw": 1} if SIM else {}
+    if SIM:
+        assert m1.plan(K, N, G, 2, 4, 2, 1, 1)[2] == 2      # two splits under the simulator's 2-warp blocks
+    ys = [m1.run_arrays(x, *w, G, K, N, repeat=1 if SIM else 3, **kw) for _ in range(2)]
+    assert np.array_equal(ys[0], ys[1])
+    _check(ys[0], x, w, G, K, N)
+
+
+def test_gemv1_nan_inf():
+    """A NaN in x makes every output NaN, an Inf every output non-finite (as the CPU face: docs/reliability.md)."""
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    K, N, G = 64, 16, 32  # noqa: N806
+    w = _weights(K, N, G, seed=5)
+    kw = {"wpl": 1, "unroll": 2} if SIM else {}
+    for bad, check in ((np.nan, np.isnan), (np.inf, lambda v: ~np.isfinite(v))):
+        x = np.random.default_rng(6).standard_normal((1, K)).astype(np.float16)
+        x[0, 37] = bad
+        y = m1.run_arrays(x, *w, G, K, N, **kw)
+        assert check(y.astype(np.float64)).all(), bad
+
+
+def test_config_and_plan():
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    # what sessions take on 132 SMs: wpl 2 where the wpl 1 grid would not fit one wave, else wpl 1
+    assert m1.config(True, 4096, 11008, 128, 132) == (4, 4, None, 2)
+    assert m1.config(True, 2048, 2048, 128, 132) == (4, 4, None, 1)
+    assert m1.config(True, 8192, 2048, 128, 132)[3] == 1
+    assert m1.config(True, 4096, 11000, 128, 132) == (4, 4, None, 1)     # N % 16 != 0: only wpl 1 can load it
+    assert m1.config(True, 4096, 1024, 32, 132)[1] == 2                  # G = 32: 2 steps per group
+    assert m1.config(False, 4096, 1024, 128, 132) is None                # fp32 A: the fp32 decode kernel
+    assert m1.config(True, 4098, 1024, 128, 132) is None                 # K % 4: x is read 8 bytes at a time
+    assert m1.config(True, 4096, 1024, 8, 132) is None                   # G < 16: no whole 16-row steps
+    # plan: the fewest groups per warp whose grid fits one wave; splits cover every group
+    assert m1.plan(4096, 11008, 128, 132, 3, 4, None, 2) == (344, 2, 4)
+    assert m1.plan(2048, 2048, 128, 132, 4, 4, None, 1) == (128, 1, 4)
+    assert m1.plan(688, 1024, 128, 132, 4, 4, None, 1) == (32, 1, 2)     # 6 groups (K padded): 2 splits
+    assert m1.plan(128, 16, 128, 132, 4, 4, 3, 1) == (1, 1, 1)           # gpw capped at the groups
