@@ -30,17 +30,16 @@ VARIANTS = [("default", {}),
             # without partials at K = 2048)
             ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64})]
 # the M = 1 tensor-core kernel (custom_ops/matmulawq1_cuda): (label, warps per block, unroll, groups per warp or
-# None for the plan's, register cap, int32 words per lane and row; all None: what sessions launch)
-TC1_VARIANTS = [("tc1 (session config)", None, None, None, None, None),
-                ("tc1 wpl 2 unroll 4", 4, 4, None, None, 2),
-                ("tc1 wpl 2 unroll 4 cap 128", 4, 4, None, 128, 2),
-                ("tc1 wpl 2 unroll 8", 4, 8, None, None, 2),
-                ("tc1 wpl 2 unroll 8 cap 168", 4, 8, None, 168, 2),
-                ("tc1 wpl 2 unroll 4 gpw 1", 4, 4, 1, None, 2),
-                ("tc1 wpl 1 unroll 4", 4, 4, None, None, 1),
-                ("tc1 wpl 1 unroll 8", 4, 8, None, None, 1),
-                ("tc1 wpl 1 unroll 8 gpw 1", 4, 8, 1, None, 1),
-                ("tc1 wpl 1 unroll 4 8 warps", 8, 4, None, None, 1)]
+# None for the plan's, register cap, int32 words per lane and row, probe (matmulawq1_cuda._make); None:
+# what sessions launch)
+TC1_VARIANTS = [("tc1 (session config)", None, None, None, None, None, 0),
+                ("tc1 probe: loads only", 4, 4, 2, None, 2, 1),
+                ("tc1 probe: math only", 4, 4, 2, None, 2, 2),
+                ("tc1 wpl 2 gpw 1", 4, 4, 1, None, 2, 0),
+                ("tc1 wpl 2 unroll 2", 4, 2, None, None, 2, 0),
+                ("tc1 wpl 1", 4, 4, None, None, 1, 0),
+                ("tc1 wpl 1 gpw 1", 4, 4, 1, None, 1, 0),
+                ("tc1 wpl 1 probe: math only", 4, 4, 2, None, 1, 2)]
 
 
 def main():
@@ -140,13 +139,13 @@ def tc1(k, n, pool, x, y, ref, per, bw, t_torch, timed, stream, ptr):
         return
     sms = sm_count(current_device())
     u64 = lambda t: (t.data_ptr(), (t.numel() * t.element_size() // 8,))  # noqa: E731
-    for label, warps, unroll, gpw, cap, wpl in TC1_VARIANTS:
+    for label, warps, unroll, gpw, cap, wpl, probe in TC1_VARIANTS:
         if warps is None:
             warps, unroll, cap, wpl = m1.config(True, k, n, G, sms)
         if not m1.ok(True, 1, k, n, G, unroll, wpl):
             continue
         try:
-            lau = m1.launcher(warps, unroll, cap, wpl)
+            lau = m1.launcher(warps, unroll, cap, wpl, probe)
             occ = max(1, lau.blocks_per_sm(32 * warps))
         except Exception as e:  # noqa: BLE001
             print(f"  {label}: FAILED {type(e).__name__}: {e}")
@@ -160,7 +159,7 @@ def tc1(k, n, pool, x, y, ref, per, bw, t_torch, timed, stream, ptr):
         def call(w, lau=lau, grid=grid, gp=gp, splits=splits, part=part, ctr=ctr, warps=warps, wv=wv):
             qw_, qz_, sc_ = w
             lau.launch(grid, 32 * warps, stream(), u64(x), wv(qw_), wv(qz_), u64(sc_), ptr(y), ptr(y), ptr(part),
-                       ptr(ctr), k, n, G, gp, splits, 0)
+                       ptr(ctr), *m1.scalars(k, n, G, gp, splits, False, wpl))
         t = timed([lambda w=w: call(w) for w in pool])
         err = float(np.max(np.abs(y.float().cpu().numpy().astype(np.float64) - ref)) / np.max(np.abs(ref)))
         gbs = per / t / 1e3

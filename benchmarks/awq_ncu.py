@@ -39,4 +39,4 @@ else:
         y = run(x, *w1, G, k, n, **kw)
     ref = awq.matmul(x, *w1, G, k, n).astype(np.float64)
 err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
-print(what, k, n, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
+print(what, k, n, kw, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")

@@ -29,9 +29,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from .dequantawq_cuda import SIM, col_of, device, f2h, h2f
-from .matmulawq_cuda import (F2M20, F2M24, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, F0, _mma,
-                             sum_splits)
+from .dequantawq_cuda import SIM, as_f32, device, f2h, h2f
+from .matmulawq_cuda import F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, sum_splits
 from .matmulnf4_cuda import add32, mad32, prmt
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
@@ -40,6 +39,8 @@ WARPS = 4                 # warps per block (consecutive K ranges of one column 
 UNROLL = 2                # 16-row steps per pipelined batch (a ring: unroll x 4 rows x 4 WPL bytes in flight per lane)
 GPW = 2                   # groups per warp at most (the plan may take fewer)
 MAX_REGISTERS = 128
+MAGIC = np.uint32(0x4B000000)   # as_f32(v | MAGIC) - 2^23 = v for v < 2^23 (no integer-to-float conversion)
+F2P23 = np.float32(2.0 ** 23)
 DEFAULT_BLOCKS_PER_SM = 4  # planning without an occupancy query (simulator)
 
 
@@ -71,20 +72,24 @@ def config(a16, k, n, g_size, sms):
     return warps, unroll, cap, wpl
 
 
-def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
+def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0):
     """The kernel. Signature: (x uint64 [K/4] (fp16 bits), qw [Kp * N/8/wpl], qz [groups * N/8/wpl] (uint64 for
     wpl = 2, uint32 for 1), sc uint64 [groups * N/4] (fp16 bits), bias uint16 [N], out uint16 [N],
-    part float32 [splits * N], cnt uint32 [tiles], k_dim, n_dim, g_size, gpw, splits, has_bias).
+    part float32 [splits * N], cnt uint32 [tiles], k_dim, n_dim, g_size, groups, tiles, gpw, splits, has_bias).
     Block b: column tile (8 wpl words) b % tiles, K split b // tiles; warp w of split s takes groups
     (s * warps + w) * gpw .. + gpw - 1 (past the last group: re-reads of the last batch with x = 0, whose sums are
-    dropped, so that every warp runs the same steps, as the simulator's mma needs)."""
+    dropped, so that every warp runs the same steps, as the simulator's mma needs). ``probe`` (benchmarks only,
+    wrong results): 1 = the loads without the arithmetic, 2 = the arithmetic without the weight loads.
+
+    B holds x in all 8 columns (M = 1), so every lane's first D column is the real row: lane (g, t) scales the
+    nibbles of byte t of its words at each group end (a quarter of the epilogue each, instead of all of it in the
+    lanes t = 0)."""
     scr_size = warps * 32 * 6 if SIM else 1
     nbuf = unroll * 4
-    tile_w = 8 * wpl                         # words per column tile
-    ncol_c = tile_w * 8                      # columns per tile
+    ncol_c = 64 * wpl                        # columns per tile (8 lanes g x wpl words x 8)
     red_size = warps * ncol_c
     nacc = 16 * wpl
-    no = 8 * wpl
+    no = 2 * wpl                             # the lane's column sums: [word h][half]
     nsv = 2 * wpl                            # (array sizes: closure constants, not expressions)
     wdt = uint64 if wpl == 2 else uint32
     opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
@@ -94,7 +99,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
         return uint32((v >> uint64(32 * h)) & M32) if wpl == 2 else uint32(v)
 
     @device
-    def batch(buf, xbuf, more, nbase, qw, nq32, x, nkx, k32, xok, sacc, acc, scr, tid):
+    def batch(buf, xbuf, more, nbase, qw, nq32, x, nkx, k32, sacc, acc, scr, tid):
         """``unroll`` 16-row steps on the words in ``buf`` and x fragments in ``xbuf`` (a ring: with ``more``, each
         step's slots are reloaded with the next batch's step, from word index ``nbase`` and row ``nkx``, as soon as
         the step has used them, so that ``unroll`` steps stay in flight)."""
@@ -102,91 +107,101 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
             xq = xbuf[u]
             xb0 = uint32(xq & M32)
             xb1 = uint32(xq >> uint64(32))
-            r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
-            for i in range(4):
-                sacc[i] = r4[i]
-            for h in range(wpl):                     # the lane's words of each row
-                w0 = word(buf[u * 4], h)
-                w1 = word(buf[u * 4 + 1], h)
-                w2 = word(buf[u * 4 + 2], h)
-                w3 = word(buf[u * 4 + 3], h)
-                for by in range(4):
-                    p1 = prmt(w0, w1, TC_SEL[by])
-                    p2 = prmt(w2, w3, TC_SEL[by])
-                    ai = (h * 4 + by) * 4
-                    r4 = _mma(uint32(p1 & LO16), uint32(p1 & HI16), uint32(p2 & LO16), uint32(p2 & HI16),
-                              xb0, xb1, acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
-                    for i in range(4):
-                        acc[ai + i] = r4[i]
-            if more:
+            if probe == 1:                           # benchmark probe: the loads without the arithmetic
+                acc[0] += float32(uint32(buf[u * 4] ^ buf[u * 4 + 1] ^ buf[u * 4 + 2] ^ buf[u * 4 + 3] ^ xq) & 1)
+            else:
+                r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
+                for i in range(4):
+                    sacc[i] = r4[i]
+                for h in range(wpl):                 # the lane's words of each row
+                    w0 = word(buf[u * 4], h)
+                    w1 = word(buf[u * 4 + 1], h)
+                    w2 = word(buf[u * 4 + 2], h)
+                    w3 = word(buf[u * 4 + 3], h)
+                    for by in range(4):
+                        p1 = prmt(w0, w1, TC_SEL[by])
+                        p2 = prmt(w2, w3, TC_SEL[by])
+                        ai = (h * 4 + by) * 4
+                        r4 = _mma(uint32(p1 & LO16), uint32(p1 & HI16), uint32(p2 & LO16), uint32(p2 & HI16),
+                                  xb0, xb1, acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
+                        for i in range(4):
+                            acc[ai + i] = r4[i]
+            if more and probe != 2:                  # probe 2: the arithmetic on stale words, no weight loads
                 for r in range(4):
                     buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq32, nbase)]
+            if more:
                 kk = add32(nkx, uint32(16 * u))
-                xbuf[u] = x[kk >> uint32(2)] if xok and kk < k32 else U0
+                xbuf[u] = x[kk >> uint32(2)] if kk < k32 else U0
 
     @device
-    def group_end(acc, sacc, o, zq, sv, use):
-        """This group's sums into the lane's column sums: o[8 h + j] += s (2^24 D - z S) (2^20 for odd nibbles),
-        D = the accumulator of nibble j of word h (lanes t = 0 hold the real row in their first D column); then the
-        accumulators are cleared."""
+    def group_end(acc, sacc, o, zq, sv, t, use):
+        """This group's sums into the lane's column sums: o[2 h + half] += s (2^24 D - z S) (2^20 for half 1), D =
+        the accumulator of nibble j = 2 t + half of word h (every D column is the real row); then the accumulators
+        are cleared."""
+        # nibble j = 2 t + half is column col_of(j) = 4 (t & 1) + 2 half + (t >> 1): scale word sv[2 h + (t & 1)]
+        # (columns 0-3 / 4-7 of word h), half-word 2 half + (t >> 1)
+        j0 = t * uint32(2)
+        sh = (t >> uint32(1)) * uint32(16)
+        odd = (t & uint32(1)) != uint32(0)
         for h in range(wpl):
             z = word(zq, h)
-            for by in range(4):
-                for half in range(2):
-                    j = 2 * by + half
-                    col = col_of(j)
-                    sw = sv[2 * h + (col >> 2)]
-                    s = h2f(uint32(sw >> uint64(16 * (col & 3))) & uint32(0xFFFF))
-                    sf = s * (F2P20 if half else F2P24)
-                    zf = float32((z >> uint32(4 * j)) & uint32(15)) * (F2M20 if half else F2M24)
-                    if use:
-                        o[8 * h + j] += sf * (acc[(h * 4 + by) * 4 + 2 * half] - zf * sacc[0])
+            for half in range(2):
+                d = F0
+                for by in range(4):                  # acc[(h * 4 + t) * 4 + 2 half] without a dynamic index
+                    if t == uint32(by):
+                        d = acc[(h * 4 + by) * 4 + 2 * half]
+                j = j0 + uint32(half)
+                sw = sv[2 * h + 1] if odd else sv[2 * h]
+                s = h2f(uint32(sw >> uint64(sh + uint32(32 * half))) & uint32(0xFFFF))
+                zf = as_f32(((z >> (uint32(4) * j)) & uint32(15)) | MAGIC) - F2P23
+                if use:
+                    if half:
+                        o[2 * h + half] += s * (F2P20 * d - zf * sacc[0])
+                    else:
+                        o[2 * h + half] += s * (F2P24 * d - zf * sacc[0])
         for i in range(nacc):
             acc[i] = F0
         for i in range(4):
             sacc[i] = F0
 
     @device
-    def load_sz(qz, sc, sv, gq, nq, n64, wi):
+    def load_sz(qz, sc, sv, gq, nq, n32, wi):
         """Group gq's zero word(s) and the 8 wpl scales of the lane's words (2 wpl x 8 bytes)."""
-        so = (gq * n64 + wi * uint64(8 * wpl)) >> uint64(2)
+        so = (gq * n32 + wi * uint32(8 * wpl)) >> uint32(2)
         for i in range(2 * wpl):
-            sv[i] = sc[so + uint64(i)]
+            sv[i] = sc[so + uint32(i)]
         return qz[gq * nq + wi]
 
     @cuda.jit(**opts)
-    def gemv1(x, qw, qz, sc, bias, out, part, cnt, k_dim, n_dim, g_size, gpw, splits, has_bias):
+    def gemv1(x, qw, qz, sc, bias, out, part, cnt, k_dim, n_dim, g_size, groups_, tiles_, gpw, splits, has_bias):
         scr = cuda.shared.array(scr_size, uint32)
         red = cuda.shared.array(red_size, float32)
         flag = cuda.shared.array(1, uint32)
-        tid = uint64(cuda.threadIdx.x)
-        lane = tid & uint64(31)
-        warp = tid >> uint64(5)
-        g = lane >> uint64(2)
-        t = lane & uint64(3)
-        k64 = uint64(k_dim)
-        n64 = uint64(n_dim)
-        g64 = uint64(g_size)
-        nq = n64 >> uint64(2 + wpl)                   # loads (wpl words) per row
-        tiles = (nq + uint64(7)) >> uint64(3)
-        bid = uint64(cuda.blockIdx.x)
-        tile = bid % tiles
+        tid = uint32(cuda.threadIdx.x)
+        lane = tid & uint32(31)
+        warp = tid >> uint32(5)
+        g = lane >> uint32(2)
+        t = lane & uint32(3)
+        k32 = uint32(k_dim)
+        n32 = uint32(n_dim)
+        g32 = uint32(g_size)
+        groups = uint32(groups_)
+        tiles = uint32(tiles_)
+        nq = n32 >> uint32(2 + wpl)                   # loads (wpl words) per row
+        bid = uint32(cuda.blockIdx.x)
         split = bid // tiles
-        wi = min(tile * uint64(8) + g, nq - U1)       # the lane's load of each row (clamped: not stored)
-        groups = (k64 + g64 - U1) // g64
-        kp = groups * g64
-        gp = uint64(gpw)
-        gw0 = (split * uint64(warps) + warp) * gp     # the warp's first group
-        xok = g == U0                                 # B column g = activation row g: only row 0 exists
-        bpg = (g64 >> uint64(4)) // uint64(unroll)    # batches per group
+        tile = bid - split * tiles
+        wi = min(tile * uint32(8) + g, nq - uint32(1))   # the lane's load of each row (clamped: not stored)
+        kp = groups * g32
+        gp = uint32(gpw)
+        gw0 = (split * uint32(warps) + warp) * gp     # the warp's first group
+        bpg = (g32 >> uint32(4)) // uint32(unroll)    # batches per group
         nb = gp * bpg
-        nq32 = uint32(nq)
-        k32 = uint32(k64)
-        bstep = uint64(16 * unroll)                   # rows per batch
-        rstep = uint32(bstep) * nq32                  # words between batches
+        bstep = uint32(16 * unroll)                   # rows per batch
+        rstep = bstep * nq                            # words between batches
         buf = cuda.local.array(nbuf, wdt)
         xbuf = cuda.local.array(unroll, uint64)
-        o = cuda.local.array(no, float32)             # the lane's column sums, [word h][nibble j]
+        o = cuda.local.array(no, float32)
         acc = cuda.local.array(nacc, float32)         # [word h][byte][4]
         sacc = cuda.local.array(4, float32)
         sv = cuda.local.array(nsv, uint64)
@@ -197,55 +212,58 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
         for i in range(no):
             o[i] = F0
         # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
-        kb = gw0 * g64
-        last = uint32(kp - bstep + t * uint64(4)) * nq32 + uint32(wi)
-        base = min(uint32(min(kb, kp - bstep) + t * uint64(4)) * nq32 + uint32(wi), last)
-        kx = uint32(kb + t * uint64(4))
+        kb = gw0 * g32
+        last = (kp - bstep + t * uint32(4)) * nq + wi
+        base = min((min(kb, kp - bstep) + t * uint32(4)) * nq + wi, last)
+        kx = kb + t * uint32(4)
         for u in range(unroll):
             for r in range(4):
-                buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq32, base)]
+                buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq, base)]
             kk = add32(kx, uint32(16 * u))
-            xbuf[u] = x[kk >> uint32(2)] if xok and kk < k32 else U0
-        gl = U0
-        zq = load_sz(qz, sc, sv, min(gw0, groups - U1), nq, n64, wi)
-        b = U0
+            xbuf[u] = x[kk >> uint32(2)] if kk < k32 else U0
+        gl = uint32(0)
+        zq = load_sz(qz, sc, sv, min(gw0, groups - uint32(1)), nq, n32, wi)
+        b = uint32(0)
+        cg = uint32(0)                                # batches done in the current group
         while b < nb:
             base = min(add32(base, rstep), last)
-            kx = add32(kx, uint32(bstep))
-            batch(buf, xbuf, b + U1 < nb, base, qw, nq32, x, kx, k32, xok, sacc, acc, scr, tid)
-            b += U1
-            if b % bpg == U0:                   # group end
-                group_end(acc, sacc, o, zq, sv, gw0 + gl < groups)
-                gl += U1
+            kx = add32(kx, bstep)
+            batch(buf, xbuf, b + uint32(1) < nb, base, qw, nq, x, kx, k32, sacc, acc, scr, tid)
+            b += uint32(1)
+            cg += uint32(1)
+            if cg == bpg:                             # group end
+                cg = uint32(0)
+                group_end(acc, sacc, o, zq, sv, t, gw0 + gl < groups)
+                gl += uint32(1)
                 if gl < gp:
-                    zq = load_sz(qz, sc, sv, min(gw0 + gl, groups - U1), nq, n64, wi)
-        if t == U0:
-            for h in range(wpl):
-                for j in range(8):
-                    red[warp * uint64(ncol_c) + (g * uint64(wpl) + uint64(h)) * uint64(8) + uint64(col_of(j))] = \
-                        o[8 * h + j]
+                    zq = load_sz(qz, sc, sv, min(gw0 + gl, groups - uint32(1)), nq, n32, wi)
+        ncol = uint32(ncol_c)
+        for h in range(wpl):
+            for half in range(2):
+                j = t * uint32(2) + uint32(half)
+                col = ((j & uint32(3)) << uint32(1)) | (j >> uint32(2))
+                red[warp * ncol + (g * uint32(wpl) + uint32(h)) * uint32(8) + col] = o[2 * h + half]
         # the block's warps in warp order, then the output (one split) or this split's partials
         cuda.syncthreads()
-        ncol = uint64(ncol_c)
         i = tid
         while i < ncol:
             col = tile * ncol + i
-            if col < n64:
+            if col < n32:
                 tot = F0
                 for w_ in range(warps):
-                    tot += red[uint64(w_) * ncol + i]
+                    tot += red[uint32(w_) * ncol + i]
                 if splits == 1:
                     if has_bias:
                         tot += h2f(bias[col])
                     out[col] = f2h(tot)
                 else:
-                    part[split * n64 + col] = tot
-            i += uint64(warps * 32)
+                    part[uint64(split) * uint64(n32) + uint64(col)] = tot
+            i += uint32(warps * 32)
         if splits == 1:
             return
         cuda.threadfence()
         cuda.syncthreads()
-        if tid == U0:
+        if tid == uint32(0):
             old = cuda.atomic.add(cnt, tile, uint32(1))
             flag[0] = uint32(1) if uint64(old) == uint64(splits) - U1 else uint32(0)
         cuda.syncthreads()
@@ -254,13 +272,13 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
             i = tid
             while i < ncol:
                 col = tile * ncol + i
-                if col < n64:
-                    v = sum_splits(part, col, n64, splits)     # split order: deterministic
+                if col < n32:
+                    v = sum_splits(part, uint64(col), uint64(n32), splits)     # split order: deterministic
                     if has_bias:
                         v += h2f(bias[col])
                     out[col] = f2h(v)
-                i += uint64(warps * 32)
-            if tid == U0:
+                i += uint32(warps * 32)
+            if tid == uint32(0):
                 cnt[tile] = uint32(0)
 
     return gemv1
@@ -292,25 +310,30 @@ def sig(wpl=WPL):
     u64 = Array(np.uint64)
     w = Array(np.uint64 if wpl == 2 else np.uint32)
     h = Array(np.uint16)
-    return [u64, w, w, u64, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 6
+    return [u64, w, w, u64, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 8
 
 
 _launchers = {}
 
 
-def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL):
+def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0):
     from .cuda_launch import Launcher
-    key = (warps, unroll, max_registers, wpl)
+    key = (warps, unroll, max_registers, wpl, probe)
     if key not in _launchers:
-        fn = _make(warps, unroll, max_registers, wpl)
+        fn = _make(warps, unroll, max_registers, wpl, probe)
         lau = Launcher(fn, sig(wpl))
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]
 
 
+def scalars(k, n, g_size, gpw, splits, has_bias, wpl=WPL):
+    """The kernel's scalar arguments after the arrays."""
+    return (k, n, g_size, -(-k // g_size), tiles(n, wpl), gpw, splits, int(has_bias))
+
+
 def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, warps=None, unroll=UNROLL,  # noqa: N803
-               gpw=None, max_registers=MAX_REGISTERS, wpl=WPL, sms=None, repeat=1):
+               gpw=None, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1):
     """Runs the kernel on host arrays (tests, benchmarks; inputs must already be checked, ``ok`` true) and returns
     the fp16 output [1, N]: the Numba dispatcher under the simulator (``warps`` per block, default 2), the direct
     launch path on a GPU. ``repeat`` launches that many times on the same scratch."""
@@ -325,14 +348,14 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, warps
         occ, sms = DEFAULT_BLOCKS_PER_SM, sms or 2
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(warps, unroll, max_registers, wpl)
+        lau = launcher(warps, unroll, max_registers, wpl, probe)
         occ, sms = lau.blocks_per_sm(32 * warps), sms or sm_count(current_device())
     grid, gp, splits = plan(K, N, group_size, sms, occ, warps, gpw, wpl)
     dpart = cuda.to_device(np.zeros(max(1, splits * N), np.float32))
     dcnt = cuda.to_device(np.zeros(tiles(N, wpl), np.uint32))
-    args = (dx, dqw, dqz, dsc, db, dout, dpart, dcnt, K, N, group_size, gp, splits, int(bias is not None))
+    args = (dx, dqw, dqz, dsc, db, dout, dpart, dcnt, *scalars(K, N, group_size, gp, splits, bias is not None, wpl))
     if SIM:
-        kern = _make(warps, unroll, None, wpl)
+        kern = _make(warps, unroll, None, wpl, probe)
         for _ in range(repeat):
             kern[grid, 32 * warps](*args)
     else:

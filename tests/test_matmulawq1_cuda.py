@@ -37,11 +37,12 @@ def _check(y, x, w, g, k, n, bias=None):
 
 # K, N, G, words per lane, unroll, groups per warp, bias: one split (direct output), K padded to the group with
 # two splits (partials, counters), a warp whose second group is past the last one (clamped re-reads), partial
-# column tiles (N = 24, 48: lanes clamped), unroll 4
+# column tiles (N = 24, 48: lanes clamped), unroll 4, 4 batches per warp
 CASES = [(64, 32, 32, 2, 2, 1, True), (100, 16, 32, 1, 1, 1, False), (96, 24, 32, 1, 2, 2, True),
-         (128, 48, 64, 2, 4, 1, False)]
+         (128, 48, 64, 2, 4, 1, False), (128, 32, 32, 2, 1, 2, True)]
 GPU_CASES = [(4096, 11008, 128, 2, 4, None, True), (2048, 2048, 128, 1, 4, None, False),
-             (688, 1024, 128, 1, 2, None, True), (8192, 2048, 128, 1, 4, 2, False)]
+             (688, 1024, 128, 1, 2, None, True), (8192, 2048, 128, 1, 4, 2, False),
+             (4096, 11008, 128, 1, 2, 1, False), (2048, 6144, 64, 2, 4, 2, True)]
 
 
 @pytest.mark.parametrize("K,N,G,wpl,unroll,gpw,hb", CASES + ([] if SIM else GPU_CASES))
