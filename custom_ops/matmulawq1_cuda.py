@@ -30,14 +30,15 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM, as_f32, device, f2h, h2f
-from .matmulawq_cuda import F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, sum_splits
+from .matmulawq_cuda import F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, _silu, sum_splits
 from .matmulnf4_cuda import add32, mad32, prmt
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
                           # instruction) or 1 (4-byte loads, 32 bytes; half the accumulators)
 WARPS = 4                 # warps per block (consecutive K ranges of one column tile)
 UNROLL = 2                # 16-row steps per pipelined batch (a ring: unroll x 4 rows x 4 WPL bytes in flight per lane)
-GPW = 2                   # groups per warp at most (the plan may take fewer)
+GPW = 4                   # groups per warp at most: the plan takes the fewest that fit one wave (FusedFFNAWQ at
+                          # 4096 -> 2 x 11008 on the H100: 3, 27.3 us; 2 (1.3 waves) 29.7)
 MAX_REGISTERS = 128
 MAGIC = np.uint32(0x4B000000)   # as_f32(v | MAGIC) - 2^23 = v for v < 2^23 (no integer-to-float conversion)
 F2P23 = np.float32(2.0 ** 23)
@@ -59,23 +60,29 @@ def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
     return a16 and m == 1 and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
 
 
-def config(a16, k, n, g_size, sms):
-    """(warps, unroll, register cap, wpl) that a session launches for this product, or None where the kernel
-    cannot take it (fp32 A, K % 4, N % 8 only, group sizes not a multiple of 16): wpl 1 where its grid with one
-    group per warp fits one wave of the SMs, else wpl 2; unroll 4, or the largest of 2, 1 that divides G / 16."""
+def config(a16, k, n, g_size, sms, nw=1):
+    """(warps, unroll, register cap, wpl) that a session launches for this product (``nw`` weights), or None where
+    the kernel cannot take it (fp32 A, K % 4, N % 8 only, group sizes not a multiple of 16): two weights always
+    with wpl 1 (their accumulators and rings together are what wpl 2 holds for one); one weight: wpl 1 where its
+    grid with one group per warp fits one wave of the SMs, else wpl 2; unroll 4, or the largest of 2, 1 that
+    divides G / 16."""
     unroll = next((u for u in (4, 2, 1) if g_size % (16 * u) == 0), None)
     if unroll is None or not ok(a16, 1, k, n, g_size, unroll, 1):
         return None
+    if nw == 2:
+        return WARPS, unroll, None, 1
     fits = plan(k, n, g_size, sms, WPL1_BLOCKS_PER_SM, WARPS, 1, 1)[0] <= sms * WPL1_BLOCKS_PER_SM
     wpl = 1 if fits or not ok(a16, 1, k, n, g_size, unroll, 2) else 2
     warps, _, cap = CONFIGS[wpl]
     return warps, unroll, cap, wpl
 
 
-def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0):
-    """The kernel. Signature: (x uint64 [K/4] (fp16 bits), qw [Kp * N/8/wpl], qz [groups * N/8/wpl] (uint64 for
-    wpl = 2, uint32 for 1), sc uint64 [groups * N/4] (fp16 bits), bias uint16 [N], out uint16 [N],
-    part float32 [splits * N], cnt uint32 [tiles], k_dim, n_dim, g_size, groups, tiles, gpw, splits, has_bias).
+def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1):
+    """The kernel for ``nw`` weights: 1 = MatMulAWQ (out = x W1 + b1), 2 = FusedFFNAWQ (out = SiLU(x W1 + b1) *
+    (x W3 + b3)). Signature: (x uint64 [K/4] (fp16 bits), qw1 [Kp * N/8/wpl], qz1 [groups * N/8/wpl] (uint64 for
+    wpl = 2, uint32 for 1), sc1 uint64 [groups * N/4] (fp16 bits), qw3, qz3, sc3, b1, b3 uint16 [N], out uint16 [N],
+    part float32 [splits * nw * N], cnt uint32 [tiles], k_dim, n_dim, g_size, groups, tiles, gpw, splits, has_b1,
+    has_b3); nw = 1 ignores the second weight and b3 (pass the first one's buffers).
     Block b: column tile (8 wpl words) b % tiles, K split b // tiles; warp w of split s takes groups
     (s * warps + w) * gpw .. + gpw - 1 (past the last group: re-reads of the last batch with x = 0, whose sums are
     dropped, so that every warp runs the same steps, as the simulator's mma needs). ``probe`` (benchmarks only,
@@ -87,7 +94,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
     scr_size = warps * 32 * 6 if SIM else 1
     nbuf = unroll * 4
     ncol_c = 64 * wpl                        # columns per tile (8 lanes g x wpl words x 8)
-    red_size = warps * ncol_c
+    red_size = warps * ncol_c * nw
     nacc = 16 * wpl
     no = 2 * wpl                             # the lane's column sums: [word h][half]
     nsv = 2 * wpl                            # (array sizes: closure constants, not expressions)
@@ -99,36 +106,47 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         return uint32((v >> uint64(32 * h)) & M32) if wpl == 2 else uint32(v)
 
     @device
-    def batch(buf, xbuf, more, nbase, qw, nq32, x, nkx, k32, sacc, acc, scr, tid):
-        """``unroll`` 16-row steps on the words in ``buf`` and x fragments in ``xbuf`` (a ring: with ``more``, each
-        step's slots are reloaded with the next batch's step, from word index ``nbase`` and row ``nkx``, as soon as
-        the step has used them, so that ``unroll`` steps stay in flight)."""
+    def step(buf, u, xb0, xb1, acc, scr, tid):
+        """One weight's 16-row step u of the ring: the A fragments of the lane's words, one mma per byte and word."""
+        if probe == 1:                               # benchmark probe: the loads without the arithmetic
+            acc[0] += float32(uint32(buf[u * 4] ^ buf[u * 4 + 1] ^ buf[u * 4 + 2] ^ buf[u * 4 + 3]) & 1)
+            return
+        for h in range(wpl):                         # the lane's words of each row
+            w0 = word(buf[u * 4], h)
+            w1 = word(buf[u * 4 + 1], h)
+            w2 = word(buf[u * 4 + 2], h)
+            w3 = word(buf[u * 4 + 3], h)
+            for by in range(4):
+                p1 = prmt(w0, w1, TC_SEL[by])
+                p2 = prmt(w2, w3, TC_SEL[by])
+                ai = (h * 4 + by) * 4
+                r4 = _mma(uint32(p1 & LO16), uint32(p1 & HI16), uint32(p2 & LO16), uint32(p2 & HI16),
+                          xb0, xb1, acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
+                for i in range(4):
+                    acc[ai + i] = r4[i]
+
+    @device
+    def batch(buf, buf3, xbuf, more, nbase, qw1, qw3, nq32, x, nkx, k32, sacc, acc, acc3, scr, tid):
+        """``unroll`` 16-row steps on the words in ``buf`` (and ``buf3``) and x fragments in ``xbuf`` (a ring: with
+        ``more``, each step's slots are reloaded with the next batch's step, from word index ``nbase`` and row
+        ``nkx``, as soon as the step has used them, so that ``unroll`` steps stay in flight)."""
         for u in range(unroll):
             xq = xbuf[u]
             xb0 = uint32(xq & M32)
             xb1 = uint32(xq >> uint64(32))
-            if probe == 1:                           # benchmark probe: the loads without the arithmetic
-                acc[0] += float32(uint32(buf[u * 4] ^ buf[u * 4 + 1] ^ buf[u * 4 + 2] ^ buf[u * 4 + 3] ^ xq) & 1)
-            else:
+            if probe != 1:
                 r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
                 for i in range(4):
                     sacc[i] = r4[i]
-                for h in range(wpl):                 # the lane's words of each row
-                    w0 = word(buf[u * 4], h)
-                    w1 = word(buf[u * 4 + 1], h)
-                    w2 = word(buf[u * 4 + 2], h)
-                    w3 = word(buf[u * 4 + 3], h)
-                    for by in range(4):
-                        p1 = prmt(w0, w1, TC_SEL[by])
-                        p2 = prmt(w2, w3, TC_SEL[by])
-                        ai = (h * 4 + by) * 4
-                        r4 = _mma(uint32(p1 & LO16), uint32(p1 & HI16), uint32(p2 & LO16), uint32(p2 & HI16),
-                                  xb0, xb1, acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
-                        for i in range(4):
-                            acc[ai + i] = r4[i]
+            step(buf, u, xb0, xb1, acc, scr, tid)
+            if nw == 2:
+                step(buf3, u, xb0, xb1, acc3, scr, tid)
             if more and probe != 2:                  # probe 2: the arithmetic on stale words, no weight loads
                 for r in range(4):
-                    buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq32, nbase)]
+                    o = mad32(uint32(16 * u + r), nq32, nbase)
+                    buf[u * 4 + r] = qw1[o]
+                    if nw == 2:
+                        buf3[u * 4 + r] = qw3[o]
             if more:
                 kk = add32(nkx, uint32(16 * u))
                 xbuf[u] = x[kk >> uint32(2)] if kk < k32 else U0
@@ -137,7 +155,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
     def group_end(acc, sacc, o, zq, sv, t, use):
         """This group's sums into the lane's column sums: o[2 h + half] += s (2^24 D - z S) (2^20 for half 1), D =
         the accumulator of nibble j = 2 t + half of word h (every D column is the real row); then the accumulators
-        are cleared."""
+        (not S) are cleared."""
         # nibble j = 2 t + half is column col_of(j) = 4 (t & 1) + 2 half + (t >> 1): scale word sv[2 h + (t & 1)]
         # (columns 0-3 / 4-7 of word h), half-word 2 half + (t >> 1)
         j0 = t * uint32(2)
@@ -161,8 +179,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                         o[2 * h + half] += s * (F2P24 * d - zf * sacc[0])
         for i in range(nacc):
             acc[i] = F0
-        for i in range(4):
-            sacc[i] = F0
 
     @device
     def load_sz(qz, sc, sv, gq, nq, n32, wi):
@@ -172,8 +188,20 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             sv[i] = sc[so + uint32(i)]
         return qz[gq * nq + wi]
 
+    @device
+    def finish(out, b1, b3, has_b1, has_b3, col, gv, uv):
+        if has_b1:
+            gv += h2f(b1[col])
+        if nw == 1:
+            out[col] = f2h(gv)
+        else:
+            if has_b3:
+                uv += h2f(b3[col])
+            out[col] = f2h(_silu(gv) * uv)
+
     @cuda.jit(**opts)
-    def gemv1(x, qw, qz, sc, bias, out, part, cnt, k_dim, n_dim, g_size, groups_, tiles_, gpw, splits, has_bias):
+    def gemv1(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, out, part, cnt, k_dim, n_dim, g_size, groups_, tiles_, gpw,
+              splits, has_b1, has_b3):
         scr = cuda.shared.array(scr_size, uint32)
         red = cuda.shared.array(red_size, float32)
         flag = cuda.shared.array(1, uint32)
@@ -200,17 +228,23 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         bstep = uint32(16 * unroll)                   # rows per batch
         rstep = bstep * nq                            # words between batches
         buf = cuda.local.array(nbuf, wdt)
+        buf3 = cuda.local.array(nbuf, wdt)
         xbuf = cuda.local.array(unroll, uint64)
         o = cuda.local.array(no, float32)
+        o3 = cuda.local.array(no, float32)
         acc = cuda.local.array(nacc, float32)         # [word h][byte][4]
+        acc3 = cuda.local.array(nacc, float32)
         sacc = cuda.local.array(4, float32)
         sv = cuda.local.array(nsv, uint64)
+        sv3 = cuda.local.array(nsv, uint64)
         for i in range(nacc):
             acc[i] = F0
+            acc3[i] = F0
         for i in range(4):
             sacc[i] = F0
         for i in range(no):
             o[i] = F0
+            o3[i] = F0
         # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
         kb = gw0 * g32
         last = (kp - bstep + t * uint32(4)) * nq + wi
@@ -218,46 +252,66 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         kx = kb + t * uint32(4)
         for u in range(unroll):
             for r in range(4):
-                buf[u * 4 + r] = qw[mad32(uint32(16 * u + r), nq, base)]
+                i0 = mad32(uint32(16 * u + r), nq, base)
+                buf[u * 4 + r] = qw1[i0]
+                if nw == 2:
+                    buf3[u * 4 + r] = qw3[i0]
             kk = add32(kx, uint32(16 * u))
             xbuf[u] = x[kk >> uint32(2)] if kk < k32 else U0
         gl = uint32(0)
-        zq = load_sz(qz, sc, sv, min(gw0, groups - uint32(1)), nq, n32, wi)
+        gq = min(gw0, groups - uint32(1))
+        zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
+        zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi) if nw == 2 else zq
         b = uint32(0)
         cg = uint32(0)                                # batches done in the current group
         while b < nb:
             base = min(add32(base, rstep), last)
             kx = add32(kx, bstep)
-            batch(buf, xbuf, b + uint32(1) < nb, base, qw, nq, x, kx, k32, sacc, acc, scr, tid)
+            batch(buf, buf3, xbuf, b + uint32(1) < nb, base, qw1, qw3, nq, x, kx, k32, sacc, acc, acc3, scr, tid)
             b += uint32(1)
             cg += uint32(1)
             if cg == bpg:                             # group end
                 cg = uint32(0)
-                group_end(acc, sacc, o, zq, sv, t, gw0 + gl < groups)
+                use = gw0 + gl < groups
+                group_end(acc, sacc, o, zq, sv, t, use)
+                if nw == 2:
+                    group_end(acc3, sacc, o3, zq3, sv3, t, use)
+                for i in range(4):
+                    sacc[i] = F0
                 gl += uint32(1)
                 if gl < gp:
-                    zq = load_sz(qz, sc, sv, min(gw0 + gl, groups - uint32(1)), nq, n32, wi)
+                    gq = min(gw0 + gl, groups - uint32(1))
+                    zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
+                    if nw == 2:
+                        zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi)
         ncol = uint32(ncol_c)
         for h in range(wpl):
             for half in range(2):
                 j = t * uint32(2) + uint32(half)
                 col = ((j & uint32(3)) << uint32(1)) | (j >> uint32(2))
-                red[warp * ncol + (g * uint32(wpl) + uint32(h)) * uint32(8) + col] = o[2 * h + half]
+                ri = (warp * uint32(nw) * ncol) + (g * uint32(wpl) + uint32(h)) * uint32(8) + col
+                red[ri] = o[2 * h + half]
+                if nw == 2:
+                    red[ri + ncol] = o3[2 * h + half]
         # the block's warps in warp order, then the output (one split) or this split's partials
         cuda.syncthreads()
         i = tid
         while i < ncol:
             col = tile * ncol + i
             if col < n32:
-                tot = F0
+                gv = F0
+                uv = F0
                 for w_ in range(warps):
-                    tot += red[uint32(w_) * ncol + i]
+                    gv += red[uint32(w_ * nw) * ncol + i]
+                    if nw == 2:
+                        uv += red[uint32(w_ * nw + 1) * ncol + i]
                 if splits == 1:
-                    if has_bias:
-                        tot += h2f(bias[col])
-                    out[col] = f2h(tot)
+                    finish(out, b1, b3, has_b1, has_b3, col, gv, uv)
                 else:
-                    part[uint64(split) * uint64(n32) + uint64(col)] = tot
+                    pi = (uint64(split) * uint64(nw)) * uint64(n32) + uint64(col)
+                    part[pi] = gv
+                    if nw == 2:
+                        part[pi + uint64(n32)] = uv
             i += uint32(warps * 32)
         if splits == 1:
             return
@@ -273,10 +327,12 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             while i < ncol:
                 col = tile * ncol + i
                 if col < n32:
-                    v = sum_splits(part, uint64(col), uint64(n32), splits)     # split order: deterministic
-                    if has_bias:
-                        v += h2f(bias[col])
-                    out[col] = f2h(v)
+                    stride = uint64(nw) * uint64(n32)            # split sp, weight w: (sp * nw + w) * N + col
+                    gv = sum_splits(part, uint64(col), stride, splits)     # split order: deterministic
+                    uv = F0
+                    if nw == 2:
+                        uv = sum_splits(part, uint64(col) + uint64(n32), stride, splits)
+                    finish(out, b1, b3, has_b1, has_b3, col, gv, uv)
                 i += uint32(warps * 32)
             if tid == uint32(0):
                 cnt[tile] = uint32(0)
@@ -310,52 +366,56 @@ def sig(wpl=WPL):
     u64 = Array(np.uint64)
     w = Array(np.uint64 if wpl == 2 else np.uint32)
     h = Array(np.uint16)
-    return [u64, w, w, u64, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 8
+    return [u64, w, w, u64, w, w, u64, h, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 9
 
 
 _launchers = {}
 
 
-def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0):
+def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1):
     from .cuda_launch import Launcher
-    key = (warps, unroll, max_registers, wpl, probe)
+    key = (warps, unroll, max_registers, wpl, probe, nw)
     if key not in _launchers:
-        fn = _make(warps, unroll, max_registers, wpl, probe)
+        fn = _make(warps, unroll, max_registers, wpl, probe, nw)
         lau = Launcher(fn, sig(wpl))
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]
 
 
-def scalars(k, n, g_size, gpw, splits, has_bias, wpl=WPL):
+def scalars(k, n, g_size, gpw, splits, has_b1, has_b3=False, wpl=WPL):
     """The kernel's scalar arguments after the arrays."""
-    return (k, n, g_size, -(-k // g_size), tiles(n, wpl), gpw, splits, int(has_bias))
+    return (k, n, g_size, -(-k // g_size), tiles(n, wpl), gpw, splits, int(has_b1), int(has_b3))
 
 
-def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, warps=None, unroll=UNROLL,  # noqa: N803
-               gpw=None, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1):
-    """Runs the kernel on host arrays (tests, benchmarks; inputs must already be checked, ``ok`` true) and returns
-    the fp16 output [1, N]: the Numba dispatcher under the simulator (``warps`` per block, default 2), the direct
-    launch path on a GPU. ``repeat`` launches that many times on the same scratch."""
-    assert ok(a.dtype == np.float16, a.size // K, K, N, group_size, unroll, wpl)
+def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=None,  # noqa: N803
+        max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1):
+    """Runs the kernel on host arrays (tests, benchmarks; inputs must already be checked, ``ok`` true): x fp16
+    [1, K], w1 / w3 = (qweight, qzeros, scales), w3 None for MatMulAWQ; returns the fp16 output [1, N]: the Numba
+    dispatcher under the simulator (``warps`` per block, default 2), the direct launch path on a GPU. ``repeat``
+    launches that many times on the same scratch."""
+    assert ok(x.dtype == np.float16, x.size // K, K, N, group_size, unroll, wpl)
+    nw = 1 if w3 is None else 2
     warps = warps or (2 if SIM else WARPS)
     wdt = np.uint64 if wpl == 2 else np.uint32
     dev = lambda v, dt: cuda.to_device(np.ascontiguousarray(v).reshape(-1).view(dt))  # noqa: E731
-    dx, dqw, dqz, dsc = dev(a, np.uint64), dev(qweight, wdt), dev(qzeros, wdt), dev(scales, np.uint64)
+    ws = [dev(v, dt) for w in (w1, w3 if nw == 2 else w1) for v, dt in zip(w, (wdt, wdt, np.uint64))]
     dout = cuda.device_array(N, np.uint16)
-    db = dev(bias, np.uint16) if bias is not None else dout
+    db1 = dev(b1, np.uint16) if b1 is not None else dout
+    db3 = dev(b3, np.uint16) if b3 is not None else dout
     if SIM:
         occ, sms = DEFAULT_BLOCKS_PER_SM, sms or 2
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(warps, unroll, max_registers, wpl, probe)
+        lau = launcher(warps, unroll, max_registers, wpl, probe, nw)
         occ, sms = lau.blocks_per_sm(32 * warps), sms or sm_count(current_device())
     grid, gp, splits = plan(K, N, group_size, sms, occ, warps, gpw, wpl)
-    dpart = cuda.to_device(np.zeros(max(1, splits * N), np.float32))
+    dpart = cuda.to_device(np.zeros(max(1, splits * nw * N), np.float32))
     dcnt = cuda.to_device(np.zeros(tiles(N, wpl), np.uint32))
-    args = (dx, dqw, dqz, dsc, db, dout, dpart, dcnt, *scalars(K, N, group_size, gp, splits, bias is not None, wpl))
+    args = (dev(x, np.uint64), *ws, db1, db3, dout, dpart, dcnt,
+            *scalars(K, N, group_size, gp, splits, b1 is not None, b3 is not None, wpl))
     if SIM:
-        kern = _make(warps, unroll, None, wpl, probe)
+        kern = _make(warps, unroll, None, wpl, probe, nw)
         for _ in range(repeat):
             kern[grid, 32 * warps](*args)
     else:
@@ -364,3 +424,8 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, warps
             lau.launch(grid, 32 * warps, 0, *[p(v) for v in args])
         cuda.synchronize()
     return dout.copy_to_host().view(np.float16).reshape(1, N)
+
+
+def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, **kw):  # noqa: N803
+    """MatMulAWQ through ``run`` (the same options)."""
+    return run(a, (qweight, qzeros, scales), None, bias, None, group_size, K, N, **kw)

@@ -1079,7 +1079,7 @@ class MatMulAWQCudaKernel(Kernel):
             grid, gpw, splits = m1c.plan(sh.K, sh.N, sh.group_size, self.sms, max(1, lau.blocks_per_sm(32 * warps)),
                                          warps, None, wpl)
             self.m1 = (lau, grid, 32 * warps, gpw, splits, wpl,
-                       m1c.scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, wpl)[:-1])
+                       m1c.scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-2])
             acc_size = max(acc_size, partial_floats(splits, 1, 1, sh.N))
             cnt_size = max(cnt_size, m1c.tiles(sh.N, wpl))
         self.scratch = ScratchPool(acc_size, cnt_size)
@@ -1096,13 +1096,13 @@ class MatMulAWQCudaKernel(Kernel):
             return
         if m == 1 and self.m1 is not None and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & (4 * self.m1[5] - 1) or
                                                     (bias is not None and bias.ptr & 1)):
-            lau, grid, block, gpw, splits, wpl, _ = self.m1
+            lau, grid, block, gpw, splits, wpl, scal = self.m1
             part = self.scratch.partials(ctx, partial_floats(splits, 1, 1, sh.N))
             yb = (y, (sh.N,))
-            lau.launch(grid, block, ctx.stream, (a.ptr, (sh.K // 4,)), (qw.ptr, (qw.size // wpl,)),
-                       (qz.ptr, (qz.size // wpl,)), (sc.ptr, (sc.size // 4,)),
-                       (bias.ptr, (sh.N,)) if bias is not None else yb, yb, part, self.scratch.counters(ctx.stream),
-                       *self.m1[6], int(bias is not None))
+            w = [(qw.ptr, (qw.size // wpl,)), (qz.ptr, (qz.size // wpl,)), (sc.ptr, (sc.size // 4,))]
+            lau.launch(grid, block, ctx.stream, (a.ptr, (sh.K // 4,)), *w, *w,
+                       (bias.ptr, (sh.N,)) if bias is not None else yb, yb, yb, part,
+                       self.scratch.counters(ctx.stream), *scal, int(bias is not None), 0)
             return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & 3 or
                                                    (bias is not None and bias.ptr & 1)):

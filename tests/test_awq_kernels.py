@@ -466,8 +466,8 @@ def sim_kernels(monkeypatch):
     from onnx_lowbit.custom_ops import cuda_launch, fusedffnawq_cuda, matmulawq_cuda
     from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
     mc, fc = matmulawq_cuda, fusedffnawq_cuda
-    monkeypatch.setattr(m1c, "launcher", lambda warps=m1c.WARPS, unroll=m1c.UNROLL, max_registers=None, wpl=m1c.WPL:
-                        _SimLauncher(m1c._make(warps, unroll, None, wpl), m1c.sig(wpl)))
+    monkeypatch.setattr(m1c, "launcher", lambda warps=m1c.WARPS, unroll=m1c.UNROLL, max_registers=None, wpl=m1c.WPL,
+                        probe=0, nw=1: _SimLauncher(m1c._make(warps, unroll, None, wpl, probe, nw), m1c.sig(wpl)))
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     monkeypatch.setattr(mc, "tc_device", lambda: True)
@@ -501,10 +501,11 @@ def _call(kernel, ctx, arrays, out_shape, dtype):
 
 
 SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the tensor-core one (fp16, M >= 2),
-    # MatMulAWQ's M=1 tensor-core GEMV (fp16, M = 1)
+    # the M=1 tensor-core GEMV (fp16, M = 1; matmulawq1_cuda)
     ("MatMulAWQ", 1, np.float32, True), ("MatMulAWQ", 3, np.float16, True), ("MatMulAWQ", 1, np.float16, False),
     ("MatMulAWQ", 1, np.float16, True),
     ("FusedFFNAWQ", 1, np.float32, True), ("FusedFFNAWQ", 5, np.float16, True), ("FusedFFNAWQ", 2, np.float16, False),
+    ("FusedFFNAWQ", 1, np.float16, True), ("FusedFFNAWQ", 1, np.float16, False),
 ]
 
 
@@ -532,7 +533,7 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
         w1, w3 = awq_weights(K, N, G, seed=5)
         arrays = [a, *w1, *w3, activations((N,), dtype, seed=42), None]
     tc = M >= mc.TC_MIN_M and dtype == np.float16
-    m1 = nw == 1 and M == 1 and dtype == np.float16
+    m1 = M == 1 and dtype == np.float16
     if m1:
         assert kern.m1 is not None          # the shape suits the M=1 tensor-core GEMV
         splits = kern.m1[4]
@@ -618,7 +619,7 @@ def test_gpu_session_takes_partials_from_onnxruntime():
             assert isinstance(kern, (matmulawq_cuda.MatMulAWQCudaKernel, fusedffnawq_cuda.FusedFFNAWQCudaKernel))
             nw = 1 if op == "MatMulAWQ" else 2
             tc = M >= matmulawq_cuda.TC_MIN_M and dtype == np.float16 and kern.tc is not None
-            if nw == 1 and M == 1 and dtype == np.float16:
+            if M == 1 and dtype == np.float16:
                 assert kern.m1 is not None
                 splits = kern.m1[4]
             elif tc:

@@ -103,3 +103,25 @@ def test_config_and_plan():
     assert m1.plan(2048, 2048, 128, 132, 4, 4, None, 1) == (128, 1, 4)
     assert m1.plan(688, 1024, 128, 132, 4, 4, None, 1) == (32, 1, 2)     # 6 groups (K padded): 2 splits
     assert m1.plan(128, 16, 128, 132, 4, 4, 3, 1) == (1, 1, 1)           # gpw capped at the groups
+    assert m1.plan(4096, 11008, 128, 132, 4, 4, None, 1) == (516, 3, 3)  # two weights (wpl 1): 3 groups per warp
+    assert m1.config(True, 4096, 11008, 128, 132, nw=2) == (4, 4, None, 1)
+
+
+# FusedFFNAWQ at M = 1 (two weights, SiLU(x W1 + b1) * (x W3 + b3)): K, N, G, unroll, groups per warp, biases
+FFN_CASES = [(64, 32, 32, 2, 1, (True, True)), (100, 16, 32, 1, 1, (False, True)), (96, 24, 32, 2, 2, (True, False))]
+FFN_GPU_CASES = [(4096, 11008, 128, 4, None, (False, False)), (2048, 8192, 128, 4, None, (True, True)),
+                 (688, 1024, 128, 2, None, (False, True))]
+
+
+@pytest.mark.parametrize("K,N,G,unroll,gpw,biases", FFN_CASES + ([] if SIM else FFN_GPU_CASES))
+def test_gemv1_ffn_vs_reference(K, N, G, unroll, gpw, biases):  # noqa: N803
+    _cuda()
+    from test_ffn4_kernels import awq_weights, check_awq
+
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    w1, w3 = awq_weights(K, N, G, seed=2)
+    rng = np.random.default_rng(K + 1)
+    x = (rng.standard_normal((1, K)) * 0.5).astype(np.float16)
+    b1, b3 = (rng.standard_normal(N).astype(np.float16) if hb else None for hb in biases)
+    y = m1.run(x, w1, w3, b1, b3, G, K, N, wpl=1, unroll=unroll, gpw=gpw, repeat=2)
+    check_awq(y, x, w1, w3, G, K, N, b1, b3)
