@@ -78,6 +78,15 @@ def shared_optin(device: int) -> int:
     return v.value
 
 
+def arg(v):
+    """A ``Launcher.launch`` argument from a host runner's value: a Numba device array becomes (device pointer,
+    (size,)) (1-D, as the launch signatures declare it); a scalar or a ready (pointer, shape) pair is returned
+    unchanged."""
+    if hasattr(v, "device_ctypes_pointer"):
+        return v.device_ctypes_pointer.value, (v.size,)
+    return v
+
+
 class Array:
     """Signature entry: a C-contiguous array of ``dtype`` and ``ndim`` dimensions."""
 

@@ -419,7 +419,7 @@ def run_arrays(qweight, qzeros, scales, group_size, K, N, *, sms=None, ct=CT, wa
         from .cuda_launch import current_device, sm_count
         lau = launcher(v)
         grid, block, rows = geometry(v, K, N, sms or sm_count(current_device()), lau)
-        p = lambda a: (a.device_ctypes_pointer.value, (a.size,))  # noqa: E731
+        from .cuda_launch import arg as p
         lau.launch(grid, block, 0, p(dqw), p(dqz), p(dsc), p(dout), K, N, group_size, rows)
         cuda.synchronize()
     return dout.copy_to_host().view(np.float16).reshape(K, N)

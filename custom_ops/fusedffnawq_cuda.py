@@ -408,7 +408,7 @@ def run_arrays(x, w1, w3, group_size, K, N, b1=None, b3=None, *, sms=None, ct=CT
             for _ in range(repeat):
                 kern[grid, ct * warps](*args)
     if not SIM:
-        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        from .cuda_launch import arg as p
         for _ in range(repeat):
             launcher(a16, mt).launch(grid, BLOCK, 0, *[p(a) for a in args])
         cuda.synchronize()

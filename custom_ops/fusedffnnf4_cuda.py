@@ -706,7 +706,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         for _ in range(repeat):
             kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
     else:
-        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        from .cuda_launch import arg as p
         lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])

@@ -419,7 +419,7 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
         for _ in range(repeat):
             kern[grid, 32 * warps](*args)
     else:
-        p = lambda v: (v.device_ctypes_pointer.value, (v.size,)) if hasattr(v, "device_ctypes_pointer") else v  # noqa: E731
+        from .cuda_launch import arg as p
         for _ in range(repeat):
             lau.launch(grid, 32 * warps, 0, *[p(v) for v in args])
         cuda.synchronize()

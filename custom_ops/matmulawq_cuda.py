@@ -596,7 +596,7 @@ def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, *, sms=N
             for _ in range(repeat):
                 kern[grid, ct * warps](*args)
     if not sim:
-        p = lambda x: (x.device_ctypes_pointer.value, (x.size,)) if hasattr(x, "device_ctypes_pointer") else x  # noqa: E731
+        from .cuda_launch import arg as p
         for _ in range(repeat):
             launcher(a16, mt, gpt).launch(grid, BLOCK, 0, *[p(x) for x in args])
         cuda.synchronize()
@@ -958,7 +958,7 @@ def tc_run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, repeat=1, unroll=
         for _ in range(repeat):
             kern[grid, 32 * warps](*args)
     else:
-        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        from .cuda_launch import arg as p
         lau = tc_launcher(nw, unroll, maxw=warps)
         for _ in range(repeat):
             lau.launch(grid, 32 * warps, 0, *[p(a) for a in args])

@@ -341,7 +341,7 @@ def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=
         for _ in range(repeat):
             kern[nch * parts, 32 * warps, 0, TAB_BYTES](*args)
     else:
-        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        from .cuda_launch import arg as p
         for _ in range(repeat):
             lau.launch(nch * parts, 32 * warps, 0, *[p(a) for a in args])
         cuda.synchronize()

@@ -374,7 +374,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         from .cuda_launch import current_device, sm_count
         lau = launcher(chunks, nw, max_registers, split, m)
         grid = blocks or grid_for(lau, warps, sms or sm_count(current_device()))
-        p = lambda a: (a.device_ctypes_pointer.value, (a.size,)) if hasattr(a, "device_ctypes_pointer") else a  # noqa: E731
+        from .cuda_launch import arg as p
         lau.launch(grid, 32 * warps, 0, *[p(a) for a in args])
         cuda.synchronize()
     return ds.copy_to_host().view(np.float16).reshape(tuple(x.shape[:-1]) + (n,))

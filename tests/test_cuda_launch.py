@@ -57,3 +57,14 @@ def test_blocks_per_sm_below_48k_needs_no_opt_in_and_takes_a_cufunction_as_is(dr
     lau = _launcher(16 * 1024)
     assert lau.blocks_per_sm(64, 0) == 0                      # the stand-in answers 0 without the 64 KiB opt-in
     assert driver.calls == [("query", 0x1000, 64, 0)]
+
+
+def test_arg_turns_device_arrays_into_pointer_and_size():
+    """cuda_launch.arg (the host runners' launch arguments): a device array -> (pointer, (size,)); scalars and ready
+    (pointer, shape) pairs unchanged."""
+    from types import SimpleNamespace
+
+    from onnx_lowbit.custom_ops.cuda_launch import arg
+    dev = SimpleNamespace(device_ctypes_pointer=SimpleNamespace(value=0x7F00_0000_1000), size=96)
+    assert arg(dev) == (0x7F00_0000_1000, (96,))
+    assert arg(7) == 7 and arg((0x1000, (3,))) == (0x1000, (3,))
