@@ -568,6 +568,34 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
     assert kern.scratch.counters(8)[0] != kern.scratch.counters(7)[0]
 
 
+@pytest.mark.parametrize("op", ["MatMulAWQ", "FusedFFNAWQ"])
+def test_m1_gemv_needs_8_byte_aligned_x(sim_kernels, op):
+    """M = 1, fp16: the tensor-core GEMV reads X 8 bytes at a time; an X that is only 2-byte aligned (a view one
+    element into a buffer) takes the fp32 decode kernel instead, with the same result bounds."""
+    mc, fc = sim_kernels
+    K, N, G = 256, 64, 32  # noqa: N806
+    nw = 1 if op == "MatMulAWQ" else 2
+    cls = mc.MatMulAWQCudaKernel if nw == 1 else fc.FusedFFNAWQCudaKernel
+    kern = cls(spec=domain.OPS[op], attrs={"group_size": G, "K": K, "N": N}, node_name="t", in_types=(10,),
+               out_types=(10,))
+    assert kern.m1 is not None
+    buf = activations((1, K + 4), np.float16, seed=44)
+    for a, block in ((buf[:, :K], kern.m1[2]), (buf[:, 1:K + 1], mc.BLOCK)):   # 8-byte aligned / 2 bytes past
+        if nw == 1:
+            qw, qz, sc = weights(K, N, G, seed=8)
+            arrays = [a, qw, qz, sc]
+        else:
+            from test_ffn4_kernels import awq_weights, check_awq
+            w1, w3 = awq_weights(K, N, G, seed=5)
+            arrays = [a, *w1, *w3]
+        y, plan, _, _, _ = _call(kern, _ScratchCtx(True), arrays, (1, N), np.float16)
+        assert plan.steps[0].block == block
+        if nw == 1:
+            check_matmul(y, a, qw, qz, sc, G, K, N)
+        else:
+            check_awq(y, a, w1, w3, G, K, N, None, None)
+
+
 @pytest.mark.parametrize("M,K,G,dtype", [(1, 8, 8, np.float32), (2, 64, 64, np.float16)])
 def test_single_split_takes_no_scratch(sim_kernels, M, K, G, dtype):  # noqa: N803
     """A launch with one K split (fp32 decode kernel, tensor-core kernel) writes the output directly: no
