@@ -1,4 +1,5 @@
-"""Launch the AWQ M=1 kernels once per shape (for ncu / compute-sanitizer): MatMulAWQ's fp32 decode kernel (``mm``), its M = 1 tensor-core kernel (``mm1``) or
+"""Launch the AWQ M=1 kernels once per shape (for ncu / compute-sanitizer): MatMulAWQ's fp32 decode kernel
+(``mm``), its M = 1 tensor-core kernel (``mm1``; run_arrays options as a 4th argument, e.g. "wpl=1, probe=2") or
 FusedFFNAWQ's (``ffn``), fp16 x, random int4 weights (group 128), each launched twice (profile the second:
 ``--launch-skip 1``) and checked against the CPU reference.
 

@@ -473,8 +473,9 @@ class FusedFFNAWQCudaKernel(Kernel):
                 (w1[2].ptr | w3[2].ptr) & 1:
             raise KernelError("inputs and the output must be aligned device buffers")
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
+        wptrs = w1[0].ptr | w1[1].ptr | w3[0].ptr | w3[1].ptr
         if m == 1 and self.m1 is not None and not ((x.ptr | w1[2].ptr | w3[2].ptr) & 7 or
-                                                    (w1[0].ptr | w1[1].ptr | w3[0].ptr | w3[1].ptr) & (4 * self.m1[5] - 1)):
+                                                    wptrs & (4 * self.m1[5] - 1)):
             lau, grid, block, gpw, splits, wpl, scal = self.m1
             part = self.scratch.partials(ctx, partial_floats(splits, 2, 1, sh.N))
             w = [(t.ptr, (t.size // (4 if i == 2 else wpl),)) for ws in (w1, w3) for i, t in enumerate(ws)]

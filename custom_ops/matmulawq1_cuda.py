@@ -1,28 +1,30 @@
-"""MatMulAWQ at M = 1 on the tensor cores: y[N] = x[K] W (+ bias), W in AutoAWQ's K-major layout (qweight int32
-[Kp, N/8], nibble j of word c = column 8c + ORDER[j]; qzeros, fp16 scales per group of G rows).
+"""MatMulAWQ and FusedFFNAWQ at M = 1 on the tensor cores: y[N] = x[K] W1 (+ b1), or SiLU(x W1 + b1) * (x W3 + b3),
+W in AutoAWQ's K-major layout (qweight int32 [Kp, N/8], nibble j of word c = column 8c + ORDER[j]; qzeros, fp16
+scales per group of G rows).
 
 Why a kernel of its own (H100, 4096 x 11008, ncu): the fp32 decode kernel (matmulawq_cuda._make_gemv) executes
 8.1 M warp instructions for 45 M nibbles and issues on 56% of its cycles; the M >= 2 tensor-core kernel
 (matmulawq_cuda._make_tc) executes 4.9 M, most of them per-warp set-up and reductions (every warp streams only 8
-16-row steps), and waits on memory (16 bytes in flight per thread). Reading the weights alone takes 9.4-10.6 us
-with any of these block shapes (benchmarks/awq_read_probe.py), against 18.5 us for the whole fp32 kernel.
+16-row steps), and waits on memory (16 bytes in flight per thread). Reading the weights alone takes 9.2-10.6 us
+with any of these block shapes (benchmarks/awq_read_probe.py), against 18.3 us for the whole fp32 kernel.
 
 This kernel keeps the tensor-core arithmetic (mma.sync m16n8k16, the nibbles as exact fp16 subnormals, see
 matmulawq_cuda) and changes what each warp streams:
-- lane (g, t) reads 8 bytes per row: words 2g and 2g + 1 of the warp's 16-word column tile (128 columns), so one
-  warp instruction reads 64 contiguous bytes from each of 4 rows;
-- each warp streams ``gpw`` whole groups (``gpw`` x G / 16 steps) through one software pipeline of ``unroll``
-  16-row steps per batch that runs on across group boundaries, with the next group's zero points and scales
-  loaded a group ahead;
-- per group the 16 x 16 tensor-core tile's accumulators are scaled into 16 fp32 column sums per lane (at M = 1
-  only the first of each pair of D columns is a real row, so the epilogue computes half of what the M >= 2
-  kernel does);
+- lane (g, t) reads ``wpl`` words per row: words wpl g .. wpl g + wpl - 1 of the warp's 8 wpl-word column tile, so
+  one warp instruction reads 32 wpl contiguous bytes from each of 4 rows;
+- a register ring of ``unroll`` 16-row steps: each step's slots are reloaded with the step ``unroll`` ahead as soon
+  as the step has used them; it runs on across group boundaries, the next group's zero points and scales loaded
+  a group ahead; each warp streams ``gpw`` whole groups;
+- B holds x in all 8 columns, so every lane of a quad holds the real row in its first D column and scales a
+  quarter of the group's columns at each group end;
 - the block's warps (``warps``, all on the same column tile, consecutive K ranges) add their sums in shared memory
   in warp order, and the K splits through fp32 partials that the last block of a tile adds in split order
-  (matmulawq_cuda.sum_splits): the result does not depend on timing.
+  (matmulawq_cuda.sum_splits): the result does not depend on timing;
+- with two weights (``nw`` = 2, FusedFFNAWQ) two rings and two sets of accumulators share x and S = sum x, and the
+  last block applies the biases and SiLU * mul.
 
-Needs fp16 x, K % 4 == 0, N % 16 == 0 (8-byte loads of qweight / qzeros) and G % (16 * unroll) == 0; other
-products take the fp32 decode kernel.
+Needs fp16 x, K % 4 == 0 (x is read 8 bytes at a time), N % (8 wpl) == 0 and G % (16 * unroll) == 0; other
+products take the fp32 decode kernels. Measured: docs/ffn4.md, BENCHMARKS.md (session 23).
 """
 from __future__ import annotations
 
@@ -47,10 +49,10 @@ DEFAULT_BLOCKS_PER_SM = 4  # planning without an occupancy query (simulator)
 
 # What sessions launch (config): per words per lane, (warps, unroll, register cap); H100, weights cycled past L2
 # (benchmarks/awq1_gpu.py --tc1, 2026-11-26), us against the fp32 decode kernel in the same run:
-# wpl 2 (unroll 4: 118 registers, 4 blocks per SM): 4096 x 11008 15.30 / 18.34;
-# wpl 1 (unroll 4: 80 registers, 6 blocks per SM): 2048 x 2048 6.41 / 8.32, 8192 x 2048 9.08 / 10.76,
-# 2048 x 6144 8.32 / 9.95; at 4096 x 11008 15.85. Wpl 1 doubles the blocks; it is taken where its grid with
-# one group per warp fits one wave.
+# wpl 2 (unroll 4: 120 registers, 4 blocks per SM): 4096 x 11008 15.18 / 18.29 (wpl 1 there: 15.21);
+# wpl 1 (unroll 4: 80 registers, 6 blocks per SM): 2048 x 2048 6.03 / 8.44, 8192 x 2048 8.62 / 10.83,
+# 2048 x 6144 8.32 / 9.95. Wpl 1 doubles the blocks; it is taken where its grid with one group per warp fits one
+# wave.
 CONFIGS = {2: (WARPS, 4, None), 1: (WARPS, 4, None)}
 WPL1_BLOCKS_PER_SM = 6      # the wpl 1 configuration's occupancy (H100) (for the choice, before compiling anything)
 
@@ -62,7 +64,7 @@ def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
 
 def config(a16, k, n, g_size, sms, nw=1):
     """(warps, unroll, register cap, wpl) that a session launches for this product (``nw`` weights), or None where
-    the kernel cannot take it (fp32 A, K % 4, N % 8 only, group sizes not a multiple of 16): two weights always
+    the kernel cannot take it (fp32 A, K % 4, group sizes not a multiple of 16 rows): two weights always
     with wpl 1 (their accumulators and rings together are what wpl 2 holds for one); one weight: wpl 1 where its
     grid with one group per warp fits one wave of the SMs, else wpl 2; unroll 4, or the largest of 2, 1 that
     divides G / 16."""
@@ -85,7 +87,8 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
     has_b3); nw = 1 ignores the second weight and b3 (pass the first one's buffers).
     Block b: column tile (8 wpl words) b % tiles, K split b // tiles; warp w of split s takes groups
     (s * warps + w) * gpw .. + gpw - 1 (past the last group: re-reads of the last batch with x = 0, whose sums are
-    dropped, so that every warp runs the same steps, as the simulator's mma needs). ``probe`` (benchmarks only,
+    dropped, so that every warp runs the same steps, as the simulator's mma needs); the lane loads word(s)
+    wpl (tile * 8 + g) .. of each row (clamped past N: not stored). ``probe`` (benchmarks only,
     wrong results): 1 = the loads without the arithmetic, 2 = the arithmetic without the weight loads.
 
     B holds x in all 8 columns (M = 1), so every lane's first D column is the real row: lane (g, t) scales the
