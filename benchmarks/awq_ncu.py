@@ -1,7 +1,7 @@
 """Launch the AWQ M=1 kernels once per shape (for ncu / compute-sanitizer): MatMulAWQ's fp32 decode kernel
-(``mm``), its M = 1 tensor-core kernel (``mm1``; run_arrays options as a 4th argument, e.g. "wpl=1, probe=2") or
-FusedFFNAWQ's (``ffn``), fp16 x, random int4 weights (group 128), each launched twice (profile the second:
-``--launch-skip 1``) and checked against the CPU reference.
+(``mm``), its M = 1 tensor-core kernel (``mm1``, ``ffn1`` with two weights; options as a 4th argument, e.g.
+"wpl=1, probe=2") or FusedFFNAWQ's (``ffn``), fp16 x, random int4 weights (group 128), each launched twice
+(profile the second: ``--launch-skip 1``) and checked against the CPU reference.
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:gemv --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/awq_ncu.py mm 4096 11008
@@ -23,13 +23,19 @@ x = (rng.standard_normal((1, k)) * 0.5).astype(np.float16)
 
 
 def weights():
-    return (rng.integers(-2 ** 31, 2 ** 31, (k, n // 8), dtype=np.int64).astype(np.int32),
-            rng.integers(-2 ** 31, 2 ** 31, (k // G, n // 8), dtype=np.int64).astype(np.int32),
-            (rng.random((k // G, n)) * 0.004 + 0.001).astype(np.float16))
+    kp = -(-k // G) * G         # AutoAWQ pads K to a whole number of groups
+    return (rng.integers(-2 ** 31, 2 ** 31, (kp, n // 8), dtype=np.int64).astype(np.int32),
+            rng.integers(-2 ** 31, 2 ** 31, (kp // G, n // 8), dtype=np.int64).astype(np.int32),
+            (rng.random((kp // G, n)) * 0.004 + 0.001).astype(np.float16))
 
 
 w1, w3 = weights(), weights()
-if what == "ffn":
+if what == "ffn1":
+    for _ in range(2):
+        y = matmulawq1_cuda.run(x, w1, w3, None, None, G, k, n, **kw)
+    g = awq.matmul(x, *w1, G, k, n).astype(np.float64)
+    ref = g / (1 + np.exp(-g)) * awq.matmul(x, *w3, G, k, n).astype(np.float64)
+elif what == "ffn":
     for _ in range(2):
         y = fusedffnawq_cuda.run_arrays(x, w1, w3, G, k, n, **kw)
     g = awq.matmul(x, *w1, G, k, n).astype(np.float64)

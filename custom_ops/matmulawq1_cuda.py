@@ -393,11 +393,24 @@ def scalars(k, n, g_size, gpw, splits, has_b1, has_b3=False, wpl=WPL):
 
 def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=None,  # noqa: N803
         max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1):
-    """Runs the kernel on host arrays (tests, benchmarks; inputs must already be checked, ``ok`` true): x fp16
-    [1, K], w1 / w3 = (qweight, qzeros, scales), w3 None for MatMulAWQ; returns the fp16 output [1, N]: the Numba
-    dispatcher under the simulator (``warps`` per block, default 2), the direct launch path on a GPU. ``repeat``
-    launches that many times on the same scratch."""
-    assert ok(x.dtype == np.float16, x.size // K, K, N, group_size, unroll, wpl)
+    """Runs the kernel on host arrays (tests, benchmarks): x fp16 [1, K], w1 / w3 = (qweight, qzeros, scales), w3
+    None for MatMulAWQ; returns the fp16 output [1, N]: the Numba dispatcher under the simulator (``warps`` per
+    block, default 2), the direct launch path on a GPU. The inputs are checked as a session checks them (the kernel
+    reads all Kp rows of qweight), and the product must suit the kernel (``ok``). ``repeat`` launches that many
+    times on the same scratch."""
+    from .dequantawq_cpu import check_a_bias, check_weights, parse_attrs
+    from .ffn4_common import check_x_biases
+    from .fusedffnawq_cpu import check_both
+    sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
+    if w3 is None:
+        check_weights(*w1, sh, first=1)
+        check_a_bias(x, b1, sh)
+    else:
+        check_both(w1, w3, sh)
+        check_x_biases(x, b1, b3, K, N, 7, 8)
+    if not ok(x.dtype == np.float16, x.size // K, K, N, group_size, unroll, wpl):
+        raise ValueError(f"the M=1 tensor-core GEMV cannot take this product (fp16 X [1, K], K % 4 == 0, "
+                         f"N % {8 * wpl} == 0, group_size % {16 * unroll} == 0)")
     nw = 1 if w3 is None else 2
     warps = warps or (2 if SIM else WARPS)
     wdt = np.uint64 if wpl == 2 else np.uint32

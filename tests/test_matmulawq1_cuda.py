@@ -125,3 +125,21 @@ def test_gemv1_ffn_vs_reference(K, N, G, unroll, gpw, biases):  # noqa: N803
     b1, b3 = (rng.standard_normal(N).astype(np.float16) if hb else None for hb in biases)
     y = m1.run(x, w1, w3, b1, b3, G, K, N, wpl=1, unroll=unroll, gpw=gpw, repeat=2)
     check_awq(y, x, w1, w3, G, K, N, b1, b3)
+
+
+def test_host_runner_checks_inputs():
+    """run / run_arrays check shapes as a session does (the kernel reads all Kp rows of qweight), and refuse
+    products the kernel cannot take, before any launch."""
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.bridge import KernelError
+    K, N, G = 100, 16, 32  # noqa: N806
+    qw, qz, sc = _weights(K, N, G, seed=9)
+    x = np.ones((1, K), np.float16)
+    with pytest.raises(KernelError, match="qweight"):
+        m1.run_arrays(x, qw[:K], qz, sc, G, K, N)            # K rows instead of Kp = 128
+    with pytest.raises(KernelError, match="scales"):
+        m1.run(x, (qw, qz, sc), (qw, qz, sc[:, :8]), None, None, G, K, N)
+    with pytest.raises(ValueError, match="cannot take"):
+        m1.run_arrays(x.astype(np.float32), qw, qz, sc, G, K, N)
+    with pytest.raises(ValueError, match="cannot take"):
+        m1.run_arrays(x, qw, qz, sc, G, K, N, unroll=4)     # 4 steps per batch need G % 64 == 0
