@@ -441,19 +441,8 @@ class FusedFFNAWQCudaKernel(Kernel):
         self.tc, self.tc_plans, acc_size, cnt_size = tc_setup(self.a16, sh, 2, scratch_size(self.plans, sh.N),
                                                               self.tiles)
         # M = 1 with fp16 X: the two-weight tensor-core GEMV (matmulawq1_cuda) where it can take the shape
-        self.m1 = None
-        from . import matmulawq1_cuda as m1c
-        from . import matmulawq_cuda as mc
-        cfg = m1c.config(self.a16, sh.K, sh.N, sh.group_size, self.sms, nw=2) if mc.tc_device() else None
-        if cfg is not None:
-            warps, unroll, cap, wpl = cfg
-            lau = m1c.launcher(warps, unroll, cap, wpl, 0, 2)
-            grid, gpw, splits = m1c.plan(sh.K, sh.N, sh.group_size, self.sms, max(1, lau.blocks_per_sm(32 * warps)),
-                                         warps, None, wpl)
-            self.m1 = (lau, grid, 32 * warps, gpw, splits, wpl,
-                       m1c.scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-2])
-            acc_size = max(acc_size, partial_floats(splits, 2, 1, sh.N))
-            cnt_size = max(cnt_size, m1c.tiles(sh.N, wpl))
+        from .matmulawq1_cuda import session_setup
+        self.m1, acc_size, cnt_size = session_setup(self.a16, sh, self.sms, 2, acc_size, cnt_size)
         self.scratch = ScratchPool(acc_size, cnt_size)
 
     def compute(self, ctx, inputs):
@@ -473,16 +462,10 @@ class FusedFFNAWQCudaKernel(Kernel):
                 (w1[2].ptr | w3[2].ptr) & 1:
             raise KernelError("inputs and the output must be aligned device buffers")
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
-        wptrs = w1[0].ptr | w1[1].ptr | w3[0].ptr | w3[1].ptr
-        if m == 1 and self.m1 is not None and not ((x.ptr | w1[2].ptr | w3[2].ptr) & 7 or
-                                                    wptrs & (4 * self.m1[5] - 1)):
-            lau, grid, block, gpw, splits, wpl, scal = self.m1
-            part = self.scratch.partials(ctx, partial_floats(splits, 2, 1, sh.N))
-            w = [(t.ptr, (t.size // (4 if i == 2 else wpl),)) for ws in (w1, w3) for i, t in enumerate(ws)]
-            sb = (s, (sh.N,))
-            lau.launch(grid, block, ctx.stream, (x.ptr, (sh.K // 4,)), *w, (b1.ptr, (sh.N,)) if hb1 else sb,
-                       (b3.ptr, (sh.N,)) if hb3 else sb, sb, part, self.scratch.counters(ctx.stream), *scal, hb1, hb3)
-            return
+        if m == 1 and self.m1 is not None:
+            from .matmulawq1_cuda import session_launch
+            if session_launch(self.m1, ctx, self.scratch, x, w1, w3, b1, b3, s, sh.N):
+                return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not (x.ptr | w1[2].ptr | w3[2].ptr) & 7:
             grid, gpt, splits = self.tc_plans[m]
             part = self.scratch.partials(ctx, partial_floats(splits, 2, m, sh.N))

@@ -28,11 +28,14 @@ products take the fp32 decode kernels. Measured: docs/ffn4.md, BENCHMARKS.md (se
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM, as_f32, device, f2h, h2f
-from .matmulawq_cuda import F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, _silu, sum_splits
+from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, _silu, partial_floats,
+                             sum_splits)
 from .matmulnf4_cuda import add32, mad32, prmt
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
@@ -389,6 +392,52 @@ def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, p
 def scalars(k, n, g_size, gpw, splits, has_b1, has_b3=False, wpl=WPL):
     """The kernel's scalar arguments after the arrays."""
     return (k, n, g_size, -(-k // g_size), tiles(n, wpl), gpw, splits, int(has_b1), int(has_b3))
+
+
+class SessionPlan(NamedTuple):
+    """What a MatMulAWQ (nw = 1) / FusedFFNAWQ (nw = 2) kernel object keeps of this kernel (``session_setup``)."""
+    launcher: object
+    grid: int
+    block: int
+    gpw: int
+    splits: int
+    wpl: int
+    nw: int
+    scalars: tuple          # the scalar arguments without the two bias flags
+
+
+def session_setup(a16, sh, sms, nw, acc_size, cnt_size):
+    """This kernel for a kernel object of ``nw`` weights and shape ``sh`` (dequantawq_cpu.AWQShape): (SessionPlan,
+    or None where it cannot serve it, acc_size and cnt_size grown to what its partials and tile counters need)."""
+    from . import matmulawq_cuda as mc    # mma.sync needs compute capability 8.0 (tests stand tc_device in)
+    cfg = config(a16, sh.K, sh.N, sh.group_size, sms, nw) if mc.tc_device() else None
+    if cfg is None:
+        return None, acc_size, cnt_size
+    warps, unroll, cap, wpl = cfg
+    lau = launcher(warps, unroll, cap, wpl, 0, nw)
+    grid, gpw, splits = plan(sh.K, sh.N, sh.group_size, sms, max(1, lau.blocks_per_sm(32 * warps)), warps, None,
+                             wpl)
+    sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
+                     scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-2])
+    return sp, max(acc_size, partial_floats(splits, nw, 1, sh.N)), max(cnt_size, tiles(sh.N, wpl))
+
+
+def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n):
+    """One session call at M = 1 (bridge Tensors; w3 = (qweight, qzeros, scales) and b3 None for MatMulAWQ; ``out``
+    the output's device pointer; ``scratch`` the kernel object's matmulawq_cuda.ScratchPool): launches the kernel
+    and returns True, or returns False where the buffers are not aligned for it (X and scales to 8 bytes, qweight
+    and qzeros to 4 wpl bytes, biases to 2), for the caller's other kernels."""
+    ws = (w1,) if w3 is None else (w1, w3)
+    if (x.ptr | ws[-1][2].ptr | w1[2].ptr) & 7 or any((q.ptr | z.ptr) & (4 * sp.wpl - 1) for q, z, _ in ws) or \
+            any(b is not None and b.ptr & 1 for b in (b1, b3)):
+        return False
+    part = scratch.partials(ctx, partial_floats(sp.splits, sp.nw, 1, n))
+    ob = (out, (n,))
+    wa = [(t.ptr, (t.size // (4 if i == 2 else sp.wpl),)) for w in (w1, ws[-1]) for i, t in enumerate(w)]
+    bias = [(b.ptr, (n,)) if b is not None else ob for b in (b1, b3)]
+    sp.launcher.launch(sp.grid, sp.block, ctx.stream, (x.ptr, (x.size // 4,)), *wa, *bias, ob, part,
+                       scratch.counters(ctx.stream), *sp.scalars, int(b1 is not None), int(b3 is not None))
+    return True
 
 
 def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=None,  # noqa: N803

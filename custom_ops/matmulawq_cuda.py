@@ -1070,18 +1070,8 @@ class MatMulAWQCudaKernel(Kernel):
         acc_size = max(partial_floats(splits, 1, mt * ch, sh.N) for (mt, ch), (_, _, splits) in self.plans.items())
         self.tc, self.tc_plans, acc_size, cnt_size = tc_setup(self.a16, sh, 1, acc_size, self.tiles)
         # M = 1 with fp16 A: the tensor-core GEMV (matmulawq1_cuda) where it can take the shape
-        self.m1 = None
-        from . import matmulawq1_cuda as m1c
-        cfg = m1c.config(self.a16, sh.K, sh.N, sh.group_size, self.sms) if tc_device() else None
-        if cfg is not None:
-            warps, unroll, cap, wpl = cfg
-            lau = m1c.launcher(warps, unroll, cap, wpl)
-            grid, gpw, splits = m1c.plan(sh.K, sh.N, sh.group_size, self.sms, max(1, lau.blocks_per_sm(32 * warps)),
-                                         warps, None, wpl)
-            self.m1 = (lau, grid, 32 * warps, gpw, splits, wpl,
-                       m1c.scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-2])
-            acc_size = max(acc_size, partial_floats(splits, 1, 1, sh.N))
-            cnt_size = max(cnt_size, m1c.tiles(sh.N, wpl))
+        from .matmulawq1_cuda import session_setup
+        self.m1, acc_size, cnt_size = session_setup(self.a16, sh, self.sms, 1, acc_size, cnt_size)
         self.scratch = ScratchPool(acc_size, cnt_size)
 
     def compute(self, ctx, inputs):
@@ -1094,16 +1084,10 @@ class MatMulAWQCudaKernel(Kernel):
         y = ctx.output(0, tuple(a.shape[:-1]) + (sh.N,))
         if m == 0:
             return
-        if m == 1 and self.m1 is not None and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & (4 * self.m1[5] - 1) or
-                                                    (bias is not None and bias.ptr & 1)):
-            lau, grid, block, gpw, splits, wpl, scal = self.m1
-            part = self.scratch.partials(ctx, partial_floats(splits, 1, 1, sh.N))
-            yb = (y, (sh.N,))
-            w = [(qw.ptr, (qw.size // wpl,)), (qz.ptr, (qz.size // wpl,)), (sc.ptr, (sc.size // 4,))]
-            lau.launch(grid, block, ctx.stream, (a.ptr, (sh.K // 4,)), *w, *w,
-                       (bias.ptr, (sh.N,)) if bias is not None else yb, yb, yb, part,
-                       self.scratch.counters(ctx.stream), *scal, int(bias is not None), 0)
-            return
+        if m == 1 and self.m1 is not None:
+            from .matmulawq1_cuda import session_launch
+            if session_launch(self.m1, ctx, self.scratch, a, (qw, qz, sc), None, bias, None, y, sh.N):
+                return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & 3 or
                                                    (bias is not None and bias.ptr & 1)):
             grid, gpt, splits = self.tc_plans[m]
