@@ -44,6 +44,17 @@ TC1_VARIANTS = [("tc1 (session config)", None, None, None, None, None, 0),
                 ("tc1 wpl 1 probe: math only", 4, 4, 2, None, 1, 2)]
 
 
+def timed(calls):
+    """CUDA-graph median per call of ``calls`` replayed in turn (one call per weight of a pool), then the last one
+    once more, so that the output holds the last weight's result for the check."""
+    import torch
+    it = iter(range(1 << 30))
+    t = time_graph(lambda: calls[next(it) % len(calls)](), batch=len(calls))
+    calls[-1]()
+    torch.cuda.synchronize()
+    return t
+
+
 def main():
     import torch
 
@@ -59,13 +70,6 @@ def main():
     print(f"device copy 256 MiB: {bw:.0f} GB/s")
     rng = np.random.default_rng(0)
     made = {}       # variant kernels, compiled once for all shapes
-
-    def timed(calls):
-        it = iter(range(1 << 30))
-        t = time_graph(lambda: calls[next(it) % len(calls)](), batch=len(calls))
-        calls[-1]()
-        torch.cuda.synchronize()
-        return t
 
     only_tc1 = "--tc1" in sys.argv
     if "--ffn" in sys.argv:
@@ -90,7 +94,7 @@ def main():
         t_torch = timed([lambda w=w: torch.matmul(x, w, out=y) for w in wp])
         del wp
         print(f"MatMulAWQ M=1 {k}->{n}: torch fp16 {t_torch:.2f} us")
-        tc1(k, n, pool, x, y, ref, per, bw, t_torch, timed, stream, ptr)
+        tc1(k, n, pool, x, y, ref, per, bw, t_torch, stream, ptr)
         for label, kw in (VARIANTS[:1] if only_tc1 else VARIANTS):
             gpt = kw.get("gpt", mc.gpt_for(1, n))
             if n % (16 * gpt):
@@ -133,7 +137,7 @@ def main():
             print(f"  {label:22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy {t_torch / t:5.2f}x torch "
                   f"rel {err:.1e} [{grid} blocks, R={r}, {splits} splits, {occ}/SM, {regs(lau)}]", flush=True)
         if not only_tc1:
-            int4_nmajor(k, n, x, t_torch, bw, timed, stream)
+            int4_nmajor(k, n, x, t_torch, bw, stream)
 
 # FusedFFNAWQ M = 1 (--ffn): (label, weights per launch, wpl, unroll, groups per warp, register cap); None: the
 # session configuration's (matmulawq1_cuda.config)
@@ -145,7 +149,7 @@ FFN1_VARIANTS = [("tc1 two weights (session config)", 2, None, None, None, None)
                  ("two MatMulAWQ tc1 + silu*mul", 1, None, None, None, None)]
 
 
-def tc1(k, n, pool, x, y, ref, per, bw, t_torch, timed, stream, ptr):
+def tc1(k, n, pool, x, y, ref, per, bw, t_torch, stream, ptr):
     """The M = 1 tensor-core kernel's variants on the same pool."""
     import torch
 
@@ -216,13 +220,6 @@ def ffn1(k, n):
     xa = x.cpu().numpy()
     ref = ffn.swiglu_awq_ref(xa, *w1h, *w3h, G, k, n, None, None).astype(np.float64)
 
-    def timed(calls):
-        it = iter(range(1 << 30))
-        t = time_graph(lambda: calls[next(it) % len(calls)](), batch=len(calls))
-        calls[-1]()
-        torch.cuda.synchronize()
-        return t
-
     def report(label, t, extra=""):
         err = float(np.max(np.abs(s.float().cpu().numpy().astype(np.float64) - ref)) / np.max(np.abs(ref)))
         gbs = per / t / 1e3
@@ -269,7 +266,7 @@ def ffn1(k, n):
         report(label, t, f"[{grid} blocks, wpl {wl}, unroll {u}, gpw {gp}, {splits} splits, {regs(l1)}]")
 
 
-def int4_nmajor(k, n, x, t_torch, bw, timed, stream):
+def int4_nmajor(k, n, x, t_torch, bw, stream):
     """The same int4 weights (group G, zero points) in onnxruntime's N-major MatMulNBits layout, through the NF4
     decode generator's experimental int4 mode (matmulnf4_cuda.run_int4_m1): what an N-major int4 op would take.
     Random bytes / zero points / scales (the decode does not care about their origin), a pool past L2 as above."""
