@@ -20,19 +20,20 @@ MS = [3, 4, 8, 16, 32, 64, 128]
 
 
 def variants(m, quick):
-    """(kind, mt, kw, ring or stages) configurations to time at this M."""
+    """(mt, kw, ring, mfast) configurations to time at this M: first the one sessions launch (tc.config)."""
     mt0 = tc.bucket(m)
-    out = [("reg", mt0, tc.KW, tc.RING), ("async", mt0, tc.KW, tc.STAGES)]
+    c = tc.config(m)
+    out = [c]
     if quick:
         return out
-    for mt in sorted({mt0, max(1, mt0 // 2)}):
-        for kw in (2, 4, 8):
-            for ring in (2, 4):
-                if ring * (16 + 4 * mt) + 8 * mt <= 160 and ("reg", mt, kw, ring) not in out:
-                    out.append(("reg", mt, kw, ring))
-            for st in (2, 3, 4, 6):
-                if tc.smem_bytes(mt, kw, st) <= 200 * 1024 and ("async", mt, kw, st) not in out:
-                    out.append(("async", mt, kw, st))
+    for mt in (1, 2, 4):
+        if mt > mt0:
+            continue
+        for kw in (2, 4):
+            for ring in ((2, 4) if mt <= 2 else (1, 2)):
+                for mfast in ((False, True) if 8 * mt < m else (False,)):
+                    if (mt, kw, ring, mfast) not in out:
+                        out.append((mt, kw, ring, mfast))
     return out
 
 
@@ -48,7 +49,7 @@ def main():
     w1kn, w3kn = w1.t().contiguous(), w3.t().contiguous()
     wbytes = 2 * N * K * 2
     st = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
-    print("| M | torch unfused NN (us) | torch TN, W [N, K] (us) | tc best (us) | tc best config (kind, mt, kw, ring / stages) | "
+    print("| M | torch unfused NN (us) | torch TN, W [N, K] (us) | tc best (us) | tc best config (mt, kw, ring, mfast) | "
           "% copy bw | vs unfused | vs torch TN | all tc configs |")
     print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
     for m in ms:
@@ -72,18 +73,18 @@ def main():
         res["unfused"] = time_cuda(unfused)
         res["tn"] = time_cuda(torch_tn)
         tcs = []
-        for kind, mt, kw, ring in variants(m, quick):
-            def f(mt=mt, kw=kw, ring=ring, kind=kind):
+        for mt, kw, ring, mfast in variants(m, quick):
+            def f(mt=mt, kw=kw, ring=ring, mfast=mfast):
                 tc.launch(st(), m, K, N, x.data_ptr(), w1.data_ptr(), w3.data_ptr(), 0, 0, y.data_ptr(), mt, kw,
-                          ring, kind=kind)
+                          ring, None, mfast)
             y.zero_()
             f()
             torch.cuda.synchronize()
             e = float((y.double() - ref).abs().max()) / scale
             if not e < 1e-3:
-                print(f"M={m} tc {(kind, mt, kw, ring)}: max rel error {e:.2e} (FAIL)")
+                print(f"M={m} tc {(mt, kw, ring, mfast)}: max rel error {e:.2e} (FAIL)")
                 continue
-            tcs.append((time_cuda(f), (kind, mt, kw, ring), e))
+            tcs.append((time_cuda(f), (mt, kw, ring, mfast), e))
         tcs.sort()
         best = tcs[0]
         print(f"| {m} | {res['unfused']:.1f} | {res['tn']:.1f} | {best[0]:.1f} | {best[1]} | "

@@ -656,6 +656,11 @@ class FusedFFNCudaKernel(Kernel):
         self.use_fp16_scratch(FP16_SCRATCH)
         self.conv = {"widen": launcher("widen"), "split": launcher("split")}
         self.tiled = launcher("tiled", self.x16, self.w16)
+        from . import fusedffn_tc_cuda as tcm
+        from .matmulawq_cuda import tc_device
+        self.tc_max_m = tcm.MAX_M if self.x16 and self.w16 and tc_device() else 0
+        self.tc = [tcm.launcher(mt, kw, ring, None, mf) for _, (mt, kw, ring, mf) in tcm.CONFIGS] if \
+            self.tc_max_m else []                 # compiled now, launched through tcm.launch
         self._occ = {}
         from . import cublas
         self.blas = cublas.load() is not None     # else the tiled kernel serves every shape
@@ -684,16 +689,27 @@ class FusedFFNCudaKernel(Kernel):
 
     def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None, variant=None, scratch=None):
         """Launches on device pointers (b1p/b3p 0 when absent). ``path``: force 'decode', 'gemm' or 'tiled';
+        ``path`` 'tc': the tensor-core kernel (fp16 X and W, fusedffn_tc_cuda; auto for M in [MIN_M, tc_max_m]);
         ``variant``: decode kernel options (block, cols, uj, db, load), compiled on first use (tests, benchmark);
         ``scratch``: nbytes -> device pointer of the cuBLAS path's scratch for this call (onnxruntime's:
         ``Context.scratch``), False when there is none (then no cuBLAS path), None for the kernel object's own
         buffer (direct calls outside onnxruntime, one thread)."""
+        from . import fusedffn_tc_cuda as tcm
         hb1, hb3 = int(b1p != 0), int(b3p != 0)
         bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
         aligned = ((w1p | w3p) & 15) == 0
+        tc_ok = bool(self.tc) and tcm.ok(self.x16, self.w16, m, k, aligned and (xp & 15) == 0)
         if path is None:
-            path = "decode" if decode_ok(m, k, self.w16, aligned, self.decode_max_m) else (
-                "gemm" if self.blas and k > 0 and scratch is not False else "tiled")
+            if decode_ok(m, k, self.w16, aligned, self.decode_max_m):
+                path = "decode"
+            elif tc_ok and tcm.MIN_M <= m <= self.tc_max_m:
+                path = "tc"
+            else:
+                path = "gemm" if self.blas and k > 0 and scratch is not False else "tiled"
+        elif path == "tc" and not tc_ok:
+            from .bridge import KernelError
+            raise KernelError(f"the tensor-core kernel does not take this product (fp16 X and W, K % 8 == 0, "
+                              f"16-byte aligned X and weights; got K={k})")
         elif path == "gemm" and (not self.blas or k == 0 or scratch is False):
             from .bridge import KernelError
             raise KernelError("the cuBLAS path needs cuBLAS, scratch memory and K > 0")
@@ -718,6 +734,9 @@ class FusedFFNCudaKernel(Kernel):
             dk.launch(decode_grid(n, mt, self.sms, occ, cols), blk, stream, (xp, (m * k,)),
                                    (w1p, (wwords,)), (w3p, (wwords,)), *bias, (yp, (m * n,)), m, k, n, hb1, hb3,
                                    shmem=shmem)
+        elif path == "tc":
+            mt, kw, ring, mfast = tcm.config(m)
+            tcm.launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt, kw, ring, None, mfast)
         elif path == "tiled":
             self.tiled.launch(tiled_grid(m, n), TILE["tx"] * TILE["ty"], stream, (xp, (m * k,)), (w1p, (n * k,)),
                               (w3p, (n * k,)), *bias, (yp, (m * n,)), m, k, n, hb1, hb3)
@@ -778,7 +797,7 @@ def check_arrays(x, w1, w3, b1=None, b3=None):
 def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile=None, decode_variant=None,
                fp16_scratch=False):
     """S for host arrays (tests, benchmark): the dispatcher under the CUDA simulator (shrunk blocks), the direct
-    launch path (as the bridge runs it) on a GPU. ``path``: force 'decode', 'gemm' (GPU) or 'tiled'."""
+    launch path (as the bridge runs it) on a GPU. ``path``: force 'decode', 'tc', 'gemm' (GPU) or 'tiled'."""
     m, k, n = check_arrays(x, w1, w3, b1, b3)
     x16, w16 = x.dtype == np.float16, w1.dtype == np.float16
     lead = tuple(x.shape[:-1])
@@ -795,8 +814,13 @@ def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile
     db3 = dev(b3, xb) if b3 is not None else dy
     hb = (int(b1 is not None), int(b3 is not None))
     if SIM:
+        from . import fusedffn_tc_cuda as tcm
         if path is None:
-            path = "decode" if decode_ok(m, k, w16) else "tiled"
+            path = "decode" if decode_ok(m, k, w16) else (
+                "tc" if tcm.ok(x16, w16, m, k) and tcm.MIN_M <= m <= tcm.MAX_M else "tiled")
+        if path == "tc":
+            mt, kw, ring, mfast = tcm.config(m)
+            return tcm.run_arrays(x, w1, w3, b1, b3, mt, kw, ring, None, mfast)
         if path == "decode":
             mt = bucket(m)
             dw1, dw3 = dev(w1, np.uint32), dev(w3, np.uint32)

@@ -11,7 +11,8 @@ chunks: lane (g, t) loads bytes [16 t, 16 t + 16) of a 64-byte (32-column) chunk
 n0 + g + 8 and of X row m0 + g, and feeds words (0, 1) to one mma and words (2, 3) to a second (the same
 permutation of k on both operands). A warp reads 8 rows x 64 contiguous bytes per load instruction.
 
-Block b: feature tile (16 rows of W1 and of W3) b % tiles, X row chunk (8 ``mt`` rows) b // tiles; its ``kw``
+Block b: feature tile (16 rows of W1 and of W3) b % tiles, X row chunk (8 ``mt`` rows) b // tiles (``mfast``:
+row chunk b % chunks, feature tile b // chunks, so a tile's weights are re-read from L2); its ``kw``
 warps take consecutive ranges of the K chunks (the same number each, chunks past K read as zeros) and add their
 sums in shared memory in warp order (deterministic); warp 0 applies biases and SiLU * mul. Each warp keeps a
 register ring of ``ring`` chunks in flight (weights and X), each slot reloaded right after its mmas.
@@ -31,8 +32,14 @@ from .matmulawq_cuda import _mma
 MT_BUCKETS = (1, 2, 4, 8)        # 8-row tiles of X per block (rows per block: 8, 16, 32, 64)
 KW = 4                           # warps per block (K ranges of one feature tile)
 RING = 2                         # 32-column chunks in flight per warp
-MIN_M = 3                        # sessions route M in [MIN_M, MAX_M] here (M <= 2: the decode kernel)
-MAX_M = 64
+MIN_M = 3                        # sessions route M in [MIN_M, MAX_M] here (M <= 2: the decode kernel; past
+MAX_M = 32                       # MAX_M: cuBLAS)
+# What sessions launch, by M (H100, x[M, 4096], W1/W3 [11008, 4096], benchmarks/ffn_tc_gpu.py, 2026-11-26, us
+# against torch's unfused block on [K, N] weights in the same run): (mt, kw, ring, mfast) for M <= rows.
+# M = 3: 68.4 / 76.3, M = 8: 68.6 / 76.1, M = 16: 72.0 / 79.0, M = 24: 77.3 / 77.3, M = 32: 77.7 / 77.1; M = 48,
+# 64: 94.8, 102.7 against 79.8, 77.8 (not routed: past 16 rows the weights are re-read per row chunk, from L2 with
+# mfast; 4 and 8 row tiles per block hold too many registers for a ring).
+CONFIGS = ((8, (1, 4, 4, False)), (16, (2, 2, 2, False)), (32, (2, 4, 2, True)))
 LOAD_W = "ld.global.nc.L1::no_allocate.v4.u32"   # weights: read once
 LOAD_X = "ld.global.nc.v4.u32"                    # X: read by every feature tile (L1 / L2)
 U0 = np.uint32(0)
@@ -50,6 +57,14 @@ def bucket(m):
     return MT_BUCKETS[-1]
 
 
+def config(m):
+    """(mt, kw, ring, mfast) a session launches at M = m (the last entry past its rows)."""
+    for rows, c in CONFIGS:
+        if m <= rows:
+            return c
+    return CONFIGS[-1][1]
+
+
 def ok(x16, w16, m, k, aligned=True):
     """Whether the kernel can take the product (``aligned``: X, W1, W3 16-byte aligned)."""
     return x16 and w16 and m > 0 and k > 0 and k % 8 == 0 and aligned
@@ -65,9 +80,11 @@ def chunks_per_warp(k, kw=KW, ring=RING):
     return -(-per // ring) * ring
 
 
-def _make(mt, kw=KW, ring=RING, max_registers=None):
+def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
     """Signature: (x uint32 [M*K/2] (fp16 pairs), w1, w3 uint32 [N*K/2], b1, b3 uint16 [N], out uint16 [M*N],
-    m_dim, k_dim, n_dim, cpw, has_b1, has_b3); ``cpw`` = chunks_per_warp(K, kw, ring)."""
+    m_dim, k_dim, n_dim, cpw, has_b1, has_b3); ``cpw`` = chunks_per_warp(K, kw, ring). ``mfast``: consecutive blocks take the
+    X row chunks of one feature tile (past 8 mt rows, its weights are read again while still in L2), else the
+    feature tiles of one row chunk."""
     scr_size = kw * 32 * 6 if SIM else 1
     nacc = 8 * mt                     # [weight][tile][c0..c3]
     red_size = max(1, (kw - 1) * nacc * 32)
@@ -134,8 +151,14 @@ def _make(mt, kw=KW, ring=RING, max_registers=None):
         n32 = uint32(n_dim)
         tiles = (n32 + uint32(15)) >> uint32(4)
         b = uint32(cuda.blockIdx.x)
-        mc = b // tiles
-        n0 = (b - mc * tiles) * uint32(16)
+        if mfast:
+            mcs = (uint32(m_dim) + uint32(8 * mt - 1)) // uint32(8 * mt)
+            bt = b // mcs
+            mc = b - bt * mcs
+        else:
+            mc = b // tiles
+            bt = b - mc * tiles
+        n0 = bt * uint32(16)
         m0 = mc * uint32(8 * mt)
         k8 = uint32(k_dim >> 3)
         kc = (uint32(k_dim) + uint32(31)) >> uint32(5)
@@ -193,205 +216,6 @@ def _make(mt, kw=KW, ring=RING, max_registers=None):
     return kern
 
 
-# ------------------------------------------------------------------------------ cp.async variant (X and W via smem)
-if SIM:
-    def _cp16(sm, si, g, gi, ok):
-        """Simulator: 16 bytes (4 words) of uint32 array g from chunk gi to sm[si:si + 4], zeros unless ``ok``."""
-        si = int(si)
-        if ok:
-            j = 4 * int(gi)
-            for i in range(4):
-                sm[si + i] = g[j + i]
-        else:
-            for i in range(4):
-                sm[si + i] = 0
-
-    def _cp_commit():
-        pass
-
-    def _make_wait(n):
-        def wait():
-            pass
-        return wait
-
-    def _lds4(sm, si):
-        si = int(si)
-        return sm[si], sm[si + 1], sm[si + 2], sm[si + 3]
-else:
-    from llvmlite import ir as _ir
-    from numba import types as _types
-    from numba.cuda.extending import intrinsic as _intrinsic
-
-    @_intrinsic
-    def _cp16(typingctx, sm, si, g, gi, ok):
-        """cp.async.cg 16 bytes: chunk ``gi`` of uint32 array ``g`` -> sm[si:si + 4] (zero-filled unless ``ok``)."""
-        def codegen(context, builder, sig, args):
-            sary = context.make_array(sig.args[0])(context, builder, value=args[0])
-            gary = context.make_array(sig.args[2])(context, builder, value=args[2])
-            i64 = _ir.IntType(64)
-            sidx = context.cast(builder, args[1], sig.args[1], _types.uint64)
-            gidx = context.cast(builder, args[3], sig.args[3], _types.uint64)
-            sptr = builder.gep(sary.data, [sidx])
-            gptr = builder.gep(gary.data, [builder.shl(gidx, _ir.Constant(i64, 2))])
-            okv = context.cast(builder, args[4], sig.args[4], _types.boolean)
-            n = builder.select(okv, _ir.Constant(_ir.IntType(32), 16), _ir.Constant(_ir.IntType(32), 0))
-            fnty = _ir.FunctionType(_ir.VoidType(), [sptr.type, gptr.type, _ir.IntType(32)])
-            builder.call(_ir.InlineAsm(fnty, "{ .reg .u64 a; .reg .u32 b; cvta.to.shared.u64 a, $0; "
-                                             "cvt.u32.u64 b, a; cp.async.cg.shared.global [b], [$1], 16, $2; }",
-                                       "l,l,r,~{memory}", side_effect=True), [sptr, gptr, n])
-            return context.get_dummy_value()
-        return _types.void(sm, si, g, gi, ok), codegen
-
-    @_intrinsic
-    def _cp_commit(typingctx):
-        def codegen(context, builder, sig, args):
-            builder.call(_ir.InlineAsm(_ir.FunctionType(_ir.VoidType(), []), "cp.async.commit_group;", "~{memory}",
-                                       side_effect=True), [])
-            return context.get_dummy_value()
-        return _types.void(), codegen
-
-    def _make_wait(n):
-        @_intrinsic
-        def wait(typingctx):
-            def codegen(context, builder, sig, args):
-                builder.call(_ir.InlineAsm(_ir.FunctionType(_ir.VoidType(), []), f"cp.async.wait_group {n};",
-                                           "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
-            return _types.void(), codegen
-        return wait
-
-    @device
-    def _lds4(sm, si):
-        return sm[si], sm[si + 1], sm[si + 2], sm[si + 3]
-
-
-def smem_bytes(mt, kw=KW, stages=None):
-    """Dynamic shared memory of the cp.async kernel: per warp ``stages`` slots of (4 weight rows + mt X rows) x 32
-    lanes x 16 bytes (at least the warps' partial sums at the end)."""
-    stages = STAGES if stages is None else stages
-    return max(kw * stages * (4 + mt) * 512, max(1, kw - 1) * 8 * mt * 32 * 4)
-
-
-STAGES = 4                       # cp.async slots per warp (stages - 1 chunks in flight while one is used)
-
-
-def _make_async(mt, kw=KW, stages=STAGES, max_registers=None):
-    """As _make, with each warp's chunks copied to shared memory by cp.async (a ring of ``stages`` slots, no
-    registers held for loads in flight; each lane copies and later reads only its own fragments, so no barrier
-    is needed inside the loop). Same signature; launch with smem_bytes(mt, kw, stages) of dynamic shared memory
-    and cpw = chunks_per_warp(K, kw, 1)."""
-    scr_size = kw * 32 * 6 if SIM else 1
-    nacc = 8 * mt
-    slot_w = (4 + mt) * 128                  # words per slot (per warp)
-    warp_w = stages * slot_w
-    wait = _make_wait(stages - 1)
-    wait0 = _make_wait(0)
-    opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
-
-    @device
-    def issue(sm, sbase, c, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m_dim):
-        q = c * uint32(4) + t
-        kin = c < cend and q < k8
-        qa = ra * k8 + q
-        qb = rb * k8 + q
-        _cp16(sm, sbase, w1, qa, kin and va)
-        _cp16(sm, sbase + uint32(128), w1, qb, kin and vb)
-        _cp16(sm, sbase + uint32(256), w3, qa, kin and va)
-        _cp16(sm, sbase + uint32(384), w3, qb, kin and vb)
-        for j in range(mt):
-            row = xr + uint32(8 * j)
-            _cp16(sm, sbase + uint32(512 + 128 * j), x, row * k8 + q, kin and row < m_dim)
-
-    @cuda.jit(**opts)
-    def kern(x, w1, w3, b1, b3, out, m_dim, k_dim, n_dim, cpw, has_b1, has_b3):
-        scr = cuda.shared.array(scr_size, uint32)
-        sm = cuda.shared.array(0, uint32)
-        red = cuda.shared.array(0, float32)
-        tid = cuda.threadIdx.x
-        lane = uint32(tid & 31)
-        warp = uint32(tid >> 5)
-        g = lane >> uint32(2)
-        t = lane & uint32(3)
-        n32 = uint32(n_dim)
-        tiles = (n32 + uint32(15)) >> uint32(4)
-        b = uint32(cuda.blockIdx.x)
-        mc = b // tiles
-        n0 = (b - mc * tiles) * uint32(16)
-        m0 = mc * uint32(8 * mt)
-        k8 = uint32(k_dim >> 3)
-        kc = (uint32(k_dim) + uint32(31)) >> uint32(5)
-        cpw32 = uint32(cpw)
-        cbase = warp * cpw32
-        cend = min(cbase + cpw32, kc)
-        ra = n0 + g
-        rb = ra + uint32(8)
-        va = ra < n32
-        vb = rb < n32
-        xr = m0 + g
-        m32 = uint32(m_dim)
-        wbase = warp * uint32(warp_w) + lane * uint32(4)
-
-        acc = cuda.local.array(nacc, float32)
-        for i in range(nacc):
-            acc[i] = F0
-        for s in range(stages):
-            issue(sm, wbase + uint32(s * slot_w), cbase + uint32(s), cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
-            _cp_commit()
-        i = uint32(0)
-        slot = uint32(0)
-        while i < cpw32:                                  # warp- and block-uniform trip count
-            wait()                                        # chunk i has landed (stages - 1 younger ones may fly)
-            sb = wbase + slot * uint32(slot_w)
-            a1 = _lds4(sm, sb)
-            b1r = _lds4(sm, sb + uint32(128))
-            a3 = _lds4(sm, sb + uint32(256))
-            b3r = _lds4(sm, sb + uint32(384))
-            for j in range(mt):
-                xw = _lds4(sm, sb + uint32(512 + 128 * j))
-                for wsel in range(2):
-                    aw = a1 if wsel == 0 else a3
-                    bw = b1r if wsel == 0 else b3r
-                    ai = (wsel * mt + j) * 4
-                    for h in range(2):
-                        r4 = _mma(aw[2 * h], bw[2 * h], aw[2 * h + 1], bw[2 * h + 1], xw[2 * h], xw[2 * h + 1],
-                                  acc[ai], acc[ai + 1], acc[ai + 2], acc[ai + 3], scr, tid)
-                        for e in range(4):
-                            acc[ai + e] = r4[e]
-            issue(sm, sb, cbase + i + uint32(stages), cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
-            _cp_commit()
-            i += uint32(1)
-            slot += uint32(1)
-            if slot == uint32(stages):
-                slot = uint32(0)
-
-        wait0()
-        cuda.syncthreads()                                # the ring's memory becomes the partial sums
-        if kw > 1:
-            if warp > 0:
-                base = (warp - uint32(1)) * uint32(nacc * 32) + lane
-                for e in range(nacc):
-                    red[base + uint32(e * 32)] = acc[e]
-            cuda.syncthreads()
-        if warp == 0:
-            for w in range(1, kw):
-                base = uint32((w - 1) * nacc * 32) + lane
-                for e in range(nacc):
-                    acc[e] += red[base + uint32(e * 32)]
-            for half in range(2):
-                n = ra if half == 0 else rb
-                if n < n32:
-                    bg = h2f(b1[n]) if has_b1 else F0
-                    bu = h2f(b3[n]) if has_b3 else F0
-                    for j in range(mt):
-                        for e in range(2):
-                            m = m0 + uint32(8 * j) + uint32(2) * t + uint32(e)
-                            if m < m32:
-                                ii = j * 4 + 2 * half + e
-                                st16(out, m * n32 + n, silu(acc[ii] + bg) * (acc[mt * 4 + ii] + bu))
-
-    return kern
-
-
 _launchers = {}
 
 
@@ -401,32 +225,28 @@ def sig():
     return [u32, u32, u32, u16, u16, u16] + ["int64"] * 6
 
 
-def launcher(mt, kw=KW, ring=RING, max_registers=None, kind="reg"):
-    """Direct-launch wrapper, compiled once per process and configuration (SimLauncher under the simulator).
-    ``kind`` 'reg': register ring of ``ring`` chunks; 'async': cp.async ring of ``ring`` slots in shared memory."""
+def launcher(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
+    """Direct-launch wrapper, compiled once per process and configuration (SimLauncher under the simulator)."""
     from .cuda_launch import Launcher, SimLauncher
-    key = (mt, kw, ring, max_registers, kind)
+    key = (mt, kw, ring, max_registers, mfast)
     if key not in _launchers:
-        if kind == "async":
-            fn, dyn = _make_async(mt, kw, ring, max_registers), smem_bytes(mt, kw, ring)
-        else:
-            fn, dyn = _make(mt, kw, ring, max_registers), 0
-        _launchers[key] = SimLauncher(fn, sig()) if SIM else Launcher(fn, sig(), dynamic_shared=dyn)
+        fn = _make(mt, kw, ring, max_registers, mfast)
+        _launchers[key] = SimLauncher(fn, sig()) if SIM else Launcher(fn, sig())
     return _launchers[key]
 
 
-def launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt=None, kw=KW, ring=RING, max_registers=None, kind="reg"):
+def launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt=None, kw=KW, ring=RING, max_registers=None,
+           mfast=False):
     """One launch on device pointers (b1p / b3p 0 when absent)."""
     mt = bucket(m) if mt is None else mt
     wwords = n * k // 2
     bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
-    cpw = chunks_per_warp(k, kw, 1 if kind == "async" else ring)
-    launcher(mt, kw, ring, max_registers, kind).launch(
+    launcher(mt, kw, ring, max_registers, mfast).launch(
         grid(m, n, mt), 32 * kw, stream, (xp, (m * k // 2,)), (w1p, (wwords,)), (w3p, (wwords,)), *bias,
-        (yp, (m * n,)), m, k, n, cpw, int(b1p != 0), int(b3p != 0))
+        (yp, (m * n,)), m, k, n, chunks_per_warp(k, kw, ring), int(b1p != 0), int(b3p != 0))
 
 
-def run_arrays(x, w1, w3, b1=None, b3=None, mt=None, kw=KW, ring=RING, max_registers=None, kind="reg"):
+def run_arrays(x, w1, w3, b1=None, b3=None, mt=None, kw=KW, ring=RING, max_registers=None, mfast=False):
     """S for host arrays (tests, benchmarks): fp16 x [..., K], w1 / w3 [N, K], optional fp16 biases [N]."""
     from .bridge import KernelError
     from .fusedffn_cuda import check_arrays
@@ -448,15 +268,12 @@ def run_arrays(x, w1, w3, b1=None, b3=None, mt=None, kw=KW, ring=RING, max_regis
     mt = bucket(m) if mt is None else mt
     if SIM:
         as32 = lambda a: a.view(np.uint32) if hasattr(a, "view") else a  # noqa: E731
-        if kind == "async":
-            fn, shm, cpw = _make_async(mt, kw, ring), smem_bytes(mt, kw, ring), chunks_per_warp(k, kw, 1)
-        else:
-            fn, shm, cpw = _make(mt, kw, ring), 0, chunks_per_warp(k, kw, ring)
-        fn[grid(m, n, mt), 32 * kw, 0, shm](as32(dx), as32(dw1), as32(dw3), db1, db3, dy, m, k, n, cpw,
-                                            int(b1 is not None), int(b3 is not None))
+        _make(mt, kw, ring, None, mfast)[grid(m, n, mt), 32 * kw](
+            as32(dx), as32(dw1), as32(dw3), db1, db3, dy, m, k, n, chunks_per_warp(k, kw, ring),
+            int(b1 is not None), int(b3 is not None))
     else:
         p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
         launch(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0, p(db3) if b3 is not None else 0,
-               p(dy), mt, kw, ring, max_registers, kind)
+               p(dy), mt, kw, ring, max_registers, mfast)
         cuda.synchronize()
     return dy.copy_to_host().view(np.float16).reshape(lead + (n,))
