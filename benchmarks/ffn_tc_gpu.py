@@ -26,11 +26,11 @@ def variants(m, quick):
     out = [c]
     if quick:
         return out
-    for mt in (1, 2, 4):
+    for mt in (1, 2, 4, 8):
         if mt > mt0:
             continue
         for kw in (2, 4):
-            for ring in ((2, 4) if mt <= 2 else (1, 2)):
+            for ring in ((2, 4) if mt <= 2 else (1, 2) if mt == 4 else (1,)):
                 for mfast in ((False, True) if 8 * mt < m else (False,)):
                     if (mt, kw, ring, mfast) not in out:
                         out.append((mt, kw, ring, mfast))

@@ -130,15 +130,18 @@ SWEEP_MS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 def prefill_sweep(sw, fused, ref, runs, ms):
     """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN as routed by default ('auto'), forced onto
-    the decode kernel where it fits ('decode'), and with fp16 GEMM outputs on the cuBLAS path ('fp16 G')."""
+    the decode kernel where it fits ('decode'), on the cuBLAS path where auto takes the tensor-core kernel
+    ('cuBLAS'), and with fp16 GEMM outputs on the cuBLAS path ('fp16 G')."""
     from onnx_lowbit.custom_ops import fusedffn_cuda as fc
-    variants = {"auto": {}, "decode": dict(DECODE_MAX_M=16), "fp16 G": dict(FP16_SCRATCH=True)}
+    variants = {"auto": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
+                "fp16 G": dict(FP16_SCRATCH=True)}
     rows = []
     for graph in (False,) if DEVICE == "cpu" else (False, True):
         print(f"\n#### Prefill sweep, SwiGLU fp16 K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
               "(median wall us per run; ratio = unfused / ours auto)\n")
-        print("| M | unfused | ours auto | decode | fp16 G | ratio | best ours | err auto | err fp16 G | py/run |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+        print("| M | unfused | ours auto | decode | cuBLAS | fp16 G | ratio | best ours | err auto | err fp16 G | "
+              "py/run |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
         for m in ms:
             r = dict(M=m, cuda_graph=graph)
             try:
@@ -148,6 +151,8 @@ def prefill_sweep(sw, fused, ref, runs, ms):
                     if name == "decode" and not (m > fc.DECODE_MAX_M and fc.decode_ok(m, K, True, max_m=16)):
                         continue
                     if name == "fp16 G" and m <= fc.DECODE_MAX_M:
+                        continue
+                    if name == "cuBLAS" and not (fc.DECODE_MAX_M < m and fc.TC_MIN_M <= m <= fc.TC_MAX_M):
                         continue
                     saved = {k: getattr(fc, k) for k in opts}
                     for k, v in opts.items():
@@ -159,14 +164,15 @@ def prefill_sweep(sw, fused, ref, runs, ms):
                             setattr(fc, k, v)
                     r[name], r[f"err {name}"], r[f"py {name}"] = t, ref.rel_err(ys[0], x), py
             except Exception as e:  # noqa: BLE001
-                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:140]} | | | | | | | | |")
+                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:140]} | | | | | | | | | |")
                 rows.append(dict(r, error=str(e)[:300]))
                 continue
             f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
             e = lambda v: "-" if v is None else f"{v:.1e}" + (" FAIL" if v > 1e-3 else "")  # noqa: E731
             ours = {k: r[k] for k in variants if k in r}
             best = min(ours, key=ours.get)
-            print(f"| {m} | {f(r['unfused'])} | {f(r['auto'])} | {f(r.get('decode'))} | {f(r.get('fp16 G'))} | "
+            print(f"| {m} | {f(r['unfused'])} | {f(r['auto'])} | {f(r.get('decode'))} | {f(r.get('cuBLAS'))} | "
+                  f"{f(r.get('fp16 G'))} | "
                   f"{r['unfused'] / r['auto']:.2f} | {best} | {e(r['err auto'])} | {e(r.get('err fp16 G'))} | "
                   f"{r['py auto']:.2f} |")
             rows.append(r)

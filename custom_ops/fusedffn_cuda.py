@@ -61,6 +61,9 @@ DECODE_MAX_M = 2                # rows of X routed to the decode kernel (H100, 4
                                 # cuBLAS path, the bucket-4 kernel did not: 99 us vs 80 us); any bucket when forced;
                                 # read at kernel creation (benchmarks/session_gpu.py varies it)
 MT_BUCKETS = (1, 2, 4, 8, 16)
+TC_MIN_M, TC_MAX_M = 3, 32      # fp16 X and W: M in this range on the tensor-core kernel (fusedffn_tc_cuda; read at
+                                # kernel creation; past 32 rows it re-reads the weights per 16-row chunk and cuBLAS
+                                # is faster)
 XS_MAX = 100 * 1024             # bytes of fp32 x a decode block may stage (MT * K * 4): >= 2 blocks per SM
 COLS = {1: 2, 2: 2, 4: 1, 8: 1, 16: 1}   # weight rows per group, by bucket (accumulators: 4 * COLS * MT)
 UJ = {1: 2, 2: 2, 4: 2, 8: 1, 16: 1}     # chunks per thread per step, by bucket (loads in flight: 2 * COLS * UJ)
@@ -658,7 +661,7 @@ class FusedFFNCudaKernel(Kernel):
         self.tiled = launcher("tiled", self.x16, self.w16)
         from . import fusedffn_tc_cuda as tcm
         from .matmulawq_cuda import tc_device
-        self.tc_max_m = tcm.MAX_M if self.x16 and self.w16 and tc_device() else 0
+        self.tc_max_m = TC_MAX_M if self.x16 and self.w16 and tc_device() else 0
         self.tc = [tcm.launcher(mt, kw, ring, None, mf) for _, (mt, kw, ring, mf) in tcm.CONFIGS] if \
             self.tc_max_m else []                 # compiled now, launched through tcm.launch
         self._occ = {}
@@ -689,7 +692,7 @@ class FusedFFNCudaKernel(Kernel):
 
     def run(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, path=None, variant=None, scratch=None):
         """Launches on device pointers (b1p/b3p 0 when absent). ``path``: force 'decode', 'gemm' or 'tiled';
-        ``path`` 'tc': the tensor-core kernel (fp16 X and W, fusedffn_tc_cuda; auto for M in [MIN_M, tc_max_m]);
+        ``path`` 'tc': the tensor-core kernel (fp16 X and W, fusedffn_tc_cuda; auto for M in [TC_MIN_M, TC_MAX_M]);
         ``variant``: decode kernel options (block, cols, uj, db, load), compiled on first use (tests, benchmark);
         ``scratch``: nbytes -> device pointer of the cuBLAS path's scratch for this call (onnxruntime's:
         ``Context.scratch``), False when there is none (then no cuBLAS path), None for the kernel object's own
@@ -702,7 +705,7 @@ class FusedFFNCudaKernel(Kernel):
         if path is None:
             if decode_ok(m, k, self.w16, aligned, self.decode_max_m):
                 path = "decode"
-            elif tc_ok and tcm.MIN_M <= m <= self.tc_max_m:
+            elif tc_ok and TC_MIN_M <= m <= self.tc_max_m:
                 path = "tc"
             else:
                 path = "gemm" if self.blas and k > 0 and scratch is not False else "tiled"
@@ -817,7 +820,7 @@ def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile
         from . import fusedffn_tc_cuda as tcm
         if path is None:
             path = "decode" if decode_ok(m, k, w16) else (
-                "tc" if tcm.ok(x16, w16, m, k) and tcm.MIN_M <= m <= tcm.MAX_M else "tiled")
+                "tc" if tcm.ok(x16, w16, m, k) and TC_MIN_M <= m <= TC_MAX_M else "tiled")
         if path == "tc":
             mt, kw, ring, mfast = tcm.config(m)
             return tcm.run_arrays(x, w1, w3, b1, b3, mt, kw, ring, None, mfast)

@@ -18,7 +18,7 @@ sums in shared memory in warp order (deterministic); warp 0 applies biases and S
 register ring of ``ring`` chunks in flight (weights and X), each slot reloaded right after its mmas.
 
 Needs fp16 X and W, K % 8 == 0 and 16-byte aligned X, W1, W3 (rows of 16-byte chunks); any M, N. Sessions route
-M in [MIN_M, MAX_M] here (FusedFFNCudaKernel.run). Measured: docs/ffn.md, BENCHMARKS.md.
+M in [fusedffn_cuda.TC_MIN_M, TC_MAX_M] here (FusedFFNCudaKernel.run). Measured: docs/ffn.md, BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -32,8 +32,6 @@ from .matmulawq_cuda import _mma
 MT_BUCKETS = (1, 2, 4, 8)        # 8-row tiles of X per block (rows per block: 8, 16, 32, 64)
 KW = 4                           # warps per block (K ranges of one feature tile)
 RING = 2                         # 32-column chunks in flight per warp
-MIN_M = 3                        # sessions route M in [MIN_M, MAX_M] here (M <= 2: the decode kernel; past
-MAX_M = 32                       # MAX_M: cuBLAS)
 # What sessions launch, by M (H100, x[M, 4096], W1/W3 [11008, 4096], benchmarks/ffn_tc_gpu.py, 2026-11-26, us
 # against torch's unfused block on [K, N] weights in the same run): (mt, kw, ring, mfast) for M <= rows.
 # M = 3: 68.4 / 76.3, M = 8: 68.6 / 76.1, M = 16: 72.0 / 79.0, M = 24: 77.3 / 77.3, M = 32: 77.7 / 77.1; M = 48,
@@ -139,6 +137,12 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
                     for i in range(4):
                         acc[ai + i] = r4[i]
 
+    @device
+    def slot(wb, xb, u, acc, scr, tid, c0, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m_dim):
+        """Slot u: its chunk's mmas, then the slot reloaded with the chunk ``ring`` ahead."""
+        compute(wb, xb, u, acc, scr, tid)
+        load(wb, xb, u, c0 + uint32(ring + u), cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m_dim)
+
     @cuda.jit(**opts)
     def kern(x, w1, w3, b1, b3, out, m_dim, k_dim, n_dim, cpw, has_b1, has_b3):
         scr = cuda.shared.array(scr_size, uint32)
@@ -181,9 +185,14 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
             load(wb, xb, u, cbase + uint32(u), cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
         s = uint32(0)
         while s < cpw32:                                  # warp- and block-uniform trip count
-            for u in range(ring):
-                compute(wb, xb, u, acc, scr, tid)
-                load(wb, xb, u, cbase + s + uint32(ring + u), cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
+            # the slots spelled out (constant slot indices: the ring stays in registers at any mt)
+            slot(wb, xb, 0, acc, scr, tid, cbase + s, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
+            if ring > 1:
+                slot(wb, xb, 1, acc, scr, tid, cbase + s, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
+            if ring > 2:
+                slot(wb, xb, 2, acc, scr, tid, cbase + s, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
+            if ring > 3:
+                slot(wb, xb, 3, acc, scr, tid, cbase + s, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
             s += uint32(ring)
 
         # warps 1.. hand their sums to warp 0, which adds them in warp order

@@ -51,11 +51,11 @@ def test_tc_vs_reference(lead, K, N, hb1, hb3, cfg):  # noqa: N803
 
 @pytest.mark.parametrize("m", [3, 11, 17])
 def test_tc_through_the_op_dispatch(m):
-    """fusedffn_cuda.run_arrays takes the tensor-core kernel at M in [MIN_M, MAX_M] with fp16 X and W (forced and
+    """fusedffn_cuda.run_arrays takes the tensor-core kernel at M in [TC_MIN_M, TC_MAX_M] with fp16 X and W (forced and
     auto) and gives the same result."""
     from onnx_lowbit.custom_ops import fusedffn_cuda
     tc = _tc()
-    assert tc.MIN_M <= m <= tc.MAX_M
+    assert fusedffn_cuda.TC_MIN_M <= m <= fusedffn_cuda.TC_MAX_M
     x, w1, w3, b1, b3 = data((m,), 104, 24, F16, F16, True, True, seed=m)
     y = fusedffn_cuda.run_arrays(x, w1, w3, b1, b3, path="tc")
     check(y, x, w1, w3, b1, b3)
@@ -85,13 +85,13 @@ def test_tc_nonfinite():
 
 def test_tc_config_and_limits():
     tc = _tc()
-    from onnx_lowbit.custom_ops import KernelError
+    from onnx_lowbit.custom_ops import KernelError, fusedffn_cuda
     rows = [r for r, _ in tc.CONFIGS]
-    assert rows == sorted(rows) and rows[-1] == tc.MAX_M and tc.MIN_M == 3
+    assert rows == sorted(rows) and rows[-1] == fusedffn_cuda.TC_MAX_M and fusedffn_cuda.TC_MIN_M == 3
     for m in range(1, 80):
         mt, kw, ring, mfast = tc.config(m)
-        assert mt in tc.MT_BUCKETS and kw * 32 <= 1024 and ring >= 1
-        assert mfast or m <= 8 * mt or m > tc.MAX_M            # past one row chunk: the L2-friendly order
+        assert mt in tc.MT_BUCKETS and kw * 32 <= 1024 and 1 <= ring <= 4
+        assert mfast or m <= 8 * mt or m > rows[-1]            # past one row chunk: the L2-friendly order
     assert tc.ok(True, True, 5, 8) and not tc.ok(True, True, 5, 12) and not tc.ok(False, True, 5, 8) \
         and not tc.ok(True, False, 5, 8) and not tc.ok(True, True, 5, 8, aligned=False)
     assert tc.chunks_per_warp(4096, 4, 2) == 32 and tc.chunks_per_warp(136, 4, 4) == 4 and \
