@@ -4,9 +4,7 @@ GEMMs of the op's cuBLAS path, fp16 outputs) and against torch's unfused block i
 mul: the kernels onnxruntime's unfused graph runs), all in the same run. medians of CUDA events around 20 back-to-back calls (time_cuda);
 every output checked against a float64 reference first.
 
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn_tc_gpu.py [M,M,...] [--quick] [--block]
-
-(--quick: only the configurations sessions launch; --block: every block-tiled variant, the per-warp kernel as routed.)
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn_tc_gpu.py [M,M,...] [--quick]
 """
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ import torch
 from timing import copy_gbps, time_cuda
 
 from onnx_lowbit.custom_ops import fusedffn_tc_cuda as tc
-from onnx_lowbit.custom_ops import fusedffn_tcb_cuda as tcb
 
 K, N = 4096, 11008
 MS = [3, 4, 8, 16, 32, 64, 128]
@@ -37,19 +34,6 @@ def variants(m, quick):
                 for mfast in ((False, True) if 8 * mt < m else (False,)):
                     if (mt, kw, ring, mfast) not in out:
                         out.append((mt, kw, ring, mfast))
-    return out
-
-
-def block_variants(m, quick):
-    """(mt, fw, stages, mfast) of the block-tiled kernel (fusedffn_tcb_cuda) to time at this M."""
-    out = []
-    for mt in (2, 4, 8):
-        if 8 * mt > max(16, 2 * m) or (quick and mt != min(8, tc.bucket(m))):
-            continue
-        for fw in (2, 4, 8):
-            for st in (3, 4, 6):
-                if tcb.smem_bytes(mt, fw, st) <= 160 * 1024 and (not quick or (fw, st) == (4, 4)):
-                    out.append((mt, fw, st, True))
     return out
 
 
@@ -89,7 +73,7 @@ def main():
         res["unfused"] = time_cuda(unfused)
         res["tn"] = time_cuda(torch_tn)
         tcs = []
-        for mt, kw, ring, mfast in variants(m, quick or "--block" in sys.argv):
+        for mt, kw, ring, mfast in variants(m, quick):
             def f(mt=mt, kw=kw, ring=ring, mfast=mfast):
                 tc.launch(st(), m, K, N, x.data_ptr(), w1.data_ptr(), w3.data_ptr(), 0, 0, y.data_ptr(), mt, kw,
                           ring, None, mfast)
@@ -101,23 +85,11 @@ def main():
                 print(f"M={m} tc {(mt, kw, ring, mfast)}: max rel error {e:.2e} (FAIL)")
                 continue
             tcs.append((time_cuda(f), (mt, kw, ring, mfast), e))
-        for mt, fw, stg, mfast in block_variants(m, quick):
-            def f(mt=mt, fw=fw, stg=stg, mfast=mfast):
-                tcb.launch(st(), m, K, N, x.data_ptr(), w1.data_ptr(), w3.data_ptr(), 0, 0, y.data_ptr(), mt, fw,
-                           stg, None, mfast)
-            y.zero_()
-            f()
-            torch.cuda.synchronize()
-            e = float((y.double() - ref).abs().max()) / scale
-            if not e < 1e-3:
-                print(f"M={m} tcb {(mt, fw, stg, mfast)}: max rel error {e:.2e} (FAIL)")
-                continue
-            tcs.append((time_cuda(f), ("block", mt, fw, stg), e))
         tcs.sort()
         best = tcs[0]
         print(f"| {m} | {res['unfused']:.1f} | {res['tn']:.1f} | {best[0]:.1f} | {best[1]} | "
               f"{wbytes / best[0] / 1e3 / gbs * 100:.1f} | {res['unfused'] / best[0]:.2f}x | "
-              f"{res['tn'] / best[0]:.2f}x | " + ", ".join(f"{c}: {t:.1f}" for t, c, _ in tcs[:10]) + " |")
+              f"{res['tn'] / best[0]:.2f}x | " + ", ".join(f"{c}: {t:.1f}" for t, c, _ in tcs[:8]) + " |")
         print(f"  errors (max abs / max |ref|): unfused {errs['unfused']:.1e}, torch TN {errs['tn']:.1e}, "
               f"tc {max(e for _, _, e in tcs):.1e}")
         sys.stdout.flush()
