@@ -29,9 +29,21 @@ def main():
     one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
     print("GPU:", torch.cuda.get_device_name(0))
 
+    ll, vp, ci = ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int
+    lib.cublasGemmStridedBatchedEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, ll, vp, ci, ci, ll, vp, vp,
+                                               ci, ci, ll, ci, ci, ci]
+
     def pair(x, cs, ctype, layout):
         h = cublas.handle_for(torch.cuda.current_stream().cuda_stream)
         m = x.shape[0]
+        if layout in ("TNB", "TNB-"):   # one call, batch 2: A = W1 then W3 (stride W3 - W1, maybe negative), B shared
+            a0, a1 = (w_nk[0], w_nk[1]) if layout == "TNB" else (w_nk[1], w_nk[0])
+            stride = (a1.data_ptr() - a0.data_ptr()) // 2
+            cublas.check(lib.cublasGemmStridedBatchedEx(
+                h.h, cublas.OP_T, cublas.OP_N, N, m, K, ctypes.byref(one), vp(a0.data_ptr()), cublas.R_16F, K, stride,
+                vp(x.data_ptr()), cublas.R_16F, K, 0, ctypes.byref(zero), vp(cs[0].data_ptr()), ctype, 2 * N, N, 2,
+                cublas.COMPUTE_32F, cublas.GEMM_DEFAULT), "cublasGemmStridedBatchedEx")
+            return
         if layout == "TN2":         # one GEMM: [M, 2N] = X . [W1; W3]^T
             cublas.check(lib.cublasGemmEx(h.h, cublas.OP_T, cublas.OP_N, 2 * N, m, K, ctypes.byref(one),
                                           ctypes.c_void_p(w13.data_ptr()), cublas.R_16F, K,
@@ -63,7 +75,11 @@ def main():
              ("NN fp32 out", "NN", cublas.R_32F, torch.float32),
              ("W [N, K], X as A, fp32 out transposed", "swap", cublas.R_32F, torch.float32),
              ("TN one GEMM of [W1; W3] (2N), fp32 out", "TN2", cublas.R_32F, torch.float32),
-             ("TN one GEMM of [W1; W3] (2N), fp16 out", "TN2", cublas.R_16F, torch.float16)]
+             ("TN one GEMM of [W1; W3] (2N), fp16 out", "TN2", cublas.R_16F, torch.float16),
+             ("TN strided-batched W1, W3 (one call), fp32 out", "TNB", cublas.R_32F, torch.float32),
+             ("same, batch order W3, W1 (negative stride if W3 lies after W1)", "TNB-", cublas.R_32F, torch.float32)]
+    if os.environ.get("CASES"):
+        cases = [cases[int(i)] for i in os.environ["CASES"].split(",")]
     print("| M | " + " | ".join(c[0] for c in cases) + " |")
     print("| ---: |" + " ---: |" * len(cases))
     names = {}
@@ -71,12 +87,13 @@ def main():
         x = torch.randn(m, K, device="cuda", dtype=torch.float16)
         row = []
         for label, layout, ctype, tdt in cases:
-            cs = ([torch.empty(m, 2 * N, device="cuda", dtype=tdt)] if layout == "TN2" else
+            cs = ([torch.empty(m, 2 * N, device="cuda", dtype=tdt)] if layout in ("TN2", "TNB", "TNB-") else
                   [torch.empty(m, N, device="cuda", dtype=tdt) for _ in range(2)])
             t = time_cuda(lambda: pair(x, cs, ctype, layout), batch=10)
             ref = (x.float() @ w_nk[0].float().t())
             got = (cs[0].float().reshape(N, m).t() if layout == "swap" else
-                   cs[0].float()[:, :N] if layout == "TN2" else cs[0].float())
+                   cs[0].float()[:, :N] if layout in ("TN2", "TNB") else
+                   cs[0].float()[:, N:] if layout == "TNB-" else cs[0].float())
             err = float((got - ref).abs().max() / ref.abs().max())
             row.append(f"{t:.1f}" + ("" if err < 2e-3 else f" (ERR {err:.1e})"))
             if m in (8, 128) and not os.environ.get("NO_PROFILE"):
