@@ -83,6 +83,8 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
     m_dim, k_dim, n_dim, cpw, has_b1, has_b3); ``cpw`` = chunks_per_warp(K, kw, ring). ``mfast``: consecutive blocks take the
     X row chunks of one feature tile (past 8 mt rows, its weights are read again while still in L2), else the
     feature tiles of one row chunk."""
+    if not 1 <= ring <= 4:
+        raise ValueError(f"ring must be 1..4 chunks (the loop spells out 4 slots), got {ring}")
     scr_size = kw * 32 * 6 if SIM else 1
     nacc = 8 * mt                     # [weight][tile][c0..c3]
     red_size = max(1, (kw - 1) * nacc * 32)

@@ -97,6 +97,8 @@ def test_tc_config_and_limits():
     assert tc.chunks_per_warp(4096, 4, 2) == 32 and tc.chunks_per_warp(136, 4, 4) == 4 and \
         tc.chunks_per_warp(8, 4, 2) == 2
     assert tc.grid(37, 33, 2) == 3 * 3
+    with pytest.raises(ValueError, match="ring must be 1..4"):
+        tc._make(1, 4, 5)
     x, w1, w3, _, _ = data((4,), 12, 8, F16, F16)
     with pytest.raises(KernelError, match="K % 8"):
         tc.run_arrays(x, w1, w3)
