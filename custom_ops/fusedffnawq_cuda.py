@@ -443,6 +443,7 @@ class FusedFFNAWQCudaKernel(Kernel):
         # M = 1 with fp16 X: the two-weight tensor-core GEMV (matmulawq1_cuda) where it can take the shape
         from .matmulawq1_cuda import session_setup
         self.m1, acc_size, cnt_size = session_setup(self.a16, sh, self.sms, 2, acc_size, cnt_size)
+        self.m8, acc_size, cnt_size = session_setup(self.a16, sh, self.sms, 2, acc_size, cnt_size, mr=8)
         self.scratch = ScratchPool(acc_size, cnt_size)
 
     def compute(self, ctx, inputs):
@@ -462,10 +463,10 @@ class FusedFFNAWQCudaKernel(Kernel):
                 (w1[2].ptr | w3[2].ptr) & 1:
             raise KernelError("inputs and the output must be aligned device buffers")
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
-        if m == 1 and self.m1 is not None:
-            from .matmulawq1_cuda import session_launch
-            if session_launch(self.m1, ctx, self.scratch, x, w1, w3, b1, b3, s, sh.N):
-                return
+        from .matmulawq1_cuda import SESSION_MAX_M, session_launch
+        sp = self.m1 if m == 1 else self.m8 if m <= SESSION_MAX_M else None
+        if sp is not None and session_launch(sp, ctx, self.scratch, x, w1, w3, b1, b3, s, sh.N, m):
+            return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not (x.ptr | w1[2].ptr | w3[2].ptr) & 7:
             grid, gpt, splits = self.tc_plans[m]
             part = self.scratch.partials(ctx, partial_floats(splits, 2, m, sh.N))

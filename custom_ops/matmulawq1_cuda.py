@@ -1,4 +1,4 @@
-"""MatMulAWQ and FusedFFNAWQ at M = 1 on the tensor cores: y[N] = x[K] W1 (+ b1), or SiLU(x W1 + b1) * (x W3 + b3),
+"""MatMulAWQ and FusedFFNAWQ at M = 1 .. 8 on the tensor cores: y = x W1 (+ b1), or SiLU(x W1 + b1) * (x W3 + b3),
 W in AutoAWQ's K-major layout (qweight int32 [Kp, N/8], nibble j of word c = column 8c + ORDER[j]; qzeros, fp16
 scales per group of G rows).
 
@@ -23,8 +23,11 @@ matmulawq_cuda) and changes what each warp streams:
 - with two weights (``nw`` = 2, FusedFFNAWQ) two rings and two sets of accumulators share x and S = sum x, and the
   last block applies the biases and SiLU * mul.
 
+Up to 8 rows (``mr`` = 8): B column g holds row g of X instead of x in every column, and each lane scales all
+columns of its words for its two rows (sessions: M = 2 .. SESSION_MAX_M).
+
 Needs fp16 x, K % 4 == 0 (x is read 8 bytes at a time), N % (8 wpl) == 0 and G % (16 * unroll) == 0; other
-products take the fp32 decode kernels. Measured: docs/ffn4.md, BENCHMARKS.md (session 23).
+products take the fp32 decode kernels. Measured: docs/ffn4.md, BENCHMARKS.md (sessions 23, 24).
 """
 from __future__ import annotations
 
@@ -60,21 +63,25 @@ CONFIGS = {2: (WARPS, 4, None), 1: (WARPS, 4, None)}
 WPL1_BLOCKS_PER_SM = 6      # the wpl 1 configuration's occupancy (H100) (for the choice, before compiling anything)
 
 
+MAX_M = 8                   # rows of X one launch takes (the 8 B columns)
+SESSION_MAX_M = 8           # MatMulAWQ / FusedFFNAWQ sessions take this kernel for M = 1 .. SESSION_MAX_M (fp16 X)
+
+
 def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
     """Whether this kernel can take the product."""
-    return a16 and m == 1 and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
+    return a16 and 1 <= m <= MAX_M and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
 
 
-def config(a16, k, n, g_size, sms, nw=1):
+def config(a16, k, n, g_size, sms, nw=1, mr=1):
     """(warps, unroll, register cap, wpl) that a session launches for this product (``nw`` weights), or None where
     the kernel cannot take it (fp32 A, K % 4, group sizes not a multiple of 16 rows): two weights always
     with wpl 1 (their accumulators and rings together are what wpl 2 holds for one); one weight: wpl 1 where its
     grid with one group per warp fits one wave of the SMs, else wpl 2; unroll 4, or the largest of 2, 1 that
-    divides G / 16."""
+    divides G / 16. Up to 8 rows (``mr`` = 8): wpl 1 (the lane's column sums are 8 times M = 1's)."""
     unroll = next((u for u in (4, 2, 1) if g_size % (16 * u) == 0), None)
     if unroll is None or not ok(a16, 1, k, n, g_size, unroll, 1):
         return None
-    if nw == 2:
+    if nw == 2 or mr == 8:
         return WARPS, unroll, None, 1
     fits = plan(k, n, g_size, sms, WPL1_BLOCKS_PER_SM, WARPS, 1, 1)[0] <= sms * WPL1_BLOCKS_PER_SM
     wpl = 1 if fits or not ok(a16, 1, k, n, g_size, unroll, 2) else 2
@@ -82,12 +89,12 @@ def config(a16, k, n, g_size, sms, nw=1):
     return warps, unroll, cap, wpl
 
 
-def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1):
+def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1):
     """The kernel for ``nw`` weights: 1 = MatMulAWQ (out = x W1 + b1), 2 = FusedFFNAWQ (out = SiLU(x W1 + b1) *
     (x W3 + b3)). Signature: (x uint64 [K/4] (fp16 bits), qw1 [Kp * N/8/wpl], qz1 [groups * N/8/wpl] (uint64 for
     wpl = 2, uint32 for 1), sc1 uint64 [groups * N/4] (fp16 bits), qw3, qz3, sc3, b1, b3 uint16 [N], out uint16 [N],
-    part float32 [splits * nw * N], cnt uint32 [tiles], k_dim, n_dim, g_size, groups, tiles, gpw, splits, has_b1,
-    has_b3); nw = 1 ignores the second weight and b3 (pass the first one's buffers).
+    part float32 [splits * nw * M * N], cnt uint32 [tiles], k_dim, n_dim, g_size, groups, tiles, gpw, splits, has_b1,
+    has_b3, m_dim); nw = 1 ignores the second weight and b3 (pass the first one's buffers).
     Block b: column tile (8 wpl words) b % tiles, K split b // tiles; warp w of split s takes groups
     (s * warps + w) * gpw .. + gpw - 1 (past the last group: re-reads of the last batch with x = 0, whose sums are
     dropped, so that every warp runs the same steps, as the simulator's mma needs); the lane loads word(s)
@@ -96,13 +103,18 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
 
     B holds x in all 8 columns (M = 1), so every lane's first D column is the real row: lane (g, t) scales the
     nibbles of byte t of its words at each group end (a quarter of the epilogue each, instead of all of it in the
-    lanes t = 0)."""
+    lanes t = 0).
+
+    ``mr`` = 8: up to 8 rows of X (M = m_dim), B column g = row g (zeros past M). Lane (g, t) then holds rows 2 t and
+    2 t + 1 of every column of its words, and scales all 8 columns of each word at group ends (its S values are the
+    two rows' sums)."""
+    assert mr in (1, 8)
     scr_size = warps * 32 * 6 if SIM else 1
     nbuf = unroll * 4
     ncol_c = 64 * wpl                        # columns per tile (8 lanes g x wpl words x 8)
-    red_size = warps * ncol_c * nw
+    red_size = warps * ncol_c * nw * mr
     nacc = 16 * wpl
-    no = 2 * wpl                             # the lane's column sums: [word h][half]
+    no = 2 * wpl * (8 if mr == 8 else 1)     # the lane's column sums: [word h][half] (mr 8: [h][byte][half][row])
     nsv = 2 * wpl                            # (array sizes: closure constants, not expressions)
     wdt = uint64 if wpl == 2 else uint32
     opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
@@ -132,7 +144,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                     acc[ai + i] = r4[i]
 
     @device
-    def batch(buf, buf3, xbuf, more, nbase, qw1, qw3, nq32, x, nkx, k32, sacc, acc, acc3, scr, tid):
+    def batch(buf, buf3, xbuf, more, nbase, qw1, qw3, nq32, x, nkx, k32, sacc, acc, acc3, scr, tid, xoff, xok):
         """``unroll`` 16-row steps on the words in ``buf`` (and ``buf3``) and x fragments in ``xbuf`` (a ring: with
         ``more``, each step's slots are reloaded with the next batch's step, from word index ``nbase`` and row
         ``nkx``, as soon as the step has used them, so that ``unroll`` steps stay in flight)."""
@@ -155,7 +167,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                         buf3[u * 4 + r] = qw3[o]
             if more:
                 kk = add32(nkx, uint32(16 * u))
-                xbuf[u] = x[kk >> uint32(2)] if kk < k32 else U0
+                xbuf[u] = x[(xoff + kk) >> uint32(2)] if kk < k32 and xok else U0
 
     @device
     def group_end(acc, sacc, o, zq, sv, t, use):
@@ -187,6 +199,29 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             acc[i] = F0
 
     @device
+    def group_end8(acc, sacc, o, zq, sv, use):
+        """mr = 8: o[((h 4 + by) 2 + half) 2 + e] += s (2^24 D - z S_e) (2^20 for half 1) for every nibble of the
+        lane's words (column col = 4 (by & 1) + 2 half + (by >> 1) of word h) and its rows 2 t + e; then the
+        accumulators (not S) are cleared."""
+        for h in range(wpl):
+            z = word(zq, h)
+            for by in range(4):
+                for half in range(2):
+                    col = 4 * (by & 1) + 2 * half + (by >> 1)
+                    sw = sv[2 * h + (col >> 2)]
+                    s = h2f(uint32(sw >> uint64(16 * (col & 3))) & uint32(0xFFFF))
+                    zf = as_f32(((z >> uint32(4 * (2 * by + half))) & uint32(15)) | MAGIC) - F2P23
+                    for e in range(2):
+                        d = acc[(h * 4 + by) * 4 + 2 * half + e]
+                        if use:
+                            if half:
+                                o[((h * 4 + by) * 2 + half) * 2 + e] += s * (F2P20 * d - zf * sacc[e])
+                            else:
+                                o[((h * 4 + by) * 2 + half) * 2 + e] += s * (F2P24 * d - zf * sacc[e])
+        for i in range(nacc):
+            acc[i] = F0
+
+    @device
     def load_sz(qz, sc, sv, gq, nq, n32, wi):
         """Group gq's zero word(s) and the 8 wpl scales of the lane's words (2 wpl x 8 bytes)."""
         so = (gq * n32 + wi * uint32(8 * wpl)) >> uint32(2)
@@ -195,19 +230,19 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         return qz[gq * nq + wi]
 
     @device
-    def finish(out, b1, b3, has_b1, has_b3, col, gv, uv):
+    def finish(out, b1, b3, has_b1, has_b3, col, oi, gv, uv):
         if has_b1:
             gv += h2f(b1[col])
         if nw == 1:
-            out[col] = f2h(gv)
+            out[oi] = f2h(gv)
         else:
             if has_b3:
                 uv += h2f(b3[col])
-            out[col] = f2h(_silu(gv) * uv)
+            out[oi] = f2h(_silu(gv) * uv)
 
     @cuda.jit(**opts)
     def gemv1(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, out, part, cnt, k_dim, n_dim, g_size, groups_, tiles_, gpw,
-              splits, has_b1, has_b3):
+              splits, has_b1, has_b3, m_dim):
         scr = cuda.shared.array(scr_size, uint32)
         red = cuda.shared.array(red_size, float32)
         flag = cuda.shared.array(1, uint32)
@@ -218,6 +253,9 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         t = lane & uint32(3)
         k32 = uint32(k_dim)
         n32 = uint32(n_dim)
+        m32 = uint32(m_dim) if mr == 8 else uint32(1)
+        xoff = g * k32 if mr == 8 else uint32(0)      # the lane's row of X (B column g)
+        xok = g < m32 if mr == 8 else True
         g32 = uint32(g_size)
         groups = uint32(groups_)
         tiles = uint32(tiles_)
@@ -263,7 +301,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                 if nw == 2:
                     buf3[u * 4 + r] = qw3[i0]
             kk = add32(kx, uint32(16 * u))
-            xbuf[u] = x[kk >> uint32(2)] if kk < k32 else U0
+            xbuf[u] = x[(xoff + kk) >> uint32(2)] if kk < k32 and xok else U0
         gl = uint32(0)
         gq = min(gw0, groups - uint32(1))
         zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
@@ -273,15 +311,21 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         while b < nb:
             base = min(add32(base, rstep), last)
             kx = add32(kx, bstep)
-            batch(buf, buf3, xbuf, b + uint32(1) < nb, base, qw1, qw3, nq, x, kx, k32, sacc, acc, acc3, scr, tid)
+            batch(buf, buf3, xbuf, b + uint32(1) < nb, base, qw1, qw3, nq, x, kx, k32, sacc, acc, acc3, scr, tid,
+                  xoff, xok)
             b += uint32(1)
             cg += uint32(1)
             if cg == bpg:                             # group end
                 cg = uint32(0)
                 use = gw0 + gl < groups
-                group_end(acc, sacc, o, zq, sv, t, use)
-                if nw == 2:
-                    group_end(acc3, sacc, o3, zq3, sv3, t, use)
+                if mr == 8:
+                    group_end8(acc, sacc, o, zq, sv, use)
+                    if nw == 2:
+                        group_end8(acc3, sacc, o3, zq3, sv3, use)
+                else:
+                    group_end(acc, sacc, o, zq, sv, t, use)
+                    if nw == 2:
+                        group_end(acc3, sacc, o3, zq3, sv3, t, use)
                 for i in range(4):
                     sacc[i] = F0
                 gl += uint32(1)
@@ -291,33 +335,50 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                     if nw == 2:
                         zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi)
         ncol = uint32(ncol_c)
-        for h in range(wpl):
-            for half in range(2):
-                j = t * uint32(2) + uint32(half)
-                col = ((j & uint32(3)) << uint32(1)) | (j >> uint32(2))
-                ri = (warp * uint32(nw) * ncol) + (g * uint32(wpl) + uint32(h)) * uint32(8) + col
-                red[ri] = o[2 * h + half]
-                if nw == 2:
-                    red[ri + ncol] = o3[2 * h + half]
-        # the block's warps in warp order, then the output (one split) or this split's partials
+        if mr == 8:
+            # red[((warp nw + w) 8 + row) ncol + column]: row 2 t + e, column (g wpl + h) 8 + col
+            for h in range(wpl):
+                for by in range(4):
+                    for half in range(2):
+                        col = 4 * (by & 1) + 2 * half + (by >> 1)
+                        for e in range(2):
+                            ri = ((warp * uint32(nw) * uint32(8) + uint32(2) * t + uint32(e)) * ncol +
+                                  (g * uint32(wpl) + uint32(h)) * uint32(8) + uint32(col))
+                            oi_ = ((h * 4 + by) * 2 + half) * 2 + e
+                            red[ri] = o[oi_]
+                            if nw == 2:
+                                red[ri + uint32(8) * ncol] = o3[oi_]
+        else:
+            for h in range(wpl):
+                for half in range(2):
+                    j = t * uint32(2) + uint32(half)
+                    col = ((j & uint32(3)) << uint32(1)) | (j >> uint32(2))
+                    ri = (warp * uint32(nw) * ncol) + (g * uint32(wpl) + uint32(h)) * uint32(8) + col
+                    red[ri] = o[2 * h + half]
+                    if nw == 2:
+                        red[ri + ncol] = o3[2 * h + half]
+        # the block's warps in warp order, then the output (one split) or this split's partials [split, nw, M, N]
         cuda.syncthreads()
+        ntot = ncol * uint32(mr)
         i = tid
-        while i < ncol:
-            col = tile * ncol + i
-            if col < n32:
+        while i < ntot:
+            row = i // ncol
+            ci = i - row * ncol
+            col = tile * ncol + ci
+            if col < n32 and row < m32:
                 gv = F0
                 uv = F0
                 for w_ in range(warps):
-                    gv += red[uint32(w_ * nw) * ncol + i]
+                    gv += red[(uint32(w_ * nw * mr) + row) * ncol + ci]
                     if nw == 2:
-                        uv += red[uint32(w_ * nw + 1) * ncol + i]
+                        uv += red[(uint32(w_ * nw * mr + mr) + row) * ncol + ci]
                 if splits == 1:
-                    finish(out, b1, b3, has_b1, has_b3, col, gv, uv)
+                    finish(out, b1, b3, has_b1, has_b3, col, row * n32 + col, gv, uv)
                 else:
-                    pi = (uint64(split) * uint64(nw)) * uint64(n32) + uint64(col)
+                    pi = ((uint64(split) * uint64(nw)) * uint64(m32) + uint64(row)) * uint64(n32) + uint64(col)
                     part[pi] = gv
                     if nw == 2:
-                        part[pi + uint64(n32)] = uv
+                        part[pi + uint64(m32) * uint64(n32)] = uv
             i += uint32(warps * 32)
         if splits == 1:
             return
@@ -330,15 +391,19 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         if flag[0] != uint32(0):
             cuda.threadfence()
             i = tid
-            while i < ncol:
-                col = tile * ncol + i
-                if col < n32:
-                    stride = uint64(nw) * uint64(n32)            # split sp, weight w: (sp * nw + w) * N + col
-                    gv = sum_splits(part, uint64(col), stride, splits)     # split order: deterministic
+            while i < ntot:
+                row = i // ncol
+                ci = i - row * ncol
+                col = tile * ncol + ci
+                if col < n32 and row < m32:
+                    mn = uint64(m32) * uint64(n32)
+                    stride = uint64(nw) * mn             # split sp, weight w, row r: ((sp nw + w) M + r) N + col
+                    b0 = uint64(row) * uint64(n32) + uint64(col)
+                    gv = sum_splits(part, b0, stride, splits)     # split order: deterministic
                     uv = F0
                     if nw == 2:
-                        uv = sum_splits(part, uint64(col) + uint64(n32), stride, splits)
-                    finish(out, b1, b3, has_b1, has_b3, col, gv, uv)
+                        uv = sum_splits(part, b0 + mn, stride, splits)
+                    finish(out, b1, b3, has_b1, has_b3, col, row * n32 + col, gv, uv)
                 i += uint32(warps * 32)
             if tid == uint32(0):
                 cnt[tile] = uint32(0)
@@ -372,26 +437,26 @@ def sig(wpl=WPL):
     u64 = Array(np.uint64)
     w = Array(np.uint64 if wpl == 2 else np.uint32)
     h = Array(np.uint16)
-    return [u64, w, w, u64, w, w, u64, h, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 9
+    return [u64, w, w, u64, w, w, u64, h, h, h, Array(np.float32), Array(np.uint32)] + ["int64"] * 10
 
 
 _launchers = {}
 
 
-def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1):
+def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1):
     from .cuda_launch import Launcher
-    key = (warps, unroll, max_registers, wpl, probe, nw)
+    key = (warps, unroll, max_registers, wpl, probe, nw, mr)
     if key not in _launchers:
-        fn = _make(warps, unroll, max_registers, wpl, probe, nw)
+        fn = _make(warps, unroll, max_registers, wpl, probe, nw, mr)
         lau = Launcher(fn, sig(wpl))
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]
 
 
-def scalars(k, n, g_size, gpw, splits, has_b1, has_b3=False, wpl=WPL):
+def scalars(k, n, g_size, gpw, splits, has_b1, has_b3=False, wpl=WPL, m=1):
     """The kernel's scalar arguments after the arrays."""
-    return (k, n, g_size, -(-k // g_size), tiles(n, wpl), gpw, splits, int(has_b1), int(has_b3))
+    return (k, n, g_size, -(-k // g_size), tiles(n, wpl), gpw, splits, int(has_b1), int(has_b3), m)
 
 
 class SessionPlan(NamedTuple):
@@ -403,48 +468,51 @@ class SessionPlan(NamedTuple):
     splits: int
     wpl: int
     nw: int
-    scalars: tuple          # the scalar arguments without the two bias flags
+    scalars: tuple          # the scalar arguments without the two bias flags and M
+    mr: int                 # rows one launch takes: 1 (M = 1) or 8 (M = 2 .. 8)
 
 
-def session_setup(a16, sh, sms, nw, acc_size, cnt_size):
-    """This kernel for a kernel object of ``nw`` weights and shape ``sh`` (dequantawq_cpu.AWQShape): (SessionPlan,
-    or None where it cannot serve it, acc_size and cnt_size grown to what its partials and tile counters need)."""
+def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
+    """This kernel for a kernel object of ``nw`` weights and shape ``sh`` (dequantawq_cpu.AWQShape), for M = 1
+    (``mr`` 1) or M = 2 .. 8 (``mr`` 8): (SessionPlan, or None where it cannot serve it, acc_size and cnt_size
+    grown to what its partials and tile counters need)."""
     from . import matmulawq_cuda as mc    # mma.sync needs compute capability 8.0 (tests stand tc_device in)
-    cfg = config(a16, sh.K, sh.N, sh.group_size, sms, nw) if mc.tc_device() else None
+    cfg = config(a16, sh.K, sh.N, sh.group_size, sms, nw, mr) if mc.tc_device() else None
     if cfg is None:
         return None, acc_size, cnt_size
     warps, unroll, cap, wpl = cfg
-    lau = launcher(warps, unroll, cap, wpl, 0, nw)
+    lau = launcher(warps, unroll, cap, wpl, 0, nw, mr)
     grid, gpw, splits = plan(sh.K, sh.N, sh.group_size, sms, max(1, lau.blocks_per_sm(32 * warps)), warps, None,
                              wpl)
     sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
-                     scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-2])
-    return sp, max(acc_size, partial_floats(splits, nw, 1, sh.N)), max(cnt_size, tiles(sh.N, wpl))
+                     scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr)
+    return sp, max(acc_size, partial_floats(splits, nw, mr, sh.N)), max(cnt_size, tiles(sh.N, wpl))
 
 
-def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n):
-    """One session call at M = 1 (bridge Tensors; w3 = (qweight, qzeros, scales) and b3 None for MatMulAWQ; ``out``
-    the output's device pointer; ``scratch`` the kernel object's matmulawq_cuda.ScratchPool): launches the kernel
-    and returns True, or returns False where the buffers are not aligned for it (X and scales to 8 bytes, qweight
-    and qzeros to 4 wpl bytes, biases to 2), for the caller's other kernels."""
+def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):
+    """One session call at M = m (1 for a plan of ``mr`` 1, up to 8 for ``mr`` 8; bridge Tensors; w3 = (qweight,
+    qzeros, scales) and b3 None for MatMulAWQ; ``out`` the output's device pointer; ``scratch`` the kernel object's
+    matmulawq_cuda.ScratchPool): launches the kernel and returns True, or returns False where the buffers are not
+    aligned for it (X and scales to 8 bytes, qweight and qzeros to 4 wpl bytes, biases to 2), for the caller's
+    other kernels."""
     ws = (w1,) if w3 is None else (w1, w3)
     if (x.ptr | ws[-1][2].ptr | w1[2].ptr) & 7 or any((q.ptr | z.ptr) & (4 * sp.wpl - 1) for q, z, _ in ws) or \
             any(b is not None and b.ptr & 1 for b in (b1, b3)):
         return False
-    part = scratch.partials(ctx, partial_floats(sp.splits, sp.nw, 1, n))
-    ob = (out, (n,))
+    part = scratch.partials(ctx, partial_floats(sp.splits, sp.nw, m, n))
+    ob = (out, (m * n,))
     wa = [(t.ptr, (t.size // (4 if i == 2 else sp.wpl),)) for w in (w1, ws[-1]) for i, t in enumerate(w)]
     bias = [(b.ptr, (n,)) if b is not None else ob for b in (b1, b3)]
     sp.launcher.launch(sp.grid, sp.block, ctx.stream, (x.ptr, (x.size // 4,)), *wa, *bias, ob, part,
-                       scratch.counters(ctx.stream), *sp.scalars, int(b1 is not None), int(b3 is not None))
+                       scratch.counters(ctx.stream), *sp.scalars, int(b1 is not None), int(b3 is not None), m)
     return True
 
 
 def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=None,  # noqa: N803
-        max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1):
-    """Runs the kernel on host arrays (tests, benchmarks): x fp16 [1, K], w1 / w3 = (qweight, qzeros, scales), w3
-    None for MatMulAWQ; returns the fp16 output [1, N]: the Numba dispatcher under the simulator (``warps`` per
-    block, default 2), the direct launch path on a GPU. The inputs are checked as a session checks them (the kernel
+        max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1, mr=None):
+    """Runs the kernel on host arrays (tests, benchmarks): x fp16 [M, K] (M <= 8; ``mr`` default 1 for M = 1, else
+    8), w1 / w3 = (qweight, qzeros, scales), w3 None for MatMulAWQ; returns the fp16 output [M, N]: the Numba
+    dispatcher under the simulator (``warps`` per block, default 2), the direct launch path on a GPU. The inputs are checked as a session checks them (the kernel
     reads all Kp rows of qweight), and the product must suit the kernel (``ok``). ``repeat`` launches that many
     times on the same scratch."""
     from .dequantawq_cpu import check_a_bias, check_weights, parse_attrs
@@ -457,30 +525,32 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
     else:
         check_both(w1, w3, sh)
         check_x_biases(x, b1, b3, K, N, 7, 8)
-    if not ok(x.dtype == np.float16, x.size // K, K, N, group_size, unroll, wpl):
-        raise ValueError(f"the M=1 tensor-core GEMV cannot take this product (fp16 X [1, K], K % 4 == 0, "
-                         f"N % {8 * wpl} == 0, group_size % {16 * unroll} == 0)")
+    m = x.size // K if K else 0
+    mr = mr or (1 if m == 1 else 8)
+    if not ok(x.dtype == np.float16, m, K, N, group_size, unroll, wpl) or m > mr:
+        raise ValueError(f"the small-M tensor-core GEMV cannot take this product (fp16 X [M, K], M <= {mr}, "
+                         f"K % 4 == 0, N % {8 * wpl} == 0, group_size % {16 * unroll} == 0)")
     nw = 1 if w3 is None else 2
     warps = warps or (2 if SIM else WARPS)
     wdt = np.uint64 if wpl == 2 else np.uint32
     dev = lambda v, dt: cuda.to_device(np.ascontiguousarray(v).reshape(-1).view(dt))  # noqa: E731
     ws = [dev(v, dt) for w in (w1, w3 if nw == 2 else w1) for v, dt in zip(w, (wdt, wdt, np.uint64))]
-    dout = cuda.device_array(N, np.uint16)
+    dout = cuda.device_array(m * N, np.uint16)
     db1 = dev(b1, np.uint16) if b1 is not None else dout
     db3 = dev(b3, np.uint16) if b3 is not None else dout
     if SIM:
         occ, sms = DEFAULT_BLOCKS_PER_SM, sms or 2
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(warps, unroll, max_registers, wpl, probe, nw)
+        lau = launcher(warps, unroll, max_registers, wpl, probe, nw, mr)
         occ, sms = lau.blocks_per_sm(32 * warps), sms or sm_count(current_device())
     grid, gp, splits = plan(K, N, group_size, sms, occ, warps, gpw, wpl)
-    dpart = cuda.to_device(np.zeros(max(1, splits * nw * N), np.float32))
+    dpart = cuda.to_device(np.zeros(max(1, splits * nw * m * N), np.float32))
     dcnt = cuda.to_device(np.zeros(tiles(N, wpl), np.uint32))
     args = (dev(x, np.uint64), *ws, db1, db3, dout, dpart, dcnt,
-            *scalars(K, N, group_size, gp, splits, b1 is not None, b3 is not None, wpl))
+            *scalars(K, N, group_size, gp, splits, b1 is not None, b3 is not None, wpl, m))
     if SIM:
-        kern = _make(warps, unroll, None, wpl, probe, nw)
+        kern = _make(warps, unroll, None, wpl, probe, nw, mr)
         for _ in range(repeat):
             kern[grid, 32 * warps](*args)
     else:
@@ -488,7 +558,7 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
         for _ in range(repeat):
             lau.launch(grid, 32 * warps, 0, *[p(v) for v in args])
         cuda.synchronize()
-    return dout.copy_to_host().view(np.float16).reshape(1, N)
+    return dout.copy_to_host().view(np.float16).reshape(m, N)
 
 
 def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, **kw):  # noqa: N803

@@ -1072,6 +1072,7 @@ class MatMulAWQCudaKernel(Kernel):
         # M = 1 with fp16 A: the tensor-core GEMV (matmulawq1_cuda) where it can take the shape
         from .matmulawq1_cuda import session_setup
         self.m1, acc_size, cnt_size = session_setup(self.a16, sh, self.sms, 1, acc_size, cnt_size)
+        self.m8, acc_size, cnt_size = session_setup(self.a16, sh, self.sms, 1, acc_size, cnt_size, mr=8)
         self.scratch = ScratchPool(acc_size, cnt_size)
 
     def compute(self, ctx, inputs):
@@ -1084,10 +1085,10 @@ class MatMulAWQCudaKernel(Kernel):
         y = ctx.output(0, tuple(a.shape[:-1]) + (sh.N,))
         if m == 0:
             return
-        if m == 1 and self.m1 is not None:
-            from .matmulawq1_cuda import session_launch
-            if session_launch(self.m1, ctx, self.scratch, a, (qw, qz, sc), None, bias, None, y, sh.N):
-                return
+        from .matmulawq1_cuda import SESSION_MAX_M, session_launch
+        sp = self.m1 if m == 1 else self.m8 if m <= SESSION_MAX_M else None
+        if sp is not None and session_launch(sp, ctx, self.scratch, a, (qw, qz, sc), None, bias, None, y, sh.N, m):
+            return
         if self.tc and TC_MIN_M <= m <= MAX_M_FAST and not ((a.ptr | sc.ptr) & 7 or (qw.ptr | qz.ptr) & 3 or
                                                    (bias is not None and bias.ptr & 1)):
             grid, gpt, splits = self.tc_plans[m]

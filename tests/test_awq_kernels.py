@@ -467,7 +467,8 @@ def sim_kernels(monkeypatch):
     from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
     mc, fc = matmulawq_cuda, fusedffnawq_cuda
     monkeypatch.setattr(m1c, "launcher", lambda warps=m1c.WARPS, unroll=m1c.UNROLL, max_registers=None, wpl=m1c.WPL,
-                        probe=0, nw=1: _SimLauncher(m1c._make(warps, unroll, None, wpl, probe, nw), m1c.sig(wpl)))
+                        probe=0, nw=1, mr=1: _SimLauncher(m1c._make(warps, unroll, None, wpl, probe, nw, mr),
+                                                          m1c.sig(wpl)))
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     monkeypatch.setattr(mc, "tc_device", lambda: True)
@@ -500,12 +501,13 @@ def _call(kernel, ctx, arrays, out_shape, dtype):
     return y, plan, patches, (st.params[part], st.params[part - 2], part), (st.params[cnt], st.params[cnt - 2], cnt)
 
 
-SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the tensor-core one (fp16, M >= 2),
-    # the M=1 tensor-core GEMV (fp16, M = 1; matmulawq1_cuda)
+SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the small-M tensor-core GEMV
+    # (matmulawq1_cuda, fp16: M = 1, and M = 2 .. 8 with 8 rows per launch), the M >= 2 tensor-core kernel (fp16,
+    # M = 9 .. 16)
     ("MatMulAWQ", 1, np.float32, True), ("MatMulAWQ", 3, np.float16, True), ("MatMulAWQ", 1, np.float16, False),
-    ("MatMulAWQ", 1, np.float16, True),
+    ("MatMulAWQ", 1, np.float16, True), ("MatMulAWQ", 11, np.float16, True),
     ("FusedFFNAWQ", 1, np.float32, True), ("FusedFFNAWQ", 5, np.float16, True), ("FusedFFNAWQ", 2, np.float16, False),
-    ("FusedFFNAWQ", 1, np.float16, True), ("FusedFFNAWQ", 1, np.float16, False),
+    ("FusedFFNAWQ", 1, np.float16, True), ("FusedFFNAWQ", 1, np.float16, False), ("FusedFFNAWQ", 9, np.float16, True),
 ]
 
 
@@ -532,11 +534,13 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
         from test_ffn4_kernels import awq_weights, check_awq
         w1, w3 = awq_weights(K, N, G, seed=5)
         arrays = [a, *w1, *w3, activations((N,), dtype, seed=42), None]
-    tc = M >= mc.TC_MIN_M and dtype == np.float16
-    m1 = M == 1 and dtype == np.float16
-    if m1:
-        assert kern.m1 is not None          # the shape suits the M=1 tensor-core GEMV
-        splits = kern.m1[4]
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
+    small = dtype == np.float16 and M <= m1c.SESSION_MAX_M
+    sp = (kern.m1 if M == 1 else kern.m8) if small else None
+    tc = M >= mc.TC_MIN_M and dtype == np.float16 and not small
+    if small:
+        assert sp is not None and sp.mr == (1 if M == 1 else 8)   # the shape suits the small-M tensor-core GEMV
+        splits = sp.splits
     elif tc:
         _, _, splits = kern.tc_plans[M]
     else:
@@ -550,7 +554,7 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
             check_matmul(y, a, qw, qz, sc, G, K, N, bias)
         else:
             check_awq(y, a, w1, w3, G, K, N, arrays[7], None)
-        block = kern.m1[2] if m1 else 32 * mc.TC_WARPS if tc else mc.BLOCK
+        block = sp.block if small else 32 * mc.TC_WARPS if tc else mc.BLOCK
         assert plan.steps[0].block == block     # the kernel the case is for
         assert part[1] == floats and cnt[1] == kern.scratch.tiles
         assert cnt[0] == kern.scratch.counters(ctx.stream)[0] and cnt[2] not in patches   # kernel-owned, kept
@@ -598,14 +602,14 @@ def test_m1_gemv_needs_8_byte_aligned_x(sim_kernels, op):
 
 @pytest.mark.parametrize("M,K,G,dtype", [(1, 8, 8, np.float32), (2, 64, 64, np.float16)])
 def test_single_split_takes_no_scratch(sim_kernels, M, K, G, dtype):  # noqa: N803
-    """A launch with one K split (fp32 decode kernel, tensor-core kernel) writes the output directly: no
+    """A launch with one K split (fp32 decode kernel, small-M tensor-core GEMV) writes the output directly: no
     partials, no scratch asked for."""
     mc, _ = sim_kernels
     N = 16  # noqa: N806
     tid = 10 if dtype == np.float16 else 1
     kern = mc.MatMulAWQCudaKernel(spec=domain.OPS["MatMulAWQ"], attrs={"group_size": G, "K": K, "N": N},
                                   node_name="t", in_types=(tid,), out_types=(tid,))
-    assert (kern.tc_plans[M] if M >= mc.TC_MIN_M else kern.plans[(1, 1)])[2] == 1
+    assert (kern.m8.splits if M >= 2 else kern.plans[(1, 1)][2]) == 1
     qw, qz, sc = weights(K, N, G, seed=9)
     a = activations((M, K), dtype, seed=43)
     ctx = _ScratchCtx(True)

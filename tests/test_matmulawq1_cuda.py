@@ -1,4 +1,5 @@
-"""MatMulAWQ's M=1 tensor-core GEMV (custom_ops/matmulawq1_cuda) against the numpy reference (onnx_lowbit.awq):
+"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/matmulawq1_cuda: M = 1, and up to 8 rows per launch) against
+the numpy reference (onnx_lowbit.awq):
 under Numba's CUDA simulator in CI (small shapes, 2 warps per block), on the GPU with ONNX_LOWBIT_REAL_GPU=1 (the
 session configuration too). Its session dispatch is tested in test_awq_kernels.py (scratch cases) and through
 onnxruntime there and in test_nan_cuda.py."""
@@ -58,6 +59,46 @@ def test_gemv1_vs_reference(K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     _check(y, x, w, G, K, N, bias)
 
 
+# M rows (up to 8 per launch, mr = 8), K, N, G, words per lane, unroll, groups per warp, bias: M = 2 .. 8 with one
+# split and with several (partials [split, nw, M, N]), a partial last X tile, the 8-row kernel at M = 1
+MCASES = [(3, 64, 32, 32, 1, 2, 1, True), (8, 96, 24, 32, 1, 2, 2, True), (5, 128, 48, 64, 2, 4, 1, False),
+          (2, 100, 16, 32, 1, 1, 1, False), (1, 64, 32, 32, 2, 2, 1, True)]
+MGPU_CASES = [(4, 4096, 11008, 128, 1, 4, None, True), (8, 2048, 2048, 128, 1, 4, None, False),
+              (2, 688, 1024, 128, 1, 2, None, True), (6, 4096, 11008, 128, 2, 4, None, False),
+              (7, 8192, 2048, 128, 1, 4, 2, True)]
+
+
+@pytest.mark.parametrize("M,K,N,G,wpl,unroll,gpw,hb", MCASES + ([] if SIM else MGPU_CASES))
+def test_gemv8_vs_reference(M, K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    w = _weights(K, N, G, seed=K + N + M)
+    rng = np.random.default_rng(K + M)
+    x = (rng.standard_normal((M, K)) * 0.5).astype(np.float16)
+    bias = rng.standard_normal(N).astype(np.float16) if hb else None
+    y = m1.run_arrays(x, *w, G, K, N, bias, wpl=wpl, unroll=unroll, gpw=gpw, repeat=2, mr=8)
+    assert y.shape == (M, N)
+    _check(y, x, w, G, K, N, bias)
+
+
+def test_gemv8_rows_stay_apart():
+    """A NaN or Inf in one row of X reaches only that row's outputs (each row has its own S and B column); the
+    other rows meet the reference."""
+    _cuda()
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    K, N, G = 64, 16, 32  # noqa: N806
+    w = _weights(K, N, G, seed=15)
+    kw = {"wpl": 1, "unroll": 2} if SIM else {}
+    x = np.random.default_rng(16).standard_normal((5, K)).astype(np.float16)
+    x[1, 37] = np.nan
+    x[3, 2] = np.inf
+    y = m1.run_arrays(x, *w, G, K, N, **kw).astype(np.float64)
+    assert np.isnan(y[1]).all() and not np.isfinite(y[3]).all()
+    ok = [0, 2, 4]
+    assert np.isfinite(y[ok]).all()
+    _check(y[ok].astype(np.float16), x[ok], w, G, K, N)
+
+
 def test_gemv1_is_deterministic():
     """The K splits are added in split order by the last block of each tile: the same bits every launch."""
     _cuda()
@@ -81,7 +122,7 @@ def test_gemv1_nan_inf():
     w = _weights(K, N, G, seed=5)
     kw = {"wpl": 1, "unroll": 2} if SIM else {}
     for bad, check in ((np.nan, np.isnan), (np.inf, lambda v: ~np.isfinite(v))):
-        x = np.random.default_rng(6).standard_normal((1, K)).astype(np.float16)
+        x = np.random.default_rng(6).standard_normal((1, K)).astype(np.float16)  # (M > 1: test_gemv8_rows_...)
         x[0, 37] = bad
         y = m1.run_arrays(x, *w, G, K, N, **kw)
         assert check(y.astype(np.float64)).all(), bad
@@ -105,23 +146,28 @@ def test_config_and_plan():
     assert m1.plan(128, 16, 128, 132, 4, 4, 3, 1) == (1, 1, 1)           # gpw capped at the groups
     assert m1.plan(4096, 11008, 128, 132, 4, 4, None, 1) == (516, 3, 3)  # two weights (wpl 1): 3 groups per warp
     assert m1.config(True, 4096, 11008, 128, 132, nw=2) == (4, 4, None, 1)
+    assert m1.config(True, 4096, 11008, 128, 132, mr=8) == (4, 4, None, 1)     # up to 8 rows: wpl 1
+    assert m1.ok(True, 8, 4096, 11008, 128) and not m1.ok(True, 9, 4096, 11008, 128)
 
 
 # FusedFFNAWQ at M = 1 (two weights, SiLU(x W1 + b1) * (x W3 + b3)): K, N, G, unroll, groups per warp, biases
-FFN_CASES = [(64, 32, 32, 2, 1, (True, True)), (100, 16, 32, 1, 1, (False, True)), (96, 24, 32, 2, 2, (True, False))]
-FFN_GPU_CASES = [(4096, 11008, 128, 4, None, (False, False)), (2048, 8192, 128, 4, None, (True, True)),
-                 (688, 1024, 128, 2, None, (False, True))]
+# (M rows: 1, or up to 8 with mr = 8)
+FFN_CASES = [(1, 64, 32, 32, 2, 1, (True, True)), (1, 100, 16, 32, 1, 1, (False, True)),
+             (1, 96, 24, 32, 2, 2, (True, False)), (4, 64, 32, 32, 2, 1, (True, True)), (7, 96, 24, 32, 2, 2, (False, True))]
+FFN_GPU_CASES = [(1, 4096, 11008, 128, 4, None, (False, False)), (1, 2048, 8192, 128, 4, None, (True, True)),
+                 (1, 688, 1024, 128, 2, None, (False, True)), (4, 4096, 11008, 128, 4, None, (True, False)),
+                 (8, 2048, 8192, 128, 4, None, (False, False))]
 
 
-@pytest.mark.parametrize("K,N,G,unroll,gpw,biases", FFN_CASES + ([] if SIM else FFN_GPU_CASES))
-def test_gemv1_ffn_vs_reference(K, N, G, unroll, gpw, biases):  # noqa: N803
+@pytest.mark.parametrize("M,K,N,G,unroll,gpw,biases", FFN_CASES + ([] if SIM else FFN_GPU_CASES))
+def test_gemv1_ffn_vs_reference(M, K, N, G, unroll, gpw, biases):  # noqa: N803
     _cuda()
     from test_ffn4_kernels import awq_weights, check_awq
 
     from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
     w1, w3 = awq_weights(K, N, G, seed=2)
     rng = np.random.default_rng(K + 1)
-    x = (rng.standard_normal((1, K)) * 0.5).astype(np.float16)
+    x = (rng.standard_normal((M, K)) * 0.5).astype(np.float16)
     b1, b3 = (rng.standard_normal(N).astype(np.float16) if hb else None for hb in biases)
     y = m1.run(x, w1, w3, b1, b3, G, K, N, wpl=1, unroll=unroll, gpw=gpw, repeat=2)
     check_awq(y, x, w1, w3, G, K, N, b1, b3)
@@ -143,3 +189,7 @@ def test_host_runner_checks_inputs():
         m1.run_arrays(x.astype(np.float32), qw, qz, sc, G, K, N)
     with pytest.raises(ValueError, match="cannot take"):
         m1.run_arrays(x, qw, qz, sc, G, K, N, unroll=4)     # 4 steps per batch need G % 64 == 0
+    with pytest.raises(ValueError, match="cannot take"):
+        m1.run_arrays(np.ones((9, K), np.float16), qw, qz, sc, G, K, N)    # 9 rows: past the 8 B columns
+    with pytest.raises(ValueError, match="cannot take"):
+        m1.run_arrays(np.ones((2, K), np.float16), qw, qz, sc, G, K, N, mr=1)   # the M = 1 kernel takes one row
