@@ -1,11 +1,13 @@
 """Launch the AWQ M=1 kernels once per shape (for ncu / compute-sanitizer): MatMulAWQ's fp32 decode kernel
 (``mm``), its M = 1 tensor-core kernel (``mm1``, ``ffn1`` with two weights; options as a 4th argument, e.g.
 "wpl=1, probe=2") or FusedFFNAWQ's (``ffn``), fp16 x, random int4 weights (group 128), each launched twice
-(profile the second: ``--launch-skip 1``) and checked against the CPU reference.
+(profile the second: ``--launch-skip 1``) and checked against the CPU reference. ``M=`` in the environment: rows
+of x (``mm1`` / ``ffn1``: up to 8, the 8-row kernel from 2 on).
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:gemv --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/awq_ncu.py mm 4096 11008
 """
+import os
 import sys
 
 import numpy as np
@@ -19,7 +21,8 @@ cuda.current_context()      # the context first (the launchers ask the driver fo
 what, k, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kw = eval("dict(" + sys.argv[4] + ")") if len(sys.argv) > 4 else {}     # run_arrays options  # noqa: S307
 rng = np.random.default_rng(0)
-x = (rng.standard_normal((1, k)) * 0.5).astype(np.float16)
+m = int(os.environ.get("M", "1"))    # rows of x (mm1 / ffn1 take up to 8)
+x = (rng.standard_normal((m, k)) * 0.5).astype(np.float16)
 
 
 def weights():
@@ -46,4 +49,4 @@ else:
         y = run(x, *w1, G, k, n, **kw)
     ref = awq.matmul(x, *w1, G, k, n).astype(np.float64)
 err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
-print(what, k, n, kw, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
+print(what, f"M={m}", k, n, kw, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
