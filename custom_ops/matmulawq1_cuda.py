@@ -36,9 +36,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from .dequantawq_cuda import SIM, as_f32, device, f2h, h2f
-from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, _silu, partial_floats,
-                             sum_splits)
+from .dequantawq_cuda import SIM, as_f32, device, h2f
+from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, _tc_store,
+                             partial_floats, sum_splits)
 from .matmulnf4_cuda import add32, mad32, prmt
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
@@ -229,17 +229,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             sv[i] = sc[so + uint32(i)]
         return qz[gq * nq + wi]
 
-    @device
-    def finish(out, b1, b3, has_b1, has_b3, col, oi, gv, uv):
-        if has_b1:
-            gv += h2f(b1[col])
-        if nw == 1:
-            out[oi] = f2h(gv)
-        else:
-            if has_b3:
-                uv += h2f(b3[col])
-            out[oi] = f2h(_silu(gv) * uv)
-
     @cuda.jit(**opts)
     def gemv1(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, out, part, cnt, k_dim, n_dim, g_size, groups_, tiles_, gpw,
               splits, has_b1, has_b3, m_dim):
@@ -373,7 +362,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                     if nw == 2:
                         uv += red[(uint32(w_ * nw * mr + mr) + row) * ncol + ci]
                 if splits == 1:
-                    finish(out, b1, b3, has_b1, has_b3, col, row * n32 + col, gv, uv)
+                    _tc_store(nw, out, b1, b3, has_b1, has_b3, row * n32 + col, col, gv, uv)
                 else:
                     pi = ((uint64(split) * uint64(nw)) * uint64(m32) + uint64(row)) * uint64(n32) + uint64(col)
                     part[pi] = gv
@@ -403,7 +392,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                     uv = F0
                     if nw == 2:
                         uv = sum_splits(part, b0 + mn, stride, splits)
-                    finish(out, b1, b3, has_b1, has_b3, col, row * n32 + col, gv, uv)
+                    _tc_store(nw, out, b1, b3, has_b1, has_b3, row * n32 + col, col, gv, uv)
                 i += uint32(warps * 32)
             if tid == uint32(0):
                 cnt[tile] = uint32(0)

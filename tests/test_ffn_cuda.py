@@ -128,11 +128,12 @@ def test_cuda_edge_shapes():
         check(fc.run_arrays(x, w1, w3, path=path), x, w1, w3)
 
 
-@pytest.mark.parametrize("path", [None, "tiled"])
-@pytest.mark.parametrize("xd,wd", [(F16, F16), (F32, F16)])
+@pytest.mark.parametrize("path,xd,wd", [(None, F16, F16), ("tiled", F16, F16), ("tc", F16, F16), (None, F32, F16),
+                                         ("tiled", F32, F16)])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_cuda_nonfinite(path, xd, wd):
-    """NaN/Inf propagate as in the unfused graph; fp16 outputs past 65504 become inf."""
+    """NaN/Inf propagate as in the unfused graph; fp16 outputs past 65504 become inf (every path; the
+    tensor-core kernel fusedffn_tc_cuda takes fp16 X and W only)."""
     fc = _cuda()
     x, w1, w3, b1, b3 = data((4,), 16, 6, xd, wd, True, True, seed=3)
     x[0, 3] = np.nan
