@@ -60,7 +60,6 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c4 wide (fp16 default from K 4096)", {"h2": 4, "wide": True}),
                 ("h2 chain4 c4 wide 4-byte table stores", {"h2": 4, "wide": True, "vec_table": False}),
                 ("h2 chain4 c4 wide early", {"h2": 4, "wide": True, "early": True}),
-                ("h2 chain4 c4 wide ring", {"h2": 4, "wide": True, "ring": True}),
                 ("h2 chain4 c4 wide am16 (fp16 absmax)", {"h2": 4, "wide": True, "am16": True}),
                 ("h2 chain4 c4 wide early am16", {"h2": 4, "wide": True, "early": True, "am16": True}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
@@ -240,7 +239,7 @@ def main():
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
                                             pingpong=kw.get("pingpong", False), early=kw.get("early", False),
                                             nib=kw.get("nib", False), h2=h2, wide=kw.get("wide", False), am16=am16,
-                                            vec_table=kw.get("vec_table"), ring=kw.get("ring", False))
+                                            vec_table=kw.get("vec_table"))
             block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)

@@ -59,8 +59,6 @@ COLS = 4                  # columns per block step
 MAX_REGISTERS = {1: 80}   # ptxas limit per row bucket (MT=1: 80, no spills, 3 blocks of 256 threads per SM)
 MT_BUCKETS = (1, 2)       # rows per block (x kept in registers: 16 * MT floats per thread)
 MAX_M_FAST = 16
-RING_TAB_BYTES = 256 * 256   # ring: the table's rows with their holes to the end (the thread's cp.async slots)
-RING_MAX_THREADS = 128       # ring: two 128-byte slots per thread in the 256 rows' holes
 MAX_WPR = 1024            # words per row the decode kernel takes (K <= 16384)
 NWMAX = 32                # warps per block, at most
 GEN_WARPS = 8
@@ -169,7 +167,7 @@ def _zval(zp, j, has_zp):
 
 
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False, nib=False, h2=False, wide=False, am16=False, vec_table=None, ring=False):
+                 early=False, int4=False, nib=False, h2=False, wide=False, am16=False, vec_table=None):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -205,14 +203,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     ``vec_table`` (h2): the table build's store width (half2.h2_table_src; default half2.VEC_TABLE, 16-byte stores).
     ``am16`` (experimental, benchmarks only: no op takes it): absmax as fp16 bits (uint16 arrays) instead of fp32;
     H100, LLaMA-7B gate+up M=1: 21.0-21.3 us against 21.4-22.3 for fp32 absmax in the same runs (BENCHMARKS.md,
-    session 22), short of a reason to leave bitsandbytes' fp32 absmax.
-    ``ring`` (two weights, wide, prefetch, no pingpong; blocks of at most RING_MAX_THREADS threads): the weight
-    words travel by cp.async into the thread's own 256 bytes of the table's holes (rows 2 t, 2 t + 1, bytes 128 ..
-    255; the 16-byte chunks rotated by t, so a quarter-warp hits 8 bank quads), two steps ahead instead of one
-    step in registers; the absmax values are loaded two steps ahead into registers. Needs RING_TAB_BYTES of
-    dynamic shared memory. The first two steps' copies are issued before the table build."""
-    if ring and (matmul or not (wide and h2 and prefetch) or pingpong or 2 * cols > 8):
-        raise ValueError("ring is a mode of the two-weight wide h2 decode with prefetch, no pingpong, cols <= 4")
+    session 22), short of a reason to leave bitsandbytes' fp32 absmax."""
     if h2 and (int4 or not (a16 or matmul) or h2 not in (2, 4)):
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
@@ -290,7 +281,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         t_("        tab[i] = f2u(lut[i])" if matmul else "        tab[i] = lut[i]")
     if not h2:
         t_("        i = uint32(i + nthreads)")
-    if not (early and prefetch) and not ring:
+    if not (early and prefetch):
         src.extend(tsrc)
     a("    lane8 = (tid & U15) << U3")
     a("    lane4 = lane << uint32(2)")
@@ -364,43 +355,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             if not matmul:
                 out(f"{ind}{prefix}s3_{c} = {cvt}(am3[shr32(wi_{c}, sh)]) if owns else F0")
 
-    cvt = "h2f" if am16 else "float32"
-
-    def ring_loads(out, prefix, nbase, wbase, slot, ind):
-        """ring: the cp.async copies of the step at column nbase into the slot at word ``slot`` and its absmax
-        values into registers (nothing past the slice), then one commit (a group per step, empty or not)."""
-        out(f"{ind}if {nbase} < n_hi:")
-        out(f"{ind}    if add32({nbase}, uint32({cols})) <= n_hi:")
-        for c in range(cols):
-            out(f"{ind}        wi_{c} = add32({wbase}, cw_{c})")
-        out(f"{ind}    else:")
-        for c in range(cols):
-            out(f"{ind}        wi_{c} = mad32(min32(add32({nbase}, uint32({c})), last), wpr, tcl)")
-        for c in range(cols):
-            for j, w in enumerate((1, 3)):
-                out(f"{ind}    cpa16(tab, add32({slot}, qo_{2 * c + j}), q{w}, wi_{c})")
-                out(f"{ind}    {prefix}s{w}_{c} = {cvt}(am{w}[shr32(wi_{c}, sh)]) if owns else F0")
-        out(f"{ind}else:")
-        for c in range(cols):
-            for w in (1, 3):
-                out(f"{ind}    {prefix}s{w}_{c} = F0")
-        out(f"{ind}cp_commit()")
-
     a("    n0 = n_lo")
     a("    wb = mad32(n_lo, wpr, tcl)")
-    if ring:    # the thread's slots: rows 2 tid, 2 tid + 1 of the table, bytes 128 .. 255 (words 32 .. 63)
-        a("    so = (tid << uint32(7)) | uint32(32)")
-        for q in range(2 * cols):
-            a(f"    qo_{q} = ((tid + uint32({q})) & uint32(7)) << uint32(2)")
-        ring_loads(a, "", "n0", "wb", "so", "    ")
-        a("    n1 = add32(n0, uint32(%d))" % cols)
-        a(f"    wb1 = add32(wb, cw_{cols})")
-        ring_loads(a, "n", "n1", "wb1", "(so | uint32(64))", "    ")
-        a("    sl = so")
-        src.extend(tsrc)
-    elif prefetch:
+    if prefetch:
         loads(a, "", "n0", "wb", "    ")
-    if early and prefetch and not ring:
+    if early and prefetch:
         src.extend(tsrc)
     a("    cuda.syncthreads()")
     if h2:
@@ -424,15 +383,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     b_ = body.append
     b_("nn = add32(n0, uint32(%d))" % cols)
     b_(f"wbn = add32(wb, cw_{cols})")
-    if ring:            # this step's words from its slot, then the step after next into that slot
-        b_("cp_wait1()")
-        for c in range(cols):
-            for j, w in enumerate((1, 3)):
-                b_(", ".join(f"w{w}_{c}_{h}" for h in range(4)) + f" = lds4(tab, add32(sl, qo_{2 * c + j}))")
-        b_("n2 = add32(nn, uint32(%d))" % cols)
-        b_(f"wb2 = add32(wbn, cw_{cols})")
-        ring_loads(b_, "nn", "n2", "wb2", "sl", "")
-    elif prefetch:      # the next step's words (clamped past the slice: never stored)
+    if prefetch:        # the next step's words (clamped past the slice: never stored)
         loads(b_, "n", "nn", "wbn", "")
     else:
         loads(b_, "", "n0", "wb", "")
@@ -530,13 +481,6 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         src.append("        if n0 >= n_hi:")
         src.append("            break")
         src.extend("        " + swap.sub(lambda mo: ("" if mo.group(1) else "n") + mo.group(2), line) for line in body)
-    elif ring:
-        for c in range(cols):
-            for v in ("s1", "s3"):
-                b_(f"{v}_{c} = n{v}_{c}")
-                b_(f"n{v}_{c} = nn{v}_{c}")
-        b_("sl ^= uint32(64)")
-        src.extend("        " + line for line in body)
     else:
         for c in range(cols if prefetch else 0):
             for v in ("w1", "s1", "z1") if int4 else ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
@@ -548,8 +492,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": hfma2, "hsum2": half2.hsum2,
           "pack_h2": pack_h2, "h2f": h2f, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w,
-          "ldx8": half2.ldx8, "sts4": half2.sts4, "cpa16": half2.cpa16, "cp_commit": half2.cp_commit,
-          "cp_wait1": half2.cp_wait1, "lds4": half2.lds4,
+          "ldx8": half2.ldx8, "sts4": half2.sts4,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
@@ -682,20 +625,19 @@ def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=No
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
-             nib=None, h2=None, wide=None, am16=False, vec_table=None, ring=False):
+             nib=None, h2=None, wide=None, am16=False, vec_table=None):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
     pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide)
     vec_table = half2.VEC_TABLE if vec_table is None else vec_table
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, am16, vec_table, ring)
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, am16, vec_table)
                        if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
                                                                  pingpong=pingpong, early=early, nib=nib, h2=h2,
-                                                                 wide=wide, am16=am16, vec_table=vec_table, ring=ring)
-        lau = Launcher(fn, _sig(a16, mt is None, pair, am16),
-                       dynamic_shared=(RING_TAB_BYTES if ring else TAB_BYTES) if mt and (pair or h2) else 0)
+                                                                 wide=wide, am16=am16, vec_table=vec_table)
+        lau = Launcher(fn, _sig(a16, mt is None, pair, am16), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
     return _launchers[key]
@@ -708,7 +650,7 @@ def blocks_per_sm(launcher_, block):
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
                force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
-               repeat=1, early=None, nib=None, h2=None, wide=None, ring=False):
+               repeat=1, early=None, nib=None, h2=None, wide=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -747,7 +689,7 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
             occ = DEFAULT_BLOCKS_PER_SM
         else:
             occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2,
-                                         wide, ring=ring), block)
+                                         wide), block)
         if sms is None:
             if SIM:
                 sms = 2
@@ -760,12 +702,12 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
         kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                   early=early, nib=nib, h2=h2, wide=wide, ring=ring)
+                                                                   early=early, nib=nib, h2=h2, wide=wide)
         for _ in range(repeat):
-            kern[grid, block, 0, 0 if generic or not (pair or h2) else RING_TAB_BYTES if ring else TAB_BYTES](*args)
+            kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
     else:
         from .cuda_launch import arg as p
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, ring=ring)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()

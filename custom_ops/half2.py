@@ -137,24 +137,6 @@ if config.ENABLE_CUDASIM:
         if v.dtype == np.uint16:
             v = v.view(np.float16)
         return tuple(np.float32(t) for t in v)
-
-    def cpa16(tab, w, a, i):
-        """tab[w .. w + 3] = 16-byte chunk i of the uint64 array ``a`` (on the GPU an asynchronous copy, complete
-        after cp_wait1 of a later group; here at once)."""
-        for h in range(2):
-            v = int(a[2 * int(i) + h])
-            tab[int(w) + 2 * h] = np.uint32(v & 0xFFFFFFFF)
-            tab[int(w) + 2 * h + 1] = np.uint32(v >> 32)
-
-    def cp_commit():
-        """Closes the thread's group of cp.async copies issued since the last one."""
-
-    def cp_wait1():
-        """Waits until all but the newest group of the thread's cp.async copies have landed."""
-
-    def lds4(tab, w):
-        """tab[w .. w + 3] (uint32 words, w % 4 == 0)."""
-        return tab[int(w)], tab[int(w) + 1], tab[int(w) + 2], tab[int(w) + 3]
 else:
     from llvmlite import ir
     from numba import types
@@ -221,54 +203,6 @@ else:
         if tab.dtype != types.uint32:
             return None
         return types.void(tab, types.uint32, types.uint32), codegen
-
-    @intrinsic
-    def cpa16(typingctx, tab, w, arr, idx):
-        """cp.async.cg of 16-byte chunk ``idx`` of the uint64 array ``arr`` (global memory, past L1) into words w ..
-        w + 3 of the shared uint32 array ``tab`` (w % 4 == 0): no registers hold the data while it is in flight."""
-        def codegen(context, builder, sig, args):
-            i64 = ir.IntType(64)
-            t = context.make_array(sig.args[0])(context, builder, args[0]).data
-            dst = builder.gep(t, [context.cast(builder, args[1], sig.args[1], types.uint64)], inbounds=True)
-            a = context.make_array(sig.args[2])(context, builder, value=args[2])
-            i = context.cast(builder, args[3], sig.args[3], types.uint64)
-            src = builder.gep(a.data, [builder.shl(i, ir.Constant(i64, 1))])
-            text = ("{ .reg .u64 a; .reg .u32 s; cvta.to.shared.u64 a, $0; cvt.u32.u64 s, a; "
-                    "cp.async.cg.shared.global [s], [$1], 16; }")
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [dst.type, src.type]), text, "l,l,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [dst, src])
-            return context.get_dummy_value()
-        if tab.dtype != types.uint32 or arr.dtype != types.uint64:
-            return None
-        return types.void(tab, w, arr, idx), codegen
-
-    def _asm0(text):
-        @intrinsic
-        def fn(typingctx):
-            def codegen(context, builder, sig, args):
-                builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
-            return types.void(), codegen
-        return fn
-
-    cp_commit = _asm0("cp.async.commit_group;")
-    cp_wait1 = _asm0("cp.async.wait_group 1;")
-
-    @intrinsic
-    def lds4(typingctx, tab, w):
-        """Words w .. w + 3 of the shared uint32 array ``tab`` (w % 4 == 0) in one 16-byte load."""
-        rt = types.UniTuple(types.uint32, 4)
-
-        def codegen(context, builder, sig, args):
-            i32 = ir.IntType(32)
-            t = context.make_array(sig.args[0])(context, builder, args[0]).data
-            p = builder.gep(t, [context.cast(builder, args[1], sig.args[1], types.uint64)], inbounds=True)
-            v = builder.load(builder.bitcast(p, ir.VectorType(i32, 4).as_pointer()), align=16)
-            return context.make_tuple(builder, rt, [builder.extract_element(v, ir.Constant(i32, j)) for j in range(4)])
-        if tab.dtype != types.uint32:
-            return None
-        return rt(tab, w), codegen
 
     @intrinsic
     def ldx8(typingctx, arr, idx):
