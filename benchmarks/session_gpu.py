@@ -75,6 +75,7 @@ def rewrite(model, passes, **opts):
 
 DEVICE = "cuda"
 BLOCK_KERNEL = "(block kernel, WARPCOLS off)"   # a row that times FusedFFNNF4 without the warp-column kernel
+OLD_TC = "(older tensor-core kernel, M > 8)"   # MatMulAWQ / FusedFFNAWQ with matmulawq1_cuda.SESSION_MAX_M = 8
 
 
 def time_model(model, m, runs, cuda_graph, check_replay=False):
@@ -218,8 +219,12 @@ def main():
              dict(weights="awq", weights_target="ort")),
             ("SwiGLU", "ours FusedFFNNF4", sw, "weights4,ffn", dict(weights="nf4")),
             ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]
+    if any(8 < int(v) <= 16 for v in a.block_ms.split(",")):     # M = 9 .. 16: also the kernel sessions took before
+        others.insert(4, ("gate+up", f"ours MatMulAWQ x2 {OLD_TC}", pair, "weights4", dict(weights="awq")))
+        others.append(("SwiGLU", f"ours FusedFFNAWQ {OLD_TC}", sw, "weights4,ffn", dict(weights="awq")))
     others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
     from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f4
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
     if not a.sweep_only and DEVICE == "cuda" and K % 1024 == 0 and any(c == K // 1024 for _, c in f4.WARPCOLS):
         others.insert(-1, ("SwiGLU", f"ours FusedFFNNF4 {BLOCK_KERNEL}", sw, "weights4,ffn", dict(weights="nf4")))
     for label, name_, base, passes, opts in others:
@@ -235,9 +240,11 @@ def main():
         for label, name, model, ops in ([] if a.sweep_only else cases):
             for graph in (False, True):
                 blk = f"{label} (M={bm})"
-                saved = f4.WARPCOLS
+                saved, saved_m = f4.WARPCOLS, m1.SESSION_MAX_M
                 if BLOCK_KERNEL in name:        # the kernel objects read it when the session is made
                     f4.WARPCOLS = {}
+                if OLD_TC in name:              # read per call
+                    m1.SESSION_MAX_M = 8
                 try:
                     med, p90, ys, x, _ = time_model(model, bm, a.runs, graph)
                 except Exception as e:  # noqa: BLE001
@@ -245,7 +252,7 @@ def main():
                                      error=f"{type(e).__name__}: {str(e)[:160]}"))
                     continue
                 finally:
-                    f4.WARPCOLS = saved
+                    f4.WARPCOLS, m1.SESSION_MAX_M = saved, saved_m
                 key = (blk, graph)
                 if key not in ref:
                     ref[key] = ys

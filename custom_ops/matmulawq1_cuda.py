@@ -63,8 +63,9 @@ CONFIGS = {2: (WARPS, 4, None), 1: (WARPS, 4, None)}
 WPL1_BLOCKS_PER_SM = 6      # the wpl 1 configuration's occupancy (H100) (for the choice, before compiling anything)
 
 
-MAX_M = 8                   # rows of X one launch takes (the 8 B columns)
-SESSION_MAX_M = 8           # MatMulAWQ / FusedFFNAWQ sessions take this kernel for M = 1 .. SESSION_MAX_M (fp16 X)
+MAX_M = 16                  # rows of X one launch takes: chunks of 8 (B's columns), the second chunk's weights
+                            # re-read by the same block right after the first (from L2)
+SESSION_MAX_M = 16          # MatMulAWQ / FusedFFNAWQ sessions take this kernel for M = 1 .. SESSION_MAX_M (fp16 X)
 
 
 def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
@@ -243,8 +244,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         k32 = uint32(k_dim)
         n32 = uint32(n_dim)
         m32 = uint32(m_dim) if mr == 8 else uint32(1)
-        xoff = g * k32 if mr == 8 else uint32(0)      # the lane's row of X (B column g)
-        xok = g < m32 if mr == 8 else True
         g32 = uint32(g_size)
         groups = uint32(groups_)
         tiles = uint32(tiles_)
@@ -270,105 +269,116 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         sacc = cuda.local.array(4, float32)
         sv = cuda.local.array(nsv, uint64)
         sv3 = cuda.local.array(nsv, uint64)
-        for i in range(nacc):
-            acc[i] = F0
-            acc3[i] = F0
-        for i in range(4):
-            sacc[i] = F0
-        for i in range(no):
-            o[i] = F0
-            o3[i] = F0
-        # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
-        kb = gw0 * g32
-        last = (kp - bstep + t * uint32(4)) * nq + wi
-        base = min((min(kb, kp - bstep) + t * uint32(4)) * nq + wi, last)
-        kx = kb + t * uint32(4)
-        for u in range(unroll):
-            for r in range(4):
-                i0 = mad32(uint32(16 * u + r), nq, base)
-                buf[u * 4 + r] = qw1[i0]
-                if nw == 2:
-                    buf3[u * 4 + r] = qw3[i0]
-            kk = add32(kx, uint32(16 * u))
-            xbuf[u] = x[(xoff + kk) >> uint32(2)] if kk < k32 and xok else U0
-        gl = uint32(0)
-        gq = min(gw0, groups - uint32(1))
-        zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
-        zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi) if nw == 2 else zq
-        b = uint32(0)
-        cg = uint32(0)                                # batches done in the current group
-        while b < nb:
-            base = min(add32(base, rstep), last)
-            kx = add32(kx, bstep)
-            batch(buf, buf3, xbuf, b + uint32(1) < nb, base, qw1, qw3, nq, x, kx, k32, sacc, acc, acc3, scr, tid,
-                  xoff, xok)
-            b += uint32(1)
-            cg += uint32(1)
-            if cg == bpg:                             # group end
-                cg = uint32(0)
-                use = gw0 + gl < groups
-                if mr == 8:
-                    group_end8(acc, sacc, o, zq, sv, use)
+        nchunk = (m32 + uint32(7)) >> uint32(3) if mr == 8 else uint32(1)   # chunks of 8 rows (B's columns)
+        ch = uint32(0)
+        while ch < nchunk:            # M = 9 .. 16: the second chunk re-reads the block's weights from L2
+            r0 = ch * uint32(8)
+            xoff = (r0 + g) * k32 if mr == 8 else uint32(0)      # the lane's row of X (B column g)
+            xok = r0 + g < m32 if mr == 8 else True
+            for i in range(nacc):
+                acc[i] = F0
+                acc3[i] = F0
+            for i in range(4):
+                sacc[i] = F0
+            for i in range(no):
+                o[i] = F0
+                o3[i] = F0
+            # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
+            kb = gw0 * g32
+            last = (kp - bstep + t * uint32(4)) * nq + wi
+            base = min((min(kb, kp - bstep) + t * uint32(4)) * nq + wi, last)
+            kx = kb + t * uint32(4)
+            for u in range(unroll):
+                for r in range(4):
+                    i0 = mad32(uint32(16 * u + r), nq, base)
+                    buf[u * 4 + r] = qw1[i0]
                     if nw == 2:
-                        group_end8(acc3, sacc, o3, zq3, sv3, use)
-                else:
-                    group_end(acc, sacc, o, zq, sv, t, use)
-                    if nw == 2:
-                        group_end(acc3, sacc, o3, zq3, sv3, t, use)
-                for i in range(4):
-                    sacc[i] = F0
-                gl += uint32(1)
-                if gl < gp:
-                    gq = min(gw0 + gl, groups - uint32(1))
-                    zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
-                    if nw == 2:
-                        zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi)
-        ncol = uint32(ncol_c)
-        if mr == 8:
-            # red[((warp nw + w) 8 + row) ncol + column]: row 2 t + e, column (g wpl + h) 8 + col
-            for h in range(wpl):
-                for by in range(4):
+                        buf3[u * 4 + r] = qw3[i0]
+                kk = add32(kx, uint32(16 * u))
+                xbuf[u] = x[(xoff + kk) >> uint32(2)] if kk < k32 and xok else U0
+            gl = uint32(0)
+            gq = min(gw0, groups - uint32(1))
+            zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
+            zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi) if nw == 2 else zq
+            b = uint32(0)
+            cg = uint32(0)                                # batches done in the current group
+            while b < nb:
+                base = min(add32(base, rstep), last)
+                kx = add32(kx, bstep)
+                batch(buf, buf3, xbuf, b + uint32(1) < nb, base, qw1, qw3, nq, x, kx, k32, sacc, acc, acc3, scr, tid,
+                      xoff, xok)
+                b += uint32(1)
+                cg += uint32(1)
+                if cg == bpg:                             # group end
+                    cg = uint32(0)
+                    use = gw0 + gl < groups
+                    if mr == 8:
+                        group_end8(acc, sacc, o, zq, sv, use)
+                        if nw == 2:
+                            group_end8(acc3, sacc, o3, zq3, sv3, use)
+                    else:
+                        group_end(acc, sacc, o, zq, sv, t, use)
+                        if nw == 2:
+                            group_end(acc3, sacc, o3, zq3, sv3, t, use)
+                    for i in range(4):
+                        sacc[i] = F0
+                    gl += uint32(1)
+                    if gl < gp:
+                        gq = min(gw0 + gl, groups - uint32(1))
+                        zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
+                        if nw == 2:
+                            zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi)
+            ncol = uint32(ncol_c)
+            if mr == 8:
+                # red[((warp nw + w) 8 + row) ncol + column]: row 2 t + e, column (g wpl + h) 8 + col
+                for h in range(wpl):
+                    for by in range(4):
+                        for half in range(2):
+                            col = 4 * (by & 1) + 2 * half + (by >> 1)
+                            for e in range(2):
+                                ri = ((warp * uint32(nw) * uint32(8) + uint32(2) * t + uint32(e)) * ncol +
+                                      (g * uint32(wpl) + uint32(h)) * uint32(8) + uint32(col))
+                                oi_ = ((h * 4 + by) * 2 + half) * 2 + e
+                                red[ri] = o[oi_]
+                                if nw == 2:
+                                    red[ri + uint32(8) * ncol] = o3[oi_]
+            else:
+                for h in range(wpl):
                     for half in range(2):
-                        col = 4 * (by & 1) + 2 * half + (by >> 1)
-                        for e in range(2):
-                            ri = ((warp * uint32(nw) * uint32(8) + uint32(2) * t + uint32(e)) * ncol +
-                                  (g * uint32(wpl) + uint32(h)) * uint32(8) + uint32(col))
-                            oi_ = ((h * 4 + by) * 2 + half) * 2 + e
-                            red[ri] = o[oi_]
-                            if nw == 2:
-                                red[ri + uint32(8) * ncol] = o3[oi_]
-        else:
-            for h in range(wpl):
-                for half in range(2):
-                    j = t * uint32(2) + uint32(half)
-                    col = ((j & uint32(3)) << uint32(1)) | (j >> uint32(2))
-                    ri = (warp * uint32(nw) * ncol) + (g * uint32(wpl) + uint32(h)) * uint32(8) + col
-                    red[ri] = o[2 * h + half]
-                    if nw == 2:
-                        red[ri + ncol] = o3[2 * h + half]
-        # the block's warps in warp order, then the output (one split) or this split's partials [split, nw, M, N]
-        cuda.syncthreads()
-        ntot = ncol * uint32(mr)
-        i = tid
-        while i < ntot:
-            row = i // ncol
-            ci = i - row * ncol
-            col = tile * ncol + ci
-            if col < n32 and row < m32:
-                gv = F0
-                uv = F0
-                for w_ in range(warps):
-                    gv += red[(uint32(w_ * nw * mr) + row) * ncol + ci]
-                    if nw == 2:
-                        uv += red[(uint32(w_ * nw * mr + mr) + row) * ncol + ci]
-                if splits == 1:
-                    _tc_store(nw, out, b1, b3, has_b1, has_b3, row * n32 + col, col, gv, uv)
-                else:
-                    pi = ((uint64(split) * uint64(nw)) * uint64(m32) + uint64(row)) * uint64(n32) + uint64(col)
-                    part[pi] = gv
-                    if nw == 2:
-                        part[pi + uint64(m32) * uint64(n32)] = uv
-            i += uint32(warps * 32)
+                        j = t * uint32(2) + uint32(half)
+                        col = ((j & uint32(3)) << uint32(1)) | (j >> uint32(2))
+                        ri = (warp * uint32(nw) * ncol) + (g * uint32(wpl) + uint32(h)) * uint32(8) + col
+                        red[ri] = o[2 * h + half]
+                        if nw == 2:
+                            red[ri + ncol] = o3[2 * h + half]
+            # the block's warps in warp order, then the output (one split) or this split's partials [split, nw, M, N]
+            cuda.syncthreads()
+            ntot = ncol * uint32(mr)
+            i = tid
+            while i < ntot:
+                row = i // ncol
+                ci = i - row * ncol
+                col = tile * ncol + ci
+                if col < n32 and r0 + row < m32:
+                    gv = F0
+                    uv = F0
+                    for w_ in range(warps):
+                        gv += red[(uint32(w_ * nw * mr) + row) * ncol + ci]
+                        if nw == 2:
+                            uv += red[(uint32(w_ * nw * mr + mr) + row) * ncol + ci]
+                    if splits == 1:
+                        _tc_store(nw, out, b1, b3, has_b1, has_b3, (r0 + row) * n32 + col, col, gv, uv)
+                    else:
+                        pi = (((uint64(split) * uint64(nw)) * uint64(m32) + uint64(r0 + row)) * uint64(n32) +
+                              uint64(col))
+                        part[pi] = gv
+                        if nw == 2:
+                            part[pi + uint64(m32) * uint64(n32)] = uv
+                i += uint32(warps * 32)
+            cuda.syncthreads()        # red is written again by the next chunk
+            ch += uint32(1)
+        ncol = uint32(ncol_c)
+        ntot = ncol * uint32(mr) * nchunk
         if splits == 1:
             return
         cuda.threadfence()
@@ -475,7 +485,7 @@ def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
                              wpl)
     sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
                      scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr)
-    return sp, max(acc_size, partial_floats(splits, nw, mr, sh.N)), max(cnt_size, tiles(sh.N, wpl))
+    return sp, max(acc_size, partial_floats(splits, nw, 1 if mr == 1 else MAX_M, sh.N)), max(cnt_size, tiles(sh.N, wpl))
 
 
 def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):
@@ -516,8 +526,9 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
         check_x_biases(x, b1, b3, K, N, 7, 8)
     m = x.size // K if K else 0
     mr = mr or (1 if m == 1 else 8)
-    if not ok(x.dtype == np.float16, m, K, N, group_size, unroll, wpl) or m > mr:
-        raise ValueError(f"the small-M tensor-core GEMV cannot take this product (fp16 X [M, K], M <= {mr}, "
+    most = 1 if mr == 1 else MAX_M
+    if not ok(x.dtype == np.float16, m, K, N, group_size, unroll, wpl) or m > most:
+        raise ValueError(f"the small-M tensor-core GEMV cannot take this product (fp16 X [M, K], M <= {most}, "
                          f"K % 4 == 0, N % {8 * wpl} == 0, group_size % {16 * unroll} == 0)")
     nw = 1 if w3 is None else 2
     warps = warps or (2 if SIM else WARPS)

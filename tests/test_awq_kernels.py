@@ -502,24 +502,30 @@ def _call(kernel, ctx, arrays, out_shape, dtype):
 
 
 SCRATCH_CASES = [  # op, M, dtype, has_scratch: the fp32 decode kernel (M=1), the small-M tensor-core GEMV
-    # (matmulawq1_cuda, fp16: M = 1, and M = 2 .. 8 with 8 rows per launch), the M >= 2 tensor-core kernel (fp16,
-    # M = 9 .. 16)
+    # (matmulawq1_cuda, fp16: M = 1, and M = 2 .. 16 in chunks of 8 rows), the M >= 2 tensor-core kernel (fp16; "tc":
+    # with matmulawq1_cuda.SESSION_MAX_M = 8, M = 9 .. 16 as before)
     ("MatMulAWQ", 1, np.float32, True), ("MatMulAWQ", 3, np.float16, True), ("MatMulAWQ", 1, np.float16, False),
-    ("MatMulAWQ", 1, np.float16, True), ("MatMulAWQ", 11, np.float16, True),
+    ("MatMulAWQ", 1, np.float16, True), ("MatMulAWQ", 11, np.float16, True), ("MatMulAWQ", "tc", np.float16, True),
     ("FusedFFNAWQ", 1, np.float32, True), ("FusedFFNAWQ", 5, np.float16, True), ("FusedFFNAWQ", 2, np.float16, False),
     ("FusedFFNAWQ", 1, np.float16, True), ("FusedFFNAWQ", 1, np.float16, False), ("FusedFFNAWQ", 9, np.float16, True),
+    ("FusedFFNAWQ", 16, np.float16, False), ("FusedFFNAWQ", "tc", np.float16, True),
 ]
 
 
 @pytest.mark.parametrize("op,M,dtype,has_scratch", SCRATCH_CASES)
-def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dtype, has_scratch):  # noqa: N803
+def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, monkeypatch, op, M, dtype,  # noqa: N803
+                                                          has_scratch):
     """compute takes the split-K partials through ctx.scratch, exactly the launch's splits x nw x M x N floats, once
     per call, recorded as the plan's SCRATCH (patched per replay); the tile counters are the kernel's per-stream
     buffer (unpatched in the plan) and zero after every call; results meet the reference on NaN-filled scratch,
     twice in a row. Without onnxruntime's scratch (< 1.18) the partials are the pool's own per-stream buffer."""
+    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
     from onnx_lowbit.custom_ops import plans
     mc, fc = sim_kernels
     K, N, G = 256, 64, 32  # noqa: N806
+    if M == "tc":           # sessions' kernel for M = 9 .. 16 before (still the fallback where the GEMV cannot go)
+        monkeypatch.setattr(m1c, "SESSION_MAX_M", 8)
+        M = 10 if op == "MatMulAWQ" else 12  # noqa: N806
     nw = 1 if op == "MatMulAWQ" else 2
     cls = mc.MatMulAWQCudaKernel if nw == 1 else fc.FusedFFNAWQCudaKernel
     tid = 10 if dtype == np.float16 else 1
@@ -534,7 +540,6 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, op, M, dt
         from test_ffn4_kernels import awq_weights, check_awq
         w1, w3 = awq_weights(K, N, G, seed=5)
         arrays = [a, *w1, *w3, activations((N,), dtype, seed=42), None]
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
     small = dtype == np.float16 and M <= m1c.SESSION_MAX_M
     sp = (kern.m1 if M == 1 else kern.m8) if small else None
     tc = M >= mc.TC_MIN_M and dtype == np.float16 and not small

@@ -1,4 +1,4 @@
-"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/matmulawq1_cuda: M = 1, and up to 8 rows per launch) against
+"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/matmulawq1_cuda: M = 1, and up to 16 rows per launch in chunks of 8) against
 the numpy reference (onnx_lowbit.awq):
 under Numba's CUDA simulator in CI (small shapes, 2 warps per block), on the GPU with ONNX_LOWBIT_REAL_GPU=1 (the
 session configuration too). Its session dispatch is tested in test_awq_kernels.py (scratch cases) and through
@@ -59,13 +59,16 @@ def test_gemv1_vs_reference(K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     _check(y, x, w, G, K, N, bias)
 
 
-# M rows (up to 8 per launch, mr = 8), K, N, G, words per lane, unroll, groups per warp, bias: M = 2 .. 8 with one
-# split and with several (partials [split, nw, M, N]), a partial last X tile, the 8-row kernel at M = 1
+# M rows (mr = 8: chunks of 8 rows, up to 16), K, N, G, words per lane, unroll, groups per warp, bias: M = 2 .. 8
+# with one split and with several (partials [split, nw, M, N]), a partial last X tile, the 8-row kernel at M = 1;
+# M = 9 .. 16 (two chunks) with one split, with several, and with a one-row second chunk
 MCASES = [(3, 64, 32, 32, 1, 2, 1, True), (8, 96, 24, 32, 1, 2, 2, True), (5, 128, 48, 64, 2, 4, 1, False),
-          (2, 100, 16, 32, 1, 1, 1, False), (1, 64, 32, 32, 2, 2, 1, True)]
+          (2, 100, 16, 32, 1, 1, 1, False), (1, 64, 32, 32, 2, 2, 1, True), (12, 64, 32, 32, 1, 2, 1, True),
+          (16, 96, 24, 32, 1, 2, 2, False), (9, 100, 16, 32, 2, 1, 1, True)]
 MGPU_CASES = [(4, 4096, 11008, 128, 1, 4, None, True), (8, 2048, 2048, 128, 1, 4, None, False),
               (2, 688, 1024, 128, 1, 2, None, True), (6, 4096, 11008, 128, 2, 4, None, False),
-              (7, 8192, 2048, 128, 1, 4, 2, True)]
+              (7, 8192, 2048, 128, 1, 4, 2, True), (16, 4096, 11008, 128, 1, 4, None, True),
+              (11, 688, 1024, 128, 1, 2, None, False), (13, 8192, 2048, 128, 1, 4, 2, True)]
 
 
 @pytest.mark.parametrize("M,K,N,G,wpl,unroll,gpw,hb", MCASES + ([] if SIM else MGPU_CASES))
@@ -147,16 +150,18 @@ def test_config_and_plan():
     assert m1.plan(4096, 11008, 128, 132, 4, 4, None, 1) == (516, 3, 3)  # two weights (wpl 1): 3 groups per warp
     assert m1.config(True, 4096, 11008, 128, 132, nw=2) == (4, 4, None, 1)
     assert m1.config(True, 4096, 11008, 128, 132, mr=8) == (4, 4, None, 1)     # up to 8 rows: wpl 1
-    assert m1.ok(True, 8, 4096, 11008, 128) and not m1.ok(True, 9, 4096, 11008, 128)
+    assert m1.ok(True, 16, 4096, 11008, 128) and not m1.ok(True, 17, 4096, 11008, 128)
 
 
 # FusedFFNAWQ at M = 1 (two weights, SiLU(x W1 + b1) * (x W3 + b3)): K, N, G, unroll, groups per warp, biases
 # (M rows: 1, or up to 8 with mr = 8)
 FFN_CASES = [(1, 64, 32, 32, 2, 1, (True, True)), (1, 100, 16, 32, 1, 1, (False, True)),
-             (1, 96, 24, 32, 2, 2, (True, False)), (4, 64, 32, 32, 2, 1, (True, True)), (7, 96, 24, 32, 2, 2, (False, True))]
+             (1, 96, 24, 32, 2, 2, (True, False)), (4, 64, 32, 32, 2, 1, (True, True)), (7, 96, 24, 32, 2, 2, (False, True)),
+             (14, 96, 24, 32, 2, 2, (True, True))]
 FFN_GPU_CASES = [(1, 4096, 11008, 128, 4, None, (False, False)), (1, 2048, 8192, 128, 4, None, (True, True)),
                  (1, 688, 1024, 128, 2, None, (False, True)), (4, 4096, 11008, 128, 4, None, (True, False)),
-                 (8, 2048, 8192, 128, 4, None, (False, False))]
+                 (8, 2048, 8192, 128, 4, None, (False, False)), (16, 4096, 11008, 128, 4, None, (True, True)),
+                 (10, 688, 1024, 128, 2, None, (False, True))]
 
 
 @pytest.mark.parametrize("M,K,N,G,unroll,gpw,biases", FFN_CASES + ([] if SIM else FFN_GPU_CASES))
@@ -190,6 +195,6 @@ def test_host_runner_checks_inputs():
     with pytest.raises(ValueError, match="cannot take"):
         m1.run_arrays(x, qw, qz, sc, G, K, N, unroll=4)     # 4 steps per batch need G % 64 == 0
     with pytest.raises(ValueError, match="cannot take"):
-        m1.run_arrays(np.ones((9, K), np.float16), qw, qz, sc, G, K, N)    # 9 rows: past the 8 B columns
+        m1.run_arrays(np.ones((17, K), np.float16), qw, qz, sc, G, K, N)   # 17 rows: past two chunks of 8
     with pytest.raises(ValueError, match="cannot take"):
         m1.run_arrays(np.ones((2, K), np.float16), qw, qz, sc, G, K, N, mr=1)   # the M = 1 kernel takes one row
