@@ -24,7 +24,9 @@ matmulawq_cuda) and changes what each warp streams:
   last block applies the biases and SiLU * mul.
 
 Up to 8 rows (``mr`` = 8): B column g holds row g of X instead of x in every column, and each lane scales all
-columns of its words for its two rows (sessions: M = 2 .. SESSION_MAX_M).
+columns of its words for its two rows (sessions: M = 2 .. SESSION_MAX_M). M = 9 .. 16: two chunks of 8 rows in the
+same launch, each block streaming its weights once per chunk (the second time from L2: the block's slice was read
+just before).
 
 Needs fp16 x, K % 4 == 0 (x is read 8 bytes at a time), N % (8 wpl) == 0 and G % (16 * unroll) == 0; other
 products take the fp32 decode kernels. Measured: docs/ffn4.md, BENCHMARKS.md (sessions 23, 24).
@@ -108,7 +110,8 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
 
     ``mr`` = 8: up to 8 rows of X (M = m_dim), B column g = row g (zeros past M). Lane (g, t) then holds rows 2 t and
     2 t + 1 of every column of its words, and scales all 8 columns of each word at group ends (its S values are the
-    two rows' sums)."""
+    two rows' sums). M = 9 .. MAX_M: the block runs its whole pipeline once per chunk of 8 rows (rows 8 c + g), the
+    chunk's sums stored (or written as partials) before the next; the last block of a tile then sums every row."""
     assert mr in (1, 8)
     scr_size = warps * 32 * 6 if SIM else 1
     nbuf = unroll * 4
@@ -468,12 +471,12 @@ class SessionPlan(NamedTuple):
     wpl: int
     nw: int
     scalars: tuple          # the scalar arguments without the two bias flags and M
-    mr: int                 # rows one launch takes: 1 (M = 1) or 8 (M = 2 .. 8)
+    mr: int                 # 1 (M = 1) or 8 (M = 2 .. 16: chunks of 8 rows)
 
 
 def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
     """This kernel for a kernel object of ``nw`` weights and shape ``sh`` (dequantawq_cpu.AWQShape), for M = 1
-    (``mr`` 1) or M = 2 .. 8 (``mr`` 8): (SessionPlan, or None where it cannot serve it, acc_size and cnt_size
+    (``mr`` 1) or M = 2 .. 16 (``mr`` 8): (SessionPlan, or None where it cannot serve it, acc_size and cnt_size
     grown to what its partials and tile counters need)."""
     from . import matmulawq_cuda as mc    # mma.sync needs compute capability 8.0 (tests stand tc_device in)
     cfg = config(a16, sh.K, sh.N, sh.group_size, sms, nw, mr) if mc.tc_device() else None
@@ -489,7 +492,7 @@ def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
 
 
 def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):
-    """One session call at M = m (1 for a plan of ``mr`` 1, up to 8 for ``mr`` 8; bridge Tensors; w3 = (qweight,
+    """One session call at M = m (1 for a plan of ``mr`` 1, up to MAX_M for ``mr`` 8; bridge Tensors; w3 = (qweight,
     qzeros, scales) and b3 None for MatMulAWQ; ``out`` the output's device pointer; ``scratch`` the kernel object's
     matmulawq_cuda.ScratchPool): launches the kernel and returns True, or returns False where the buffers are not
     aligned for it (X and scales to 8 bytes, qweight and qzeros to 4 wpl bytes, biases to 2), for the caller's
