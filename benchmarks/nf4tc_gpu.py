@@ -3,7 +3,9 @@
   matmul MatMulNF4 (one weight): nf4tc nw=1 vs matmulnf4_cuda's planned kernel (M=1: the PRMT M=1 kernel)
 Shape: LLaMA-7B gate/up (4096 -> 11008), fused M = 1, 2, 3, 4, 8, 16, matmul M = 1, 2, 4, 16. NF4 block 64, random bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py);
 every output checked against the CPU face on the timed data. GB/s counts the packed weight bytes + absmax.
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8:1:0,8:2:128]
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8:1:0,8:2:128,8:1:0:2]
+        [--fused-ms 12,16] [--matmul-ms 12,16]
+(a variant is warps:cpl:maxreg[:rc], rc = row chunks of 8 per block; default the kernel's row_chunks(M))
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="LLaMA-7B only (fused M=1, 4; matmul M=1)")
     ap.add_argument("--variants", default="8:1:0",
-                    help="tensor-core kernel variants warps:cpl:maxreg (maxreg 0: ptxas's choice)")
+                    help="tensor-core kernel variants warps:cpl:maxreg[:rc] (maxreg 0: ptxas's choice)")
+    ap.add_argument("--fused-ms", help="FusedFFNNF4 cases at these M (default 1, 2, 3, 4, 8, 16)")
+    ap.add_argument("--matmul-ms", help="MatMulNF4 cases at these M (default 1, 2, 4, 16)")
     a = ap.parse_args()
     import torch
 
@@ -39,8 +43,10 @@ def main():
     nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
     rng = np.random.default_rng(0)
     variants = [tuple(int(v) for v in t.split(":")) for t in a.variants.split(",")]
+    fms = [int(v) for v in a.fused_ms.split(",")] if a.fused_ms else [1, 2, 3, 4, 8, 16]
+    mms = [int(v) for v in a.matmul_ms.split(",")] if a.matmul_ms else [1, 2, 4, 16]
     cases = [("fused", 4096, 11008, 1), ("fused", 4096, 11008, 4), ("matmul", 4096, 11008, 1)] if a.quick else [
-        ("fused", 4096, 11008, m) for m in (1, 2, 3, 4, 8, 16)] + [("matmul", 4096, 11008, m) for m in (1, 2, 4, 16)]
+        ("fused", 4096, 11008, m) for m in fms] + [("matmul", 4096, 11008, m) for m in mms]
     ws = {}
     for kind, K, N, m in cases:  # noqa: N806
         nw = 2 if kind == "fused" else 1
@@ -71,18 +77,21 @@ def main():
                 print(f"{kind} K={K} N={N} M={m} {name}: FAILED {type(e).__name__}: {e}", flush=True)
 
         q3, a3 = dw[1] if nw == 2 else dw[0]
-        for warps, cpl, maxreg in variants:
+        for warps, cpl, maxreg, *rc in variants:
             maxreg = maxreg or None
-            lau = tc.launcher(nw, warps, maxreg, cpl)
+            rc = rc[0] if rc else tc.row_chunks(m)
+            if rc == 2 and m <= 8:
+                continue
+            lau = tc.launcher(nw, warps, maxreg, cpl, rc)
             occ = max(1, lau.blocks_per_sm(32 * warps))
-            nch = tc.chunks(m)
+            nch = tc.chunks(m, rc)
             parts = tc.parts_for(N, nch, sms, occ)
             args = [ptr(x, m * K // 4), ptr(dw[0][0], K * N // 16), ptr(dw[0][1]), ptr(q3, K * N // 16), ptr(a3),
                     ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 1, parts, 0, 0]
             fn = (lambda lau=lau, g=nch * parts, b=32 * warps, args=args: lau.launch(g, b, stream(), *args))
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
-            rec(f"tc w={warps} cpl={cpl} cap={maxreg} {r}r ({occ}/SM, {nch * parts} blk)", fn)
+            rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM, {nch * parts} blk)", fn)
         if nw == 2:
             mt = fusedffnnf4_cuda.bucket(m)
             lau = fusedffnnf4_cuda.launcher(True, mt)

@@ -729,9 +729,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         self.fast, self.parts = {}, {}
         self.tc = None      # the tensor-core decode kernel (fp16 X, M = TC_MIN_M .. 16; nf4tc_cuda)
         if self.a16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
-            self.tc = nf4tc_cuda.launcher(2)
-            occ = max(1, self.tc.blocks_per_sm(32 * nf4tc_cuda.WARPS))
-            self.tc_parts = {c: nf4tc_cuda.parts_for(self.n, c, self.sms, occ) for c in (1, 2)}
+            self.tc = nf4tc_cuda.SessionKernels(2, self.n, self.sms)
             self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
         self.mma = None     # the balanced tensor-core kernel at M in mma_ms (nf4mma_cuda)
         self.mma_ms = {m for m in MMA_M if nf4mma_cuda.ok(True, m, self.k, self.n, self.bs)}
@@ -797,12 +795,11 @@ class FusedFFNNF4CudaKernel(Kernel):
                             m, k, n, self.bs.bit_length() - 1, blocks, hb1, hb3, shmem=self.mma_shm)
             return
         if self.tc is not None and TC_MIN_M <= m <= nf4tc_cuda.MAX_M and not ((x.ptr | q1.ptr | q3.ptr) & 7):
-            nch = nf4tc_cuda.chunks(m)
-            parts = self.tc_parts[nch]
-            self.tc.launch(nch * parts, 32 * nf4tc_cuda.WARPS, ctx.stream, (x.ptr, (m * k // 4,)),
-                           (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
-                           (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,
-                           self.bs.bit_length() - 1, parts, hb1, hb3)
+            lau, grid_, block, parts = self.tc.pick(m)
+            lau.launch(grid_, block, ctx.stream, (x.ptr, (m * k // 4,)),
+                       (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
+                       (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,
+                       self.bs.bit_length() - 1, parts, hb1, hb3)
             return
         if m in self.wc and not ((x.ptr | q1.ptr | q3.ptr) & 15):    # 16-byte loads
             lau, block, grid = self.wc[m]

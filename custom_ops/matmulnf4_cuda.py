@@ -535,11 +535,8 @@ class MatMulNF4CudaKernel(Kernel):
         from . import nf4tc_cuda    # (imports this module's PTX helpers)
         self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)
         if self.dtype == np.float16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
-            self.tc = nf4tc_cuda.launcher(1)
-            occ = max(1, self.tc.blocks_per_sm(32 * nf4tc_cuda.WARPS))
-            self.tc_parts = {c: nf4tc_cuda.parts_for(self.n, c, self.sms, occ) for c in (1, 2)}
+            self.tc = nf4tc_cuda.SessionKernels(1, self.n, self.sms)
             self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
-            self.tc_block = 32 * nf4tc_cuda.WARPS
 
     def compute(self, ctx, inputs):
         a, q, absmax = inputs[0], inputs[1], inputs[2]
@@ -551,13 +548,12 @@ class MatMulNF4CudaKernel(Kernel):
             return
         bptr = bias.ptr if bias is not None else y  # never read without has_bias
         if self.tc is not None and TC_MIN_M <= m <= 16 and not ((a.ptr | q.ptr) & 7 or absmax.ptr & 3):
-            nch = -(-m // 8)
-            parts = self.tc_parts[nch]
+            lau, grid_, block, parts = self.tc.pick(m)
             qa, ama = (q.ptr, (q.size // 8,)), (absmax.ptr, (absmax.size,))
-            self.tc.launch(nch * parts, self.tc_block, ctx.stream, (a.ptr, (m * self.k // 4,)), qa, ama, qa,
-                           ama, (self.tc_lut.device_ctypes_pointer.value, (256,)), (bptr, (self.n,)),
-                           (bptr, (self.n,)), (y, (m * self.n,)), m, self.k, self.n, self.bs.bit_length() - 1, parts,
-                           int(bias is not None), 0)
+            lau.launch(grid_, block, ctx.stream, (a.ptr, (m * self.k // 4,)), qa, ama, qa,
+                       ama, (self.tc_lut.device_ctypes_pointer.value, (256,)), (bptr, (self.n,)),
+                       (bptr, (self.n,)), (y, (m * self.n,)), m, self.k, self.n, self.bs.bit_length() - 1, parts,
+                       int(bias is not None), 0)
             return
         mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2)
         if mode != "generic" and (q.ptr & 7 or mode == "m1" and a.ptr & 15):  # 8-byte words, 16-byte loads of A:

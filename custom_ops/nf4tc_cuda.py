@@ -74,30 +74,65 @@ def ok(a16, m, k, n, bs):
     return bool(a16) and 0 < m <= MAX_M and k % 64 == 0 and bs >= 64 and k * n < 2 ** 32
 
 
-def chunks(m):
-    return -(-m // 8)
+RC2_MIN_M = 9              # from this M one block takes both chunks of 8 rows (rc = 2), with RC2_WARPS warps and
+RC2_WARPS, RC2_CPL = 4, 2  # RC2_CPL chunks per batch. H100, LLaMA-7B gate / up (benchmarks/nf4tc_gpu.py, session 25),
+                           # us at M = 9 / 12 / 16: FusedFFNNF4 44.3 / 46.2 / 49.1 against 69.5 / 70.9 / 73.7 for two
+                           # blocks of one chunk each (8 warps, cpl 2); MatMulNF4 25.7 / 27.4 / 31.1 against 41.5 /
+                           # 41.4 / 41.4; 8 warps or cpl 1 with rc = 2: 28.0-57.9
+
+
+def row_chunks(m):
+    """Chunks of 8 rows per block: 2 from RC2_MIN_M (each A fragment decoded once for both chunks' mma), else 1."""
+    return 2 if m >= RC2_MIN_M else 1
+
+
+def chunks(m, rc=1):
+    """Row chunks of the grid (blocks of rc chunks of 8 rows each)."""
+    return -(-m // (8 * rc))
 
 
 def parts_for(n, nch, sms, occupancy):
     return max(1, min(-(-n // 16), (sms * occupancy) // nch))
 
 
-def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
-    """The kernel for ``nw`` weights (1: MatMulNF4, 2: FusedFFNNF4), ``cpl`` chunks of 64 per load batch.
+class SessionKernels:
+    """What a MatMulNF4 (nw = 1) / FusedFFNNF4 (nw = 2) kernel object keeps of this kernel: per row-chunk mode (rc =
+    1, 2; each compiled on first use) its launcher, block and column parts per grid row chunk."""
+
+    def __init__(self, nw, n, sms):
+        self.nw, self.n, self.sms, self.modes = nw, n, sms, {}
+
+    def pick(self, m):
+        """(launcher, grid, block, parts) for M = m."""
+        rc = row_chunks(m)
+        if rc not in self.modes:
+            warps, cpl = (WARPS, CPL) if rc == 1 else (RC2_WARPS, RC2_CPL)
+            lau = launcher(self.nw, warps, MAX_REGISTERS, cpl, rc)
+            occ = max(1, lau.blocks_per_sm(32 * warps))
+            self.modes[rc] = (lau, 32 * warps, {c: parts_for(self.n, c, self.sms, occ) for c in (1, 2)})
+        lau, block, parts = self.modes[rc]
+        nch = chunks(m, rc)
+        return lau, nch * parts[nch], block, parts[nch]
+
+
+def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1):
+    """The kernel for ``nw`` weights (1: MatMulNF4, 2: FusedFFNNF4), ``cpl`` chunks of 64 per load batch, ``rc``
+    chunks of 8 rows of X per block (2: M = 9 .. 16 with each A fragment decoded once for both chunks' mma).
     Signature: x uint64 [M*K/4] (fp16 bits), q1 uint64 [N*K/16], am1 float32, q3, am3 (nw=1: pass q1's), lut
     uint32 [256] (``lut``), b1, b3, out uint16, m_dim, k_dim, n_dim, bs_shift (log2 block_size), parts, has_b1,
     has_b3."""
-    red_size = 2 * warps * nw * 128
+    red_size = 2 * warps * rc * nw * 128   # [buffer][warp][row chunk][weight][16 columns x 8 rows]
     scr_size = warps * 32 * 6 if SIM else 1
     nwd = 2 * nw * cpl          # words (and absmax) per batch: [chunk][weight][row]
-    nxv = 4 * cpl               # x words per batch: [chunk][step]
-    nacc = 4 * nw
+    nxv = 4 * cpl * rc          # x words per batch: [row chunk][chunk][step]
+    nacc = 4 * nw * rc          # [row chunk][weight][4]
 
     @cuda.jit(device=True, inline=True)
-    def fetch(wv, av, xv, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok):
+    def fetch(wv, av, xv, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok, xi1, rok1):
         """The batch of chunks jc .. jc+cpl-1 of this warp, at elements e0 / e1 of the flat W^T (rows r0 / r1, the
         lane's 16 elements of the first chunk): 8-byte words and absmax of each weight (absmax 0 past K), and
-        the lane's 4 x words per chunk (0 where B column g is no row of X or the chunk is past K)."""
+        the lane's 4 x words per chunk (0 where B column g is no row of X or the chunk is past K), of each row chunk
+        (xi / rok, and xi1 / rok1 for the second with rc = 2)."""
         for u in range(cpl):
             f0 = add32(e0, uint32(64 * u))
             f1 = add32(e1, uint32(64 * u))
@@ -118,11 +153,15 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
                     av[o + 3] = am3[a1]
                 for s in range(4):
                     xv[4 * u + s] = x[add32(xi, uint32(16 * u + s))] if rok else U0
+                    if rc == 2:
+                        xv[4 * (cpl + u) + s] = x[add32(xi1, uint32(16 * u + s))] if rok1 else U0
             else:
                 for q in range(2 * nw):
                     av[o + q] = F0
                 for s in range(4):
                     xv[4 * u + s] = U0
+                    if rc == 2:
+                        xv[4 * (cpl + u) + s] = U0
 
     @cuda.jit(device=True, inline=True)
     def chunk(wv, av, xv, acc, tab, lane4, scr, tid):
@@ -133,6 +172,10 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
                 d1 = F0
                 d2 = F0
                 d3 = F0
+                f0 = F0
+                f1 = F0
+                f2 = F0
+                f3 = F0
                 for s in range(4):
                     wg = wv[o]
                     wg8 = wv[o + 1]
@@ -150,10 +193,22 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
                     d1 = r[1]
                     d2 = r[2]
                     d3 = r[3]
+                    if rc == 2:         # the second row chunk on the same A fragment
+                        xq = xv[4 * (cpl + u) + s]
+                        r = _mma(a0, a1, a2, a3, uint32(xq & M32), uint32(xq >> U32), f0, f1, f2, f3, scr, tid)
+                        f0 = r[0]
+                        f1 = r[1]
+                        f2 = r[2]
+                        f3 = r[3]
                 acc[4 * w] += av[o] * d0
                 acc[4 * w + 1] += av[o] * d1
                 acc[4 * w + 2] += av[o + 1] * d2
                 acc[4 * w + 3] += av[o + 1] * d3
+                if rc == 2:
+                    acc[4 * (nw + w)] += av[o] * f0
+                    acc[4 * (nw + w) + 1] += av[o] * f1
+                    acc[4 * (nw + w) + 2] += av[o + 1] * f2
+                    acc[4 * (nw + w) + 3] += av[o + 1] * f3
 
     opts = {} if SIM or not max_registers else {"max_registers": max_registers}
 
@@ -175,9 +230,9 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
         kdim = uint32(k_dim)
         ndim = uint32(n_dim)
         sh = uint32(bs_shift)
-        nch = (mdim + uint32(7)) >> uint32(3)
+        nch = (mdim + uint32(8 * rc - 1)) // uint32(8 * rc)
         bid = uint32(cuda.blockIdx.x)
-        m0 = (bid % nch) << uint32(3)
+        m0 = (bid % nch) * uint32(8 * rc)
         part = uint64(bid // nch)
         tiles = uint64((ndim + uint32(15)) >> uint32(4))
         t_lo = uint32(part * tiles // uint64(parts))
@@ -187,7 +242,9 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
         c_lo = uint32(warp * per * uint32(cpl))
         jmax = uint32(kc - c_lo) if c_lo < kc else uint32(0)   # this warp's chunks inside K
         rok = m0 + g < mdim
+        rok1 = m0 + g + uint32(8) < mdim
         xrow = mad32(m0 + g, kdim >> uint32(2), t << uint32(2))   # x word of (row m0 + g, chunk 0, lane t)
+        x8 = kdim << uint32(1)                                     # x words of 8 rows
         last = ndim - uint32(1)
         wv = cuda.local.array(nwd, uint64)
         av = cuda.local.array(nwd, float32)
@@ -209,7 +266,7 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
         e0 = mad32(min((tile << uint32(4)) + g, last), kdim, ec)
         e1 = mad32(min((tile << uint32(4)) + g + uint32(8), last), kdim, ec)
         xi = xc
-        fetch(wv, av, xv, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok)
+        fetch(wv, av, xv, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok, add32(xi, x8), rok1)
         buf = uint32(0)
         while True:
             j = add32(j, uint32(1))
@@ -227,11 +284,11 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
                 e1 = mad32(min(((tile + uint32(1)) << uint32(4)) + g + uint32(8), last), kdim, ec)
                 xi = xc
             if more:
-                fetch(wn, an, xn, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok)
+                fetch(wn, an, xn, q1, am1, q3, am3, x, e0, e1, sh, xi, jc, jmax, rok, add32(xi, x8), rok1)
             chunk(wv, av, xv, acc, tab, lane4, scr, tid)
             if end:                   # the tile's K is done: partials of the block's warps, then the epilogue
-                base = (buf * nwarps + warp) * uint32(nw * 128) + (g << uint32(3)) + (t << uint32(1))
-                for w in range(nw):
+                base = (buf * nwarps + warp) * uint32(rc * nw * 128) + (g << uint32(3)) + (t << uint32(1))
+                for w in range(rc * nw):                  # [row chunk][weight]
                     o = base + uint32(w * 128)
                     red[o] = acc[4 * w]
                     red[o + uint32(1)] = acc[4 * w + 1]
@@ -240,7 +297,7 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
                 for q in range(nacc):
                     acc[q] = F0
                 cuda.syncthreads()
-                mc = min(uint32(8), mdim - m0)
+                mc = min(uint32(8 * rc), mdim - m0)
                 e = tid
                 while e < (mc << uint32(4)):
                     col = e >> uint32(4)
@@ -249,13 +306,14 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
                     if n < ndim:
                         gv = F0
                         uv = F0
-                        r = buf * nwarps * uint32(nw * 128) + (row << uint32(3)) + col
+                        r = (buf * nwarps * uint32(rc) + (col >> uint32(3))) * uint32(nw * 128) + (row << uint32(3)) + \
+                            (col & uint32(7))
                         wj = uint32(0)
                         while wj < nwarps:
                             gv += red[r]
                             if nw == 2:
                                 uv += red[r + uint32(128)]
-                            r += uint32(nw * 128)
+                            r += uint32(rc * nw * 128)
                             wj += uint32(1)
                         if has_b1:
                             gv += h2f(b1[n])
@@ -289,12 +347,12 @@ def sig():
 _launchers = {}
 
 
-def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL):
+def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1):
     """Direct-launch wrapper, compiled once per process (``.dispatcher``: the Numba kernel)."""
     from .cuda_launch import Launcher
-    key = (nw, warps, max_registers, cpl)
+    key = (nw, warps, max_registers, cpl, rc)
     if key not in _launchers:
-        fn = make(nw, warps, max_registers, cpl)
+        fn = make(nw, warps, max_registers, cpl, rc)
         lau = Launcher(fn, sig(), dynamic_shared=TAB_BYTES)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -316,28 +374,30 @@ def device_args(x, q1, am1, q3, am3, code, b1, b3, out_size, words):
 
 
 def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
-        repeat=1, max_registers=MAX_REGISTERS, cpl=CPL):
-    """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]."""
+        repeat=1, max_registers=MAX_REGISTERS, cpl=CPL, rc=None):
+    """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]. ``rc``:
+    row chunks of 8 per block (default: ``row_chunks(M)``)."""
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
     assert ok(True, m, K, N, block_size), "shape not served by the tensor-core kernel"
-    warps = warps or (2 if SIM else WARPS)
     nw, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
                                                                         np.uint64)
-    nch = chunks(m)
+    rc = rc or row_chunks(m)
+    nch = chunks(m, rc)
+    warps = warps or (2 if SIM else RC2_WARPS if rc == 2 else WARPS)
     if SIM:
         occ, sms = 1, sms or 2
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(nw, warps, max_registers, cpl)
+        lau = launcher(nw, warps, max_registers, cpl, rc)
         occ = max(1, lau.blocks_per_sm(32 * warps))
         sms = sms or sm_count(current_device())
     parts = parts_for(N, nch, sms, occ)
     args = (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout, m, K, N, block_size.bit_length() - 1, parts,
             int(b1 is not None), int(b3 is not None))
     if SIM:
-        kern = make(nw, warps, cpl=cpl)
+        kern = make(nw, warps, cpl=cpl, rc=rc)
         for _ in range(repeat):
             kern[nch * parts, 32 * warps, 0, TAB_BYTES](*args)
     else:

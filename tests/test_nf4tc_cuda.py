@@ -40,25 +40,28 @@ def _case(m, k, n, bs, qt, biases, seed):
     return ws, x, b1, b3
 
 
-CASES = [  # m, k, n, block size, type, biases, warps, chunks per batch (simulator: keep M * N small)
-    (1, 128, 40, 64, "nf4", (True, True), 2, 1),      # 3 tiles, the last partial
-    (1, 384, 40, 64, "nf4", (True, True), 2, 2),      # 6 chunks: 2 warps x 2 batches of 2, the last partial
-    (3, 192, 16, 128, "fp4", (False, True), 2, 1),    # 3 chunks over 2 warps: one warp idles on its second
-    (3, 192, 16, 128, "fp4", (False, True), 1, 2),    # one warp, a batch half past K
-    (9, 64, 20, 64, "nf4", (True, False), 1, 2),      # two row chunks (the second partial), one chunk of K
-    (1, 256, 16, 4096, "nf4", (False, False), 2, 2),  # absmax blocks straddle rows
+CASES = [  # m, k, n, block size, type, biases, warps, chunks per batch, row chunks of 8 per block (None: the
+    # default, 2 from M = 9) (simulator: keep M * N small)
+    (1, 128, 40, 64, "nf4", (True, True), 2, 1, None),      # 3 tiles, the last partial
+    (1, 384, 40, 64, "nf4", (True, True), 2, 2, None),      # 6 chunks: 2 warps x 2 batches of 2, the last partial
+    (3, 192, 16, 128, "fp4", (False, True), 2, 1, None),    # 3 chunks over 2 warps: one warp idles on its second
+    (3, 192, 16, 128, "fp4", (False, True), 1, 2, None),    # one warp, a batch half past K
+    (9, 64, 20, 64, "nf4", (True, False), 1, 2, 1),         # two row chunks in two blocks (the second partial)
+    (9, 64, 20, 64, "nf4", (True, False), 1, 2, None),      # both in one block (the second one row)
+    (16, 192, 40, 64, "nf4", (False, True), 2, 1, None),    # both whole, 3 tiles, 3 chunks of K over 2 warps
+    (1, 256, 16, 4096, "nf4", (False, False), 2, 2, None),  # absmax blocks straddle rows
 ]
 
 
-@pytest.mark.parametrize("m,k,n,bs,qt,biases,warps,cpl", CASES)
-def test_tc_kernel_vs_reference(m, k, n, bs, qt, biases, warps, cpl):
+@pytest.mark.parametrize("m,k,n,bs,qt,biases,warps,cpl,rc", CASES)
+def test_tc_kernel_vs_reference(m, k, n, bs, qt, biases, warps, cpl, rc):
     tc = _mod()
     ws, x, b1, b3 = _case(m, k, n, bs, qt, biases, 7)
     code = nf4.code(qt)
-    s = tc.run(x, *ws, code, bs, k, n, b1, b3, warps=warps, sms=1 if SIM else None, cpl=cpl)
+    s = tc.run(x, *ws, code, bs, k, n, b1, b3, warps=warps, sms=1 if SIM else None, cpl=cpl, rc=rc)
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
     assert s.shape == ref.shape and _rel(s, ref) <= 2.0 ** -10
-    y = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, warps=warps, sms=1 if SIM else None, cpl=cpl)
+    y = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, warps=warps, sms=1 if SIM else None, cpl=cpl, rc=rc)
     yref = _mm_ref(x, ws[0], ws[1], qt, bs, k, n, b1)
     assert _rel(y, yref) <= 2.0 ** -10
 
