@@ -16,7 +16,8 @@ Mapping: a warp owns a 16-row tile (fragment row g = lane >> 2: W^T rows n0 + g 
 64 == 0 and block_size >= 64: a chunk lies in one absmax block). mma step s (0..3) takes bytes 2s and 2s+1: the
 fragment's k pair (2t, 2t+1) is byte 2s (elements 16t + 4s, +1: high, low nibble), (2t+8, 2t+9) byte 2s+1; the sum
 over k does not care about the order as long as B (= x) uses the same: B column j = activation row m0 + j (8 rows
-per pass; M = 9..16 as two row chunks in neighbouring blocks), the lane's 4 x values one 8-byte load. D of a
+per pass; from M = 9 both row chunks in one block, each A fragment feeding two mma: RC2_*), the lane's 4 x values
+one 8-byte load per row chunk. D of a
 chunk is scaled by its absmax (4 FFMAs per weight) into the lane's accumulators. The half2 table (the fp16 code
 values of a byte's high then low nibble) is in dynamic shared memory, 32 copies (entry of byte v for lane l at
 byte v * 256 + 4l: no bank conflicts), addressed by one PRMT (byte into bits 8..15, 4 * lane into bits 0..7).
