@@ -84,7 +84,8 @@ def test_gemv8_vs_reference(M, K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     _check(y, x, w, G, K, N, bias)
 
 
-def test_gemv8_rows_stay_apart():
+@pytest.mark.parametrize("M,nan_row,inf_row", [(5, 1, 3), (12, 9, 3)])   # M = 12: one row in each chunk of 8
+def test_gemv8_rows_stay_apart(M, nan_row, inf_row):  # noqa: N803
     """A NaN or Inf in one row of X reaches only that row's outputs (each row has its own S and B column); the
     other rows meet the reference."""
     _cuda()
@@ -92,12 +93,12 @@ def test_gemv8_rows_stay_apart():
     K, N, G = 64, 16, 32  # noqa: N806
     w = _weights(K, N, G, seed=15)
     kw = {"wpl": 1, "unroll": 2} if SIM else {}
-    x = np.random.default_rng(16).standard_normal((5, K)).astype(np.float16)
-    x[1, 37] = np.nan
-    x[3, 2] = np.inf
+    x = np.random.default_rng(16).standard_normal((M, K)).astype(np.float16)
+    x[nan_row, 37] = np.nan
+    x[inf_row, 2] = np.inf
     y = m1.run_arrays(x, *w, G, K, N, **kw).astype(np.float64)
-    assert np.isnan(y[1]).all() and not np.isfinite(y[3]).all()
-    ok = [0, 2, 4]
+    assert np.isnan(y[nan_row]).all() and not np.isfinite(y[inf_row]).all()
+    ok = [r for r in range(M) if r not in (nan_row, inf_row)]
     assert np.isfinite(y[ok]).all()
     _check(y[ok].astype(np.float16), x[ok], w, G, K, N)
 
