@@ -273,6 +273,10 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         sv = cuda.local.array(nsv, uint64)
         sv3 = cuda.local.array(nsv, uint64)
         nchunk = (m32 + uint32(7)) >> uint32(3) if mr == 8 else uint32(1)   # chunks of 8 rows (B's columns)
+        ncol = uint32(ncol_c)
+        # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
+        kb = gw0 * g32
+        last = (kp - bstep + t * uint32(4)) * nq + wi
         ch = uint32(0)
         while ch < nchunk:            # M = 9 .. 16: the second chunk re-reads the block's weights from L2
             r0 = ch * uint32(8)
@@ -286,9 +290,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             for i in range(no):
                 o[i] = F0
                 o3[i] = F0
-            # batch b reads rows kb + 16 unroll b + 16 u + 4 t + r; from the last batch in Kp on it re-reads that one
-            kb = gw0 * g32
-            last = (kp - bstep + t * uint32(4)) * nq + wi
             base = min((min(kb, kp - bstep) + t * uint32(4)) * nq + wi, last)
             kx = kb + t * uint32(4)
             for u in range(unroll):
@@ -331,7 +332,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                         zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
                         if nw == 2:
                             zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi)
-            ncol = uint32(ncol_c)
             if mr == 8:
                 # red[((warp nw + w) 8 + row) ncol + column]: row 2 t + e, column (g wpl + h) 8 + col
                 for h in range(wpl):
@@ -380,7 +380,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                 i += uint32(warps * 32)
             cuda.syncthreads()        # red is written again by the next chunk
             ch += uint32(1)
-        ncol = uint32(ncol_c)
         ntot = ncol * uint32(mr) * nchunk
         if splits == 1:
             return
@@ -488,7 +487,8 @@ def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
                              wpl)
     sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
                      scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr)
-    return sp, max(acc_size, partial_floats(splits, nw, 1 if mr == 1 else MAX_M, sh.N)), max(cnt_size, tiles(sh.N, wpl))
+    rows = 1 if mr == 1 else MAX_M
+    return sp, max(acc_size, partial_floats(splits, nw, rows, sh.N)), max(cnt_size, tiles(sh.N, wpl))
 
 
 def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):

@@ -87,6 +87,11 @@ def row_chunks(m):
     return 2 if m >= RC2_MIN_M else 1
 
 
+def geometry(rc):
+    """(warps per block, chunks of 64 per batch) of the kernel with ``rc`` row chunks per block."""
+    return (WARPS, CPL) if rc == 1 else (RC2_WARPS, RC2_CPL)
+
+
 def chunks(m, rc=1):
     """Row chunks of the grid (blocks of rc chunks of 8 rows each)."""
     return -(-m // (8 * rc))
@@ -98,7 +103,7 @@ def parts_for(n, nch, sms, occupancy):
 
 class SessionKernels:
     """What a MatMulNF4 (nw = 1) / FusedFFNNF4 (nw = 2) kernel object keeps of this kernel: per row-chunk mode (rc =
-    1, 2; each compiled on first use) its launcher, block and column parts per grid row chunk."""
+    1, 2; each compiled on first use) its launcher, block and resident blocks per SM."""
 
     def __init__(self, nw, n, sms):
         self.nw, self.n, self.sms, self.modes = nw, n, sms, {}
@@ -107,13 +112,13 @@ class SessionKernels:
         """(launcher, grid, block, parts) for M = m."""
         rc = row_chunks(m)
         if rc not in self.modes:
-            warps, cpl = (WARPS, CPL) if rc == 1 else (RC2_WARPS, RC2_CPL)
+            warps, cpl = geometry(rc)
             lau = launcher(self.nw, warps, MAX_REGISTERS, cpl, rc)
-            occ = max(1, lau.blocks_per_sm(32 * warps))
-            self.modes[rc] = (lau, 32 * warps, {c: parts_for(self.n, c, self.sms, occ) for c in (1, 2)})
-        lau, block, parts = self.modes[rc]
+            self.modes[rc] = (lau, 32 * warps, max(1, lau.blocks_per_sm(32 * warps)))
+        lau, block, occ = self.modes[rc]
         nch = chunks(m, rc)
-        return lau, nch * parts[nch], block, parts[nch]
+        parts = parts_for(self.n, nch, self.sms, occ)
+        return lau, nch * parts, block, parts
 
 
 def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1):
@@ -375,9 +380,10 @@ def device_args(x, q1, am1, q3, am3, code, b1, b3, out_size, words):
 
 
 def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
-        repeat=1, max_registers=MAX_REGISTERS, cpl=CPL, rc=None):
+        repeat=1, max_registers=MAX_REGISTERS, cpl=None, rc=None):
     """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]. ``rc``:
-    row chunks of 8 per block (default: ``row_chunks(M)``)."""
+    row chunks of 8 per block (default: ``row_chunks(M)``); warps and cpl default to ``geometry(rc)`` (2 warps
+    under the simulator)."""
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
@@ -386,7 +392,8 @@ def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=
                                                                         np.uint64)
     rc = rc or row_chunks(m)
     nch = chunks(m, rc)
-    warps = warps or (2 if SIM else RC2_WARPS if rc == 2 else WARPS)
+    warps = warps or (2 if SIM else geometry(rc)[0])
+    cpl = cpl or geometry(rc)[1]
     if SIM:
         occ, sms = 1, sms or 2
     else:

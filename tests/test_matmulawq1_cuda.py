@@ -1,5 +1,5 @@
-"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/matmulawq1_cuda: M = 1, and up to 16 rows per launch in chunks of 8) against
-the numpy reference (onnx_lowbit.awq):
+"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/matmulawq1_cuda: M = 1, and up to 16 rows per launch in chunks
+of 8) against the numpy reference (onnx_lowbit.awq):
 under Numba's CUDA simulator in CI (small shapes, 2 warps per block), on the GPU with ONNX_LOWBIT_REAL_GPU=1 (the
 session configuration too). Its session dispatch is tested in test_awq_kernels.py (scratch cases) and through
 onnxruntime there and in test_nan_cuda.py."""
@@ -155,10 +155,10 @@ def test_config_and_plan():
 
 
 # FusedFFNAWQ at M = 1 (two weights, SiLU(x W1 + b1) * (x W3 + b3)): K, N, G, unroll, groups per warp, biases
-# (M rows: 1, or up to 8 with mr = 8)
+# (M rows: 1, or up to 16 with mr = 8)
 FFN_CASES = [(1, 64, 32, 32, 2, 1, (True, True)), (1, 100, 16, 32, 1, 1, (False, True)),
-             (1, 96, 24, 32, 2, 2, (True, False)), (4, 64, 32, 32, 2, 1, (True, True)), (7, 96, 24, 32, 2, 2, (False, True)),
-             (14, 96, 24, 32, 2, 2, (True, True))]
+             (1, 96, 24, 32, 2, 2, (True, False)), (4, 64, 32, 32, 2, 1, (True, True)),
+             (7, 96, 24, 32, 2, 2, (False, True)), (14, 96, 24, 32, 2, 2, (True, True))]
 FFN_GPU_CASES = [(1, 4096, 11008, 128, 4, None, (False, False)), (1, 2048, 8192, 128, 4, None, (True, True)),
                  (1, 688, 1024, 128, 2, None, (False, True)), (4, 4096, 11008, 128, 4, None, (True, False)),
                  (8, 2048, 8192, 128, 4, None, (False, False)), (16, 4096, 11008, 128, 4, None, (True, True)),
