@@ -63,7 +63,13 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c4 wide am16 (fp16 absmax)", {"h2": 4, "wide": True, "am16": True}),
                 ("h2 chain4 c4 wide early am16", {"h2": 4, "wide": True, "early": True, "am16": True}),
                 ("h2 chain2 c4 wide pingpong", {"h2": 2, "wide": True, "pingpong": True}),
-                ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True})]
+                ("h2 chain2 c4 wide early", {"h2": 2, "wide": True, "early": True}),
+                ("h2 chain4 c4 wide pingpong", {"h2": 4, "wide": True, "pingpong": True}),
+                ("h2 chain4 c4 wide pingpong early", {"h2": 4, "wide": True, "pingpong": True, "early": True}),
+                ("h2 chain4 c2 wide", {"h2": 4, "wide": True, "cols": 2}),
+                ("h2 chain4 c2 wide pingpong", {"h2": 4, "wide": True, "cols": 2, "pingpong": True}),
+                ("h2 chain4 c8 wide", {"h2": 4, "wide": True, "cols": 8}),
+                ("h2 chain4 c8 wide pingpong", {"h2": 4, "wide": True, "cols": 8, "pingpong": True})]
 # the warp-column kernel (nf4warp_cuda; FusedFFNNF4 at M=1, 2, MatMulNF4 at M=1): (label, warps per block, ptxas
 # register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier), the
 # table built with 16-byte stores (half2.VEC_TABLE; False: 4-byte stores))
@@ -90,6 +96,8 @@ def main():
     ap.add_argument("--ffn-ms", metavar="M1,M2", help="only the FusedFFNNF4 cases at these M")
     ap.add_argument("--ffn-k", metavar="K1,K2", help="only the FusedFFNNF4 cases at these K")
     ap.add_argument("--ffn-shapes", metavar="MxKxN,...", help="these FusedFFNNF4 cases instead (e.g. 1x3072x8192)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the FusedFFNNF4 block-kernel variants this many "
+                    "times, in turn (round by round), to see the run-to-run spread against the differences")
     a = ap.parse_args()
     mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
     if a.ffn_only:
@@ -231,6 +239,7 @@ def main():
                                            host[1][0], host[1][1].astype(np.float16), code, k, n,
                                            BS).astype(np.float64)
         mt = fusedffnnf4_cuda.bucket(m)
+        jobs = []
         for label, kw in FFN_VARIANTS:
             if a.quick and kw.get("pair", True) and kw and "h2" not in kw or not keep(label):
                 continue
@@ -244,13 +253,22 @@ def main():
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
             lt = nlut16 if h2 else nlut if pair else nlut32
-            calls = [lambda w=w: lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
-                                            ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
-                                            k, n, BS.bit_length() - 5, parts, 0, 0)
+            calls = [lambda w=w, lau=lau, parts=parts, block=block, lt=lt:
+                     lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
+                                ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
+                                k, n, BS.bit_length() - 5, parts, 0, 0)
                      for w in (dev16 if am16 else dev)]
-            t, err = timed(label, calls, lambda: rel(s.float().cpu().numpy(), ref16 if am16 else ref))
-            report(case, label, t, nbytes - (k * n // BS * 4 if am16 else 0), t_torch, err,
-                   f"[{parts} x {block}, {occ}/SM, {regs(lau)}]")
+            jobs.append((label, calls, ref16 if am16 else ref, nbytes - (k * n // BS * 4 if am16 else 0),
+                         f"[{parts} x {block}, {occ}/SM, {regs(lau)}]"))
+        for rnd in range(a.rounds):
+            for label, calls, want, nb, extra in jobs:
+                t, err = timed(label, calls, lambda want=want: rel(s.float().cpu().numpy(), want))
+                report(case, label + (f" (round {rnd + 1})" if a.rounds > 1 else ""), t, nb, t_torch, err, extra)
+        if a.rounds > 1:
+            for label, *_ in jobs:
+                ts = sorted(r[2] for r in rows if r[0] == case and r[1].startswith(label + " (round "))
+                print(f"{case:28s} {label:30s} median {ts[len(ts) // 2]:7.2f} us, min {ts[0]:7.2f}, "
+                      f"max {ts[-1]:7.2f} over {len(ts)} rounds", flush=True)
         for label, warps, mr, split, vec in WC_VARIANTS:
             if not keep(label) or not nf4warp_cuda.ok(m, k, True, BS, split):
                 continue

@@ -1,8 +1,11 @@
 """NF4 tensor-core decode kernel (custom_ops/nf4tc_cuda.py) against the kernels sessions use today, same run, H100:
   fused  FusedFFNNF4 (gate+up + SiLU*mul): nf4tc nw=2 vs fusedffnnf4_cuda's decode kernel
   matmul MatMulNF4 (one weight): nf4tc nw=1 vs matmulnf4_cuda's planned kernel (M=1: the PRMT M=1 kernel)
-Shape: LLaMA-7B gate/up (4096 -> 11008), fused M = 1, 2, 3, 4, 8, 16, matmul M = 1, 2, 4, 16. NF4 block 64, random bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py);
-every output checked against the CPU face on the timed data. GB/s counts the packed weight bytes + absmax.
+Shape: LLaMA-7B gate/up (4096 -> 11008), fused M = 1, 2, 3, 4, 8, 16, matmul M = 1, 2, 4, 16. NF4 block 64, random
+bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py) over calls that cycle through a pool of distinct
+weights (>= 128 MB in all, past the 50 MB L2, as layer after layer of a decode step; before 2026-11-26 session 26 one
+weight was reused, so part of it came from L2); every output checked against the CPU face on the first pool entry.
+GB/s counts the packed weight bytes + absmax.
     PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8:1:0,8:2:128,8:1:0:2]
         [--fused-ms 12,16] [--matmul-ms 12,16]
 (a variant is warps:cpl:maxreg[:rc], rc = row chunks of 8 per block; default the kernel's row_chunks(M))
@@ -16,6 +19,7 @@ from ffn4_gpu import rel
 from timing import copy_gbps, time_graph
 
 BS = 64
+POOL_BYTES = 128 << 20
 
 
 def main():
@@ -55,6 +59,8 @@ def main():
                            (rng.random(K * N // BS) * 0.1 + 0.01).astype(np.float32)) for _ in range(2)]
         w = ws[(K, N)][:nw]
         dw = [(td(q), td(am)) for q, am in w]
+        cnt = max(3, -(-POOL_BYTES // (nw * (K * N // 2 + K * N // BS * 4))))
+        pool = [dw] + [[(torch.roll(q, 977 * i), torch.roll(am, 31 * i)) for q, am in dw] for i in range(1, cnt)]
         x = (torch.randn(m, K, device="cuda") + 0.2).half()
         xa = x.cpu().numpy().astype(np.float32)
         if nw == 2:
@@ -65,9 +71,12 @@ def main():
         out = torch.empty(m, N, device="cuda", dtype=torch.float16)
         y3 = torch.empty_like(out)
 
-        def rec(name, fn):
+        def rec(name, fns):
+            """fns: one launch per pool entry (the first on the host weights), cycled in the timed graph."""
+            it = iter(range(1 << 30))
             try:
-                tg = time_graph(fn)
+                tg = time_graph(lambda: fns[next(it) % len(fns)](), batch=len(fns) * max(1, 20 // len(fns)))
+                fns[0]()
                 torch.cuda.synchronize()
                 err = rel(out.float().cpu().numpy(), ref)
                 out.zero_()
@@ -76,7 +85,6 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{kind} K={K} N={N} M={m} {name}: FAILED {type(e).__name__}: {e}", flush=True)
 
-        q3, a3 = dw[1] if nw == 2 else dw[0]
         for warps, cpl, maxreg, *rc in variants:
             maxreg = maxreg or None
             rc = rc[0] if rc else tc.row_chunks(m)
@@ -86,12 +94,13 @@ def main():
             occ = max(1, lau.blocks_per_sm(32 * warps))
             nch = tc.chunks(m, rc)
             parts = tc.parts_for(N, nch, sms, occ)
-            args = [ptr(x, m * K // 4), ptr(dw[0][0], K * N // 16), ptr(dw[0][1]), ptr(q3, K * N // 16), ptr(a3),
-                    ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 1, parts, 0, 0]
-            fn = (lambda lau=lau, g=nch * parts, b=32 * warps, args=args: lau.launch(g, b, stream(), *args))
+            fns = [lambda lau=lau, g=nch * parts, b=32 * warps, d=d: lau.launch(
+                g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], K * N // 16), ptr(d[0][1]),
+                ptr(d[-1][0], K * N // 16), ptr(d[-1][1]), ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N,
+                BS.bit_length() - 1, parts, 0, 0) for d in pool]
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
-            rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM, {nch * parts} blk)", fn)
+            rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM, {nch * parts} blk)", fns)
         if nw == 2:
             mt = fusedffnnf4_cuda.bucket(m)
             lau = fusedffnnf4_cuda.launcher(True, mt)
@@ -99,16 +108,17 @@ def main():
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
             nch = -(-m // mt)
             parts = fusedffnnf4_cuda.parts_for(N, nch, sms, occ)
-            args = [ptr(x), ptr(dw[0][0], K * N // 16), ptr(dw[0][1]), ptr(dw[1][0], K * N // 16), ptr(dw[1][1]),
-                    ptr(nlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 5, parts, 0, 0]
-            rec("current FusedFFNNF4 decode", lambda: lau.launch(nch * parts, block, stream(), *args))
+            rec("current FusedFFNNF4 decode", [lambda d=d: lau.launch(
+                nch * parts, block, stream(), ptr(x), ptr(d[0][0], K * N // 16), ptr(d[0][1]), ptr(d[1][0], K * N // 16),
+                ptr(d[1][1]), ptr(nlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 5, parts, 0, 0)
+                for d in pool])
         else:
             mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
             lau_n = matmulnf4_cuda._launcher(mode, np.float16)
-            nargs = matmulnf4_cuda._args(mode, ptr(x), ptr(dw[0][0]), ptr(dw[0][1]), ptr(dcode), ptr(out), 0,
-                                         ptr(out), m, K, N, BS, K * N // 16)
-            rec(f"current MatMulNF4 ({mode})", lambda: lau_n.launch(g_, blk, stream(), *nargs, shmem=shm))
-        del y3
+            rec(f"current MatMulNF4 ({mode})", [lambda d=d: lau_n.launch(g_, blk, stream(), *matmulnf4_cuda._args(
+                mode, ptr(x), ptr(d[0][0]), ptr(d[0][1]), ptr(dcode), ptr(out), 0, ptr(out), m, K, N, BS,
+                K * N // 16), shmem=shm) for d in pool])
+        del y3, pool
 
 
 if __name__ == "__main__":

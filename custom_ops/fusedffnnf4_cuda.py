@@ -33,7 +33,9 @@ one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 
 21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row (WIDE): 24.1 us.
 X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sectors each and held the prologue for
 ~2 us), and from K = 4096 the chains are 4 bytes long (H2_WIDE): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
-2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table).
+2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table); that wide decode's step
+loop is written out twice with the word buffers' roles swapped (PINGPONG_WIDE): 21.64 against 21.87 us at M = 1,
+22.84 against 23.70 at M = 2 (H100, medians of 4 rounds).
 With fp16 X at M = 1, 2 and K = 1024 .. 3072 (WARPCOLS) sessions take the warp-column kernel of nf4warp_cuda
 instead (a warp, or a pair of warps, owns whole columns: no barrier per step; 13-38% faster there, BENCHMARKS.md).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
@@ -86,6 +88,10 @@ H2_WIDE = {1: 4, 2: 4}      # .v4 each (half the threads and absmax loads). H100
                             # / 21.99 (mean 22.0) for chains of 2. Rounding (benchmarks/h2_error.py, RMS of x W^T):
                             # 3.9e-4 against 3.2e-4 (zero-mean X). At 2048 -> 2 x 8192 the 64-thread blocks are slower
                             # (M=1 13.07 against 12.31; M=2 15.42 / 15.03), hence the bound
+PINGPONG_WIDE = True        # the wide decode's step loop written out twice with the word buffers' roles swapped
+                            # (``pingpong``: no copies of the prefetched words; 116 registers). H100, LLaMA-7B
+                            # gate+up, weights past L2, medians of 4 rounds (BENCHMARKS.md, session 26): M=1 21.64
+                            # against 21.87 us, M=2 22.84 against 23.70; H200 M=1 17.95 against 18.28
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
@@ -649,7 +655,7 @@ def blocks_per_sm(launcher_, block):
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, sms=None,
+               force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=None, max_registers=None, sms=None,
                repeat=1, early=None, nib=None, h2=None, wide=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
@@ -683,6 +689,8 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     else:
         mt = bucket(m)
         pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide, k)
+        if pingpong is None:    # as sessions: the wide decode's two-buffer loop
+            pingpong = bool(wide and PINGPONG_WIDE and prefetch)
         nch = -(-m // mt)
         block = threads(k, wide)
         if SIM:
@@ -765,7 +773,7 @@ class FusedFFNNF4CudaKernel(Kernel):
                 self.lut_args[mt] = lut_arg(pair, h2)
                 self.block[mt] = threads(self.k, wide)
                 self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
-                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide)
+                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide, pingpong=wide and PINGPONG_WIDE)
                 occ = blocks_per_sm(self.fast[mt], self.block[mt])
                 for m in range(1, MAX_M_FAST + 1):
                     if bucket(m) == mt:

@@ -529,3 +529,29 @@ def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
     assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= _tol(np.float16)
     assert fusedffnnf4_cuda.table_choice(1, a16=True, k=k)[3:] == ((4, True) if wide_min_k == 0 else (2, False))
+
+
+@pytest.mark.parametrize("n", [61, 8])
+def test_nf4_wide_pingpong_is_default_same_bits(n, monkeypatch):
+    """The wide decode's default (sessions and run_arrays) is the two-buffer step loop (PINGPONG_WIDE): the same bits
+    as the loop that copies the prefetched words, for slices of odd and even step counts and a partial last step."""
+    fc = _nf4_cuda()
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    monkeypatch.setattr(fc, "WIDE_MIN_K", 0)
+    assert fc.PINGPONG_WIDE
+    k, bs = 256, 64
+    ws = nf4_weights(k, n, bs, "nf4", seed=31)
+    seen = []   # the default really takes the two-buffer loop
+    if SIM:
+        make = fc._make_decode
+        monkeypatch.setattr(fc, "_make_decode", lambda *a, **kw: seen.append(kw.get("pingpong")) or make(*a, **kw))
+    else:       # run_arrays asks launcher(a16, mt, pair, cols, prefetch, pingpong, ...) for occupancy and launch
+        lau = fc.launcher
+        monkeypatch.setattr(fc, "launcher", lambda *a, **kw: seen.append(a[5]) or lau(*a, **kw))
+    for m in (1, 2):
+        x, b1, b3 = _data((m,), k, n, np.float16, (True, m == 1), 32 + m)
+        base = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, pingpong=False, sms=1)
+        got = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, sms=1)
+        assert np.array_equal(base.view(np.uint16), got.view(np.uint16)), m
+        assert _rel(got, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), m
+    assert seen == ([False, True] * 2 if SIM else [False, False, True, True] * 2)
