@@ -59,7 +59,7 @@ def data(K, N, x_dtype, w_dtype, lead, seed=0):  # noqa: N803
 def bound(x, w1, w3, b1, b3):
     """(ref, tolerance) per the module docstring."""
     ref = ffn.swiglu_ref(x, w1, w3, b1, b3)
-    k, n = w1.shape[1], w1.shape[0]
+    k = w1.shape[1]
     ax = np.abs(x.astype(np.float64).reshape(-1, k))
     e1 = ax @ np.abs(w1.astype(np.float64)).T + (0 if b1 is None else np.abs(b1.astype(np.float64)))
     e3 = ax @ np.abs(w3.astype(np.float64)).T + (0 if b3 is None else np.abs(b3.astype(np.float64)))

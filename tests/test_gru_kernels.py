@@ -50,7 +50,6 @@ def random_gru(T, N, C, H, direction, bits, seed=0, stress=False, clip=None):  #
 
 def gru_node_model(p, H, direction, bits, layout, *, with_lens, with_h0, outputs=("Y", "Y_h"), name="gru0",  # noqa: N803
                    attrs=None):
-    d = 2 if direction == "bidirectional" else 1
     inits = [onnx.numpy_helper.from_array(np.asarray(p[k]), k) for k in ("W", "R", "B", "channel_exp", "luts")]
     ins = ["X", "W", "R", "B", "channel_exp", "luts", "sequence_lens" if with_lens else "", "h0" if with_h0 else ""]
     while ins[-1] == "":
