@@ -29,6 +29,8 @@ def main():
                     help="tensor-core kernel variants warps:cpl:maxreg[:rc] (maxreg 0: ptxas's choice)")
     ap.add_argument("--fused-ms", help="FusedFFNNF4 cases at these M (default 1, 2, 3, 4, 8, 16)")
     ap.add_argument("--matmul-ms", help="MatMulNF4 cases at these M (default 1, 2, 4, 16)")
+    ap.add_argument("--halves", action="store_true", help="MatMulNF4 cases also through the two-weight kernel on the "
+                    "weight's two halves (nf4tc_cuda.HALVES)")
     a = ap.parse_args()
     import torch
 
@@ -85,22 +87,32 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{kind} K={K} N={N} M={m} {name}: FAILED {type(e).__name__}: {e}", flush=True)
 
-        for warps, cpl, maxreg, *rc in variants:
+        for (warps, cpl, maxreg, *rc), halves in [(v, h) for v in variants
+                                                  for h in ((False, True) if a.halves and nw == 1 else (False,))]:
             maxreg = maxreg or None
             rc = rc[0] if rc else tc.row_chunks(m)
             if rc == 2 and m <= 8:
                 continue
-            lau = tc.launcher(nw, warps, maxreg, cpl, rc)
+            lau = tc.launcher(2 if halves else nw, warps, maxreg, cpl, rc, halves)
             occ = max(1, lau.blocks_per_sm(32 * warps))
             nch = tc.chunks(m, rc)
-            parts = tc.parts_for(N, nch, sms, occ)
-            fns = [lambda lau=lau, g=nch * parts, b=32 * warps, d=d: lau.launch(
-                g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], K * N // 16), ptr(d[0][1]),
-                ptr(d[-1][0], K * N // 16), ptr(d[-1][1]), ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N,
-                BS.bit_length() - 1, parts, 0, 0) for d in pool]
+            nd = N // 2 if halves else N       # halves: the weight's two halves of rows as W1 / W3
+            wq, wa = nd * K // 16, nd * K // BS
+            if halves:
+                fns = [lambda lau=lau, g=nch * tc.parts_for(nd, nch, sms, occ), b=32 * warps, d=d,
+                       p=tc.parts_for(nd, nch, sms, occ): lau.launch(
+                    g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], wq), ptr(d[0][1], wa),
+                    (d[0][0].data_ptr() + 8 * wq, (wq,)), (d[0][1].data_ptr() + 4 * wa, (wa,)), ptr(dlut), ptr(out),
+                    ptr(out), ptr(out), m, K, nd, BS.bit_length() - 1, p, 0, 0) for d in pool]
+            else:
+                parts = tc.parts_for(N, nch, sms, occ)
+                fns = [lambda lau=lau, g=nch * parts, b=32 * warps, d=d, p=parts: lau.launch(
+                    g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], K * N // 16), ptr(d[0][1]),
+                    ptr(d[-1][0], K * N // 16), ptr(d[-1][1]), ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N,
+                    BS.bit_length() - 1, p, 0, 0) for d in pool]
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
-            rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM, {nch * parts} blk)", fns)
+            rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM){' halves' if halves else ''}", fns)
         if nw == 2:
             mt = fusedffnnf4_cuda.bucket(m)
             lau = fusedffnnf4_cuda.launcher(True, mt)

@@ -803,7 +803,7 @@ class FusedFFNNF4CudaKernel(Kernel):
                             m, k, n, self.bs.bit_length() - 1, blocks, hb1, hb3, shmem=self.mma_shm)
             return
         if self.tc is not None and TC_MIN_M <= m <= nf4tc_cuda.MAX_M and not ((x.ptr | q1.ptr | q3.ptr) & 7):
-            lau, grid_, block, parts = self.tc.pick(m)
+            lau, grid_, block, parts, _ = self.tc.pick(m)
             lau.launch(grid_, block, ctx.stream, (x.ptr, (m * k // 4,)),
                        (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
                        (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,

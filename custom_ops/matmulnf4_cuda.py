@@ -535,7 +535,7 @@ class MatMulNF4CudaKernel(Kernel):
         from . import nf4tc_cuda    # (imports this module's PTX helpers)
         self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)
         if self.dtype == np.float16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
-            self.tc = nf4tc_cuda.SessionKernels(1, self.n, self.sms)
+            self.tc = nf4tc_cuda.SessionKernels(1, self.n, self.sms, self.k, self.bs)
             self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
 
     def compute(self, ctx, inputs):
@@ -548,12 +548,22 @@ class MatMulNF4CudaKernel(Kernel):
             return
         bptr = bias.ptr if bias is not None else y  # never read without has_bias
         if self.tc is not None and TC_MIN_M <= m <= 16 and not ((a.ptr | q.ptr) & 7 or absmax.ptr & 3):
-            lau, grid_, block, parts = self.tc.pick(m)
+            lau, grid_, block, parts, halves = self.tc.pick(m)
+            hb = int(bias is not None)
+            lt = (self.tc_lut.device_ctypes_pointer.value, (256,))
+            if halves:      # the weight's two halves of rows as the kernel's W1 / W3 (N even)
+                nh = self.n // 2
+                w, am_ = nh * self.k // 16, nh * self.k // self.bs
+                b3 = (bptr + 2 * nh, (nh,)) if hb else (bptr, (nh,))
+                lau.launch(grid_, block, ctx.stream, (a.ptr, (m * self.k // 4,)), (q.ptr, (w,)), (absmax.ptr, (am_,)),
+                           (q.ptr + 8 * w, (w,)), (absmax.ptr + 4 * am_, (am_,)), lt, (bptr, (nh,)), b3,
+                           (y, (m * self.n,)), m, self.k, nh, self.bs.bit_length() - 1, parts, hb, hb)
+                return
             qa, ama = (q.ptr, (q.size // 8,)), (absmax.ptr, (absmax.size,))
             lau.launch(grid_, block, ctx.stream, (a.ptr, (m * self.k // 4,)), qa, ama, qa,
-                       ama, (self.tc_lut.device_ctypes_pointer.value, (256,)), (bptr, (self.n,)),
+                       ama, lt, (bptr, (self.n,)),
                        (bptr, (self.n,)), (y, (m * self.n,)), m, self.k, self.n, self.bs.bit_length() - 1, parts,
-                       int(bias is not None), 0)
+                       hb, 0)
             return
         mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2)
         if mode != "generic" and (q.ptr & 7 or mode == "m1" and a.ptr & 15):  # 8-byte words, 16-byte loads of A:

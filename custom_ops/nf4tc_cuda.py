@@ -97,6 +97,20 @@ def chunks(m, rc=1):
     return -(-m // (8 * rc))
 
 
+HALVES = True              # MatMulNF4 (one weight, even N) from HALVES_MIN_M rows: the two-weight kernel on the
+HALVES_MIN_M = 8           # weight's two halves (twice the words in flight per warp). H200, LLaMA-7B gate / up,
+                           # weights past L2 (benchmarks/nf4tc_gpu.py --halves, BENCHMARKS.md session 26), us, halves
+                           # / one weight: M = 9 / 12 / 16 (rc 2) 30.7 / 31.8 / 33.9 against 32.9 / 35.5 / 39.3; M = 8
+                           # 23.8 / 24.7; M = 2, 4 slower (22.2 / 20.7, 22.3 / 21.6)
+
+
+def use_halves(n, k, bs, m=None):
+    """Whether a one-weight product of N = ``n`` columns (K = ``k``, block size ``bs``; M = ``m`` rows, if given, from
+    HALVES_MIN_M) runs as two halves through the two-weight kernel: N even and the second half's first absmax block
+    starting at its first element."""
+    return HALVES and n % 2 == 0 and (n // 2 * k) % bs == 0 and (m is None or m >= HALVES_MIN_M)
+
+
 def parts_for(n, nch, sms, occupancy):
     return max(1, min(-(-n // 16), (sms * occupancy) // nch))
 
@@ -105,28 +119,36 @@ class SessionKernels:
     """What a MatMulNF4 (nw = 1) / FusedFFNNF4 (nw = 2) kernel object keeps of this kernel: per row-chunk mode (rc =
     1, 2; each compiled on first use) its launcher, block and resident blocks per SM."""
 
-    def __init__(self, nw, n, sms):
+    def __init__(self, nw, n, sms, k=None, bs=None):
         self.nw, self.n, self.sms, self.modes = nw, n, sms, {}
+        # one weight of K = k, block size bs whose halves can serve as W1 / W3 (n / 2 rows each)
+        self.halves = nw == 1 and k is not None and use_halves(n, k, bs)
 
     def pick(self, m):
-        """(launcher, grid, block, parts) for M = m."""
+        """(launcher, grid, block, parts, halves) for M = m; with ``halves`` the caller passes the weight's two
+        halves as W1 / W3 and N / 2 as N."""
         rc = row_chunks(m)
-        if rc not in self.modes:
+        h = self.halves and m >= HALVES_MIN_M
+        if (rc, h) not in self.modes:
             warps, cpl = geometry(rc)
-            lau = launcher(self.nw, warps, MAX_REGISTERS, cpl, rc)
-            self.modes[rc] = (lau, 32 * warps, max(1, lau.blocks_per_sm(32 * warps)))
-        lau, block, occ = self.modes[rc]
+            lau = launcher(2 if h else self.nw, warps, MAX_REGISTERS, cpl, rc, h)
+            self.modes[(rc, h)] = (lau, 32 * warps, max(1, lau.blocks_per_sm(32 * warps)))
+        lau, block, occ = self.modes[(rc, h)]
         nch = chunks(m, rc)
-        parts = parts_for(self.n, nch, self.sms, occ)
-        return lau, nch * parts, block, parts
+        parts = parts_for(self.n // 2 if h else self.n, nch, self.sms, occ)
+        return lau, nch * parts, block, parts, h
 
 
-def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1):
+def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1, halves=False):
     """The kernel for ``nw`` weights (1: MatMulNF4, 2: FusedFFNNF4), ``cpl`` chunks of 64 per load batch, ``rc``
     chunks of 8 rows of X per block (2: M = 9 .. 16 with each A fragment decoded once for both chunks' mma).
     Signature: x uint64 [M*K/4] (fp16 bits), q1 uint64 [N*K/16], am1 float32, q3, am3 (nw=1: pass q1's), lut
     uint32 [256] (``lut``), b1, b3, out uint16, m_dim, k_dim, n_dim, bs_shift (log2 block_size), parts, has_b1,
-    has_b3."""
+    has_b3. ``halves`` (nw = 2; MatMulNF4 with an even N): W1 / W3 are the first and second halves of one weight's
+    rows (n_dim = N / 2 each; q3, am3, b3 point into the same arrays), and the output is the plain product Y [M, N]:
+    column n of a half-product goes to column n (W1) and N / 2 + n (W3) of Y; the two-weight kernel keeps twice the
+    words in flight per warp of the one-weight kernel."""
+    assert not halves or nw == 2
     red_size = 2 * warps * rc * nw * 128   # [buffer][warp][row chunk][weight][16 columns x 8 rows]
     scr_size = warps * 32 * 6 if SIM else 1
     nwd = 2 * nw * cpl          # words (and absmax) per batch: [chunk][weight][row]
@@ -326,6 +348,12 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1):
                         oi = (m0 + col) * ndim + n
                         if nw == 1:
                             out[oi] = f2h(gv)
+                        elif halves:          # Y [M, 2 n_dim]: the first half's column, then the second's
+                            oi = mad32(m0 + col, ndim << uint32(1), n)
+                            out[oi] = f2h(gv)
+                            if has_b3:
+                                uv += h2f(b3[n])
+                            out[add32(oi, ndim)] = f2h(uv)
                         else:
                             if has_b3:
                                 uv += h2f(b3[n])
@@ -353,12 +381,12 @@ def sig():
 _launchers = {}
 
 
-def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1):
+def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1, halves=False):
     """Direct-launch wrapper, compiled once per process (``.dispatcher``: the Numba kernel)."""
     from .cuda_launch import Launcher
-    key = (nw, warps, max_registers, cpl, rc)
+    key = (nw, warps, max_registers, cpl, rc, halves)
     if key not in _launchers:
-        fn = make(nw, warps, max_registers, cpl, rc)
+        fn = make(nw, warps, max_registers, cpl, rc, halves)
         lau = Launcher(fn, sig(), dynamic_shared=TAB_BYTES)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -380,16 +408,26 @@ def device_args(x, q1, am1, q3, am3, code, b1, b3, out_size, words):
 
 
 def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
-        repeat=1, max_registers=MAX_REGISTERS, cpl=None, rc=None):
+        repeat=1, max_registers=MAX_REGISTERS, cpl=None, rc=None, halves=None):
     """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]. ``rc``:
     row chunks of 8 per block (default: ``row_chunks(M)``); warps and cpl default to ``geometry(rc)`` (2 warps
-    under the simulator)."""
+    under the simulator). ``halves`` (one weight): through the two-weight kernel on its two halves (default, as
+    sessions: ``use_halves(N, K, block_size, M)``)."""
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
     assert ok(True, m, K, N, block_size), "shape not served by the tensor-core kernel"
     nw, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
                                                                         np.uint64)
+    halves = nw == 1 and (use_halves(N, K, block_size, m) if halves is None else halves)
+    nd, hb3 = N, int(b3 is not None)
+    if halves:      # the two halves of the weight's rows (and of its bias) as W1 / W3
+        assert N % 2 == 0 and (N // 2 * K) % block_size == 0, "halves need an even N and whole absmax blocks"
+        nd, nw, hb3 = N // 2, 2, int(b1 is not None)
+        w, a = nd * K // 16, nd * K // block_size
+        dq1, dq3, dam1, dam3 = dq1[:w], dq1[w:], dam1[:a], dam1[a:]
+        if b1 is not None:
+            db1, db3 = db1[:nd], db1[nd:]
     rc = rc or row_chunks(m)
     nch = chunks(m, rc)
     warps = warps or (2 if SIM else geometry(rc)[0])
@@ -398,14 +436,14 @@ def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=
         occ, sms = 1, sms or 2
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(nw, warps, max_registers, cpl, rc)
+        lau = launcher(nw, warps, max_registers, cpl, rc, halves)
         occ = max(1, lau.blocks_per_sm(32 * warps))
         sms = sms or sm_count(current_device())
-    parts = parts_for(N, nch, sms, occ)
-    args = (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout, m, K, N, block_size.bit_length() - 1, parts,
-            int(b1 is not None), int(b3 is not None))
+    parts = parts_for(nd, nch, sms, occ)
+    args = (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout, m, K, nd, block_size.bit_length() - 1, parts,
+            int(b1 is not None), hb3)
     if SIM:
-        kern = make(nw, warps, cpl=cpl, rc=rc)
+        kern = make(nw, warps, cpl=cpl, rc=rc, halves=halves)
         for _ in range(repeat):
             kern[nch * parts, 32 * warps, 0, TAB_BYTES](*args)
     else:

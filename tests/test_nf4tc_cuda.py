@@ -89,3 +89,107 @@ def test_tc_lut_is_fp16_code_pairs():
     assert tc.ok(True, 16, 4096, 11008, 64) and not tc.ok(False, 1, 4096, 11008, 64)
     assert not tc.ok(True, 1, 4096, 11008, 32) and not tc.ok(True, 17, 4096, 11008, 64)
     assert not tc.ok(True, 1, 4000, 11008, 64) and not tc.ok(True, 1, 65536, 65536, 64)
+
+
+@pytest.mark.parametrize("m,k,n,bs,rc,bias", [
+    (2, 128, 40, 64, None, True),      # halves of 20 rows: a partial tile in each, the second half's bias
+    (9, 192, 36, 64, None, False),     # both row chunks in one block, halves of 18 rows
+    (11, 64, 16, 64, 1, True),         # row chunks in two blocks, halves of one partial tile each
+    (1, 256, 32, 4096, None, True),    # absmax blocks straddle rows (16 per block), each half whole blocks
+])
+def test_tc_halves_same_bits_as_one_weight(m, k, n, bs, rc, bias, monkeypatch):
+    """MatMulNF4 through the two-weight kernel on its weight's two halves of rows (``halves``: W1 = rows 0 .. N/2-1,
+    W3 = the rest, written to columns n and N/2 + n) gives the same bits as the one-weight kernel (each column's sums
+    run in the same order), within 2^-10 of the reference, and is the default when HALVES is set and N is even."""
+    tc = _mod()
+    ws, x, b1, _ = _case(m, k, n, bs, "nf4", (bias, False), 9)
+    code = nf4.code("nf4")
+    kw = dict(warps=2 if SIM else None, sms=1 if SIM else None, rc=rc)
+    one = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, halves=False, **kw)
+    two = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, halves=True, **kw)
+    assert np.array_equal(one.view(np.uint16), two.view(np.uint16))
+    assert _rel(two, _mm_ref(x, ws[0], ws[1], "nf4", bs, k, n, b1)) <= 2.0 ** -10
+    monkeypatch.setattr(tc, "HALVES", True)
+    assert tc.use_halves(n, k, bs) and not tc.use_halves(n + 1, k, bs) and tc.SessionKernels(1, n, 1, k, bs).halves
+    assert tc.use_halves(n, k, bs, tc.HALVES_MIN_M) and not tc.use_halves(n, k, bs, tc.HALVES_MIN_M - 1)
+    assert not tc.SessionKernels(2, n, 1, k, bs).halves and not tc.use_halves(2, 256, 4096)   # a block over both
+    x[m - 1, 3] = np.inf             # a non-finite row stays in its row, in both halves
+    y = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, halves=True, **kw)
+    assert not np.isfinite(y[m - 1]).all() and np.isfinite(y[:m - 1]).all()
+
+
+@pytest.mark.parametrize("halves,m,n,bias", [(True, 8, 40, True), (False, 9, 40, True), (True, 10, 36, False),
+                                             (True, 3, 40, True)])
+def test_matmulnf4_session_call_on_halves(halves, m, n, bias, monkeypatch):
+    """MatMulNF4's CUDA kernel object (as a session calls it, simulator stand-ins for the launches) on the
+    tensor-core path: with HALVES, from HALVES_MIN_M rows, its one launch takes the weight's two halves as W1 / W3,
+    and the recorded native plan patches the second halves' pointers as offsets into the packed weight, the absmax
+    and the bias (so a replay with other buffers stays right); the output is the one-weight kernel's, bit for
+    bit."""
+    if not SIM:
+        pytest.skip("stand-in launches over host memory: simulator only")
+    from types import SimpleNamespace
+
+    from onnx_lowbit import domain
+    from onnx_lowbit.custom_ops import cuda_launch, matmulnf4_cuda, plans
+    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.bridge import LbPlan, Tensor
+    from onnx_lowbit.custom_ops.cuda_launch import SimLauncher
+
+    class Sim(SimLauncher):
+        def blocks_per_sm(self, block, shmem=None):
+            return 2
+
+        def launch(self, grid, block, stream, *args, shmem=None):
+            super().launch(grid, block, stream, *args, shmem=tc.TAB_BYTES)
+
+    keep = []
+
+    def to_device(a):
+        a = np.ascontiguousarray(a)
+        keep.append(a)
+        return SimpleNamespace(keep=a, device_ctypes_pointer=SimpleNamespace(value=a.ctypes.data))
+
+    k, bs = 128, 64
+    ws, x, b1, _ = _case(m, k, n, bs, "nf4", (bias, False), 12)
+    ref = tc.run(x, ws[0], ws[1], None, None, nf4.code("nf4"), bs, k, n, b1, halves=False, warps=2, sms=1)
+    monkeypatch.setattr(tc, "HALVES", halves)
+    monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
+    monkeypatch.setattr(matmulnf4_cuda, "tc_device", lambda: True)
+    monkeypatch.setattr(matmulnf4_cuda, "_launcher", lambda *a, **kw: None)
+    monkeypatch.setattr(matmulnf4_cuda.cuda, "to_device", to_device)
+    monkeypatch.setattr(tc, "geometry", lambda rc, g=tc.geometry: (2, g(rc)[1]))     # 2 simulated warps
+    monkeypatch.setattr(tc, "launcher", lambda nw, warps, max_registers, cpl, rc, halves=False: Sim(
+        tc.make(nw, warps, None, cpl, rc, halves), tc.sig(), empty=0))
+    kern = matmulnf4_cuda.MatMulNF4CudaKernel(spec=domain.OPS["MatMulNF4"], node_name="t",
+                                               in_types=(10, 2, 1) + ((10,) if bias else ()), out_types=(10,),
+                                               attrs={"quant_type": "nf4", "block_size": bs, "K": k, "N": n})
+    assert kern.tc is not None and kern.tc.halves == halves
+    halves = halves and m >= tc.HALVES_MIN_M
+    out = np.zeros(m * n, np.float16)
+
+    class Ctx:
+        stream, recorder = 7, None
+
+        def output(self, index, shape):
+            assert tuple(shape) == (m, n)
+            if self.recorder is not None:
+                self.recorder.output(index, tuple(shape), out.ctypes.data)
+            return out.ctypes.data
+
+    arrays = [x, ws[0], ws[1]] + ([b1] if bias else [])
+    inputs = [Tensor(a.ctypes.data, et, a.shape) for a, et in zip(arrays, (10, 2, 1, 10))]
+    plan = LbPlan()
+    plans.compute_and_record(kern, Ctx(), inputs, plan)
+    assert plan.valid and plan.n_steps == 1
+    assert np.array_equal(out.reshape(m, n).view(np.uint16), ref.view(np.uint16))
+    st = plan.steps[0]
+    patches = {(st.patch_kind[j], st.patch_index[j], st.patch_off[j]) for j in range(st.n_patch)}
+    nh = n // 2
+    if halves:      # W3 = bytes nh K / 2 on of the weight, its absmax and bias nh elements on
+        assert {(plans.INPUT, 1, nh * k // 2), (plans.INPUT, 2, 4 * nh * k // bs)} <= patches
+        assert ((plans.INPUT, 3, 2 * nh) in patches) == bias
+    else:
+        assert not any(off for kind, _, off in patches if kind == plans.INPUT)
+    assert (plans.OUTPUT, 0, 0) in patches
