@@ -24,7 +24,9 @@ byte v * 256 + 4l: no bank conflicts), addressed by one PRMT (byte into bits 8..
 A block is WARPS warps on a contiguous run of tiles; its warps split K (ceil(K / 64 / WARPS) chunks each, the
 next chunk's words prefetched while the current one is decoded), their partials meet in shared memory once per
 tile (double-buffered, one barrier per tile), and 16 x rows threads apply bias / SiLU * mul in fp32 and store in
-fp16. Grid: row chunks x (SMs x resident blocks), one wave.
+fp16. Grid: row chunks x (SMs x resident blocks), one wave. MatMulNF4 from HALVES_MIN_M rows (N even) runs as the
+two-weight kernel on its weight's two halves of rows (``halves``: both products stored, no SiLU * mul), which keeps
+twice the one-weight kernel's words in flight per warp.
 
 Accuracy: the code values are rounded to fp16 (bitsandbytes' own kernels dequantise to fp16 too): at most 2^-12
 relative per weight, products and sums in fp32. NaN/Inf in a row of X make that row's outputs non-finite.
