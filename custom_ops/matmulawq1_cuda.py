@@ -70,15 +70,6 @@ MAX_M = 16                  # rows of X one launch takes: chunks of 8 (B's colum
 SESSION_MAX_M = 16          # MatMulAWQ / FusedFFNAWQ sessions take this kernel for M = 1 .. SESSION_MAX_M (fp16 X)
 
 
-HALVES = False              # MatMulAWQ (N % 16 == 0) as the two-weight kernel on its weight's column halves
-HALVES_MRS = (1, 8)         # ... for these row modes (mr 1: M = 1, mr 8: M = 2 .. 16)
-
-
-def use_halves(n, mr):
-    """Whether a MatMulAWQ of N = ``n`` columns runs as two halves through the two-weight kernel (row mode mr)."""
-    return HALVES and n % 16 == 0 and mr in HALVES_MRS
-
-
 def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
     """Whether this kernel can take the product."""
     return a16 and 1 <= m <= MAX_M and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
@@ -101,7 +92,7 @@ def config(a16, k, n, g_size, sms, nw=1, mr=1):
     return warps, unroll, cap, wpl
 
 
-def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1, halves=False):
+def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1):
     """The kernel for ``nw`` weights: 1 = MatMulAWQ (out = x W1 + b1), 2 = FusedFFNAWQ (out = SiLU(x W1 + b1) *
     (x W3 + b3)). Signature: (x uint64 [K/4] (fp16 bits), qw1 [Kp * N/8/wpl], qz1 [groups * N/8/wpl] (uint64 for
     wpl = 2, uint32 for 1), sc1 uint64 [groups * N/4] (fp16 bits), qw3, qz3, sc3, b1, b3 uint16 [N], out uint16 [N],
@@ -120,13 +111,8 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
     ``mr`` = 8: up to 8 rows of X (M = m_dim), B column g = row g (zeros past M). Lane (g, t) then holds rows 2 t and
     2 t + 1 of every column of its words, and scales all 8 columns of each word at group ends (its S values are the
     two rows' sums). M = 9 .. MAX_M: the block runs its whole pipeline once per chunk of 8 rows (rows 8 c + g), the
-    chunk's sums stored (or written as partials) before the next; the last block of a tile then sums every row.
-
-    ``halves`` (nw = 2; MatMulAWQ): W1 / W3 are the column halves of one weight (n_dim = N / 2 columns each; qw3,
-    qz3, sc3 and b3 point half a row into the same arrays, whose rows keep their full length N), and the output is
-    the plain product Y [M, N]: column c of the first half-product goes to column c of Y, of the second to N / 2 +
-    c. The two-weight kernel keeps twice the one-weight kernel's words in flight per lane."""
-    assert mr in (1, 8) and (nw == 2 or not halves)
+    chunk's sums stored (or written as partials) before the next; the last block of a tile then sums every row."""
+    assert mr in (1, 8)
     scr_size = warps * 32 * 6 if SIM else 1
     nbuf = unroll * 4
     ncol_c = 64 * wpl                        # columns per tile (8 lanes g x wpl words x 8)
@@ -240,16 +226,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             acc[i] = F0
 
     @device
-    def store(out, b1, b3, has_b1, has_b3, oi, col, gv, uv, n32):
-        """Output element oi (column col of this launch's columns): the product(s) and bias(es), or (halves) both
-        half-products, the second N / 2 = n32 columns on."""
-        if halves:
-            _tc_store(1, out, b1, b3, has_b1, False, oi, col, gv, uv)
-            _tc_store(1, out, b3, b3, has_b3, False, oi + n32, col, uv, uv)
-        else:
-            _tc_store(nw, out, b1, b3, has_b1, has_b3, oi, col, gv, uv)
-
-    @device
     def load_sz(qz, sc, sv, gq, nq, n32, wi):
         """Group gq's zero word(s) and the 8 wpl scales of the lane's words (2 wpl x 8 bytes)."""
         so = (gq * n32 + wi * uint32(8 * wpl)) >> uint32(2)
@@ -274,13 +250,11 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         g32 = uint32(g_size)
         groups = uint32(groups_)
         tiles = uint32(tiles_)
-        ld = n32 << uint32(1) if halves else n32     # columns per row of the arrays (and of the output)
-        nq = ld >> uint32(2 + wpl)                    # loads (wpl words) per row
-        nqc = n32 >> uint32(2 + wpl)                  # ... of the columns this launch computes
+        nq = n32 >> uint32(2 + wpl)                   # loads (wpl words) per row
         bid = uint32(cuda.blockIdx.x)
         split = bid // tiles
         tile = bid - split * tiles
-        wi = min(tile * uint32(8) + g, nqc - uint32(1))  # the lane's load of each row (clamped: not stored)
+        wi = min(tile * uint32(8) + g, nq - uint32(1))   # the lane's load of each row (clamped: not stored)
         kp = groups * g32
         gp = uint32(gpw)
         gw0 = (split * uint32(warps) + warp) * gp     # the warp's first group
@@ -328,8 +302,8 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                 xbuf[u] = x[(xoff + kk) >> uint32(2)] if kk < k32 and xok else U0
             gl = uint32(0)
             gq = min(gw0, groups - uint32(1))
-            zq = load_sz(qz1, sc1, sv, gq, nq, ld, wi)
-            zq3 = load_sz(qz3, sc3, sv3, gq, nq, ld, wi) if nw == 2 else zq
+            zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
+            zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi) if nw == 2 else zq
             b = uint32(0)
             cg = uint32(0)                                # batches done in the current group
             while b < nb:
@@ -355,9 +329,9 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                     gl += uint32(1)
                     if gl < gp:
                         gq = min(gw0 + gl, groups - uint32(1))
-                        zq = load_sz(qz1, sc1, sv, gq, nq, ld, wi)
+                        zq = load_sz(qz1, sc1, sv, gq, nq, n32, wi)
                         if nw == 2:
-                            zq3 = load_sz(qz3, sc3, sv3, gq, nq, ld, wi)
+                            zq3 = load_sz(qz3, sc3, sv3, gq, nq, n32, wi)
             if mr == 8:
                 # red[((warp nw + w) 8 + row) ncol + column]: row 2 t + e, column (g wpl + h) 8 + col
                 for h in range(wpl):
@@ -396,7 +370,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                         if nw == 2:
                             uv += red[(uint32(w_ * nw * mr + mr) + row) * ncol + ci]
                     if splits == 1:
-                        store(out, b1, b3, has_b1, has_b3, (r0 + row) * ld + col, col, gv, uv, n32)
+                        _tc_store(nw, out, b1, b3, has_b1, has_b3, (r0 + row) * n32 + col, col, gv, uv)
                     else:
                         pi = (((uint64(split) * uint64(nw)) * uint64(m32) + uint64(r0 + row)) * uint64(n32) +
                               uint64(col))
@@ -430,7 +404,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
                     uv = F0
                     if nw == 2:
                         uv = sum_splits(part, b0 + mn, stride, splits)
-                    store(out, b1, b3, has_b1, has_b3, row * ld + col, col, gv, uv, n32)
+                    _tc_store(nw, out, b1, b3, has_b1, has_b3, row * n32 + col, col, gv, uv)
                 i += uint32(warps * 32)
             if tid == uint32(0):
                 cnt[tile] = uint32(0)
@@ -470,11 +444,11 @@ def sig(wpl=WPL):
 _launchers = {}
 
 
-def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1, halves=False):
+def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1):
     from .cuda_launch import Launcher
-    key = (warps, unroll, max_registers, wpl, probe, nw, mr, halves)
+    key = (warps, unroll, max_registers, wpl, probe, nw, mr)
     if key not in _launchers:
-        fn = _make(warps, unroll, max_registers, wpl, probe, nw, mr, halves)
+        fn = _make(warps, unroll, max_registers, wpl, probe, nw, mr)
         lau = Launcher(fn, sig(wpl))
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -497,7 +471,6 @@ class SessionPlan(NamedTuple):
     nw: int
     scalars: tuple          # the scalar arguments without the two bias flags and M
     mr: int                 # 1 (M = 1) or 8 (M = 2 .. 16: chunks of 8 rows)
-    halves: bool = False    # MatMulAWQ as the two-weight kernel on its weight's column halves (HALVES)
 
 
 def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
@@ -505,18 +478,17 @@ def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
     (``mr`` 1) or M = 2 .. 16 (``mr`` 8): (SessionPlan, or None where it cannot serve it, acc_size and cnt_size
     grown to what its partials and tile counters need)."""
     from . import matmulawq_cuda as mc    # mma.sync needs compute capability 8.0 (tests stand tc_device in)
-    halves = nw == 1 and use_halves(sh.N, mr)
-    kw, n = (2, sh.N // 2) if halves else (nw, sh.N)     # halves: two weights of N / 2 columns
-    cfg = config(a16, sh.K, n, sh.group_size, sms, kw, mr) if mc.tc_device() else None
+    cfg = config(a16, sh.K, sh.N, sh.group_size, sms, nw, mr) if mc.tc_device() else None
     if cfg is None:
         return None, acc_size, cnt_size
     warps, unroll, cap, wpl = cfg
-    lau = launcher(warps, unroll, cap, wpl, 0, kw, mr, halves)
-    grid, gpw, splits = plan(sh.K, n, sh.group_size, sms, max(1, lau.blocks_per_sm(32 * warps)), warps, None, wpl)
-    sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, kw,
-                     scalars(sh.K, n, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr, halves)
+    lau = launcher(warps, unroll, cap, wpl, 0, nw, mr)
+    grid, gpw, splits = plan(sh.K, sh.N, sh.group_size, sms, max(1, lau.blocks_per_sm(32 * warps)), warps, None,
+                             wpl)
+    sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
+                     scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr)
     rows = 1 if mr == 1 else MAX_M
-    return sp, max(acc_size, partial_floats(splits, kw, rows, n)), max(cnt_size, tiles(n, wpl))
+    return sp, max(acc_size, partial_floats(splits, nw, rows, sh.N)), max(cnt_size, tiles(sh.N, wpl))
 
 
 def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):
@@ -529,30 +501,22 @@ def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):
     if (x.ptr | ws[-1][2].ptr | w1[2].ptr) & 7 or any((q.ptr | z.ptr) & (4 * sp.wpl - 1) for q, z, _ in ws) or \
             any(b is not None and b.ptr & 1 for b in (b1, b3)):
         return False
+    part = scratch.partials(ctx, partial_floats(sp.splits, sp.nw, m, n))
     ob = (out, (m * n,))
     wa = [(t.ptr, (t.size // (4 if i == 2 else sp.wpl),)) for w in (w1, ws[-1]) for i, t in enumerate(w)]
     bias = [(b.ptr, (n,)) if b is not None else ob for b in (b1, b3)]
-    hb3 = int(b3 is not None)
-    if sp.halves:   # the second half: half a row (N / 2 columns) into qweight, qzeros (N / 16 words), scales, bias
-        n //= 2
-        off = [4 * n // 8, 4 * n // 8, 2 * n]
-        wa[3:] = [(p + o, (c - o // (4 * sp.wpl if i < 2 else 8),)) for i, ((p, (c,)), o) in enumerate(zip(wa[:3], off))]
-        bias = [(b1.ptr, (n,)), (b1.ptr + 2 * n, (n,))] if b1 is not None else [ob, ob]
-        hb3 = int(b1 is not None)
-    part = scratch.partials(ctx, partial_floats(sp.splits, sp.nw, m, n))
     sp.launcher.launch(sp.grid, sp.block, ctx.stream, (x.ptr, (x.size // 4,)), *wa, *bias, ob, part,
-                       scratch.counters(ctx.stream), *sp.scalars, int(b1 is not None), hb3, m)
+                       scratch.counters(ctx.stream), *sp.scalars, int(b1 is not None), int(b3 is not None), m)
     return True
 
 
 def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=None,  # noqa: N803
-        max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1, mr=None, halves=None):
+        max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1, mr=None):
     """Runs the kernel on host arrays (tests, benchmarks): x fp16 [M, K] (M <= 8; ``mr`` default 1 for M = 1, else
     8), w1 / w3 = (qweight, qzeros, scales), w3 None for MatMulAWQ; returns the fp16 output [M, N]: the Numba
     dispatcher under the simulator (``warps`` per block, default 2), the direct launch path on a GPU. The inputs are checked as a session checks them (the kernel
     reads all Kp rows of qweight), and the product must suit the kernel (``ok``). ``repeat`` launches that many
-    times on the same scratch. ``halves`` (MatMulAWQ): through the two-weight kernel on the weight's column halves, as
-    sessions do where ``use_halves(N, mr)`` (needs N % (16 wpl) == 0)."""
+    times on the same scratch."""
     from .dequantawq_cpu import check_a_bias, check_weights, parse_attrs
     from .ffn4_common import check_x_biases
     from .fusedffnawq_cpu import check_both
@@ -570,7 +534,6 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
         raise ValueError(f"the small-M tensor-core GEMV cannot take this product (fp16 X [M, K], M <= {most}, "
                          f"K % 4 == 0, N % {8 * wpl} == 0, group_size % {16 * unroll} == 0)")
     nw = 1 if w3 is None else 2
-    halves = nw == 1 and bool(halves)
     warps = warps or (2 if SIM else WARPS)
     wdt = np.uint64 if wpl == 2 else np.uint32
     dev = lambda v, dt: cuda.to_device(np.ascontiguousarray(v).reshape(-1).view(dt))  # noqa: E731
@@ -578,28 +541,19 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
     dout = cuda.device_array(m * N, np.uint16)
     db1 = dev(b1, np.uint16) if b1 is not None else dout
     db3 = dev(b3, np.uint16) if b3 is not None else dout
-    hb3 = b3 is not None
-    if halves:      # the second half: half a row into each array (rows keep their length N)
-        if N % (16 * wpl):
-            raise ValueError(f"halves need N % {16 * wpl} == 0")
-        N //= 2     # noqa: N806
-        nw, hb3 = 2, b1 is not None
-        ws[3:] = [ws[0][N // (8 * wpl):], ws[1][N // (8 * wpl):], ws[2][N // 4:]]
-        if b1 is not None:
-            db3 = db1[N:]
     if SIM:
         occ, sms = DEFAULT_BLOCKS_PER_SM, sms or 2
     else:
         from .cuda_launch import current_device, sm_count
-        lau = launcher(warps, unroll, max_registers, wpl, probe, nw, mr, halves)
+        lau = launcher(warps, unroll, max_registers, wpl, probe, nw, mr)
         occ, sms = lau.blocks_per_sm(32 * warps), sms or sm_count(current_device())
     grid, gp, splits = plan(K, N, group_size, sms, occ, warps, gpw, wpl)
     dpart = cuda.to_device(np.zeros(max(1, splits * nw * m * N), np.float32))
     dcnt = cuda.to_device(np.zeros(tiles(N, wpl), np.uint32))
     args = (dev(x, np.uint64), *ws, db1, db3, dout, dpart, dcnt,
-            *scalars(K, N, group_size, gp, splits, b1 is not None, hb3, wpl, m))
+            *scalars(K, N, group_size, gp, splits, b1 is not None, b3 is not None, wpl, m))
     if SIM:
-        kern = _make(warps, unroll, None, wpl, probe, nw, mr, halves)
+        kern = _make(warps, unroll, None, wpl, probe, nw, mr)
         for _ in range(repeat):
             kern[grid, 32 * warps](*args)
     else:
@@ -607,7 +561,7 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
         for _ in range(repeat):
             lau.launch(grid, 32 * warps, 0, *[p(v) for v in args])
         cuda.synchronize()
-    return dout.copy_to_host().view(np.float16).reshape(m, -1)
+    return dout.copy_to_host().view(np.float16).reshape(m, N)
 
 
 def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, **kw):  # noqa: N803

@@ -467,8 +467,8 @@ def sim_kernels(monkeypatch):
     from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
     mc, fc = matmulawq_cuda, fusedffnawq_cuda
     monkeypatch.setattr(m1c, "launcher", lambda warps=m1c.WARPS, unroll=m1c.UNROLL, max_registers=None, wpl=m1c.WPL,
-                        probe=0, nw=1, mr=1, halves=False: _SimLauncher(
-                            m1c._make(warps, unroll, None, wpl, probe, nw, mr, halves), m1c.sig(wpl)))
+                        probe=0, nw=1, mr=1: _SimLauncher(m1c._make(warps, unroll, None, wpl, probe, nw, mr),
+                                                          m1c.sig(wpl)))
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     monkeypatch.setattr(mc, "tc_device", lambda: True)
@@ -545,7 +545,6 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, monkeypat
     tc = M >= mc.TC_MIN_M and dtype == np.float16 and not small
     if small:
         assert sp is not None and sp.mr == (1 if M == 1 else 8)   # the shape suits the small-M tensor-core GEMV
-        assert sp.halves == (nw == 1 and m1c.use_halves(N, sp.mr)) and sp.nw == (2 if sp.halves else nw)
         splits = sp.splits
     elif tc:
         _, _, splits = kern.tc_plans[M]
@@ -563,9 +562,6 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, monkeypat
         block = sp.block if small else 32 * mc.TC_WARPS if tc else mc.BLOCK
         assert plan.steps[0].block == block     # the kernel the case is for
         assert part[1] == floats and cnt[1] == kern.scratch.tiles
-        if small and sp.halves:     # the second half's qweight / qzeros (N / 2 columns: N / 4 bytes), scales and
-            # bias (N bytes) are patched as offsets into the inputs
-            assert {N // 4, N} <= {off for kind, off in patches.values() if kind == plans.INPUT}
         assert cnt[0] == kern.scratch.counters(ctx.stream)[0] and cnt[2] not in patches   # kernel-owned, kept
         assert np.all(kern.scratch._cnt[ctx.stream].copy_to_host() == 0)      # left zeroed for the next launch
         scratch_slots = [s for s, (kind, _) in patches.items() if kind == plans.SCRATCH]

@@ -199,35 +199,3 @@ def test_host_runner_checks_inputs():
         m1.run_arrays(np.ones((17, K), np.float16), qw, qz, sc, G, K, N)   # 17 rows: past two chunks of 8
     with pytest.raises(ValueError, match="cannot take"):
         m1.run_arrays(np.ones((2, K), np.float16), qw, qz, sc, G, K, N, mr=1)   # the M = 1 kernel takes one row
-
-
-# MatMulAWQ through the two-weight kernel on its weight's column halves (``halves``, as sessions take it where N %
-# 16 == 0): M, K, N, G, unroll, groups per warp, bias. M = 1 with one split and with several (partials of N / 2
-# columns each), a partial column tile in each half (N = 48: 24 columns a half), M = 2 .. 16 (chunks of 8 rows)
-HCASES = [(1, 64, 32, 32, 2, 1, True), (1, 128, 48, 32, 1, 1, False), (3, 96, 32, 32, 2, 2, True),
-          (12, 64, 48, 32, 2, 1, True)]
-HGPU_CASES = [(1, 4096, 11008, 128, 4, None, True), (1, 2048, 2048, 128, 4, None, False),
-              (5, 4096, 11008, 128, 4, None, True), (16, 688, 1024, 128, 2, None, False)]
-
-
-@pytest.mark.parametrize("M,K,N,G,unroll,gpw,hb", HCASES + ([] if SIM else HGPU_CASES))
-def test_halves_vs_reference(M, K, N, G, unroll, gpw, hb):  # noqa: N803
-    """The halves write both half-products to their own columns of Y (the second N / 2 on) with their halves of the
-    bias, and the tile counters are left at zero (twice on the same scratch); a non-finite row of X stays in its
-    row in both halves."""
-    _cuda()
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
-    w = _weights(K, N, G, seed=K + N + M + 1)
-    rng = np.random.default_rng(K + M + 1)
-    x = (rng.standard_normal((M, K)) * 0.5).astype(np.float16)
-    bias = rng.standard_normal(N).astype(np.float16) if hb else None
-    y = m1.run_arrays(x, *w, G, K, N, bias, wpl=1, unroll=unroll, gpw=gpw, repeat=2, halves=True)
-    assert y.shape == (M, N)
-    _check(y, x, w, G, K, N, bias)
-    if M > 1:
-        x[M - 1, 5] = np.nan
-        y = m1.run_arrays(x, *w, G, K, N, bias, wpl=1, unroll=unroll, gpw=gpw, halves=True).astype(np.float64)
-        assert np.isnan(y[M - 1]).all() and np.isfinite(y[:M - 1]).all()
-    assert m1.use_halves(N, 1) and not m1.use_halves(N + 8, 1)
-    with pytest.raises(ValueError, match="halves"):
-        m1.run_arrays(x, *_weights(K, 40, G, 1), G, K, 40, wpl=1, unroll=unroll, halves=True)
