@@ -103,7 +103,8 @@ HALVES = True              # MatMulNF4 (one weight, even N) from HALVES_MIN_M ro
 HALVES_MIN_M = 8           # weight's two halves (twice the words in flight per warp). H200, LLaMA-7B gate / up,
                            # weights past L2 (benchmarks/nf4tc_gpu.py --halves, BENCHMARKS.md session 26), us, halves
                            # / one weight: M = 9 / 12 / 16 (rc 2) 30.7 / 31.8 / 33.9 against 32.9 / 35.5 / 39.3; M = 8
-                           # 23.8 / 24.7; M = 2, 4 slower (22.2 / 20.7, 22.3 / 21.6)
+                           # 23.8 / 24.7; M = 2, 4 slower (22.2 / 20.7, 22.3 / 21.6). H100: M = 8 / 12 / 16 23.5 /
+                           # 31.8 / 33.7 against 24.1 / 34.8 / 38.4; M = 4 22.6 against 21.8
 
 
 def use_halves(n, k, bs, m=None):
