@@ -96,20 +96,17 @@ def main():
             lau = tc.launcher(2 if halves else nw, warps, maxreg, cpl, rc, halves)
             occ = max(1, lau.blocks_per_sm(32 * warps))
             nch = tc.chunks(m, rc)
-            nd = N // 2 if halves else N       # halves: the weight's two halves of rows as W1 / W3
-            wq, wa = nd * K // 16, nd * K // BS
-            if halves:
-                fns = [lambda lau=lau, g=nch * tc.parts_for(nd, nch, sms, occ), b=32 * warps, d=d,
-                       p=tc.parts_for(nd, nch, sms, occ): lau.launch(
-                    g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], wq), ptr(d[0][1], wa),
-                    (d[0][0].data_ptr() + 8 * wq, (wq,)), (d[0][1].data_ptr() + 4 * wa, (wa,)), ptr(dlut), ptr(out),
-                    ptr(out), ptr(out), m, K, nd, BS.bit_length() - 1, p, 0, 0) for d in pool]
-            else:
-                parts = tc.parts_for(N, nch, sms, occ)
-                fns = [lambda lau=lau, g=nch * parts, b=32 * warps, d=d, p=parts: lau.launch(
-                    g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], K * N // 16), ptr(d[0][1]),
-                    ptr(d[-1][0], K * N // 16), ptr(d[-1][1]), ptr(dlut), ptr(out), ptr(out), ptr(out), m, K, N,
-                    BS.bit_length() - 1, p, 0, 0) for d in pool]
+            # halves: the weight's two halves of rows as W1 / W3, N / 2 rows each
+            nd, wq, wa = tc.half_sizes(N, K, BS) if halves else (N, K * N // 16, K * N // BS)
+            parts = tc.parts_for(nd, nch, sms, occ)
+
+            def w3(d, wq=wq, wa=wa, halves=halves):
+                if halves:
+                    return (d[0][0].data_ptr() + 8 * wq, (wq,)), (d[0][1].data_ptr() + 4 * wa, (wa,))
+                return ptr(d[-1][0], wq), ptr(d[-1][1], wa)
+            fns = [lambda lau=lau, g=nch * parts, b=32 * warps, d=d, p=parts, nd=nd, wq=wq, wa=wa, w3=w3: lau.launch(
+                g, b, stream(), ptr(x, m * K // 4), ptr(d[0][0], wq), ptr(d[0][1], wa), *w3(d), ptr(dlut), ptr(out),
+                ptr(out), ptr(out), m, K, nd, BS.bit_length() - 1, p, 0, 0) for d in pool]
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
             rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM){' halves' if halves else ''}", fns)

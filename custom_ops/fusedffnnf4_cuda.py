@@ -612,6 +612,11 @@ def warpcols_plan(m, k, a16, bs):
     return plan
 
 
+def pingpong_for(wide, prefetch=True):
+    """Whether the decode kernel runs its step loop with two word buffers (PINGPONG_WIDE: the wide decode's)."""
+    return bool(wide and prefetch and PINGPONG_WIDE)
+
+
 def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=None, k=None):
     """(pair, early, nib, h2, wide) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR /
     EARLY / NIB / H2 (with fp16 X from K = WIDE_MIN_K, K % 32 == 0: WIDE with chains of H2_WIDE; h2 only with fp16 X;
@@ -689,8 +694,8 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
     else:
         mt = bucket(m)
         pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide, k)
-        if pingpong is None:    # as sessions: the wide decode's two-buffer loop
-            pingpong = bool(wide and PINGPONG_WIDE and prefetch)
+        if pingpong is None:    # as sessions
+            pingpong = pingpong_for(wide, prefetch)
         nch = -(-m // mt)
         block = threads(k, wide)
         if SIM:
@@ -773,7 +778,7 @@ class FusedFFNNF4CudaKernel(Kernel):
                 self.lut_args[mt] = lut_arg(pair, h2)
                 self.block[mt] = threads(self.k, wide)
                 self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
-                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide, pingpong=wide and PINGPONG_WIDE)
+                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide, pingpong=pingpong_for(wide))
                 occ = blocks_per_sm(self.fast[mt], self.block[mt])
                 for m in range(1, MAX_M_FAST + 1):
                     if bucket(m) == mt:

@@ -536,6 +536,7 @@ class MatMulNF4CudaKernel(Kernel):
         self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)
         if self.dtype == np.float16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
             self.tc = nf4tc_cuda.SessionKernels(1, self.n, self.sms, self.k, self.bs)
+            self.tc_half = nf4tc_cuda.half_sizes(self.n, self.k, self.bs)    # (rows, words, absmax) of a half
             self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
 
     def compute(self, ctx, inputs):
@@ -550,20 +551,16 @@ class MatMulNF4CudaKernel(Kernel):
         if self.tc is not None and TC_MIN_M <= m <= 16 and not ((a.ptr | q.ptr) & 7 or absmax.ptr & 3):
             lau, grid_, block, parts, halves = self.tc.pick(m)
             hb = int(bias is not None)
-            lt = (self.tc_lut.device_ctypes_pointer.value, (256,))
-            if halves:      # the weight's two halves of rows as the kernel's W1 / W3 (N even)
-                nh = self.n // 2
-                w, am_ = nh * self.k // 16, nh * self.k // self.bs
-                b3 = (bptr + 2 * nh, (nh,)) if hb else (bptr, (nh,))
-                lau.launch(grid_, block, ctx.stream, (a.ptr, (m * self.k // 4,)), (q.ptr, (w,)), (absmax.ptr, (am_,)),
-                           (q.ptr + 8 * w, (w,)), (absmax.ptr + 4 * am_, (am_,)), lt, (bptr, (nh,)), b3,
-                           (y, (m * self.n,)), m, self.k, nh, self.bs.bit_length() - 1, parts, hb, hb)
-                return
-            qa, ama = (q.ptr, (q.size // 8,)), (absmax.ptr, (absmax.size,))
-            lau.launch(grid_, block, ctx.stream, (a.ptr, (m * self.k // 4,)), qa, ama, qa,
-                       ama, lt, (bptr, (self.n,)),
-                       (bptr, (self.n,)), (y, (m * self.n,)), m, self.k, self.n, self.bs.bit_length() - 1, parts,
-                       hb, 0)
+            if halves:      # the weight's two halves of rows as the kernel's W1 / W3 (N / 2 rows each)
+                n, w, am_ = self.tc_half
+            else:
+                n, w, am_ = self.n, q.size // 8, absmax.size
+            w1 = ((q.ptr, (w,)), (absmax.ptr, (am_,)))
+            w3 = ((q.ptr + 8 * w, (w,)), (absmax.ptr + 4 * am_, (am_,))) if halves else w1
+            b3 = (bptr + 2 * n, (n,)) if halves and hb else (bptr, (n,))
+            lau.launch(grid_, block, ctx.stream, (a.ptr, (m * self.k // 4,)), *w1, *w3,
+                       (self.tc_lut.device_ctypes_pointer.value, (256,)), (bptr, (n,)), b3, (y, (m * self.n,)), m,
+                       self.k, n, self.bs.bit_length() - 1, parts, hb, hb if halves else 0)
             return
         mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2)
         if mode != "generic" and (q.ptr & 7 or mode == "m1" and a.ptr & 15):  # 8-byte words, 16-byte loads of A:

@@ -114,6 +114,13 @@ def use_halves(n, k, bs, m=None):
     return HALVES and n % 2 == 0 and (n // 2 * k) % bs == 0 and (m is None or m >= HALVES_MIN_M)
 
 
+def half_sizes(n, k, bs):
+    """(rows, packed uint64 words, absmax values) of each half of a weight of N = ``n`` rows that ``use_halves``
+    takes: the second half starts that many words / absmax values into the arrays."""
+    nh = n // 2
+    return nh, nh * k // 16, nh * k // bs
+
+
 def parts_for(n, nch, sms, occupancy):
     return max(1, min(-(-n // 16), (sms * occupancy) // nch))
 
@@ -426,8 +433,8 @@ def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=
     nd, hb3 = N, int(b3 is not None)
     if halves:      # the two halves of the weight's rows (and of its bias) as W1 / W3
         assert N % 2 == 0 and (N // 2 * K) % block_size == 0, "halves need an even N and whole absmax blocks"
-        nd, nw, hb3 = N // 2, 2, int(b1 is not None)
-        w, a = nd * K // 16, nd * K // block_size
+        nd, w, a = half_sizes(N, K, block_size)
+        nw, hb3 = 2, int(b1 is not None)
         dq1, dq3, dam1, dam3 = dq1[:w], dq1[w:], dam1[:a], dam1[a:]
         if b1 is not None:
             db1, db3 = db1[:nd], db1[nd:]
