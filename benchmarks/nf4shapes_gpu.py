@@ -35,7 +35,11 @@ MM_VARIANTS = [("pair c8 (was default)", {"COLS": 8, "prefetch": False, "pair": 
                ("h2 chain2 c4 (fp16 default from K 4096)", {"h2": 2}),
                ("h2 chain4 c4", {"h2": 4}),
                ("h2 chain2 c4 wide", {"h2": 2, "wide": True}),
-               ("h2 chain2 c8", {"h2": 2, "COLS": 8})]
+               ("h2 chain2 c8", {"h2": 2, "COLS": 8}),
+               ("h2 chain2 c4 g3", {"h2": 2, "groups": 3}),
+               ("h2 chain2 c4 g2", {"h2": 2, "groups": 2}),
+               ("h2 chain4 c4 wide", {"h2": 4, "wide": True}),
+               ("h2 chain4 c4 wide g3", {"h2": 4, "wide": True, "groups": 3})]
 FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("pair c4 prefetch early (M=2: default below K 4096)", {"early": True}),
                 ("pair c2 prefetch early", {"cols": 2, "early": True}),
@@ -69,7 +73,12 @@ FFN_VARIANTS = [("pair c4 prefetch (M=1: older default)", {}),
                 ("h2 chain4 c2 wide", {"h2": 4, "wide": True, "cols": 2}),
                 ("h2 chain4 c2 wide pingpong", {"h2": 4, "wide": True, "cols": 2, "pingpong": True}),
                 ("h2 chain4 c8 wide", {"h2": 4, "wide": True, "cols": 8}),
-                ("h2 chain4 c8 wide pingpong", {"h2": 4, "wide": True, "cols": 8, "pingpong": True})]
+                ("h2 chain4 c8 wide pingpong", {"h2": 4, "wide": True, "cols": 8, "pingpong": True}),
+                ("h2 chain4 c4 wide pingpong g2", {"h2": 4, "wide": True, "pingpong": True, "groups": 2}),
+                ("h2 chain4 c4 wide pingpong g3", {"h2": 4, "wide": True, "pingpong": True, "groups": 3}),
+                ("h2 chain4 c4 wide pingpong g4", {"h2": 4, "wide": True, "pingpong": True, "groups": 4}),
+                ("h2 chain4 c4 wide g2", {"h2": 4, "wide": True, "groups": 2}),
+                ("h2 chain4 c8 wide pingpong g2", {"h2": 4, "wide": True, "cols": 8, "pingpong": True, "groups": 2})]
 # the warp-column kernel (nf4warp_cuda; FusedFFNNF4 at M=1, 2, MatMulNF4 at M=1): (label, warps per block, ptxas
 # register limit, warps per column (split: 2 = a pair of warps on halves of K, meeting at a named barrier), the
 # table built with 16-byte stores (half2.VEC_TABLE; False: 4-byte stores))
@@ -188,10 +197,11 @@ def main():
             cols = kw.get("COLS", matmulnf4_cuda.M1_COLS)
             fn_ = matmulnf4_cuda._make_m1(**kw)
             lau = Launcher(fn_, mm_sig, dynamic_shared=matmulnf4_cuda.TAB_BYTES if pair else 0)
-            block = matmulnf4_cuda.m1_block(k, kw.get("wide", False))
+            gr = kw.get("groups", 1)
+            block = matmulnf4_cuda.m1_block(k, kw.get("wide", False)) * gr
             lau.dispatcher = fn_
             occ = max(1, lau.blocks_per_sm(block))
-            grid = matmulnf4_cuda.nf4_common.even_parts(-(-n // cols), sms * occ)
+            grid = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols, gr) // gr
             if "uneven" in label:
                 grid = max(1, min(-(-n // cols), sms * occ))
             shm = matmulnf4_cuda.TAB_BYTES if pair else 0
@@ -248,18 +258,20 @@ def main():
             lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, kw.get("prefetch", True),
                                             pingpong=kw.get("pingpong", False), early=kw.get("early", False),
                                             nib=kw.get("nib", False), h2=h2, wide=kw.get("wide", False), am16=am16,
-                                            vec_table=kw.get("vec_table"))
-            block = fusedffnnf4_cuda.threads(k, kw.get("wide", False))
+                                            vec_table=kw.get("vec_table"), groups=kw.get("groups", 1))
+            gr = kw.get("groups", 1)
+            block = fusedffnnf4_cuda.threads(k, kw.get("wide", False)) * gr
             occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
-            parts = fusedffnnf4_cuda.parts_for(n, 1, sms, occ, cols)
+            parts = fusedffnnf4_cuda.parts_for(n, -(-m // mt), sms, occ, cols, gr)
+            grid = -(-m // mt) * parts // gr
             lt = nlut16 if h2 else nlut if pair else nlut32
-            calls = [lambda w=w, lau=lau, parts=parts, block=block, lt=lt:
-                     lau.launch(parts, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
+            calls = [lambda w=w, lau=lau, parts=parts, block=block, lt=lt, grid=grid:
+                     lau.launch(grid, block, stream(), ptr(x), ptr(w[0][0], k * n // 16), ptr(w[0][1]),
                                 ptr(w[1][0], k * n // 16), ptr(w[1][1]), ptr(lt), ptr(s), ptr(s), ptr(s), m,
                                 k, n, BS.bit_length() - 5, parts, 0, 0)
                      for w in (dev16 if am16 else dev)]
             jobs.append((label, calls, ref16 if am16 else ref, nbytes - (k * n // BS * 4 if am16 else 0),
-                         f"[{parts} x {block}, {occ}/SM, {regs(lau)}]"))
+                         f"[{grid} x {block}, {occ}/SM, {regs(lau)}]"))
         for rnd in range(a.rounds):
             for label, calls, want, nb, extra in jobs:
                 t, err = timed(label, calls, lambda want=want: rel(s.float().cpu().numpy(), want))

@@ -92,6 +92,15 @@ PINGPONG_WIDE = True        # the wide decode's step loop written out twice with
                             # (``pingpong``: no copies of the prefetched words; 116 registers). H100, LLaMA-7B
                             # gate+up, weights past L2, medians of 4 rounds (BENCHMARKS.md, session 26): M=1 21.64
                             # against 21.87 us, M=2 22.84 against 23.70; H200 M=1 17.95 against 18.28
+GROUPS = {1: 3, 2: 1}       # per row bucket, the wide decode: thread groups per block sharing one 64 KiB table
+                            # (``groups``, where one-group blocks fit this many per SM: one table build and copy
+                            # per SM instead of 3), on the cards GROUPS_CARDS names. Weights past L2, medians of 3
+                            # rounds (nf4shapes_gpu.py, BENCHMARKS.md session 27), us, 3 groups / 1: H100 4096 ->
+                            # 2 x 11008 20.72 / 21.08 and (another machine) 21.49 / 21.83, 4096 -> 2 x 14336 27.34 /
+                            # 27.64, 5120 -> 2 x 13824 32.62 / 33.96; H200 18.08 / 17.86, 23.98 / 23.12, 24.65 /
+                            # 25.36 (so not there). H100 M=1: 2 groups 21.12, 4 (16 warps, 115 blocks) 21.15; M=2
+                            # (146 registers: 1 block of 2 or 3 groups per SM) 26.2 / 24.2 against 22.9
+GROUPS_CARDS = ("H100",)    # device names (substrings) that take GROUPS
 EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
 PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
                             # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
@@ -173,7 +182,7 @@ def _zval(zp, j, has_zp):
 
 
 def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False, nib=False, h2=False, wide=False, am16=False, vec_table=None):
+                 early=False, int4=False, nib=False, h2=False, wide=False, am16=False, vec_table=None, groups=1):
     """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
     that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
     partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
@@ -209,7 +218,12 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     ``vec_table`` (h2): the table build's store width (half2.h2_table_src; default half2.VEC_TABLE, 16-byte stores).
     ``am16`` (experimental, benchmarks only: no op takes it): absmax as fp16 bits (uint16 arrays) instead of fp32;
     H100, LLaMA-7B gate+up M=1: 21.0-21.3 us against 21.4-22.3 for fp32 absmax in the same runs (BENCHMARKS.md,
-    session 22), short of a reason to leave bitsandbytes' fp32 absmax."""
+    session 22), short of a reason to leave bitsandbytes' fp32 absmax.
+    ``groups`` = G: a block is G thread groups of the one-group block's size, each on its own column slice (part
+    (bid // nch) * G + group; the host passes G times the parts, matmul: G x the grid), sharing one table (one build,
+    one 64 KiB copy per G groups: more warps per SM where the table bounds the resident blocks). The groups' step
+    loops run the same number of steps (the longest slice's; past its own slice a group's loads are clamped and
+    nothing is stored), since the per-step barrier is the block's."""
     if h2 and (int4 or not (a16 or matmul) or h2 not in (2, 4)):
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
@@ -232,11 +246,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     if int4:
         a("def decode(x, q1, am1, zp1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift, has_zp):")
         a("    m_dim = 1")
-        a("    parts = int64(cuda.gridDim.x)")
+        a(f"    parts = int64(cuda.gridDim.x){f' * int64({groups})' if groups > 1 else ''}")
     elif matmul:
         a("def decode(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
         a("    m_dim = 1")
-        a("    parts = int64(cuda.gridDim.x)")
+        a(f"    parts = int64(cuda.gridDim.x){f' * int64({groups})' if groups > 1 else ''}")
     else:
         a("def decode(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
     nib = nib and not pair
@@ -257,6 +271,13 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     a("    lane = tid & U31")
     a("    warp = tid >> U5")
     a("    nwarps = nthreads >> U5")
+    tg = "tid"          # the thread's index in its group
+    if groups > 1:
+        tg = "tg"
+        a(f"    gthreads = nthreads // uint32({groups})")
+        a("    grp = tid // gthreads")
+        a("    tg = uint32(tid - grp * gthreads)")
+        a("    gwarps = gthreads >> U5")
     tsrc = ["    i = tid"]      # the table build: emitted before or (early) after the first loads
     t_ = tsrc.append
 
@@ -295,19 +316,19 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     # wpr units per row, absmax block of unit i: i >> sh
     a(f"    wpr = uint32(k_dim) >> {'U5' if wide else 'U4'}")
     a(f"    sh = uint32(bs_shift){' - U1' if wide else ''}")
-    a("    owns = tid < wpr")
-    a("    tcl = tid if owns else wpr - U1   # non-owners (last warp) read a valid unit; their x and scales are 0")
+    a(f"    owns = {tg} < wpr")
+    a(f"    tcl = {tg} if owns else wpr - U1   # non-owners (last warp) read a valid unit; their x and scales are 0")
     a(f"    nch = (uint32(m_dim) + uint32({mt - 1})) // uint32({mt})")
     a("    bid = uint32(cuda.blockIdx.x)")
     a(f"    m0 = uint32(bid % nch) * uint32({mt})")
-    a("    part = uint32(bid // nch)")
+    a("    part = uint32(bid // nch)" + (f" * uint32({groups}) + grp" if groups > 1 else ""))
     a("    n_lo = uint32(int64(part) * n_dim // parts)")
     a("    n_hi = uint32(int64(part + U1) * n_dim // parts)")
     a("    mdim = uint32(m_dim)")
     a("    ndim = uint32(n_dim)")
     for m in range(mt):
         a(f"    okx = owns and m0 + uint32({m}) < mdim")
-        a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + (tid << {'U5' if wide else 'U4'}))")
+        a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + ({tg} << {'U5' if wide else 'U4'}))")
         a("    if okx:     # 16-byte loads (X's base 16-byte aligned: the hosts check)")
         for e in range(0, ne, 8):
             a("        " + ", ".join(f"x_{m}_{e + j}" for j in range(8)) + f" = ldx8(x, (xb >> U3) + uint32({e // 8}))")
@@ -338,6 +359,11 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         a(f"    cw_{c} = wpr * uint32({c})")
     a("    cw_0 = uint32(0)")
     a("    last = n_hi - U1 if n_lo < n_hi else n_lo    # a valid row even for an empty slice (grid > N)")
+    n_end = "n_hi"
+    if groups > 1:      # every group walks the longest slice's steps (the barrier is the block's)
+        n_end = "n_stop"
+        a("    mc = uint32((int64(n_dim) + parts - int64(1)) // parts)")
+        a(f"    n_stop = add32(n_lo, ((mc + uint32({cols - 1})) // uint32({cols})) * uint32({cols}))")
 
     def loads(out, prefix, nbase, wbase, ind):
         """Loads of the step at column nbase (word index of its first column: wbase): unchecked when the whole
@@ -384,7 +410,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
             for j in range(ne // 2):
                 a(f"    x2_{m}_{j} = pack_h2(x_{m}_{2 * j} * p_{m}, x_{m}_{2 * j + 1} * p_{m})")
     a("    buf = uint32(0)")
-    a("    while n0 < n_hi:")
+    a(f"    while n0 < {n_end}:")
     body = []
     b_ = body.append
     b_("nn = add32(n0, uint32(%d))" % cols)
@@ -447,17 +473,19 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     b_("if writer:")
     b_(f"    red[mad32(mad32(buf, uint32({NWMAX}), warp), uint32({nv}), my_idx)] = tot")
     b_("cuda.syncthreads()")
-    b_(f"if tid < uint32({cols * mt}):")
-    b_(f"    c = tid // uint32({mt})")
-    b_(f"    m = uint32(tid - c * uint32({mt}))")
+    b_(f"if {tg} < uint32({cols * mt}):")
+    b_(f"    c = {tg} // uint32({mt})")
+    b_(f"    m = uint32({tg} - c * uint32({mt}))")
     b_("    n = add32(n0, c)")
     b_("    if n < n_hi and add32(m0, m) < mdim:")
     b_("        g = F0")
     if not matmul:
         b_("        u = F0")
     b_(f"        r = mad32(buf, uint32({NWMAX * nv}), mad32(c, uint32({mt}), m))")
+    if groups > 1:      # the group's warps' partials
+        b_(f"        r = mad32(grp * gwarps, uint32({nv}), r)")
     b_("        wj = uint32(0)")
-    b_("        while wj < nwarps:")
+    b_(f"        while wj < {'gwarps' if groups > 1 else 'nwarps'}:")
     b_("            g += red[r]")
     if not matmul:
         b_(f"            u += red[r + uint32({cols * mt})]")
@@ -484,7 +512,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     if prefetch and pingpong:
         swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3|z1)_\d+(?:_\d)?)\b")
         src.extend("        " + line for line in body)
-        src.append("        if n0 >= n_hi:")
+        src.append(f"        if n0 >= {n_end}:")
         src.append("            break")
         src.extend("        " + swap.sub(lambda mo: ("" if mo.group(1) else "n") + mo.group(2), line) for line in body)
     else:
@@ -582,10 +610,11 @@ def threads(k, wide=False):
     return m1_block(k, wide)
 
 
-def parts_for(n, nch, sms, occupancy, cols=COLS):
+def parts_for(n, nch, sms, occupancy, cols=COLS, groups=1):
     """Column slices: at most sms * occupancy blocks in all (one wave), every slice the same number of steps
-    (nf4_common.even_parts)."""
-    return nf4_common.even_parts(-(-n // cols), max(1, (sms * occupancy) // nch))
+    (nf4_common.even_parts); with ``groups`` per block, a multiple of groups (the grid is nch * parts / groups)."""
+    parts = nf4_common.even_parts(-(-n // cols), max(1, (sms * occupancy * groups) // nch))
+    return -(-parts // groups) * groups
 
 
 def _sig(a16, generic, pair=True, am16=False):
@@ -612,6 +641,33 @@ def warpcols_plan(m, k, a16, bs):
     return plan
 
 
+def groups_for(mt, h2, wide, occ1, occ=None):
+    """Thread groups per block of the decode kernel: GROUPS[mt] for the packed-fp16 wide decode where one-group blocks
+    fit that many per SM (``occ1``: the table, not registers, bounds them) and the grouped block fits at all (``occ``,
+    its resident blocks per SM, a callable asked only then); else 1."""
+    g = GROUPS.get(mt, 1) if h2 and wide else 1
+    return g if g > 1 and occ1 >= g and (occ is None or occ(g) >= 1) else 1
+
+
+def grouped_card():
+    """Whether the current device is one GROUPS_CARDS names."""
+    name = getattr(cuda.get_current_device(), "name", b"")
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return any(c in name for c in GROUPS_CARDS)
+
+
+def pick_groups(a16, mt, h2, wide, k, pingpong):
+    """groups_for with the occupancies of the session's launchers on a card GROUPS_CARDS names, else 1 (the
+    simulator: DEFAULT_BLOCKS_PER_SM, any card)."""
+    if SIM:
+        return groups_for(mt, h2, wide, DEFAULT_BLOCKS_PER_SM)
+    if not grouped_card():
+        return 1
+    lau = lambda g: launcher(a16, mt, h2=h2, wide=wide, pingpong=pingpong, groups=g)  # noqa: E731
+    return groups_for(mt, h2, wide, blocks_per_sm(lau(1), threads(k, wide)),
+                      lambda g: lau(g).blocks_per_sm(threads(k, wide) * g))
+
+
 def pingpong_for(wide, prefetch=True):
     """Whether the decode kernel runs its step loop with two word buffers (PINGPONG_WIDE: the wide decode's)."""
     return bool(wide and prefetch and PINGPONG_WIDE)
@@ -636,18 +692,19 @@ def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=No
 
 
 def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
-             nib=None, h2=None, wide=None, am16=False, vec_table=None):
+             nib=None, h2=None, wide=None, am16=False, vec_table=None, groups=1):
     """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
     kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
     from .cuda_launch import Launcher
     pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide)
     vec_table = half2.VEC_TABLE if vec_table is None else vec_table
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, am16, vec_table)
+    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, am16, vec_table, groups)
                        if mt else ())
     if key not in _launchers:
         fn = _make_generic(a16) if mt is None else _make_decode(mt, a16, pair, cols, prefetch, max_registers,
                                                                  pingpong=pingpong, early=early, nib=nib, h2=h2,
-                                                                 wide=wide, am16=am16, vec_table=vec_table)
+                                                                 wide=wide, am16=am16, vec_table=vec_table,
+                                                                 groups=groups)
         lau = Launcher(fn, _sig(a16, mt is None, pair, am16), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
         lau.dispatcher = fn
         _launchers[key] = lau
@@ -661,7 +718,7 @@ def blocks_per_sm(launcher_, block):
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
                force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=None, max_registers=None, sms=None,
-               repeat=1, early=None, nib=None, h2=None, wide=None):
+               repeat=1, early=None, nib=None, h2=None, wide=None, groups=None):
     """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
     CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
@@ -696,31 +753,36 @@ def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=No
         pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide, k)
         if pingpong is None:    # as sessions
             pingpong = pingpong_for(wide, prefetch)
+        if groups is None:      # as sessions
+            groups = pick_groups(a16, mt, h2, wide, k, pingpong) if (pair, early, nib, cols, prefetch,
+                                                                      max_registers) == (False, False, False, COLS,
+                                                                                         True, None) else 1
         nch = -(-m // mt)
-        block = threads(k, wide)
+        block = threads(k, wide) * groups
         if SIM:
             occ = DEFAULT_BLOCKS_PER_SM
         else:
             occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2,
-                                         wide), block)
+                                         wide, groups=groups), block)
         if sms is None:
             if SIM:
                 sms = 2
             else:
                 from .cuda_launch import current_device, sm_count
                 sms = sm_count(current_device())
-        parts = parts_for(n, nch, sms, occ, cols)
-        grid = nch * parts
+        parts = parts_for(n, nch, sms, occ, cols, groups)
+        grid = nch * parts // groups
         args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair, h2)), db1, db3,
                 ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
     if SIM:
         kern = _make_generic(a16, gw) if generic else _make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                   early=early, nib=nib, h2=h2, wide=wide)
+                                                                   early=early, nib=nib, h2=h2, wide=wide,
+                                                                   groups=groups)
         for _ in range(repeat):
             kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
     else:
         from .cuda_launch import arg as p
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide)
+        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, groups=groups)
         for _ in range(repeat):
             lau.launch(grid, block, 0, *[p(a) for a in args])
         cuda.synchronize()
@@ -756,7 +818,7 @@ class FusedFFNNF4CudaKernel(Kernel):
             pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
             self.mma_scratch = ScratchPool(pf, nc)
             self.mma_floats = pf
-        self.block, self.align, self.luts, self.lut_args = {}, {}, {}, {}
+        self.block, self.align, self.luts, self.lut_args, self.groups = {}, {}, {}, {}, {}
 
         def lut_arg(pair, h2):
             """(pointer, shape) of the device table; one copy per table (the h2 one serves every chain length)."""
@@ -776,13 +838,15 @@ class FusedFFNNF4CudaKernel(Kernel):
             for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
                 pair, _, _, h2, wide = table_choice(mt, a16=self.a16, k=self.k)
                 self.lut_args[mt] = lut_arg(pair, h2)
-                self.block[mt] = threads(self.k, wide)
+                self.groups[mt] = pick_groups(self.a16, mt, h2, wide, self.k, pingpong_for(wide))
+                self.block[mt] = threads(self.k, wide) * self.groups[mt]
                 self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
-                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide, pingpong=pingpong_for(wide))
+                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide, pingpong=pingpong_for(wide),
+                                         groups=self.groups[mt])
                 occ = blocks_per_sm(self.fast[mt], self.block[mt])
                 for m in range(1, MAX_M_FAST + 1):
                     if bucket(m) == mt:
-                        self.parts[m] = parts_for(self.n, -(-m // mt), self.sms, occ)
+                        self.parts[m] = parts_for(self.n, -(-m // mt), self.sms, occ, groups=self.groups[mt])
 
     def compute(self, ctx, inputs):
         from .bridge import KernelError
@@ -824,7 +888,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         mt = bucket(m)
         if m in self.parts and not ((q1.ptr | q3.ptr) & self.align[mt] or x.ptr & 15):   # 16-byte loads of X
             parts = self.parts[m]
-            self.fast[mt].launch(-(-m // mt) * parts, self.block[mt], ctx.stream, *common,
+            self.fast[mt].launch(-(-m // mt) * parts // self.groups[mt], self.block[mt], ctx.stream, *common,
                                  (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
                                  (am3.ptr, (am3.size,)), self.lut_args[mt], *tail, m, k, n, self.bs.bit_length() - 5,
                                  parts, hb1, hb3)

@@ -253,7 +253,7 @@ def _make_fast():
 
 
 def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, early=False, nib=False,  # noqa: N803
-             h2=0, wide=False):
+             h2=0, wide=False, groups=1):
     """M = 1, K % 16 == 0, K / 16 <= 1024: fusedffnnf4_cuda's decode kernel generator in its one-weight mode
     (thread t owns word t of every row with its 16 x values in registers; a block walks a contiguous slice of
     columns, M1_COLS per step (prefetch=True: the next step's words in flight too); byte-pair table in dynamic
@@ -262,10 +262,11 @@ def _make_m1(COLS=None, prefetch=M1_PREFETCH, max_registers=None, pair=M1_PAIR, 
     size; dynamic shared memory TAB_BYTES (a Launcher of it needs dynamic_shared=TAB_BYTES; none with pair=False:
     the 16-entry table). ``early``: the table is built while the first step's words load (with prefetch).
     ``h2`` (fp16 A only; 2 or 4): the packed-fp16 decode with chains of h2 bytes (fusedffnnf4_cuda._make_decode; its
-    64 KiB table like the pair table's), ``wide``: with it, 16 bytes per thread and row."""
+    64 KiB table like the pair table's), ``wide``: with it, 16 bytes per thread and row. ``groups``: blocks of that
+    many thread groups sharing one table (column slices = grid size x groups; fusedffnnf4_cuda._make_decode)."""
     from .fusedffnnf4_cuda import _make_decode
     return _make_decode(1, False, pair, COLS or M1_COLS, prefetch, max_registers or M1_MAX_REGISTERS, matmul=True,
-                        early=early, nib=nib, h2=h2, wide=wide)
+                        early=early, nib=nib, h2=h2, wide=wide, groups=groups)
 
 
 def _make_generic():

@@ -523,12 +523,18 @@ def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     k, n, bs = 512, 72, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=4)
     x, b1, b3 = _data((1, 1), k, n, np.float16, (True, True), 5)
+    from onnx_lowbit.custom_ops import bridge
+    before = set(bridge._kernels)
     sess = lowbit_session(nf4_model((1, 1), k, n, bs, "nf4", np.float16, ws, b1, b3), ["CUDAExecutionProvider"])
     s1 = sess.run(None, {"x": x})[0]
     s2 = sess.run(None, {"x": x})[0]
     assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
     assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= _tol(np.float16)
     assert fusedffnnf4_cuda.table_choice(1, a16=True, k=k)[3:] == ((4, True) if wide_min_k == 0 else (2, False))
+    ks = [kk for kid, kk in list(bridge._kernels.items()) if kid not in before and
+          isinstance(kk, fusedffnnf4_cuda.FusedFFNNF4CudaKernel)]   # the wide decode: blocks of thread groups
+    want = fusedffnnf4_cuda.GROUPS[1] if wide_min_k == 0 and fusedffnnf4_cuda.grouped_card() else 1
+    assert ks and all(kk.groups[1] == want for kk in ks)
 
 
 @pytest.mark.parametrize("n", [61, 8])
@@ -547,11 +553,34 @@ def test_nf4_wide_pingpong_is_default_same_bits(n, monkeypatch):
         monkeypatch.setattr(fc, "_make_decode", lambda *a, **kw: seen.append(kw.get("pingpong")) or make(*a, **kw))
     else:       # run_arrays asks launcher(a16, mt, pair, cols, prefetch, pingpong, ...) for occupancy and launch
         lau = fc.launcher
-        monkeypatch.setattr(fc, "launcher", lambda *a, **kw: seen.append(a[5]) or lau(*a, **kw))
+        monkeypatch.setattr(fc, "launcher", lambda *a, **kw: seen.append(a[5] if len(a) > 5 else kw["pingpong"])
+                            or lau(*a, **kw))
     for m in (1, 2):
         x, b1, b3 = _data((m,), k, n, np.float16, (True, m == 1), 32 + m)
+        seen.clear()
         base = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, pingpong=False, sms=1)
+        assert seen and not any(seen), m
+        seen.clear()
         got = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, sms=1)
+        assert seen and all(seen), m
         assert np.array_equal(base.view(np.uint16), got.view(np.uint16)), m
         assert _rel(got, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), m
-    assert seen == ([False, True] * 2 if SIM else [False, False, True, True] * 2)
+
+
+@pytest.mark.parametrize("n,groups,ms", [(61, 2, (1, 2)), (200, 3, (1,)), (8, 4, (1, 5))])
+def test_nf4_wide_groups_same_bits(n, groups, ms, monkeypatch):
+    """Thread groups sharing one table (``groups``): each group on its own column slice, every group walking the
+    longest slice's steps (n = 200 with 3 groups on 4 simulated blocks per SM: slices of 4 and 5 steps; n = 8 with 4
+    groups: empty slices). The same bits as one group per block, at M = 1, 2 and 5 (row chunks), biases or not."""
+    fc = _nf4_cuda()
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    k, bs = 256, 64
+    ws = nf4_weights(k, n, bs, "nf4", seed=37)
+    if SIM:
+        assert fc.DEFAULT_BLOCKS_PER_SM == 4
+    for m in ms:
+        x, b1, b3 = _data((m,), k, n, np.float16, (m != 2, True), 40 + m)
+        base = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, groups=1, sms=1)
+        got = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, groups=groups, sms=1)
+        assert np.array_equal(base.view(np.uint16), got.view(np.uint16)), m
+        assert _rel(got, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), m
