@@ -54,8 +54,10 @@ def current_device() -> int:
     """The device of the calling thread's current CUDA context (Numba makes the primary context of device 0
     current first if the thread has none)."""
     ctx = ctypes.c_void_p()
-    check(libcuda().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    if not ctx.value:  # asked without an error, so compute-sanitizer stays quiet
+    rc = libcuda().cuCtxGetCurrent(ctypes.byref(ctx))
+    if rc != 3:     # CUDA_ERROR_NOT_INITIALIZED: nothing in the process has called cuInit yet (Numba does, below)
+        check(rc, "cuCtxGetCurrent")
+    if rc == 3 or not ctx.value:  # asked without an error, so compute-sanitizer stays quiet
         from numba import cuda
         cuda.current_context()
     d = ctypes.c_int(-1)

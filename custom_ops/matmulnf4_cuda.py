@@ -44,6 +44,11 @@ M1_H2_MIN_K = 4096          # bytes (0: fp32 arithmetic; see fusedffnnf4_cuda.H2
                             # .py), us, h2 / 16-entry table: 4096x11008 14.45 / 15.79 (the pair table, used there
                             # before: 15.22), 8192x2048 7.94 / 8.53 (pair 8.75); below K = 4096 its 64 KiB table
                             # halves the resident blocks: 2048x2048 4.97 / 4.68, 2048x4096 6.28 / 5.88
+M1_WIDE_MIN_K = 4096        # fp16 A, K % 32 == 0 from this K: chains of M1_H2_WIDE bytes with two words (16 bytes,
+M1_H2_WIDE = 4              # one load) per thread and row (``wide``, as FusedFFNNF4's; 0: off). H100, weights past L2
+                            # (nf4shapes_gpu.py, BENCHMARKS.md session 27), us, wide / chains of 2: 4096x11008 13.05-
+                            # 13.26 / 13.96-14.02, 8192x2048 7.30 / 7.68-7.77, 4096x4096 7.55 / 7.85-8.01, 4096x14336
+                            # 16.12 / 17.31-17.69, 14336x4096 15.90 / 18.02-18.08, 5120x13824 17.78-17.90 / 20.06-20.21
 TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
                             # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
                             # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
@@ -309,18 +314,28 @@ def m1_pair(k):
     return k >= M1_PAIR_MIN_K
 
 
-def gemv_m1(pair=False, h2=0):
+def gemv_m1(pair=False, h2=0, wide=False):
     """The default M=1 kernel with the 16-entry or (pair) the byte-pair table, or (h2, fp16 A) the packed-fp16
-    decode (built on first use: its generator lives in fusedffnnf4_cuda, which imports this module)."""
-    key = (pair and not h2, h2)
+    decode, with 16 bytes per thread and row (``wide``) or 8 (built on first use: its generator lives in
+    fusedffnnf4_cuda, which imports this module)."""
+    key = (pair and not h2, h2, bool(h2 and wide))
     if key not in _M1:
-        _M1[key] = _make_m1(pair=key[0], early=key[0], h2=h2)
+        _M1[key] = _make_m1(pair=key[0], early=key[0], h2=h2, wide=key[2])
     return _M1[key]
 
 
+def m1_wide(dtype, k):
+    """Whether the M=1 kernel reads 16 bytes per thread and row with chains of M1_H2_WIDE (fp16 A, K % 32 == 0, K >=
+    M1_WIDE_MIN_K; not with ONNX_LOWBIT_FP32_DECODE=1)."""
+    return bool(M1_H2_WIDE) and np.dtype(dtype) == np.float16 and k >= M1_WIDE_MIN_K and k % 32 == 0 \
+        and not half2.fp32_decode()
+
+
 def m1_h2(dtype, k):
-    """The M=1 kernel's fp16 chain length for A of ``dtype`` and K = ``k``: M1_H2 for fp16 from K = M1_H2_MIN_K (0
-    with ONNX_LOWBIT_FP32_DECODE=1), else 0 (fp32 arithmetic)."""
+    """The M=1 kernel's fp16 chain length for A of ``dtype`` and K = ``k``: M1_H2_WIDE where m1_wide, else M1_H2 for
+    fp16 from K = M1_H2_MIN_K (0 with ONNX_LOWBIT_FP32_DECODE=1), else 0 (fp32 arithmetic)."""
+    if m1_wide(dtype, k):
+        return M1_H2_WIDE
     return M1_H2 if np.dtype(dtype) == np.float16 and k >= M1_H2_MIN_K and not half2.fp32_decode() else 0
 GENERIC = _make_generic()
 
@@ -338,11 +353,11 @@ def m1_block(k, wide=False):
     return max(32, 32 * -(-(k // (32 if wide else 16)) // 32))
 
 
-def m1_grid(n, sms=132, k=4096, cols=M1_COLS, pair=None):
+def m1_grid(n, sms=132, k=4096, cols=M1_COLS, pair=None, wide=False):
     """One wave of column slices, every slice the same number of steps (nf4_common.even_parts): blocks per SM
     bounded by threads, registers (M1_MAX_REGISTERS per thread) and, for the pair table, its 64 KiB of shared
     memory (3 per SM)."""
-    block = m1_block(k)
+    block = m1_block(k, wide)
     pair = m1_pair(k) if pair is None else pair
     per_sm = max(1, min(3 if pair else 32, 2048 // block, 65536 // (block * M1_MAX_REGISTERS)))
     return nf4_common.even_parts(math.ceil(n / cols), sms * per_sm)
@@ -360,11 +375,13 @@ def fast_grid(n, sms=132):
     return max(1, min(grid(n), sms * BLOCKS_PER_SM))
 
 
-def plan(m, k, n, bs, sms, h2=0):
-    """(mode, grid, block, shared bytes) for an M x K x N product (``h2``: the M=1 kernel's packed-fp16 decode)."""
+def plan(m, k, n, bs, sms, h2=0, wide=False):
+    """(mode, grid, block, shared bytes) for an M x K x N product (``h2``: the M=1 kernel's packed-fp16 decode,
+    ``wide``: with 16 bytes per thread and row)."""
     if m1_path(m, k):
         big = m1_pair(k) or bool(h2)    # 64 KiB of table
-        return "m1", m1_grid(n, sms, k, pair=big), m1_block(k), TAB_BYTES if big else 0
+        wide = bool(h2 and wide)
+        return "m1", m1_grid(n, sms, k, pair=big, wide=wide), m1_block(k, wide), TAB_BYTES if big else 0
     if fast_path(m, k):
         return "fast", fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4
     return "generic", grid(n), 32 * WARPS_PER_BLOCK, 0
@@ -392,15 +409,15 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
     b = np.ascontiguousarray(bias if bias is not None else np.zeros(1, a.dtype), dtype=a.dtype)
     sim = bool(config.ENABLE_CUDASIM)
     sms = 2 if sim else _sms()
-    h2 = m1_h2(a.dtype, k)
-    pmode, g, block, shmem = plan(m, k, n, bs, sms, h2)
+    h2, wide = m1_h2(a.dtype, k), m1_wide(a.dtype, k)
+    pmode, g, block, shmem = plan(m, k, n, bs, sms, h2, wide)
     mode = mode or pmode
     if mode != pmode:
         g, block, shmem = {"fast": (fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4),
                            "generic": (grid(n), 32 * WARPS_PER_BLOCK, 0)}[mode]
     if m1_opts and mode == "m1":    # the variant's own grid and table
         pair = m1_opts.get("pair", M1_PAIR) or bool(m1_opts.get("h2"))
-        g = m1_grid(n, sms, k, m1_opts.get("COLS") or M1_COLS, pair)
+        g = m1_grid(n, sms, k, m1_opts.get("COLS") or M1_COLS, pair, m1_opts.get("wide", False))
         shmem = TAB_BYTES if pair else 0
         block = m1_block(k, m1_opts.get("wide", False))
     words = mode in ("m1", "fast")
@@ -412,14 +429,14 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         da, dq, dam, dc, db, dy = dev
         tail = {"m1": [k, n, bs.bit_length() - 5], "fast": [m, k, n, bs.bit_length() - 5],
                 "generic": [m, k, n, bs]}[mode]
-        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k), h2)) if mode == "m1" else
+        kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k), h2, wide)) if mode == "m1" else
                 {"fast": GEMV16, "generic": GENERIC}[mode])
         kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
         pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
         args = _args(mode, pa[0], pa[1], pa[2], pa[3], pa[4], int(bias is not None), pa[5], m, k, n, bs,
                      k * n // 16)
-        lau = _launcher(mode, a.dtype, m1_pair(k), h2)
+        lau = _launcher(mode, a.dtype, m1_pair(k), h2, wide)
         if m1_opts and mode == "m1":
             from .cuda_launch import Launcher
             lau = Launcher(_make_m1(**m1_opts), lau._sig, dynamic_shared=shmem)
@@ -490,16 +507,16 @@ def run_int4_m1(a, b, scales, zero_points, k, n, bs, bias=None, cols=None, launc
 _launchers = {}
 
 
-def _launcher(mode, dtype, pair=False, h2=0):
+def _launcher(mode, dtype, pair=False, h2=0, wide=False):
     """The direct-launch wrapper of a mode's kernel (``pair``: the M=1 kernel's byte-pair table variant, ``h2``:
-    its packed-fp16 decode)."""
+    its packed-fp16 decode, ``wide``: with 16 bytes per thread and row)."""
     from .cuda_launch import Array, Launcher
-    key = (mode, np.dtype(dtype).str) + ((pair and not h2, h2) if mode == "m1" else ())
+    key = (mode, np.dtype(dtype).str) + ((pair and not h2, h2, bool(h2 and wide)) if mode == "m1" else ())
     if key not in _launchers:
         if mode == "m1":
             sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
                    Array(dtype), "int64", "int64", "int64"]
-            _launchers[key] = Launcher(gemv_m1(pair, h2), sig, dynamic_shared=TAB_BYTES if pair or h2 else 0)
+            _launchers[key] = Launcher(gemv_m1(pair, h2, wide), sig, dynamic_shared=TAB_BYTES if pair or h2 else 0)
         else:
             qdt = np.uint64 if mode == "fast" else np.uint8
             sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32",
@@ -529,8 +546,8 @@ class MatMulNF4CudaKernel(Kernel):
         self.code = cuda.to_device(half2.code_with_scale(code))  # once, at session creation (the h2 kernel reads
         # entries 16, 17: half2.h2_scale and its inverse)
         self.code_ptr = self.code.device_ctypes_pointer.value
-        self.h2 = m1_h2(self.dtype, self.k)
-        self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k), self.h2)
+        self.h2, self.wide = m1_h2(self.dtype, self.k), m1_wide(self.dtype, self.k)
+        self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k), self.h2, self.wide)
                           for mode in ("m1", "fast", "generic")}
         self.sms = _sms()
         from . import nf4tc_cuda    # (imports this module's PTX helpers)
@@ -563,9 +580,9 @@ class MatMulNF4CudaKernel(Kernel):
                        (self.tc_lut.device_ctypes_pointer.value, (256,)), (bptr, (n,)), b3, (y, (m * self.n,)), m,
                        self.k, n, self.bs.bit_length() - 1, parts, hb, hb if halves else 0)
             return
-        mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2)
-        if mode != "generic" and (q.ptr & 7 or mode == "m1" and a.ptr & 15):  # 8-byte words, 16-byte loads of A:
-            # aligned buffers (onnxruntime's always are)
+        mode, g, block, shmem = plan(m, self.k, self.n, self.bs, self.sms, self.h2, self.wide)
+        if mode != "generic" and (q.ptr & (15 if mode == "m1" and self.wide else 7) or mode == "m1" and a.ptr & 15):
+            # 8-byte words (wide: 16-byte loads of them), 16-byte loads of A: aligned buffers (onnxruntime's always are)
             mode, g, block, shmem = "generic", grid(self.n), 32 * WARPS_PER_BLOCK, 0
         args = _args(mode, (a.ptr, (m * self.k,)), (q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)),
                      (self.code_ptr, (18,)), (bptr, (self.n,)), int(bias is not None), (y, (m * self.n,)), m,

@@ -359,8 +359,10 @@ def test_matmul_cuda_m1_default_h2(monkeypatch):
     default, fp32 A never does, ONNX_LOWBIT_FP32_DECODE=1 keeps fp32: the routes, and the default's outputs."""
     from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
-    assert mc.m1_h2(np.float16, 4096) == mc.M1_H2 == 2 and mc.m1_h2(np.float16, 2048) == 0
-    assert mc.m1_h2(np.float32, 8192) == 0
+    assert mc.m1_h2(np.float16, 4096) == mc.M1_H2_WIDE == 4 and mc.m1_wide(np.float16, 4096)
+    assert mc.m1_h2(np.float16, 4112) == mc.M1_H2 == 2 and not mc.m1_wide(np.float16, 4112)   # K % 32 != 0
+    assert mc.m1_h2(np.float16, 2048) == 0 and not mc.m1_wide(np.float16, 2048)
+    assert mc.m1_h2(np.float32, 8192) == 0 and not mc.m1_wide(np.float32, 8192)
     monkeypatch.setattr(mc, "M1_H2_MIN_K", 64)
     k, n, bs = 128, 24, 64
     q, am = _quantized(k, n, bs, "nf4", seed=6)
@@ -372,20 +374,27 @@ def test_matmul_cuda_m1_default_h2(monkeypatch):
     assert _rel(y, ref) <= _tol(np.float16)
     assert np.array_equal(y.view(np.uint16), mc.run_arrays(a, q, am, code, k, n, bs, b, mode="m1",
                                                            m1_opts={"h2": 2}).view(np.uint16))
+    monkeypatch.setattr(mc, "M1_WIDE_MIN_K", 64)     # 16 bytes per thread and row, chains of 4
+    yw = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    assert _rel(yw, ref) <= _tol(np.float16)
+    assert np.array_equal(yw.view(np.uint16), mc.run_arrays(a, q, am, code, k, n, bs, b, mode="m1",
+                                                            m1_opts={"h2": 4, "wide": True}).view(np.uint16))
     monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
-    assert mc.m1_h2(np.float16, 4096) == 0
+    assert mc.m1_h2(np.float16, 4096) == 0 and not mc.m1_wide(np.float16, 4096)
     exact = mc.run_arrays(a, q, am, code, k, n, bs, b)
     assert _rel(exact, ref) <= _tol(np.float16) and not np.array_equal(exact, y)
 
 
-@pytest.mark.parametrize("m1_h2_min_k", [64, 1 << 20])
-def test_matmul_cuda_session_m1_h2(m1_h2_min_k, monkeypatch):
+@pytest.mark.parametrize("m1_h2_min_k,wide_min_k", [(64, 1 << 20), (64, 64), (1 << 20, 1 << 20)])
+def test_matmul_cuda_session_m1_h2(m1_h2_min_k, wide_min_k, monkeypatch):
     """A MatMulNF4 node in an onnxruntime CUDA session at M = 1 with fp16 A (GPU machine only), with the
-    packed-fp16 decode (M1_H2_MIN_K lowered) and without: outputs against the reference, the same bits twice."""
+    packed-fp16 decode (M1_H2_MIN_K lowered), with its 16-byte wide form (M1_WIDE_MIN_K lowered) and without:
+    outputs against the reference, the same bits twice."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
     monkeypatch.setattr(mc, "M1_H2_MIN_K", m1_h2_min_k)
+    monkeypatch.setattr(mc, "M1_WIDE_MIN_K", wide_min_k)
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 256, 40, 64
     q, am = _quantized(k, n, bs, "nf4", seed=8)
