@@ -35,7 +35,8 @@ X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sect
 ~2 us), and from K = 4096 the chains are 4 bytes long (H2_WIDE): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
 2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table); that wide decode's step
 loop is written out twice with the word buffers' roles swapped (PINGPONG_WIDE): 21.64 against 21.87 us at M = 1,
-22.84 against 23.70 at M = 2 (H100, medians of 4 rounds).
+22.84 against 23.70 at M = 2 (H100, medians of 4 rounds). On the H100 (GROUPS_CARDS) the M = 1 wide decode's blocks
+are 3 thread groups sharing one table (GROUPS, ``groups``): 20.64-21.49 against 21.08-21.83 us (three machines).
 With fp16 X at M = 1, 2 and K = 1024 .. 3072 (WARPCOLS) sessions take the warp-column kernel of nf4warp_cuda
 instead (a warp, or a pair of warps, owns whole columns: no barrier per step; 13-38% faster there, BENCHMARKS.md).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.

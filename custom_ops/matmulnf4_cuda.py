@@ -13,7 +13,9 @@ Decoding below K = 4096 through the 16-entry code table in static shared memory,
 through the pair table, built while the first words load (3-5% faster there; BENCHMARKS.md,
 benchmarks/nf4shapes_gpu.py). With fp16 A from K = 4096 (M1_H2_MIN_K) the packed-fp16 decode instead (one
 fma.rn.f16x2 per byte in chains of 2, as FusedFFNNF4's; ``M1_H2``): 14.45 against 15.22 us at 4096 x 11008, 7.94
-against 8.75 at 8192 x 2048 (H100); ONNX_LOWBIT_FP32_DECODE=1 keeps fp32 arithmetic.
+against 8.75 at 8192 x 2048 (H100); ONNX_LOWBIT_FP32_DECODE=1 keeps fp32 arithmetic. From K = 4096 with K % 32 == 0
+(M1_WIDE_MIN_K) chains of 4 with 16 bytes per thread and row (``wide``): 13.05-13.26 against 13.96-14.02 us at
+4096 x 11008, 4-13% at every shape measured (H100, 2026-11-27).
 Column slices are sized so that every block walks the same number of steps.
 Generic kernel (any K, any M): same warp-per-column scheme, element by element; correct, not tuned (prefill).
 """
