@@ -196,6 +196,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
     ap.add_argument("--shape", default=f"{K}x{N}", help="K x N of the weights (default LLaMA-7B's gate/up)")
+    ap.add_argument("--only", metavar="S1;S2", help="only the block models whose name holds one of these strings "
+                    "(';'-separated; the fp16 baselines always run): fewer rewrites and runs")
     a = ap.parse_args()
     import onnxruntime as ort
     K, N = (int(v) for v in a.shape.lower().split("x"))
@@ -227,13 +229,16 @@ def main():
     from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
     if not a.sweep_only and DEVICE == "cuda" and K % 1024 == 0 and any(c == K // 1024 for _, c in f4.WARPCOLS):
         others.insert(-1, ("SwiGLU", f"ours FusedFFNNF4 {BLOCK_KERNEL}", sw, "weights4,ffn", dict(weights="nf4")))
+    if a.only:
+        others = [o for o in others if any(t in o[1] for t in a.only.split(";"))]
     for label, name_, base, passes, opts in others:
         try:
             model, ops = rewrite(base, passes, **opts)
             cases.append((label, name_, model, ops))
         except Exception as e:  # noqa: BLE001
             print(f"rewrite for {name_!r} failed: {type(e).__name__}: {e}")
-    cases.insert(5, ("SwiGLU", "fp16 unfused (onnxruntime)", sw, ["ai.onnx.MatMul", "Sigmoid", "Mul"]))
+    first_sw = next((i for i, c in enumerate(cases) if c[0] == "SwiGLU"), len(cases))   # the block's fp16 baseline
+    cases.insert(first_sw, ("SwiGLU", "fp16 unfused (onnxruntime)", sw, ["ai.onnx.MatMul", "Sigmoid", "Mul"]))
     print(f"models built in {time.perf_counter() - t0:.0f} s")
     rows, ref = [], {}
     for bm in [int(v) for v in a.block_ms.split(",")]:
@@ -260,6 +265,8 @@ def main():
                                 max(float(np.abs(r.astype(np.float32)).max()), 1e-30)) for y, r in zip(ys, ref[key]))
                 rows.append(dict(block=blk, case=name, cuda_graph=graph, median_us=med, p90_us=p90,
                                  rel_err_vs_fp16=err, ops=ops))
+                print(f"  {blk}, {name}, graph {'yes' if graph else 'no'}: {med:.1f} us (p90 {p90:.1f})",
+                      flush=True)     # as it comes, so a run cut short still shows what it measured
     if rows:
         print("\n| block | model | CUDA graph | median us/run | p90 | speed-up vs fp16 | max rel. diff vs fp16 |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
