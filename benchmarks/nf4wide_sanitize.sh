@@ -1,7 +1,8 @@
 #!/bin/bash
 # compute-sanitizer on the NF4 M = 1 wide decodes (16 bytes per thread and row, chains of 4) through their host
 # runners: FusedFFNNF4's with thread groups sharing one table (fusedffnnf4_cuda.GROUPS) and MatMulNF4's
-# (matmulnf4_cuda.M1_WIDE_MIN_K; N = 1000 and 37: partial last steps); GPU machine:
+# (matmulnf4_cuda.M1_WIDE_MIN_K; N = 1000 and 37: partial last steps), and MatMulNF4's two-row decode at M = 2 and 5
+# (matmulnf4_cuda.M2_DECODE, M2_MAX_M raised to 5: row chunks); GPU machine:
 #   PYTHONPATH=/tmp/site:.:benchmarks bash benchmarks/nf4wide_sanitize.sh [ffn|mm]   (default: both)
 ffn='
 import sys
@@ -20,12 +21,14 @@ import sys
 import numpy as np
 from onnx_lowbit import nf4
 from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
-k, n = (int(v) for v in sys.argv[1:3])
+m, k, n = (int(v) for v in sys.argv[1:4])
+mc.M2_MAX_M = max(mc.M2_MAX_M, m)
 r = np.random.default_rng(0)
 q, am = nf4.quantize(r.standard_normal((k, n)).astype(np.float32), "nf4", 64)
-a = r.standard_normal((1, k)).astype(np.float16)
+a = r.standard_normal((m, k)).astype(np.float16)
 y = mc.run_arrays(a, q, am, nf4.code("nf4").astype(np.float32), k, n, 64, r.standard_normal(n).astype(np.float16))
-print("matmul wide", mc.m1_wide(np.float16, k), "finite", bool(np.isfinite(y).all()))
+print("matmul m", m, "wide", mc.m1_wide(np.float16, k), "two-row", mc.m2_path(m, k, np.float16),
+      "finite", bool(np.isfinite(y).all()))
 '
 if [ "${1:-}" != mm ]; then
 compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$ffn" 1 4096 1000 3 2>&1 | grep -E "ERROR SUMMARY|groups "
@@ -33,6 +36,9 @@ compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$ffn" 1 512 37 4 2
 compute-sanitizer --tool racecheck --print-limit 5 python3 -c "$ffn" 1 512 200 3 2>&1 | grep -E "RACECHECK SUMMARY|groups "
 fi
 [ "${1:-}" == ffn ] && exit 0
-compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$mm" 4096 1000 2>&1 | grep -E "ERROR SUMMARY|matmul "
-compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$mm" 8192 37 2>&1 | grep -E "ERROR SUMMARY|matmul "
-compute-sanitizer --tool racecheck --print-limit 5 python3 -c "$mm" 4096 200 2>&1 | grep -E "RACECHECK SUMMARY|matmul "
+compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$mm" 1 4096 1000 2>&1 | grep -E "ERROR SUMMARY|matmul "
+compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$mm" 1 8192 37 2>&1 | grep -E "ERROR SUMMARY|matmul "
+compute-sanitizer --tool racecheck --print-limit 5 python3 -c "$mm" 1 4096 200 2>&1 | grep -E "RACECHECK SUMMARY|matmul "
+compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$mm" 2 4096 1000 2>&1 | grep -E "ERROR SUMMARY|matmul "
+compute-sanitizer --tool memcheck --print-limit 5 python3 -c "$mm" 5 4096 37 2>&1 | grep -E "ERROR SUMMARY|matmul "
+compute-sanitizer --tool racecheck --print-limit 5 python3 -c "$mm" 2 8192 40 2>&1 | grep -E "RACECHECK SUMMARY|matmul "

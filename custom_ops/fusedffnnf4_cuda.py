@@ -193,7 +193,8 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     reads 16 distinct bank pairs); else the 16-entry fp32 code table (a shift, a mask and a load per nibble).
     ``max_registers``: ptxas limit (default MAX_REGISTERS[mt]). ``matmul``: MatMulNF4's M=1 kernel instead (one
     weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their own dtype, the 16 fp32 code
-    values from which the pair table is built, column slices from the grid size; mt = 1).
+    values from which the pair table is built, column slices from the grid size; mt = 1); with mt = 2 its M <= 16
+    kernel (rows in chunks of 2, m_dim after s in the signature, grid = row chunks x column slices).
     ``pingpong`` (with prefetch): the step loop unrolled twice with the two word buffers' roles swapped, instead
     of copying the prefetched words into the current ones (fewer moves, twice the code). ``early`` (with
     prefetch): x and the first step's words are loaded before the table is built, so the table build overlaps
@@ -248,6 +249,10 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
         a("def decode(x, q1, am1, zp1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift, has_zp):")
         a("    m_dim = 1")
         a(f"    parts = int64(cuda.gridDim.x){f' * int64({groups})' if groups > 1 else ''}")
+    elif matmul and mt > 1:     # M rows in row chunks of mt: grid = chunks x slices
+        a("def decode(x, q1, am1, lut, b1, has_b1, s, m_dim, k_dim, n_dim, bs_shift):")
+        a(f"    parts = (int64(cuda.gridDim.x) // ((int64(m_dim) + int64({mt - 1})) // int64({mt})))"
+          f"{f' * int64({groups})' if groups > 1 else ''}")
     elif matmul:
         a("def decode(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
         a("    m_dim = 1")
@@ -500,7 +505,7 @@ def _make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=Non
     if matmul:
         b_("        if has_b1:")
         b_("            g += float32(b1[n])")
-        b_("        s[n] = g")
+        b_("        s[n] = g" if mt == 1 else "        s[mad32(add32(m0, m), ndim, n)] = g")
     else:
         b_("        if has_b1:")
         b_("            g += load(b1, n)")

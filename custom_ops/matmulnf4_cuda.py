@@ -51,6 +51,12 @@ M1_H2_WIDE = 4              # one load) per thread and row (``wide``, as FusedFF
                             # (nf4shapes_gpu.py, BENCHMARKS.md session 27), us, wide / chains of 2: 4096x11008 13.05-
                             # 13.26 / 13.96-14.02, 8192x2048 7.30 / 7.68-7.77, 4096x4096 7.55 / 7.85-8.01, 4096x14336
                             # 16.12 / 17.31-17.69, 14336x4096 15.90 / 18.02-18.08, 5120x13824 17.78-17.90 / 20.06-20.21
+M2_DECODE = True            # fp16 A at M = 2 .. M2_MAX_M where m1_wide: the decode generator's two-row kernel (mt = 2,
+M2_MAX_M = 4                # wide, chains of M1_H2_WIDE, row chunks of 2; ``m2``) instead of nf4tc. H100, weights past
+                            # L2, us, two-row / tensor-core (nf4shapes_gpu.py --mm-m M, BENCHMARKS.md session 28):
+                            # M=2 4096x11008 15.44 / 18.8 (session 27's figure), 8192x2048 9.01 / 11.84, 4096x14336 18.68 / 27.43,
+                            # 5120x13824 22.67 / 32.86; M=3 21.82 / 21.78, 11.14 / 12.13, 27.62 / 28.05; M=4 21.87 /
+                            # 22.55, 11.13 / 12.14, 27.63 / 28.45 (from M=3 two row chunks read the weight twice)
 TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
                             # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
                             # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
@@ -350,6 +356,25 @@ def m1_path(m, k):
     return m == 1 and k % 16 == 0 and k // 16 <= 1024
 
 
+def m2_path(m, k, dtype):
+    """Whether M2_DECODE routes this product to the two-row decode kernel (``m2``)."""
+    return M2_DECODE and 2 <= m <= M2_MAX_M and m1_wide(dtype, k) and k // 16 <= 1024
+
+
+def gemv_m2():
+    """The two-row decode kernel (wide, chains of M1_H2_WIDE; ptxas's register count; built on first use)."""
+    if "m2" not in _M1:
+        from .fusedffnnf4_cuda import _make_decode
+        _M1["m2"] = _make_decode(2, False, False, M1_COLS, True, None, matmul=True, h2=M1_H2_WIDE, wide=True)
+    return _M1["m2"]
+
+
+def m2_grid(m, n, sms, occupancy):
+    """Row chunks of 2 times one wave of column slices (every slice the same number of steps)."""
+    nch = -(-m // 2)
+    return nch * nf4_common.even_parts(math.ceil(n / M1_COLS), max(1, sms * occupancy // nch))
+
+
 def m1_block(k, wide=False):
     """Threads of an M=1 block: one per 8-byte word of a row (wide: per 16 bytes), whole warps."""
     return max(32, 32 * -(-(k // (32 if wide else 16)) // 32))
@@ -393,7 +418,7 @@ def _args(mode, a, q, absmax, code, bias, has_bias, y, m, k, n, bs, nq):
     """Launch arguments; arrays as (pointer, shape) pairs."""
     if mode == "m1":
         return [a, (q[0], (nq,)), absmax, code, bias, has_bias, y, k, n, bs.bit_length() - 5]
-    if mode == "fast":
+    if mode in ("fast", "m2"):
         return [a, (q[0], (nq,)), absmax, code, bias, has_bias, y, m, k, n, bs.bit_length() - 5]
     return [a, q, absmax, code, bias, has_bias, y, m, k, n, bs]
 
@@ -413,8 +438,11 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
     sms = 2 if sim else _sms()
     h2, wide = m1_h2(a.dtype, k), m1_wide(a.dtype, k)
     pmode, g, block, shmem = plan(m, k, n, bs, sms, h2, wide)
-    mode = mode or pmode
-    if mode != pmode:
+    mode = mode or ("m2" if m2_path(m, k, a.dtype) else pmode)
+    if mode == "m2":
+        occ = 3 if sim else max(1, _launcher("m2", a.dtype).blocks_per_sm(m1_block(k, True)))
+        g, block, shmem = m2_grid(m, n, sms, occ), m1_block(k, True), TAB_BYTES
+    elif mode != pmode:
         g, block, shmem = {"fast": (fast_grid(n, sms), 32 * WARPS_PER_BLOCK, m * k * 4),
                            "generic": (grid(n), 32 * WARPS_PER_BLOCK, 0)}[mode]
     if m1_opts and mode == "m1":    # the variant's own grid and table
@@ -422,7 +450,7 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
         g = m1_grid(n, sms, k, m1_opts.get("COLS") or M1_COLS, pair, m1_opts.get("wide", False))
         shmem = TAB_BYTES if pair else 0
         block = m1_block(k, m1_opts.get("wide", False))
-    words = mode in ("m1", "fast")
+    words = mode in ("m1", "fast", "m2")
     dev = [cuda.to_device(a2), cuda.to_device(q.reshape(-1).view(np.uint64) if words else q.reshape(-1)),
            cuda.to_device(absmax.reshape(-1).astype(np.float32)), cuda.to_device(half2.code_with_scale(code)),
            cuda.to_device(b),
@@ -430,9 +458,9 @@ def run_arrays(a, q, absmax, code, k, n, bs, bias=None, mode=None, m1_opts=None)
     if sim:
         da, dq, dam, dc, db, dy = dev
         tail = {"m1": [k, n, bs.bit_length() - 5], "fast": [m, k, n, bs.bit_length() - 5],
-                "generic": [m, k, n, bs]}[mode]
+                "m2": [m, k, n, bs.bit_length() - 5], "generic": [m, k, n, bs]}[mode]
         kern = ((_make_m1(**m1_opts) if m1_opts else gemv_m1(m1_pair(k), h2, wide)) if mode == "m1" else
-                {"fast": GEMV16, "generic": GENERIC}[mode])
+                gemv_m2() if mode == "m2" else {"fast": GEMV16, "generic": GENERIC}[mode])
         kern[g, block, 0, shmem](da, dq, dam, dc, db, int(bias is not None), dy, *tail)
     else:
         pa = [(d.device_ctypes_pointer.value, d.shape) for d in dev]
@@ -519,6 +547,10 @@ def _launcher(mode, dtype, pair=False, h2=0, wide=False):
             sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
                    Array(dtype), "int64", "int64", "int64"]
             _launchers[key] = Launcher(gemv_m1(pair, h2, wide), sig, dynamic_shared=TAB_BYTES if pair or h2 else 0)
+        elif mode == "m2":
+            sig = [Array(dtype), Array(np.uint64), Array(np.float32), Array(np.float32), Array(dtype), "int32",
+                   Array(dtype), "int64", "int64", "int64", "int64"]
+            _launchers[key] = Launcher(gemv_m2(), sig, dynamic_shared=TAB_BYTES)
         else:
             qdt = np.uint64 if mode == "fast" else np.uint8
             sig = [Array(dtype), Array(qdt), Array(np.float32), Array(np.float32), Array(dtype), "int32",
@@ -552,6 +584,12 @@ class MatMulNF4CudaKernel(Kernel):
         self.launchers = {mode: _launcher(mode, self.dtype, m1_pair(self.k), self.h2, self.wide)
                           for mode in ("m1", "fast", "generic")}
         self.sms = _sms()
+        self.m2 = None      # M = 2 .. M2_MAX_M: the two-row decode kernel (M2_DECODE; launcher, block, grid per M)
+        if m2_path(2, self.k, self.dtype):
+            lau = _launcher("m2", self.dtype)
+            blk = m1_block(self.k, True)
+            occ = max(1, lau.blocks_per_sm(blk))
+            self.m2 = lau, blk, {m: m2_grid(m, self.n, self.sms, occ) for m in range(2, M2_MAX_M + 1)}
         from . import nf4tc_cuda    # (imports this module's PTX helpers)
         self.tc = None      # the tensor-core decode kernel (fp16 A, M = TC_MIN_M .. 16; nf4tc_cuda)
         if self.dtype == np.float16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
@@ -568,6 +606,14 @@ class MatMulNF4CudaKernel(Kernel):
         if m == 0:
             return
         bptr = bias.ptr if bias is not None else y  # never read without has_bias
+        if self.m2 is not None and m in self.m2[2] and not ((a.ptr | q.ptr) & 15 or absmax.ptr & 3):
+            lau, blk, grids = self.m2
+            lau.launch(grids[m], blk, ctx.stream, *_args("m2", (a.ptr, (m * self.k,)), (q.ptr, ()),
+                                                          (absmax.ptr, (absmax.size,)), (self.code_ptr, (18,)),
+                                                          (bptr, (self.n,)), int(bias is not None),
+                                                          (y, (m * self.n,)), m, self.k, self.n, self.bs,
+                                                          self.k * self.n // 16), shmem=TAB_BYTES)
+            return
         if self.tc is not None and TC_MIN_M <= m <= 16 and not ((a.ptr | q.ptr) & 7 or absmax.ptr & 3):
             lau, grid_, block, parts, halves = self.tc.pick(m)
             hb = int(bias is not None)

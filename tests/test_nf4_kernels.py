@@ -385,22 +385,55 @@ def test_matmul_cuda_m1_default_h2(monkeypatch):
     assert _rel(exact, ref) <= _tol(np.float16) and not np.array_equal(exact, y)
 
 
-@pytest.mark.parametrize("m1_h2_min_k,wide_min_k", [(64, 1 << 20), (64, 64), (1 << 20, 1 << 20)])
-def test_matmul_cuda_session_m1_h2(m1_h2_min_k, wide_min_k, monkeypatch):
-    """A MatMulNF4 node in an onnxruntime CUDA session at M = 1 with fp16 A (GPU machine only), with the
-    packed-fp16 decode (M1_H2_MIN_K lowered), with its 16-byte wide form (M1_WIDE_MIN_K lowered) and without:
-    outputs against the reference, the same bits twice."""
+@pytest.mark.parametrize("m1_h2_min_k,wide_min_k,m", [(64, 1 << 20, 1), (64, 64, 1), (1 << 20, 1 << 20, 1),
+                                                     (64, 64, 2), (64, 64, 4)])
+def test_matmul_cuda_session_m1_h2(m1_h2_min_k, wide_min_k, m, monkeypatch):
+    """A MatMulNF4 node in an onnxruntime CUDA session with fp16 A (GPU machine only): at M = 1 with the packed-fp16
+    decode (M1_H2_MIN_K lowered), with its 16-byte wide form (M1_WIDE_MIN_K lowered) and without; at M = 2 and 4 on
+    the two-row decode kernel (M2_DECODE; M = 4 as two row chunks): outputs against the reference, the same bits
+    twice."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
     monkeypatch.setattr(mc, "M1_H2_MIN_K", m1_h2_min_k)
     monkeypatch.setattr(mc, "M1_WIDE_MIN_K", wide_min_k)
+    monkeypatch.setattr(mc, "M2_DECODE", m > 1)
+    monkeypatch.setattr(mc, "M2_MAX_M", 4)
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 256, 40, 64
     q, am = _quantized(k, n, bs, "nf4", seed=8)
-    a = np.random.default_rng(8).standard_normal((1, 1, k)).astype(np.float16)
-    sess = lowbit_session(matmul_model((1, 1), k, n, bs, "nf4", np.float16, False, q, am), ["CUDAExecutionProvider"])
+    a = np.random.default_rng(8).standard_normal((1, m, k)).astype(np.float16)
+    sess = lowbit_session(matmul_model((1, m), k, n, bs, "nf4", np.float16, False, q, am), ["CUDAExecutionProvider"])
     y1 = sess.run(None, {"a": a})[0]
     y2 = sess.run(None, {"a": a})[0]
     assert np.array_equal(y1.view(np.uint16), y2.view(np.uint16))
     assert _rel(y1, nf4.matmul(a, q, am, "nf4", bs, k, n, None)) <= _tol(np.float16)
+
+
+@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+@pytest.mark.parametrize("m,n", [(2, 40), (2, 7), (5, 24)])
+def test_matmul_cuda_m2_decode(m, n, monkeypatch):
+    """The two-row decode kernel (M2_DECODE, wide, chains of 4; M2_MAX_M raised so that M = 5 runs as row chunks):
+    every row the same bits as the M = 1 wide kernel on that row alone, against the reference, a NaN row stays
+    NaN and the others finite."""
+    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    monkeypatch.setattr(mc, "M2_DECODE", True)
+    monkeypatch.setattr(mc, "M2_MAX_M", 5)
+    monkeypatch.setattr(mc, "M1_WIDE_MIN_K", 64)
+    monkeypatch.setattr(mc, "M1_H2_MIN_K", 64)
+    k, bs = 256, 64
+    q, am = _quantized(k, n, bs, "nf4", seed=20 + m)
+    rng = np.random.default_rng(m)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float16)
+    code = nf4.code("nf4").astype(np.float32)
+    assert mc.m2_path(m, k, np.float16) and not mc.m2_path(1, k, np.float16)
+    y = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    assert _rel(y, nf4.matmul(a, q, am, "nf4", bs, k, n, b)) <= _tol(np.float16)
+    for i in range(m):
+        row = mc.run_arrays(a[i:i + 1], q, am, code, k, n, bs, b)
+        assert np.array_equal(y[i].view(np.uint16), row[0].view(np.uint16)), i
+    a[1, 3] = np.nan
+    y = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    assert np.isnan(y[1]).all() and np.isfinite(np.delete(y, 1, axis=0)).all()
