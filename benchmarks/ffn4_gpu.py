@@ -1,13 +1,17 @@
 """Fused 4-bit SwiGLU (FusedFFNNF4, FusedFFNAWQ) on the GPU: gate + up of LLaMA-7B (x[M, 4096], two [4096, 11008]
 weights; NF4 block 64 / AWQ group 128), M in {1, 4, 16}, against, in the same run,
-  (a) our two separate 4-bit MatMul kernels (MatMulNF4 / MatMulAWQ decode kernels) + torch silu(g) * u;
+  (a) our two separate 4-bit MatMul ops (MatMulNF4 / MatMulAWQ session kernels) + torch silu(g) * u;
   (b) torch fp16: x @ W1, x @ W3 (fp16 W [4096, 11008]) + silu(g) * u.
 Every fused output is checked against the CPU face (itself tested against onnx_lowbit.ffn) on the timed data.
 Times: median us per call, "graph" = 20 calls replayed from a CUDA graph (no host launch cost), "events" = CUDA
 events around 20 back-to-back launches (includes our Python launch cost). % of 2900 GB/s counts the packed 4-bit
 bytes of both weights (2 * K * N / 2 = 45.1 MB), as the issue's floor does.
 
-FusedFFNAWQ / MatMulAWQ run twice: the fp32 decode kernels and the tensor-core kernel (matmulawq_cuda._make_tc).
+The "session" rows call each op's CUDA kernel object as a session node does (custom_ops.direct), so they run what
+sessions run at that M; the other rows launch particular kernels with their launcher defaults (FusedFFNNF4's
+decode kernel without the two-buffer loop or thread groups; FusedFFNAWQ / MatMulAWQ's fp32 decode and tensor-core
+kernels, matmulawq_cuda._make_tc). One weight pair is reused call after call, so part of it comes from L2:
+nf4shapes_gpu.py and nf4tc_gpu.py cycle weights past L2.
 
     PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants] [--tc-variants] [--ms 1,4,16]
 """
@@ -54,8 +58,8 @@ def main():
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    from onnx_lowbit.custom_ops import fusedffnawq_cpu, fusedffnawq_cuda, fusedffnnf4_cpu, fusedffnnf4_cuda
-    from onnx_lowbit.custom_ops import matmulawq_cuda, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops import direct, fusedffnawq_cpu, fusedffnawq_cuda, fusedffnnf4_cpu, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops import matmulawq_cuda, nf4_common
     from onnx_lowbit.custom_ops.cuda_launch import Launcher, current_device, sm_count
     print("GPU:", torch.cuda.get_device_name(0))
     sms = sm_count(current_device())
@@ -73,7 +77,6 @@ def main():
     w16 = [torch.randn(K, N, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
     bw, t_copy = copy_gbps()
     print(f"device copy 256 MiB: {t_copy:.1f} us = {bw:.0f} GB/s")
-    dcode = td(code)
     nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
     nlut32 = td(fusedffnnf4_cuda.lut_for(code, False).view(np.int32))
     ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
@@ -113,6 +116,29 @@ def main():
         print(f"M={m}: CPU references in {time.perf_counter() - t0:.1f} s")
         chk = lambda ref: (lambda: rel(s.float().cpu().numpy(), ref))  # noqa: E731
 
+        # ---- what session nodes run at this M (custom_ops.direct: each op's kernel object, its per-call choice)
+        nf_attrs = {"quant_type": "nf4", "block_size": BS, "K": K, "N": N}
+        aw_attrs = {"group_size": G, "K": K, "N": N}
+
+        def two(calls):
+            def run():
+                for c in calls:
+                    c()
+                torch.mul(F.silu(y1), y3, out=s)
+            return run
+        t_sn = t_sn2 = t_sa = t_sa2 = None
+        if not a.profile:
+            t_sn = record("FusedFFNNF4 (session kernel)", m, direct.call(
+                "FusedFFNNF4", nf_attrs, [x] + [t for qa in dnq for t in qa], [s], stream), check=chk(ref_n))
+            t_sn2 = record("two MatMulNF4 (session kernels) + torch silu*mul", m, two(
+                [direct.call("MatMulNF4", nf_attrs, [x, *qa], [y], stream) for qa, y in zip(dnq, (y1, y3))]),
+                check=chk(ref_n))
+            t_sa = record("FusedFFNAWQ (session kernel)", m, direct.call(
+                "FusedFFNAWQ", aw_attrs, [x] + [t for w in daw for t in w], [s], stream), check=chk(ref_a))
+            t_sa2 = record("two MatMulAWQ (session kernels) + torch silu*mul", m, two(
+                [direct.call("MatMulAWQ", aw_attrs, [x, *w], [y], stream) for w, y in zip(daw, (y1, y3))]),
+                check=chk(ref_a))
+
         # ---- NF4 fused
         def nf4_fused(pair=None, cols=fusedffnnf4_cuda.COLS, scale=1, prefetch=True):
             mt = fusedffnnf4_cuda.bucket(m)
@@ -128,7 +154,7 @@ def main():
             return (lambda: lau.launch(nch * parts, block, stream(), *args)), desc
 
         fn, desc = nf4_fused()
-        t_nf = None if a.profile else record(f"FusedFFNNF4 fused (ours) [{desc}]", m, fn, check=chk(ref_n))
+        t_nf = None if a.profile else record(f"FusedFFNNF4 decode kernel, launcher defaults [{desc}]", m, fn, check=chk(ref_n))
         if a.variants and m == 1 and not a.profile:
             for pair, cols, pf in [(True, 4, True), (True, 4, False), (True, 8, False), (False, 4, False),
                                    (True, 2, True)]:
@@ -136,17 +162,7 @@ def main():
                 record(f"  variant NF4 pair={int(pair)} cols={cols} prefetch={int(pf)} [{desc}]", m, fn,
                        check=chk(ref_n))
 
-        mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
-        lau_n = matmulnf4_cuda._launcher(mode, np.float16)
-        nargs = [matmulnf4_cuda._args(mode, ptr(x), ptr(q), ptr(am), ptr(dcode), ptr(y), 0, ptr(y), m, K, N, BS,
-                                      K * N // 16) for (q, am), y in zip(dnq, (y1, y3))]
-
-        def nf4_two():
-            for ar in nargs:
-                lau_n.launch(g_, blk, stream(), *ar, shmem=shm)
-            torch.mul(F.silu(y1), y3, out=s)
-        t_n2 = None if a.profile else record(f"two MatMulNF4 ({mode}) + torch silu*mul", m, nf4_two,
-                                             check=chk(ref_n))
+        t_n2 = None     # two MatMulNF4: the session rows above (the M = 1 kernel needs its session launch)
 
         # ---- AWQ fused
         def awq_fused(rows_=None, unroll=None, maxreg=None, ct=fusedffnawq_cuda.CT, warps=fusedffnawq_cuda.WARPS):
@@ -180,7 +196,7 @@ def main():
                 torch.cuda.synchronize()
             return
         fn, desc, acc_keep = awq_fused()
-        t_af = record(f"FusedFFNAWQ fused (ours) [{desc}]", m, fn, check=chk(ref_a))
+        t_af = record(f"FusedFFNAWQ fp32 decode kernel [{desc}]", m, fn, check=chk(ref_a))
         if a.variants and m == 1:
             for unroll, maxreg in ((4, 80), (8, 96)):
                 for r_ in (32, 64):
@@ -223,7 +239,7 @@ def main():
             return two, desc
 
         fn, desc = awq_tc(2)
-        t_at = record(f"FusedFFNAWQ tensor-core (ours) [{desc}]", m, fn, check=chk(ref_a))
+        t_at = record(f"FusedFFNAWQ tensor-core kernel (_make_tc) [{desc}]", m, fn, check=chk(ref_a))
         fn, desc = awq_tc(1)
         t_at2 = record(f"two MatMulAWQ tensor-core + torch silu*mul [{desc}]", m, fn, check=chk(ref_a))
         if a.tc_variants and m == 1:
@@ -257,16 +273,17 @@ def main():
             torch.matmul(x, w16[1], out=y3)
             torch.mul(F.silu(y1), y3, out=s)
         t_t = record("torch fp16 x@W1, x@W3 + silu*mul", m, torch_fp16)
-        summary.append((m, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2))
+        summary.append((m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2))
 
     print("\n| op | M | fused (us) | GB/s on 4-bit bytes | % of 2900 GB/s | two MatMul4 + silu*mul (us) | "
           "torch fp16 (us) | vs two MatMul4 | vs torch fp16 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     r_ = lambda a_, b_: "-" if a_ is None or b_ is None else f"{b_ / a_:.2f}x"  # noqa: E731
-    for m, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2 in summary:
-        for op, tf, t2 in (("FusedFFNNF4", t_nf, t_n2), ("FusedFFNAWQ fp32 decode", t_af, t_a2),
-                           ("FusedFFNAWQ tensor-core", t_at, t_at2)):
+    for m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2 in summary:
+        for op, tf, t2 in (("FusedFFNNF4 (session)", t_sn, t_sn2), ("FusedFFNAWQ (session)", t_sa, t_sa2),
+                           ("FusedFFNNF4 decode kernel, defaults", t_nf, t_n2),
+                           ("FusedFFNAWQ fp32 decode", t_af, t_a2), ("FusedFFNAWQ tensor-core", t_at, t_at2)):
             bw = None if tf is None else NIBBLE_BYTES / tf / 1e3
             print(f"| {op} | {m} | {f(tf)} | {f(bw)} | {f(None if bw is None else 100 * bw / PEAK)} | {f(t2)} | "
                   f"{f(t_t)} | {r_(tf, t2)} | {r_(tf, t_t)} |")

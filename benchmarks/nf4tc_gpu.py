@@ -1,6 +1,8 @@
 """NF4 tensor-core decode kernel (custom_ops/nf4tc_cuda.py) against the kernels sessions use today, same run, H100:
-  fused  FusedFFNNF4 (gate+up + SiLU*mul): nf4tc nw=2 vs fusedffnnf4_cuda's decode kernel
-  matmul MatMulNF4 (one weight): nf4tc nw=1 vs matmulnf4_cuda's planned kernel (M=1: the PRMT M=1 kernel)
+  fused  FusedFFNNF4 (gate+up + SiLU*mul): nf4tc nw=2 vs what a session node runs at that M
+  matmul MatMulNF4 (one weight): nf4tc nw=1 vs what a session node runs at that M
+("session kernel": the op's CUDA kernel object called as the bridge calls it, custom_ops.direct, so its launch is
+the session's own choice at that M: decode kernels, groups, two-buffer loop, two-row decode, tensor cores)
 Shape: LLaMA-7B gate/up (4096 -> 11008), fused M = 1, 2, 3, 4, 8, 16, matmul M = 1, 2, 4, 16. NF4 block 64, random
 bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py) over calls that cycle through a pool of distinct
 weights (>= 128 MB in all, past the 50 MB L2, as layer after layer of a decode step; before 2026-11-26 session 26 one
@@ -34,7 +36,7 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops import direct, fusedffnnf4_cpu, matmulnf4_cpu, nf4_common
     from onnx_lowbit.custom_ops import nf4tc_cuda as tc
     from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
     print("GPU:", torch.cuda.get_device_name(0))
@@ -45,8 +47,6 @@ def main():
     td = lambda v: torch.from_numpy(np.ascontiguousarray(v)).cuda()  # noqa: E731
     ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
     dlut = td(tc.lut(code).view(np.int32))
-    dcode = td(code)
-    nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
     rng = np.random.default_rng(0)
     variants = [tuple(int(v) for v in t.split(":")) for t in a.variants.split(",")]
     fms = [int(v) for v in a.fused_ms.split(",")] if a.fused_ms else [1, 2, 3, 4, 8, 16]
@@ -110,23 +110,11 @@ def main():
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
             rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM){' halves' if halves else ''}", fns)
-        if nw == 2:
-            mt = fusedffnnf4_cuda.bucket(m)
-            lau = fusedffnnf4_cuda.launcher(True, mt)
-            block = fusedffnnf4_cuda.threads(K)
-            occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
-            nch = -(-m // mt)
-            parts = fusedffnnf4_cuda.parts_for(N, nch, sms, occ)
-            rec("current FusedFFNNF4 decode", [lambda d=d: lau.launch(
-                nch * parts, block, stream(), ptr(x), ptr(d[0][0], K * N // 16), ptr(d[0][1]), ptr(d[1][0], K * N // 16),
-                ptr(d[1][1]), ptr(nlut), ptr(out), ptr(out), ptr(out), m, K, N, BS.bit_length() - 5, parts, 0, 0)
-                for d in pool])
-        else:
-            mode, g_, blk, shm = matmulnf4_cuda.plan(m, K, N, BS, sms)
-            lau_n = matmulnf4_cuda._launcher(mode, np.float16)
-            rec(f"current MatMulNF4 ({mode})", [lambda d=d: lau_n.launch(g_, blk, stream(), *matmulnf4_cuda._args(
-                mode, ptr(x), ptr(d[0][0]), ptr(d[0][1]), ptr(dcode), ptr(out), 0, ptr(out), m, K, N, BS,
-                K * N // 16), shmem=shm) for d in pool])
+        # what a session node runs at this M (custom_ops.direct: the op's kernel object and its per-call choice)
+        op = "FusedFFNNF4" if nw == 2 else "MatMulNF4"
+        attrs = {"quant_type": "nf4", "block_size": BS, "K": K, "N": N}
+        rec(f"session kernel ({op})", [direct.call(op, attrs, [x] + [t for qa in d for t in qa], [out], stream)
+                                       for d in pool])
         del y3, pool
 
 

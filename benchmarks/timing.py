@@ -37,7 +37,8 @@ def time_graph(fn, iters=30, batch=BATCH):
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):     # the warm-up's stream: per-stream buffers a kernel made there serve
+        # the capture too (an allocation during capture would fail)
         for _ in range(batch):
             fn()
     g.replay()
