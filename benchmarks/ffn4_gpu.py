@@ -265,7 +265,7 @@ def main():
             for ar in aargs:
                 lau_a.launch(grid_a, matmulawq_cuda.BLOCK, stream(), *ar)
             torch.mul(F.silu(y1), y3, out=s)
-        t_a2 = record("two MatMulAWQ + torch silu*mul", m, awq_two, check=chk(ref_a))
+        t_a2 = record("two MatMulAWQ fp32 decode kernels + torch silu*mul", m, awq_two, check=chk(ref_a))
 
         # ---- torch fp16
         def torch_fp16():
