@@ -2,8 +2,8 @@
 (AutoAWQ GEMM layout; onnx_lowbit.awq). One launch; the fp16 weights are never written; SiLU * mul in the
 epilogue.
 
-Decode kernel (M <= 16): MatMulAWQ's decode kernel (matmulawq_cuda, whose device functions it uses) reading both
-weights in the same pass: lane = column group c (one int32 = 8 columns of a qweight row; a warp reads 128
+Decode kernel (M <= 16): MatMulAWQ's decode kernel with two weights (matmulawq_cuda._make_gemv, nw=2), reading both
+in the same pass: lane = column group c (one int32 = 8 columns of a qweight row; a warp reads 128
 contiguous bytes of a row of each weight), warp = a slice of R rows of K inside one group; every thread loads
 the qweight words of W1 AND W3 for its rows (2 * UNROLL loads in flight, software-pipelined, UNROLL per row
 bucket; whole batches run without bounds checks), the x slice is staged once per block in shared memory as fp32
@@ -19,21 +19,24 @@ the kernel's own per-stream buffer only with onnxruntime < 1.18), the tile count
 CUDA stream (``ScratchPool``). With a single split (K <= 8R) the block writes S directly (no partials). M runs
 in row buckets MT in {1, 2, 4} (2 x 4 x 8 accumulators per thread at most); M = 5..16 as row chunks of 4 in
 neighbouring blocks (the weight reads are shared through L2).
-Generic kernel (any M): thread = (row, column group), walks all of K for both weights; correct, not tuned.
+Generic kernel (any M; matmulawq_cuda._make_generic, nw=2): thread = (row, column group), walks all of K for both
+weights; correct, not tuned.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, uint32, uint64
+from numba import cuda
 
 from .dequantawq_cpu import parse_attrs
-from .dequantawq_cuda import SIM, col_of, h2f
+from .dequantawq_cuda import SIM
 from .ffn4_common import check_x_biases, opt
 from .fusedffnawq_cpu import check_both
 from .kernels import Kernel
-from .matmulawq_cuda import (ONE32, RMAX, TC_MIN_M, TC_WARPS, ScratchPool, _ld16, _ld32, _nib_scale, _nib_value,
-                             _pair_word, _silu, _st16, _st32, _vnib, partial_floats, sum_splits, tc_ok, tc_run,
+from .matmulawq_cuda import (MAX_M_FAST, RMAX, TC_MIN_M, TC_WARPS, ScratchPool, chunks, partial_floats, tc_ok, tc_run,
                              tc_setup)
+from .matmulawq_cuda import _make_gemv as awq_gemv
+from .matmulawq_cuda import _make_generic as awq_generic
+from .matmulawq_cuda import bucket as awq_bucket
 from .matmulawq_cuda import plan as awq_plan
 
 CT = 32
@@ -44,277 +47,24 @@ UNROLL = {1: 8, 2: 4, 4: 4}   # per row bucket: qweight words in flight per thre
 MAX_REGISTERS = {1: 96, 2: 80, 4: 128}   # per row bucket: no local-memory spills (ptxas); MT=1 (77 registers):
                                           # 3 blocks of 256 per SM, so LLaMA-7B gate+up (344 blocks) is one wave
 MT_BUCKETS = (1, 2, 4)
-MAX_M_FAST = 16
 DEFAULT_BLOCKS_PER_SM = 4
-U0, U1, U3, U15 = (np.uint64(v) for v in (0, 1, 3, 15))
-F0, F16 = np.float32(0.0), np.float32(16.0)
-
-
-@cuda.jit(device=True, inline=True)
-def _row2(mt, w1, w3, xs, xi, xstr, vj, p, sx, one):
-    """One row k of both weights (w1, w3: uint32 words of 8 columns): P[wsel][m][j] += x[m] * v_j, S[m] += x[m],
-    x[m] = xs[xi + m * xstr]."""
-    for m in range(mt):
-        sx[m] += xs[xi + uint32(m) * xstr]
-    for wsel in range(2):
-        w = w1 if wsel == 0 else w3
-        for h in range(4):
-            t = _pair_word(w, h)
-            vj[2 * h] = _nib_value(t, False, one)
-            vj[2 * h + 1] = _nib_value(t, True, one)
-        for m in range(mt):
-            xv = xs[xi + uint32(m) * xstr]
-            for j in range(8):
-                p[(wsel * mt + m) * 8 + j] += xv * vj[j]
 
 
 def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, max_registers=None):
-    load = _ld16 if a16 else _ld32
-    store = _st16 if a16 else _st32
-    unroll = unroll or UNROLL[mt]
-    block = ct * warps
-    xs_size = mt * warps * RMAX
-    red_size = 2 * warps * ct * 8
-    p_size = 2 * mt * 8
-    w_size = 2 * unroll
-    wzero = uint32(0)
-
-    @cuda.jit(**({} if SIM else {"max_registers": max_registers or MAX_REGISTERS[mt]}))
-    def gemv(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
-             has_b1, has_b3):
-        """x [M*K] (fp32 or fp16 bits), qw*/qz* uint32, sc* uint16 (fp16 bits), b1/b3 [N], s [M*N], acc float32
-        [splits*2*M*N] (partials: any contents) and cnt uint32 [tiles] (zero between launches). Block b: row
-        chunk b % chunks, then column tile and K split from b // chunks (as matmulawq_cuda)."""
-        xs = cuda.shared.array(xs_size, float32)
-        red = cuda.shared.array(red_size, float32)
-        flag = cuda.shared.array(1, uint32)
-        one_sm = cuda.shared.array(1, uint32)
-        tid = uint64(cuda.threadIdx.x)
-        if tid == U0:
-            one_sm[0] = ONE32
-        lane = tid % uint64(ct)
-        warp = tid // uint64(ct)
-        m64 = uint64(m_dim)
-        k64 = uint64(k_dim)
-        n64 = uint64(n_dim)
-        r64 = uint64(rows)
-        nw = n64 >> U3
-        tiles = (nw + uint64(ct - 1)) // uint64(ct)
-        nch = (m64 + uint64(mt - 1)) // uint64(mt)
-        bid = uint64(cuda.blockIdx.x)
-        m0 = (bid % nch) * uint64(mt)
-        rest = bid // nch
-        tile = rest % tiles
-        span = r64 * uint64(warps)
-        split = rest // tiles
-        kb = split * span
-        c = tile * uint64(ct) + lane
-        k0 = kb + warp * r64
-        kend = min(k0 + r64, k64)
-        active = c < nw and k0 < kend
-        wv = cuda.local.array(w_size, uint32)           # [weight][u]
-        wn = cuda.local.array(w_size, uint32)
-        if active:
-            for u in range(unroll):
-                kk = k0 + uint64(u)
-                wv[u] = qw1[kk * nw + c] if kk < kend else wzero
-                wv[unroll + u] = qw3[kk * nw + c] if kk < kend else wzero
-        i = tid
-        while i < uint64(mt) * span:
-            m = i // span
-            k = kb + (i - m * span)
-            v = F0
-            if m0 + m < m64 and k < k64:
-                v = load(x, (m0 + m) * k64 + k)
-            xs[i] = v
-            i += uint64(block)
-        cuda.syncthreads()
-        one = one_sm[0]
-
-        p = cuda.local.array(p_size, float32)           # [weight][m][j]
-        sx = cuda.local.array(mt, float32)
-        vj = cuda.local.array(8, float32)
-        for t in range(p_size):
-            p[t] = F0
-        for m in range(mt):
-            sx[m] = F0
-        if active:
-            xo = uint32(k0 - kb)
-            xstr = uint32(span)
-            nfull = (kend - k0) // uint64(unroll)     # whole batches: no bounds checks in the hot loop
-            step = uint64(unroll) * nw
-            base = k0 * nw + c
-            b = U0
-            while b < nfull:
-                if b + U1 < nfull:                      # software pipeline: the next batch is in flight
-                    nbase = base + step
-                    for u in range(unroll):
-                        wn[u] = qw1[nbase + uint64(u) * nw]
-                        wn[unroll + u] = qw3[nbase + uint64(u) * nw]
-                for u in range(unroll):
-                    _row2(mt, wv[u], wv[unroll + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
-                for t in range(w_size):
-                    wv[t] = wn[t]
-                base += step
-                xo += uint32(unroll)
-                b += U1
-            rem = (kend - k0) - nfull * uint64(unroll)
-            if rem > U0:                                # the last rows (< unroll) of a slice at the end of K
-                if nfull > U0:
-                    for u in range(unroll):
-                        ok = uint64(u) < rem
-                        wv[u] = qw1[base + uint64(u) * nw] if ok else wzero
-                        wv[unroll + u] = qw3[base + uint64(u) * nw] if ok else wzero
-                for u in range(unroll):
-                    if uint64(u) < rem:
-                        _row2(mt, wv[u], wv[unroll + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
-            # the slice's group: zero points and scales, read after the hot loop (fewer live registers in it)
-            g = k0 // uint64(g_size)
-            for wsel in range(2):
-                z = uint32(qz1[g * nw + c] if wsel == 0 else qz3[g * nw + c])
-                for j in range(8):
-                    col = g * n64 + c * uint64(8) + uint64(col_of(j))
-                    sc = h2f(sc1[col] if wsel == 0 else sc3[col])
-                    cj = _nib_scale(j)
-                    zc = cj + float32((z >> uint32(4 * j)) & uint32(15))
-                    for m in range(mt):
-                        t = (wsel * mt + m) * 8 + j
-                        p[t] = sc * (cj * p[t] - zc * sx[m])
-
-        cols = uint64(ct * 8)
-        for m in range(mt):
-            mg = m0 + uint64(m)
-            if mg < m64:
-                for wsel in range(2):
-                    for j in range(8):
-                        red[(uint64(wsel) * uint64(warps) + warp) * cols + lane * uint64(8) + uint64(col_of(j))] = \
-                            p[(wsel * mt + m) * 8 + j]
-                cuda.syncthreads()
-                cl = tid
-                while cl < cols:
-                    g_ = F0
-                    u_ = F0
-                    for w_ in range(warps):
-                        g_ += red[uint64(w_) * cols + cl]
-                        u_ += red[(uint64(warps) + uint64(w_)) * cols + cl]
-                    col = tile * cols + cl
-                    if col < n64:
-                        if splits == 1:
-                            if has_b1:
-                                g_ += load(b1, col)
-                            if has_b3:
-                                u_ += load(b3, col)
-                            store(s, mg * n64 + col, _silu(g_) * u_)
-                        else:
-                            acc[(split * uint64(2) * m64 + mg) * n64 + col] = g_
-                            acc[((split * uint64(2) + U1) * m64 + mg) * n64 + col] = u_
-                    cl += uint64(block)
-                cuda.syncthreads()
-        if splits == 1:
-            return
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == U0:
-            old = cuda.atomic.add(cnt, tile, uint32(1))
-            flag[0] = uint32(1) if uint64(old) == uint64(splits) * nch - U1 else uint32(0)
-        cuda.syncthreads()
-        if flag[0] != uint32(0):
-            cuda.threadfence()
-            cl = tid
-            while cl < cols:
-                col = tile * cols + cl
-                if col < n64:
-                    mg = U0
-                    while mg < m64:
-                        ai = mg * n64 + col
-                        # split sp, weight w: ((sp * 2 + w) * M + m) * N + col; summed in split order
-                        g_ = sum_splits(acc, ai, uint64(2) * m64 * n64, splits)
-                        u_ = sum_splits(acc, ai + m64 * n64, uint64(2) * m64 * n64, splits)
-                        if has_b1:
-                            g_ += load(b1, col)
-                        if has_b3:
-                            u_ += load(b3, col)
-                        store(s, ai, _silu(g_) * u_)
-                        mg += U1
-                cl += uint64(block)
-            if tid == U0:
-                cnt[tile] = uint32(0)
-
-    return gemv
+    """The decode kernel for row bucket ``mt``: MatMulAWQ's (matmulawq_cuda._make_gemv) with both weights."""
+    return awq_gemv(mt, a16, ct, warps, unroll or UNROLL[mt], max_registers=max_registers or MAX_REGISTERS[mt],
+                    nw=2)
 
 
 def _make_generic(a16, ct=CT, warps=WARPS):
-    load = _ld16 if a16 else _ld32
-    store = _st16 if a16 else _st32
-
-    @cuda.jit
-    def generic(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, m_dim, k_dim, n_dim, g_size, has_b1, has_b3):
-        """Any M: thread = (row m, column group c), all of K, both weights."""
-        tid = uint64(cuda.threadIdx.x)
-        lane = tid % uint64(ct)
-        warp = tid // uint64(ct)
-        k64 = uint64(k_dim)
-        n64 = uint64(n_dim)
-        g64 = uint64(g_size)
-        ng = n64 >> U3
-        tiles = (ng + uint64(ct - 1)) // uint64(ct)
-        bid = uint64(cuda.blockIdx.x)
-        c = (bid % tiles) * uint64(ct) + lane
-        m = (bid // tiles) * uint64(warps) + warp
-        if c >= ng or m >= uint64(m_dim):
-            return
-        out = cuda.local.array(16, float32)
-        p = cuda.local.array(16, float32)
-        for j in range(16):
-            out[j] = F0
-        k0 = U0
-        g = U0
-        while k0 < k64:
-            k1 = min(k0 + g64, k64)
-            for j in range(16):
-                p[j] = F0
-            sx = F0
-            for k in range(k0, k1):
-                xv = load(x, m * k64 + k)
-                w1 = uint64(qw1[k * ng + c])
-                w3 = uint64(qw3[k * ng + c])
-                sx += xv
-                for j in range(8):
-                    p[j] += xv * _vnib(w1, j)
-                    p[8 + j] += xv * _vnib(w3, j)
-            z1 = uint64(qz1[g * ng + c])
-            z3 = uint64(qz3[g * ng + c])
-            for j in range(8):
-                col = g * n64 + c * uint64(8) + uint64(col_of(j))
-                out[j] += h2f(sc1[col]) * (F16 * p[j] - (F16 + float32((z1 >> uint64(4 * j)) & U15)) * sx)
-                out[8 + j] += h2f(sc3[col]) * (F16 * p[8 + j] - (F16 + float32((z3 >> uint64(4 * j)) & U15)) * sx)
-            k0 = k1
-            g += U1
-        for j in range(8):
-            n = c * uint64(8) + uint64(col_of(j))
-            gv = out[j]
-            uv = out[8 + j]
-            if has_b1:
-                gv += load(b1, n)
-            if has_b3:
-                uv += load(b3, n)
-            store(s, m * n64 + n, _silu(gv) * uv)
-
-    return generic
+    """The generic kernel (any M): MatMulAWQ's (matmulawq_cuda._make_generic) with both weights."""
+    return awq_generic(a16, ct, warps, nw=2)
 
 
 # ------------------------------------------------------------------------------------------------- host side
 def bucket(m):
-    if m > MAX_M_FAST:
-        return None
-    for mt in MT_BUCKETS:
-        if m <= mt:
-            return mt
-    return MT_BUCKETS[-1]
-
-
-def chunks(m, mt):
-    return -(-m // mt)
+    """Rows per block for M rows (None: the generic kernel)."""
+    return awq_bucket(m, MT_BUCKETS)
 
 
 def decode_plan(m, K, N, group_size, sms, occupancy=DEFAULT_BLOCKS_PER_SM, ct=CT, warps=WARPS):  # noqa: N803

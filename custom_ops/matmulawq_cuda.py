@@ -55,6 +55,9 @@ at M=4 and 80.9 us at M=16 for two launches + silu*mul, against 80.1 / 211.4 us 
 Generic kernel (M > 16): correct, NOT tuned (prefill): a thread owns 8 columns of one row m and walks all of
 K with the same decoding; weights are re-read per row through L1/L2. For long prompts DequantAWQ + a cuBLAS
 MatMul is the faster graph.
+
+FusedFFNAWQ (fusedffnawq_cuda) builds its decode and generic kernels here too, with two weights (``nw=2``): each
+thread reads both weights' words for its rows and the output is SiLU(X W1 + B1) * (X W3 + B3).
 """
 from __future__ import annotations
 
@@ -201,49 +204,103 @@ def _nib_scale(j):
 
 
 @device
-def _accumulate(mt, gpt, w, xs, xi, xstride, vj, p, sx, one):
-    """One qweight word (``gpt`` int32 of 8 columns each, in a uint32 or uint64) of one row:
-    P[m][g][j] += x[m] * v_gj, S[m] += x[m]; x[m] = xs[xi + m * xstride] (uint32 indices)."""
+def _decode(gpt, w, vj, one):
+    """vj[g * 8 + j] = v_gj of the ``gpt`` int32 words (8 columns each) in w, a uint32 or uint64."""
     for gi in range(gpt):
         wg = uint32(w) if gpt == 1 else uint32((w >> uint64(32 * gi)) & M32)
         for h in range(4):
             t = _pair_word(wg, h)
             vj[gi * 8 + 2 * h] = _nib_value(t, False, one)
             vj[gi * 8 + 2 * h + 1] = _nib_value(t, True, one)
+
+
+@device
+def _accumulate(nw, mt, gpt, w1, w3, xs, xi, xstride, vj, p, sx, one):
+    """One row of each of the ``nw`` weights, their qweight words w1 and w3 (``gpt`` int32 of 8 columns each, in a
+    uint32 or uint64; w3 unused with one weight): P[w][m][g][j] += x[m] * v_wgj, S[m] += x[m];
+    x[m] = xs[xi + m * xstride] (uint32 indices)."""
+    _decode(gpt, w1, vj, one)
     for m in range(mt):
         xv = xs[xi + uint32(m) * xstride]
         sx[m] += xv
         for t in range(gpt * 8):
             p[m * gpt * 8 + t] += xv * vj[t]
+    if nw == 2:
+        _decode(gpt, w3, vj, one)
+        for m in range(mt):
+            xv = xs[xi + uint32(m) * xstride]
+            for t in range(gpt * 8):
+                p[(mt + m) * gpt * 8 + t] += xv * vj[t]
 
 
-def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=None):
-    """The decode kernel for row bucket ``mt``; ``gpt`` column groups (int32 words) per thread: 1 (4-byte loads)
-    or 2 (8-byte loads, qweight/qzeros passed as uint64 arrays; needs N % 16 == 0); ``unroll`` words in flight
-    (default UNROLL_M1 for mt = 1, else UNROLL)."""
+def _make_finish(nw, a16):
+    """The output of the fp32 kernels for ``nw`` weights at row m, column col of y [M*N] from the sums gv (and
+    uv, the second weight's): gv + b1, or SiLU(gv + b1) * (uv + b3), stored in A's type."""
+    load = _ld16 if a16 else _ld32
+    store = _st16 if a16 else _st32
+
+    @device
+    def finish(y, b1, b3, has_b1, has_b3, m, col, n64, gv, uv):
+        if has_b1:
+            gv += load(b1, col)
+        if nw == 1:
+            store(y, m * n64 + col, gv)
+        else:
+            if has_b3:
+                uv += load(b3, col)
+            store(y, m * n64 + col, _silu(gv) * uv)
+
+    return finish
+
+
+def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=None, nw=1):
+    """The decode kernel for row bucket ``mt`` and ``nw`` weights: nw=1 is MatMulAWQ (Y = A W + bias), nw=2
+    FusedFFNAWQ (S = SiLU(X W1 + B1) * (X W3 + B3), fusedffnawq_cuda). ``gpt`` column groups (int32 words) per
+    thread: 1 (4-byte loads) or 2 (8-byte loads, qweight/qzeros passed as uint64 arrays; needs N % 16 == 0);
+    ``unroll`` words in flight per weight (default UNROLL_M1 for mt = 1, else UNROLL). Both kernels run one body
+    (``body``, inlined) with ``nw`` a closure constant, so the branches of the other one are compiled away; with
+    one weight the body gets the weight's buffers and the bias twice."""
     if unroll is None:
         unroll = UNROLL_M1 if mt == 1 else UNROLL
     load = _ld16 if a16 else _ld32
-    store = _st16 if a16 else _st32
+    finish = _make_finish(nw, a16)
     block = ct * warps
     xs_size = mt * warps * RMAX      # array sizes must be compile-time constants (closure values, not expressions)
-    red_size = warps * ct * 8 * gpt
-    p_size = mt * 8 * gpt
+    red_size = nw * warps * ct * 8 * gpt
+    p_size = nw * mt * 8 * gpt
     v_size = 8 * gpt
+    s_size = nw * v_size
+    w_size = nw * unroll
+    u3 = w_size - unroll             # the second weight's words in a batch (the first's again with one weight)
     wdt = uint32 if gpt == 1 else uint64
     wzero = wdt(0)
-    opts = {} if max_registers is None else {"max_registers": max_registers}
+    # one weight: the slice's zero word and scales are loaded with the first batch of weight words, before x is
+    # staged; two weights: after the hot loop (18 fewer live registers in it)
+    early_scales = nw == 1
+    # where the next batch's first word index is computed: ahead of the prefetch branch with one weight, inside it
+    # with two, as each kernel was tuned (the same arithmetic, but ptxas 12.9 compiles it differently: inside, the
+    # one-weight kernel at MT=1 takes 80 registers instead of 72; ahead, the two-weight hot loop changes)
+    addr_ahead = nw == 1
+    opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
 
-    @cuda.jit(**opts)
-    def gemv(a, qw, qz, sc, bias, y, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits, has_bias):
-        """a [M*K], qw [Kp*NG/gpt], qz [groups*NG/gpt] (uint32 or uint64 words), sc uint16 [groups*N], bias [N],
-        y [M*N] (A's type; fp16 as uint16 bits), acc float32 [splits*M*N] (partials), cnt uint32 [tiles] (zero
-        between launches).
-        Block b: row chunk b % chunks (rows [chunk*mt, +mt) of A), then column tile and K split
-        (rows [split*warps*rows, +warps*rows) of W) from b // chunks; the chunks of one tile and split are
-        neighbours in launch order, so they read the same weights at about the same time (L2 hits)."""
+    @device
+    def group_scales(qz1, sc1, qz3, sc3, k0, g_size, wpr, n64, c, zw, sj):
+        """Per weight w, the zero word zw[w] and the scales sj[w][:] of the group of row k0 for this thread's
+        column groups."""
+        g = k0 // uint64(g_size)
+        zw[0] = uint64(qz1[g * wpr + c])
+        for t in range(v_size):
+            sj[t] = h2f(sc1[g * n64 + c * uint64(v_size) + uint64((t >> 3) * 8 + col_of(t & 7))])
+        if nw == 2:
+            zw[1] = uint64(qz3[g * wpr + c])
+            for t in range(v_size):
+                sj[v_size + t] = h2f(sc3[g * n64 + c * uint64(v_size) + uint64((t >> 3) * 8 + col_of(t & 7))])
+
+    @device
+    def body(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, y, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
+             has_b1, has_b3):
         xs = cuda.shared.array(xs_size, float32)
-        red = cuda.shared.array(red_size, float32)
+        red = cuda.shared.array(red_size, float32)     # [weight][warp][column of the tile]
         flag = cuda.shared.array(1, uint32)
         one_sm = cuda.shared.array(1, uint32)
         tid = uint64(cuda.threadIdx.x)
@@ -255,8 +312,8 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
         k64 = uint64(k_dim)
         n64 = uint64(n_dim)
         r64 = uint64(rows)
-        nw = (n64 >> U3) // uint64(gpt)             # words per qweight row
-        tiles = (nw + uint64(ct - 1)) // uint64(ct)
+        wpr = (n64 >> U3) // uint64(gpt)            # words per qweight row
+        tiles = (wpr + uint64(ct - 1)) // uint64(ct)
         nch = (m64 + uint64(mt - 1)) // uint64(mt)
         bid = uint64(cuda.blockIdx.x)
         m0 = (bid % nch) * uint64(mt)
@@ -268,20 +325,20 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
         c = tile * uint64(ct) + lane                # this thread's word of each row
         k0 = kb + warp * r64
         kend = min(k0 + r64, k64)
-        active = c < nw and k0 < kend
-        # prefetch before staging x: the first batch of weight words, the group's zero words and scales
-        wv = cuda.local.array(unroll, wdt)
-        wn = cuda.local.array(unroll, wdt)
-        sj = cuda.local.array(v_size, float32)
-        z = U0
+        active = c < wpr and k0 < kend
+        # prefetch before staging x: the first batch of weight words (with early_scales the zero words and scales)
+        wv = cuda.local.array(w_size, wdt)          # [weight][u]
+        wn = cuda.local.array(w_size, wdt)
+        zw = cuda.local.array(nw, uint64)
+        sj = cuda.local.array(s_size, float32)
         if active:
             for u in range(unroll):
                 kk = k0 + uint64(u)
-                wv[u] = qw[kk * nw + c] if kk < kend else wzero
-            g = k0 // uint64(g_size)
-            z = uint64(qz[g * nw + c])
-            for t in range(v_size):
-                sj[t] = h2f(sc[g * n64 + c * uint64(v_size) + uint64((t >> 3) * 8 + col_of(t & 7))])
+                wv[u] = qw1[kk * wpr + c] if kk < kend else wzero
+                if nw == 2:
+                    wv[unroll + u] = qw3[kk * wpr + c] if kk < kend else wzero
+            if early_scales:
+                group_scales(qz1, sc1, qz3, sc3, k0, g_size, wpr, n64, c, zw, sj)
         # stage this block's slice of x as fp32 (zero past K and for rows past M)
         i = tid
         while i < uint64(mt) * span:
@@ -289,13 +346,13 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
             k = kb + (i - m * span)
             v = F0
             if m0 + m < m64 and k < k64:
-                v = load(a, (m0 + m) * k64 + k)
+                v = load(x, (m0 + m) * k64 + k)
             xs[i] = v
             i += uint64(block)
         cuda.syncthreads()
         one = one_sm[0]
 
-        p = cuda.local.array(p_size, float32)
+        p = cuda.local.array(p_size, float32)       # [weight][m][column]
         sx = cuda.local.array(mt, float32)
         for t in range(p_size):
             p[t] = F0
@@ -305,68 +362,95 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
             vj = cuda.local.array(v_size, float32)
             xo = uint32(k0 - kb)                      # this slice's first row in the staged x
             xstr = uint32(span)
-            if kend - k0 == r64 and r64 % uint64(unroll) == U0:
-                # fast path (every slice inside K, R a multiple of UNROLL): no bounds checks, one add per load
-                step = uint64(unroll) * nw
-                base = k0 * nw + c
-                nb = r64 // uint64(unroll)
+            if nw == 2 or (kend - k0 == r64 and r64 % uint64(unroll) == U0):
+                # whole batches of unroll rows, no bounds checks (one add per load). One weight only for a slice
+                # inside K with R a multiple of unroll (else the checked loop below); two weights always, then the
+                # last rows (< unroll) of a slice at the end of K, checked
+                step = uint64(unroll) * wpr
+                base = k0 * wpr + c
+                nb = (kend - k0) // uint64(unroll)
                 b = U0
                 while b < nb:
-                    nbase = base + step
-                    if b + U1 < nb:
-                        for u in range(unroll):       # software pipeline: the next batch is in flight
-                            wn[u] = qw[nbase + uint64(u) * nw]
+                    if addr_ahead:
+                        nbase = base + step
+                    if b + U1 < nb:                     # software pipeline: the next batch is in flight
+                        if not addr_ahead:
+                            nbase = base + step
+                        for u in range(unroll):
+                            wn[u] = qw1[nbase + uint64(u) * wpr]
+                            if nw == 2:
+                                wn[unroll + u] = qw3[nbase + uint64(u) * wpr]
                     for u in range(unroll):
-                        _accumulate(mt, gpt, wv[u], xs, xo + uint32(u), xstr, vj, p, sx, one)
-                    for u in range(unroll):
-                        wv[u] = wn[u]
-                    base = nbase
+                        _accumulate(nw, mt, gpt, wv[u], wv[u3 + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
+                    for t in range(w_size):
+                        wv[t] = wn[t]
+                    base += step
                     xo += uint32(unroll)
                     b += U1
+                rem = (kend - k0) - nb * uint64(unroll)
+                if nw == 2 and rem > U0:
+                    if nb > U0:
+                        for u in range(unroll):
+                            ok = uint64(u) < rem
+                            wv[u] = qw1[base + uint64(u) * wpr] if ok else wzero
+                            wv[unroll + u] = qw3[base + uint64(u) * wpr] if ok else wzero
+                    for u in range(unroll):
+                        if uint64(u) < rem:
+                            _accumulate(nw, mt, gpt, wv[u], wv[u3 + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
             else:
                 k = k0
                 while k < kend:
                     kn = k + uint64(unroll)
                     for u in range(unroll):
                         kk = kn + uint64(u)
-                        wn[u] = qw[kk * nw + c] if kk < kend else wzero
+                        wn[u] = qw1[kk * wpr + c] if kk < kend else wzero
                     for u in range(unroll):
                         if k + uint64(u) < kend:
-                            _accumulate(mt, gpt, wv[u], xs, xo + uint32(u), xstr, vj, p, sx, one)
+                            _accumulate(nw, mt, gpt, wv[u], wv[u3 + u], xs, xo + uint32(u), xstr, vj, p, sx, one)
                     for u in range(unroll):
                         wv[u] = wn[u]
                     k = kn
                     xo += uint32(unroll)
+            if not early_scales:
+                group_scales(qz1, sc1, qz3, sc3, k0, g_size, wpr, n64, c, zw, sj)
             # partial = s * (C P - (C + z) S) with this slice's group's zero points and scales
-            for t in range(v_size):
-                cj = _nib_scale(t & 7)
-                zc = cj + float32((z >> uint64(4 * t)) & U15)      # word t >> 3 of z, nibble t & 7
-                for m in range(mt):
-                    p[m * v_size + t] = sj[t] * (cj * p[m * v_size + t] - zc * sx[m])
+            for wsel in range(nw):
+                z = zw[wsel]
+                for t in range(v_size):
+                    cj = _nib_scale(t & 7)
+                    zc = cj + float32((z >> uint64(4 * t)) & U15)      # word t >> 3 of z, nibble t & 7
+                    for m in range(mt):
+                        pi = (wsel * mt + m) * v_size + t
+                        p[pi] = sj[wsel * v_size + t] * (cj * p[pi] - zc * sx[m])
 
         # (1) reduce the warps' partials in shared memory, (2) store the block's sums into its slot of acc (or,
-        # with a single split, write Y directly)
+        # with a single split, write the output directly)
         cols = uint64(ct * v_size)                  # columns of the tile
         for m in range(mt):
             mg = m0 + uint64(m)                     # the row of A and Y
             if mg < m64:
-                for t in range(v_size):
-                    red[warp * cols + lane * uint64(v_size) + uint64((t >> 3) * 8 + col_of(t & 7))] = \
-                        p[m * v_size + t]
+                for wsel in range(nw):
+                    for t in range(v_size):
+                        red[warp * cols + lane * uint64(v_size) +
+                            uint64(wsel * warps * ct * v_size + (t >> 3) * 8 + col_of(t & 7))] = \
+                            p[(wsel * mt + m) * v_size + t]
                 cuda.syncthreads()
                 cl = tid
                 while cl < cols:
-                    tot = F0
+                    gv = F0
+                    uv = F0
                     for w_ in range(warps):
-                        tot += red[uint64(w_) * cols + cl]
+                        gv += red[uint64(w_) * cols + cl]
+                        if nw == 2:
+                            uv += red[(uint64(warps) + uint64(w_)) * cols + cl]
                     col = tile * cols + cl
                     if col < n64:
                         if splits == 1:
-                            if has_bias:
-                                tot += load(bias, col)
-                            store(y, mg * n64 + col, tot)
+                            finish(y, b1, b3, has_b1, has_b3, mg, col, n64, gv, uv)
                         else:
-                            acc[(split * m64 + mg) * n64 + col] = tot
+                            acc[(split * uint64(nw) * m64 + mg) * n64 + col] = gv
+                            if nw == 2:
+                                acc[((split * uint64(nw) + U1) * m64 + mg) * n64 + col] = uv
                     cl += uint64(block)
                 cuda.syncthreads()
         if splits == 1:
@@ -386,25 +470,49 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
                     mg = U0
                     while mg < m64:                          # all rows: every chunk of the tile is done
                         ai = mg * n64 + col
-                        v = sum_splits(acc, ai, m64 * n64, splits)    # fixed order: deterministic
-                        if has_bias:
-                            v += load(bias, col)
-                        store(y, ai, v)
+                        # split sp, weight w: ((sp * nw + w) * M + m) * N + col; fixed order: deterministic
+                        gv = sum_splits(acc, ai, uint64(nw) * m64 * n64, splits)
+                        uv = F0
+                        if nw == 2:
+                            uv = sum_splits(acc, ai + m64 * n64, uint64(nw) * m64 * n64, splits)
+                        finish(y, b1, b3, has_b1, has_b3, mg, col, n64, gv, uv)
                         mg += U1
                 cl += uint64(block)
             if tid == U0:
                 cnt[tile] = uint32(0)
 
+    if nw == 1:
+        @cuda.jit(**opts)
+        def gemv(a, qw, qz, sc, bias, y, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits, has_bias):
+            """a [M*K], qw [Kp*NG/gpt], qz [groups*NG/gpt] (uint32 or uint64 words), sc uint16 [groups*N], bias
+            [N], y [M*N] (A's type; fp16 as uint16 bits), acc float32 [splits*M*N] (partials), cnt uint32 [tiles]
+            (zero between launches).
+            Block b: row chunk b % chunks (rows [chunk*mt, +mt) of A), then column tile and K split
+            (rows [split*warps*rows, +warps*rows) of W) from b // chunks; the chunks of one tile and split are
+            neighbours in launch order, so they read the same weights at about the same time (L2 hits)."""
+            body(a, qw, qz, sc, qw, qz, sc, bias, bias, y, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
+                 has_bias, has_bias)
+    else:
+        @cuda.jit(**opts)
+        def gemv(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
+                 has_b1, has_b3):
+            """x [M*K] (fp32 or fp16 bits), qw*/qz* uint32, sc* uint16 (fp16 bits), b1/b3 [N], s [M*N], acc
+            float32 [splits*2*M*N] (partials: any contents) and cnt uint32 [tiles] (zero between launches). Blocks
+            as with one weight."""
+            body(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, acc, cnt, m_dim, k_dim, n_dim, g_size, rows, splits,
+                 has_b1, has_b3)
+
     return gemv
 
 
-def _make_generic(a16, ct=CT, warps=WARPS):
+def _make_generic(a16, ct=CT, warps=WARPS, nw=1):
+    """The generic kernel (any M) for ``nw`` weights, one body for both as in ``_make_gemv``."""
     load = _ld16 if a16 else _ld32
-    store = _st16 if a16 else _st32
+    finish = _make_finish(nw, a16)
+    size = 8 * nw
 
-    @cuda.jit
-    def generic(a, qw, qz, sc, bias, y, m_dim, k_dim, n_dim, g_size, has_bias):
-        """Any M: thread = (row m, column group c); block = ct column groups x warps rows."""
+    @device
+    def body(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, y, m_dim, k_dim, n_dim, g_size, has_b1, has_b3):
         tid = uint64(cuda.threadIdx.x)
         lane = tid % uint64(ct)
         warp = tid // uint64(ct)
@@ -418,35 +526,49 @@ def _make_generic(a16, ct=CT, warps=WARPS):
         m = (bid // tiles) * uint64(warps) + warp
         if c >= ng or m >= uint64(m_dim):
             return
-        out = cuda.local.array(8, float32)
-        p = cuda.local.array(8, float32)
-        for j in range(8):
+        out = cuda.local.array(size, float32)       # [weight][j]
+        p = cuda.local.array(size, float32)
+        for j in range(size):
             out[j] = F0
         k0 = U0
         g = U0
         while k0 < k64:
             k1 = min(k0 + g64, k64)
-            for j in range(8):
+            for j in range(size):
                 p[j] = F0
             sx = F0
             for k in range(k0, k1):
-                xv = load(a, m * k64 + k)
-                w = uint64(qw[k * ng + c])
+                xv = load(x, m * k64 + k)
+                w1 = uint64(qw1[k * ng + c])
+                w3 = uint64(qw3[k * ng + c]) if nw == 2 else w1
                 sx += xv
                 for j in range(8):
-                    p[j] += xv * _vnib(w, j)
-            z = uint64(qz[g * ng + c])
+                    p[j] += xv * _vnib(w1, j)
+                    if nw == 2:
+                        p[8 + j] += xv * _vnib(w3, j)
+            z1 = uint64(qz1[g * ng + c])
+            z3 = uint64(qz3[g * ng + c]) if nw == 2 else z1
             for j in range(8):
-                s = h2f(sc[g * n64 + c * uint64(8) + uint64(col_of(j))])
-                out[j] += s * (F16 * p[j] - (F16 + float32((z >> uint64(4 * j)) & U15)) * sx)
+                col = g * n64 + c * uint64(8) + uint64(col_of(j))
+                out[j] += h2f(sc1[col]) * (F16 * p[j] - (F16 + float32((z1 >> uint64(4 * j)) & U15)) * sx)
+                if nw == 2:
+                    out[8 + j] += h2f(sc3[col]) * (F16 * p[8 + j] - (F16 + float32((z3 >> uint64(4 * j)) & U15)) * sx)
             k0 = k1
             g += U1
         for j in range(8):
             n = c * uint64(8) + uint64(col_of(j))
-            v = out[j]
-            if has_bias:
-                v += load(bias, n)
-            store(y, m * n64 + n, v)
+            finish(y, b1, b3, has_b1, has_b3, m, n, n64, out[j], out[8 + j] if nw == 2 else F0)
+
+    if nw == 1:
+        @cuda.jit
+        def generic(a, qw, qz, sc, bias, y, m_dim, k_dim, n_dim, g_size, has_bias):
+            """Any M: thread = (row m, column group c); block = ct column groups x warps rows."""
+            body(a, qw, qz, sc, qw, qz, sc, bias, bias, y, m_dim, k_dim, n_dim, g_size, has_bias, has_bias)
+    else:
+        @cuda.jit
+        def generic(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, m_dim, k_dim, n_dim, g_size, has_b1, has_b3):
+            """Any M: thread = (row m, column group c), all of K, both weights."""
+            body(x, qw1, qz1, sc1, qw3, qz3, sc3, b1, b3, s, m_dim, k_dim, n_dim, g_size, has_b1, has_b3)
 
     return generic
 
@@ -480,14 +602,15 @@ def blocks_per_sm(launcher_):
     return max(1, launcher_.blocks_per_sm(BLOCK, 0))
 
 
-def bucket(m):
-    """Rows per block for M rows (None: the generic kernel)."""
+def bucket(m, buckets=MT_BUCKETS):
+    """Rows per block for M rows (None: the generic kernel); ``buckets``: the decode kernels' row buckets
+    (FusedFFNAWQ has fewer)."""
     if m > MAX_M_FAST:
         return None
-    for mt in MT_BUCKETS:
+    for mt in buckets:
         if m <= mt:
             return mt
-    return MT_BUCKETS[-1]
+    return buckets[-1]
 
 
 def chunks(m, mt):
