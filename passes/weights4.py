@@ -83,6 +83,11 @@ ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatM
 MAX_CALIBRATION_ROWS = 8192          # activation rows per MatMul handed to the AWQ search (evenly subsampled)
 CHUNK_ELEMENTS = 1 << 22             # weight elements quantised at a time (column chunks; bounds the temporaries)
 BNB4_QUANT_TYPE = {"fp4": 0, "nf4": 1}  # com.microsoft.MatMulBnb4's quant_type attribute
+# onnxruntime's CUDA MatMulBnb4 (1.31) copies its 16-entry code table from a host array on the stack in every run
+# (SetBnbQuantMap), so a CUDA graph captures a copy from a stack address that holds something else at replay time:
+# every replay measured here (enable_cuda_graph, sessions 21-28, BENCHMARKS.md) gave NaN / inf. Said on each entry.
+BNB4_GRAPH_NOTE = ("onnxruntime's CUDA MatMulBnb4 is not safe in CUDA graphs (enable_cuda_graph replays gave NaN): "
+                   "use MatMulNBits (weights=awq) or our MatMulNF4 there")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -497,6 +502,7 @@ class _Run:
             nodes = [new]
         else:
             attrs["quant_type"] = BNB4_QUANT_TYPE[o.fmt]
+            notes.append(BNB4_GRAPH_NOTE)
             y = cand.out
             if cand.bias is not None:
                 y = gs.Variable(self.names(f"{cand.out.name}_nobias"), dtype=cand.dtype, shape=cand.out.shape)
