@@ -27,7 +27,7 @@ from numba import cuda, float32, uint32
 
 from .dequantawq_cuda import SIM, device, h2f, st16
 from .fusedffn_cuda import _make_ld4, silu
-from .matmulawq_cuda import _mma
+from .mma import _mma
 
 MT_BUCKETS = (1, 2, 4, 8)        # 8-row tiles of X per block (rows per block: 8, 16, 32, 64)
 KW = 4                           # warps per block (K ranges of one feature tile)

@@ -39,9 +39,10 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM, as_f32, device, h2f
-from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, _mma, _tc_store,
-                             partial_floats, sum_splits)
+from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, partial_floats,
+                             sum_splits)
 from .matmulnf4_cuda import add32, mad32, prmt
+from .mma import _mma, _tc_store
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
                           # instruction) or 1 (4-byte loads, 32 bytes; half the accumulators)

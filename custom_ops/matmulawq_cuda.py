@@ -61,7 +61,6 @@ thread reads both weights' words for its rows and the output is SiLU(X W1 + B1) 
 """
 from __future__ import annotations
 
-import math
 import threading
 
 import numpy as np
@@ -71,6 +70,7 @@ from .dequantawq_cpu import check_a_bias, check_weights, parse_attrs
 from .dequantawq_cuda import SIM, as_f32, col_of, device, f2h, h2f
 from .kernels import Kernel
 from .matmulnf4_cuda import add32, mad32, prmt
+from .mma import _mma, _silu, _tc_store
 
 CT = 32                  # column groups per block (lanes of a warp)
 WARPS = 8                # K slices per block
@@ -101,17 +101,6 @@ def _vnib(w, j):
     else:
         t = w >> uint64(4 * j - 19)
     return as_f32((t & NIB_MASK) | ONE_BITS)
-
-
-if SIM:
-    def _silu(g):
-        with np.errstate(over="ignore", invalid="ignore"):
-            g = np.float32(g)
-            return g / (np.float32(1.0) + np.exp(-g))
-else:
-    @device
-    def _silu(g):
-        return g / (float32(1.0) + math.exp(-g))
 
 
 @device
@@ -753,55 +742,6 @@ TC_SEL = tuple(np.uint32(b | (b << 4) | ((4 + b) << 8) | ((4 + b) << 12)) for b 
 F2M24, F2M20 = np.float32(2.0 ** -24), np.float32(2.0 ** -20)
 F2P24, F2P20 = np.float32(2.0 ** 24), np.float32(2.0 ** 20)
 
-if SIM:
-    def _frag_index():
-        """Half-word index (in the warp's 32 x 6 uint32 fragments, lane-major) of A[row][k] and B[k][j]."""
-        r, k = np.meshgrid(np.arange(16), np.arange(16), indexing="ij")
-        a = 2 * (((r & 7) * 4 + ((k & 7) >> 1)) * 6 + (r >> 3) + 2 * (k >> 3)) + (k & 1)
-        k2, j = np.meshgrid(np.arange(16), np.arange(8), indexing="ij")
-        b = 2 * ((j * 4 + ((k2 & 7) >> 1)) * 6 + 4 + (k2 >> 3)) + (k2 & 1)
-        return a, b
-
-    _A_IDX, _B_IDX = _frag_index()
-
-    @cuda.jit(device=True)
-    def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, tid):
-        """Simulator: mma.sync.m16n8k16.row.col f32.f16.f16.f32 through shared memory (every thread of the block
-        calls it together)."""
-        tid = int(tid)
-        for i, v in enumerate((a0, a1, a2, a3, b0, b1)):
-            scr[tid * 6 + i] = v
-        cuda.syncthreads()
-        lane = tid & 31
-        h = np.array(scr[(tid - lane) * 6:(tid - lane + 32) * 6], np.uint32).view(np.float16).astype(np.float64)
-        d = h[_A_IDX] @ h[_B_IDX]
-        cuda.syncthreads()
-        g, t = lane >> 2, lane & 3
-        return (np.float32(d[g, 2 * t] + c0), np.float32(d[g, 2 * t + 1] + c1), np.float32(d[g + 8, 2 * t] + c2),
-                np.float32(d[g + 8, 2 * t + 1] + c3))
-else:
-    from llvmlite import ir as _ir
-    from numba import types as _types
-    from numba.extending import intrinsic as _intrinsic
-
-    @_intrinsic
-    def _mma_asm(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        sig = _types.UniTuple(_types.float32, 4)(*([_types.uint32] * 6 + [_types.float32] * 4))
-
-        def codegen(context, builder, sig, args):
-            i32, f32 = _ir.IntType(32), _ir.FloatType()
-            asm = _ir.InlineAsm(_ir.FunctionType(_ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4),
-                                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
-                                "{$8,$9}, {$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
-            r = builder.call(asm, args)
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(r, i) for i in range(4)])
-        return sig, codegen
-
-    @cuda.jit(device=True, inline=True)
-    def _mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3, scr, tid):
-        return _mma_asm(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-
-
 def _make_tc(nw, a16=True, unroll=TC_UNROLL, max_registers=None, maxw=TC_WARPS):
     """The tensor-core decode kernel (fp16 A only) for ``nw`` weights: nw=1 is MatMulAWQ (out = A W + bias),
     nw=2 FusedFFNAWQ (out = SiLU(A W1 + B1) * (A W3 + B3)). Needs K % 4 == 0 and group_size % (32 * unroll) == 0.
@@ -994,18 +934,6 @@ def _make_tc(nw, a16=True, unroll=TC_UNROLL, max_registers=None, maxw=TC_WARPS):
                 cnt[ci] = uint32(0)
 
     return tc
-
-
-@device
-def _tc_store(nw, out, b1, b3, has_b1, has_b3, oi, col, gv, uv):
-    if has_b1:
-        gv += h2f(b1[col])
-    if nw == 1:
-        out[oi] = f2h(gv)
-    else:
-        if has_b3:
-            uv += h2f(b3[col])
-        out[oi] = f2h(_silu(gv) * uv)
 
 
 def tc_ok(a16, m, k, g_size, unroll=TC_UNROLL):

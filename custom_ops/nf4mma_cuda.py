@@ -40,7 +40,7 @@ from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM
 from .fusedffn_cuda import LOAD, _make_ld4
-from .matmulawq_cuda import _mma, _tc_store
+from .mma import _mma, _tc_store
 from .matmulnf4_cuda import add32, lds32, mad32, min32, prmt
 from .nf4tc_cuda import SEL, build_table, device_args
 

@@ -37,7 +37,7 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM, f2h, h2f
-from .matmulawq_cuda import _mma, _silu
+from .mma import _mma, _silu
 from .matmulnf4_cuda import add32, lds32, mad32, prmt, shr32
 
 WARPS = 8                  # warps per block (they split K)
