@@ -254,3 +254,21 @@ class SimContext:
         b = np.zeros(max(int(np.prod(shape)) * 4, 8), np.uint64)
         self.keep.append((b, shape))
         return b.ctypes.data
+
+
+def checked_rewrite(model, passes, check=True, **options):
+    """run_passes on ``model`` (``passes`` a list, or None for the defaults), checking that the input model is not
+    modified and the graph's inputs and outputs are kept; with ``check`` the output also passes onnx's full checker
+    (our schemas registered)."""
+    import onnx
+
+    from onnx_lowbit.passes import run_passes
+    src = model.SerializeToString()
+    out, rep = run_passes(model, list(passes) if passes is not None else None, **options)
+    assert model.SerializeToString() == src                             # the input model is not modified
+    if check:
+        domain.register_schemas()
+        onnx.checker.check_model(out, full_check=True)
+    assert [i.name for i in out.graph.input] == [i.name for i in model.graph.input]
+    assert [o.name for o in out.graph.output] == [o.name for o in model.graph.output]
+    return out, rep

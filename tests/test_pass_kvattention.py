@@ -28,7 +28,7 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from helpers import input_specs, run_cpu, tiny_decode_export, tiny_llama_export
+from helpers import checked_rewrite, input_specs, run_cpu, tiny_decode_export, tiny_llama_export
 
 from onnx_lowbit import domain, kvattention
 from onnx_lowbit.passes import PASSES, run_passes
@@ -193,14 +193,7 @@ def rel_err(got, want):
 
 
 def rewrite(model, passes=("kvattention",), **options):
-    src = model.SerializeToString()
-    out, rep = run_passes(model, list(passes), **options)
-    assert model.SerializeToString() == src                             # the input model is not modified
-    domain.register_schemas()
-    onnx.checker.check_model(out, full_check=True)
-    assert [i.name for i in out.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in out.graph.output] == [o.name for o in model.graph.output]
-    return out, rep
+    return checked_rewrite(model, passes, **options)
 
 
 def attention_nodes(graph):

@@ -24,11 +24,10 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from helpers import input_specs, run_cpu, tiny_llama_export
+from helpers import checked_rewrite, input_specs, run_cpu, tiny_llama_export
 
 import onnx_lowbit
 from onnx_lowbit import domain, passes, rmsnorm
-from onnx_lowbit.passes import run_passes
 from onnx_lowbit.passes.rmsnorm import PATTERN, RMSNormPass
 
 CPU = ["CPUExecutionProvider"]
@@ -171,14 +170,7 @@ def assert_close(got, want, what=""):
 
 
 def rewrite(model, which=("rmsnorm",)):
-    src = model.SerializeToString()
-    out, rep = run_passes(model, list(which))
-    assert model.SerializeToString() == src                             # the input model is not modified
-    domain.register_schemas()
-    onnx.checker.check_model(out, full_check=True)
-    assert [i.name for i in out.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in out.graph.output] == [o.name for o in model.graph.output]
-    return out, rep
+    return checked_rewrite(model, which)
 
 
 def check_values(m, out, seeds=(0, 1)):

@@ -21,11 +21,10 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from helpers import input_specs, run_cpu, tiny_llama_export
+from helpers import checked_rewrite, input_specs, run_cpu, tiny_llama_export
 
 import onnx_lowbit
 from onnx_lowbit import domain, rotary
-from onnx_lowbit.passes import run_passes
 from onnx_lowbit.passes.rotary import PATTERN
 
 CPU = ["CPUExecutionProvider"]
@@ -123,14 +122,7 @@ def same_bits(a, b):
 
 
 def rewrite(model):
-    src = model.SerializeToString()
-    out, rep = run_passes(model, ["rotary"])
-    assert model.SerializeToString() == src                             # the input model is not modified
-    domain.register_schemas()
-    onnx.checker.check_model(out, full_check=True)
-    assert [i.name for i in out.graph.input] == [i.name for i in model.graph.input]
-    assert [o.name for o in out.graph.output] == [o.name for o in model.graph.output]
-    return out, rep
+    return checked_rewrite(model, ["rotary"])
 
 
 def ort_agrees(x, cos, sin, y):
