@@ -9,7 +9,8 @@ weights, and a 256 MiB device copy. Every variant's output is checked against th
 
     PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4shapes_gpu.py [--quick]
     ... --mm-only 4096x11008 --mm-m 2      MatMulNF4 at M = 2: the tensor-core kernel (nf4tc) against the
-                                           two-row decode kernel (matmulnf4_cuda.M2_DECODE; sessions take it at M = 2..4)
+                                           two-row decode kernel (matmulnf4_cuda.M2_DECODE; sessions take it at
+                                           M = 2..4)
 """
 from __future__ import annotations
 
@@ -183,8 +184,8 @@ def main():
         print(f"{case:28s} {label:30s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy  "
               f"{t_torch / t:5.2f}x torch  rel {err:.1e} {extra}", flush=True)
 
-    for k, n in (mm_shapes if a.mm_m > 1 else []):
-        m = a.mm_m
+    m = a.mm_m
+    for k, n in mm_shapes:
         case = f"MatMulNF4 M={m} {k}->{n}"
         host, dev = pool_of(k, n, 1)
         x = (torch.randn(m, k, device="cuda") * 0.5).half()
@@ -194,51 +195,40 @@ def main():
               for _ in range(max(4, -(-POOL_BYTES // (k * n * 2))))]
         t_torch, _ = timed("torch", [lambda w=w: torch.matmul(x, w, out=y) for w in wp], None)
         del wp
-        print(f"{case:28s} {'torch fp16':30s} {t_torch:7.2f} us")
-        nbytes = k * n // 2 + k * n // BS * 4
-        check = lambda: rel(y.float().cpu().numpy(), ref)  # noqa: E731
-        if keep("tensor-core"):     # the session's route at 2 <= M <= 16 (MatMulNF4CudaKernel.compute, no bias)
-            from onnx_lowbit.custom_ops import nf4tc_cuda
-            sk = nf4tc_cuda.SessionKernels(1, n, sms, k, BS)
-            lau, grid, block, parts, halves = sk.pick(m)
-            tlut = torch.from_numpy(nf4tc_cuda.lut(code).view(np.int32)).cuda()
-            nw_, na_ = nf4tc_cuda.half_sizes(n, k, BS)[1:] if halves else (k * n // 16, k * n // BS)
-            nd = n // 2 if halves else n
-
-            def tc(q, am, lau=lau, grid=grid, block=block, parts=parts, halves=halves, nw_=nw_, na_=na_, nd=nd):
-                w1 = ((q.data_ptr(), (nw_,)), (am.data_ptr(), (na_,)))
-                w3 = ((q.data_ptr() + 8 * nw_, (nw_,)), (am.data_ptr() + 4 * na_, (na_,))) if halves else w1
-                lau.launch(grid, block, stream(), (x.data_ptr(), (m * k // 4,)), *w1, *w3, ptr(tlut),
-                           (y.data_ptr(), (nd,)), (y.data_ptr(), (nd,)), ptr(y), m, k, nd, BS.bit_length() - 1,
-                           parts, 0, 0)
-            t, err = timed("tc", [lambda q=q, am=am: tc(q, am) for ((q, am),) in dev], check)
-            report(case, "tensor-core (nf4tc)", t, nbytes, t_torch, err, f"[{grid} x {block}, halves {halves}]")
-        if keep("two-row decode"):
-            lau = matmulnf4_cuda._launcher("m2", np.float16)
-            lau.dispatcher = matmulnf4_cuda.gemv_m2()     # for its register count
-            block = matmulnf4_cuda.m1_block(k, True)
-            occ = max(1, lau.blocks_per_sm(block))
-            grid = matmulnf4_cuda.m2_grid(m, n, sms, occ)
-            calls = [lambda q=q, am=am: lau.launch(grid, block, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
-                                                    ptr(dcode), ptr(y), 0, ptr(y), m, k, n, BS.bit_length() - 5,
-                                                    shmem=matmulnf4_cuda.TAB_BYTES)
-                     for ((q, am),) in dev]
-            t, err = timed("m2", calls, check)
-            report(case, "two-row decode (M2_DECODE)", t, nbytes, t_torch, err,
-                   f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
-
-    for k, n in (mm_shapes if a.mm_m == 1 else []):
-        case = f"MatMulNF4 M=1 {k}->{n}"
-        host, dev = pool_of(k, n, 1)
-        x = (torch.randn(1, k, device="cuda") * 0.5).half()
-        y = torch.empty(1, n, device="cuda", dtype=torch.float16)
-        ref = matmulnf4_cpu.matmul(x.float().cpu().numpy(), host[0][0], host[0][1], code, k, n, BS).astype(np.float64)
-        wp = [torch.randn(k, n, device="cuda", dtype=torch.float16) * 0.02
-              for _ in range(max(4, -(-POOL_BYTES // (k * n * 2))))]
-        t_torch, _ = timed("torch", [lambda w=w: torch.matmul(x, w, out=y) for w in wp], None)
-        del wp
         print(f"{case:28s} {'torch fp16':30s} {t_torch:7.2f} us {k * n * 2 / t_torch / 1e3:6.0f} GB/s")
         nbytes = k * n // 2 + k * n // BS * 4
+        check = lambda: rel(y.float().cpu().numpy(), ref)  # noqa: E731
+        if m > 1:   # the tensor-core kernel against the two-row decode
+            if keep("tensor-core"):     # nf4tc as MatMulNF4CudaKernel.compute launches it (sessions: M > M2_MAX_M)
+                from onnx_lowbit.custom_ops import nf4tc_cuda
+                sk = nf4tc_cuda.SessionKernels(1, n, sms, k, BS)
+                lau, grid, block, parts, halves = sk.pick(m)
+                tlut = torch.from_numpy(nf4tc_cuda.lut(code).view(np.int32)).cuda()
+                nw_, na_ = nf4tc_cuda.half_sizes(n, k, BS)[1:] if halves else (k * n // 16, k * n // BS)
+                nd = n // 2 if halves else n
+
+                def tc(q, am, lau=lau, grid=grid, block=block, parts=parts, halves=halves, nw_=nw_, na_=na_, nd=nd):
+                    w1 = ((q.data_ptr(), (nw_,)), (am.data_ptr(), (na_,)))
+                    w3 = ((q.data_ptr() + 8 * nw_, (nw_,)), (am.data_ptr() + 4 * na_, (na_,))) if halves else w1
+                    lau.launch(grid, block, stream(), (x.data_ptr(), (m * k // 4,)), *w1, *w3, ptr(tlut),
+                               (y.data_ptr(), (nd,)), (y.data_ptr(), (nd,)), ptr(y), m, k, nd, BS.bit_length() - 1,
+                               parts, 0, 0)
+                t, err = timed("tc", [lambda q=q, am=am: tc(q, am) for ((q, am),) in dev], check)
+                report(case, "tensor-core (nf4tc)", t, nbytes, t_torch, err, f"[{grid} x {block}, halves {halves}]")
+            if keep("two-row decode"):
+                lau = matmulnf4_cuda._launcher("m2", np.float16)
+                lau.dispatcher = matmulnf4_cuda.gemv_m2()     # for its register count
+                block = matmulnf4_cuda.m1_block(k, True)
+                occ = max(1, lau.blocks_per_sm(block))
+                grid = matmulnf4_cuda.m2_grid(m, n, sms, occ)
+                calls = [lambda q=q, am=am: lau.launch(grid, block, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
+                                                        ptr(dcode), ptr(y), 0, ptr(y), m, k, n, BS.bit_length() - 5,
+                                                        shmem=matmulnf4_cuda.TAB_BYTES)
+                         for ((q, am),) in dev]
+                t, err = timed("m2", calls, check)
+                report(case, "two-row decode (M2_DECODE)", t, nbytes, t_torch, err,
+                       f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
+            continue
         for label, kw in MM_VARIANTS:
             if a.quick and "default" not in label and "nib" not in label or not keep(label):
                 continue
@@ -257,7 +247,7 @@ def main():
             calls = [lambda q=q, am=am: lau.launch(grid, block, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
                                                     ptr(dcode), ptr(y), 0, ptr(y), k, n, BS.bit_length() - 5, shmem=shm)
                      for ((q, am),) in dev]
-            t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
+            t, err = timed(label, calls, check)
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {block}, {occ}/SM, {regs(lau)}]")
         for label, warps, mr, split, vec in WC_VARIANTS:
             if not keep(label) or not nf4warp_cuda.ok(1, k, True, BS, split):
@@ -267,7 +257,7 @@ def main():
             calls = [lambda q=q, am=am: lau.launch(grid, 32 * warps, stream(), ptr(x), ptr(q, k * n // 16), ptr(am),
                                                     ptr(dcode), ptr(y), 0, ptr(y), k, n, BS.bit_length() - 5)
                      for ((q, am),) in dev]
-            t, err = timed(label, calls, lambda: rel(y.float().cpu().numpy(), ref))
+            t, err = timed(label, calls, check)
             report(case, label, t, nbytes, t_torch, err, f"[{grid} x {32 * warps}, {grid // sms}/SM, {regs(lau)}]")
 
     for m, k, n in ffn_shapes:
