@@ -154,7 +154,8 @@ def main():
             return (lambda: lau.launch(nch * parts, block, stream(), *args)), desc
 
         fn, desc = nf4_fused()
-        t_nf = None if a.profile else record(f"FusedFFNNF4 decode kernel, launcher defaults [{desc}]", m, fn, check=chk(ref_n))
+        t_nf = None if a.profile else record(f"FusedFFNNF4 decode kernel, launcher defaults [{desc}]", m, fn,
+                                             check=chk(ref_n))
         if a.variants and m == 1 and not a.profile:
             for pair, cols, pf in [(True, 4, True), (True, 4, False), (True, 8, False), (False, 4, False),
                                    (True, 2, True)]:

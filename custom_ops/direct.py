@@ -71,8 +71,9 @@ def kernel(op, attrs, inputs, outputs, name="direct"):
     for in_types, out_types in spec.variants():
         if all(g is None or g == t for g, t in zip(given_in, in_types)) and \
                 list(out_types[:len(given_out)]) == given_out and len(given_in) <= len(in_types):
-            return kernel_class(op, "CUDAExecutionProvider")(spec=spec, attrs=dict(attrs), node_name=name, in_types=tuple(in_types),
-                                            out_types=tuple(out_types))
+            cls = kernel_class(op, "CUDAExecutionProvider")
+            return cls(spec=spec, attrs=dict(attrs), node_name=name, in_types=tuple(in_types),
+                       out_types=tuple(out_types))
     raise TypeError(f"{op} has no variant with input types {given_in} and output types {given_out}")
 
 

@@ -54,9 +54,10 @@ M1_H2_WIDE = 4              # one load) per thread and row (``wide``, as FusedFF
 M2_DECODE = True            # fp16 A at M = 2 .. M2_MAX_M where m1_wide: the decode generator's two-row kernel (mt = 2,
 M2_MAX_M = 4                # wide, chains of M1_H2_WIDE, row chunks of 2; ``m2``) instead of nf4tc. H100, weights past
                             # L2, us, two-row / tensor-core (nf4shapes_gpu.py --mm-m M, BENCHMARKS.md session 28):
-                            # M=2 4096x11008 15.44 / 18.8 (session 27's figure), 8192x2048 9.01 / 11.84, 4096x14336 18.68 / 27.43,
-                            # 5120x13824 22.67 / 32.86; M=3 21.82 / 21.78, 11.14 / 12.13, 27.62 / 28.05; M=4 21.87 /
-                            # 22.55, 11.13 / 12.14, 27.63 / 28.45 (from M=3 two row chunks read the weight twice)
+                            # M=2 4096x11008 15.44 / 18.8 (session 27's figure), 8192x2048 9.01 / 11.84, 4096x14336
+                            # 18.68 / 27.43, 5120x13824 22.67 / 32.86; M=3 21.82 / 21.78, 11.14 / 12.13, 27.62 /
+                            # 28.05; M=4 21.87 / 22.55, 11.13 / 12.14, 27.63 / 28.45 (from M=3 two row chunks read
+                            # the weight twice)
 TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
                             # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
                             # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
