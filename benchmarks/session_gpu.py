@@ -129,29 +129,38 @@ class Reference:
 SWEEP_MS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
-def prefill_sweep(sw, fused, ref, runs, ms):
+def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
     """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN as routed by default ('auto'), forced onto
     the decode kernel where it fits ('decode'), on the cuBLAS path where auto takes the tensor-core kernel
-    ('cuBLAS'), and with fp16 GEMM outputs on the cuBLAS path ('fp16 G')."""
+    ('cuBLAS'), with fp16 GEMM outputs on the cuBLAS path ('fp16 G'), and FusedFFN on [K, N] weights ('kn',
+    attribute weights_kn = 1: its K-major decode kernel, cuBLAS NN GEMMs; 'kn fp16 G' with fp16 GEMM outputs).
+    ``names``: the variants to time."""
     from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
     variants = {"auto": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
-                "fp16 G": dict(FP16_SCRATCH=True)}
+                "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp16 G": dict(FP16_SCRATCH=True)}
+    names = [v for v in (names or variants) if v in variants and (not v.startswith("kn") or fused_kn is not None)]
+    if "auto" not in names:
+        names.insert(0, "auto")
     rows = []
     for graph in (False,) if DEVICE == "cpu" else (False, True):
         print(f"\n#### Prefill sweep, SwiGLU fp16 K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
-              "(median wall us per run; ratio = unfused / ours auto)\n")
-        print("| M | unfused | ours auto | decode | cuBLAS | fp16 G | ratio | best ours | err auto | err fp16 G | "
-              "py/run |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+              "(median wall us per run; ratios = unfused / ours)\n")
+        cols = names + [f"ratio {v}" for v in names if v in ("auto", "kn")]
+        print("| M | unfused | " + " | ".join(cols) + " | best ours | " +
+              " | ".join(f"err {v}" for v in names) + " | py/run |")
+        print("| ---: | ---: | " + " | ".join("---:" for _ in cols) + " | --- | " + " | ".join("---:" for _ in names) +
+              " | ---: |")
         for m in ms:
             r = dict(M=m, cuda_graph=graph)
             try:
                 t, _, ys, x, _ = time_model(sw, m, runs, graph, True)
                 r.update(unfused=t, err_unfused=ref.rel_err(ys[0], x))
-                for name, opts in variants.items():
+                for name in names:
+                    opts = variants[name]
                     if name == "decode" and not (m > fc.DECODE_MAX_M and fc.decode_ok(m, K, True, max_m=16)):
                         continue
-                    if name == "fp16 G" and m <= fc.DECODE_MAX_M:
+                    if name == "fp16 G" and m <= fc.DECODE_MAX_M or name == "kn fp16 G" and m <= knm.MAX_M:
                         continue
                     if name == "cuBLAS" and not (fc.DECODE_MAX_M < m and fc.TC_MIN_M <= m <= fc.TC_MAX_M):
                         continue
@@ -159,29 +168,33 @@ def prefill_sweep(sw, fused, ref, runs, ms):
                     for k, v in opts.items():
                         setattr(fc, k, v)
                     try:
-                        t, _, ys, x, py = time_model(fused, m, runs, graph, True)
+                        t, _, ys, x, py = time_model(fused_kn if name.startswith("kn") else fused, m, runs, graph,
+                                                     True)
                     finally:
                         for k, v in saved.items():
                             setattr(fc, k, v)
                     r[name], r[f"err {name}"], r[f"py {name}"] = t, ref.rel_err(ys[0], x), py
             except Exception as e:  # noqa: BLE001
-                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:140]} | | | | | | | | | |")
+                print(f"| {m} | failed: {type(e).__name__}: {str(e)[:140]} |")
                 rows.append(dict(r, error=str(e)[:300]))
                 continue
             f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
             e = lambda v: "-" if v is None else f"{v:.1e}" + (" FAIL" if v > 1e-3 else "")  # noqa: E731
-            ours = {k: r[k] for k in variants if k in r}
+            ours = {k: r[k] for k in names if k in r}
             best = min(ours, key=ours.get)
-            print(f"| {m} | {f(r['unfused'])} | {f(r['auto'])} | {f(r.get('decode'))} | {f(r.get('cuBLAS'))} | "
-                  f"{f(r.get('fp16 G'))} | "
-                  f"{r['unfused'] / r['auto']:.2f} | {best} | {e(r['err auto'])} | {e(r.get('err fp16 G'))} | "
-                  f"{r['py auto']:.2f} |")
+            ratios = [f"{r['unfused'] / r[v]:.2f}" if v in r else "-" for v in names if v in ("auto", "kn")]
+            print(f"| {m} | {f(r['unfused'])} | " + " | ".join(f(r.get(v)) for v in names) + " | " +
+                  " | ".join(ratios) + f" | {best} | " + " | ".join(e(r.get(f"err {v}")) for v in names) +
+                  f" | {r['py auto']:.2f} |", flush=True)
             rows.append(r)
         ok = [r for r in rows if r["cuda_graph"] == graph and "auto" in r]
-        slower = [r["M"] for r in ok if r["auto"] > r["unfused"]]
+        for v in ("auto", "kn"):
+            slower = [r["M"] for r in ok if v in r and r[v] > r["unfused"]]
+            if v in names:
+                print(f"\nours {v} slower than unfused at M = {slower or 'none'}")
         dec = [(r["M"], r["decode"], r["auto"]) for r in ok if "decode" in r]
-        print(f"\nours auto slower than unfused at M = {slower or 'none'}; decode kernel vs cuBLAS path: " +
-              (", ".join(f"M={m} {d:.1f} vs {g:.1f} us" for m, d, g in dec) or "-"))
+        if dec:
+            print("decode kernel vs routed path: " + ", ".join(f"M={m} {d:.1f} vs {g:.1f} us" for m, d, g in dec))
     return rows
 
 
@@ -193,6 +206,9 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="only the prefill sweep (FusedFFN vs unfused)")
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
+    ap.add_argument("--sweep-variants", default="auto,decode,cuBLAS,fp16 G,kn,kn fp16 G",
+                    help="comma-separated FusedFFN variants the sweep times (auto, decode, cuBLAS, fp16 G, kn, "
+                         "kn fp16 G)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
     ap.add_argument("--shape", default=f"{K}x{N}", help="K x N of the weights (default LLaMA-7B's gate/up)")
@@ -283,7 +299,9 @@ def main():
     if not a.skip_sweep:
         fused = next((c[2] for c in cases if c[1] == "ours FusedFFN (fp16)"), None)
         ms = tuple(int(v) for v in a.ms.split(",")) if a.ms else SWEEP_MS
-        sweep = prefill_sweep(sw, fused, Reference(w1, w3), max(50, a.runs // 3), ms)
+        fused_kn = rewrite(sw, ["ffn"], ffn_weights="kn")[0] if "kn" in a.sweep_variants else None
+        sweep = prefill_sweep(sw, fused, Reference(w1, w3), max(50, a.runs // 3), ms, fused_kn,
+                              a.sweep_variants.split(","))
         print(f"sweep done in {time.perf_counter() - t0:.0f} s")
     if a.json:
         with open(a.json, "w") as f:

@@ -133,16 +133,18 @@ class Handle:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._gemm_addr = ctypes.cast(self.lib.cublasGemmEx, ctypes.c_void_p).value
 
-    def gemm_rows(self, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F):
+    def gemm_rows(self, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F, w_kn=False):
         """C[m, n] (row-major, c_type, row stride ldc) = X[m, k] (row-major) . W[n, k]^T (row-major), all device
         pointers, on this handle's stream; fp32 accumulation. Column-major view: C^T[n, m] = op_T(W as k x n) .
-        (X^T as k x m). Recorded into the active native plan, if any."""
-        check(self.lib.cublasGemmEx(self.h, OP_T, OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), w_type,
-                                    k, ctypes.c_void_p(x), x_type, k, ctypes.byref(self._zero), ctypes.c_void_p(c),
+        (X^T as k x m). ``w_kn``: W is [k, n] row-major instead (C = X . W, op N on W as n x k, onnxruntime's
+        MatMul layout). Recorded into the active native plan, if any."""
+        op, lda = (OP_N, n) if w_kn else (OP_T, k)
+        check(self.lib.cublasGemmEx(self.h, op, OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), w_type,
+                                    lda, ctypes.c_void_p(x), x_type, k, ctypes.byref(self._zero), ctypes.c_void_p(c),
                                     c_type, ldc, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
         rec = plans.active()
         if rec is not None:
-            rec.gemm(self._gemm_addr, [self.h.value, OP_T, OP_N, n, m, k, _f32(1.0), w, w_type, k, x, x_type, k,
+            rec.gemm(self._gemm_addr, [self.h.value, op, OP_N, n, m, k, _f32(1.0), w, w_type, lda, x, x_type, k,
                                        _f32(0.0), c, c_type, ldc, COMPUTE_32F, GEMM_DEFAULT], GEMM_POINTER_SLOTS)
 
 

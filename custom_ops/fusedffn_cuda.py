@@ -21,8 +21,9 @@ block fits in shared memory), one launch, after the fused gate/up kernel of the 
 Rows past N in the last group are clamped onto row N-1 (valid reads, results discarded), so any N >= 1 works.
 
 Prefill path (any other M, K, alignment): with cuBLAS (found by custom_ops.cublas): per chunk of rows of X (one
-chunk unless the scratch would pass SCRATCH_MAX), two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write gate and up side by side into an fp32
-scratch [rows, 2N]; one elementwise kernel adds the biases, applies SiLU * mul in fp32 and writes S. Option
+chunk unless the scratch would pass SCRATCH_MAX), two cublasGemmEx (fp32 accumulation, COMPUTE_32F: no TF32) write
+gate and up side by side into an fp32 scratch [rows, 2N]; one elementwise kernel adds the biases, applies SiLU * mul
+in fp32 and writes S. Option
 FP16_SCRATCH (off): for fp16 X and W, GEMM outputs in fp16 as the unfused graph's MatMuls have them (2 bytes less
 per value written and read; on the H100 at K=4096, N=11008, M=512 it was 173 us against 184 us with fp32 scratch,
 torch's unfused path 173 us), but g and u rounded to fp16 before SiLU cost accuracy: up to 8.1e-4 max relative
@@ -33,6 +34,12 @@ multiplied in one fp16 GEMM with 2x the rows and summed in the elementwise kerne
 never widens it). Without cuBLAS (and under the CUDA simulator): a fused Numba tiled kernel (64 x 64 output
 tile for both W1 and W3, 16-deep K tiles in shared memory, 4 x 4 x 2 accumulators per thread, SiLU * mul in the
 epilogue): correct, not tuned.
+
+K-major weights (attribute weights_kn = 1: W1, W3 [K, N], the MatMul weights as they are; ``_run_kn``):
+M = 1 (and M = 2 unless fp16 X and W) on the split-K decode kernel of fusedffn_kn_cuda; fp16 X and W at M =
+KN_TC_MIN_M..KN_TC_MAX_M (2..8) on the tensor-core kernel of fusedffn_kn_tc_cuda; else cuBLAS with op N on the
+weights (the unfused graph's own GEMMs), with fp16 GEMM outputs for fp16 X and W (KN_FP16_SCRATCH), else the tiled
+kernel. The [N, K] layout stays the default of the ffn pass: measured trade-off in docs/ffn.md.
 
 Native plans (plans.py), every path: the GEMMs are recorded like kernel launches (cublas.Handle.gemm_rows; one
 cuBLAS handle per stream with a fixed workspace), so after the first call per input signature the C shim replays
@@ -64,6 +71,7 @@ MT_BUCKETS = (1, 2, 4, 8, 16)
 TC_MIN_M, TC_MAX_M = 3, 32      # fp16 X and W: M in this range on the tensor-core kernel (fusedffn_tc_cuda; read at
                                 # kernel creation; past 32 rows it re-reads the weights per 16-row chunk and cuBLAS
                                 # is faster)
+KN_TC_MIN_M, KN_TC_MAX_M = 2, 8     # weights_kn = 1, fp16 X and W: M on fusedffn_kn_tc_cuda (read at kernel creation)
 XS_MAX = 100 * 1024             # bytes of fp32 x a decode block may stage (MT * K * 4): >= 2 blocks per SM
 COLS = {1: 2, 2: 2, 4: 1, 8: 1, 16: 1}   # weight rows per group, by bucket (accumulators: 4 * COLS * MT)
 UJ = {1: 2, 2: 2, 4: 2, 8: 1, 16: 1}     # chunks per thread per step, by bucket (loads in flight: 2 * COLS * UJ)
@@ -72,6 +80,10 @@ LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
 DEFAULT_BLOCKS_PER_SM = 4
 FP16_SCRATCH = False            # prefill, fp16 X and W: GEMM outputs in fp16 (faster, less accurate; see above);
                                 # read at kernel creation
+KN_FP16_SCRATCH = True          # the same for [K, N] weights (weights_kn = 1, chosen for prefill): its GEMMs are then
+                                # the unfused graph's own (fp16 outputs), with SiLU * mul in fp32 (one rounding
+                                # instead of the unfused graph's three); H100 sessions, M = 24..256: 1.00-1.04x the
+                                # unfused graph, max rel. error 4.7e-4 .. 7.4e-4 (fp32 outputs: 0.96-1.00x), docs/ffn.md
 SCRATCH_MAX = 96 << 20          # prefill: bytes of scratch per chunk of rows (more rows: several chunks)
 TILE = dict(tx=16, ty=16, rm=4, rn=4, bk=16)   # fallback tiled kernel (GPU geometry)
 ACT_BLOCK = 256
@@ -346,8 +358,9 @@ def _make_decode(mt, x16, w16, cols=None, block=BLOCK, uj=None, load=LOAD, db=No
     return decode
 
 
-def _make_tiled(x16, w16, tx=16, ty=16, rm=4, rn=4, bk=16):
-    """Fused tiled kernel, any M/K/N: block (ty x tx threads) computes a (ty*rm) x (tx*rn) tile of S."""
+def _make_tiled(x16, w16, tx=16, ty=16, rm=4, rn=4, bk=16, kn=False):
+    """Fused tiled kernel, any M/K/N: block (ty x tx threads) computes a (ty*rm) x (tx*rn) tile of S; ``kn``:
+    W1, W3 [K, N] (else [N, K])."""
     ldx = _ld16 if x16 else _ld32
     ldw = _ld16 if w16 else _ld32
     st = _st16 if x16 else _st32
@@ -393,8 +406,9 @@ def _make_tiled(x16, w16, tx=16, ty=16, rm=4, rn=4, bk=16):
                 gn = n0 + nn
                 gk = k0 + kk
                 ok = gn < n64 and gk < k64
-                as1[kk * uint64(bn) + nn] = ldw(w1, gn * k64 + gk) if ok else F0
-                as3[kk * uint64(bn) + nn] = ldw(w3, gn * k64 + gk) if ok else F0
+                wi = gk * n64 + gn if kn else gn * k64 + gk
+                as1[kk * uint64(bn) + nn] = ldw(w1, wi) if ok else F0
+                as3[kk * uint64(bn) + nn] = ldw(w3, wi) if ok else F0
                 i += uint64(nt)
             cuda.syncthreads()
             for kk in range(bk):
@@ -526,16 +540,18 @@ def _make_split(block=ACT_BLOCK):
 
 
 # ------------------------------------------------------------------------------------------ shapes, plans
-def check_shapes(x_shape, w1_shape, w3_shape, b1_shape=None, b3_shape=None):
-    """(M, K, N) for the given input shapes, or a KernelError naming the input."""
+def check_shapes(x_shape, w1_shape, w3_shape, b1_shape=None, b3_shape=None, kn=False):
+    """(M, K, N) for the given input shapes (``kn``: W1, W3 [K, N], else [N, K]), or a KernelError naming the
+    input."""
     from .bridge import KernelError
+    lay = "[K, N]" if kn else "[N, K]"
     if len(w1_shape) != 2:
-        raise KernelError(f"input 1 'W1' must be 2-D [N, K], got shape {list(w1_shape)}")
+        raise KernelError(f"input 1 'W1' must be 2-D {lay}, got shape {list(w1_shape)}")
     if tuple(w3_shape) != tuple(w1_shape):
-        raise KernelError(f"input 2 'W3' must have W1's shape [N, K] = {list(w1_shape)}, got {list(w3_shape)}")
-    n, k = w1_shape
+        raise KernelError(f"input 2 'W3' must have W1's shape {lay} = {list(w1_shape)}, got {list(w3_shape)}")
+    k, n = w1_shape if kn else w1_shape[::-1]
     if len(x_shape) < 1 or x_shape[-1] != k:
-        raise KernelError(f"input 0 'X' must have last dimension K={k} (W1 is [N, K] = {list(w1_shape)}), "
+        raise KernelError(f"input 0 'X' must have last dimension K={k} (W1 is {lay} = {list(w1_shape)}), "
                           f"got shape {list(x_shape)}")
     for i, name, s in ((3, "B1", b1_shape), (4, "B3", b3_shape)):
         if s is not None and tuple(s) != (n,):
@@ -598,7 +614,7 @@ def launcher(kind, x16=False, w16=False, mt=None, **variant):
         if kind == "decode":
             fn, dyn = _make_decode(mt, x16, w16, **variant), XS_MAX
         elif kind == "tiled":
-            fn, dyn = _make_tiled(x16, w16, **TILE), 0
+            fn, dyn = _make_tiled(x16, w16, **TILE, **variant), 0
         elif kind == "act":
             fn, dyn = _make_act(x16, w16), 0
         elif kind == "widen":
@@ -651,17 +667,35 @@ class FusedFFNCudaKernel(Kernel):
         from .cuda_launch import current_device, sm_count
         self.x16 = self.in_types[0] == 10
         self.w16 = self.in_types[1] == 10
+        from onnx_lowbit import ffn
+        from .bridge import KernelError
+        try:
+            self.kn = ffn.parse_kn(self.attrs or {})    # W1, W3 [K, N] (attribute weights_kn = 1), else [N, K]
+        except ValueError as e:
+            raise KernelError(str(e)) from None
         self.sms = sm_count(current_device())
         self.decode_max_m = DECODE_MAX_M
         # compile everything now (once per process and type variant), never on the hot path
         top = bucket(min(max(self.decode_max_m, 1), MT_BUCKETS[-1]))
-        self.decode = {mt: launcher("decode", self.x16, self.w16, mt) for mt in MT_BUCKETS if mt <= top}
-        self.use_fp16_scratch(FP16_SCRATCH)
+        self.decode = {mt: launcher("decode", self.x16, self.w16, mt) for mt in MT_BUCKETS if mt <= top} \
+            if not self.kn else {}
+        self.use_fp16_scratch(KN_FP16_SCRATCH if self.kn else FP16_SCRATCH)
         self.conv = {"widen": launcher("widen"), "split": launcher("split")}
-        self.tiled = launcher("tiled", self.x16, self.w16)
+        self.tiled = launcher("tiled", self.x16, self.w16, kn=self.kn)
+        from . import fusedffn_kn_cuda as knm
         from . import fusedffn_tc_cuda as tcm
-        from .matmulawq_cuda import tc_device
-        self.tc_max_m = TC_MAX_M if self.x16 and self.w16 and tc_device() else 0
+        from .matmulawq_cuda import ScratchPool, tc_device
+        if self.kn:     # K-major weights: their decode kernel (split-K; tile counters per stream), their tc kernel
+            from . import fusedffn_kn_tc_cuda as kntc
+            self.decode = {mt: knm.launcher(mt, self.x16, self.w16) for mt in (1, knm.MAX_M)}
+            self.pool = ScratchPool(0, knm.TILES_MAX)
+            self.kn_tc = (KN_TC_MIN_M, KN_TC_MAX_M) if self.x16 and self.w16 and tc_device() else (1, 0)
+            lo = 1
+            for rows, c in kntc.CONFIGS:  # the configurations routed M can take: compiled now, launched by kntc.launch
+                if lo <= self.kn_tc[1] and rows >= self.kn_tc[0]:
+                    kntc.launcher(*c)
+                lo = rows + 1
+        self.tc_max_m = TC_MAX_M if self.x16 and self.w16 and tc_device() and not self.kn else 0
         self.tc = [tcm.launcher(mt, kw, ring, None, mf) for _, (mt, kw, ring, mf) in tcm.CONFIGS] if \
             self.tc_max_m else []                 # compiled now, launched through tcm.launch
         self._occ = {}
@@ -683,7 +717,7 @@ class FusedFFNCudaKernel(Kernel):
             if t is None:
                 raise KernelError(f"input {i} '{name}' is missing")
         m, k, n = check_shapes(x.shape, w1.shape, w3.shape, b1.shape if b1 is not None else None,
-                               b3.shape if b3 is not None else None)
+                               b3.shape if b3 is not None else None, self.kn)
         y = ctx.output(0, tuple(x.shape[:-1]) + (n,))
         if m == 0 or n == 0:
             return
@@ -701,6 +735,8 @@ class FusedFFNCudaKernel(Kernel):
         hb1, hb3 = int(b1p != 0), int(b3p != 0)
         bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
         aligned = ((w1p | w3p) & 15) == 0
+        if self.kn:
+            return self._run_kn(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, bias, aligned, path, scratch)
         tc_ok = bool(self.tc) and tcm.ok(self.x16, self.w16, m, k, aligned and (xp & 15) == 0)
         if path is None:
             if decode_ok(m, k, self.w16, aligned, self.decode_max_m):
@@ -746,6 +782,52 @@ class FusedFFNCudaKernel(Kernel):
         else:
             self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3, scratch or self._own_scratch)
 
+    def _run_kn(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, bias, aligned, path, scratch):
+        """``run`` for W1, W3 [K, N]: the K-major decode kernel (M <= fusedffn_kn_cuda.MAX_M), else cuBLAS with op N
+        on the weights (the unfused graph's GEMMs), else the tiled kernel."""
+        from . import fusedffn_kn_cuda as knm
+        from . import fusedffn_kn_tc_cuda as kntc
+        from .bridge import KernelError
+        dec_ok = knm.ok(m, k, n, self.w16, aligned) and (scratch is not False or k <= knm.KS_MAX)
+        tc_ok = self.x16 and self.w16 and kntc.ok(True, True, m, k, n, aligned and (xp & 15) == 0)
+        if path is None:
+            if self.kn_tc[0] <= m <= self.kn_tc[1] and tc_ok:
+                path = "tc"
+            else:
+                path = "decode" if dec_ok else "gemm" if self.blas and k > 0 and scratch is not False else "tiled"
+        elif path == "tc" and not tc_ok:
+            raise KernelError(f"the K-major tensor-core kernel does not take this product (fp16 X and W, K % 8 == 0, "
+                              f"N % 8 == 0, 16-byte aligned X and weights; got K={k}, N={n})")
+        elif path == "decode" and not dec_ok:
+            raise KernelError(f"the K-major decode kernel does not take M={m}, N={n} (M <= {knm.MAX_M}, "
+                              f"N % {knm.epc_of(self.w16)} == 0, 16-byte aligned weights)")
+        elif path == "gemm" and (not self.blas or k == 0 or scratch is False):
+            raise KernelError("the cuBLAS path needs cuBLAS, scratch memory and K > 0")
+        elif path not in ("decode", "gemm", "tiled", "tc"):
+            raise KernelError(f"path {path!r} does not take [K, N] weights")
+        if path == "tc":
+            kntc.launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, *kntc.config(m))
+            return
+        if path == "decode":
+            lau = self.decode[knm.bucket(m)]
+            key = ("kn", knm.bucket(m))
+            occ = self._occ.get(key)
+            if occ is None:
+                occ = self._occ[key] = occupancy(lau, knm.BLOCK, 0)
+            # without onnxruntime's scratch (onnxruntime < 1.18) one split: no partials
+            geo = knm.geometry(k, n, self.w16, self.sms, min(occ, knm.BLOCKS_PER_SM),
+                               u=knm.TUNED[knm.bucket(m)]["u"], ks=None if scratch is not False else min(k, knm.KS_MAX))
+            floats = knm.partial_floats(geo[1], m, n)
+            part = ((scratch or self._own_scratch)(4 * floats) if floats else 0, floats)
+            knm.launch(lau, stream, m, k, n, self.w16, xp, w1p, w3p, b1p, b3p, yp, part,
+                       self.pool.counters(stream), geo)
+        elif path == "tiled":
+            self.tiled.launch(tiled_grid(m, n), TILE["tx"] * TILE["ty"], stream, (xp, (m * k,)), (w1p, (n * k,)),
+                              (w3p, (n * k,)), *bias, (yp, (m * n,)), m, k, n, int(b1p != 0), int(b3p != 0))
+        else:
+            self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, int(b1p != 0), int(b3p != 0),
+                       scratch or self._own_scratch)
+
     def _own_scratch(self, nbytes):
         """The kernel object's scratch for direct calls outside onnxruntime (grown, never shrunk)."""
         if self._direct is None or self._direct.size < nbytes:
@@ -772,7 +854,7 @@ class FusedFFNCudaKernel(Kernel):
                 self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
                 xr = xc
             for w, off in ((w1p, 0), (w3p, n)):
-                blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt)
+                blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt, w_kn=self.kn)
             cnt = r * n
             self.act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
                             (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
@@ -783,7 +865,7 @@ KERNEL = FusedFFNCudaKernel
 
 
 # ------------------------------------------------------------------------------------------ host entry (tests)
-def check_arrays(x, w1, w3, b1=None, b3=None):
+def check_arrays(x, w1, w3, b1=None, b3=None, kn=False):
     from .bridge import KernelError
     x, w1, w3 = np.asarray(x), np.asarray(w1), np.asarray(w3)
     if x.dtype not in (np.float32, np.float16):
@@ -794,14 +876,15 @@ def check_arrays(x, w1, w3, b1=None, b3=None):
         if b is not None and np.asarray(b).dtype != x.dtype:
             raise KernelError(f"input {i} '{name}' must have X's type {x.dtype}, got {np.asarray(b).dtype}")
     return check_shapes(x.shape, w1.shape, w3.shape, None if b1 is None else np.shape(b1),
-                        None if b3 is None else np.shape(b3))
+                        None if b3 is None else np.shape(b3), kn)
 
 
 def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile=None, decode_variant=None,
-               fp16_scratch=False):
+               fp16_scratch=None, kn=False):
     """S for host arrays (tests, benchmark): the dispatcher under the CUDA simulator (shrunk blocks), the direct
-    launch path (as the bridge runs it) on a GPU. ``path``: force 'decode', 'tc', 'gemm' (GPU) or 'tiled'."""
-    m, k, n = check_arrays(x, w1, w3, b1, b3)
+    launch path (as the bridge runs it) on a GPU. ``path``: force 'decode', 'tc', 'gemm' (GPU) or 'tiled';
+    ``kn``: W1, W3 [K, N] (attribute weights_kn = 1)."""
+    m, k, n = check_arrays(x, w1, w3, b1, b3, kn)
     x16, w16 = x.dtype == np.float16, w1.dtype == np.float16
     lead = tuple(x.shape[:-1])
     if m == 0 or n == 0:
@@ -816,7 +899,22 @@ def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile
     db1 = dev(b1, xb) if b1 is not None else dy
     db3 = dev(b3, xb) if b3 is not None else dy
     hb = (int(b1 is not None), int(b3 is not None))
-    if SIM:
+    if SIM and kn:
+        from . import fusedffn_kn_cuda as knm
+        from . import fusedffn_kn_tc_cuda as kntc
+        if path is None:
+            path = "tc" if KN_TC_MIN_M <= m <= KN_TC_MAX_M and kntc.ok(x16, w16, m, k, n) else \
+                "decode" if knm.ok(m, k, n, w16) else "tiled"
+        if path == "decode":
+            return knm.run_arrays(x, w1, w3, b1, b3, block=64, **(decode_variant or {}))
+        if path == "tc":
+            mt = kntc.config(m)[0]
+            return kntc.run_arrays(x, w1, w3, b1, b3, mt=mt, kw=2, ring=2)
+        t = sim_tile or dict(tx=4, ty=4, rm=2, rn=2, bk=4)
+        wb = np.uint16 if w16 else np.float32
+        kern = _make_tiled(x16, w16, **t, kn=True)
+        kern[tiled_grid(m, n, t), t["tx"] * t["ty"]](dx, dev(w1, wb), dev(w3, wb), db1, db3, dy, m, k, n, *hb)
+    elif SIM:
         from . import fusedffn_tc_cuda as tcm
         if path is None:
             path = "decode" if decode_ok(m, k, w16) else (
@@ -837,9 +935,10 @@ def run_arrays(x, w1, w3, b1=None, b3=None, *, path=None, sim_block=32, sim_tile
             kern[tiled_grid(m, n, t), t["tx"] * t["ty"]](dx, dev(w1, wb), dev(w3, wb), db1, db3, dy, m, k, n, *hb)
     else:
         dw1, dw3 = dev(w1, w1.dtype), dev(w3, w3.dtype)
-        kern = FusedFFNCudaKernel(spec=None, attrs={}, node_name="run_arrays", in_types=(10 if x16 else 1,
-                                  10 if w16 else 1), out_types=(10 if x16 else 1,))
-        kern.use_fp16_scratch(fp16_scratch)
+        kern = FusedFFNCudaKernel(spec=None, attrs={"weights_kn": int(kn)}, node_name="run_arrays",
+                                  in_types=(10 if x16 else 1, 10 if w16 else 1), out_types=(10 if x16 else 1,))
+        if fp16_scratch is not None:
+            kern.use_fp16_scratch(fp16_scratch)
         p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
         kern.run(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0,
                  p(db3) if b3 is not None else 0, p(dy), path=path, variant=decode_variant)

@@ -43,6 +43,8 @@ def _pass_options(a, model=None) -> dict:
     if getattr(a, "fplut_functions", None):
         options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
     options.update(_weights_options(a, model))
+    if getattr(a, "ffn_weights", None) is not None:
+        options["ffn_weights"] = a.ffn_weights
     if getattr(a, "merge_siblings", None) is not None:
         options["merge_siblings"] = a.merge_siblings
     if getattr(a, "kvattention_max_query", None) is not None:
@@ -351,6 +353,10 @@ def _non_negative(v: str) -> int:
 
 
 def _merge_arguments(p) -> None:
+    g = p.add_argument_group("fused SwiGLU FFN (the ffn pass)")
+    g.add_argument("--ffn-weights", choices=["nk", "kn"],
+                   help="layout of FusedFFN's float weights: nk = [N, K], transposed at rewrite time (default); "
+                        "kn = [K, N], the MatMul weights as they are (FusedFFN weights_kn=1)")
     g = p.add_argument_group("sibling products (the merge pass)")
     g.add_argument("--merge-siblings", action="store_true", default=None,
                    help="merge products of one input with constant weights (e.g. q/k/v) into one and a Split "

@@ -184,16 +184,18 @@ DEQUANT_AWQ = OpSpec(
 )
 
 def _ffn_infer(ctx) -> None:
-    """S = SwiGLU(X): X's type, X's leading dims, last dim N (attribute N, else W1's first dim)."""
+    """S = SwiGLU(X): X's type, X's leading dims, last dim N (attribute N, else W1's dim 0, dim 1 with weights_kn=1)."""
     x = ctx.get_input_type(0)
     n_attr = ctx.get_attribute("N")
+    kn_attr = ctx.get_attribute("weights_kn")
     n = None
     if n_attr is not None:
         n = onnx.helper.get_attribute_value(n_attr)
     else:
         w1 = ctx.get_input_type(1)
         if w1 is not None and w1.tensor_type.HasField("shape") and len(w1.tensor_type.shape.dim) == 2:
-            d = w1.tensor_type.shape.dim[0]
+            kn = kn_attr is not None and onnx.helper.get_attribute_value(kn_attr) == 1
+            d = w1.tensor_type.shape.dim[1 if kn else 0]
             n = d.dim_value if d.HasField("dim_value") else None
     out = onnx.TypeProto()
     out.CopyFrom(x)
@@ -212,11 +214,14 @@ _FFN_BIASES = [Param("B1", "T", "gate bias [N]", optional=True), Param("B3", "T"
 
 FUSED_FFN = OpSpec(
     name="FusedFFN",
-    doc=_FFN_DOC + "W1, W3 are [N, K] (the MatMul weights transposed); TW=float16 with T=float is the mixed mode.",
-    inputs=[Param("X", "T"), Param("W1", "TW", "gate weight [N, K]"), Param("W3", "TW", "up weight [N, K]"),
-            *_FFN_BIASES],
+    doc=_FFN_DOC + "W1, W3 are [N, K] (the MatMul weights transposed), or [K, N] with weights_kn=1 (the MatMul "
+                   "weights as they are: S = SiLU(X W1 + B1) * (X W3 + B3)); TW=float16 with T=float is the mixed "
+                   "mode.",
+    inputs=[Param("X", "T"), Param("W1", "TW", "gate weight [N, K] ([K, N] with weights_kn=1)"),
+            Param("W3", "TW", "up weight [N, K] ([K, N] with weights_kn=1)"), *_FFN_BIASES],
     outputs=[Param("S", "T")],
     type_constraints={"T": ["tensor(float)", "tensor(float16)"], "TW": ["tensor(float)", "tensor(float16)"]},
+    attributes=[Attr("weights_kn", "int", "1: W1, W3 are [K, N] (default 0: [N, K])", required=False)],
     infer=_ffn_infer,
 )
 

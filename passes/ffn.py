@@ -1,6 +1,7 @@
 """Pass "ffn": the gate/up half of a SwiGLU feed-forward block -> one fused op (domain onnx_lowbit).
 
     S = SiLU(x W1 + b1) * (x W3 + b3)          ->  FusedFFN(x, W1^T, W3^T, b1, b3)       (float weights)
+                                                   FusedFFN(x, W1, W3, b1, b3, weights_kn=1) (ffn_weights="kn")
                                                    FusedFFNNF4(x, Q1, absmax1, Q3, absmax3, b1, b3)
                                                    FusedFFNAWQ(x, qweight1, qzeros1, scales1, qweight3, ..., b1, b3)
 
@@ -16,7 +17,9 @@ projections of the SAME tensor x:
   * SiLU: every spelling the fplut pass recognises (its matcher is reused: x*Sigmoid(x) in any operand order and
     association, Swish(alpha=1), com.microsoft.QuickGelu(alpha=1)), or an FPLUT node with function='silu' (the
     fplut pass ran first).
-x may have any leading dims (MatMul) or be 2-D (Gemm). Float weights are transposed to [N, K] at rewrite time.
+x may have any leading dims (MatMul) or be 2-D (Gemm). Float weights are transposed to [N, K] at rewrite time
+(ffn_weights "nk"), or kept [K, N] (ffn_weights "kn": the stored weight itself when it is [K, N] and no Gemm alpha
+is folded in; a transposed copy for an [N, K] one, i.e. Gemm transB=1 or MatMul(x, Transpose(Wt))).
 
 Skipped candidates (both Mul inputs look like SiLU(projection) and projection) are reported with the reason:
 non-constant weight, gate and up read different tensors, different formats / 4-bit attributes, K/N mismatch,
@@ -27,7 +30,10 @@ Order (registry): fplut, weights4, ffn. ffn after weights4 fuses the quantised g
 ffn before weights4 (an explicit --passes order) gives a correct model with float gate/up in FusedFFN (weights4
 then quantises only the down projection). ffn before or after fplut gives the same FusedFFN.
 
-Options: none (select the pass with ``passes=[...]`` / ``--passes``).
+Options: ``ffn_weights`` "nk" or "kn" (default DEFAULT_WEIGHTS): the layout of the float FusedFFN's W1, W3
+([N, K], or [K, N] with weights_kn=1: onnxruntime's CUDA prefill GEMMs on [K, N] are the same kernels as the
+unfused graph's). Bad values raise ValueError naming the option. Select the pass with ``passes=[...]`` /
+``--passes``.
 """
 from __future__ import annotations
 
@@ -50,6 +56,18 @@ _SEARCH_DEPTH = 4  # arithmetic steps from a SiLU's output back to its Sigmoid
 _FOUR_BIT = {"MatMulNF4": ("nf4", ("quant_type", "block_size", "K", "N"), 2),
              "MatMulAWQ": ("awq", ("group_size", "K", "N"), 3)}
 _ORT_FOUR_BIT = {"MatMulBnb4", "MatMulNBits"}
+DEFAULT_WEIGHTS = "nk"  # option ffn_weights: layout of the float FusedFFN's W1, W3
+LAYOUTS = ("nk", "kn")
+
+
+def weights_layout(options: dict) -> str:
+    """The option ``ffn_weights`` ("nk" or "kn"; default DEFAULT_WEIGHTS), validated (ValueError naming it)."""
+    v = options.get("ffn_weights")
+    v = DEFAULT_WEIGHTS if v is None else v
+    if not isinstance(v, str) or v not in LAYOUTS:
+        raise ValueError(f"ffn_weights must be 'nk' (FusedFFN weights [N, K], transposed at rewrite time) or 'kn' "
+                         f"([K, N], the MatMul weights as they are), got {v!r}")
+    return v
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -113,8 +131,10 @@ class _Proj:
     spelling: str
     K: int = 0
     N: int = 0
-    wt: np.ndarray | None = None      # float: the [N, K] weight (stored dtype, alpha folded)
-    w_key: tuple = ()                 # float: identity of the stored weight (for sharing the transposed copy)
+    w: np.ndarray | None = None       # float: the weight as stored ([K, N], or [N, K] when w_nk)
+    w_nk: bool = False                # float: the stored weight is [N, K] (Transpose node, Gemm transB=1)
+    alpha: float = 1.0                # float: Gemm alpha, folded into the weight when it is written
+    stored: object = None             # float: the stored constant tensor (reused as it is when the layout fits)
     w_name: str = ""
     bias: object = None               # np.ndarray (float path, a constant) or a tensor (4-bit op's bias input)
     tensors: list = field(default_factory=list)  # 4-bit: the packed weight tensors, in the op's order
@@ -144,11 +164,10 @@ def _mixed_proj(node: gs.Node) -> _Proj | None:
     r = rank(node.inputs[0])
     if r is None or r < 2:
         raise _Skip("MatMul(A, Cast(W))", f"rank of A {'unknown' if r is None else r}; a rank >= 2 A is needed")
-    wt = value if transposed else value.T
+    n, k = value.shape if transposed else value.shape[::-1]
     nodes = [node, cast] + ([via] if via is not None else [])
-    return _Proj("float", node.inputs[0], node.outputs[0], nodes, "MatMul(A, Cast(W fp16))", int(wt.shape[1]),
-                 int(wt.shape[0]), wt=np.ascontiguousarray(wt), w_key=(id(stored), transposed, 1.0),
-                 w_name=stored.name)
+    return _Proj("float", node.inputs[0], node.outputs[0], nodes, "MatMul(A, Cast(W fp16))", int(k), int(n),
+                 w=value, w_nk=transposed, stored=stored, w_name=stored.name)
 
 
 def _float_proj(node: gs.Node) -> _Proj | None:
@@ -160,14 +179,9 @@ def _float_proj(node: gs.Node) -> _Proj | None:
         raise _Skip(skip[0], skip[1])
     if cand is None:
         return None
-    v = cand.value
-    wt = v if cand.transpose else v.T
-    if cand.alpha != 1.0:
-        wt = (wt.astype(np.float32) * np.float32(cand.alpha)).astype(v.dtype)
     nodes = [node] + ([cand.w_node] if cand.w_node is not None else [])
-    return _Proj("float", cand.a, cand.out, nodes, cand.spelling, int(cand.K), int(cand.N),
-                 wt=np.ascontiguousarray(wt), w_key=(id(cand.stored), cand.transpose, cand.alpha),
-                 w_name=cand.weight_name, bias=cand.bias)
+    return _Proj("float", cand.a, cand.out, nodes, cand.spelling, int(cand.K), int(cand.N), w=cand.value,
+                 w_nk=cand.transpose, alpha=cand.alpha, stored=cand.stored, w_name=cand.weight_name, bias=cand.bias)
 
 
 def _four_bit_proj(node: gs.Node) -> _Proj:
@@ -239,9 +253,14 @@ def _x_type(proj: _Proj):
     same type; fp32 for the Cast spelling); None when unknown."""
     et = elem_type(proj.x)
     if et is None and proj.kind == "float":
-        return onnx.TensorProto.FLOAT if "Cast(" in proj.spelling or proj.wt.dtype == np.float32 else \
+        return onnx.TensorProto.FLOAT if "Cast(" in proj.spelling or proj.w.dtype == np.float32 else \
             onnx.TensorProto.FLOAT16
     return et
+
+
+def _how(w, proj: _Proj) -> str:
+    """How a [K, N] weight of the kn layout was made (for the report)."""
+    return "as stored" if w is proj.stored else "transposed" if proj.w_nk else "alpha folded"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -252,7 +271,7 @@ class FFNPass(Pass):
     description = "SwiGLU gate/up projections + SiLU + Mul -> FusedFFN / FusedFFNNF4 / FusedFFNAWQ (down stays)"
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
-        run = _Run(self, report, Names(graph), options.get("spill"))
+        run = _Run(self, report, Names(graph), options.get("spill"), weights_layout(options))
         for g in list(iter_graphs(graph)):
             for node in list(g.nodes):
                 if is_alive(node) and node.op == "Mul" and not node.domain:
@@ -260,9 +279,9 @@ class FFNPass(Pass):
 
 
 class _Run:
-    def __init__(self, owner: FFNPass, report: Report, names: Names, spill=None):
-        self.owner, self.report, self.names, self.spill = owner, report, names, spill
-        self.shared: dict = {}  # float weight key -> transposed constant
+    def __init__(self, owner: FFNPass, report: Report, names: Names, spill=None, layout=DEFAULT_WEIGHTS):
+        self.owner, self.report, self.names, self.spill, self.layout = owner, report, names, spill, layout
+        self.shared: dict = {}  # (id(stored), w_nk, alpha, layout) -> (stored, the written constant)
 
     def one(self, g: gs.Graph, mul: gs.Node) -> None:
         if len(mul.inputs) != 2 or len(mul.outputs) != 1:
@@ -301,8 +320,8 @@ class _Run:
             return f"gate is {gate.kind}, up is {up.kind} (weights of different formats)"
         if (gate.K, gate.N) != (up.K, up.N):
             return f"shape mismatch: gate weight K={gate.K} N={gate.N}, up weight K={up.K} N={up.N}"
-        if gate.kind == "float" and gate.wt.dtype != up.wt.dtype:
-            return f"gate weight is {gate.wt.dtype}, up weight {up.wt.dtype}"
+        if gate.kind == "float" and gate.w.dtype != up.w.dtype:
+            return f"gate weight is {gate.w.dtype}, up weight {up.w.dtype}"
         if gate.kind != "float" and gate.attrs != up.attrs:
             return f"4-bit attributes differ: gate {gate.attrs}, up {up.attrs}"
         et = _x_type(gate)
@@ -333,10 +352,15 @@ class _Run:
         x, s = gate.x, mul.outputs[0]
         t_np = np.float32 if _x_type(gate) == onnx.TensorProto.FLOAT else np.float16
         base = mul.name or s.name
+        layout, note = {}, ""
         if gate.kind == "float":
             op = "FusedFFN"
-            weights = [self.weight(gate), self.weight(up)]
-            attrs = {}
+            kn = self.layout == "kn"
+            weights = [self.weight(gate, kn), self.weight(up, kn)]
+            attrs = {"weights_kn": 1} if kn else {}
+            layout = {"weights": self.layout}
+            if kn:
+                note = f"weights [K, N] (kn): W1 {_how(weights[0], gate)}, W3 {_how(weights[1], up)}"
         else:
             op = "FusedFFNNF4" if gate.kind == "nf4" else "FusedFFNAWQ"
             weights = gate.tensors + up.tensors
@@ -351,18 +375,28 @@ class _Run:
                       inputs=[x] + weights + biases, outputs=[s])
         g.nodes.append(new)
         remove_dead(g, gate.nodes + up.nodes + silu.nodes)
-        self.owner.rewritten(self.report, pattern, labels, op=op, new_node=new.name, input=x.name, output=s.name,
-                             K=gate.K, N=gate.N, bias=any(b.name for b in biases))
+        self.owner.rewritten(self.report, pattern, labels, note, op=op, new_node=new.name, input=x.name,
+                             output=s.name, K=gate.K, N=gate.N, bias=any(b.name for b in biases), **layout)
 
-    def weight(self, proj: _Proj):
-        """The [N, K] constant of a float projection (one copy per stored weight)."""
-        t = self.shared.get(proj.w_key)
-        if t is None:
+    def weight(self, proj: _Proj, kn: bool):
+        """The W1/W3 tensor of a float projection: [K, N] with ``kn``, else [N, K]. With ``kn`` the stored tensor
+        itself when it is [K, N] and no alpha is folded in (no copy); otherwise one new constant per stored weight
+        and layout."""
+        if kn and not proj.w_nk and proj.alpha == 1.0:
+            proj.w = None
+            return proj.stored
+        key = (id(proj.stored), proj.w_nk, proj.alpha, kn)
+        hit = self.shared.get(key)
+        if hit is None:
+            w = proj.w.T if proj.w_nk == kn else proj.w
+            if proj.alpha != 1.0:
+                w = (w.astype(np.float32) * np.float32(proj.alpha)).astype(proj.w.dtype)
             # streaming (option spill): written to OUT's data file now, so memory stays bounded
-            t = external.constant(self.names(f"{proj.w_name}_t"), proj.wt, self.spill)
-            self.shared[proj.w_key] = t
-        proj.wt = None
-        return t
+            t = external.constant(self.names(f"{proj.w_name}_{'kn' if kn else 't'}"), np.ascontiguousarray(w),
+                                  self.spill)
+            hit = self.shared[key] = (proj.stored, t)  # (stored kept alive: its id stays unique)
+        proj.w = None
+        return hit[1]
 
     def bias(self, proj: _Proj, t_np, base: str, tag: str):
         if proj.bias is None:

@@ -171,6 +171,92 @@ def test_cuda_bad_inputs_name_the_input():
         fc.run_arrays(x.astype(np.float64), w1, w3)
 
 
+# W1, W3 [K, N] (attribute weights_kn = 1): the K-major tensor-core kernel (fusedffn_kn_tc_cuda) at M = 2..8 with
+# fp16 X and W, the K-major split-K decode kernel (fusedffn_kn_cuda) at other M <= 2, the tiled kernel otherwise
+# under the simulator (cuBLAS on a GPU). N = 24 / 40 fp16 with the simulator's 64-thread block (32-column tiles x
+# 2 K warps): several tiles and a partial last one; K = 37 / 300: partial steps and several splits.
+KN_CASES = [
+    ((1,), 300, 40, F16, F16, True, True, None),
+    ((2,), 37, 24, F32, F16, False, True, None),
+    ((1, 1), 64, 12, F16, F32, True, False, None),
+    ((2,), 130, 16, F32, F32, True, True, None),
+    ((), 48, 8, F16, F16, False, False, None),          # 1-D X
+    ((1,), 40, 10, F16, F16, True, True, None),         # N % 8 != 0 (fp16): tiled
+    ((3,), 40, 24, F16, F16, True, True, None),         # M = 3: tensor-core kernel, one 8-row tile
+    ((2, 4), 72, 136, F16, F16, False, True, None),     # M = 8: tensor-core kernel, 3 feature tiles
+    ((2, 5), 72, 136, F16, F16, False, True, "tc"),     # M = 10: 16-row tiles
+    ((3,), 40, 24, F32, F16, True, True, None),         # mixed at M = 3: tiled here (cuBLAS on a GPU)
+    ((2,), 40, 24, F32, F16, True, False, "tiled"),
+]
+
+
+@pytest.mark.parametrize("lead,K,N,xd,wd,hb1,hb3,path", KN_CASES,
+                         ids=[f"{'x'.join(map(str, c[0])) or 'vec'}-K{c[1]}-N{c[2]}-{np.dtype(c[3]).name}-"
+                              f"{np.dtype(c[4]).name}-{int(c[5])}{int(c[6])}-{c[7] or 'auto'}" for c in KN_CASES])
+def test_cuda_kn_vs_reference(lead, K, N, xd, wd, hb1, hb3, path):  # noqa: N803
+    fc = _cuda()
+    x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, hb1, hb3, seed=11)
+    y = fc.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, path=path, kn=True)
+    # on a GPU, M >= 3 with fp16 X and W takes cuBLAS with fp16 GEMM outputs (KN_FP16_SCRATCH)
+    m = int(np.prod(lead))
+    check(y, x, w1, w3, b1, b3, not SIM and path is None and m > 2 and xd == wd == F16 and fc.KN_FP16_SCRATCH)
+
+
+@pytest.mark.parametrize("variant", [{"db": True}, {"u": 2, "ks": 8}, {"cw": 2, "u": 1}])
+def test_cuda_kn_decode_variants(variant):
+    """The K-major decode kernel's options (double-buffered loads, rows per step, split size, column warps)."""
+    from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
+    _cuda()
+    x, w1, w3, b1, b3 = data((2,), 45, 40, F16, F16, True, True, seed=4)
+    y = knm.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, block=64, **variant)
+    check(y, x, w1, w3, b1, b3)
+
+
+@pytest.mark.parametrize("path", [None, "tiled"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_cuda_kn_nonfinite(path):
+    """NaN/Inf on the K-major paths propagate as in the unfused graph (decode at M = 2 takes several splits)."""
+    fc = _cuda()
+    x, w1, w3, b1, b3 = data((2,), 40, 16, F16, F16, True, True, seed=3)
+    x[0, 3] = np.nan
+    x[1, :] *= 3000         # S overflows fp16
+    w1[4, 2] = np.inf
+    y = fc.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, path=path,
+                      kn=True).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        refc = ffn.swiglu_ref(x, w1, w3, b1, b3).astype(F16).astype(np.float64)
+    assert np.isnan(y[0]).all()
+    assert np.array_equal(np.isnan(y), np.isnan(refc)) and np.array_equal(np.isinf(y), np.isinf(refc))
+    fin = np.isfinite(refc)
+    assert np.allclose(y[fin], refc[fin], rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("m,k,n,mt,kw,ring", [(5, 24, 8, 1, 1, 3), (9, 88, 72, 1, 3, 1), (20, 40, 64, 4, 2, 2)])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_cuda_kn_tc_configs(m, k, n, mt, kw, ring):
+    """The K-major tensor-core kernel's configurations (row tiles, warps, ring; partial last step, feature tile and
+    row tile), NaN in X and in a weight column propagating as in the unfused graph."""
+    from onnx_lowbit.custom_ops import fusedffn_kn_tc_cuda as kntc
+    _cuda()
+    x, w1, w3, b1, b3 = data((m,), k, n, F16, F16, True, True, seed=m)
+    y = kntc.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, mt=mt, kw=kw, ring=ring)
+    check(y, x, w1, w3, b1, b3)
+    x[1, 2] = np.nan
+    w3[n - 1, k - 1] = np.nan
+    y = kntc.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, mt=mt, kw=kw, ring=ring)
+    assert np.isnan(y[1]).all() and np.isnan(y[:, n - 1]).all()
+    assert np.isfinite(np.delete(np.delete(y, 1, 0), n - 1, 1)).all()
+
+
+def test_cuda_kn_bad_inputs():
+    fc = _cuda()
+    from onnx_lowbit.custom_ops import KernelError
+    x, w1, w3, _, _ = data((1,), 16, 8, F16, F16)
+    with pytest.raises(KernelError, match=r"input 0 'X' must have last dimension K=8 \(W1 is \[K, N\]"):
+        fc.run_arrays(x, w1, w3, kn=True)      # [N, K] weights given as [K, N]
+    with pytest.raises(KernelError, match=r"input 2 'W3' must have W1's shape \[K, N\]"):
+        fc.run_arrays(x, w1.T, w3.T[:, :7], kn=True)
+
 def test_plans():
     fc = _cuda()
     assert [fc.bucket(m) for m in (1, 2, 3, 5, 9, 16, 17)] == [1, 2, 4, 8, 16, 16, None]
@@ -344,6 +430,25 @@ def test_gpu_prefill_takes_its_scratch_from_the_provider():
         kern.run(0, m, k, n, p(dx), p(d1), p(d3), p(db1), p(db3), p(dy), path="gemm", scratch=False)
 
 
+@pytest.mark.skipif(SIM, reason="real GPU only")
+@pytest.mark.parametrize("lead,K,N,xd,wd", [((1,), 4096, 11008, F16, F16), ((2,), 4096, 512, F16, F16),
+                                            ((1,), 3000, 776, F32, F16), ((2,), 1024, 300, F32, F32),
+                                            ((1, 2), 9000, 264, F16, F32), ((1,), 520, 8, F16, F16)])
+def test_gpu_kn(lead, K, N, xd, wd):  # noqa: N803
+    """K-major weights on the GPU, every path (decode: several splits, the tile counters left at zero; cuBLAS with
+    fp16 GEMM outputs for fp16 X and W, KN_FP16_SCRATCH, and with fp32 ones)."""
+    fc = _cuda()
+    from onnx_lowbit.custom_ops import cublas
+    x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, True, N != 512, seed=6)
+    w1k, w3k = np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T)
+    g16 = xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH
+    for path in (None, "decode", "tiled") + (("gemm",) if cublas.load() is not None else ()):
+        check(fc.run_arrays(x, w1k, w3k, b1, b3, path=path, kn=True), x, w1, w3, b1, b3, g16 and path == "gemm")
+    for m in (3, 40):
+        x, _, _, _, _ = data((m,), K, N, xd, wd, seed=m)
+        check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True), x, w1, w3, b1, b3, g16)
+        check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True, fp16_scratch=False), x, w1, w3, b1, b3)
+
 def _ort_cuda():
     try:
         import onnxruntime as ort
@@ -354,14 +459,14 @@ def _ort_cuda():
     return ort
 
 
-def ffn_model(xd, wd, k, n, b1=False, b3=False):
+def ffn_model(xd, wd, k, n, b1=False, b3=False, kn=False):
     from onnx import TensorProto, helper
 
     from onnx_lowbit import domain
     et = {np.dtype(F32): TensorProto.FLOAT, np.dtype(F16): TensorProto.FLOAT16}
     ins = [helper.make_tensor_value_info("X", et[np.dtype(xd)], ["B", "T", k]),
-           helper.make_tensor_value_info("W1", et[np.dtype(wd)], [n, k]),
-           helper.make_tensor_value_info("W3", et[np.dtype(wd)], [n, k])]
+           helper.make_tensor_value_info("W1", et[np.dtype(wd)], [k, n] if kn else [n, k]),
+           helper.make_tensor_value_info("W3", et[np.dtype(wd)], [k, n] if kn else [n, k])]
     names = ["X", "W1", "W3"]
     for on, nm in ((b1, "B1"), (b3, "B3")):
         if on:
@@ -369,7 +474,8 @@ def ffn_model(xd, wd, k, n, b1=False, b3=False):
             names.append(nm)
         elif nm == "B1" and b3:
             names.append("")
-    node = helper.make_node("FusedFFN", names, ["S"], domain=domain.DOMAIN, name="ffn0")
+    node = helper.make_node("FusedFFN", names, ["S"], domain=domain.DOMAIN, name="ffn0",
+                            **({"weights_kn": 1} if kn else {}))
     g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("S", et[np.dtype(xd)], ["B", "T", n])])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), domain.opset_import()], ir_version=10)
 
@@ -388,6 +494,25 @@ def test_ort_cuda_session(xd, wd):
         x, w1, w3, _, b3 = data(lead, k, n, xd, wd, False, True, seed=sum(lead))
         y = sess.run(None, {"X": x, "W1": w1, "W3": w3, "B3": b3})[0]
         check(y, x, w1, w3, None, b3)
+
+
+@pytest.mark.parametrize("xd,wd", [(F16, F16), (F32, F16)])
+def test_ort_cuda_session_kn(xd, wd):
+    """FusedFFN with weights_kn = 1 in an onnxruntime CUDA session: decode (M = 1, 2: split-K with onnxruntime's
+    scratch for the partials), cuBLAS (M = 3, 40), an empty batch."""
+    ort = _ort_cuda()
+    import onnx_lowbit
+    so = ort.SessionOptions()
+    onnx_lowbit.register(so)
+    k, n = 2048, 96
+    sess = ort.InferenceSession(ffn_model(xd, wd, k, n, True, True, kn=True).SerializeToString(), so,
+                                providers=["CUDAExecutionProvider"])
+    for lead in [(1, 1), (1, 2), (1, 3), (2, 20), (0, 2), (1, 1)]:
+        x, w1, w3, b1, b3 = data(lead, k, n, xd, wd, True, True, seed=sum(lead))
+        y = sess.run(None, {"X": x, "W1": np.ascontiguousarray(w1.T), "W3": np.ascontiguousarray(w3.T), "B1": b1,
+                            "B3": b3})[0]
+        from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+        check(y, x, w1, w3, b1, b3, xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH and x.size > 2 * k)
 
 
 if REAL_GPU and SIM:  # pragma: no cover

@@ -23,8 +23,9 @@ CPU = ["CPUExecutionProvider"]
 ET = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
 
 
-def ffn_model(K, N, x_dtype, w_dtype, *, lead=("M",), b1=False, b3=False, init=None):  # noqa: N803
-    """One FusedFFN node; W1, W3 (and biases) graph inputs unless given in ``init`` (name -> array)."""
+def ffn_model(K, N, x_dtype, w_dtype, *, lead=("M",), b1=False, b3=False, init=None, kn=None):  # noqa: N803
+    """One FusedFFN node; W1, W3 (and biases) graph inputs unless given in ``init`` (name -> array); ``kn``: the
+    attribute weights_kn (None: absent)."""
     init = init or {}
     xt, wt = ET[np.dtype(x_dtype)], ET[np.dtype(w_dtype)]
     specs = [("X", xt, list(lead) + [K]), ("W1", wt, [N, K]), ("W3", wt, [N, K])]
@@ -36,7 +37,8 @@ def ffn_model(K, N, x_dtype, w_dtype, *, lead=("M",), b1=False, b3=False, init=N
     if b3:
         names += ["B3"]
         specs.append(("B3", xt, [N]))
-    node = helper.make_node("FusedFFN", names, ["S"], domain=domain.DOMAIN, name="ffn0")
+    node = helper.make_node("FusedFFN", names, ["S"], domain=domain.DOMAIN, name="ffn0",
+                            **({} if kn is None else {"weights_kn": kn}))
     ins = [helper.make_tensor_value_info(n, t, list(lead) + [None] if n == "X" else [None] * len(s))
            for n, t, s in specs if n not in init]  # symbolic: the kernel checks the shapes
     g = helper.make_graph([node], "g", ins, [helper.make_tensor_value_info("S", xt, list(lead) + [None])],
@@ -73,7 +75,10 @@ def bound(x, w1, w3, b1, b3):
     return ref, tol
 
 
-def check(s, x, w1, w3, b1=None, b3=None):
+def check(s, x, w1, w3, b1=None, b3=None, kn=False):
+    """s against the reference within ``bound``; ``kn``: w1, w3 are [K, N] (checked as their [N, K] transposes)."""
+    if kn:
+        w1, w3 = w1.T, w3.T
     n = w1.shape[0]
     assert s.dtype == x.dtype and s.shape == x.shape[:-1] + (n,)
     if s.size == 0:
@@ -187,3 +192,106 @@ def test_bad_inputs_name_the_problem():
         sess.run(None, {"X": x[:, :8], "W1": w1, "W3": w3})
     with pytest.raises(ValueError, match="last dimension must be K"):
         ffn.swiglu_ref(x[:, :8], w1, w3)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# weights_kn=1: W1, W3 [K, N] (the MatMul weights as they are)
+# ----------------------------------------------------------------------------------------------------------------
+def kn_data(K, N, x_dtype, w_dtype, lead, seed=0):  # noqa: N803
+    x, w1, w3, b1, b3 = data(K, N, x_dtype, w_dtype, lead, seed)
+    return x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3
+
+
+def test_reference_kn_is_the_transpose():
+    x, w1, w3, b1, b3 = kn_data(24, 10, np.float32, np.float16, (2, 3))
+    assert np.array_equal(ffn.swiglu_ref(x, w1, w3, b1, b3, kn=True), ffn.swiglu_ref(x, w1.T, w3.T, b1, b3))
+    assert np.array_equal(ffn.swiglu(x, w1, w3, kn=True), ffn.swiglu(x, w1.T, w3.T))
+    with pytest.raises(ValueError, match=r"last dimension must be K=24 \(W1 is \[K, N\] = \[24, 10\]"):
+        ffn.swiglu_ref(x[..., :8], w1, w3, kn=True)
+    assert ffn.parse_kn({}) is False and ffn.parse_kn({"weights_kn": 1}) is True
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(ValueError, match="'weights_kn' must be 0"):
+            ffn.parse_kn({"weights_kn": bad})
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(np.float32, np.float32), (np.float16, np.float16),
+                                             (np.float32, np.float16), (np.float16, np.float32)])
+@pytest.mark.parametrize("K,N", [(64, 176), (33, 7), (258, 1100)])
+def test_cpu_kn_vs_reference(K, N, x_dtype, w_dtype):  # noqa: N803
+    """weights_kn=1: all four type variants, every bias combination, M = 1, 3, 16 (decode kernels, K not a multiple
+    of 4, N not a multiple of the column block) and 17, 40 (BLAS), empty M."""
+    for b1, b3 in ((False, False), (True, True), (True, False), (False, True)):
+        sess = session(ffn_model(K, N, x_dtype, w_dtype, lead=("B", "T"), b1=b1, b3=b3, kn=1))
+        for lead in [(1, 1), (1, 3), (2, 8), (1, 17), (2, 20), (0, 4)]:
+            x, w1, w3, bb1, bb3 = kn_data(K, N, x_dtype, w_dtype, lead, seed=sum(lead) + K)
+            feeds = {"X": x, "W1": w1, "W3": w3}
+            if b1:
+                feeds["B1"] = bb1
+            if b3:
+                feeds["B3"] = bb3
+            s = sess.run(None, feeds)[0]
+            check(s, x, w1, w3, bb1 if b1 else None, bb3 if b3 else None, kn=True)
+
+
+def test_cpu_kn_initializers_and_zero_attribute():
+    """[K, N] weights as initializers (the form the pass emits with ffn_weights="kn"); weights_kn=0 is the default
+    layout."""
+    K, N = 48, 24  # noqa: N806
+    x, w1, w3, b1, b3 = kn_data(K, N, np.float32, np.float16, (2, 3))
+    sess = session(ffn_model(K, N, np.float32, np.float16, lead=("a", "b"), b1=True, b3=True, kn=1,
+                             init={"W1": w1, "W3": w3, "B1": b1, "B3": b3}))
+    check(sess.run(None, {"X": x})[0], x, w1, w3, b1, b3, kn=True)
+    sess = session(ffn_model(K, N, np.float32, np.float16, b1=True, kn=0))
+    check(sess.run(None, {"X": x[0], "W1": w1.T.copy(), "W3": w3.T.copy(), "B1": b1})[0], x[0], w1.T, w3.T, b1)
+
+
+def test_kn_shape_inference():
+    """S's last dim is W1's dim 1 with weights_kn=1 (dim 0 without)."""
+    K, N = 16, 40  # noqa: N806
+    x, w1, w3, _, _ = kn_data(K, N, np.float32, np.float32, (2,))
+    for kn, (a, b) in ((1, (w1, w3)), (None, (w1.T.copy(), w3.T.copy()))):
+        m = ffn_model(K, N, np.float32, np.float32, kn=kn, init={"W1": a, "W3": b})
+        inf = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+        dims = [d.dim_value for d in inf.graph.output[0].type.tensor_type.shape.dim]
+        assert dims[-1] == N, (kn, dims)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("m", [1, 4, 40])
+def test_kn_nonfinite_like_unfused_graph(dtype, m):
+    """weights_kn=1 with NaN / +Inf / -Inf in X rows and weight columns: NaN and +-Inf exactly where stock
+    onnxruntime running the unfused graph (on the same [K, N] weights) has them."""
+    K, N = 33, 24  # noqa: N806
+    x, w1, w3, _, _ = kn_data(K, N, dtype, dtype, (m,), seed=3)
+    x[0, 5] = np.nan if m > 1 else np.inf
+    if m > 2:
+        x[1, 7] = np.inf
+        x[2, :] = 0
+        x[2, 3] = -np.inf
+    w1[4, 2] = np.inf
+    w1[0, 5] = -np.inf
+    w3[1, 9] = np.nan
+    w1[:, 11] = 0
+    w1[9, 11] = -1e30 if dtype == np.float32 else -60000.0
+    fused = session(ffn_model(K, N, dtype, dtype, kn=1)).run(None, {"X": x, "W1": w1, "W3": w3})[0]
+    ref_sess = ort.InferenceSession(unfused_model(K, N, dtype).SerializeToString(), providers=CPU)
+    unfused = ref_sess.run(None, {"X": x, "W1": w1, "W3": w3})[0]
+    assert np.array_equal(np.isnan(fused), np.isnan(unfused))
+    assert np.array_equal(np.isposinf(fused), np.isposinf(unfused))
+    assert np.array_equal(np.isneginf(fused), np.isneginf(unfused))
+    assert np.isnan(fused).any() and np.isinf(fused).any()
+    fin = np.isfinite(unfused)
+    np.testing.assert_allclose(fused[fin].astype(np.float64), unfused[fin].astype(np.float64),
+                               rtol=2e-3 if dtype == np.float16 else 1e-5, atol=1e-3 if dtype == np.float16 else 1e-6)
+
+
+def test_kn_bad_attribute_and_shapes_name_the_problem():
+    K, N = 16, 8  # noqa: N806
+    with pytest.raises(Exception, match=r"FusedFFN node 'ffn0'.*attribute 'weights_kn' must be 0 .* got 2"):
+        session(ffn_model(K, N, np.float32, np.float32, kn=2))
+    x, w1, w3, _, _ = kn_data(K, N, np.float32, np.float32, (2,))
+    sess = session(ffn_model(K, N, np.float32, np.float32, kn=1))
+    with pytest.raises(Exception, match=r"last dimension K=16 \(W1 is \[K, N\] = \[16, 8\]\), got shape \[2, 8\]"):
+        sess.run(None, {"X": x[:, :8], "W1": w1, "W3": w3})
+    with pytest.raises(Exception, match=r"same shape \[K, N\]"):
+        sess.run(None, {"X": x, "W1": w1, "W3": w3[:, :4]})

@@ -332,6 +332,7 @@ _SLOTS = {
     61: (_V, _V, ctypes.POINTER(_Z)), 62: (_V, _V, ctypes.POINTER(_I64), _Z), 99: (None, _V), 51: (_V, _V, _P),
     193: (_V, _V, _P), 91: (_V, _V, _Z, ctypes.POINTER(_I64), _Z, _P),
     278: (_V, _V, ctypes.c_int, _P), 277: (_V, _V, _V, _Z, _P), 253: (_V, _V, _V, _P), 132: (None, _V),
+    86: (_V, _V, ctypes.c_char_p, ctypes.POINTER(_I64)),
 }
 
 
@@ -393,6 +394,9 @@ class _StandInOrt:
 
     def s28(self, options, domain):
         return None
+
+    def s86(self, info, name, out):           # KernelInfoGetAttribute_int64: the node has no attributes
+        return self.s0(2, b"attribute not found")
 
     def s244(self, info, out, size):          # KernelInfo_GetNodeName
         name = b"ffn0"

@@ -257,6 +257,23 @@ def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load, monkeypat
     assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
 
 
+def test_streamed_ffn_kn_reuses_the_stored_weights(tmp_path, no_full_load):
+    """--ffn-weights kn on a streamed model: FusedFFN reads the [K, N] initializers as they are (external, never
+    read, nothing spilled for them); same initializers and values as the in-memory rewrite."""
+    src = _swiglu_external(tmp_path, seed=9)
+    out = str(tmp_path / "out.onnx")
+    assert cli.main(["rewrite", src, out, "--passes", "ffn", "--ffn-weights", "kn"]) == 0
+    lazy = onnx.load(out, load_external_data=False)
+    (fused,) = [n for n in lazy.graph.node if n.op_type == "FusedFFN"]
+    assert list(fused.input[1:3]) == ["wg", "wu"]
+    assert {t.name: t.data_location for t in lazy.graph.initializer}["wg"] == onnx.TensorProto.EXTERNAL
+    got_model = onnx.load(out)
+    ref_model, _ = run_passes(onnx.load(src), passes="ffn", ffn_weights="kn")
+    ref = {t.name: numpy_helper.to_array(t) for t in ref_model.graph.initializer}
+    got = {t.name: numpy_helper.to_array(t) for t in got_model.graph.initializer}
+    assert sorted(got) == sorted(ref) == ["wd", "wg", "wu"] and all(np.array_equal(got[k], ref[k]) for k in ref)
+
+
 def test_api_rewrite_file_and_inspect_stream(tmp_path, no_full_load, capsys):
     import onnx_lowbit
     src = build(str(tmp_path), layers=1, d=256, f=512)
