@@ -25,7 +25,8 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import device, ld16 as _ld16, ld32 as _ld32, st16 as _st16, st32 as _st32
-from .fusedffn_cuda import F0, LOAD, U0, U1, _make_ld4, _w16, _w32, silu
+from .fusedffn_cuda import F0, LOAD, U0, _make_ld4, _w16, _w32, silu
+from .matmulawq_cuda import arrive_last
 
 MAX_M = 2                       # rows of X the kernel takes (accumulators: 2 x epc x M per lane)
 BLOCK = 256
@@ -218,14 +219,7 @@ def make(mt, x16, w16, block=BLOCK, cw=CW, u=U, db=False, load=LOAD):
             i += uint64(block)
         if splits == 1:
             return
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == U0:
-            old = cuda.atomic.add(cnt, tile, uint32(1))
-            flag[0] = uint32(1) if uint64(old) == uint64(splits) - U1 else uint32(0)
-        cuda.syncthreads()
-        if flag[0] != uint32(0):
-            cuda.threadfence()
+        if arrive_last(cnt, tile, uint64(splits), flag, tid == U0):
             i = tid
             while i < uint64(mt * tw):
                 m = i // uint64(tw)

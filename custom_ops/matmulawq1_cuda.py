@@ -39,8 +39,8 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM, as_f32, device, h2f
-from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, U1, partial_floats,
-                             sum_splits)
+from .matmulawq_cuda import (F0, F2P20, F2P24, HI16, LO16, M32, ONES16, TC_SEL, U0, arrive_last,
+                             partial_floats, sum_splits)
 from .matmulnf4_cuda import add32, mad32, prmt
 from .mma import _mma, _tc_store
 
@@ -384,14 +384,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
         ntot = ncol * uint32(mr) * nchunk
         if splits == 1:
             return
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == uint32(0):
-            old = cuda.atomic.add(cnt, tile, uint32(1))
-            flag[0] = uint32(1) if uint64(old) == uint64(splits) - U1 else uint32(0)
-        cuda.syncthreads()
-        if flag[0] != uint32(0):
-            cuda.threadfence()
+        if arrive_last(cnt, tile, uint64(splits), flag, tid == uint32(0)):
             i = tid
             while i < ntot:
                 row = i // ncol

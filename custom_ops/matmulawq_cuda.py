@@ -135,6 +135,23 @@ ONE32 = np.uint32(0x3F800000)
 F256 = np.float32(256.0)
 
 
+@(cuda.jit(device=True) if SIM else device)    # the simulator's cuda.threadfence exists inside cuda.jit functions
+def arrive_last(cnt, ci, total, flag, leader):
+    """Split-K: publish this block's partials (threadfence) and count its arrival at counter ``ci`` (the ``leader``
+    thread); True in every thread of the block whose arrival is the ``total``-th, i.e. the last, after a
+    threadfence so that the other blocks' partials are visible. ``flag``: a 1-word uint32 shared array."""
+    cuda.threadfence()
+    cuda.syncthreads()
+    if leader:
+        old = cuda.atomic.add(cnt, ci, uint32(1))
+        flag[0] = uint32(1) if uint64(old) == total - U1 else uint32(0)
+    cuda.syncthreads()
+    last = flag[0] != uint32(0)
+    if last:
+        cuda.threadfence()
+    return last
+
+
 @device
 def sum_splits(acc, i0, stride, splits):
     """acc[i0] + acc[i0 + stride] + ... (``splits`` terms), added one by one in split order (deterministic, the
@@ -444,14 +461,7 @@ def _make_gemv(mt, a16, ct=CT, warps=WARPS, unroll=None, gpt=1, max_registers=No
                 cuda.syncthreads()
         if splits == 1:
             return
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == U0:
-            old = cuda.atomic.add(cnt, tile, uint32(1))
-            flag[0] = uint32(1) if uint64(old) == uint64(splits) * nch - U1 else uint32(0)
-        cuda.syncthreads()
-        if flag[0] != uint32(0):
-            cuda.threadfence()
+        if arrive_last(cnt, tile, uint64(splits) * nch, flag, tid == U0):
             cl = tid
             while cl < cols:
                 col = tile * cols + cl
@@ -909,15 +919,8 @@ def _make_tc(nw, a16=True, unroll=TC_UNROLL, max_registers=None, maxw=TC_WARPS):
             i += nthr
         if splits == 1:
             return
-        cuda.threadfence()
-        cuda.syncthreads()
         ci = tile * nch + chunk
-        if tid == U0:
-            old = cuda.atomic.add(cnt, ci, uint32(1))
-            flag[0] = uint32(1) if uint64(old) == uint64(splits) - U1 else uint32(0)
-        cuda.syncthreads()
-        if flag[0] != uint32(0):
-            cuda.threadfence()
+        if arrive_last(cnt, ci, uint64(splits), flag, tid == U0):
             i = tid
             while i < mrows * uint64(TC_COLS):
                 col = tile * uint64(TC_COLS) + (i & uint64(63))
