@@ -61,14 +61,18 @@ def steps_per_warp(k, kw=KW, ring=RING):
     return -(-per // ring) * ring
 
 
-def _make(mt, kw=KW, ring=RING, max_registers=None):
+def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
     """Signature: (x uint64 [M*K/4] (fp16 quads), w1, w3 uint32 [K*N/2], b1, b3 uint16 [N], out uint16 [M*N],
-    m_dim, k_dim, n_dim, spw, has_b1, has_b3); ``spw`` = steps_per_warp(K, kw, ring)."""
+    m_dim, k_dim, n_dim, spw, has_b1, has_b3); ``spw`` = steps_per_warp(K, kw, ring). ``smem_out`` (default: mt > 1):
+    every warp's sums go to shared memory and the whole block finishes the outputs from there, instead of warp 0
+    from its registers; from mt = 2 the register epilogue's loops are too long for LLVM to unroll, which put the
+    accumulators in local memory (ptxas: a 256-byte stack frame at mt = 2)."""
+    smem_out = mt > 1 if smem_out is None else smem_out
     if not 1 <= ring <= 3:
         raise ValueError(f"ring must be 1..3 steps (the loop spells out 3 slots), got {ring}")
     scr_size = kw * 32 * 6 if SIM else 1
     nacc = 32 * mt                    # [weight][tile j][mma tile T][c0..c3]
-    red_size = max(1, (kw - 1) * nacc * 32)
+    red_size = kw * nacc * 32 if smem_out else max(1, (kw - 1) * nacc * 32)
     nwb = ring * 32                   # per slot: rows i = 0..3 of W1, then of W3 (4 words each)
     nxb = ring * mt * 2               # per slot and X tile: 2 words (4 fp16 of one row)
     opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
@@ -157,8 +161,13 @@ def _make(mt, kw=KW, ring=RING, max_registers=None):
         wb = cuda.local.array(nwb, uint32)
         xb = cuda.local.array(nxb, uint32)
         acc = cuda.local.array(nacc, float32)
-        for i in range(nacc):
-            acc[i] = F0
+        if smem_out:
+            for a in range(nacc // 16):             # nested: LLVM unrolls 16 x (nacc / 16), not a flat 64
+                for c in range(16):
+                    acc[a * 16 + c] = F0
+        else:
+            for i in range(nacc):
+                acc[i] = F0
         for u in range(ring):
             load(wb, xb, u, sbase + uint32(u), send, k32, n32, col, colok, t, xr, x, w1, w3, m32)
         s = uint32(0)
@@ -170,6 +179,32 @@ def _make(mt, kw=KW, ring=RING, max_registers=None):
                 slot(wb, xb, 2, acc, scr, tid, sbase + s, send, k32, n32, col, colok, t, xr, x, w1, w3, m32)
             s += uint32(ring)
 
+        if smem_out:
+            # every warp's sums to shared memory; the block's threads finish the outputs, adding in warp order
+            for a in range(nacc // 16):
+                for c in range(16):
+                    red[(warp * uint32(nacc) + uint32(a * 16 + c)) * uint32(32) + lane] = acc[a * 16 + c]
+            cuda.syncthreads()
+            i = uint32(tid)
+            while i < uint32(16 * mt * 32):         # (gate accumulator gi, lane L); up is gi + 16 mt
+                gi = i >> uint32(5)
+                ln = i & uint32(31)
+                n = bt * uint32(64) + uint32(8) * (ln >> uint32(2)) + uint32(2) * ((gi >> uint32(2)) & uint32(3)) + \
+                    ((gi >> uint32(1)) & uint32(1))
+                m = m0 + uint32(8) * (gi >> uint32(4)) + uint32(2) * (ln & uint32(3)) + (gi & uint32(1))
+                if n < n32 and m < m32:
+                    gv = F0
+                    uv = F0
+                    for w in range(kw):
+                        gv += red[(uint32(w * nacc) + gi) * uint32(32) + ln]
+                        uv += red[(uint32(w * nacc + 16 * mt) + gi) * uint32(32) + ln]
+                    if has_b1:
+                        gv += h2f(b1[n])
+                    if has_b3:
+                        uv += h2f(b3[n])
+                    st16(out, m * n32 + n, silu(gv) * uv)
+                i += uint32(32 * kw)
+            return
         # warps 1.. hand their sums to warp 0, which adds them in warp order
         if kw > 1:
             if warp > 0:

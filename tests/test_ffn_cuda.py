@@ -231,7 +231,8 @@ def test_cuda_kn_nonfinite(path):
     assert np.allclose(y[fin], refc[fin], rtol=2e-3, atol=1e-3)
 
 
-@pytest.mark.parametrize("m,k,n,mt,kw,ring", [(5, 24, 8, 1, 1, 3), (9, 88, 72, 1, 3, 1), (20, 40, 64, 4, 2, 2)])
+@pytest.mark.parametrize("m,k,n,mt,kw,ring", [(5, 24, 8, 1, 1, 3), (9, 88, 72, 1, 3, 1), (20, 40, 64, 4, 2, 2),
+                                               (11, 56, 136, 2, 3, 2)])
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_cuda_kn_tc_configs(m, k, n, mt, kw, ring):
     """The K-major tensor-core kernel's configurations (row tiles, warps, ring; partial last step, feature tile and
