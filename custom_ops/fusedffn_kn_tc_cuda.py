@@ -61,13 +61,26 @@ def steps_per_warp(k, kw=KW, ring=RING):
     return -(-per // ring) * ring
 
 
+SMEM_MAX = 48 << 10              # static shared memory of one block
+
+
+def red_bytes(mt, kw, smem_out):
+    """Shared memory for the warps' sums: every warp's with ``smem_out``, else warps 1.. (fp32, 32 mt per lane)."""
+    return 4 * 32 * 32 * mt * (kw if smem_out else kw - 1)
+
+
 def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
     """Signature: (x uint64 [M*K/4] (fp16 quads), w1, w3 uint32 [K*N/2], b1, b3 uint16 [N], out uint16 [M*N],
     m_dim, k_dim, n_dim, spw, has_b1, has_b3); ``spw`` = steps_per_warp(K, kw, ring). ``smem_out`` (default: mt > 1):
     every warp's sums go to shared memory and the whole block finishes the outputs from there, instead of warp 0
     from its registers; from mt = 2 the register epilogue's loops are too long for LLVM to unroll, which put the
-    accumulators in local memory (ptxas: a 256-byte stack frame at mt = 2)."""
-    smem_out = mt > 1 if smem_out is None else smem_out
+    accumulators in local memory (ptxas: a 256-byte stack frame at mt = 2). Default: from mt = 2 where the sums fit
+    SMEM_MAX (mt = 4 needs kw <= 3)."""
+    if smem_out is None:
+        smem_out = mt > 1 and red_bytes(mt, kw, True) <= SMEM_MAX
+    if red_bytes(mt, kw, smem_out) > SMEM_MAX:
+        raise ValueError(f"mt={mt}, kw={kw}: {red_bytes(mt, kw, smem_out)} bytes of shared memory for the warps' sums "
+                         f"(at most {SMEM_MAX})")
     if not 1 <= ring <= 3:
         raise ValueError(f"ring must be 1..3 steps (the loop spells out 3 slots), got {ring}")
     scr_size = kw * 32 * 6 if SIM else 1

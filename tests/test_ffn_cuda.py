@@ -249,6 +249,17 @@ def test_cuda_kn_tc_configs(m, k, n, mt, kw, ring):
     assert np.isfinite(np.delete(np.delete(y, 1, 0), n - 1, 1)).all()
 
 
+def test_kn_tc_configs_fit_static_shared_memory():
+    """Every configuration sessions may launch compiles within 48 KiB of static shared memory (the simulator does
+    not check it; ptxas refuses more)."""
+    from onnx_lowbit.custom_ops import fusedffn_kn_tc_cuda as kntc
+    for _, (mt, kw, ring) in kntc.CONFIGS:
+        smem_out = mt > 1 and kntc.red_bytes(mt, kw, True) <= kntc.SMEM_MAX
+        assert kntc.red_bytes(mt, kw, smem_out) <= kntc.SMEM_MAX
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        kntc._make(4, 4, 1, smem_out=True)
+
+
 def test_cuda_kn_bad_inputs():
     fc = _cuda()
     from onnx_lowbit.custom_ops import KernelError
