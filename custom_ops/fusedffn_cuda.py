@@ -39,7 +39,8 @@ K-major weights (attribute weights_kn = 1: W1, W3 [K, N], the MatMul weights as 
 M = 1 (and M = 2 unless fp16 X and W) on the split-K decode kernel of fusedffn_kn_cuda; fp16 X and W at M =
 KN_TC_MIN_M..KN_TC_MAX_M (2..8) on the tensor-core kernel of fusedffn_kn_tc_cuda; else cuBLAS with op N on the
 weights (the unfused graph's own GEMMs), with fp16 GEMM outputs for fp16 X and W (KN_FP16_SCRATCH), else the tiled
-kernel. The [N, K] layout stays the default of the ffn pass: measured trade-off in docs/ffn.md.
+kernel. The ffn pass picks the layout (option ffn_weights, default "auto": [K, N] for fp16 models with at least 24
+static rows, [N, K] otherwise); measured trade-off in docs/ffn.md.
 
 Native plans (plans.py), every path: the GEMMs are recorded like kernel launches (cublas.Handle.gemm_rows; one
 cuBLAS handle per stream with a fixed workspace), so after the first call per input signature the C shim replays

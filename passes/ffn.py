@@ -30,9 +30,11 @@ Order (registry): fplut, weights4, ffn. ffn after weights4 fuses the quantised g
 ffn before weights4 (an explicit --passes order) gives a correct model with float gate/up in FusedFFN (weights4
 then quantises only the down projection). ffn before or after fplut gives the same FusedFFN.
 
-Options: ``ffn_weights`` "nk" or "kn" (default DEFAULT_WEIGHTS): the layout of the float FusedFFN's W1, W3
+Options: ``ffn_weights`` "nk", "kn" or "auto" (default DEFAULT_WEIGHTS): the layout of the float FusedFFN's W1, W3
 ([N, K], or [K, N] with weights_kn=1: onnxruntime's CUDA prefill GEMMs on [K, N] are the same kernels as the
-unfused graph's). Bad values raise ValueError naming the option. Select the pass with ``passes=[...]`` /
+unfused graph's); "auto" takes kn for fp16 X and weights with at least AUTO_KN_MIN_M static rows of X (prefill
+or batch models of fixed shape), nk otherwise (decode, dynamic shapes). Bad values raise ValueError naming the
+option. Select the pass with ``passes=[...]`` /
 ``--passes``.
 """
 from __future__ import annotations
@@ -56,18 +58,49 @@ _SEARCH_DEPTH = 4  # arithmetic steps from a SiLU's output back to its Sigmoid
 _FOUR_BIT = {"MatMulNF4": ("nf4", ("quant_type", "block_size", "K", "N"), 2),
              "MatMulAWQ": ("awq", ("group_size", "K", "N"), 3)}
 _ORT_FOUR_BIT = {"MatMulBnb4", "MatMulNBits"}
-DEFAULT_WEIGHTS = "nk"  # option ffn_weights: layout of the float FusedFFN's W1, W3
-LAYOUTS = ("nk", "kn")
+DEFAULT_WEIGHTS = "auto"  # option ffn_weights: layout of the float FusedFFN's W1, W3
+LAYOUTS = ("nk", "kn", "auto")
+# "auto": kn where X and the weights are fp16 and X's rows M (the product of its leading dims) are static and at least
+# this many, else nk. H100 (docs/ffn.md, 2026-11-27): kn is faster from M = 24 (kernel 71.0 against 75.7 us at
+# M = 24, sessions 1.01-1.04x the unfused graph at M = 24..256 against 0.93-0.99x), nk up to M = 16 and for decode.
+AUTO_KN_MIN_M = 24
 
 
 def weights_layout(options: dict) -> str:
-    """The option ``ffn_weights`` ("nk" or "kn"; default DEFAULT_WEIGHTS), validated (ValueError naming it)."""
+    """The option ``ffn_weights`` ("nk", "kn" or "auto"; default DEFAULT_WEIGHTS), validated (ValueError naming
+    it)."""
     v = options.get("ffn_weights")
     v = DEFAULT_WEIGHTS if v is None else v
     if not isinstance(v, str) or v not in LAYOUTS:
-        raise ValueError(f"ffn_weights must be 'nk' (FusedFFN weights [N, K], transposed at rewrite time) or 'kn' "
-                         f"([K, N], the MatMul weights as they are), got {v!r}")
+        raise ValueError(f"ffn_weights must be 'nk' (FusedFFN weights [N, K], transposed at rewrite time), 'kn' "
+                         f"([K, N], the MatMul weights as they are) or 'auto' (kn for static fp16 inputs of at least "
+                         f"{AUTO_KN_MIN_M} rows, else nk), got {v!r}")
     return v
+
+
+def static_rows(x: gs.Variable):
+    """M = the product of x's leading dims when all are known integers, else None."""
+    shape = getattr(x, "shape", None)
+    if not shape:
+        return None
+    m = 1
+    for d in shape[:-1]:
+        if not isinstance(d, (int, np.integer)) or d < 0:
+            return None
+        m *= int(d)
+    return m
+
+
+def auto_layout(x: gs.Variable, x_fp16: bool, w_fp16: bool) -> tuple[str, str]:
+    """(layout, why) for ffn_weights="auto"."""
+    m = static_rows(x)
+    if not (x_fp16 and w_fp16):
+        return "nk", "auto: nk (kn is chosen for fp16 X and weights only)"
+    if m is None:
+        return "nk", "auto: nk (rows of X not static)"
+    if m >= AUTO_KN_MIN_M:
+        return "kn", f"auto: kn (M = {m} static rows >= {AUTO_KN_MIN_M})"
+    return "nk", f"auto: nk (M = {m} static rows < {AUTO_KN_MIN_M})"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,12 +388,18 @@ class _Run:
         layout, note = {}, ""
         if gate.kind == "float":
             op = "FusedFFN"
-            kn = self.layout == "kn"
+            choice, why = self.layout, ""
+            if choice == "auto":
+                choice, why = auto_layout(x, t_np == np.float16, gate.w.dtype == np.float16)
+            kn = choice == "kn"
             weights = [self.weight(gate, kn), self.weight(up, kn)]
             attrs = {"weights_kn": 1} if kn else {}
-            layout = {"weights": self.layout}
+            layout = {"weights": choice}
             if kn:
                 note = f"weights [K, N] (kn): W1 {_how(weights[0], gate)}, W3 {_how(weights[1], up)}"
+            if why:
+                layout["weights_choice"] = why
+                note = f"{why}; {note}" if note else why
         else:
             op = "FusedFFNNF4" if gate.kind == "nf4" else "FusedFFNAWQ"
             weights = gate.tensors + up.tensors

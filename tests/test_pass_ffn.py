@@ -480,15 +480,37 @@ def inits_of(out):
     return {i.name: nh.to_array(i) for i in out.graph.initializer}
 
 
-def test_default_layout_is_nk():
+def test_default_layout_is_auto_and_nk_here():
+    """The default ("auto") gives nk for this fp32 model with dynamic rows, as "nk" itself does."""
     from onnx_lowbit.passes import ffn as ffn_pass
-    assert ffn_pass.DEFAULT_WEIGHTS == "nk"
-    for options in ({}, {"ffn_weights": None}, {"ffn_weights": "nk"}):
+    assert ffn_pass.DEFAULT_WEIGHTS == "auto"
+    for options in ({}, {"ffn_weights": None}, {"ffn_weights": "nk"}, {"ffn_weights": "auto"}):
         out, report = rewrite_and_compare(swiglu(), **options)
         node, attrs = fused_node(out)
         assert attrs == {} and inits_of(out)[node.input[1]].shape == (N, K)
         (e,) = report.rewritten("ffn")
-        assert e.details["weights"] == "nk" and e.reason == ""
+        assert e.details["weights"] == "nk"
+        assert e.reason == ("" if options.get("ffn_weights") == "nk" else "auto: nk (kn is chosen for fp16 X and "
+                                                                          "weights only)")
+
+
+@pytest.mark.parametrize("dtype,x_shape,layout,why", [
+    (np.float16, (2, 16, K), "kn", "M = 32 static rows >= 24"),
+    (np.float16, (24, K), "kn", "M = 24 static rows >= 24"),
+    (np.float16, (1, 16, K), "nk", "M = 16 static rows < 24"),
+    (np.float16, ("B", "T", K), "nk", "rows of X not static"),
+    (np.float16, (2, "T", K), "nk", "rows of X not static"),
+    (np.float32, (2, 16, K), "nk", "fp16 X and weights only"),
+])
+def test_auto_layout(dtype, x_shape, layout, why):
+    """ffn_weights="auto": kn for fp16 X and weights with at least AUTO_KN_MIN_M static rows (where the H100 ran kn
+    faster), nk otherwise; the report says why; the model still matches the original."""
+    out, report = rewrite_and_compare(swiglu(dtype, x_shape=x_shape), tol=2e-3 if dtype == np.float16 else 1e-5,
+                                      ffn_weights="auto")
+    node, attrs = fused_node(out)
+    assert attrs == ({"weights_kn": 1} if layout == "kn" else {})
+    (e,) = report.rewritten("ffn")
+    assert e.details["weights"] == layout and why in e.details["weights_choice"] and why in e.reason
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -584,7 +606,7 @@ def test_kn_leaves_four_bit_ops_alone():
 
 @pytest.mark.parametrize("bad", ["KN", "mk", 1, True])
 def test_bad_weights_option(bad):
-    with pytest.raises(ValueError, match=r"ffn_weights must be 'nk' .* or 'kn' .*, got"):
+    with pytest.raises(ValueError, match=r"ffn_weights must be 'nk' .*, 'kn' .* or 'auto' .*, got"):
         run_passes(swiglu(), ["ffn"], ffn_weights=bad)
 
 
