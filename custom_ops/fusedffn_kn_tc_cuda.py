@@ -24,7 +24,7 @@ from numba import cuda, float32, uint32, uint64
 
 from .dequantawq_cuda import SIM, device, h2f, st16
 from .fusedffn_cuda import _make_ld4, silu
-from .mma import _mma
+from .mma import _mma, make_to_warp0
 
 KW = 4                           # warps per block (ranges of K steps of one feature tile)
 RING = 2                         # 16-row steps in flight per warp
@@ -89,6 +89,7 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
     nwb = ring * 32                   # per slot: rows i = 0..3 of W1, then of W3 (4 words each)
     nxb = ring * mt * 2               # per slot and X tile: 2 words (4 fp16 of one row)
     opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
+    to_warp0 = make_to_warp0(kw, nacc)
 
     @device
     def load(wb, xb, u, s, send, k32, n32, col, colok, t, xr, x, w1, w3, m_dim):
@@ -218,18 +219,8 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
                     st16(out, m * n32 + n, silu(gv) * uv)
                 i += uint32(32 * kw)
             return
-        # warps 1.. hand their sums to warp 0, which adds them in warp order
-        if kw > 1:
-            if warp > 0:
-                base = (warp - uint32(1)) * uint32(nacc * 32) + lane
-                for i in range(nacc):
-                    red[base + uint32(i * 32)] = acc[i]
-            cuda.syncthreads()
+        to_warp0(acc, red, warp, lane)        # warp 0's acc: the block's sums, added in warp order
         if warp == 0:
-            for w in range(1, kw):
-                base = uint32((w - 1) * nacc * 32) + lane
-                for i in range(nacc):
-                    acc[i] += red[base + uint32(i * 32)]
             # tile T: D row g = feature col + 2T, row g + 8 = col + 2T + 1; D column 2t + e = X row m0 + 8j + 2t + e
             for tt in range(4):
                 for half in range(2):

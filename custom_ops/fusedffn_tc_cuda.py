@@ -27,7 +27,7 @@ from numba import cuda, float32, uint32
 
 from .dequantawq_cuda import SIM, device, h2f, st16
 from .fusedffn_cuda import _make_ld4, silu
-from .mma import _mma
+from .mma import _mma, make_to_warp0
 
 MT_BUCKETS = (1, 2, 4, 8)        # 8-row tiles of X per block (rows per block: 8, 16, 32, 64)
 KW = 4                           # warps per block (K ranges of one feature tile)
@@ -91,6 +91,7 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
     nwb = ring * 16                   # per slot: W1 row g, W1 row g + 8, W3 row g, W3 row g + 8 (4 words each)
     nxb = ring * mt * 4               # per slot and tile: X row 8 j + g (4 words)
     opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
+    to_warp0 = make_to_warp0(kw, nacc)
 
     @device
     def load(wb, xb, u, c, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m_dim):
@@ -197,18 +198,8 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
                 slot(wb, xb, 3, acc, scr, tid, cbase + s, cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m32)
             s += uint32(ring)
 
-        # warps 1.. hand their sums to warp 0, which adds them in warp order
-        if kw > 1:
-            if warp > 0:
-                base = (warp - uint32(1)) * uint32(nacc * 32) + lane
-                for i in range(nacc):
-                    red[base + uint32(i * 32)] = acc[i]
-            cuda.syncthreads()
+        to_warp0(acc, red, warp, lane)        # warp 0's acc: the block's sums, added in warp order
         if warp == 0:
-            for w in range(1, kw):
-                base = uint32((w - 1) * nacc * 32) + lane
-                for i in range(nacc):
-                    acc[i] += red[base + uint32(i * 32)]
             # D[n, m]: c0 = (n0 + g, m 2t), c1 = (n0 + g, 2t + 1), c2 = (n0 + g + 8, 2t), c3 = (n0 + g + 8, 2t + 1)
             for half in range(2):
                 n = ra if half == 0 else rb

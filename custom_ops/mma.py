@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from .dequantawq_cuda import SIM, device, f2h, h2f
 
@@ -84,3 +84,23 @@ def _tc_store(nw, out, b1, b3, has_b1, has_b3, oi, col, gv, uv):
         if has_b3:
             uv += h2f(b3[col])
         out[oi] = f2h(_silu(gv) * uv)
+
+
+def make_to_warp0(kw, nacc):
+    """to_warp0(acc, red, warp, lane): warps 1 .. kw-1 put their ``nacc`` per-lane sums in shared memory ``red``
+    ((kw - 1) x nacc x 32 fp32), warp 0 adds them to its own in warp order (deterministic); every thread of the block
+    must call it (one barrier). The tensor-core FFN kernels' reduction over their K warps."""
+    @(cuda.jit(device=True) if SIM else device)     # the simulator's syncthreads exists inside cuda.jit functions
+    def to_warp0(acc, red, warp, lane):
+        if kw > 1:
+            if warp > 0:
+                base = (warp - uint32(1)) * uint32(nacc * 32) + lane
+                for i in range(nacc):
+                    red[base + uint32(i * 32)] = acc[i]
+            cuda.syncthreads()
+        if warp == 0:
+            for w in range(1, kw):
+                base = uint32((w - 1) * nacc * 32) + lane
+                for i in range(nacc):
+                    acc[i] += red[base + uint32(i * 32)]
+    return to_warp0
