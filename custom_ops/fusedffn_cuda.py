@@ -736,8 +736,10 @@ class FusedFFNCudaKernel(Kernel):
         hb1, hb3 = int(b1p != 0), int(b3p != 0)
         bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
         aligned = ((w1p | w3p) & 15) == 0
-        if self.kn:
-            return self._run_kn(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, bias, aligned, path, scratch)
+        if self.kn:     # K-major weights: their own kernels; the tiled kernel and cuBLAS launch below as for [N, K]
+            path = self._run_kn(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, aligned, path, scratch)
+            if path is None:
+                return
         tc_ok = bool(self.tc) and tcm.ok(self.x16, self.w16, m, k, aligned and (xp & 15) == 0)
         if path is None:
             if decode_ok(m, k, self.w16, aligned, self.decode_max_m):
@@ -783,9 +785,11 @@ class FusedFFNCudaKernel(Kernel):
         else:
             self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, hb1, hb3, scratch or self._own_scratch)
 
-    def _run_kn(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, bias, aligned, path, scratch):
-        """``run`` for W1, W3 [K, N]: the K-major decode kernel (M <= fusedffn_kn_cuda.MAX_M), else cuBLAS with op N
-        on the weights (the unfused graph's GEMMs), else the tiled kernel."""
+    def _run_kn(self, stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, aligned, path, scratch):
+        """``run``'s routing for W1, W3 [K, N]: the K-major tensor-core kernel (fp16, M in self.kn_tc), the K-major
+        decode kernel (M <= fusedffn_kn_cuda.MAX_M), else cuBLAS with op N on the weights (the unfused graph's
+        GEMMs), else the tiled kernel. Launches the first two and returns None; returns 'gemm' or 'tiled' for ``run``
+        to check and launch as it does for [N, K]."""
         from . import fusedffn_kn_cuda as knm
         from . import fusedffn_kn_tc_cuda as kntc
         from .bridge import KernelError
@@ -802,32 +806,26 @@ class FusedFFNCudaKernel(Kernel):
         elif path == "decode" and not dec_ok:
             raise KernelError(f"the K-major decode kernel does not take M={m}, N={n} (M <= {knm.MAX_M}, "
                               f"N % {knm.epc_of(self.w16)} == 0, 16-byte aligned weights)")
-        elif path == "gemm" and (not self.blas or k == 0 or scratch is False):
-            raise KernelError("the cuBLAS path needs cuBLAS, scratch memory and K > 0")
         elif path not in ("decode", "gemm", "tiled", "tc"):
             raise KernelError(f"path {path!r} does not take [K, N] weights")
         if path == "tc":
             kntc.launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, *kntc.config(m))
-            return
-        if path == "decode":
-            lau = self.decode[knm.bucket(m)]
-            key = ("kn", knm.bucket(m))
-            occ = self._occ.get(key)
+        elif path == "decode":
+            mt = knm.bucket(m)
+            lau = self.decode[mt]
+            occ = self._occ.get(("kn", mt))
             if occ is None:
-                occ = self._occ[key] = occupancy(lau, knm.BLOCK, 0)
+                occ = self._occ[("kn", mt)] = occupancy(lau, knm.BLOCK, 0)
             # without onnxruntime's scratch (onnxruntime < 1.18) one split: no partials
-            geo = knm.geometry(k, n, self.w16, self.sms, min(occ, knm.BLOCKS_PER_SM),
-                               u=knm.TUNED[knm.bucket(m)]["u"], ks=None if scratch is not False else min(k, knm.KS_MAX))
+            geo = knm.geometry(k, n, self.w16, self.sms, min(occ, knm.BLOCKS_PER_SM), u=knm.TUNED[mt]["u"],
+                               ks=None if scratch is not False else min(k, knm.KS_MAX))
             floats = knm.partial_floats(geo[1], m, n)
             part = ((scratch or self._own_scratch)(4 * floats) if floats else 0, floats)
             knm.launch(lau, stream, m, k, n, self.w16, xp, w1p, w3p, b1p, b3p, yp, part,
                        self.pool.counters(stream), geo)
-        elif path == "tiled":
-            self.tiled.launch(tiled_grid(m, n), TILE["tx"] * TILE["ty"], stream, (xp, (m * k,)), (w1p, (n * k,)),
-                              (w3p, (n * k,)), *bias, (yp, (m * n,)), m, k, n, int(b1p != 0), int(b3p != 0))
         else:
-            self._gemm(stream, m, k, n, xp, w1p, w3p, bias, yp, int(b1p != 0), int(b3p != 0),
-                       scratch or self._own_scratch)
+            return path
+        return None
 
     def _own_scratch(self, nbytes):
         """The kernel object's scratch for direct calls outside onnxruntime (grown, never shrunk)."""

@@ -93,9 +93,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("lead,K,N,xd,wd,hb1,hb3,path", CASES,
-                         ids=[f"{'x'.join(map(str, c[0])) or 'vec'}-K{c[1]}-N{c[2]}-{np.dtype(c[3]).name}-"
-                              f"{np.dtype(c[4]).name}-{int(c[5])}{int(c[6])}-{c[7] or 'auto'}" for c in CASES])
+def case_ids(cases):
+    """Test ids of (lead dims, K, N, X type, W type, B1, B3, path) cases."""
+    return [f"{'x'.join(map(str, c[0])) or 'vec'}-K{c[1]}-N{c[2]}-{np.dtype(c[3]).name}-{np.dtype(c[4]).name}-"
+            f"{int(c[5])}{int(c[6])}-{c[7] or 'auto'}" for c in cases]
+
+
+@pytest.mark.parametrize("lead,K,N,xd,wd,hb1,hb3,path", CASES, ids=case_ids(CASES))
 def test_cuda_vs_reference(lead, K, N, xd, wd, hb1, hb3, path):  # noqa: N803
     fc = _cuda()
     x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, hb1, hb3)
@@ -190,9 +194,7 @@ KN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("lead,K,N,xd,wd,hb1,hb3,path", KN_CASES,
-                         ids=[f"{'x'.join(map(str, c[0])) or 'vec'}-K{c[1]}-N{c[2]}-{np.dtype(c[3]).name}-"
-                              f"{np.dtype(c[4]).name}-{int(c[5])}{int(c[6])}-{c[7] or 'auto'}" for c in KN_CASES])
+@pytest.mark.parametrize("lead,K,N,xd,wd,hb1,hb3,path", KN_CASES, ids=case_ids(KN_CASES))
 def test_cuda_kn_vs_reference(lead, K, N, xd, wd, hb1, hb3, path):  # noqa: N803
     fc = _cuda()
     x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, hb1, hb3, seed=11)
