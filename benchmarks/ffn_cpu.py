@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from custom_ops import fusedffn_cpu
+from onnx_lowbit.custom_ops import fusedffn_cpu
 from onnx_lowbit import ffn
 
 SHAPES = [(64, 176), (512, 1376), (2048, 5504)]

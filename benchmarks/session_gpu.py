@@ -138,7 +138,8 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
     from onnx_lowbit.custom_ops import fusedffn_cuda as fc
     from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
     variants = {"auto": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
-                "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp16 G": dict(FP16_SCRATCH=True)}
+                "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp16 G": dict(FP16_SCRATCH=True),
+                "kn tc16": dict(KN_TC_MAX_M=16)}
     names = [v for v in (names or variants) if v in variants and (not v.startswith("kn") or fused_kn is not None)]
     if "auto" not in names:
         names.insert(0, "auto")
@@ -161,6 +162,8 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
                     if name == "decode" and not (m > fc.DECODE_MAX_M and fc.decode_ok(m, K, True, max_m=16)):
                         continue
                     if name == "fp16 G" and m <= fc.DECODE_MAX_M or name == "kn fp16 G" and m <= knm.MAX_M:
+                        continue
+                    if name == "kn tc16" and not fc.KN_TC_MAX_M < m <= 16:
                         continue
                     if name == "cuBLAS" and not (fc.DECODE_MAX_M < m and fc.TC_MIN_M <= m <= fc.TC_MAX_M):
                         continue
@@ -208,7 +211,7 @@ def main():
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
     ap.add_argument("--sweep-variants", default="auto,decode,cuBLAS,fp16 G,kn,kn fp16 G",
                     help="comma-separated FusedFFN variants the sweep times (auto, decode, cuBLAS, fp16 G, kn, "
-                         "kn fp16 G)")
+                         "kn fp16 G, kn tc16: the K-major tensor-core kernel up to M = 16)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
     ap.add_argument("--shape", default=f"{K}x{N}", help="K x N of the weights (default LLaMA-7B's gate/up)")

@@ -45,3 +45,22 @@ def test_sessions_agree(model):
     for x in _inputs(3):
         ys = [s.run(None, {"x": x})[0] for s in sessions]
         assert all(np.array_equal(ys[0], y) for y in ys[1:])
+
+
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_openmp_wait_policy(given):
+    """Importing the kernels makes Numba's OpenMP pool passive (docs/reliability.md, "CPU threads") unless the user
+    chose a policy, and the pool then really runs: a parallel kernel followed by a BLAS product gives the right sum."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import os, numpy as np; from onnx_lowbit.custom_ops import fusedffn_cpu as f; "
+            "b = np.arange(1, 65, dtype=np.float16).reshape(8, 8); out = np.empty((8, 8), np.float32); "
+            "f.widen_f16(b.view(np.uint16), f.F16_TO_F32, out); "
+            "print(os.environ['OMP_WAIT_POLICY'], float((out @ out).sum()))")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    want = np.arange(1, 65, dtype=np.float64).reshape(8, 8)
+    assert res.stdout.split() == [given or "PASSIVE", str(float((want @ want).sum()))]

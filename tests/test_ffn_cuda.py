@@ -463,6 +463,24 @@ def test_gpu_kn(lead, K, N, xd, wd):  # noqa: N803
         check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True), x, w1, w3, b1, b3, g16)
         check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True, fp16_scratch=False), x, w1, w3, b1, b3)
 
+@pytest.mark.skipif(SIM, reason="real GPU only")
+@pytest.mark.parametrize("m", [2, 5, 8, 9, 12, 16, 17, 33])
+def test_gpu_kn_tc(m):
+    """The K-major tensor-core kernel on the GPU at every configuration it has (8, 16, 32-row tiles and past them),
+    forced (path='tc') whatever M the routing gives it, with NaN in X and in a weight column."""
+    fc = _cuda()
+    k, n = 1032, 520                       # K: a partial last 16-row step; N: a partial 64-feature tile
+    x, w1, w3, b1, b3 = data((m,), k, n, F16, F16, True, True, seed=40 + m)
+    w1k, w3k = np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T)
+    check(fc.run_arrays(x, w1k, w3k, b1, b3, path="tc", kn=True), x, w1, w3, b1, b3)
+    x[m - 1, 3] = np.nan
+    w3[n - 2, 7] = np.nan
+    with np.errstate(invalid="ignore"):
+        y = fc.run_arrays(x, w1k, np.ascontiguousarray(w3.T), b1, b3, path="tc", kn=True)
+    assert np.isnan(y[m - 1]).all() and np.isnan(y[:, n - 2]).all()
+    assert np.isfinite(np.delete(np.delete(y, m - 1, 0), n - 2, 1)).all()
+
+
 def _ort_cuda():
     try:
         import onnxruntime as ort
@@ -521,7 +539,7 @@ def test_ort_cuda_session_kn(xd, wd):
     k, n = 2048, 96
     sess = ort.InferenceSession(ffn_model(xd, wd, k, n, True, True, kn=True).SerializeToString(), so,
                                 providers=["CUDAExecutionProvider"])
-    for lead in [(1, 1), (1, 2), (1, 3), (2, 20), (0, 2), (1, 1)]:
+    for lead in [(1, 1), (1, 2), (1, 3), (1, 12), (2, 20), (0, 2), (1, 1)]:
         x, w1, w3, b1, b3 = data(lead, k, n, xd, wd, True, True, seed=sum(lead))
         y = sess.run(None, {"X": x, "W1": np.ascontiguousarray(w1.T), "W3": np.ascontiguousarray(w3.T), "B1": b1,
                             "B3": b3})[0]

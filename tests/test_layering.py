@@ -36,3 +36,16 @@ def test_passes_and_custom_ops_are_independent():
         assert not [m for m in _imports(f) if "custom_ops" in m], f
     for f in _files("custom_ops"):
         assert not [m for m in _imports(f) if "passes" in m], f
+
+
+def test_code_folders_imported_only_through_onnx_lowbit():
+    """custom_ops/ and passes/ install as onnx_lowbit.custom_ops / onnx_lowbit.passes. Importing them as top-level
+    modules (``from custom_ops import ...`` with the checkout on sys.path) loads a second copy whose Numba cache
+    entries (cache=True, stored next to the source) name the module ``custom_ops.*``: every later process then
+    fails loading them with ModuleNotFoundError (seen: benchmarks/ffn_cpu.py broke CPU FusedFFN sessions)."""
+    bad = []
+    for folder in ("onnx_lowbit", "passes", "custom_ops", "benchmarks", "tests", "samples"):
+        for f in _files(folder):
+            bad += [(os.path.relpath(f, ROOT), m) for m in _imports(f)
+                    if m.split(".")[0] in ("custom_ops", "passes")]
+    assert not bad, bad
