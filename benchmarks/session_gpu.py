@@ -7,13 +7,15 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
 
   gate+up pair:  fp16 MatMul x2 | onnxruntime MatMulBnb4 x2 (nf4, block 64) | MatMulNBits x2 (int4, group 128)
                  | our MatMulNF4 x2 | our MatMulAWQ x2
-  SwiGLU block:  fp16 unfused (MatMul x2, Sigmoid, Mul x2) | unfused with MatMulNBits | our FusedFFN (fp16)
+  SwiGLU block:  fp16 unfused (MatMul x2, Sigmoid, Mul x2) | unfused with MatMulNBits | our FusedFFN (fp16; the
+                 default layout, [K, N] for this dynamic-shape model, and [N, K])
                  | our FusedFFNNF4 | our FusedFFNAWQ
   prefill sweep: SwiGLU fp16 unfused vs FusedFFN for M in 1..1024, without and with CUDA graphs (the crossover);
-                 FusedFFN in its default routing ("auto": decode kernel for M <= DECODE_MAX_M, else the cuBLAS path)
-                 and two alternatives timed in the same run: "decode" (the decode kernel for every M it can take,
-                 DECODE_MAX_M = 16; at K = 4096 that is M <= 4) and "fp16 G" (the cuBLAS path with fp16 GEMM
-                 outputs, FP16_SCRATCH). Each is checked against a float64 reference (first and last rows) before
+                 FusedFFN on [N, K] weights as routed ("nk"; ffn_weights="nk") and on [K, N] weights as routed
+                 ("kn"; what ffn_weights="auto", the default, gives this dynamic-shape fp16 model), and
+                 alternatives timed in the same run: "decode" (the [N, K] decode kernel for every M it can take,
+                 DECODE_MAX_M = 16; at K = 4096 that is M <= 4), "cuBLAS", "fp16 G" (the [N, K] cuBLAS path
+                 with fp16 GEMM outputs, FP16_SCRATCH), "kn fp16 G", "kn tc16". Each is checked against a float64 reference (first and last rows) before
                  it is timed; "py/run" counts compute calls that reached Python per timed run (0: all native).
 
     python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep | --sweep-only] [--ms 1,8,64]
@@ -130,24 +132,24 @@ SWEEP_MS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
-    """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN as routed by default ('auto'), forced onto
-    the decode kernel where it fits ('decode'), on the cuBLAS path where auto takes the tensor-core kernel
+    """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN on [N, K] weights as routed ('nk'), forced
+    onto the decode kernel where it fits ('decode'), on the cuBLAS path where nk takes the tensor-core kernel
     ('cuBLAS'), with fp16 GEMM outputs on the cuBLAS path ('fp16 G'), and FusedFFN on [K, N] weights ('kn',
     attribute weights_kn = 1: its K-major decode kernel, cuBLAS NN GEMMs; 'kn fp16 G' with fp16 GEMM outputs).
     ``names``: the variants to time."""
     from onnx_lowbit.custom_ops import fusedffn_cuda as fc
     from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
-    variants = {"auto": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
+    variants = {"nk": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
                 "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp16 G": dict(FP16_SCRATCH=True),
                 "kn tc16": dict(KN_TC_MAX_M=16)}
     names = [v for v in (names or variants) if v in variants and (not v.startswith("kn") or fused_kn is not None)]
-    if "auto" not in names:
-        names.insert(0, "auto")
+    if "nk" not in names:
+        names.insert(0, "nk")
     rows = []
     for graph in (False,) if DEVICE == "cpu" else (False, True):
         print(f"\n#### Prefill sweep, SwiGLU fp16 K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
               "(median wall us per run; ratios = unfused / ours)\n")
-        cols = names + [f"ratio {v}" for v in names if v in ("auto", "kn")]
+        cols = names + [f"ratio {v}" for v in names if v in ("nk", "kn")]
         print("| M | unfused | " + " | ".join(cols) + " | best ours | " +
               " | ".join(f"err {v}" for v in names) + " | py/run |")
         print("| ---: | ---: | " + " | ".join("---:" for _ in cols) + " | --- | " + " | ".join("---:" for _ in names) +
@@ -185,17 +187,17 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
             e = lambda v: "-" if v is None else f"{v:.1e}" + (" FAIL" if v > 1e-3 else "")  # noqa: E731
             ours = {k: r[k] for k in names if k in r}
             best = min(ours, key=ours.get)
-            ratios = [f"{r['unfused'] / r[v]:.2f}" if v in r else "-" for v in names if v in ("auto", "kn")]
+            ratios = [f"{r['unfused'] / r[v]:.2f}" if v in r else "-" for v in names if v in ("nk", "kn")]
             print(f"| {m} | {f(r['unfused'])} | " + " | ".join(f(r.get(v)) for v in names) + " | " +
                   " | ".join(ratios) + f" | {best} | " + " | ".join(e(r.get(f"err {v}")) for v in names) +
-                  f" | {r['py auto']:.2f} |", flush=True)
+                  f" | {r['py nk']:.2f} |", flush=True)
             rows.append(r)
-        ok = [r for r in rows if r["cuda_graph"] == graph and "auto" in r]
-        for v in ("auto", "kn"):
+        ok = [r for r in rows if r["cuda_graph"] == graph and "nk" in r]
+        for v in ("nk", "kn"):
             slower = [r["M"] for r in ok if v in r and r[v] > r["unfused"]]
             if v in names:
                 print(f"\nours {v} slower than unfused at M = {slower or 'none'}")
-        dec = [(r["M"], r["decode"], r["auto"]) for r in ok if "decode" in r]
+        dec = [(r["M"], r["decode"], r["nk"]) for r in ok if "decode" in r]
         if dec:
             print("decode kernel vs routed path: " + ", ".join(f"M={m} {d:.1f} vs {g:.1f} us" for m, d, g in dec))
     return rows
@@ -209,8 +211,8 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="only the prefill sweep (FusedFFN vs unfused)")
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
-    ap.add_argument("--sweep-variants", default="auto,decode,cuBLAS,fp16 G,kn,kn fp16 G",
-                    help="comma-separated FusedFFN variants the sweep times (auto, decode, cuBLAS, fp16 G, kn, "
+    ap.add_argument("--sweep-variants", default="nk,decode,cuBLAS,fp16 G,kn,kn fp16 G",
+                    help="comma-separated FusedFFN variants the sweep times (nk, decode, cuBLAS, fp16 G, kn, "
                          "kn fp16 G, kn tc16: the K-major tensor-core kernel up to M = 16)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
@@ -244,6 +246,7 @@ def main():
         others.insert(4, ("gate+up", f"ours MatMulAWQ x2 {OLD_TC}", pair, "weights4", dict(weights="awq")))
         others.append(("SwiGLU", f"ours FusedFFNAWQ {OLD_TC}", sw, "weights4,ffn", dict(weights="awq")))
     others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
+    others.insert(6, ("SwiGLU", "ours FusedFFN (fp16, [N, K])", sw, "ffn", dict(ffn_weights="nk")))
     from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f4
     from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
     if not a.sweep_only and DEVICE == "cuda" and K % 1024 == 0 and any(c == K // 1024 for _, c in f4.WARPCOLS):
@@ -300,7 +303,8 @@ def main():
               f"{r['p90_us']:.1f} | {b / r['median_us']:.2f}x | {r['rel_err_vs_fp16']:.1e} |" if b else "")
     sweep = []
     if not a.skip_sweep:
-        fused = next((c[2] for c in cases if c[1] == "ours FusedFFN (fp16)"), None)
+        fused = next((c[2] for c in cases if c[1] == "ours FusedFFN (fp16, [N, K])"), None) or \
+            rewrite(sw, ["ffn"], ffn_weights="nk")[0]
         ms = tuple(int(v) for v in a.ms.split(",")) if a.ms else SWEEP_MS
         fused_kn = rewrite(sw, ["ffn"], ffn_weights="kn")[0] if "kn" in a.sweep_variants else None
         sweep = prefill_sweep(sw, fused, Reference(w1, w3), max(50, a.runs // 3), ms, fused_kn,

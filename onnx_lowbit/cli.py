@@ -356,9 +356,10 @@ def _merge_arguments(p) -> None:
     g = p.add_argument_group("fused SwiGLU FFN (the ffn pass)")
     g.add_argument("--ffn-weights", choices=["nk", "kn", "auto"],
                    help="layout of FusedFFN's float weights: nk = [N, K], transposed at rewrite time (fastest for "
-                        "decode and up to 16 rows on CUDA); kn = [K, N], the MatMul weights as they are (FusedFFN "
-                        "weights_kn=1; fastest for long prompts / batches); auto (default) = kn for fp16 inputs "
-                        "with at least 24 static rows, else nk")
+                        "decode and up to 16 rows on CUDA, and on the CPU); kn = [K, N], the MatMul weights as they are "
+                        "(FusedFFN weights_kn=1; fastest from 17 rows, never slower than the unfused graph on CUDA); "
+                        "auto (default) = for fp16 models nk below 17 static rows, else kn (dynamic shapes "
+                        "included); nk for fp32 / mixed")
     g = p.add_argument_group("sibling products (the merge pass)")
     g.add_argument("--merge-siblings", action="store_true", default=None,
                    help="merge products of one input with constant weights (e.g. q/k/v) into one and a Split "

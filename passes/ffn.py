@@ -32,8 +32,10 @@ then quantises only the down projection). ffn before or after fplut gives the sa
 
 Options: ``ffn_weights`` "nk", "kn" or "auto" (default DEFAULT_WEIGHTS): the layout of the float FusedFFN's W1, W3
 ([N, K], or [K, N] with weights_kn=1: onnxruntime's CUDA prefill GEMMs on [K, N] are the same kernels as the
-unfused graph's); "auto" takes kn for fp16 X and weights with at least AUTO_KN_MIN_M static rows of X (prefill
-or batch models of fixed shape), nk otherwise (decode, dynamic shapes). Bad values raise ValueError naming the
+unfused graph's); "auto" takes, for fp16 X and weights, nk when X has at most AUTO_KN_MIN_M - 1 static rows
+(decode models of fixed shape: nk's decode kernels are the fastest) and kn otherwise (prefill or batch models of
+fixed shape, and dynamic shapes: the one layout never slower than the unfused graph at any M on the H100), and nk
+for fp32 / mixed models (kn there is unmeasured against the unfused graph). Bad values raise ValueError naming the
 option. Select the pass with ``passes=[...]`` /
 ``--passes``.
 """
@@ -60,10 +62,12 @@ _FOUR_BIT = {"MatMulNF4": ("nf4", ("quant_type", "block_size", "K", "N"), 2),
 _ORT_FOUR_BIT = {"MatMulBnb4", "MatMulNBits"}
 DEFAULT_WEIGHTS = "auto"  # option ffn_weights: layout of the float FusedFFN's W1, W3
 LAYOUTS = ("nk", "kn", "auto")
-# "auto": kn where X and the weights are fp16 and X's rows M (the product of its leading dims) are static and at least
-# this many, else nk. H100 (docs/ffn.md, 2026-11-27): kn is faster from M = 24 (kernel 71.0 against 75.7 us at
-# M = 24, sessions 1.01-1.04x the unfused graph at M = 24..256 against 0.93-0.99x), nk up to M = 16 and for decode.
-AUTO_KN_MIN_M = 24
+# "auto" with fp16 X and weights: nk where X's rows M (the product of its leading dims) are static and fewer than
+# this, else kn (dynamic M included). H100 sessions with CUDA graphs (docs/ffn.md, BENCHMARKS.md 2026-11-27,
+# session 30): nk is 1.05-1.15x the unfused graph at M = 1..16 and 0.92-1.00x from M = 17; kn is 0.98-1.03x from
+# M = 9 (never below 0.98, within the runs' noise) and 1.06-1.10x at M = 1..8 (kernel alone at M = 17..32: kn
+# 69.2-71.2 us, nk 75.5-76.8, torch 69.0-71.5).
+AUTO_KN_MIN_M = 17
 
 
 def weights_layout(options: dict) -> str:
@@ -73,8 +77,8 @@ def weights_layout(options: dict) -> str:
     v = DEFAULT_WEIGHTS if v is None else v
     if not isinstance(v, str) or v not in LAYOUTS:
         raise ValueError(f"ffn_weights must be 'nk' (FusedFFN weights [N, K], transposed at rewrite time), 'kn' "
-                         f"([K, N], the MatMul weights as they are) or 'auto' (kn for static fp16 inputs of at least "
-                         f"{AUTO_KN_MIN_M} rows, else nk), got {v!r}")
+                         f"([K, N], the MatMul weights as they are) or 'auto' (fp16 models: nk for fewer than "
+                         f"{AUTO_KN_MIN_M} static rows of X, else kn; fp32 / mixed: nk), got {v!r}")
     return v
 
 
@@ -97,7 +101,8 @@ def auto_layout(x: gs.Variable, x_fp16: bool, w_fp16: bool) -> tuple[str, str]:
     if not (x_fp16 and w_fp16):
         return "nk", "auto: nk (kn is chosen for fp16 X and weights only)"
     if m is None:
-        return "nk", "auto: nk (rows of X not static)"
+        return "kn", ("auto: kn (rows of X not static: [K, N] is never slower than the unfused graph at any M; "
+                      "ffn_weights='nk' is faster for decode-only use)")
     if m >= AUTO_KN_MIN_M:
         return "kn", f"auto: kn (M = {m} static rows >= {AUTO_KN_MIN_M})"
     return "nk", f"auto: nk (M = {m} static rows < {AUTO_KN_MIN_M})"

@@ -175,7 +175,7 @@ def test_cuda_bad_inputs_name_the_input():
         fc.run_arrays(x.astype(np.float64), w1, w3)
 
 
-# W1, W3 [K, N] (attribute weights_kn = 1): the K-major tensor-core kernel (fusedffn_kn_tc_cuda) at M = 2..8 with
+# W1, W3 [K, N] (attribute weights_kn = 1): the K-major tensor-core kernel (fusedffn_kn_tc_cuda) at M = 2..16 with
 # fp16 X and W, the K-major split-K decode kernel (fusedffn_kn_cuda) at other M <= 2, the tiled kernel otherwise
 # under the simulator (cuBLAS on a GPU). N = 24 / 40 fp16 with the simulator's 64-thread block (32-column tiles x
 # 2 K warps): several tiles and a partial last one; K = 37 / 300: partial steps and several splits.
