@@ -15,7 +15,9 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
                  ("kn"; what ffn_weights="auto", the default, gives this dynamic-shape fp16 model), and
                  alternatives timed in the same run: "decode" (the [N, K] decode kernel for every M it can take,
                  DECODE_MAX_M = 16; at K = 4096 that is M <= 4), "cuBLAS", "fp16 G" (the [N, K] cuBLAS path
-                 with fp16 GEMM outputs, FP16_SCRATCH), "kn fp16 G", "kn tc16". Each is checked against a float64 reference (first and last rows) before
+                 with fp16 GEMM outputs, FP16_SCRATCH), "kn fp16 G", "kn tc16", and with --dtype float32 "tf32" /
+                 "kn tf32" (prefill GEMMs in TF32, TF32). Each is checked against a float64 reference (first and
+                 last rows) before
                  it is timed; "py/run" counts compute calls that reached Python per timed run (0: all native).
 
     python3 benchmarks/session_gpu.py [--runs 300] [--json out.json] [--skip-sweep | --sweep-only] [--ms 1,8,64]
@@ -39,31 +41,31 @@ K, N = 4096, 11008
 
 def _weights(seed):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((K, N)) * 0.02).astype(np.float16)
+    return (rng.standard_normal((K, N)) * 0.02).astype(DTYPE)
 
 
 def pair_model(w1, w3, m="M"):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
     g = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w1"], ["g"], name="gate_proj"),
          helper.make_node("MatMul", ["x", "w3"], ["u"], name="up_proj")], "pair",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, K])],
-        [helper.make_tensor_value_info("g", TensorProto.FLOAT16, [m, N]),
-         helper.make_tensor_value_info("u", TensorProto.FLOAT16, [m, N])],
+        [helper.make_tensor_value_info("x", _elem(), [m, K])],
+        [helper.make_tensor_value_info("g", _elem(), [m, N]),
+         helper.make_tensor_value_info("u", _elem(), [m, N])],
         [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w3, "w3")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
 
 def swiglu_model(w1, w3, m="M"):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
     g = helper.make_graph(
         [helper.make_node("MatMul", ["x", "w1"], ["g"], name="gate_proj"),
          helper.make_node("MatMul", ["x", "w3"], ["u"], name="up_proj"),
          helper.make_node("Sigmoid", ["g"], ["sg"], name="act_sigmoid"),
          helper.make_node("Mul", ["g", "sg"], ["a"], name="act_mul"),
          helper.make_node("Mul", ["a", "u"], ["s"], name="gate_mul")], "swiglu",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [m, K])],
-        [helper.make_tensor_value_info("s", TensorProto.FLOAT16, [m, N])],
+        [helper.make_tensor_value_info("x", _elem(), [m, K])],
+        [helper.make_tensor_value_info("s", _elem(), [m, N])],
         [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w3, "w3")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
 
@@ -76,6 +78,12 @@ def rewrite(model, passes, **opts):
 
 
 DEVICE = "cuda"
+DTYPE = np.float16              # of x, the weights and the outputs (--dtype)
+
+
+def _elem():
+    from onnx import TensorProto
+    return TensorProto.FLOAT16 if DTYPE == np.float16 else TensorProto.FLOAT
 BLOCK_KERNEL = "(block kernel, WARPCOLS off)"   # a row that times FusedFFNNF4 without the warp-column kernel
 OLD_TC = "(older tensor-core kernel, M > 8)"   # MatMulAWQ / FusedFFNAWQ with matmulawq1_cuda.SESSION_MAX_M = 8
 
@@ -92,13 +100,13 @@ def time_model(model, m, runs, cuda_graph, check_replay=False):
         prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
     from onnx_lowbit.custom_ops import bridge
     sess = onnx_lowbit.InferenceSession(model, providers=prov)
-    x = (np.random.default_rng(7 + m).standard_normal((m, K)) * 0.5).astype(np.float16)
+    x = (np.random.default_rng(7 + m).standard_normal((m, K)) * 0.5).astype(DTYPE)
     xv = ort.OrtValue.ortvalue_from_numpy(x, DEVICE, 0)
     io = sess.io_binding()
     io.bind_ortvalue_input("x", xv)
     outs = []
     for o in sess.get_outputs():
-        ov = ort.OrtValue.ortvalue_from_shape_and_type([m, N], np.float16, DEVICE, 0)
+        ov = ort.OrtValue.ortvalue_from_shape_and_type([m, N], DTYPE, DEVICE, 0)
         io.bind_ortvalue_output(o.name, ov)
         outs.append(ov)
     sess.run_with_iobinding(io)                  # the result checked is the first run's (recorded in Python)
@@ -141,13 +149,13 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
     from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
     variants = {"nk": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
                 "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp16 G": dict(FP16_SCRATCH=True),
-                "kn tc16": dict(KN_TC_MAX_M=16)}
+                "kn tc16": dict(KN_TC_MAX_M=16), "tf32": dict(TF32=True), "kn tf32": dict(TF32=True)}
     names = [v for v in (names or variants) if v in variants and (not v.startswith("kn") or fused_kn is not None)]
     if "nk" not in names:
         names.insert(0, "nk")
     rows = []
     for graph in (False,) if DEVICE == "cpu" else (False, True):
-        print(f"\n#### Prefill sweep, SwiGLU fp16 K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
+        print(f"\n#### Prefill sweep, SwiGLU {np.dtype(DTYPE).name} K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
               "(median wall us per run; ratios = unfused / ours)\n")
         cols = names + [f"ratio {v}" for v in names if v in ("nk", "kn")]
         print("| M | unfused | " + " | ".join(cols) + " | best ours | " +
@@ -166,6 +174,8 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
                     if name == "fp16 G" and m <= fc.DECODE_MAX_M or name == "kn fp16 G" and m <= knm.MAX_M:
                         continue
                     if name == "kn tc16" and not fc.KN_TC_MAX_M < m <= 16:
+                        continue
+                    if name.endswith("tf32") and (DTYPE != np.float32 or m <= 16):
                         continue
                     if name == "cuBLAS" and not (fc.DECODE_MAX_M < m and fc.TC_MIN_M <= m <= fc.TC_MAX_M):
                         continue
@@ -204,7 +214,7 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
 
 
 def main():
-    global K, N, DEVICE
+    global K, N, DEVICE, DTYPE
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--json")
@@ -214,6 +224,9 @@ def main():
     ap.add_argument("--sweep-variants", default="nk,decode,cuBLAS,fp16 G,kn,kn fp16 G",
                     help="comma-separated FusedFFN variants the sweep times (nk, decode, cuBLAS, fp16 G, kn, "
                          "kn fp16 G, kn tc16: the K-major tensor-core kernel up to M = 16)")
+    ap.add_argument("--dtype", default="float16", choices=["float16", "float32"],
+                    help="x, weights and outputs (float32: the sweep's tf32 / kn tf32 variants run the prefill GEMMs "
+                         "in TF32, as onnxruntime's MatMul does by default)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
     ap.add_argument("--shape", default=f"{K}x{N}", help="K x N of the weights (default LLaMA-7B's gate/up)")
@@ -222,6 +235,7 @@ def main():
     a = ap.parse_args()
     import onnxruntime as ort
     K, N = (int(v) for v in a.shape.lower().split("x"))
+    DTYPE = np.dtype(a.dtype).type
     if a.smoke:
         K, N, DEVICE = 256, 512, "cpu"
     else:

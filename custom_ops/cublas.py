@@ -30,6 +30,7 @@ from . import plans
 
 R_32F, R_16F = 0, 2              # cudaDataType_t
 COMPUTE_32F = 68                 # cublasComputeType_t: fp32 accumulation, no TF32
+COMPUTE_32F_FAST_TF32 = 77       # fp32 accumulation, fp32 inputs rounded to TF32 on the tensor cores
 OP_N, OP_T = 0, 1
 GEMM_DEFAULT = -1
 WORKSPACE = 32 << 20             # bytes per handle (cuBLAS's recommendation for Hopper)
@@ -133,19 +134,21 @@ class Handle:
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self._gemm_addr = ctypes.cast(self.lib.cublasGemmEx, ctypes.c_void_p).value
 
-    def gemm_rows(self, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F, w_kn=False):
+    def gemm_rows(self, x, x_type, w, w_type, c, m, n, k, ldc, c_type=R_32F, w_kn=False, compute=COMPUTE_32F):
         """C[m, n] (row-major, c_type, row stride ldc) = X[m, k] (row-major) . W[n, k]^T (row-major), all device
         pointers, on this handle's stream; fp32 accumulation. Column-major view: C^T[n, m] = op_T(W as k x n) .
         (X^T as k x m). ``w_kn``: W is [k, n] row-major instead (C = X . W, op N on W as n x k, onnxruntime's
-        MatMul layout). Recorded into the active native plan, if any."""
+        MatMul layout). ``compute``: COMPUTE_32F, or COMPUTE_32F_FAST_TF32 for fp32 inputs on the tensor cores (what
+        onnxruntime's CUDA MatMul does by default, provider option use_tf32). Recorded into the active native plan,
+        if any."""
         op, lda = (OP_N, n) if w_kn else (OP_T, k)
         check(self.lib.cublasGemmEx(self.h, op, OP_N, n, m, k, ctypes.byref(self._one), ctypes.c_void_p(w), w_type,
                                     lda, ctypes.c_void_p(x), x_type, k, ctypes.byref(self._zero), ctypes.c_void_p(c),
-                                    c_type, ldc, COMPUTE_32F, GEMM_DEFAULT), "cublasGemmEx")
+                                    c_type, ldc, compute, GEMM_DEFAULT), "cublasGemmEx")
         rec = plans.active()
         if rec is not None:
             rec.gemm(self._gemm_addr, [self.h.value, op, OP_N, n, m, k, _f32(1.0), w, w_type, lda, x, x_type, k,
-                                       _f32(0.0), c, c_type, ldc, COMPUTE_32F, GEMM_DEFAULT], GEMM_POINTER_SLOTS)
+                                       _f32(0.0), c, c_type, ldc, compute, GEMM_DEFAULT], GEMM_POINTER_SLOTS)
 
 
 _handles = {}

@@ -87,6 +87,9 @@ KN_FP16_SCRATCH = True          # the same for [K, N] weights (weights_kn = 1, c
                                 # the unfused graph's own (fp16 outputs), with SiLU * mul in fp32 (one rounding
                                 # instead of the unfused graph's three); H100 sessions, M = 24..256: 1.00-1.04x the
                                 # unfused graph, max rel. error 4.7e-4 .. 7.4e-4 (fp32 outputs: 0.96-1.00x), docs/ffn.md
+TF32 = False                    # prefill GEMMs with fp32 inputs (fp32 X and W; fp16 X widened for fp32 W) on the
+                                # tensor cores in TF32 (cuBLAS COMPUTE_32F_FAST_TF32), as onnxruntime's CUDA MatMul
+                                # runs them by default (use_tf32); read at kernel creation
 SCRATCH_MAX = 96 << 20          # prefill: bytes of scratch per chunk of rows (more rows: several chunks)
 TILE = dict(tx=16, ty=16, rm=4, rn=4, bk=16)   # fallback tiled kernel (GPU geometry)
 ACT_BLOCK = 256
@@ -704,6 +707,7 @@ class FusedFFNCudaKernel(Kernel):
         self._occ = {}
         from . import cublas
         self.blas = cublas.load() is not None     # else the tiled kernel serves every shape
+        self.compute32 = cublas.COMPUTE_32F_FAST_TF32 if TF32 else cublas.COMPUTE_32F   # fp32-input GEMMs
         self._direct = None                       # scratch of direct calls (run without a provider)
 
     def use_fp16_scratch(self, on):
@@ -855,7 +859,8 @@ class FusedFFNCudaKernel(Kernel):
                 self.conv[conv].launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
                 xr = xc
             for w, off in ((w1p, 0), (w3p, n)):
-                blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt, w_kn=self.kn)
+                blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt, w_kn=self.kn,
+                               compute=self.compute32 if xt == cublas.R_32F else cublas.COMPUTE_32F)
             cnt = r * n
             self.act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
                             (sc if conv == "split" else gp, (r,)), *bias, (yp + r0 * n * xsize, (cnt,)), r, n,
