@@ -175,7 +175,7 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
                         continue
                     if name == "kn tc16" and not fc.KN_TC_MAX_M < m <= 16:
                         continue
-                    if name.endswith("tf32") and (DTYPE != np.float32 or m <= 16):
+                    if name.endswith("tf32") and DTYPE != np.float32:
                         continue
                     if name == "cuBLAS" and not (fc.DECODE_MAX_M < m and fc.TC_MIN_M <= m <= fc.TC_MAX_M):
                         continue

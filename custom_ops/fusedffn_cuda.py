@@ -55,6 +55,8 @@ older than 1.18 (no scratch API) the prefill shapes run the tiled kernel instead
 """
 from __future__ import annotations
 
+import os as _os
+
 import numpy as np
 from numba import config, cuda, float32, uint32, uint64
 
@@ -87,9 +89,13 @@ KN_FP16_SCRATCH = True          # the same for [K, N] weights (weights_kn = 1, c
                                 # the unfused graph's own (fp16 outputs), with SiLU * mul in fp32 (one rounding
                                 # instead of the unfused graph's three); H100 sessions, M = 24..256: 1.00-1.04x the
                                 # unfused graph, max rel. error 4.7e-4 .. 7.4e-4 (fp32 outputs: 0.96-1.00x), docs/ffn.md
-TF32 = False                    # prefill GEMMs with fp32 inputs (fp32 X and W; fp16 X widened for fp32 W) on the
+TF32 = _os.environ.get("ONNX_LOWBIT_TF32", "1") != "0"
+                                # prefill GEMMs with fp32 inputs (fp32 X and W; fp16 X widened for fp32 W) on the
                                 # tensor cores in TF32 (cuBLAS COMPUTE_32F_FAST_TF32), as onnxruntime's CUDA MatMul
-                                # runs them by default (use_tf32); read at kernel creation
+                                # runs the unfused graph's by default (provider option use_tf32 = 1). H100 sessions,
+                                # fp32 4096 x 11008: strict fp32 GEMMs made FusedFFN 0.24-0.79x the unfused graph at
+                                # M = 3..256, TF32 0.98-1.14x (max rel. error 4.7e-4). ONNX_LOWBIT_TF32=0 (for
+                                # sessions with use_tf32 = 0): strict fp32. Read at kernel creation.
 SCRATCH_MAX = 96 << 20          # prefill: bytes of scratch per chunk of rows (more rows: several chunks)
 TILE = dict(tx=16, ty=16, rm=4, rn=4, bk=16)   # fallback tiled kernel (GPU geometry)
 ACT_BLOCK = 256

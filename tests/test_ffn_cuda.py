@@ -45,7 +45,9 @@ def data(lead, k, n, xd, wd, b1=False, b3=False, seed=0):
     return x, w1, w3, bias(b1), bias(b3)
 
 
-def check(y, x, w1, w3, b1=None, b3=None, g16=False):
+def check(y, x, w1, w3, b1=None, b3=None, g16=False, tf32=False):
+    """y against the float64 reference within a rounding-error bound; ``g16``: fp16 GEMM outputs; ``tf32``: the
+    GEMMs may have run in TF32 (X and W rounded to 10-bit mantissas, fusedffn_cuda.TF32)."""
     n, k = w1.shape
     assert y.dtype == x.dtype and y.shape == x.shape[:-1] + (n,)
     if y.size == 0:
@@ -56,7 +58,7 @@ def check(y, x, w1, w3, b1=None, b3=None, g16=False):
     u = x.astype(np.float64).reshape(-1, k) @ w3.astype(np.float64).T + (0 if b3 is None else b3.astype(np.float64))
     sg = x64 @ np.abs(w1.astype(np.float64)).T + (0 if b1 is None else np.abs(b1.astype(np.float64)))
     su = x64 @ np.abs(w3.astype(np.float64)).T + (0 if b3 is None else np.abs(b3.astype(np.float64)))
-    gamma = (k + 8) * 2.0 ** -23
+    gamma = (k + 8) * 2.0 ** -23 + (2.0 ** -9 if tf32 else 0.0)
     r = ref.reshape(-1, n)
     if g16:     # the cuBLAS path with FP16_SCRATCH rounds x.w1, x.w3 to fp16 (as the unfused graph)
         sg = sg + 2.0 ** -11 / gamma * np.abs(g - (0 if b1 is None else b1.astype(np.float64)))
@@ -67,6 +69,13 @@ def check(y, x, w1, w3, b1=None, b3=None, g16=False):
     assert np.all(err <= tol), f"max excess {np.max(err - tol):.3e} (max err {err.max():.3e})"
     if x.dtype == F16 or w1.dtype == F16:
         assert err.max() / np.abs(r).max() <= 1e-3
+
+
+def tf32_gemm(path, wd):
+    """Whether a call with this forced path (None: routed) may run fp32-input cuBLAS GEMMs in TF32: fp32 weights
+    (fp32 X, or fp16 X widened) on the real GPU with fusedffn_cuda.TF32 on (the simulator has no cuBLAS)."""
+    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    return not SIM and fc.TF32 and wd == F32 and path in (None, "gemm")
 
 
 # (lead dims, K, N, X type, W type, B1, B3, path): every type variant, bias combination and decode bucket at least
@@ -372,7 +381,7 @@ def test_gpu_decode_large(lead, K, N, xd, wd, hb1, hb3):  # noqa: N803
     from onnx_lowbit.custom_ops import cublas
     x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, hb1, hb3, seed=5)
     for path in (None, "tiled") + (("gemm",) if cublas.load() is not None else ()):
-        check(fc.run_arrays(x, w1, w3, b1, b3, path=path), x, w1, w3, b1, b3)
+        check(fc.run_arrays(x, w1, w3, b1, b3, path=path), x, w1, w3, b1, b3, tf32=tf32_gemm(path, wd))
 
 
 @pytest.mark.skipif(SIM, reason="real GPU only")
@@ -399,16 +408,26 @@ def test_gpu_unaligned_weights_leave_the_decode_kernel():
 @pytest.mark.skipif(SIM, reason="cuBLAS prefill path: real GPU only")
 @pytest.mark.parametrize("m", [17, 64, 700])
 @pytest.mark.parametrize("xd,wd", [(F16, F16), (F32, F32), (F32, F16), (F16, F32)])
-def test_gpu_prefill(m, xd, wd):
+def test_gpu_prefill(m, xd, wd, monkeypatch):
+    """The cuBLAS path for every type pair; fp32-input GEMMs (fp32 W) in TF32 by default and strict fp32 with
+    TF32 off (ONNX_LOWBIT_TF32=0), each within its own error bound."""
     fc = _cuda()
     from onnx_lowbit.custom_ops import cublas
     if cublas.load() is None:
         pytest.skip("no cuBLAS library found")
     x, w1, w3, b1, b3 = data((m,), 520, 200, xd, wd, True, m != 64, seed=m)
-    check(fc.run_arrays(x, w1, w3, b1, b3, path="gemm"), x, w1, w3, b1, b3)
-    check(fc.run_arrays(x, w1, w3, b1, b3), x, w1, w3, b1, b3)
+    tf32 = tf32_gemm("gemm", wd)
+    check(fc.run_arrays(x, w1, w3, b1, b3, path="gemm"), x, w1, w3, b1, b3, tf32=tf32)
+    check(fc.run_arrays(x, w1, w3, b1, b3), x, w1, w3, b1, b3, tf32=tf32)
     g16 = xd == F16 and wd == F16
-    check(fc.run_arrays(x, w1, w3, b1, b3, path="gemm", fp16_scratch=True), x, w1, w3, b1, b3, g16)
+    check(fc.run_arrays(x, w1, w3, b1, b3, path="gemm", fp16_scratch=True), x, w1, w3, b1, b3, g16, tf32=tf32)
+    monkeypatch.setattr(fc, "TF32", False)
+    check(fc.run_arrays(x, w1, w3, b1, b3, path="gemm"), x, w1, w3, b1, b3)
+    if tf32 and xd == F32:  # the default really is TF32: strict fp32 is far more accurate (fp32 outputs)
+        ref = ffn.swiglu_ref(x, w1, w3, b1, b3)
+        e_strict = np.abs(fc.run_arrays(x, w1, w3, b1, b3, path="gemm") - ref).max()
+        monkeypatch.setattr(fc, "TF32", True)
+        assert np.abs(fc.run_arrays(x, w1, w3, b1, b3, path="gemm") - ref).max() > 4 * e_strict
 
 
 @pytest.mark.skipif(SIM, reason="cuBLAS prefill path: real GPU only")
@@ -457,11 +476,13 @@ def test_gpu_kn(lead, K, N, xd, wd):  # noqa: N803
     w1k, w3k = np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T)
     g16 = xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH
     for path in (None, "decode", "tiled") + (("gemm",) if cublas.load() is not None else ()):
-        check(fc.run_arrays(x, w1k, w3k, b1, b3, path=path, kn=True), x, w1, w3, b1, b3, g16 and path == "gemm")
+        check(fc.run_arrays(x, w1k, w3k, b1, b3, path=path, kn=True), x, w1, w3, b1, b3, g16 and path == "gemm",
+              tf32=tf32_gemm(path, wd))
     for m in (3, 40):
         x, _, _, _, _ = data((m,), K, N, xd, wd, seed=m)
-        check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True), x, w1, w3, b1, b3, g16)
-        check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True, fp16_scratch=False), x, w1, w3, b1, b3)
+        check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True), x, w1, w3, b1, b3, g16, tf32=tf32_gemm(None, wd))
+        check(fc.run_arrays(x, w1k, w3k, b1, b3, kn=True, fp16_scratch=False), x, w1, w3, b1, b3,
+              tf32=tf32_gemm(None, wd))
 
 @pytest.mark.skipif(SIM, reason="real GPU only")
 @pytest.mark.parametrize("m", [2, 5, 8, 9, 12, 16, 17, 33])
@@ -525,7 +546,7 @@ def test_ort_cuda_session(xd, wd):
     for lead in [(1, 1), (1, 3), (2, 20), (0, 2)]:
         x, w1, w3, _, b3 = data(lead, k, n, xd, wd, False, True, seed=sum(lead))
         y = sess.run(None, {"X": x, "W1": w1, "W3": w3, "B3": b3})[0]
-        check(y, x, w1, w3, None, b3)
+        check(y, x, w1, w3, None, b3, tf32=tf32_gemm(None, wd))
 
 
 @pytest.mark.parametrize("xd,wd", [(F16, F16), (F32, F16)])
@@ -544,7 +565,8 @@ def test_ort_cuda_session_kn(xd, wd):
         y = sess.run(None, {"X": x, "W1": np.ascontiguousarray(w1.T), "W3": np.ascontiguousarray(w3.T), "B1": b1,
                             "B3": b3})[0]
         from onnx_lowbit.custom_ops import fusedffn_cuda as fc
-        check(y, x, w1, w3, b1, b3, xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH and x.size > 2 * k)
+        check(y, x, w1, w3, b1, b3, xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH and x.size > 2 * k,
+              tf32=tf32_gemm(None, wd))
 
 
 if REAL_GPU and SIM:  # pragma: no cover

@@ -230,8 +230,9 @@ def test_streamed_swiglu_equals_in_memory(tmp_path, no_full_load):
 
 
 def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load, monkeypatch):
-    """Without --weights the ffn pass makes new [N, K] weights; streaming writes them to OUT.data at once (the
-    graph keeps references), with the same values and ops as the in-memory rewrite."""
+    """Without --weights, with --ffn-weights nk, the ffn pass makes new [N, K] weights; streaming writes them to
+    OUT.data at once (the graph keeps references), with the same values and ops as the in-memory rewrite. (This
+    fp16 model has dynamic rows: the default, auto, would keep the [K, N] weights, as the next test does.)"""
     src = _swiglu_external(tmp_path, seed=8)
     out = str(tmp_path / "out.onnx")
     from onnx_lowbit.passes import external
@@ -242,7 +243,7 @@ def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load, monkeypat
             spilled.append(name)
         return real(name, array, spill)
     monkeypatch.setattr(external, "constant", recording)
-    assert cli.main(["rewrite", src, out, "--passes", "ffn"]) == 0
+    assert cli.main(["rewrite", src, out, "--passes", "ffn", "--ffn-weights", "nk"]) == 0
     lazy = onnx.load(out, load_external_data=False)
     fused = [n for n in lazy.graph.node if n.op_type == "FusedFFN"]
     assert len(fused) == 1
@@ -251,7 +252,7 @@ def test_streamed_ffn_spills_its_fused_weights(tmp_path, no_full_load, monkeypat
         assert inits[name].data_location == onnx.TensorProto.EXTERNAL, name
         assert name in spilled, (name, spilled)  # written while the pass ran, not held until the end
     got_model = onnx.load(out)
-    ref_model, _ = run_passes(onnx.load(src), passes="ffn")
+    ref_model, _ = run_passes(onnx.load(src), passes="ffn", ffn_weights="nk")
     ref = {t.name: numpy_helper.to_array(t) for t in ref_model.graph.initializer}
     got = {t.name: numpy_helper.to_array(t) for t in got_model.graph.initializer}
     assert sorted(got) == sorted(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
