@@ -6,12 +6,12 @@ B1/B3 optional [N] of X's type. M = product of X's leading dimensions (M = 0 giv
 Accumulation, bias and SiLU are fp32; one rounding to X's type at the end.
 
 * M <= 16 (decode): Numba, parallel over output features n: both weight rows are read once (fp16 weights widened
-  through a 64K-entry table), dotted with every row of X in fp32 (reassociated for SIMD), and SiLU(g) * u written.
+  without a table, _h2f_row), dotted with every row of X in fp32 (reassociated for SIMD), and SiLU(g) * u written.
 * M > 16: numpy's BLAS sgemm per chunk of weight rows (fp16 weights widened to fp32 by a parallel table lookup,
   in chunks <= CHUNK_BYTES),
   then SiLU * up in fp32.
 * [K, N] weights (weights_kn=1), never copied or transposed per call: M <= 16 parallel over blocks of columns
-  (``kn_block``), each block's weight row segments read once (fp16 through the same table), four rows of K at a
+  (``kn_block``), each block's weight row segments read once (fp16 widened the same way), four rows of K at a
   time, and accumulated into the block's columns for every row of X in fp32; M > 16 BLAS sgemm on the [K, N]
   weight in place, per chunk of columns.
 
@@ -32,12 +32,34 @@ from .kernels import Kernel
 SMALL_M = 16
 CHUNK_BYTES = 32 << 20
 F16_TO_F32 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+_P112 = np.float32(2.0 ** 112)
+_INF = np.float32(np.inf)
+_NAN = np.float32(np.nan)
+FB = 8                            # output features per parallel task of the [N, K] fp16 GEMV (one scratch each)
 _FM = {"reassoc", "contract"}  # SIMD sums; no nnan/ninf: NaN and Inf keep their IEEE meaning
 
 
 @njit(inline="always")
 def _silu_mul(g, u):
     return g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g))) * u
+
+
+@njit(inline="always")
+def _h2f_row(h, tmp, out):
+    """out[k] = the float32 value of the fp16 bit pattern h[k], exact for every pattern (zeros, subnormals, inf,
+    NaN); tmp: uint32 scratch of h's length (C-contiguous). No table: exponent and mantissa shifted into a float32's
+    place give 2**-112 times the fp16 value (subnormals too), one multiply by 2**112 finishes them, exponent 31
+    becomes inf / NaN, the sign comes last. Two passes LLVM vectorises, where a 64K-entry table takes a gather per
+    element (fp16 GEMV at 4096 x 11008, M = 1, 2 cores: 24.5 -> 20.0 ms)."""
+    tv = tmp.view(np.float32)
+    for k in range(h.shape[0]):
+        tmp[k] = (np.uint32(h[k]) & np.uint32(0x7FFF)) << np.uint32(13)
+    for k in range(h.shape[0]):
+        hk = np.uint32(h[k])
+        v = tv[k] * _P112
+        if (hk & np.uint32(0x7C00)) == np.uint32(0x7C00):
+            v = _INF if (hk & np.uint32(0x3FF)) == np.uint32(0) else _NAN
+        out[k] = -v if (hk & np.uint32(0x8000)) != np.uint32(0) else v
 
 
 @njit(parallel=True, cache=True, nogil=True, boundscheck=False, fastmath=_FM)
@@ -56,24 +78,26 @@ def gemv_f32(x, w1, w3, b1, b3, out):
 
 
 @njit(parallel=True, cache=True, nogil=True, boundscheck=False, fastmath=_FM)
-def gemv_f16(x, w1, w3, lut, b1, b3, out):
-    """As gemv_f32 with w1/w3 the uint16 bit patterns of fp16 weights, widened through ``lut``."""
+def gemv_f16(x, w1, w3, b1, b3, out):
+    """As gemv_f32 with w1/w3 the uint16 bit patterns of fp16 weights, each row widened once (_h2f_row); tasks of
+    FB features share their scratch rows."""
     m_dim, k_dim = x.shape
     n_dim = w1.shape[0]
-    for n in prange(n_dim):
+    for blk in prange((n_dim + FB - 1) // FB):
+        tmp = np.empty(k_dim, np.uint32)
         r1 = np.empty(k_dim, np.float32)
         r3 = np.empty(k_dim, np.float32)
-        for k in range(k_dim):
-            r1[k] = lut[w1[n, k]]
-            r3[k] = lut[w3[n, k]]
-        for m in range(m_dim):
-            a1 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            for k in range(k_dim):
-                xv = x[m, k]
-                a1 += xv * r1[k]
-                a3 += xv * r3[k]
-            out[m, n] = _silu_mul(a1 + b1[n], a3 + b3[n])
+        for n in range(blk * FB, min(blk * FB + FB, n_dim)):
+            _h2f_row(w1[n], tmp, r1)
+            _h2f_row(w3[n], tmp, r3)
+            for m in range(m_dim):
+                a1 = np.float32(0.0)
+                a3 = np.float32(0.0)
+                for k in range(k_dim):
+                    xv = x[m, k]
+                    a1 += xv * r1[k]
+                    a3 += xv * r3[k]
+                out[m, n] = _silu_mul(a1 + b1[n], a3 + b3[n])
 
 
 @njit(inline="always")
@@ -129,9 +153,9 @@ def gemv_kn_f32(x, w1, w3, b1, b3, bw, out):
 
 
 @njit(parallel=True, cache=True, nogil=True, boundscheck=False, fastmath=_FM)
-def gemv_kn_f16(x, w1, w3, lut, b1, b3, bw, out):
-    """As gemv_kn_f32 with w1/w3 the uint16 bit patterns of fp16 weights [K, N], widened through ``lut`` (four
-    rows of the block at a time)."""
+def gemv_kn_f16(x, w1, w3, b1, b3, bw, out):
+    """As gemv_kn_f32 with w1/w3 the uint16 bit patterns of fp16 weights [K, N], widened four rows of the block at
+    a time (_h2f_row)."""
     m_dim, k_dim = x.shape
     n_dim = w1.shape[1]
     k4 = k_dim - k_dim % 4
@@ -142,12 +166,12 @@ def gemv_kn_f16(x, w1, w3, lut, b1, b3, bw, out):
         a3 = np.zeros((m_dim, n1 - n0), np.float32)
         r1 = np.empty((4, n1 - n0), np.float32)
         r3 = np.empty((4, n1 - n0), np.float32)
+        tmp = np.empty(n1 - n0, np.uint32)
         for k in range(0, k_dim, 4):
             rows = 4 if k < k4 else k_dim - k
             for i in range(rows):
-                for j in range(n1 - n0):
-                    r1[i, j] = lut[w1[k + i, n0 + j]]
-                    r3[i, j] = lut[w3[k + i, n0 + j]]
+                _h2f_row(w1[k + i, n0:n1], tmp, r1[i])
+                _h2f_row(w3[k + i, n0:n1], tmp, r3[i])
             if rows == 4:
                 _kn_rows4(x, k, r1[0], r1[1], r1[2], r1[3], r3[0], r3[1], r3[2], r3[3], a1, a3)
             else:
@@ -158,7 +182,8 @@ def gemv_kn_f16(x, w1, w3, lut, b1, b3, bw, out):
 
 @njit(parallel=True, cache=True, nogil=True, boundscheck=False)
 def widen_f16(bits, lut, out):
-    """out[r, k] = float32 value of the fp16 bit pattern bits[r, k] (a parallel table lookup)."""
+    """out[r, k] = float32 value of the fp16 bit pattern bits[r, k] (a parallel lookup in ``lut``, F16_TO_F32: on
+    the strided column chunks of [K, N] weights it beat _h2f_row 3.9 against 6.7-11.9 ms per 4096 x 2048)."""
     for r in prange(bits.shape[0]):
         for k in range(bits.shape[1]):
             out[r, k] = lut[bits[r, k]]
@@ -221,7 +246,7 @@ def _compute(x2, w1, w3, b1, b3, out2, kn=False):
             gemv_f32(xf, np.ascontiguousarray(w1), np.ascontiguousarray(w3), b1f, b3f, res)
         else:
             gemv_f16(xf, np.ascontiguousarray(w1).view(np.uint16), np.ascontiguousarray(w3).view(np.uint16),
-                     F16_TO_F32, b1f, b3f, res)
+                     b1f, b3f, res)
         if res is not out2:
             with np.errstate(over="ignore"):
                 out2[...] = res
@@ -265,7 +290,7 @@ def _compute_kn(xf, w1, w3, b1f, b3f, out2):
     if m <= SMALL_M:
         res = out2 if out2.dtype == np.float32 and out2.flags.c_contiguous else np.empty((m, n), np.float32)
         if f16:
-            gemv_kn_f16(xf, w1, w3, F16_TO_F32, b1f, b3f, kn_block(n), res)
+            gemv_kn_f16(xf, w1, w3, b1f, b3f, kn_block(n), res)
         else:
             gemv_kn_f32(xf, w1, w3, b1f, b3f, kn_block(n), res)
         if res is not out2:

@@ -295,3 +295,25 @@ def test_kn_bad_attribute_and_shapes_name_the_problem():
         sess.run(None, {"X": x[:, :8], "W1": w1, "W3": w3})
     with pytest.raises(Exception, match=r"same shape \[K, N\]"):
         sess.run(None, {"X": x, "W1": w1, "W3": w3[:, :4]})
+
+
+def test_fp16_widening_is_exact_for_every_pattern():
+    """The CPU GEMVs' fp16 -> fp32 widening without a table (fusedffn_cpu._h2f_row) gives numpy's value for all
+    65536 bit patterns (zeros of both signs, subnormals, normals, +-inf; NaN for every NaN pattern), and so does the
+    table the prefill path widens with."""
+    from numba import njit
+
+    from onnx_lowbit.custom_ops import fusedffn_cpu as fcpu
+
+    @njit
+    def widen(h):
+        out = np.empty(h.shape[0], np.float32)
+        fcpu._h2f_row(h, np.empty(h.shape[0], np.uint32), out)
+        return out
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    for got in (widen(bits), fcpu.F16_TO_F32):
+        assert np.array_equal(np.isnan(got), nan)
+        assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))   # signed zeros too
