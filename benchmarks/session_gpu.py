@@ -41,7 +41,7 @@ K, N = 4096, 11008
 
 def _weights(seed):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((K, N)) * 0.02).astype(DTYPE)
+    return (rng.standard_normal((K, N)) * 0.02).astype(np.float16 if MIXED else DTYPE)
 
 
 def pair_model(w1, w3, m="M"):
@@ -57,10 +57,15 @@ def pair_model(w1, w3, m="M"):
 
 
 def swiglu_model(w1, w3, m="M"):
-    from onnx import helper, numpy_helper
+    """The SwiGLU block; with --dtype mixed, fp32 x and fp16 weights read through Cast(to=float) (what the ffn pass
+    turns into FusedFFN's mixed mode; onnxruntime folds the Casts into fp32 initializers)."""
+    from onnx import TensorProto, helper, numpy_helper
+    casts = [helper.make_node("Cast", [w], [w + "_f"], to=TensorProto.FLOAT, name=w + "_cast")
+             for w in ("w1", "w3")] if MIXED else []
+    wn = ("w1_f", "w3_f") if MIXED else ("w1", "w3")
     g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w1"], ["g"], name="gate_proj"),
-         helper.make_node("MatMul", ["x", "w3"], ["u"], name="up_proj"),
+        casts + [helper.make_node("MatMul", ["x", wn[0]], ["g"], name="gate_proj"),
+         helper.make_node("MatMul", ["x", wn[1]], ["u"], name="up_proj"),
          helper.make_node("Sigmoid", ["g"], ["sg"], name="act_sigmoid"),
          helper.make_node("Mul", ["g", "sg"], ["a"], name="act_mul"),
          helper.make_node("Mul", ["a", "u"], ["s"], name="gate_mul")], "swiglu",
@@ -79,6 +84,7 @@ def rewrite(model, passes, **opts):
 
 DEVICE = "cuda"
 DTYPE = np.float16              # of x, the weights and the outputs (--dtype)
+MIXED = False                   # --dtype mixed: DTYPE float32, weights fp16 (the SwiGLU block casts them)
 
 
 def _elem():
@@ -155,7 +161,7 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
         names.insert(0, "nk")
     rows = []
     for graph in (False,) if DEVICE == "cpu" else (False, True):
-        print(f"\n#### Prefill sweep, SwiGLU {np.dtype(DTYPE).name} K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
+        print(f"\n#### Prefill sweep, SwiGLU {'mixed' if MIXED else np.dtype(DTYPE).name} K={K} N={N}, CUDA graph: {'yes' if graph else 'no'} "
               "(median wall us per run; ratios = unfused / ours)\n")
         cols = names + [f"ratio {v}" for v in names if v in ("nk", "kn")]
         print("| M | unfused | " + " | ".join(cols) + " | best ours | " +
@@ -214,7 +220,7 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
 
 
 def main():
-    global K, N, DEVICE, DTYPE
+    global K, N, DEVICE, DTYPE, MIXED
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--json")
@@ -224,7 +230,7 @@ def main():
     ap.add_argument("--sweep-variants", default="nk,decode,cuBLAS,fp16 G,kn,kn fp16 G",
                     help="comma-separated FusedFFN variants the sweep times (nk, decode, cuBLAS, fp16 G, kn, "
                          "kn fp16 G, kn tc16: the K-major tensor-core kernel up to M = 16)")
-    ap.add_argument("--dtype", default="float16", choices=["float16", "float32"],
+    ap.add_argument("--dtype", default="float16", choices=["float16", "float32", "mixed"],
                     help="x, weights and outputs (float32: the sweep's tf32 / kn tf32 variants run the prefill GEMMs "
                          "in TF32, as onnxruntime's MatMul does by default)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
@@ -235,7 +241,8 @@ def main():
     a = ap.parse_args()
     import onnxruntime as ort
     K, N = (int(v) for v in a.shape.lower().split("x"))
-    DTYPE = np.dtype(a.dtype).type
+    MIXED = a.dtype == "mixed"
+    DTYPE = np.float32 if MIXED else np.dtype(a.dtype).type
     if a.smoke:
         K, N, DEVICE = 256, 512, "cpu"
     else:
