@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -234,6 +235,8 @@ def main():
                     help="x, weights and outputs (float32: the sweep's tf32 / kn tf32 variants run the prefill GEMMs "
                          "in TF32, as onnxruntime's MatMul does by default)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
+    ap.add_argument("--cpu", action="store_true", help="onnxruntime's CPU EP at --shape (the sweep; our CPU faces "
+                    "against onnxruntime's MLAS)")
     ap.add_argument("--block-ms", default="1", help="comma-separated M values for the gate+up / SwiGLU blocks")
     ap.add_argument("--shape", default=f"{K}x{N}", help="K x N of the weights (default LLaMA-7B's gate/up)")
     ap.add_argument("--only", metavar="S1;S2", help="only the block models whose name holds one of these strings "
@@ -245,6 +248,9 @@ def main():
     DTYPE = np.float32 if MIXED else np.dtype(a.dtype).type
     if a.smoke:
         K, N, DEVICE = 256, 512, "cpu"
+    elif a.cpu:
+        DEVICE = "cpu"
+        print("CPU:", os.cpu_count(), "cores | onnxruntime", ort.__version__)
     else:
         import torch
         print("GPU:", torch.cuda.get_device_name(0), "| onnxruntime", ort.__version__)
