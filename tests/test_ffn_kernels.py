@@ -101,17 +101,23 @@ def session(model):
 @pytest.mark.parametrize("K,N", [(64, 176), (33, 7), (256, 40)])
 def test_cpu_vs_reference(K, N, x_dtype, w_dtype):  # noqa: N803
     """All four type variants, every bias combination, decode (M <= 16) and BLAS (M > 16) paths, empty M."""
+    sessions_vs_reference(K, N, x_dtype, w_dtype, [(1, 1), (1, 3), (2, 8), (1, 17), (3, 40), (0, 4)])
+
+
+def sessions_vs_reference(K, N, x_dtype, w_dtype, leads, kn=False):  # noqa: N803
+    """For every bias combination: one CPU session of a FusedFFN node (weights [K, N] with ``kn``), run at each
+    leading shape in ``leads`` on fresh data and checked against the reference."""
     for b1, b3 in ((False, False), (True, True), (True, False), (False, True)):
-        sess = session(ffn_model(K, N, x_dtype, w_dtype, lead=("B", "T"), b1=b1, b3=b3))
-        for lead in [(1, 1), (1, 3), (2, 8), (1, 17), (3, 40), (0, 4)]:
-            x, w1, w3, bb1, bb3 = data(K, N, x_dtype, w_dtype, lead, seed=sum(lead) + K)
+        sess = session(ffn_model(K, N, x_dtype, w_dtype, lead=("B", "T"), b1=b1, b3=b3, kn=1 if kn else None))
+        for lead in leads:
+            x, w1, w3, bb1, bb3 = (kn_data if kn else data)(K, N, x_dtype, w_dtype, lead, seed=sum(lead) + K)
             feeds = {"X": x, "W1": w1, "W3": w3}
             if b1:
                 feeds["B1"] = bb1
             if b3:
                 feeds["B3"] = bb3
             s = sess.run(None, feeds)[0]
-            check(s, x, w1, w3, bb1 if b1 else None, bb3 if b3 else None)
+            check(s, x, w1, w3, bb1 if b1 else None, bb3 if b3 else None, kn=kn)
 
 
 def test_cpu_ranks_and_initializers():
@@ -226,17 +232,7 @@ def test_reference_kn_is_the_transpose():
 def test_cpu_kn_vs_reference(K, N, x_dtype, w_dtype):  # noqa: N803
     """weights_kn=1: all four type variants, every bias combination, M = 1, 3, 16 (decode kernels, K not a multiple
     of 4, N not a multiple of the column block) and 17, 40 (BLAS), empty M."""
-    for b1, b3 in ((False, False), (True, True), (True, False), (False, True)):
-        sess = session(ffn_model(K, N, x_dtype, w_dtype, lead=("B", "T"), b1=b1, b3=b3, kn=1))
-        for lead in [(1, 1), (1, 3), (2, 8), (1, 17), (2, 20), (0, 4)]:
-            x, w1, w3, bb1, bb3 = kn_data(K, N, x_dtype, w_dtype, lead, seed=sum(lead) + K)
-            feeds = {"X": x, "W1": w1, "W3": w3}
-            if b1:
-                feeds["B1"] = bb1
-            if b3:
-                feeds["B3"] = bb3
-            s = sess.run(None, feeds)[0]
-            check(s, x, w1, w3, bb1 if b1 else None, bb3 if b3 else None, kn=True)
+    sessions_vs_reference(K, N, x_dtype, w_dtype, [(1, 1), (1, 3), (2, 8), (1, 17), (2, 20), (0, 4)], kn=True)
 
 
 def test_cpu_kn_initializers_and_zero_attribute():
