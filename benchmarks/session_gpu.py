@@ -15,8 +15,10 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
                  ("kn"; what ffn_weights="auto", the default, gives this dynamic-shape fp16 model), and
                  alternatives timed in the same run: "decode" (the [N, K] decode kernel for every M it can take,
                  DECODE_MAX_M = 16; at K = 4096 that is M <= 4), "cuBLAS", "fp16 G" (the [N, K] cuBLAS path
-                 with fp16 GEMM outputs, FP16_SCRATCH), "kn fp16 G", "kn tc16", and with --dtype float32 "tf32" /
-                 "kn tf32" (prefill GEMMs in TF32, TF32). Each is checked against a float64 reference (first and
+                 with fp16 GEMM outputs, FP16_SCRATCH), "kn fp32 G" ([K, N] cuBLAS path with fp32 GEMM outputs,
+                 KN_FP16_SCRATCH off), "kn cuBLAS" ([K, N] on cuBLAS where it takes
+                 its tensor-core kernel), and with fp32 weights "strict" / "kn strict" (prefill GEMMs in strict
+                 fp32, TF32 off). Each is checked against a float64 reference (first and
                  last rows) before
                  it is timed; "py/run" counts compute calls that reached Python per timed run (0: all native).
 
@@ -150,13 +152,15 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
     """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN on [N, K] weights as routed ('nk'), forced
     onto the decode kernel where it fits ('decode'), on the cuBLAS path where nk takes the tensor-core kernel
     ('cuBLAS'), with fp16 GEMM outputs on the cuBLAS path ('fp16 G'), and FusedFFN on [K, N] weights ('kn',
-    attribute weights_kn = 1: its K-major decode kernel, cuBLAS NN GEMMs; 'kn fp16 G' with fp16 GEMM outputs).
+    attribute weights_kn = 1: its decode and tensor-core kernels, cuBLAS NN GEMMs with fp16 outputs; 'kn fp32 G'
+    with fp32 GEMM outputs, 'kn cuBLAS' on cuBLAS where it takes its tensor-core kernel); with fp32 weights, 'strict'
+    / 'kn strict': the prefill GEMMs in strict fp32 instead of TF32.
     ``names``: the variants to time."""
     from onnx_lowbit.custom_ops import fusedffn_cuda as fc
     from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
     variants = {"nk": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
-                "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp16 G": dict(FP16_SCRATCH=True),
-                "kn tc16": dict(KN_TC_MAX_M=16), "tf32": dict(TF32=True), "kn tf32": dict(TF32=True)}
+                "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp32 G": dict(KN_FP16_SCRATCH=False),
+                "kn cuBLAS": dict(KN_TC_MAX_M=0), "strict": dict(TF32=False), "kn strict": dict(TF32=False)}
     names = [v for v in (names or variants) if v in variants and (not v.startswith("kn") or fused_kn is not None)]
     if "nk" not in names:
         names.insert(0, "nk")
@@ -178,11 +182,11 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
                     opts = variants[name]
                     if name == "decode" and not (m > fc.DECODE_MAX_M and fc.decode_ok(m, K, True, max_m=16)):
                         continue
-                    if name == "fp16 G" and m <= fc.DECODE_MAX_M or name == "kn fp16 G" and m <= knm.MAX_M:
+                    if name == "fp16 G" and m <= fc.DECODE_MAX_M or name == "kn fp32 G" and m <= knm.MAX_M:
                         continue
-                    if name == "kn tc16" and not fc.KN_TC_MAX_M < m <= 16:
+                    if name == "kn cuBLAS" and not fc.KN_TC_MIN_M <= m <= fc.KN_TC_MAX_M:
                         continue
-                    if name.endswith("tf32") and DTYPE != np.float32:
+                    if name.endswith("strict") and DTYPE != np.float32:
                         continue
                     if name == "cuBLAS" and not (fc.DECODE_MAX_M < m and fc.TC_MIN_M <= m <= fc.TC_MAX_M):
                         continue
@@ -228,12 +232,12 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="only the prefill sweep (FusedFFN vs unfused)")
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
-    ap.add_argument("--sweep-variants", default="nk,decode,cuBLAS,fp16 G,kn,kn fp16 G",
+    ap.add_argument("--sweep-variants", default="nk,decode,cuBLAS,fp16 G,kn,kn fp32 G",
                     help="comma-separated FusedFFN variants the sweep times (nk, decode, cuBLAS, fp16 G, kn, "
-                         "kn fp16 G, kn tc16: the K-major tensor-core kernel up to M = 16)")
+                         "kn fp32 G, kn cuBLAS, strict, kn strict)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32", "mixed"],
-                    help="x, weights and outputs (float32: the sweep's tf32 / kn tf32 variants run the prefill GEMMs "
-                         "in TF32, as onnxruntime's MatMul does by default)")
+                    help="x, weights and outputs (float32: the sweep's strict / kn strict variants run the prefill "
+                         "GEMMs in strict fp32 instead of TF32, onnxruntime's MatMul default and ours)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (checks the script, no figures)")
     ap.add_argument("--cpu", action="store_true", help="onnxruntime's CPU EP at --shape (the sweep; our CPU faces "
                     "against onnxruntime's MLAS)")
