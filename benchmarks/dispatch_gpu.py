@@ -9,11 +9,10 @@ device buffers; median wall time per run() over many runs. Per-op overhead = (ou
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
-from timing import time_wall  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import time_wall, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
 def chain_model(op, length, table):
@@ -89,9 +88,7 @@ def main():
         print(f"| {r['nodes']} | {'yes' if r['cuda_graph'] else 'no'} | {r['case']} | {r['native_us']:.1f} "
               f"({r['native_p90']:.1f}) | {r['ours_us']:.1f} ({r['ours_p90']:.1f}) | "
               f"{r['overhead_per_op_us']:.1f} | {r['bit_exact']} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
 
 
 if __name__ == "__main__":
