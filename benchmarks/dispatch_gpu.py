@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from timing import time_wall, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import bind_io, time_wall, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
 def chain_model(op, length, table):
@@ -34,17 +34,11 @@ def chain_model(op, length, table):
 
 
 def time_session(model, runs, cuda_graph=False):
-    import onnxruntime as ort
-
     import onnx_lowbit
     prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
     sess = onnx_lowbit.InferenceSession(model, providers=prov)
     x = np.random.default_rng(0).standard_normal((1, 4096)).astype(np.float16)
-    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-    yv = ort.OrtValue.ortvalue_from_shape_and_type([1, 4096], np.float16, "cuda", 0)
-    io = sess.io_binding()
-    io.bind_ortvalue_input("x", xv)
-    io.bind_ortvalue_output("y", yv)
+    io, (yv,) = bind_io(sess, {"x": x}, x)
     med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs, warmup=200)
     return med, p90, yv.numpy()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from timing import copy_gbps, time_cuda, time_wall, write_json
+from timing import bind_io, copy_gbps, time_cuda, time_wall, write_json
 
 from onnx_lowbit import fplut, halfbits
 
@@ -113,11 +113,7 @@ def ort_overhead(table, reps=2000):
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CUDAExecutionProvider"])
         opt = onnx.load(so.optimized_model_filepath)
         memcpy = [n.op_type for n in opt.graph.node if n.op_type.startswith("Memcpy")]
-        xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-        yv = ort.OrtValue.ortvalue_from_shape_and_type([1, 4096], np.float16, "cuda", 0)
-        io = sess.io_binding()
-        io.bind_ortvalue_input("x", xv)
-        io.bind_ortvalue_output("y", yv)
+        io, (yv,) = bind_io(sess, {"x": x}, x)
         med, p90 = time_wall(lambda: sess.run_with_iobinding(io), reps, warmup=200)
         y = yv.numpy()
         ok = None

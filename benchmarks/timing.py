@@ -124,15 +124,10 @@ def write_json(path, obj, **kw):
         json.dump(obj, f, indent=1, **kw)
 
 
-def time_session(model, feeds, runs, cuda_graph, out_like):
-    """(median us, p90 us, first run's outputs) of run_with_iobinding on an onnx_lowbit CUDA session of ``model``
-    (ModelProto) with ``feeds`` bound as device buffers and every output bound to a device buffer shaped and typed
-    like the array ``out_like``; 30 untimed runs first (with ``cuda_graph``: capture and replays)."""
+def bind_io(sess, feeds, out_like):
+    """(IOBinding, output OrtValues) of an onnxruntime session: ``feeds`` (name -> array) copied to device buffers,
+    every output bound to a device buffer shaped and typed like the array ``out_like``."""
     import onnxruntime as ort
-
-    import onnx_lowbit
-    prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {}), "CPUExecutionProvider"]
-    sess = onnx_lowbit.InferenceSession(model.SerializeToString(), providers=prov)
     io = sess.io_binding()
     for n, a in feeds.items():
         io.bind_ortvalue_input(n, ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0))
@@ -141,6 +136,17 @@ def time_session(model, feeds, runs, cuda_graph, out_like):
         v = ort.OrtValue.ortvalue_from_shape_and_type(out_like.shape, out_like.dtype, "cuda", 0)
         io.bind_ortvalue_output(o.name, v)
         outs.append(v)
+    return io, outs
+
+
+def time_session(model, feeds, runs, cuda_graph, out_like):
+    """(median us, p90 us, first run's outputs) of run_with_iobinding on an onnx_lowbit CUDA session of ``model``
+    (ModelProto) with ``feeds`` bound as device buffers and every output bound to a device buffer shaped and typed
+    like the array ``out_like``; 30 untimed runs first (with ``cuda_graph``: capture and replays)."""
+    import onnx_lowbit
+    prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {}), "CPUExecutionProvider"]
+    sess = onnx_lowbit.InferenceSession(model.SerializeToString(), providers=prov)
+    io, outs = bind_io(sess, feeds, out_like)
     sess.run_with_iobinding(io)
     ys = [o.numpy() for o in outs]
     for _ in range(30):
