@@ -56,6 +56,9 @@ def timed(calls):
 
 
 def main():
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     import torch
 
     from onnx_lowbit import awq

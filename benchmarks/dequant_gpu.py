@@ -19,12 +19,11 @@ the fastest bit-exact variants the ops' defaults. Total runtime is mostly compil
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import traceback
 
 import numpy as np
-from timing import COPY_BYTES, copy_gbps, time_graph
+from timing import COPY_BYTES, copy_gbps, time_graph, write_json
 
 K, N, BS, G = 4096, 11008, 64, 128
 
@@ -245,9 +244,7 @@ def main():
               f"\"float16\": {b16['variant'] if b16 else 'LEGACY'}" + "}")
     if bawq:
         print(f"  custom_ops/dequantawq_cuda.py:   DEFAULT = {bawq['variant']}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"copy_bw": copy_bw, "rows": table.rows}, f, indent=1)
+    write_json(a.json, {"copy_bw": copy_bw, "rows": table.rows})
 
 
 if __name__ == "__main__":

@@ -9,11 +9,10 @@ device buffers; median wall time per run() over many runs. Per-op overhead = (ou
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
-from timing import time_wall  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import bind_io, time_wall, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 
 def chain_model(op, length, table):
@@ -35,17 +34,11 @@ def chain_model(op, length, table):
 
 
 def time_session(model, runs, cuda_graph=False):
-    import onnxruntime as ort
-
     import onnx_lowbit
     prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
     sess = onnx_lowbit.InferenceSession(model, providers=prov)
     x = np.random.default_rng(0).standard_normal((1, 4096)).astype(np.float16)
-    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-    yv = ort.OrtValue.ortvalue_from_shape_and_type([1, 4096], np.float16, "cuda", 0)
-    io = sess.io_binding()
-    io.bind_ortvalue_input("x", xv)
-    io.bind_ortvalue_output("y", yv)
+    io, (yv,) = bind_io(sess, {"x": x}, x)
     med, p90 = time_wall(lambda: sess.run_with_iobinding(io), runs, warmup=200)
     return med, p90, yv.numpy()
 
@@ -89,9 +82,7 @@ def main():
         print(f"| {r['nodes']} | {'yes' if r['cuda_graph'] else 'no'} | {r['case']} | {r['native_us']:.1f} "
               f"({r['native_p90']:.1f}) | {r['ours_us']:.1f} ({r['ours_p90']:.1f}) | "
               f"{r['overhead_per_op_us']:.1f} | {r['bit_exact']} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(a.json, rows)
 
 
 if __name__ == "__main__":

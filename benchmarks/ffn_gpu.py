@@ -10,12 +10,11 @@ through ctypes) on torch's current stream. Times: medians of CUDA-event timings 
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
-from timing import time_cuda, time_graph
+from timing import copy_gbps, time_cuda, time_graph, write_json
 
 from onnx_lowbit import ffn
 from onnx_lowbit.custom_ops import fusedffn_cuda as fc
@@ -67,11 +66,7 @@ def main():
     out = {"gpu": torch.cuda.get_device_name(0)}
     print("GPU:", out["gpu"])
     torch.manual_seed(0)
-    src = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy = time_cuda(lambda: dst.copy_(src))
-    bw = 2 * src.numel() / t_copy / 1e3
-    src = dst = None  # free the copy buffers
+    bw, t_copy = copy_gbps(mib=512)
     out["copy_GBps"] = bw
     wbytes16 = 2 * N * K * 2
 
@@ -203,9 +198,7 @@ def main():
         t = time_cuda(runner(k16, xm, w1, w3, ym, "tiled"), iters=5, warmup=1, batch=3)
         print(f"tiled fallback kernel (no cuBLAS), M={m}: {t:.1f} us")
         out[f"tiled_M{m}_us"] = t
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(out, fh, indent=1)
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

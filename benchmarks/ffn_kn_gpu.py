@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F  # noqa: N812
 from numba import cuda
-from timing import time_cuda, time_graph
+from timing import copy_gbps, time_cuda, time_graph
 
 from onnx_lowbit import ffn
 from onnx_lowbit.custom_ops import fusedffn_cuda as fc
@@ -47,11 +47,7 @@ def main():
     ap.add_argument("--prefill-ms", default="", help="also time both layouts as routed at these M (e.g. 3,16,64)")
     args = ap.parse_args()
     print("GPU:", torch.cuda.get_device_name(0))
-    src = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t_copy = time_cuda(lambda: dst.copy_(src))
-    bw = 2 * src.numel() / t_copy / 1e3
-    src = dst = None
+    bw, _ = copy_gbps(mib=512)
     print(f"copy: {bw:.0f} GB/s")
     sms = sm_count(current_device())
     nk = fc.FusedFFNCudaKernel(spec=None, attrs={}, node_name="bench", in_types=(10, 10), out_types=(10,))

@@ -38,6 +38,9 @@ def variants(m, quick):
 
 
 def main():
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     quick = "--quick" in sys.argv
     ms = [int(v) for v in args[0].split(",")] if args else MS

@@ -8,10 +8,9 @@ Needs: a CUDA GPU, torch (timing anchor), onnxruntime-gpu (for the session part;
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
-from timing import time_cuda, time_wall
+from timing import bind_io, copy_gbps, time_cuda, time_wall, write_json
 
 from onnx_lowbit import fplut, halfbits
 
@@ -51,10 +50,7 @@ def throughput(table, n=64 << 20, variants=False):
     from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
     sms = sm_count(current_device())
     rows = []
-    copy_src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
-    t_copy = time_cuda(lambda: copy_dst.copy_(copy_src))
-    copy_bw = 2 * copy_src.numel() / t_copy / 1e3
+    copy_bw, t_copy = copy_gbps()
     rows.append(("d2d copy 256 MiB", t_copy, copy_bw, None))
     for dt, elem in [(torch.float16, 10), (torch.float32, 1), (torch.bfloat16, 16)]:
         x = (torch.randn(n, device="cuda") * 4).to(dt)
@@ -117,11 +113,7 @@ def ort_overhead(table, reps=2000):
         sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CUDAExecutionProvider"])
         opt = onnx.load(so.optimized_model_filepath)
         memcpy = [n.op_type for n in opt.graph.node if n.op_type.startswith("Memcpy")]
-        xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-        yv = ort.OrtValue.ortvalue_from_shape_and_type([1, 4096], np.float16, "cuda", 0)
-        io = sess.io_binding()
-        io.bind_ortvalue_input("x", xv)
-        io.bind_ortvalue_output("y", yv)
+        io, (yv,) = bind_io(sess, {"x": x}, x)
         med, p90 = time_wall(lambda: sess.run_with_iobinding(io), reps, warmup=200)
         y = yv.numpy()
         ok = None
@@ -161,10 +153,8 @@ def main():
                   f"{'' if ok is None else 'bit-exact=' + str(ok)}")
         names = list(ov)
         print(f"per-op overhead of the bridge vs native: {ov[names[1]][0] - ov[names[0]][0]:.1f} us")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "copy_bw": copy_bw, "bad": bad,
-                       "ort": {k: list(v) for k, v in (ov or {}).items()}}, f, indent=1, default=str)
+    write_json(a.json, {"rows": rows, "copy_bw": copy_bw, "bad": bad,
+                        "ort": {k: list(v) for k, v in (ov or {}).items()}}, default=str)
 
 
 if __name__ == "__main__":

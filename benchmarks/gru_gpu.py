@@ -12,13 +12,12 @@ in the whole call. CUDA events around 20 back-to-back calls (median of 30), benc
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import traceback
 
 import numpy as np
 
-from timing import time_cuda  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import time_cuda, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 CASES = [(100, 1, 256, 256), (100, 32, 512, 512)]
 UNITS = {256: [2, 4, 8, 16, 32], 512: [2, 4, 8, 16]}
@@ -137,9 +136,7 @@ def main():
     print("\n| case | implementation | time (us) | bit-exact |\n| --- | --- | --- | --- |")
     for case, label, t, ok in rows:
         print(f"| {case} | {label} | {'-' if t is None else f'{t:.1f}'} | {'' if ok is None else ok} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "checks": out}, f, indent=1)
+    write_json(args.json, {"rows": rows, "checks": out})
 
 
 if __name__ == "__main__":

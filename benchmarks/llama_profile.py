@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
-import statistics
-import time
 
 import numpy as np
 import onnx
+from timing import time_wall, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 WEIGHT_KERNELS = re.compile(r"gemv|gemm|nvjet|cutlass|MatMulNBits|Bnb4|sm90_xmma", re.I)
 OURS = re.compile(r"_3cdynamic_3e|cudapy")     # Numba kernels (our ops)
@@ -52,14 +50,10 @@ def profile(path, ours, feeds, cuda_graph, steps, warmup, kernels=True):
     bound = B._Bound(sess, feeds, shapes)
     for _ in range(warmup):
         bound.run()
-    ts = []
-    for _ in range(50):
-        t = time.perf_counter()
-        bound.run()
-        ts.append((time.perf_counter() - t) * 1e3)
+    wall_us, _ = time_wall(bound.run, 50)
     if not kernels:
         del bound, sess
-        return statistics.median(ts)
+        return wall_us / 1e3
     import torch
     from torch.profiler import ProfilerActivity
     with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -120,9 +114,7 @@ def main():
     for k, r in res.items():
         print(f"| {k} | {r['wall_ms_median']:.3f} | {r['kernels_per_step']:.0f} | {r['kernel_ms_per_step']:.3f} | "
               f"{r['ours_ms_per_step']:.3f} | {r['weights_ms_per_step']:.3f} | {r['other_ms_per_step']:.3f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(a.json, res)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,9 @@ def numba_sig(signature):
 
 def main():
     """python benchmarks/sass.py MODULE 'FACTORY_EXPR' 'SIGNATURE_EXPR' [MAXREG], both evaluated in MODULE."""
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        return
     sys.path.insert(0, os.getcwd())
     mod, make, sig, *rest = sys.argv[1:]
     ns = vars(importlib.import_module(mod))

@@ -31,13 +31,12 @@ FusedFFNNF4 (block kernel, WARPCOLS off)" times the same model with the block de
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import numpy as np
 
-from timing import time_wall  # noqa: E402 - benchmarks/ is on sys.path when run as a script
+from timing import time_wall, write_json  # noqa: E402 - benchmarks/ is on sys.path when run as a script
 
 K, N = 4096, 11008
 
@@ -341,9 +340,7 @@ def main():
         sweep = prefill_sweep(sw, fused, Reference(w1, w3), max(50, a.runs // 3), ms, fused_kn,
                               a.sweep_variants.split(","))
         print(f"sweep done in {time.perf_counter() - t0:.0f} s")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "sweep": sweep}, f, indent=1, default=str)
+    write_json(a.json, {"rows": rows, "sweep": sweep}, default=str)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,211 @@
+"""Launch one of our CUDA kernels at one configuration (twice where a second call matters: tile counters left by the
+first, or ``ncu --launch-skip 1``), check the output, print one line: the program that compute-sanitizer and ncu
+run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are the host runners' keywords).
+
+    python3 benchmarks/kernel_once.py fplut [VARIANT [N]]           FPLUT on N fp16 values (base | s32 | s32u8)
+    python3 benchmarks/kernel_once.py nf4 ffn|mm K N ["h2=2, wide=True"]   FusedFFNNF4 decode / MatMulNF4 M = 1
+    M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows)
+    python3 benchmarks/kernel_once.py ffn_tc M K N ["mt=2, kw=4, ring=2"]   FusedFFN's [N, K] tensor-core kernel
+    python3 benchmarks/kernel_once.py ffn_kn M K N XTYPE WTYPE       FusedFFN on [K, N] weights (decode / tensor cores)
+    python3 benchmarks/kernel_once.py nf4tc M K N                    NF4 tensor-core kernel, one and two weights
+    python3 benchmarks/kernel_once.py nf4wide_ffn M K N GROUPS       FusedFFNNF4's wide decode with thread groups
+    python3 benchmarks/kernel_once.py nf4wide_mm M K N                MatMulNF4's wide M = 1 / two-row decode
+
+    ncu --section SpeedOfLight --section WarpStateStats -k regex:decode --launch-skip 1 --launch-count 1 \\
+        python3 benchmarks/kernel_once.py nf4 ffn 4096 11008
+
+Folded from fplut_ncu.py, nf4_ncu.py, awq_ncu.py, ffn_tc_ncu.py and the inline programs of the *_sanitize.sh
+scripts (docs/lab-log.md, "Removed benchmark scripts").
+"""
+import os
+import sys
+
+import numpy as np
+
+
+def _opts(argv, i):
+    """Keyword options given as one string, e.g. "h2=2, wide=True" (a benchmark-only convenience)."""
+    return eval("dict(" + argv[i] + ")") if len(argv) > i else {}  # noqa: S307
+
+
+def fplut(argv):
+    import torch
+
+    from onnx_lowbit import fplut
+    from onnx_lowbit.custom_ops import fplut_cuda as fc
+    from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
+    seed = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
+            0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
+    variant = argv[0] if argv else "base"
+    n = int(argv[1]) if len(argv) > 1 else 64 << 20
+    kern = {"base": lambda: fc._make(fc._word16, fc._one16, 4, 4, smem32=False),
+            "s32": lambda: fc._make(fc._word16b, fc._one16b, 4, 4),
+            "s32u8": lambda: fc._make(fc._word16b, fc._one16b, 4, 8)}[variant]()
+    lv = Launcher(kern, [Array(np.uint64), Array(np.uint64), Array(np.uint16), Array(np.uint16), Array(np.uint64),
+                         "int64"], dynamic_shared=fc.SHARED_BYTES)
+    t = fplut.Table.build("silu", seed)
+    dT = torch.from_numpy(fc.expanded(t.cut_points, t.values, 10).view(np.int64).copy()).cuda()
+    x = (torch.randn(n, device="cuda") * 4).half()
+    out = torch.empty_like(x)
+    grid = fc.grid_for(n, 4, torch.cuda.get_device_properties(0).multi_processor_count)
+    lv.launch(grid, fc.BLOCK, torch.cuda.current_stream().cuda_stream, (x.data_ptr(), (n // 4,)),
+              (out.data_ptr(), (n // 4,)), (x.data_ptr(), (n,)), (out.data_ptr(), (n,)),
+              (dT.data_ptr(), (fc.TABLE_WORDS,)), n)
+    torch.cuda.synchronize()
+    ref = fplut.apply(x[:4096].cpu().numpy(), t.cut_points, t.values)
+    ok = np.array_equal(out[:4096].cpu().numpy().view(np.uint16), ref.view(np.uint16))
+    print(variant, "ok" if ok else "MISMATCH")
+
+
+def nf4(argv):
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    bs = 64
+    cuda.current_context()      # the context first (matmulnf4_cuda asks the driver for the SM count)
+    what, k, n = argv[0], int(argv[1]), int(argv[2])
+    kw = _opts(argv, 3)
+    rng = np.random.default_rng(0)
+    code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": bs, "K": k, "N": n})[4]
+    x = (rng.standard_normal((1, k)) * 0.5).astype(np.float16)
+    w = [(rng.integers(0, 256, k * n // 2, dtype=np.uint8),
+          (rng.random(k * n // bs) * 0.1 + 0.01).astype(np.float32)) for _ in range(2)]
+    if what == "ffn":
+        for _ in range(2):
+            y = fusedffnnf4_cuda.run_arrays(x, w[0][0], w[0][1], w[1][0], w[1][1], "nf4", bs, k, n, **kw)
+        ref = fusedffnnf4_cpu.swiglu(x.astype(np.float32), w[0][0], w[0][1], w[1][0], w[1][1], code, k, n, bs)
+    else:
+        for _ in range(2):
+            y = matmulnf4_cuda.run_arrays(x, w[0][0], w[0][1], code, k, n, bs)
+        ref = matmulnf4_cpu.matmul(x.astype(np.float32), w[0][0], w[0][1], code, k, n, bs)
+    ref = np.asarray(ref, np.float64).reshape(y.shape)
+    err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
+    print(what, k, n, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
+
+
+def awq(argv):
+    from numba import cuda
+
+    from onnx_lowbit import awq
+    from onnx_lowbit.custom_ops import fusedffnawq_cuda, matmulawq1_cuda, matmulawq_cuda
+    g = 128
+    cuda.current_context()      # the context first (the launchers ask the driver for the SM count)
+    what, k, n = argv[0], int(argv[1]), int(argv[2])
+    kw = _opts(argv, 3)
+    rng = np.random.default_rng(0)
+    m = int(os.environ.get("M", "1"))    # rows of x (mm1 / ffn1 take up to 16)
+    x = (rng.standard_normal((m, k)) * 0.5).astype(np.float16)
+
+    def weights():
+        kp = -(-k // g) * g         # AutoAWQ pads K to a whole number of groups
+        return (rng.integers(-2 ** 31, 2 ** 31, (kp, n // 8), dtype=np.int64).astype(np.int32),
+                rng.integers(-2 ** 31, 2 ** 31, (kp // g, n // 8), dtype=np.int64).astype(np.int32),
+                (rng.random((kp // g, n)) * 0.004 + 0.001).astype(np.float16))
+
+    w1, w3 = weights(), weights()
+    if what in ("ffn1", "ffn"):
+        for _ in range(2):
+            if what == "ffn1":
+                y = matmulawq1_cuda.run(x, w1, w3, None, None, g, k, n, **kw)
+            else:
+                y = fusedffnawq_cuda.run_arrays(x, w1, w3, g, k, n, **kw)
+        gate = awq.matmul(x, *w1, g, k, n).astype(np.float64)
+        ref = gate / (1 + np.exp(-gate)) * awq.matmul(x, *w3, g, k, n).astype(np.float64)
+    else:
+        run = matmulawq1_cuda.run_arrays if what == "mm1" else matmulawq_cuda.run_arrays
+        for _ in range(2):
+            y = run(x, *w1, g, k, n, **kw)
+        ref = awq.matmul(x, *w1, g, k, n).astype(np.float64)
+    err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
+    print(what, f"M={m}", k, n, kw, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
+
+
+def ffn_tc(argv):
+    from onnx_lowbit.custom_ops import fusedffn_tc_cuda as tc
+    m, k, n = int(argv[0]), int(argv[1]), int(argv[2])
+    opts = _opts(argv, 3)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m, k)).astype(np.float16)
+    w1 = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
+    w3 = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
+    b1, b3 = rng.standard_normal(n).astype(np.float16), rng.standard_normal(n).astype(np.float16)
+    for _ in range(2):
+        y = tc.run_arrays(x, w1, w3, b1, b3, **opts)
+    xd = x.astype(np.float64)
+    gate = xd @ w1.astype(np.float64).T + b1
+    ref = gate / (1 + np.exp(-gate)) * (xd @ w3.astype(np.float64).T + b3)
+    err = float(np.abs(y - ref).max() / np.abs(ref).max())
+    print(f"M={m} K={k} N={n} {opts}: max rel error {err:.2e}")
+    return 0 if err < 1e-3 else 1
+
+
+def ffn_kn(argv):
+    from onnx_lowbit import ffn
+    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    m, k, n, xd, wd = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
+    path = "decode" if m <= 2 else "tc"
+    r = np.random.default_rng(0)
+    x = r.standard_normal((m, k)).astype(xd)
+    w1 = (r.standard_normal((k, n)) / np.sqrt(k)).astype(wd)
+    w3 = (r.standard_normal((k, n)) / np.sqrt(k)).astype(wd)
+    b = r.standard_normal(n).astype(xd)
+    for _ in range(2):           # the second call finds the tile counters the first left
+        y = fc.run_arrays(x, w1, w3, b, None, kn=True, path=path)
+    ref = ffn.swiglu_ref(x, w1, w3, b, None, kn=True)
+    print(m, k, n, xd, wd, path, "rel err", float(np.abs(y - ref).max() / np.abs(ref).max()))
+
+
+def _nf4_weights(r, k, n, count):
+    from onnx_lowbit import nf4
+    return sum((nf4.quantize(r.standard_normal((k, n)).astype(np.float32), "nf4", 64) for _ in range(count)), ())
+
+
+def nf4tc(argv):
+    from onnx_lowbit import nf4
+    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
+    m, k, n = (int(v) for v in argv[:3])
+    r = np.random.default_rng(0)
+    w = _nf4_weights(r, k, n, 2)
+    x = r.standard_normal((m, k)).astype(np.float16)
+    s = tc.run(x, *w, nf4.code("nf4"), 64, k, n, r.standard_normal(n).astype(np.float16), None)
+    y = tc.run(x, w[0], w[1], None, None, nf4.code("nf4"), 64, k, n)
+    print("rc", tc.row_chunks(m), "finite", bool(np.isfinite(s).all() and np.isfinite(y).all()))
+
+
+def nf4wide_ffn(argv):
+    from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f
+    m, k, n, g = (int(v) for v in argv[:4])
+    r = np.random.default_rng(0)
+    w = _nf4_weights(r, k, n, 2)
+    x = r.standard_normal((m, k)).astype(np.float16)
+    s = f.run_arrays(x, *w, "nf4", 64, k, n, r.standard_normal(n).astype(np.float16), None, h2=4, wide=True,
+                     groups=g)
+    print("groups", g, "finite", bool(np.isfinite(s).all()))
+
+
+def nf4wide_mm(argv):
+    from onnx_lowbit import nf4
+    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    m, k, n = (int(v) for v in argv[:3])
+    mc.M2_MAX_M = max(mc.M2_MAX_M, m)
+    r = np.random.default_rng(0)
+    q, am = _nf4_weights(r, k, n, 1)
+    a = r.standard_normal((m, k)).astype(np.float16)
+    y = mc.run_arrays(a, q, am, nf4.code("nf4").astype(np.float32), k, n, 64, r.standard_normal(n).astype(np.float16))
+    print("matmul m", m, "wide", mc.m1_wide(np.float16, k), "two-row", mc.m2_path(m, k, np.float16),
+          "finite", bool(np.isfinite(y).all()))
+
+
+KERNELS = {"fplut": fplut, "nf4": nf4, "awq": awq, "ffn_tc": ffn_tc, "ffn_kn": ffn_kn, "nf4tc": nf4tc,
+           "nf4wide_ffn": nf4wide_ffn, "nf4wide_mm": nf4wide_mm}
+
+
+def main(argv):
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in KERNELS:
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return KERNELS[argv[0]](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
