@@ -437,8 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     _merge_arguments(i)
     _gru_arguments(i)
     i.set_defaults(fn=cmd_inspect)
-    d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
-    d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")
+    d = sub.add_parser("demo", help="rewrite the four embedded sample models (a YOLO-style CNN, a GPT-2 MLP, also "
+                                    "with 4-bit weights, a LLaMA-style MLP, a GRU), run original and rewritten "
+                                    "side by side, compare outputs, size and latency")
+    d.add_argument("--out", help="keep the rewritten samples in this directory (default: a temporary one, deleted "
+                                 "at the end)")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="time ORIGINAL and one or more REWRITTEN side by side (latency, memory, "
                                      "weight bytes, output agreement); a markdown table and a PNG chart")
