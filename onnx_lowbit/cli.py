@@ -437,9 +437,9 @@ def build_parser() -> argparse.ArgumentParser:
     _merge_arguments(i)
     _gru_arguments(i)
     i.set_defaults(fn=cmd_inspect)
-    d = sub.add_parser("demo", help="rewrite the four embedded sample models (a YOLO-style CNN, a GPT-2 MLP, also "
-                                    "with 4-bit weights, a LLaMA-style MLP, a GRU), run original and rewritten "
-                                    "side by side, compare outputs, size and latency")
+    what = ("rewrite the four embedded sample models (a YOLO-style CNN, a GPT-2 MLP, also with 4-bit weights, a "
+            "LLaMA-style MLP, a GRU), run original and rewritten side by side, compare outputs, size and latency")
+    d = sub.add_parser("demo", help=what, description=what[0].upper() + what[1:] + ".")
     d.add_argument("--out", help="keep the rewritten samples in this directory (default: a temporary one, deleted "
                                  "at the end)")
     d.set_defaults(fn=cmd_demo)
