@@ -62,10 +62,11 @@ def _image_size(models) -> tuple | None:
 
 
 def guess_dims(signatures, dims: dict, models=()) -> dict:
-    """{symbolic dim: (value, how it was chosen)}: --dim NAME=VALUE ("given"); else 1 for batch-like names; the
-    height / width of an image input (rank 4, 1-4 channels first or last) from the model's ``imgsz`` metadata,
-    else IMAGE_DIM; else OTHER_DIM. LowbitError for a --dim naming no symbolic dim."""
-    names, spatial = [], {}     # spatial: dim name -> 0 (height) or 1 (width)
+    """{symbolic dim: (value, how it was chosen)}: --dim NAME=VALUE ("given"); else 1 for batch-like names and
+    for the first axis of an image input (rank 4, 1-4 channels in axis 1 or 3); that input's height / width from
+    the model's ``imgsz`` metadata, else IMAGE_DIM; else OTHER_DIM. LowbitError for a --dim naming no symbolic
+    dim."""
+    names, spatial, images = [], {}, set()     # spatial: dim name -> 0 (height) or 1 (width)
     for sig in signatures:
         for _, ds in sig.values():
             names += [d for d in ds if isinstance(d, str) and d not in names]
@@ -73,6 +74,8 @@ def guess_dims(signatures, dims: dict, models=()) -> dict:
                 hw = ds[2:] if isinstance(ds[1], int) and 1 <= ds[1] <= 4 else \
                     ds[1:3] if isinstance(ds[3], int) and 1 <= ds[3] <= 4 else ()     # NCHW, NHWC
                 spatial.update((d, i) for i, d in enumerate(hw) if isinstance(d, str) and d not in spatial)
+                if hw and isinstance(ds[0], str):
+                    images.add(ds[0])
     unknown = [n for n in dims if n not in names]
     if unknown:
         raise LowbitError(f"--dim {', '.join(unknown)}: no input has such a symbolic dimension; "
@@ -84,6 +87,8 @@ def guess_dims(signatures, dims: dict, models=()) -> dict:
             out[n] = (dims[n], "given")
         elif BATCH_NAMES.match(n):
             out[n] = (1, "batch-like name")
+        elif n in images and n not in spatial:
+            out[n] = (1, "batch axis of an image input")
         elif n in spatial:
             out[n] = (size[spatial[n]], "the model's imgsz metadata") if size else \
                 (IMAGE_DIM, "image input, a multiple of 32")

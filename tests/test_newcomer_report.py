@@ -2,6 +2,7 @@
 report (passes that did not run named apart, real skips only in the counts, nothing cut off), the status line of
 long steps (it names the pass and the node and moves), and `bench` on a model with symbolic image dims."""
 import io
+import json
 import os
 import pty
 import re
@@ -15,6 +16,7 @@ import onnx
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
+from onnx_lowbit import bench
 from onnx_lowbit.progress import Status
 from test_cli import ROOT, SAMPLE, assert_bad, cli
 
@@ -54,7 +56,6 @@ def test_report_is_complete_on_a_narrow_terminal(tmp_path):
         assert p.returncode == 0, p.stderr
         assert p.stdout.splitlines()[0].endswith("by fplut, ffn, merge, rotary, rotarykv, gru; not run: weights4 "
                                                  "(needs --weights nf4|fp4|awq)")
-        import json
         (entry,) = json.load(open(tmp_path / "r.json"))["entries"][:1]
         reason = entry["reason"]
         assert "Y rel L2 error on the calibration data" in reason and len(reason) > 60
@@ -169,3 +170,14 @@ def test_bench_guesses_image_dims_and_says_so(tmp_path):
     assert rc == 0, err
     assert "height=64 (the model's imgsz metadata), width=96 (the model's imgsz metadata)" in err
     assert "inputs images float32[1, 3, 64, 96]" in out
+
+
+def test_image_batch_axis_of_any_name_is_one():
+    """PaddleOCR exports name every free dim p2o.DynamicDimension.<i>: an image input's first axis is still 1."""
+    sig = {"x": (np.dtype(np.float32), ["p2o.DynamicDimension.0", 3, "p2o.DynamicDimension.1",
+                                          "p2o.DynamicDimension.2"])}
+    assert bench.guess_dims([sig], {}) == {"p2o.DynamicDimension.0": (1, "batch axis of an image input"),
+                                           "p2o.DynamicDimension.1": (224, "image input, a multiple of 32"),
+                                           "p2o.DynamicDimension.2": (224, "image input, a multiple of 32")}
+    seq = {"ids": (np.dtype(np.int64), ["batch_size", "seq"])}       # not an image: as before
+    assert bench.resolve_dims([seq], {}) == {"batch_size": 1, "seq": bench.OTHER_DIM}
