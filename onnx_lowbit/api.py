@@ -10,6 +10,7 @@ import weakref
 import onnxruntime as ort
 
 from . import domain
+from .errors import INSTALL
 
 
 _registered = weakref.WeakSet()  # options already holding our ops: onnxruntime refuses a second registration
@@ -69,8 +70,8 @@ class LibraryNotRegistered(RuntimeError):
 
 _UNREGISTERED = re.compile(r"([\w.]+):(\w+)\((-?\d+)\) is not a registered function/op")
 
-HOW_TO_REGISTER = ("register the ops of the onnx-lowbit package (pip install 'onnx-lowbit[cpu]' or "
-                   "'onnx-lowbit[gpu]') before creating the session: `so = onnxruntime.SessionOptions(); "
+HOW_TO_REGISTER = (f"register the ops of the onnx-lowbit package ({INSTALL}) before creating the session: "
+                   "`so = onnxruntime.SessionOptions(); "
                    "onnx_lowbit.register(so); onnxruntime.InferenceSession(model, so, providers=...)`, or use "
                    "`onnx_lowbit.InferenceSession(model, providers=...)`")
 

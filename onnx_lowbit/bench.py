@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -38,12 +37,12 @@ import onnx
 from onnx import helper
 
 from . import model_io
+from .bench_inputs import (BATCH_NAMES, IMAGE_DIM, OTHER_DIM, _signature, guess_dims, load_inputs,  # noqa: F401
+                           parse_dims, random_inputs, resolve_dims)                               # re-exported
 from .errors import LowbitError
 from .memory import DeviceMemory, HostMemory, release_host_memory
 
 MIB = 1024.0 * 1024.0
-BATCH_NAMES = re.compile(r"^(n|b|bs|batch.*|.*_batch|.*batch_size.*)$", re.IGNORECASE)
-OTHER_DIM = 16          # symbolic dims that do not look like a batch dimension
 GRAPH_TOLERANCE = 1e-3  # replayed vs plain outputs: more than last-bit differences (split-K order) is a bug
 SUB_BYTE = {onnx.TensorProto.INT4, onnx.TensorProto.UINT4} | (
     {onnx.TensorProto.FLOAT4E2M1} if hasattr(onnx.TensorProto, "FLOAT4E2M1") else set())
@@ -110,89 +109,6 @@ def weight_bytes(model: onnx.ModelProto) -> int:
     return total
 
 
-def _signature(model: onnx.ModelProto) -> dict:
-    """input name -> (numpy dtype, dims as int or str name or None)"""
-    inits = {i.name for i in model.graph.initializer}
-    sig = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        if not vi.type.HasField("tensor_type"):
-            raise LowbitError(f"input {vi.name!r} is not a tensor; bench feeds tensors only")
-        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
-                for d in tt.shape.dim]
-        sig[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
-    return sig
-
-
-def parse_dims(specs) -> dict:
-    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec)."""
-    out = {}
-    for s in specs or []:
-        name, sep, value = s.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
-            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE a positive integer")
-        out[name.strip()] = int(value)
-    return out
-
-
-def resolve_dims(signatures, dims: dict) -> dict:
-    """The value of every symbolic dim of the inputs: --dim, else 1 for batch-like names, else OTHER_DIM."""
-    names = []
-    for sig in signatures:
-        for _, ds in sig.values():
-            names += [d for d in ds if isinstance(d, str) and d not in names]
-    unknown = [n for n in dims if n not in names]
-    if unknown:
-        raise LowbitError(f"--dim {', '.join(unknown)}: no input has such a symbolic dimension; "
-                          f"symbolic dims: {', '.join(names) or 'none'}")
-    return {n: dims.get(n, 1 if BATCH_NAMES.match(n) else OTHER_DIM) for n in names}
-
-
-def random_inputs(sig: dict, values: dict, seed: int = 0) -> dict:
-    """Floats ~ N(0, 1); integers and bools in {0, 1} (safe as indices); unnamed free dims: 1 first, else 16."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for name, (dt, ds) in sig.items():
-        shape = [d if isinstance(d, int) else values[d] if isinstance(d, str) else (1 if i == 0 else OTHER_DIM)
-                 for i, d in enumerate(ds)]
-        if np.issubdtype(dt, np.floating):
-            feeds[name] = rng.standard_normal(shape).astype(dt)
-        elif np.issubdtype(dt, np.integer) or dt == np.bool_:
-            feeds[name] = rng.integers(0, 2, size=shape).astype(dt)
-        else:
-            raise LowbitError(f"cannot make random data for input {name!r} of type {dt}; give --inputs")
-    return feeds
-
-
-def load_inputs(path: str, sig: dict) -> dict:
-    """Arrays of an .npz, one per input of ``sig`` (names, ranks, fixed dims checked; cast to the input dtype)."""
-    import zipfile
-    if not os.path.isfile(path):
-        raise LowbitError(f"{path}: no such file (--inputs)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, AttributeError, TypeError) as e:
-        raise LowbitError(f"{path}: not a readable .npz archive of named arrays (--inputs): "
-                          f"{type(e).__name__}") from None
-    missing = [n for n in sig if n not in arrays]
-    if missing:
-        raise LowbitError(f"{path}: no array for input{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(map(repr, missing))} (--inputs; has {', '.join(map(repr, arrays)) or 'none'})")
-    feeds = {}
-    for name, (dt, ds) in sig.items():
-        v = arrays[name]
-        if v.ndim != len(ds) or any(isinstance(d, int) and d != n for d, n in zip(ds, v.shape)):
-            raise LowbitError(f"{path}: array {name!r} has shape {list(v.shape)}, the input "
-                              f"{[d if d is not None else '?' for d in ds]} (--inputs)")
-        if v.dtype.kind not in "fiub":
-            raise LowbitError(f"{path}: array {name!r} has dtype {v.dtype}, not numeric (--inputs)")
-        feeds[name] = v.astype(dt, copy=False)
-    return feeds
-
-
 # ---------------------------------------------------------------------------------------------- sessions
 
 def _cuda_check(cuda_graph):
@@ -200,7 +116,7 @@ def _cuda_check(cuda_graph):
     what = "--cuda-graph" if cuda_graph else "--provider cuda"
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         raise LowbitError(f"{what} needs onnxruntime-gpu and a CUDA GPU: this onnxruntime {ort.__version__} has "
-                          f"{', '.join(ort.get_available_providers())} only (pip install onnx-lowbit[gpu])")
+                          f"{', '.join(ort.get_available_providers())} only (onnx-lowbit's \".[gpu]\" install brings onnxruntime-gpu)")
 
 
 def _providers(provider, cuda_graph, device_id=0):
@@ -216,7 +132,7 @@ def _providers(provider, cuda_graph, device_id=0):
 def _make_session(path, ours, provider, cuda_graph, session_factory):
     import onnxruntime as ort
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # fatal only: its errors come back as one LowbitError line, not twice
     providers = _providers(provider, cuda_graph)
     factory = session_factory if ours else ort.InferenceSession
     try:
@@ -442,10 +358,16 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
             if d0 != d1 or len(s0) != len(s1):
                 raise LowbitError(f"input {name!r} differs between the models: {d0}{s0} "
                                   f"({os.fspath(paths[first[name]])}) vs {d1}{s1} ({os.fspath(paths[i])})")
+    chosen = {}
     if inputs:
         feeds = load_inputs(inputs, sig)
     else:
-        feeds = random_inputs(sig, resolve_dims(sigs, dims or {}), seed)
+        chosen = guess_dims(sigs, dims or {}, models)
+        if any(how != "given" for _, how in chosen.values()):
+            print("onnx-lowbit: note: symbolic input dims guessed: "
+                  + ", ".join(f"{n}={v} ({how})" for n, (v, how) in chosen.items() if how != "given")
+                  + "; set them with --dim NAME=VALUE", file=sys.stderr)
+        feeds = random_inputs(sig, {n: v for n, (v, _) in chosen.items()}, seed)
     if out_dir is not None:     # made once the models and inputs are good: bad input leaves no directory behind
         try:
             os.makedirs(out_dir, exist_ok=True)
@@ -454,6 +376,41 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
     mem = DeviceMemory() if provider == "cuda" else HostMemory()
     if provider == "cuda":
         _warm_cuda_context()
+    try:
+        results, outs = _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, warmup, runs,
+                                  session_factory, mem)
+    except LowbitError as e:
+        if not chosen:
+            raise
+        used = ", ".join(f"{n}={v} ({'given' if how == 'given' else 'guessed'})" for n, (v, how) in chosen.items())
+        raise LowbitError(f"{e} (the inputs were random with symbolic dims {used}: give the sizes the model "
+                          "takes with --dim NAME=VALUE, or real inputs with --inputs DATA.npz)") from None
+    names = [o.name for o in models[0].graph.output]
+    agreement = []
+    for label, out in zip(labels[1:], outs[1:]):
+        for n, a, b in zip(names, outs[0], out):
+            ag = _agree(n, a, b)
+            ag.model = label
+            agreement.append(ag)
+    res = BenchResult(provider, cuda_graph, warmup, runs, mem.method,
+                      {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement)
+    if out_dir is not None:
+        stem = os.path.join(out_dir, f"bench-{mode_name(res)}")
+        try:
+            plot(res, stem + ".png")
+            res.written.append(stem + ".png")
+        except ImportError:
+            print("onnx-lowbit: note: no chart, matplotlib is not installed (pip install matplotlib, or "
+                  "\".[cpu,plot]\" from the onnx-lowbit checkout)",
+                  file=sys.stderr)
+        res.written.append(stem + ".json")
+        with open(stem + ".json", "w") as fh:
+            json.dump(res.to_dict(), fh, indent=1)
+    return res
+
+
+def _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, warmup, runs, session_factory, mem):
+    """ModelResults and outputs of each model in turn (LowbitError when onnxruntime fails)."""
     results, outs = [], []
     for label, path, m, s, o in zip(labels, paths, models, sigs, ours):
         r = ModelResult(label, os.fspath(path), weight_bytes(m))
@@ -471,27 +428,7 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         results.append(r)
         outs.append(out)
         release_host_memory()
-    names = [o.name for o in models[0].graph.output]
-    agreement = []
-    for label, out in zip(labels[1:], outs[1:]):
-        for n, a, b in zip(names, outs[0], out):
-            ag = _agree(n, a, b)
-            ag.model = label
-            agreement.append(ag)
-    res = BenchResult(provider, cuda_graph, warmup, runs, mem.method,
-                      {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement)
-    if out_dir is not None:
-        stem = os.path.join(out_dir, f"bench-{mode_name(res)}")
-        try:
-            plot(res, stem + ".png")
-            res.written.append(stem + ".png")
-        except ImportError:
-            print("onnx-lowbit: note: no chart, matplotlib is not installed (pip install onnx-lowbit[plot])",
-                  file=sys.stderr)
-        res.written.append(stem + ".json")
-        with open(stem + ".json", "w") as fh:
-            json.dump(res.to_dict(), fh, indent=1)
-    return res
+    return results, outs
 
 
 def mode_name(res) -> str:

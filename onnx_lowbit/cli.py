@@ -6,11 +6,13 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 
 from . import __version__
 from .errors import LowbitError
+from .progress import Status
 
 EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 1, 2, 3
 
@@ -19,14 +21,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own usage errors: same one-line form, exit 2
         self.print_usage(sys.stderr)
         raise LowbitError(message)
-
-
-def _progress(iterable, desc, total=None):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        return iterable
-    return tqdm(iterable, desc=desc, total=total, disable=None, leave=False, file=sys.stderr)
 
 
 def _same_file(a, b) -> bool:
@@ -220,13 +214,17 @@ def _rewrite(a, model, selected, options, staged) -> int:
     from onnx_lowbit import passes as passes_mod
     out, report = None, passes_mod.Report()
     current = model
-    for p in _progress(selected, "rewriting"):
-        current, r = passes_mod.run_passes(current, passes=[p.name], **options)
-        report.extend(r)
-    out = current
-    staged_path = staged.write(out, options["external_data_dir"]) if staged is not None else None
-    print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped "
-          f"({', '.join(p.name for p in selected)})")
+    with Status() as status:
+        options = dict(options, progress=status.note)
+        for i, p in enumerate(selected):
+            status.step(f"pass {i + 1}/{len(selected)} {p.name}")
+            current, r = passes_mod.run_passes(current, passes=[p.name], **options)
+            report.extend(r)
+        out = current
+        if staged is not None:
+            status.step("writing the rewritten weights")
+        staged_path = staged.write(out, options["external_data_dir"]) if staged is not None else None
+    print(_first_line(a.input, report, selected, options))
     summary = _weights_summary(report)
     if summary:
         print(summary)
@@ -234,16 +232,18 @@ def _rewrite(a, model, selected, options, staged) -> int:
     if calibration_note(report):
         print(calibration_note(report), file=sys.stderr)
     if a.report:
-        print(report.to_table())
+        print(report.to_table(width=shutil.get_terminal_size((120, 24)).columns))
     if a.report_json:
         with open(a.report_json, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
     status = 0
     if a.verify:
-        if staged is not None:  # sessions from the files: the original and the staged output
-            errors, _ = verify.compare(os.path.abspath(a.input), staged_path, tolerance=a.tolerance)
-        else:
-            errors, _ = verify.compare(model, out, tolerance=a.tolerance)
+        with Status() as s:
+            s.step("verify: the original and the rewritten model in onnxruntime on the same random inputs")
+            if staged is not None:  # sessions from the files: the original and the staged output
+                errors, _ = verify.compare(os.path.abspath(a.input), staged_path, tolerance=a.tolerance)
+            else:
+                errors, _ = verify.compare(model, out, tolerance=a.tolerance)
         print(verify.format_errors(errors, a.tolerance))
         if not all(e.ok for e in errors):
             t = _weights_totals(report)
@@ -258,6 +258,16 @@ def _rewrite(a, model, selected, options, staged) -> int:
         model_io.save(out, a.output)
     print(f"wrote {a.output}")
     return status
+
+
+def _first_line(path, report, selected, options) -> str:
+    """``IN: N rewritten, M skipped by <passes that ran>; not run: <pass> (needs <flag>)``: skips are candidates a
+    pass looked at and left; passes that lacked an option they need are named apart (their candidates: --report)."""
+    ran = [p.name for p in selected if p.needs(options) is None]
+    idle = [f"{p.name} (needs {p.needs(options)})" for p in selected if p.needs(options) is not None]
+    line = (f"{path}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped by "
+            f"{', '.join(ran) or 'no pass'}")
+    return line + (f"; not run: {', '.join(idle)}" if idle else "")
 
 
 def cmd_inspect(a) -> int:
@@ -286,7 +296,7 @@ def cmd_inspect(a) -> int:
             scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="onnx-lowbit-inspect-"))
             options["spill"] = stack.enter_context(model_io.StagedOutput(os.path.join(scratch, "m.onnx"))).spill
         report = passes_mod.inspect(model, passes=[p.name for p in selected], **options)
-    print(report.to_table() if len(report) else "nothing to rewrite")
+    print(report.to_table(width=shutil.get_terminal_size((120, 24)).columns) if len(report) else "nothing to rewrite")
     summary = _weights_summary(report)
     if summary:
         print(summary)
@@ -306,21 +316,42 @@ def cmd_demo(a) -> int:
 def cmd_lut(a) -> int:
     from . import fplut_tables
     if a.lut_cmd == "list":
-        print(f"{'function':12s} {'max abs':>9s} {'max rel':>9s} {'exact %':>8s} {'<=1ULP %':>9s}  range")
-        for name in fplut_tables.available():
-            st, t = fplut_tables.stats(name), fplut_tables.get_table(name)
-            print(f"{name:12s} {st['max_abs']:9.2e} {st['max_rel']:9.2e} {st['exact_pct']:8.2f} "
-                  f"{st['within_1ulp_pct']:9.2f}  [{t.cut_points[0]:g}, {t.cut_points[-1]:g}]")
-        return 0
+        return _lut_list(fplut_tables)
     if a.function not in fplut_tables.available():
         raise LowbitError(f"unknown function {a.function!r}; known: {', '.join(fplut_tables.available())}")
-    from .fplut_plot import plot_error
     out = a.output or f"fplut-{a.function}.png"
     d = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(d):
         raise LowbitError(f"{out}: directory {d} does not exist")
+    try:
+        import matplotlib  # noqa: F401 - only to say clearly what is missing before any work
+    except ImportError:
+        raise LowbitError("lut plot draws with matplotlib, which is not installed: pip install matplotlib (or, "
+                          "from an onnx-lowbit checkout, pip install \".[cpu,plot]\")") from None
+    from .fplut_plot import plot_error
     plot_error(a.function, out)
     print(f"wrote {out}")
+    return 0
+
+
+def _lut_list(fplut_tables) -> int:
+    """The shipped tables' exhaustive figures; (clip): against f clipped to +-65504, which differs only where f
+    overflows fp16 (exp), and there is the figure that applies."""
+    print(f"{'function':12s} {'max abs':>10s} {'max rel':>9s} {'abs (clip)':>10s} {'rel (clip)':>10s} "
+          f"{'exact %':>8s} {'<=1ULP %':>9s}  range [c0, c10]")
+    overflow = []
+    for name in fplut_tables.available():
+        st, cl, t = fplut_tables.stats(name), fplut_tables.clipped_stats(name), fplut_tables.get_table(name)
+        print(f"{name:12s} {st['max_abs']:10.2e} {st['max_rel']:9.2e} {cl['max_abs']:10.2e} {cl['max_rel']:10.2e} "
+              f"{st['exact_pct']:8.2f} {st['within_1ulp_pct']:9.2f}  [{t.cut_points[0]:.10g}, {t.cut_points[-1]:.10g}]")
+        if st["max_abs"] > 2 * cl["max_abs"]:
+            overflow.append(f"{name} (past x = {t.cut_points[-1]:.10g})")
+    print("\nerrors over all 63,488 finite fp16 inputs against f in float64; (clip): against f clipped to +-65504, "
+          "the largest fp16 value")
+    if overflow:
+        print(f"{', '.join(overflow)}: f overflows fp16 there, so every fp16 output stops at 65504 while f grows "
+              "(max abs up to 1e308, max rel 1): the (clip) columns are the table's error")
+    print("outside [c0, c10] a table returns f(c0) / f(c10); error vs x: onnx-lowbit lut plot NAME -o NAME.png")
     return 0
 
 
@@ -406,8 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     _merge_arguments(i)
     _gru_arguments(i)
     i.set_defaults(fn=cmd_inspect)
-    d = sub.add_parser("demo", help="rewrite the embedded sample model, run both, compare")
-    d.add_argument("--out", help="directory for the rewritten sample (default: a temporary one)")
+    what = ("rewrite the four embedded sample models (a YOLO-style CNN, a GPT-2 MLP, also with 4-bit weights, a "
+            "LLaMA-style MLP, a GRU), run original and rewritten side by side, compare outputs, size and latency")
+    d = sub.add_parser("demo", help=what, description=what[0].upper() + what[1:] + ".")
+    d.add_argument("--out", help="keep the rewritten samples in this directory (default: a temporary one, deleted "
+                                 "at the end)")
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="time ORIGINAL and one or more REWRITTEN side by side (latency, memory, "
                                      "weight bytes, output agreement); a markdown table and a PNG chart")

@@ -36,11 +36,29 @@ def _envelope(x, e, bins: int = 1200):
     return mid, mx
 
 
+def x_ticks(lo: float, hi: float, linthresh: float) -> list:
+    """Major ticks of the symlog x axis over [lo, hi]: 0 and the powers of ten from 2 * linthresh outwards (both
+    signs). matplotlib's own symlog locator also puts +-10^k inside the linear band around 0, where their labels
+    ("-10^-3", "0", "10^-3") print over each other."""
+    ticks = [0.0] if lo <= 0.0 <= hi else []
+    k = int(np.ceil(np.log10(2 * linthresh)))
+    while 10.0 ** k <= max(abs(lo), abs(hi)):
+        ticks += [v for v in (-10.0 ** k, 10.0 ** k) if lo <= v <= hi]
+        k += 1
+    return sorted(ticks)
+
+
 def plot_error(name: str, path) -> None:
     """Write a PNG of the absolute (top) and relative (bottom, log scale) error of table ``name`` vs x over all
     finite fp16 inputs in its range [c0, c10] (symlog x axis; dotted lines at the cut points)."""
+    error_figure(name).savefig(path, format="png")
+
+
+def error_figure(name: str):
+    """The matplotlib Figure (Agg canvas) that plot_error writes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg   # Agg canvas, no pyplot: no global backend switch
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator
 
     table = fplut_tables.get_table(name)
     st = fplut_tables.stats(name)
@@ -78,6 +96,7 @@ def plot_error(name: str, path) -> None:
     for ax in (ax_a, ax_r):
         ax.set_xscale("symlog", linthresh=linthresh)
         ax.set_xlim(c[0], c[-1])
+        ax.xaxis.set_major_locator(FixedLocator(x_ticks(float(c[0]), float(c[-1]), linthresh)))
         for ci in c:
             ax.axvline(ci, color="gray", lw=0.5, ls=":")
         ax.grid(True, which="major", alpha=0.3)
@@ -88,7 +107,7 @@ def plot_error(name: str, path) -> None:
                  f"max_abs {st['max_abs']:.3g}   max_rel {st['max_rel']:.3g}   exact {st['exact_pct']:.2f}%   "
                  f"within 1 ULP {st['within_1ulp_pct']:.2f}%  (over all 63,488 finite fp16 inputs)\n"
                  f"inside [c0, c10]: max_abs {a_in:.3g}   max_rel {r_in:.3g}", fontsize=11)
-    fig.savefig(path, format="png")
+    return fig
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import os
 
 import numpy as np
 
-from . import fplut
+from . import fplut, halfbits
+from .unary import evaluate
 
 TABLES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fplut_tables.json")
 STAT_KEYS = ("max_abs", "max_rel", "exact_pct", "within_1ulp_pct")
@@ -70,3 +71,20 @@ def stats(name: str) -> dict:
 def info(name: str) -> dict:
     """The whole JSON entry of ``name`` (function, objective, cut points, values, stats, ...), as a copy."""
     return copy.deepcopy(_entry(name)[1])
+
+
+@functools.lru_cache(maxsize=None)
+def clipped_stats(name: str) -> dict:
+    """max_abs and max_rel of table ``name`` over all finite fp16 inputs against f clipped to +-65504, the largest
+    fp16 value: what a table can reach at all. They differ from :func:`stats` only where f overflows fp16 (exp
+    past x = 11.09, where every fp16 output stops at 65504 while exp(x) grows to 1e308); max_rel here is the
+    search objective (the JSON's ``max_rel_representable``)."""
+    table = get_table(name)
+    x = halfbits.finite_fp16()
+    y = fplut.evaluate_fp16(x, table.cut_points, table.values).astype(np.float64)
+    ref = evaluate(table.function, x)
+    finite = np.isfinite(ref)
+    ref = np.clip(np.where(finite, ref, 0.0), -halfbits.FP16_MAX, halfbits.FP16_MAX)
+    ae = np.where(finite, np.abs(y - ref), 0.0)
+    re = ae / np.maximum(np.abs(ref), 2.0 ** -14)
+    return {"max_abs": float(ae.max()), "max_rel": float(re.max())}

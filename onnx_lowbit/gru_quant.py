@@ -183,11 +183,13 @@ __all__ = ["Ranges", "calibrate", "quant_params", "build_lut", "describe", "CH_W
 
 
 def refine_headroom(W, R, B, ranges, X, sequence_lens=None, initial_h=None, *, bits, clip=None, hidden_size=None,
-                    direction="forward", layout=0, headroom=None, max_rows=4, max_steps=64, rounds=2):
+                    direction="forward", layout=0, headroom=None, max_rows=4, max_steps=64, rounds=2,
+                    on_trial=None):
     """Per-quantity headroom (a dict for quant_params) from a greedy search: each quantity in turn takes one bit
     more or less headroom when that lowers Y's relative L2 error (integer reference vs float GRU) on a subsample of
     the calibration data (the first max_rows sequences, the first max_steps steps). Finer scales trade clipping
-    for resolution; int8 gains most (docs/gru.md). Returns (headroom dict, error before, error after)."""
+    for resolution; int8 gains most (docs/gru.md). ``on_trial(done, total, best error)``, when given, is called
+    before each trial (progress display). Returns (headroom dict, error before, error after)."""
     from . import gru_int
     X = np.asarray(X, np.float32)
     x = X[:max_steps, :max_rows] if layout == 0 else X[:max_rows, :max_steps]
@@ -214,9 +216,13 @@ def refine_headroom(W, R, B, ranges, X, sequence_lens=None, initial_h=None, *, b
     base_hr = HEADROOM[bits] if headroom is None else int(headroom)
     hd = {n: base_hr for n in QUANTITIES}
     before = best = err(hd)
+    total, done = rounds * len(QUANTITIES) * 2, 0
     for _ in range(rounds):
         for name in QUANTITIES:
             for d in (-1, 1):
+                if on_trial is not None:
+                    on_trial(done, total, best)
+                done += 1
                 trial = dict(hd)
                 trial[name] += d
                 v = err(trial)

@@ -18,6 +18,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
+from onnx_lowbit.errors import INSTALL
 
 from .kvattention import KVAttentionPass
 from .base import Entry, Pass, Report, module_paths  # noqa: F401 - re-exported
@@ -238,7 +239,7 @@ def note_requirements(model: onnx.ModelProto) -> None:
         return
     version = next((o.version for o in model.opset_import if o.domain == domain.DOMAIN), domain.DOMAIN_VERSION)
     onnx.helper.set_model_props(model, {**{p.key: p.value for p in keep},
-        REQUIRES_KEY: f"onnx-lowbit>={__version__} (pip install 'onnx-lowbit[cpu]' or 'onnx-lowbit[gpu]'); "
+        REQUIRES_KEY: f"onnx-lowbit>={__version__} ({INSTALL}); "
                       "register its ops before creating the session: onnx_lowbit.register(sess_options), or use "
                       "onnx_lowbit.InferenceSession(model, providers=...)",
         OPS_KEY: f"{','.join(sorted(ops))} (domain {domain.DOMAIN} v{version})"})

@@ -7,6 +7,7 @@ is written to the report, either as "rewritten" or as "skipped" with the reason.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
@@ -17,6 +18,7 @@ import onnx_graphsurgeon as gs
 REWRITTEN = "rewritten"
 SKIPPED = "skipped"
 ACTIONS = (REWRITTEN, SKIPPED)
+NOT_RUN = "not_run"     # Entry.details key (True) of a "skipped" entry whose pass lacked an option it needs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -60,40 +62,61 @@ class Report:
         return [e for e in self.entries if e.action == REWRITTEN and pass_name in (None, e.pass_name)]
 
     def skipped(self, pass_name: str | None = None) -> list[Entry]:
-        return [e for e in self.entries if e.action == SKIPPED and pass_name in (None, e.pass_name)]
+        """Candidates a pass looked at and left as they were, each with its reason (not the not_run ones)."""
+        return [e for e in self.entries if e.action == SKIPPED and not e.details.get(NOT_RUN)
+                and pass_name in (None, e.pass_name)]
+
+    def not_run(self, pass_name: str | None = None) -> list[Entry]:
+        """Candidates of a pass that did not run because an option it needs was not given (weights4 without
+        ``weights``, gru without calibration data): what it would take, not a decision about the candidate."""
+        return [e for e in self.entries if e.action == SKIPPED and e.details.get(NOT_RUN)
+                and pass_name in (None, e.pass_name)]
 
     def extend(self, other: "Report") -> "Report":
         self.entries.extend(other.entries)
         return self
 
     def summary(self) -> dict:
-        """{pass name: {"rewritten": n, "skipped": n}}"""
+        """{pass name: {"rewritten": n, "skipped": n, "not_run": n}} (skipped: real skips only)"""
         out: dict = {}
         for e in self.entries:
-            counts = out.setdefault(e.pass_name, {REWRITTEN: 0, SKIPPED: 0})
-            counts[e.action] += 1
+            counts = out.setdefault(e.pass_name, {REWRITTEN: 0, SKIPPED: 0, NOT_RUN: 0})
+            counts[NOT_RUN if e.details.get(NOT_RUN) else e.action] += 1
         return out
 
     def to_dict(self) -> dict:
         return {"entries": [e.to_dict() for e in self.entries], "summary": self.summary()}
 
-    def to_table(self, max_width: int = 60) -> str:
-        """A fixed-width text table, one row per entry (long cells are cut to ``max_width`` characters)."""
+    def to_table(self, width: int | None = None) -> str:
+        """A text table, one row per rewritten or skipped candidate, then the candidates of passes that did not
+        run and the counts. Nothing is cut: with ``width`` (e.g. the terminal's), long cells wrap onto more lines
+        so rows fit in ``width`` characters where they can; without it every row is one line."""
         if not self.entries:
             return "(no candidates matched)"
         header = ("pass", "action", "pattern", "nodes", "reason")
-
-        def cut(s: str) -> str:
-            s = " ".join(str(s).split())
-            return s if len(s) <= max_width else s[: max_width - 3] + "..."
-
-        rows = [tuple(cut(c) for c in (e.pass_name, e.action, e.pattern, ", ".join(e.nodes), e.reason))
-                for e in self.entries]
-        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-        fmt = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-        lines = [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(r) for r in rows]
-        counts = ", ".join(f"{p}: {c[REWRITTEN]} rewritten, {c[SKIPPED]} skipped" for p, c in self.summary().items())
-        return "\n".join(lines + ["", counts])
+        flat = lambda s: " ".join(str(s).split())  # noqa: E731
+        done = [e for e in self.entries if not e.details.get(NOT_RUN)]
+        rows = [tuple(flat(c) for c in (e.pass_name, e.action, e.pattern, ", ".join(e.nodes), e.reason))
+                for e in done]
+        lines = []
+        if rows:
+            natural = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+            widths = _fit(natural, width)
+            fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+            lines += [fmt(header), fmt(tuple("-" * w for w in widths))]
+            for r in rows:
+                cells = [_wrap(c, w) for c, w in zip(r, widths)]
+                for k in range(max(len(c) for c in cells)):
+                    lines.append(fmt(tuple(c[k] if k < len(c) else "" for c in cells)))
+        counts = "; ".join(f"{p}: {c[REWRITTEN]} rewritten, {c[SKIPPED]} skipped"
+                           for p, c in self.summary().items() if c[REWRITTEN] or c[SKIPPED])
+        if counts:
+            lines += ["", counts]
+        for p, es in _group(self.not_run()).items():
+            text = (f"not run: {p}: {'; '.join(dict.fromkeys(flat(e.reason) for e in es))} "
+                    f"({', '.join(n for e in es for n in e.nodes)})")
+            lines += ([""] if lines and not lines[-1].startswith("not run") else []) + _wrap(text, width, "    ")
+        return "\n".join(lines)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -103,6 +126,42 @@ class Report:
 
     def __str__(self) -> str:
         return self.to_table()
+
+
+def _fit(natural: list, width: int | None) -> list:
+    """Column widths for the report table: the natural ones when they fit in ``width`` (or no width is given);
+    else pattern and nodes are held to at most 36 characters each and the reason takes what is left (at least
+    40), so a long row wraps instead of running off the screen."""
+    gaps = 2 * (len(natural) - 1)
+    if width is None or sum(natural) + gaps <= width:
+        return list(natural)
+    w = list(natural)
+    w[2], w[3] = min(w[2], 36), min(w[3], 36)
+    w[4] = max(40, min(natural[4], width - gaps - sum(w[:4])))
+    return w
+
+
+def _wrap(text: str, width: int | None, indent: str = "") -> list:
+    """``text`` as lines of at most ``width`` characters (words kept whole where they fit; one line without a
+    width); continuation lines start with ``indent``."""
+    if width is None or len(text) <= width:
+        return [text]
+    return textwrap.wrap(text, max(width, 8), subsequent_indent=indent, break_on_hyphens=False) or [""]
+
+
+def _group(entries) -> dict:
+    out: dict = {}
+    for e in entries:
+        out.setdefault(e.pass_name, []).append(e)
+    return out
+
+
+def progress(options: dict, message: str) -> None:
+    """Tells the caller what a long step of a pass is doing now (option ``progress``: a callable taking one line,
+    e.g. the CLI's status line); nothing when no one listens."""
+    listener = options.get("progress")
+    if listener is not None:
+        listener(message)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -128,6 +187,15 @@ class Pass:
 
     def skipped(self, report: Report, pattern: str, nodes, reason: str, **details) -> Entry:
         return report.add(self.name, SKIPPED, pattern, nodes, reason, **details)
+
+    def not_run(self, report: Report, pattern: str, nodes, reason: str, **details) -> Entry:
+        """Candidates left alone because an option the pass needs was not given (see ``needs``)."""
+        return report.add(self.name, SKIPPED, pattern, nodes, reason, **details, **{NOT_RUN: True})
+
+    def needs(self, options: dict) -> str | None:
+        """The option this pass needs and ``options`` lacks, as the CLI flag to give (e.g. "--weights
+        nf4|fp4|awq"); None when the pass runs."""
+        return None
 
     def __repr__(self) -> str:
         return f"<pass {self.name}: {self.description}>"

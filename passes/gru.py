@@ -36,7 +36,8 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain, gru_float, gru_int, gru_quant
 
 from . import calibration as _calibration
-from .base import Names, Pass, Report, constant_value, elem_type, is_constant, iter_graphs, node_label, producer
+from .base import (Names, Pass, Report, constant_value, elem_type, is_constant, iter_graphs, node_label, producer,
+                   progress)
 
 MAX_FOLD_NODES = 64
 NO_CALIBRATION = ("no calibration data: QuantGRU's scales come from calibration; pass --calibration DATA.npz "
@@ -74,15 +75,23 @@ class GRUPass(Pass):
         cal = options.get("gru_calibration", options.get("calibration"))
         if cal is None:
             for node, _ in cands:
-                self.skipped(report, "GRU", [node_label(node)], NO_CALIBRATION)
+                self.not_run(report, "GRU", [node_label(node)], NO_CALIBRATION)
             return
         if not isinstance(cal, dict) or not cal:
             raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
+        progress(options, f"calibration run: the model in onnxruntime on the calibration data, recording the input "
+                          f"of {len(cands)} GRU{'s' if len(cands) > 1 else ''}")
         got = _calibration_run(graph, cands, cal, options.get("calibration_session"))
-        for node, spec in cands:
-            self.rewrite(graph, report, names, node, spec, got, bits, headroom, search)
+        for i, (node, spec) in enumerate(cands):
+            where = f"GRU {i + 1}/{len(cands)} {node_label(node)!r} (int{bits}, H={spec['H']})"
+            self.rewrite(graph, report, names, node, spec, got, bits, headroom, search,
+                         lambda what: progress(options, f"{where}: {what}"))
 
-    def rewrite(self, graph, report, names, node, spec, got, bits, headroom, search):
+    def needs(self, options: dict) -> str | None:
+        has = options.get("gru_calibration", options.get("calibration")) is not None
+        return None if has else "--calibration DATA.npz"
+
+    def rewrite(self, graph, report, names, node, spec, got, bits, headroom, search, note=lambda what: None):
         x = got.get(spec["X"].name)
         if x is None:
             self.skipped(report, "GRU", [node_label(node)], "the calibration run did not produce its input X")
@@ -92,14 +101,19 @@ class GRUPass(Pass):
         kw = dict(direction=spec["direction"], layout=spec["layout"])
         W, R, B = spec["W"], spec["R"], spec["B"]
         clip = spec["clip"]
+        note("ranges of the gate quantities from the calibration data")
         ranges = gru_quant.calibrate(x, W, R, B, lens, h0, hidden_size=spec["H"], clip=clip, **kw)
         notes = [f"int{bits}"]
         if search:
             base = gru_quant.HEADROOM[bits] if headroom is None else int(headroom)
+            def trial(i, n, e):
+                note(f"headroom search {i + 1}/{n} (Y rel error {e:.2e})")
             headroom, before, after = gru_quant.refine_headroom(W, R, B, ranges, x, lens, h0, bits=bits, clip=clip,
-                                                                hidden_size=spec["H"], headroom=base, **kw)
+                                                                hidden_size=spec["H"], headroom=base,
+                                                                on_trial=trial, **kw)
             moved = ", ".join(f"{n} {v - base:+d}" for n, v in headroom.items() if v != base)
             notes.append(f"headroom search {before:.2e} -> {after:.2e}" + (f" ({moved})" if moved else ""))
+        note("integer parameters, and the error of the integer GRU against the float one")
         p = gru_quant.quant_params(W, R, B, ranges, bits=bits, clip=clip, headroom=headroom)
         try:  # the parameters must pass the op's own checks
             y_q, _ = gru_int.quant_gru(np.asarray(x, np.float32), p["W"], p["R"], p["B"], p["channel_exp"],
@@ -320,7 +334,7 @@ def _layout0(g: onnx.GraphProto) -> None:
 
 def calibration_note(report: Report) -> str | None:
     """One line for the CLI when GRUs stayed in float for want of calibration data (None otherwise)."""
-    n = sum(1 for e in report.skipped("gru") if e.reason == NO_CALIBRATION)
+    n = sum(1 for e in report.not_run("gru") if e.reason == NO_CALIBRATION)
     if not n:
         return None
     return (f"onnx-lowbit: note: {n} GRU{'s' if n > 1 else ''} left in float: the gru pass needs calibration data; "

@@ -339,11 +339,14 @@ class WeightsPass(Pass):
             cands = [node_label(c.node) for g in iter_graphs(graph) for c in
                      (match(n)[0] for n in g.nodes) if c is not None and c.size >= least]
             if cands:
-                self.skipped(report, "weights4: no format", cands[:8] + (["..."] if len(cands) > 8 else []),
+                self.not_run(report, "weights4: no format", cands[:8] + (["..."] if len(cands) > 8 else []),
                              f"option weights (nf4, fp4 or awq) not given: {len(cands)} constant-weight "
                              "MatMul/Gemm left in float", format=None)
             return
         _Run(self, graph, report, opts).run()
+
+    def needs(self, options: dict) -> str | None:
+        return None if options.get("weights") or options.get("awq_checkpoint") else "--weights nf4|fp4|awq"
 
 
 class _Run:

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import onnx
-import pytest
 from onnx import TensorProto, helper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,10 +112,4 @@ def test_inspect_and_lut(tmp_path):
     rc, _, err = cli("lut", "plot", "nosuchfn")
     assert_bad(rc, err, "nosuchfn")
 
-
-@pytest.mark.slow
-def test_demo():
-    rc, so, err = cli("demo")
-    assert rc == 0, err + so
-    assert "tiny_yolo" in so and "FPLUT ops" in so
-    assert "FusedFFNNF4" in so and "QuantGRU" in so and "FAIL" not in so
+# the demo: tests/test_newcomer.py (test_demo_says_what_it_does)

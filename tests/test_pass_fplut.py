@@ -568,7 +568,7 @@ def test_report_table_and_dict():
              n("Sigmoid", ["m"], ["s"]), n("Mul", ["m", "s"], ["y"])]
     _, report = run_passes(make_model(nodes, shape=(1, 4, 3, 3)))
     d = report.to_dict()
-    assert d["summary"] == {"fplut": {"rewritten": 2, "skipped": 1}}
+    assert d["summary"] == {"fplut": {"rewritten": 2, "skipped": 1, "not_run": 0}}
     assert {e["action"] for e in d["entries"]} == {"rewritten", "skipped"}
     assert all(set(e) >= {"pass_name", "action", "pattern", "nodes", "reason"} for e in d["entries"])
     table = report.to_table().splitlines()

@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_lowbit
 from onnx_lowbit import cli, domain, gru_float, gru_int
 from onnx_lowbit.passes import run_passes
+from onnx_lowbit.passes.gru import GRUPass
 
 CPU = ["CPUExecutionProvider"]
 T, N, C, H = 7, 3, 5, 8
@@ -182,7 +183,9 @@ def test_no_calibration_says_what_to_pass():
     out, rep = run_passes(m, passes=["gru"])
     assert rep.entries[0].action == "skipped" and "--calibration DATA.npz" in rep.entries[0].reason
     assert [n.op_type for n in out.graph.node] == ["GRU"]
-    assert run_passes(m)[1].skipped("gru")                     # the default pass list reports it too
+    assert run_passes(m)[1].not_run("gru")                     # the default pass list reports it too
+    assert not rep.skipped("gru") and rep.summary()["gru"] == {"rewritten": 0, "skipped": 0, "not_run": 1}
+    assert GRUPass().needs({}) == "--calibration DATA.npz" and GRUPass().needs({"calibration": {}}) is None
 
 
 @pytest.mark.parametrize("cal,needle", [
