@@ -13,7 +13,8 @@ numba.cuda.compile_ptx(py_func, signature, cc=(9, 0)) and the kernel's own compi
 lineinfo, forceinline, launch_bounds); max_registers and the other linker-side options are not in PTX, so the
 normalised file's first lines record them. Normalisation: every mangled identifier (``_Z...``: they contain the
 module path) becomes SYMn in order of first appearance (``_param_k`` suffixes kept), comment lines and trailing
-comments, ``.version``, ``.file`` and ``.loc`` lines are dropped.
+comments, ``.version``, ``.file`` and ``.loc`` lines are dropped; OUTDIR/toolchain.txt keeps the compiler versions
+(--compare notes when they differ: another NVVM may generate other code).
 
 After the refactor, repoint MODULES (one line per moved module, relative to onnx_lowbit.custom_ops). Factory
 names are looked up as written, and a name ``_make...`` missing from its module is also tried as ``make...`` (and
@@ -27,6 +28,7 @@ import concurrent.futures as cf
 import difflib
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import multiprocessing
@@ -38,6 +40,7 @@ import tempfile
 import time
 
 PACKAGE = "onnx_lowbit.custom_ops"
+TOOLCHAIN = "toolchain.txt"     # numba / numba-cuda versions and the PTX headers' compiler lines
 CC = (9, 0)
 
 # ------------------------------------------------------------------------------------------------- the table
@@ -322,7 +325,8 @@ def _options(fn):
 
 
 def compile_variant(row):
-    """(variant id, normalised PTX, kernel site, seconds) or (variant id, None, error text, seconds)."""
+    """(variant id, normalised PTX, kernel site, seconds, toolkit line) or (variant id, None, error text, seconds,
+    None)."""
     vid, alias, factory, signature = row
     t0 = time.perf_counter()
     try:
@@ -338,9 +342,15 @@ def compile_variant(row):
                 if k in fn.targetoptions and k in inspect.signature(cuda.compile_ptx).parameters}
         ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=CC, **opts)
         text = f"// variant {vid}\n// options {_options(fn)}\n" + normalise(ptx)
-        return vid, text, _site(fn, factory, ns), time.perf_counter() - t0
+        return vid, text, _site(fn, factory, ns), time.perf_counter() - t0, _toolkit(ptx)
     except Exception as e:  # noqa: BLE001 - reported per variant, the others still compile
-        return vid, None, f"{type(e).__name__}: {e}", time.perf_counter() - t0
+        return vid, None, f"{type(e).__name__}: {e}", time.perf_counter() - t0, None
+
+
+def _toolkit(ptx):
+    """What the normalised text leaves out about the compiler: the header's build lines and ``.version``."""
+    keep = [ln.strip("/ \t") for ln in ptx.splitlines()[:12] if ln.startswith("//") or ln.startswith(".version")]
+    return " | ".join(k for k in keep if k)
 
 
 def _site(fn, factory, ns):
@@ -422,12 +432,14 @@ def snapshot(outdir, jobs, only):
     os.makedirs(os.path.dirname(outdir) or ".", exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".ptx-snapshot-", dir=os.path.dirname(outdir) or ".")
     t0 = time.perf_counter()
-    results, failed, sites = {}, {}, set()
+    results, failed, sites, toolkits = {}, {}, set(), set()
     try:
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(max_workers=max(1, min(jobs, 2)), mp_context=ctx,
                                     initializer=_worker_init) as pool:
-            for i, (vid, text, info, secs) in enumerate(pool.map(compile_variant, rows), 1):
+            for i, (vid, text, info, secs, tk) in enumerate(pool.map(compile_variant, rows), 1):
+                if tk:
+                    toolkits.add(tk)
                 if text is None:
                     failed[vid] = info
                     print(f"[{i}/{len(rows)}] {vid}: FAILED {info}", flush=True)
@@ -441,6 +453,9 @@ def snapshot(outdir, jobs, only):
             f.write("variant\tsha256\tlines\n")
             for vid in sorted(results):
                 f.write(f"{vid}\t{results[vid][0]}\t{results[vid][1]}\n")
+        with open(os.path.join(tmp, TOOLCHAIN), "w") as f:
+            f.write(f"numba {_version('numba')}, numba-cuda {_version('numba-cuda')}, cc {CC[0]}.{CC[1]}\n")
+            f.write("".join(f"{t}\n" for t in sorted(toolkits)))
         if os.path.exists(outdir):
             shutil.rmtree(outdir)
         os.replace(tmp, outdir)
@@ -474,6 +489,18 @@ def report_sites(covered):
         print(f"  not covered: {os.path.relpath(path, root)}:{name}")
 
 
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def _read_toolchain(d):
+    path = os.path.join(d, TOOLCHAIN)
+    return " / ".join(open(path).read().splitlines()) if os.path.isfile(path) else "(not recorded)"
+
+
 def read_index(d):
     path = os.path.join(d, "index.tsv")
     if not os.path.isfile(path):
@@ -491,6 +518,10 @@ def compare(a, b, diffs=3, out=None):
     returns 0 when both snapshots hold the same variants with the same PTX, else 1."""
     out = out or sys.stdout
     ia, ib = read_index(a), read_index(b)
+    ta, tb = (_read_toolchain(d) for d in (a, b))
+    if ta != tb:
+        print(f"note: the snapshots come from different compilers, so differences need not come from the code:\n"
+              f"  A: {ta}\n  B: {tb}\n", file=out)
     status = {}
     for vid in sorted(set(ia) | set(ib)):
         if vid not in ib:

@@ -98,6 +98,16 @@ def test_compare_reports_identical_changed_and_missing(tmp_path, capsys):
     assert ps.compare(str(tmp_path / "a"), str(tmp_path / "a")) == 0
 
 
+def test_compare_notes_different_compilers(tmp_path, capsys):
+    text = ps.normalise(fake_ptx("a_cuda"))
+    for d, release in (("a", "12.9"), ("b", "13.0")):
+        _snapshot(tmp_path / d, {"k": text})
+        (tmp_path / d / ps.TOOLCHAIN).write_text(f"numba 0.68.1\nCuda compilation tools, release {release}\n")
+    assert ps.compare(str(tmp_path / "a"), str(tmp_path / "b")) == 0     # same code: still identical
+    out = capsys.readouterr().out
+    assert "different compilers" in out and "release 12.9" in out and "release 13.0" in out
+
+
 def test_compare_refuses_a_directory_without_index(tmp_path):
     os.makedirs(tmp_path / "x")
     with pytest.raises(SystemExit, match="not a snapshot"):
@@ -127,3 +137,4 @@ def test_compile_one_variant(tmp_path):
     text = (out / "fplut.f32.ptx").read_text()
     assert ".visible .entry SYM" in text and "custom_ops" not in text
     assert ps.read_index(str(out))["fplut.f32"] == (ps.digest(text), text.count("\n"))
+    assert "numba-cuda" in (out / ps.TOOLCHAIN).read_text()
