@@ -10,6 +10,6 @@ import os as _os
 
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .bridge import KernelError, library_path, register  # noqa: E402
+from .runtime.bridge import KernelError, library_path, register  # noqa: E402
 
 __all__ = ["KernelError", "library_path", "register"]

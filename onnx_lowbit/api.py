@@ -20,7 +20,7 @@ _registered = weakref.WeakSet()  # options already holding our ops: onnxruntime 
 def register(sess_options: ort.SessionOptions) -> ort.SessionOptions:
     """Registers every onnx-lowbit op into ``sess_options`` (CPU and CUDA kernels) and returns it; registering
     the same options twice is harmless."""
-    from onnx_lowbit.custom_ops import bridge
+    from onnx_lowbit.custom_ops.runtime import bridge
     domain.register_schemas()
     if sess_options in _registered:
         return sess_options

@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 import onnx_lowbit
 from onnx_lowbit import awq, domain
-from onnx_lowbit.custom_ops.cuda_launch import SimLauncher
+from onnx_lowbit.custom_ops.device.launch import SimLauncher
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -186,7 +186,8 @@ def test_cpu_bad_attributes_fail_at_creation():
 
 
 def test_host_entry_points_check_inputs():
-    from onnx_lowbit.custom_ops import KernelError, dequantawq_cpu, matmulawq_cpu
+    from onnx_lowbit.custom_ops import KernelError
+    from onnx_lowbit.custom_ops.awq import dequantawq_cpu, matmulawq_cpu
     qw, qz, sc = weights(128, 8)
     with pytest.raises(KernelError, match="'A' must have last dimension K=128"):
         matmulawq_cpu.matmul(np.zeros((1, 127), np.float32), qw, qz, sc, 128, 128, 8)
@@ -202,7 +203,7 @@ def _cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops import dequantawq_cuda, matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import dequantawq_cuda, matmulawq_cuda
     return matmulawq_cuda, dequantawq_cuda
 
 
@@ -303,7 +304,7 @@ def test_cuda_dequant_bit_exact(K, N, G, ct, warps):  # noqa: N803
 
 def _dequant_variants():
     """Every option of dequantawq_cuda.Variant at least once (ct/warps shrunk under the simulator, below)."""
-    from onnx_lowbit.custom_ops.dequantawq_cuda import LEGACY, Variant as A
+    from onnx_lowbit.custom_ops.awq.dequantawq_cuda import LEGACY, Variant as A
     return [LEGACY, A(store="v4"), A(store="v4cs", bps=2), A(store="v4", zpre=True, h2=True, bps=0),
             A(unroll=4, store="v4cs", zpre=True), A(unroll=3, h2=True, bps=1), A(unroll=16, zpre=True, bps=16)]
 
@@ -322,7 +323,7 @@ def test_cuda_dequant_variants_bit_exact(vi):
 
 
 def test_dequant_variant_geometry():
-    from onnx_lowbit.custom_ops import dequantawq_cuda as dc
+    from onnx_lowbit.custom_ops.awq import dequantawq_cuda as dc
     for v in _dequant_variants():
         for K, N in [(4096, 11008), (300, 136), (100, 16)]:  # noqa: N806
             grid, block, rows = dc.geometry(v, K, N, 132)
@@ -342,9 +343,10 @@ def test_dequant_kernel_object_with_a_variant_default(monkeypatch):
 
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
-    from onnx_lowbit.custom_ops import cuda_launch
-    from onnx_lowbit.custom_ops import dequantawq_cuda as dc
-    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
+    from onnx_lowbit.custom_ops.awq import dequantawq_cuda as dc
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
     launches = []
 
     class Lau:
@@ -463,8 +465,10 @@ def sim_kernels(monkeypatch):
     """Kernel classes buildable under the simulator (SM count 1, 4 blocks per SM, tensor cores present)."""
     if not SIM:
         pytest.skip("stand-in launches over host memory: simulator only (on a GPU: test_gpu_session_...)")
-    from onnx_lowbit.custom_ops import cuda_launch, fusedffnawq_cuda, matmulawq_cuda
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
+    from onnx_lowbit.custom_ops.awq import matmulawq_cuda
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
+    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cuda
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1c
     mc, fc = matmulawq_cuda, fusedffnawq_cuda
     monkeypatch.setattr(m1c, "launcher", lambda warps=m1c.WARPS, unroll=m1c.UNROLL, max_registers=None, wpl=m1c.WPL,
                         probe=0, nw=1, mr=1: _SimLauncher(m1c._make(warps, unroll, None, wpl, probe, nw, mr),
@@ -472,16 +476,17 @@ def sim_kernels(monkeypatch):
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     monkeypatch.setattr(mc, "tc_device", lambda: True)
+    monkeypatch.setattr(m1c, "tc_device", lambda: True)
     monkeypatch.setattr(mc, "tc_launcher", lambda nw, *a, **k: _SimLauncher(mc._make_tc(nw, True), mc.tc_sig()))
     monkeypatch.setattr(mc, "launcher", lambda a16, mt, gpt=1: _SimLauncher(
-        mc._make_gemv(mt, a16, gpt=gpt) if mt else mc._make_generic(a16), mc._sig(a16, mt is not None, gpt)))
+        mc.make_gemv(mt, a16, gpt=gpt) if mt else mc.make_generic(a16), mc._sig(a16, mt is not None, gpt)))
     monkeypatch.setattr(fc, "launcher", lambda a16, mt: _SimLauncher(
         fc._make_gemv(mt, a16) if mt else fc._make_generic(a16), fc._sig(a16, mt is not None)))
     return mc, fc
 
 
 def _tensor(a):
-    from onnx_lowbit.custom_ops.bridge import Tensor
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
     et = {np.dtype(np.float32): 1, np.dtype(np.float16): 10, np.dtype(np.int32): 6}[a.dtype]
     return Tensor(a.ctypes.data, et, a.shape)
 
@@ -489,8 +494,8 @@ def _tensor(a):
 def _call(kernel, ctx, arrays, out_shape, dtype):
     """One recorded compute call: (output, plan, its launch's patches {slot: (kind, offset)}, the launch's
     partials and counters as (pointer, nitems, slot))."""
-    from onnx_lowbit.custom_ops import plans
-    from onnx_lowbit.custom_ops.bridge import LbPlan
+    from onnx_lowbit.custom_ops.runtime import plans
+    from onnx_lowbit.custom_ops.runtime.abi import LbPlan
     plan = LbPlan()
     plans.compute_and_record(kernel, ctx, [_tensor(a) if a is not None else None for a in arrays], plan)
     assert plan.valid and plan.n_steps == 1
@@ -519,8 +524,9 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, monkeypat
     per call, recorded as the plan's SCRATCH (patched per replay); the tile counters are the kernel's per-stream
     buffer (unpatched in the plan) and zero after every call; results meet the reference on NaN-filled scratch,
     twice in a row. Without onnxruntime's scratch (< 1.18) the partials are the pool's own per-stream buffer."""
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1c
-    from onnx_lowbit.custom_ops import plans
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1c
+    from onnx_lowbit.custom_ops.device import splitk
+    from onnx_lowbit.custom_ops.runtime import plans
     mc, fc = sim_kernels
     K, N, G = 256, 64, 32  # noqa: N806
     if M == "tc":           # sessions' kernel for M = 9 .. 16 before (still the fallback where the GEMV cannot go)
@@ -571,7 +577,7 @@ def test_session_call_takes_its_partials_from_ort_scratch(sim_kernels, monkeypat
             assert kern.scratch.owned_partials() == 0
         else:
             assert ctx.asked == [] and plan.scratch == 0 and scratch_slots == []   # kept: the pool's, per stream
-            assert part[0] == mc._dptr(kern.scratch._acc[ctx.stream])
+            assert part[0] == splitk._dptr(kern.scratch._acc[ctx.stream])
             assert kern.scratch.owned_partials() == 1
     # another stream gets counters of its own
     assert kern.scratch.counters(8)[0] != kern.scratch.counters(7)[0]
@@ -636,7 +642,9 @@ def test_gpu_session_takes_partials_from_onnxruntime():
     from test_ffn4_kernels import awq_model as ffn_model
     from test_ffn4_kernels import awq_weights, check_awq
 
-    from onnx_lowbit.custom_ops import bridge, fusedffnawq_cuda, matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import matmulawq_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cuda
+    from onnx_lowbit.custom_ops.runtime import bridge
     K, N, G = 2048, 256, 64  # noqa: N806
     qw, qz, sc = weights(K, N, G, seed=10)
     w1, w3 = awq_weights(K, N, G, seed=11)

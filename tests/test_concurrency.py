@@ -56,7 +56,7 @@ def test_openmp_wait_policy(given):
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     if given:
         env["OMP_WAIT_POLICY"] = given
-    code = ("import os, numpy as np; from onnx_lowbit.custom_ops import fusedffn_cpu as f; "
+    code = ("import os, numpy as np; from onnx_lowbit.custom_ops.ffn import fusedffn_cpu as f; "
             "b = np.arange(1, 65, dtype=np.float16).reshape(8, 8); out = np.empty((8, 8), np.float32); "
             "f.widen_f16(b.view(np.uint16), f.F16_TO_F32, out); "
             "print(os.environ['OMP_WAIT_POLICY'], float((out @ out).sum()))")

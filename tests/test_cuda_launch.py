@@ -5,8 +5,8 @@ import ctypes
 
 import pytest
 
-from onnx_lowbit.custom_ops import cuda_launch
-from onnx_lowbit.custom_ops.cuda_launch import Launcher
+from onnx_lowbit.custom_ops.device import launch as cuda_launch
+from onnx_lowbit.custom_ops.device.launch import Launcher
 
 
 class FakeDriver:
@@ -64,7 +64,7 @@ def test_arg_turns_device_arrays_into_pointer_and_size():
     (pointer, shape) pairs unchanged."""
     from types import SimpleNamespace
 
-    from onnx_lowbit.custom_ops.cuda_launch import arg
+    from onnx_lowbit.custom_ops.device.launch import arg
     dev = SimpleNamespace(device_ctypes_pointer=SimpleNamespace(value=0x7F00_0000_1000), size=96)
     assert arg(dev) == (0x7F00_0000_1000, (96,))
     assert arg(7) == 7 and arg((0x1000, (3,))) == (0x1000, (3,))

@@ -1,4 +1,4 @@
-"""custom_ops.direct: a CUDA kernel object called as a session node calls it (for benchmarks).
+"""custom_ops.runtime.direct: a CUDA kernel object called as a session node calls it (for benchmarks).
 
 On the CPU: element types from __cuda_array_interface__, the op variant the bridge would bind, the context's output
 and scratch. On the GPU machine (ONNX_LOWBIT_REAL_GPU=1): MatMulNF4 at M = 1, 2, 5 and FusedFFNNF4 at M = 1 through
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from onnx_lowbit import nf4
-from onnx_lowbit.custom_ops import direct
+from onnx_lowbit.custom_ops.runtime import direct
 
 
 class _Dev:

@@ -100,7 +100,7 @@ def _nf4_cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
     return fusedffnnf4_cuda
 
 
@@ -158,10 +158,11 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
 
 
 def test_nf4_reduce_index_matches_kernel_layout():
-    fc = _nf4_cuda()
+    _nf4_cuda()
+    from onnx_lowbit.custom_ops.nf4 import decode_cuda
     for nv in (4, 8, 16, 32):
         steps = nv.bit_length() - 1
-        seen = {fc.red_index(lane, nv) for lane in range(32) if lane & ((1 << (5 - steps)) - 1) == 0}
+        seen = {decode_cuda.red_index(lane, nv) for lane in range(32) if lane & ((1 << (5 - steps)) - 1) == 0}
         assert seen == set(range(nv))
 
 
@@ -229,7 +230,7 @@ def _awq_cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops import fusedffnawq_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cuda
     return fusedffnawq_cuda
 
 
@@ -472,7 +473,7 @@ def test_nf4_default_is_warpcols_at_k2048(m, monkeypatch):
     """At M = 1, 2 with fp16 X and K = 2048 run_arrays' default (as the session's) is the warp-column kernel (pairs
     of warps at M = 2): the same bits as nf4warp_cuda's, and the block kernel when a table option is given."""
     fc = _nf4_cuda()
-    from onnx_lowbit.custom_ops import nf4warp_cuda
+    from onnx_lowbit.custom_ops.nf4 import nf4warp_cuda
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 2048, 5, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=11)
@@ -492,7 +493,8 @@ def test_nf4_cuda_session_warpcols(monkeypatch):
     reference, the same bits on a second run."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
-    from onnx_lowbit.custom_ops import bridge, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.runtime import bridge
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 2048, 300, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=6)
@@ -517,13 +519,13 @@ def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     weight takes it) and without: outputs against the reference, the same bits on a second run."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
     monkeypatch.setattr(fusedffnnf4_cuda, "WIDE_MIN_K", wide_min_k)
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 512, 72, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=4)
     x, b1, b3 = _data((1, 1), k, n, np.float16, (True, True), 5)
-    from onnx_lowbit.custom_ops import bridge
+    from onnx_lowbit.custom_ops.runtime import bridge
     before = set(bridge._kernels)
     sess = lowbit_session(nf4_model((1, 1), k, n, bs, "nf4", np.float16, ws, b1, b3), ["CUDAExecutionProvider"])
     s1 = sess.run(None, {"x": x})[0]
@@ -549,8 +551,8 @@ def test_nf4_wide_pingpong_is_default_same_bits(n, monkeypatch):
     ws = nf4_weights(k, n, bs, "nf4", seed=31)
     seen = []   # the default really takes the two-buffer loop
     if SIM:
-        make = fc._make_decode
-        monkeypatch.setattr(fc, "_make_decode", lambda *a, **kw: seen.append(kw.get("pingpong")) or make(*a, **kw))
+        make = fc.make_decode
+        monkeypatch.setattr(fc, "make_decode", lambda *a, **kw: seen.append(kw.get("pingpong")) or make(*a, **kw))
     else:       # run_arrays asks launcher(a16, mt, pair, cols, prefetch, pingpong, ...) for occupancy and launch
         lau = fc.launcher
         monkeypatch.setattr(fc, "launcher", lambda *a, **kw: seen.append(a[5] if len(a) > 5 else kw["pingpong"])

@@ -1,4 +1,4 @@
-"""FusedFFN, CUDA face (custom_ops/fusedffn_cuda.py) against the float64 reference onnx_lowbit.ffn.swiglu_ref.
+"""FusedFFN, CUDA face (custom_ops/ffn/fusedffn_cuda.py) against the float64 reference onnx_lowbit.ffn.swiglu_ref.
 
 Runs under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1; small shapes, shrunk blocks: the decode kernel and
 the tiled fallback kernel) or on a real GPU with ONNX_LOWBIT_REAL_GPU=1 (the same cases through the direct
@@ -31,7 +31,7 @@ def _cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops import fusedffn_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda
     return fusedffn_cuda
 
 
@@ -74,7 +74,7 @@ def check(y, x, w1, w3, b1=None, b3=None, g16=False, tf32=False):
 def tf32_gemm(path, wd):
     """Whether a call with this forced path (None: routed) may run fp32-input cuBLAS GEMMs in TF32: fp32 weights
     (fp32 X, or fp16 X widened) on the real GPU with fusedffn_cuda.TF32 on (the simulator has no cuBLAS)."""
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
     return not SIM and fc.TF32 and wd == F32 and path in (None, "gemm")
 
 
@@ -216,7 +216,7 @@ def test_cuda_kn_vs_reference(lead, K, N, xd, wd, hb1, hb3, path):  # noqa: N803
 @pytest.mark.parametrize("variant", [{"db": True}, {"u": 2, "ks": 8}, {"cw": 2, "u": 1}])
 def test_cuda_kn_decode_variants(variant):
     """The K-major decode kernel's options (double-buffered loads, rows per step, split size, column warps)."""
-    from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
+    from onnx_lowbit.custom_ops.ffn import fusedffn_kn_cuda as knm
     _cuda()
     x, w1, w3, b1, b3 = data((2,), 45, 40, F16, F16, True, True, seed=4)
     y = knm.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, block=64, **variant)
@@ -248,7 +248,7 @@ def test_cuda_kn_nonfinite(path):
 def test_cuda_kn_tc_configs(m, k, n, mt, kw, ring):
     """The K-major tensor-core kernel's configurations (row tiles, warps, ring; partial last step, feature tile and
     row tile), NaN in X and in a weight column propagating as in the unfused graph."""
-    from onnx_lowbit.custom_ops import fusedffn_kn_tc_cuda as kntc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_kn_tc_cuda as kntc
     _cuda()
     x, w1, w3, b1, b3 = data((m,), k, n, F16, F16, True, True, seed=m)
     y = kntc.run_arrays(x, np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T), b1, b3, mt=mt, kw=kw, ring=ring)
@@ -263,7 +263,7 @@ def test_cuda_kn_tc_configs(m, k, n, mt, kw, ring):
 def test_kn_tc_configs_fit_static_shared_memory():
     """Every configuration sessions may launch compiles within 48 KiB of static shared memory (the simulator does
     not check it; ptxas refuses more)."""
-    from onnx_lowbit.custom_ops import fusedffn_kn_tc_cuda as kntc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_kn_tc_cuda as kntc
     for _, (mt, kw, ring) in kntc.CONFIGS:
         smem_out = mt > 1 and kntc.red_bytes(mt, kw, True) <= kntc.SMEM_MAX
         assert kntc.red_bytes(mt, kw, smem_out) <= kntc.SMEM_MAX
@@ -378,7 +378,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("lead,K,N,xd,wd,hb1,hb3", GPU_CASES)
 def test_gpu_decode_large(lead, K, N, xd, wd, hb1, hb3):  # noqa: N803
     fc = _cuda()
-    from onnx_lowbit.custom_ops import cublas
+    from onnx_lowbit.custom_ops.device import cublas
     x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, hb1, hb3, seed=5)
     for path in (None, "tiled") + (("gemm",) if cublas.load() is not None else ()):
         check(fc.run_arrays(x, w1, w3, b1, b3, path=path), x, w1, w3, b1, b3, tf32=tf32_gemm(path, wd))
@@ -412,7 +412,7 @@ def test_gpu_prefill(m, xd, wd, monkeypatch):
     """The cuBLAS path for every type pair; fp32-input GEMMs (fp32 W) in TF32 by default and strict fp32 with
     TF32 off (ONNX_LOWBIT_TF32=0), each within its own error bound."""
     fc = _cuda()
-    from onnx_lowbit.custom_ops import cublas
+    from onnx_lowbit.custom_ops.device import cublas
     if cublas.load() is None:
         pytest.skip("no cuBLAS library found")
     x, w1, w3, b1, b3 = data((m,), 520, 200, xd, wd, True, m != 64, seed=m)
@@ -438,7 +438,8 @@ def test_gpu_prefill_takes_its_scratch_from_the_provider():
     fc = _cuda()
     from numba import cuda
 
-    from onnx_lowbit.custom_ops import KernelError, cublas
+    from onnx_lowbit.custom_ops import KernelError
+    from onnx_lowbit.custom_ops.device import cublas
     if cublas.load() is None:
         pytest.skip("no cuBLAS library found")
     m, k, n = 40, 520, 200
@@ -471,7 +472,7 @@ def test_gpu_kn(lead, K, N, xd, wd):  # noqa: N803
     """K-major weights on the GPU, every path (decode: several splits, the tile counters left at zero; cuBLAS with
     fp16 GEMM outputs for fp16 X and W, KN_FP16_SCRATCH, and with fp32 ones)."""
     fc = _cuda()
-    from onnx_lowbit.custom_ops import cublas
+    from onnx_lowbit.custom_ops.device import cublas
     x, w1, w3, b1, b3 = data(lead, K, N, xd, wd, True, N != 512, seed=6)
     w1k, w3k = np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T)
     g16 = xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH
@@ -564,7 +565,7 @@ def test_ort_cuda_session_kn(xd, wd):
         x, w1, w3, b1, b3 = data(lead, k, n, xd, wd, True, True, seed=sum(lead))
         y = sess.run(None, {"X": x, "W1": np.ascontiguousarray(w1.T), "W3": np.ascontiguousarray(w3.T), "B1": b1,
                             "B3": b3})[0]
-        from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+        from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
         check(y, x, w1, w3, b1, b3, xd == F16 and wd == F16 and fc.KN_FP16_SCRATCH and x.size > 2 * k,
               tf32=tf32_gemm(None, wd))
 

@@ -1,4 +1,4 @@
-"""FusedFFN CPU kernel (custom_ops/fusedffn_cpu.py) through onnxruntime sessions, against onnx_lowbit.ffn.
+"""FusedFFN CPU kernel (custom_ops/ffn/fusedffn_cpu.py) through onnxruntime sessions, against onnx_lowbit.ffn.
 
 Tolerances. The kernel sums K products in fp32 (SIMD-reassociated in the decode path, BLAS sgemm past M = 16),
 adds the bias, computes SiLU(g) * u in fp32 and rounds once to X's type. With E1 = sum_k |x_k w1_nk| + |b1_n| and
@@ -299,7 +299,7 @@ def test_fp16_widening_is_exact_for_every_pattern():
     table the prefill path widens with."""
     from numba import njit
 
-    from onnx_lowbit.custom_ops import fusedffn_cpu as fcpu
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cpu as fcpu
 
     @njit
     def widen(h):

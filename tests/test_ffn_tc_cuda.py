@@ -1,4 +1,4 @@
-"""FusedFFN's tensor-core kernel for fp16 X and W at small M (custom_ops/fusedffn_tc_cuda.py) against the float64
+"""FusedFFN's tensor-core kernel for fp16 X and W at small M (custom_ops/ffn/fusedffn_tc_cuda.py) against the float64
 reference, with test_ffn_cuda's per-output bound (fp32 sums in any order) and the issue's 1e-3 bar (NaN / Inf:
 test_ffn_cuda.test_cuda_nonfinite, path 'tc').
 
@@ -19,7 +19,7 @@ def _tc():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops import fusedffn_tc_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffn_tc_cuda
     return fusedffn_tc_cuda
 
 
@@ -53,7 +53,7 @@ def test_tc_vs_reference(lead, K, N, hb1, hb3, cfg):  # noqa: N803
 def test_tc_through_the_op_dispatch(m):
     """fusedffn_cuda.run_arrays takes the tensor-core kernel at M in [TC_MIN_M, TC_MAX_M] with fp16 X and W (forced and
     auto) and gives the same result."""
-    from onnx_lowbit.custom_ops import fusedffn_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda
     tc = _tc()
     assert fusedffn_cuda.TC_MIN_M <= m <= fusedffn_cuda.TC_MAX_M
     x, w1, w3, b1, b3 = data((m,), 104, 24, F16, F16, True, True, seed=m)
@@ -65,7 +65,8 @@ def test_tc_through_the_op_dispatch(m):
 
 def test_tc_config_and_limits():
     tc = _tc()
-    from onnx_lowbit.custom_ops import KernelError, fusedffn_cuda
+    from onnx_lowbit.custom_ops import KernelError
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda
     rows = [r for r, _ in tc.CONFIGS]
     assert rows == sorted(rows) and rows[-1] == fusedffn_cuda.TC_MAX_M and fusedffn_cuda.TC_MIN_M == 3
     for m in range(1, 80):
@@ -91,7 +92,7 @@ def test_tc_config_and_limits():
 @pytest.mark.skipif(SIM, reason="real GPU only (LLaMA-size shapes)")
 @pytest.mark.parametrize("m", [3, 8, 16, 24, 32])
 def test_gpu_tc_large(m):
-    from onnx_lowbit.custom_ops import fusedffn_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda
     x, w1, w3, b1, b3 = data((m,), 4096, 1000, F16, F16, True, True, seed=m)
     y = fusedffn_cuda.run_arrays(x, w1, w3, b1, b3)          # routed to the tensor-core kernel
     check(y, x, w1, w3, b1, b3)
@@ -104,7 +105,8 @@ def test_gpu_unaligned_x_leaves_the_tc_kernel():
     """X not 16-byte aligned: the kernel object takes the cuBLAS path (auto) or refuses 'tc' (forced)."""
     from numba import cuda
 
-    from onnx_lowbit.custom_ops import KernelError, fusedffn_cuda
+    from onnx_lowbit.custom_ops import KernelError
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda
     m, k, n = 5, 256, 40
     x, w1, w3, b1, _ = data((m,), k, n, F16, F16, True)
     bx = cuda.to_device(np.concatenate([np.zeros(1, F16), x.reshape(-1)]).view(np.uint16))

@@ -17,7 +17,7 @@ if not SIM:
     if not cuda.is_available():
         pytest.skip("no GPU and the CUDA simulator is off", allow_module_level=True)
 
-from onnx_lowbit.custom_ops import fplut_cuda  # noqa: E402
+from onnx_lowbit.custom_ops.fplut import fplut_cuda  # noqa: E402
 
 SIZES = [1, 3, 4, 5, 31, 257] + ([] if SIM else [65536 * 3 + 1, 1 << 22])
 

@@ -1,4 +1,4 @@
-"""QuantGRU CUDA kernel (custom_ops/quantgru_cuda.py) bit-exact against the integer reference
+"""QuantGRU CUDA kernel (custom_ops/gru/quantgru_cuda.py) bit-exact against the integer reference
 onnx_lowbit.gru_int.quant_gru.
 
 Kernel level: ``run_arrays`` under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, tiny shapes, one launch per
@@ -30,7 +30,7 @@ def _cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops import quantgru_cuda
+    from onnx_lowbit.custom_ops.gru import quantgru_cuda
     return quantgru_cuda
 
 
@@ -314,7 +314,7 @@ def _prep_inputs(bits, direction, H, seed, valid=True):  # noqa: N803
     _, attrs = random_case(2, 2, 3, H, bits, direction, seed=seed, lens=False, h0=False)
     a = gru_int.GRUAttrs(H, bits, attrs["exponents"], attrs["zero_points"], direction)
     d = a.num_directions
-    from onnx_lowbit.custom_ops.quantgru_prep_cuda import standin_channel_exp
+    from onnx_lowbit.custom_ops.gru.quantgru_prep_cuda import standin_channel_exp
     low = standin_channel_exp(a).astype(np.int64)           # the smallest valid exponent of every entry
     if valid:
         ce = rng.integers(low, gru_int.MAX_EXP + 1)
@@ -349,7 +349,7 @@ def test_prep_kernel_equals_host_parameters(bits, direction):
     """On valid inputs the device's per-channel parameters equal the host reference (channel_params) bit for bit;
     the lengths are sequence_lens (or T), the barrier counters 0 (the scratch was filled with 0xA5 first)."""
     qg = _cuda()
-    from onnx_lowbit.custom_ops.quantgru_prep_cuda import channel_params
+    from onnx_lowbit.custom_ops.gru.quantgru_prep_cuda import channel_params
     for seed in range(3):
         a, B, ce = _prep_inputs(bits, direction, 5 + seed, seed)
         X = np.zeros((4, 3, 2), np.float32)
@@ -404,7 +404,7 @@ class FakeContext:
 
     def output(self, index, shape):
         from numba import cuda
-        from onnx_lowbit.custom_ops.quantgru_cuda import _dptr
+        from onnx_lowbit.custom_ops.gru.quantgru_cuda import _dptr
         n = int(np.prod(shape))
         a = cuda.to_device(np.full(max(n, 1), np.nan, np.float32))
         self.outs[index] = (a, tuple(shape))
@@ -415,7 +415,7 @@ class FakeContext:
 
     def scratch(self, nbytes):
         from numba import cuda
-        from onnx_lowbit.custom_ops.quantgru_cuda import _dptr
+        from onnx_lowbit.custom_ops.gru.quantgru_cuda import _dptr
         buf = cuda.to_device(np.full(max(nbytes, 1), 0xA5, np.uint8))
         self.scratches.append(buf)
         if self.recorder is not None:
@@ -431,7 +431,7 @@ class FakeContext:
 
 def ort_kernel(attrs):
     from onnx_lowbit import domain
-    from onnx_lowbit.custom_ops.quantgru_cuda import QuantGRUCudaKernel
+    from onnx_lowbit.custom_ops.gru.quantgru_cuda import QuantGRUCudaKernel
     qt = 3 if attrs["bits"] == 8 else 5
     return QuantGRUCudaKernel(spec=domain.OPS["QuantGRU"], attrs=dict(attrs), node_name="gru0",
                               in_types=[1, qt, qt, 6, 6, qt, 6, 1], out_types=[1, 1])
@@ -443,8 +443,8 @@ ELEM = {np.dtype(np.float32): 1, np.dtype(np.int8): 3, np.dtype(np.int16): 5, np
 def tensors(args):
     """bridge.Tensor views of device copies of host arrays (None for absent inputs), and the copies."""
     from numba import cuda
-    from onnx_lowbit.custom_ops.bridge import Tensor
-    from onnx_lowbit.custom_ops.quantgru_cuda import _dptr
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.gru.quantgru_cuda import _dptr
     keep = [None if v is None else cuda.to_device(np.ascontiguousarray(v).reshape(-1) if v.size
                                                   else np.zeros(1, v.dtype)) for v in args]
     return [None if v is None else Tensor(_dptr(d), ELEM[v.dtype], tuple(v.shape)) for v, d in zip(args, keep)], keep
@@ -487,8 +487,8 @@ def test_ort_compute_bad_values_are_clamped_not_raised():
     their targets as the smallest valid ones (every per-channel shift clamped to 0) -- no error, no read past
     the inputs; the shape errors stay onnxruntime errors."""
     _cuda()
-    from onnx_lowbit.custom_ops.bridge import KernelError
-    from onnx_lowbit.custom_ops.quantgru_prep_cuda import standin_channel_exp
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
+    from onnx_lowbit.custom_ops.gru.quantgru_prep_cuda import standin_channel_exp
     args, attrs = random_case(3, 4, 3, 4, 8, "reverse", seed=23)
     X, W, R, B, ch, luts, sl, ih = args
     k = ort_kernel(attrs)
@@ -513,10 +513,10 @@ def test_ort_compute_bad_values_are_clamped_not_raised():
 def _replay(plan, ins, outs, scratch, bits):
     """What the shim's replay does (ortshim.c run_plan), with the simulator's launchers: every recorded step with
     this call's input / output / scratch pointers patched in."""
-    from onnx_lowbit.custom_ops import plans
-    from onnx_lowbit.custom_ops import quantgru_cuda as qg
-    from onnx_lowbit.custom_ops import quantgru_prep_cuda as qp
-    from onnx_lowbit.custom_ops.cuda_launch import Array, SimLauncher
+    from onnx_lowbit.custom_ops.runtime import plans
+    from onnx_lowbit.custom_ops.gru import quantgru_cuda as qg
+    from onnx_lowbit.custom_ops.gru import quantgru_prep_cuda as qp
+    from onnx_lowbit.custom_ops.device.launch import Array, SimLauncher
     wdt = np.int8 if bits == 8 else np.int16
     kernels = {id(qp.prep): SimLauncher(qp.prep, qp.signature())}
     kernels.update({id(f): SimLauncher(f, qg._sig_xproj(wdt)) for f in qg._xproj_fns.values()})
@@ -554,9 +554,9 @@ def test_native_plan_replays_bit_exact(H, direction):  # noqa: N803
     on new inputs, outputs and a new scratch, gives the reference's result for the new inputs; the only pointers
     not patched are the node's read-only Params. Without onnxruntime's scratch the call is not replayable."""
     _cuda()
-    from onnx_lowbit.custom_ops import plans
-    from onnx_lowbit.custom_ops import quantgru_cuda as qg
-    from onnx_lowbit.custom_ops.bridge import LbPlan
+    from onnx_lowbit.custom_ops.runtime import plans
+    from onnx_lowbit.custom_ops.gru import quantgru_cuda as qg
+    from onnx_lowbit.custom_ops.runtime.abi import LbPlan
     assert qg.QuantGRUCudaKernel.native_plans is True
     args, attrs = random_case(3, 2, 3, H, 16, direction, seed=H)
     k = ort_kernel(attrs)
@@ -590,7 +590,7 @@ def test_cooperative_launch_is_never_recorded_as_a_plain_one():
     never kept as a plain cuLaunchKernel step."""
     import ctypes
     qg = _cuda()
-    from onnx_lowbit.custom_ops import plans
+    from onnx_lowbit.custom_ops.runtime import plans
 
     class Launched:   # Launcher.launch's recording, without a GPU
         def launch(self, *args, **kw):

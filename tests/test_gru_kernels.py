@@ -174,7 +174,7 @@ def test_bad_inputs():
 
 
 def test_empty_shapes():
-    from onnx_lowbit.custom_ops import quantgru_cpu
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
     X, p, _, _, _ = random_gru(5, 2, 3, 4, "bidirectional", 16, seed=4)
     kw = dict(hidden_size=4, bits=16, exponents=p["exponents"], zero_points=p["zero_points"],
               direction="bidirectional")

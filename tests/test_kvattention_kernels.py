@@ -1,5 +1,5 @@
-"""KVAttention: reference (onnx_lowbit.kvattention), CPU face (custom_ops/kvattention_cpu.py) and CUDA face
-(custom_ops/kvattention_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
+"""KVAttention: reference (onnx_lowbit.kvattention), CPU face (custom_ops/attention/kvattention_cpu.py) and CUDA face
+(custom_ops/attention/kvattention_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
 
 The sums run in fp32 in another order than the reference's float64, so the kernels agree with the reference within
 those sums (fp32) or within one fp16 rounding of a score or probability (fp16), not bit for bit; the non-finite
@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers import SimContext, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import domain, kvattention
-from onnx_lowbit.custom_ops import kvattention_cpu, kvattention_cuda
+from onnx_lowbit.custom_ops.attention import kvattention_cpu, kvattention_cuda
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -192,7 +192,7 @@ def test_cuda_kernel_refuses_too_many_keys():
 def test_cuda_kernel_key_limit_follows_the_device(monkeypatch):
     """Above 48 KiB of shared memory the launch opts in to the device's own limit (cuda_launch.shared_optin; a
     stand-in here: 99 KiB, as sm_86 / sm_89 give): the error names that device's key limit, not Hopper's."""
-    from onnx_lowbit.custom_ops import cuda_launch
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
     monkeypatch.setattr(kvattention_cuda, "SIM", False)
     monkeypatch.setattr(kvattention_cuda, "_limits", {})
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
@@ -222,7 +222,8 @@ def test_gpu_large(case, dt):
 def test_cuda_kernel_object_compute(dt, with_mask):
     """The kernel object as a session calls it: validates shapes, allocates the output, launches once; bad shapes
     name the problem."""
-    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
     et = int(ET[dt])
     case = CASES[0]
     kern = kvattention_cuda.KERNEL(spec=domain.OPS["KVAttention"], attrs={"scale": case[7]}, node_name="att0",

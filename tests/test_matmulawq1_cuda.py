@@ -1,4 +1,4 @@
-"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/matmulawq1_cuda: M = 1, and up to 16 rows per launch in chunks
+"""MatMulAWQ's small-M tensor-core GEMV (custom_ops/awq/matmulawq1_cuda: M = 1, and up to 16 rows per launch in chunks
 of 8) against the numpy reference (onnx_lowbit.awq):
 under Numba's CUDA simulator in CI (small shapes, 2 warps per block), on the GPU with ONNX_LOWBIT_REAL_GPU=1 (the
 session configuration too). Its session dispatch is tested in test_awq_kernels.py (scratch cases) and through
@@ -49,7 +49,7 @@ GPU_CASES = [(4096, 11008, 128, 2, 4, None, True), (2048, 2048, 128, 1, 4, None,
 @pytest.mark.parametrize("K,N,G,wpl,unroll,gpw,hb", CASES + ([] if SIM else GPU_CASES))
 def test_gemv1_vs_reference(K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     _cuda()
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     w = _weights(K, N, G, seed=K + N)
     rng = np.random.default_rng(K)
     x = (rng.standard_normal((1, K)) * 0.5).astype(np.float16)
@@ -74,7 +74,7 @@ MGPU_CASES = [(4, 4096, 11008, 128, 1, 4, None, True), (8, 2048, 2048, 128, 1, 4
 @pytest.mark.parametrize("M,K,N,G,wpl,unroll,gpw,hb", MCASES + ([] if SIM else MGPU_CASES))
 def test_gemv8_vs_reference(M, K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     _cuda()
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     w = _weights(K, N, G, seed=K + N + M)
     rng = np.random.default_rng(K + M)
     x = (rng.standard_normal((M, K)) * 0.5).astype(np.float16)
@@ -89,7 +89,7 @@ def test_gemv8_rows_stay_apart(M, nan_row, inf_row):  # noqa: N803
     """A NaN or Inf in one row of X reaches only that row's outputs (each row has its own S and B column); the
     other rows meet the reference."""
     _cuda()
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     K, N, G = 64, 16, 32  # noqa: N806
     w = _weights(K, N, G, seed=15)
     kw = {"wpl": 1, "unroll": 2} if SIM else {}
@@ -106,7 +106,7 @@ def test_gemv8_rows_stay_apart(M, nan_row, inf_row):  # noqa: N803
 def test_gemv1_is_deterministic():
     """The K splits are added in split order by the last block of each tile: the same bits every launch."""
     _cuda()
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     K, N, G = (128, 16, 32) if SIM else (4096, 2048, 128)  # noqa: N806
     w = _weights(K, N, G, seed=3)
     x = np.random.default_rng(4).standard_normal((1, K)).astype(np.float16)
@@ -121,7 +121,7 @@ def test_gemv1_is_deterministic():
 def test_gemv1_nan_inf():
     """A NaN in x makes every output NaN, an Inf every output non-finite (as the CPU face: docs/reliability.md)."""
     _cuda()
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     K, N, G = 64, 16, 32  # noqa: N806
     w = _weights(K, N, G, seed=5)
     kw = {"wpl": 1, "unroll": 2} if SIM else {}
@@ -133,7 +133,7 @@ def test_gemv1_nan_inf():
 
 
 def test_config_and_plan():
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     # what sessions take on 132 SMs: wpl 2 where the wpl 1 grid would not fit one wave, else wpl 1
     assert m1.config(True, 4096, 11008, 128, 132) == (4, 4, None, 2)
     assert m1.config(True, 2048, 2048, 128, 132) == (4, 4, None, 1)
@@ -170,7 +170,7 @@ def test_gemv1_ffn_vs_reference(M, K, N, G, unroll, gpw, biases):  # noqa: N803
     _cuda()
     from test_ffn4_kernels import awq_weights, check_awq
 
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     w1, w3 = awq_weights(K, N, G, seed=2)
     rng = np.random.default_rng(K + 1)
     x = (rng.standard_normal((M, K)) * 0.5).astype(np.float16)
@@ -182,8 +182,8 @@ def test_gemv1_ffn_vs_reference(M, K, N, G, unroll, gpw, biases):  # noqa: N803
 def test_host_runner_checks_inputs():
     """run / run_arrays check shapes as a session does (the kernel reads all Kp rows of qweight), and refuse
     products the kernel cannot take, before any launch."""
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
-    from onnx_lowbit.custom_ops.bridge import KernelError
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
     K, N, G = 100, 16, 32  # noqa: N806
     qw, qz, sc = _weights(K, N, G, seed=9)
     x = np.ones((1, K), np.float16)

@@ -26,7 +26,7 @@ def _rows(m, k, dtype, seed=0):
 @pytest.mark.parametrize("m", [1, 3])
 def test_matmulnf4_cuda_nan_inf_rows(m):
     _cuda()
-    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
     k, n, bs = 64, 8, 32
     q, am = nf4.quantize(np.random.default_rng(1).standard_normal((k, n)).astype(np.float32), "nf4", bs)
     code = nf4.code("nf4").astype(np.float32)
@@ -47,7 +47,7 @@ def test_matmulnf4_cuda_nan_inf_rows(m):
 
 def test_matmulawq_cuda_nan_inf_rows():
     _cuda()
-    from onnx_lowbit.custom_ops import matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import matmulawq_cuda
     k, n, g = 64, 16, 32
     qw, qz, sc = awq.quantize_rtn(np.random.default_rng(1).standard_normal((k, n)).astype(np.float32), g)
     a = _rows(3, k, np.float32)
@@ -63,7 +63,7 @@ def test_fplut_cuda_nan_inf():
     _cuda()
     from helpers import SEED, seed_table
     from onnx_lowbit import fplut
-    from onnx_lowbit.custom_ops import fplut_cuda
+    from onnx_lowbit.custom_ops.fplut import fplut_cuda
     x = np.array([np.nan, np.inf, -np.inf, 65504.0, -60000.0, 0.5, 1e30, -1e30], np.float32)
     kw = {"block": 32} if SIM else {}
     y = fplut_cuda.run_arrays(x, SEED, seed_table().values, **kw)

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 import onnx_lowbit
-from onnx_lowbit.custom_ops import bridge
+from onnx_lowbit.custom_ops.runtime import bridge
 
 from helpers import same_in_threads, swiglu_mlp, skip_module_unless_cuda_sessions
 
@@ -118,20 +118,20 @@ def _ffn_session(xd, wd, graph=False):
 
 @pytest.fixture
 def cublas_lib():
-    from onnx_lowbit.custom_ops import cublas
+    from onnx_lowbit.custom_ops.device import cublas
     if cublas.load() is None:
         pytest.skip("no cuBLAS library found (prefill shapes take the tiled kernel, no scratch)")
 
 
 def _scratch_bytes(m, xd, wd):
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
     return fc.prefill_plan(m, FK, FN, xd == np.float16, wd == np.float16)[4][2]
 
 
 def _no_own_scratch():
     """No FusedFFN kernel of this process used a scratch buffer of its own (only direct calls outside onnxruntime
     do)."""
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
     ks = [k for k in list(bridge._kernels.values()) if isinstance(k, fc.FusedFFNCudaKernel)]
     return ks and all(k._direct is None for k in ks)
 
@@ -158,7 +158,7 @@ def test_prefill_fusedffn_is_served_natively(m, xd, wd, cublas_lib):
     """M = 8, 64 take the cuBLAS path (convert, two GEMMs, SiLU*mul): the first run records it, later runs replay
     it from C (no Python call); every output equals the first and meets the reference tolerance."""
     from test_ffn_cuda import check, data
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
     assert m > fc.DECODE_MAX_M
     x, w1, w3, b1, b3 = data((1, m), FK, FN, xd, wd, True, True, seed=m)
     sess = _ffn_session(xd, wd)
@@ -237,7 +237,7 @@ GRU_CASES = {"H4-int8-fwd": (4, 8, "forward", 0, False, False),            # gro
 
 def _coop_steps():
     """Whether the bridge replays cooperative launches natively (plans.Recorder.mark_cooperative)."""
-    from onnx_lowbit.custom_ops import plans
+    from onnx_lowbit.custom_ops.runtime import plans
     return hasattr(plans.Recorder, "mark_cooperative")
 
 
@@ -284,7 +284,7 @@ def _same_outputs(got, want):
 
 
 def _no_own_gru_scratch():
-    from onnx_lowbit.custom_ops import quantgru_cuda as qg
+    from onnx_lowbit.custom_ops.gru import quantgru_cuda as qg
     ks = [k for k in list(bridge._kernels.values()) if isinstance(k, qg.QuantGRUCudaKernel)]
     return ks and all(not k._own for k in ks)
 

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnx_lowbit
 from onnx_lowbit import domain, nf4
-from onnx_lowbit.custom_ops.cuda_launch import SimLauncher
+from onnx_lowbit.custom_ops.device.launch import SimLauncher
 
 CASES = [  # M (leading dims), K, N, block size, quant type, dtype, bias
     ((1,), 64, 16, 32, "nf4", np.float32, True),
@@ -123,7 +123,7 @@ def _cuda_ok():
 @pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
 @pytest.mark.parametrize("lead,k,n,bs,qt,dtype,bias", CASES)
 def test_matmul_cuda_kernel(lead, k, n, bs, qt, dtype, bias):
-    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
     q, am = _quantized(k, n, bs, qt)
     rng = np.random.default_rng(2)
     a = rng.standard_normal(lead + (k,)).astype(dtype)
@@ -143,7 +143,7 @@ def test_matmul_cuda_kernel(lead, k, n, bs, qt, dtype, bias):
                                                   (512, 37, 64, "fp4", np.float32, False)])  # full warp
 def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias):
     """The M=1 kernel on column slices of several steps with a partial last one, and its variants."""
-    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
     q, am = _quantized(k, n, bs, qt, seed=4)
     rng = np.random.default_rng(5)
     a = rng.standard_normal((1, k)).astype(dtype)
@@ -164,7 +164,7 @@ def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias):
 @pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
 @pytest.mark.parametrize("transposed", [False, True])
 def test_dequant_cuda_kernel(transposed):
-    from onnx_lowbit.custom_ops import dequantnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cuda
     for k, n, bs, qt in [(688, 8, 64, "fp4"), (64, 16, 32, "nf4"), (33, 3, 32, "nf4")]:
         q, am = _quantized(k, n, bs, qt)
         w = dequantnf4_cuda.run_arrays(q, am, nf4.code(qt).astype(np.float32), k, n, bs, transposed)
@@ -189,7 +189,7 @@ def test_matmul_cuda_session(lead, k, n, bs, qt, dtype, bias):
 def _dequant_variants():
     """Every option of the transposed=1 kernel at least once (dequantnf4_cuda.Variant), with a small block and grids
     of 1 block per SM (grid-stride over several tiles) or one block per tile (bps=0). ``sms`` = 1 below."""
-    from onnx_lowbit.custom_ops.dequantnf4_cuda import LEGACY, Variant as V
+    from onnx_lowbit.custom_ops.nf4.dequantnf4_cuda import LEGACY, Variant as V
     return [LEGACY, V(4, 2, 32, 1, "v4"), V(4, 1, 32, 0, "scalar"), V(8, 2, 32, 1, "v4cs"), V(8, 4, 64, 0, "scalar"),
             V(16, 1, 32, 1, "v4"), V(16, 2, 32, 0, "v4cs", h2=True), V(32, 1, 32, 1, "v4", "nc"),
             V(32, 2, 32, 0, "v4cs", "nc_na", h2=True), V(32, 1, 64, 1, "scalar", "ld")]
@@ -202,7 +202,7 @@ def test_dequant_cuda_variants(vi, adt):
     """Each kernel variant bit-exact with the CPU face (fp32 and fp16 output): element counts that are odd (the
     last byte's low nibble unused), not multiples of a step (a tail of 1..epv-1 elements), a partial last block,
     K not a multiple of the block (blocks straddle rows of W^T), fewer elements than one step."""
-    from onnx_lowbit.custom_ops import dequantnf4_cpu, dequantnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cpu, dequantnf4_cuda
     v = _dequant_variants()[vi]
     for k, n, bs, qt in [(33, 3, 32, "nf4"), (100, 7, 32, "fp4"), (96, 5, 64, "nf4"), (1, 5, 32, "nf4")]:
         q, am = _quantized(k, n, bs, qt, seed=vi)
@@ -217,7 +217,7 @@ def test_dequant_cuda_variants(vi, adt):
 def test_dequant_variant_launch_arguments():
     """rows_args / geometry: the views a variant's kernel gets stay inside the input and output buffers, and the
     alignment a variant asks of them matches its loads and stores."""
-    from onnx_lowbit.custom_ops import dequantnf4_cuda as dq
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cuda as dq
     for v in _dequant_variants():
         for total in (1, 99, 700, 4096 * 11008):
             for f16 in (False, True):
@@ -264,10 +264,12 @@ def test_dequant_kernel_object_default_and_fallback(monkeypatch, adt):
     import ctypes
     from types import SimpleNamespace
 
-    from onnx_lowbit.custom_ops import cuda_launch, dequantnf4_cpu
-    from onnx_lowbit.custom_ops import dequantnf4_cuda as dq
-    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
-    from onnx_lowbit.custom_ops.cuda_launch import Array
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cpu
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cuda as dq
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
+    from onnx_lowbit.custom_ops.device.launch import Array
     vec = dq.Variant(8, 2, 32, 1, "v4") if adt == np.float32 else dq.Variant(16, 1, 32, 0, "v4cs", h2=True)
     launchers = []
 
@@ -334,7 +336,7 @@ def _nbits_weights(k, n, bs, seed):
 def test_int4_nbits_layout_m1_kernel(k, n, bs, dtype, bias):
     """The decode generator's experimental int4 mode (MatMulNBits layout: low nibble first, zero points two per
     byte or 8 without them) against the weights it stands for, with and without zero points, NaN in x included."""
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     b, s, zp, w, w8 = _nbits_weights(k, n, bs, seed=k + n)
     rng = np.random.default_rng(5)
     a = (rng.standard_normal((1, k)) * 0.5).astype(dtype)
@@ -357,7 +359,7 @@ def test_int4_nbits_layout_m1_kernel(k, n, bs, dtype, bias):
 def test_matmul_cuda_m1_default_h2(monkeypatch):
     """fp16 A at M = 1 from K = M1_H2_MIN_K (lowered here so a small weight takes it) runs the packed-fp16 decode by
     default, fp32 A never does, ONNX_LOWBIT_FP32_DECODE=1 keeps fp32: the routes, and the default's outputs."""
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     assert mc.m1_h2(np.float16, 4096) == mc.M1_H2_WIDE == 4 and mc.m1_wide(np.float16, 4096)
     assert mc.m1_h2(np.float16, 4112) == mc.M1_H2 == 2 and not mc.m1_wide(np.float16, 4112)   # K % 32 != 0
@@ -394,7 +396,7 @@ def test_matmul_cuda_session_m1_h2(m1_h2_min_k, wide_min_k, m, monkeypatch):
     twice."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.setattr(mc, "M1_H2_MIN_K", m1_h2_min_k)
     monkeypatch.setattr(mc, "M1_WIDE_MIN_K", wide_min_k)
     monkeypatch.setattr(mc, "M2_DECODE", m > 1)
@@ -416,7 +418,7 @@ def test_matmul_cuda_m2_decode(m, n, monkeypatch):
     """The two-row decode kernel (M2_DECODE, wide, chains of 4; M2_MAX_M raised so that M = 5 runs as row chunks):
     every row the same bits as the M = 1 wide kernel on that row alone, against the reference, a NaN row stays
     NaN and the others finite."""
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     monkeypatch.setattr(mc, "M2_DECODE", True)
     monkeypatch.setattr(mc, "M2_MAX_M", 5)

@@ -1,4 +1,4 @@
-"""The balanced NF4/FP4 tensor-core GEMV (custom_ops/nf4mma_cuda.py: MatMulNF4 nw=1, FusedFFNNF4 nw=2) against
+"""The balanced NF4/FP4 tensor-core GEMV (custom_ops/nf4/nf4mma_cuda.py: MatMulNF4 nw=1, FusedFFNNF4 nw=2) against
 onnx_lowbit's float64 references, under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small shapes) or on a real
 GPU (ONNX_LOWBIT_REAL_GPU=1). Bar: max |y - ref| / max |ref| <= 2^-10 for MatMul, 2^-9 for SwiGLU (its product
 compounds two such errors; 1.04e-3 on one case here, the same bits as nf4tc_cuda's): fp16 X and output, code
@@ -20,7 +20,7 @@ SIM = bool(config.ENABLE_CUDASIM)
 def _mod():
     if not SIM and not os.environ.get("ONNX_LOWBIT_REAL_GPU"):
         pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a GPU (ONNX_LOWBIT_REAL_GPU=1)")
-    from onnx_lowbit.custom_ops import nf4mma_cuda
+    from onnx_lowbit.custom_ops.nf4 import nf4mma_cuda
     return nf4mma_cuda
 
 
@@ -85,7 +85,7 @@ def test_fusedffnnf4_session_routes_mma(m, monkeypatch):
     from helpers import lowbit_session, ort_cuda_or_skip
     from test_ffn4_kernels import nf4_model, nf4_weights
     ort_cuda_or_skip()
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
     monkeypatch.setattr(fusedffnnf4_cuda, "MMA_MIN_KN", 0)
     k, n, bs = 512, 72, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=4)
@@ -98,6 +98,6 @@ def test_fusedffnnf4_session_routes_mma(m, monkeypatch):
     s2 = sess.run(None, {"x": x})[0]
     assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
     assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 2.0 ** -9
-    from onnx_lowbit.custom_ops import nf4mma_cuda
+    from onnx_lowbit.custom_ops.nf4 import nf4mma_cuda
     assert m in fusedffnnf4_cuda.MMA_M
     assert (2, nf4mma_cuda.MAX_M, nf4mma_cuda.WARPS, None, nf4mma_cuda.DEPTH) in nf4mma_cuda._launchers

@@ -1,4 +1,4 @@
-"""The NF4/FP4 tensor-core decode kernel (custom_ops/nf4tc_cuda.py: MatMulNF4 nw=1, FusedFFNNF4 nw=2) against
+"""The NF4/FP4 tensor-core decode kernel (custom_ops/nf4/nf4tc_cuda.py: MatMulNF4 nw=1, FusedFFNNF4 nw=2) against
 onnx_lowbit's float64 references, under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small shapes) or on a real
 GPU (ONNX_LOWBIT_REAL_GPU=1). Bar: max |y - ref| / max |ref| <= 2^-10 (fp16 X and output; the code values are
 rounded to fp16 inside, <= 2^-12 relative per weight). Non-finite X: only that row is non-finite."""
@@ -16,7 +16,7 @@ SIM = bool(config.ENABLE_CUDASIM)
 def _mod():
     if not SIM and not os.environ.get("ONNX_LOWBIT_REAL_GPU"):
         pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a GPU (ONNX_LOWBIT_REAL_GPU=1)")
-    from onnx_lowbit.custom_ops import nf4tc_cuda
+    from onnx_lowbit.custom_ops.nf4 import nf4tc_cuda
     return nf4tc_cuda
 
 
@@ -131,10 +131,13 @@ def test_matmulnf4_session_call_on_halves(halves, m, n, bias, monkeypatch):
     from types import SimpleNamespace
 
     from onnx_lowbit import domain
-    from onnx_lowbit.custom_ops import cuda_launch, matmulnf4_cuda, plans
-    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
-    from onnx_lowbit.custom_ops.bridge import LbPlan, Tensor
-    from onnx_lowbit.custom_ops.cuda_launch import SimLauncher
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
+    from onnx_lowbit.custom_ops.runtime import plans
+    from onnx_lowbit.custom_ops.nf4 import nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.runtime.abi import LbPlan
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.device.launch import SimLauncher
 
     class Sim(SimLauncher):
         def blocks_per_sm(self, block, shmem=None):

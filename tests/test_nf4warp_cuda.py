@@ -1,4 +1,4 @@
-"""The warp-column NF4/FP4 decode kernel (custom_ops/nf4warp_cuda.py: FusedFFNNF4 and MatMulNF4 at M = 1, fp16 X,
+"""The warp-column NF4/FP4 decode kernel (custom_ops/nf4/nf4warp_cuda.py: FusedFFNNF4 and MatMulNF4 at M = 1, fp16 X,
 K % 1024 == 0) under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small grids) or on a real GPU
 (ONNX_LOWBIT_REAL_GPU=1).
 
@@ -24,7 +24,8 @@ TOL = 2.0 ** -10
 def _mods():
     if not SIM and not os.environ.get("ONNX_LOWBIT_REAL_GPU"):
         pytest.skip("needs NUMBA_ENABLE_CUDASIM=1 or a GPU (ONNX_LOWBIT_REAL_GPU=1)")
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda, nf4warp_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import nf4warp_cuda
     return nf4warp_cuda, fusedffnnf4_cuda
 
 
@@ -86,7 +87,7 @@ def test_warpcols_swiglu_two_rows(k, n, bs, qt, biases, warps, blocks, split):
 @pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", CASES + ([] if SIM else GPU_CASES))
 def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks, split):
     wc, _ = _mods()
-    from onnx_lowbit.custom_ops import matmulnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
     q, am = nf4_weights(k, n, bs, qt, seed=k + n)[:2]
     rng = np.random.default_rng(k)
     x = rng.standard_normal((1, k)).astype(np.float16)
@@ -154,7 +155,9 @@ def test_h2_table_build_store_widths_agree(threads):
                     "whose results depend on every entry, cover the build)")
     from numba import cuda, uint32
 
-    from onnx_lowbit.custom_ops import dequantawq_cuda, fusedffnnf4_cuda, half2
+    from onnx_lowbit.custom_ops.awq import dequantawq_cuda
+    from onnx_lowbit.custom_ops.device import half2
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
     code = nf4.code("nf4").astype(np.float32)
     out = {}
     for from_codes in (False, True):

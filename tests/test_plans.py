@@ -1,4 +1,4 @@
-"""Native launch plans (custom_ops/plans.py): what a recorded compute call turns into. Replays inside onnxruntime
+"""Native launch plans (custom_ops/runtime/plans.py): what a recorded compute call turns into. Replays inside onnxruntime
 need a GPU and onnxruntime-gpu (tests/test_native_plans_cuda.py); here the recording and patching logic is checked,
 and the shim's replay loop (lb_replay) runs with stand-ins for cuLaunchKernel and cublasGemmEx. The whole compute
 path of the shim (kernel creation, the Python call that records, native replays with their scratch taken from and
@@ -12,8 +12,9 @@ import sys
 import pytest
 
 from onnx_lowbit import domain
-from onnx_lowbit.custom_ops import bridge, plans
-from onnx_lowbit.custom_ops.bridge import LbPlan, Tensor
+from onnx_lowbit.custom_ops.runtime import bridge, plans
+from onnx_lowbit.custom_ops.runtime.abi import LbPlan
+from onnx_lowbit.custom_ops.runtime.bridge import Tensor
 
 
 def _recorder():
@@ -112,7 +113,7 @@ def test_kernels_without_the_flag_say_never():
 def test_cuda_kernels_opt_in(op):
     """Every op's CUDA kernel class, as the bridge looks it up, opts in to native plans (a class that lost the flag
     would silently go through Python on every call)."""
-    from onnx_lowbit.custom_ops import kernels
+    from onnx_lowbit.custom_ops.runtime import kernels
     assert kernels.kernel_class(op, "CUDAExecutionProvider").native_plans is True
 
 
@@ -141,7 +142,7 @@ class _FakeBlas:
 
 def _handle(fake):
     """A cublas.Handle around the stand-in (no GPU, no cuBLAS)."""
-    from onnx_lowbit.custom_ops import cublas
+    from onnx_lowbit.custom_ops.device import cublas
     h = cublas.Handle.__new__(cublas.Handle)
     h.lib, h.h, h.stream = fake, ctypes.c_void_p(0x7777), 0
     h._one, h._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
@@ -179,7 +180,7 @@ W_IN = Tensor(0x200000, 10, (32, 64))    # fp16 W [N, K]
 
 
 def test_gemm_calls_are_recorded_and_replayed_with_this_calls_pointers():
-    from onnx_lowbit.custom_ops import cublas
+    from onnx_lowbit.custom_ops.device import cublas
     fake = _FakeBlas()
     h = _handle(fake)
     scratch = 0x900000
@@ -484,7 +485,7 @@ def _stand_in_run(api_version=18, nbytes=4096, calls=3, fail_alloc_after=None, *
     """Registers the shim with a stand-in onnxruntime, creates one CUDA kernel (a _ScratchKernel), runs ``calls``
     compute calls and destroys it; returns the log, the compute statuses' messages and has_scratch as seen in
     Python. Meant for a subprocess (it points the shim at the stand-in API for good)."""
-    from onnx_lowbit.custom_ops import kernels
+    from onnx_lowbit.custom_ops.runtime import kernels
     bridge.library_path()
     lib = bridge._lib
     ort = _StandInOrt(api_version, fail_alloc_after)

@@ -1,5 +1,5 @@
-"""RMSNorm: reference (onnx_lowbit.rmsnorm), CPU face (custom_ops/rmsnorm_cpu.py) and CUDA face
-(custom_ops/rmsnorm_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
+"""RMSNorm: reference (onnx_lowbit.rmsnorm), CPU face (custom_ops/attention/rmsnorm_cpu.py) and CUDA face
+(custom_ops/attention/rmsnorm_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
 
 H must equal the reference bit for bit; Y within the reference's stated bound (fp32: a few ulps of the fp32 sum
 order, checked as 2e-6 relative to max |Y|; fp16: two fp16 ulps). The reference itself is checked against a
@@ -14,7 +14,7 @@ from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_lowbit import domain, halfbits, rmsnorm
-from onnx_lowbit.custom_ops import rmsnorm_cpu, rmsnorm_cuda
+from onnx_lowbit.custom_ops.attention import rmsnorm_cpu, rmsnorm_cuda
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # NaN / Inf inputs in the simulator's scalars
 SIM = bool(config.ENABLE_CUDASIM)

@@ -1,5 +1,5 @@
-"""Rotary: reference (onnx_lowbit.rotary), CPU face (custom_ops/rotary_cpu.py) and CUDA face
-(custom_ops/rotary_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
+"""Rotary: reference (onnx_lowbit.rotary), CPU face (custom_ops/attention/rotary_cpu.py) and CUDA face
+(custom_ops/attention/rotary_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
 
 Both kernels must equal the reference bit for bit (NaN where it has NaN), and the reference must equal what the
 unfused ONNX graph (Mul, Slice, Slice, Neg, Concat, Mul, Add) computes in onnxruntime, on the CPU EP and, where
@@ -13,7 +13,7 @@ from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_lowbit import domain, rotary
-from onnx_lowbit.custom_ops import rotary_cpu, rotary_cuda
+from onnx_lowbit.custom_ops.attention import rotary_cpu, rotary_cuda
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -158,8 +158,9 @@ class _Ctx:
 def test_cuda_kernel_object_compute(dt, monkeypatch):
     """The kernel object as a session calls it: validates shapes, allocates Y, launches once; bad shapes name
     the problem."""
-    from onnx_lowbit.custom_ops import cuda_launch
-    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     et = int(ET[dt])

@@ -1,5 +1,5 @@
-"""RotaryKV: reference (onnx_lowbit.rotarykv), CPU face (custom_ops/rotarykv_cpu.py) and CUDA face
-(custom_ops/rotarykv_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
+"""RotaryKV: reference (onnx_lowbit.rotarykv), CPU face (custom_ops/attention/rotarykv_cpu.py) and CUDA face
+(custom_ops/attention/rotarykv_cuda.py; under Numba's CUDA simulator in CI, on the GPU with ONNX_LOWBIT_REAL_GPU=1).
 
 Both kernels must equal the reference bit for bit (NaN where it has NaN), with and without a cache, in both copy
 variants of the CUDA kernel (8-byte units, single elements). The reference must equal what the unfused ONNX graph
@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers import SimContext, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import domain, rotarykv
-from onnx_lowbit.custom_ops import rotarykv_cpu, rotarykv_cuda
+from onnx_lowbit.custom_ops.attention import rotarykv_cpu, rotarykv_cuda
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -157,8 +157,9 @@ def test_gpu_large(case, dt):
 def test_cuda_kernel_object_compute(dt, cache, monkeypatch):
     """The kernel object as a session calls it: validates shapes, allocates the three outputs, launches once; bad
     shapes name the problem."""
-    from onnx_lowbit.custom_ops import cuda_launch
-    from onnx_lowbit.custom_ops.bridge import KernelError, Tensor
+    from onnx_lowbit.custom_ops.device import launch as cuda_launch
+    from onnx_lowbit.custom_ops.runtime.bridge import Tensor
+    from onnx_lowbit.custom_ops.runtime.kernels import KernelError
     monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
     monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
     et = int(ET[dt])

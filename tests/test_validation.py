@@ -1,7 +1,7 @@
 """Every op checks its attributes when onnxruntime creates the kernel and its inputs at each run, and fails with an
 onnxruntime error naming the op, the node, the attribute or input, and the value it expected; NaN/Inf inputs give
 the outputs docs/reliability.md defines. CPU kernels through onnxruntime sessions; the CUDA faces share the same
-checks (custom_ops/nf4_common.py, dequantawq_cpu.parse_attrs/check_*) and are run under the simulator in
+checks (custom_ops/nf4/common.py, dequantawq_cpu.parse_attrs/check_*) and are run under the simulator in
 test_nf4_kernels / test_awq_kernels / test_fplut_cuda."""
 import numpy as np
 import onnxruntime as ort

@@ -1,0 +1,108 @@
+"""RMSNorm, CPU face: H = X + skip, Y = gamma * T(float32(H) / sqrt(mean(float32(H)^2) + eps)) (onnx_lowbit.rmsnorm),
+one Numba pass per row (rows in parallel above PARALLEL_MIN elements).
+
+fp16: values widened to fp32 (exact), H and the final product rounded to fp16 with the integer round-to-nearest-even
+code shared with the FPLUT kernels (so H and the weight product round as the separate fp16 ops do); the mean of
+squares is a sequential fp32 sum per row.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from onnx_lowbit import rmsnorm
+
+from ..device.half_cpu import f2h as _f2h, h2f as _h2f
+from ..runtime.kernels import Kernel, KernelError
+
+PARALLEL_MIN = 1 << 16
+
+
+def _norm16(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
+    for r in prange(rows):
+        b = r * d
+        acc = np.float32(0.0)
+        for i in range(d):
+            v = _h2f(x[b + i])
+            if has_skip:
+                hb = _f2h(v + _h2f(skip[b + i]))
+                v = _h2f(hb)
+                if has_h:
+                    hout[b + i] = hb
+            elif has_h:
+                hout[b + i] = x[b + i]
+            acc += v * v
+        inv = np.float32(1.0) / np.sqrt(acc / np.float32(d) + eps)
+        for i in range(d):
+            v = _h2f(x[b + i])
+            if has_skip:
+                v = _h2f(_f2h(v + _h2f(skip[b + i])))
+            y[b + i] = _f2h(_h2f(g[i]) * _h2f(_f2h(v * inv)))
+
+
+def _norm32(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
+    for r in prange(rows):
+        b = r * d
+        acc = np.float32(0.0)
+        for i in range(d):
+            v = x[b + i]
+            if has_skip:
+                v = v + skip[b + i]
+            if has_h:
+                hout[b + i] = v
+            acc += v * v
+        inv = np.float32(1.0) / np.sqrt(acc / np.float32(d) + eps)
+        for i in range(d):
+            v = x[b + i]
+            if has_skip:
+                v = v + skip[b + i]
+            y[b + i] = g[i] * (v * inv)
+
+
+def _compile(fn, parallel):
+    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(fn)
+
+
+KERNELS = {10: (_compile(_norm16, False), _compile(_norm16, True), np.uint16),
+           1: (_compile(_norm32, False), _compile(_norm32, True), np.float32)}
+
+
+def run(x, gamma, skip=None, epsilon=1e-6, y=None, h=None):
+    """The CPU kernel on numpy arrays: Y into ``y`` (or a new array), H into ``h`` when given (contiguous, X's
+    shape and type); returns (y, h)."""
+    rmsnorm.check(x.shape, x.dtype, gamma.shape, gamma.dtype, None if skip is None else skip.shape,
+                  None if skip is None else skip.dtype)
+    serial, parallel, st = KERNELS[10 if x.dtype == np.float16 else 1]
+    y = np.empty(x.shape, x.dtype) if y is None else y
+    want_h = h is not None
+    if x.size:
+        d = x.shape[-1]
+        flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
+        xs = flat(x)
+        fn = parallel if x.size >= PARALLEL_MIN else serial
+        fn(xs, flat(skip) if skip is not None else xs, flat(gamma), y.reshape(-1).view(st),
+           h.reshape(-1).view(st) if want_h else xs, x.size // d, d, skip is not None, want_h, np.float32(epsilon))
+    return y, h
+
+
+class RMSNormKernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.eps = np.float32(self.attrs["epsilon"])
+
+    def compute(self, ctx, inputs):
+        x, g = self.check_input(inputs, 0), self.check_input(inputs, 1)
+        s = inputs[2] if len(inputs) > 2 else None
+        xa, ga = x.numpy(), g.numpy()
+        sa = s.numpy() if s is not None else None
+        try:
+            rmsnorm.check(xa.shape, xa.dtype, ga.shape, ga.dtype, None if sa is None else sa.shape,
+                          None if sa is None else sa.dtype)
+        except rmsnorm.RMSNormError as e:
+            raise KernelError(str(e)) from None
+        y = ctx.output_numpy(0, x.shape, xa.dtype)
+        h = ctx.output_numpy(1, x.shape, xa.dtype) if ctx.output_count() > 1 else None
+        run(xa, ga, sa, self.eps, y, h)
+
+
+KERNEL = RMSNormKernel

@@ -1,0 +1,67 @@
+"""FPLUT, CPU face: Numba kernels evaluating the expanded fp16->fp16 map (onnx_lowbit.fplut.expand_table).
+
+fp16 inputs index the map directly; fp32 and bf16 inputs are rounded to fp16 first (RNE, integer bit code
+shared with the CUDA face), and the fp16 result is widened / rounded back to the input dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from onnx_lowbit import fplut
+
+from ..device.half_cpu import f16_to_f32 as _f16_to_f32, f32_to_bf16 as _f32_to_bf16, f32_to_f16 as _f32_to_f16
+from ..runtime.kernels import Kernel, KernelError
+
+PARALLEL_MIN = 1 << 17  # below this many elements a single thread is faster than waking the pool
+
+
+def _lut16(x, table, out):
+    for i in prange(x.size):
+        out[i] = table[x[i]]
+
+
+def _lut32(x, table, out):
+    for i in prange(x.size):
+        out[i] = _f16_to_f32(table[_f32_to_f16(x[i])])
+
+
+def _lutbf16(x, table, out):
+    for i in prange(x.size):
+        h = _f32_to_f16(np.uint32(x[i]) << 16)
+        out[i] = _f32_to_bf16(_f16_to_f32(table[h]))
+
+
+def _compile(fn, parallel):
+    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(fn)
+
+
+# dtype of the input bits -> (serial kernel, parallel kernel)
+KERNELS = {
+    np.dtype(np.float16): (_compile(_lut16, False), _compile(_lut16, True), np.uint16),
+    np.dtype(np.float32): (_compile(_lut32, False), _compile(_lut32, True), np.uint32),
+    "bf16": (_compile(_lutbf16, False), _compile(_lutbf16, True), np.uint16),
+}
+
+
+class FPLUTKernel(Kernel):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        cuts, values = self.attrs["cut_points"], self.attrs["table"]
+        try:
+            self.table = fplut.expand_table(cuts, values)
+        except fplut.TableError as e:
+            raise KernelError(f"bad attribute: {e}") from None
+        self.bf16 = self.in_types[0] == 16
+        self.bits = np.uint16 if self.in_types[0] in (10, 16) else np.uint32
+
+    def compute(self, ctx, inputs):
+        x = self.check_input(inputs, 0)
+        xa = x.numpy().reshape(-1)
+        out = ctx.output_numpy(0, x.shape, xa.dtype).reshape(-1)
+        if xa.size:
+            serial, parallel, bits = KERNELS["bf16" if self.bf16 else xa.dtype]
+            (parallel if xa.size >= PARALLEL_MIN else serial)(xa.view(bits), self.table, out.view(bits))
+
+
+KERNEL = FPLUTKernel

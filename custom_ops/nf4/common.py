@@ -1,0 +1,68 @@
+"""Shared pieces of the NF4/FP4 kernels (MatMulNF4, DequantNF4): attribute and input validation, and the
+16-value code table. Layout (onnx_lowbit.nf4): W^T [N, K] row-major flat, element i = n*K + k lives in byte i>>1
+(high nibble for even i), block i // block_size, one fp32 absmax per block."""
+from __future__ import annotations
+
+import numpy as np
+
+from onnx_lowbit import nf4
+
+from ..runtime.kernels import KernelError
+
+
+def parse_attrs(attrs: dict):
+    qt = attrs.get("quant_type", "")
+    if qt not in ("nf4", "fp4"):
+        raise KernelError(f"attribute 'quant_type' must be 'nf4' or 'fp4', got {qt!r}")
+    bs, k, n = int(attrs["block_size"]), int(attrs["K"]), int(attrs["N"])
+    if bs < 32 or bs > 4096 or bs & (bs - 1):
+        raise KernelError(f"attribute 'block_size' must be a power of two in 32..4096, got {bs}")
+    if k <= 0 or n <= 0:
+        raise KernelError(f"attributes 'K' and 'N' must be positive, got K={k}, N={n}")
+    return qt, bs, k, n, np.ascontiguousarray(nf4.code(qt), dtype=np.float32)
+
+
+def parse_transposed(attrs: dict) -> bool:
+    """DequantNF4's optional 'transposed' attribute: 0 (default, W [K, N]) or 1 (W^T [N, K])."""
+    t = int(attrs.get("transposed", 0))
+    if t not in (0, 1):
+        raise KernelError(f"attribute 'transposed' must be 0 (W [K, N]) or 1 (W^T [N, K]), got {t}")
+    return bool(t)
+
+
+def check_q_absmax(q, absmax, k, n, bs, q_index=1, absmax_index=2, q_name="Q", absmax_name="absmax"):
+    total = k * n
+    if q is None or absmax is None:
+        raise KernelError(f"inputs '{q_name}' and '{absmax_name}' are required")
+    if q.size != (total + 1) // 2:
+        raise KernelError(f"input {q_index} '{q_name}' must hold ceil(K*N/2) = {(total + 1) // 2} bytes for K={k}, "
+                          f"N={n}, got shape {list(q.shape)}")
+    nb = (total + bs - 1) // bs
+    if absmax.size != nb:
+        raise KernelError(f"input {absmax_index} '{absmax_name}' must hold ceil(K*N/block_size) = {nb} values "
+                          f"(K={k}, N={n}, block_size={bs}), got shape {list(absmax.shape)}")
+
+
+def check_a(a, k, bias, n, bias_index=3):
+    if a is None or len(a.shape) < 1 or a.shape[-1] != k:
+        raise KernelError(f"input 0 'A' must have last dimension K={k}, got shape {None if a is None else list(a.shape)}")
+    if bias is not None and (len(bias.shape) != 1 or bias.shape[0] != n):
+        raise KernelError(f"input {bias_index} 'bias' must have shape [{n}], got {list(bias.shape)}")
+    m = 1
+    for d in a.shape[:-1]:
+        m *= d
+    return m
+
+
+def even_parts(steps, cap):
+    """Column slices for ``steps`` steps on at most ``cap`` resident blocks (one wave), every slice the same number
+    of steps (the last one possibly fewer): a wave where some blocks walk one step more than others takes as long
+    as if all did."""
+    per = -(-max(1, steps) // max(1, cap))
+    return max(1, -(-max(1, steps) // per))
+
+
+def check_weights(q1, am1, q3, am3, k, n, bs):
+    """FusedFFNNF4's two weights (inputs 1, 2: Q1, absmax1; 3, 4: Q3, absmax3), as MatMulNF4 checks its one."""
+    check_q_absmax(q1, am1, k, n, bs, 1, 2, "Q1", "absmax1")
+    check_q_absmax(q3, am3, k, n, bs, 3, 4, "Q3", "absmax3")
