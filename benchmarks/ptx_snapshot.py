@@ -298,10 +298,10 @@ def _namespace(alias):
     np for signature expressions."""
     import numpy as np
     ns = dict(vars(_module(alias)))
-    for name in list(ns):
-        if name.startswith("_make"):
+    for name in list(ns):       # a refactor may drop or add a leading underscore (``_make_x`` -> ``make_x``)
+        if name.startswith("_") and not name.startswith("__"):
             ns.setdefault(name[1:], ns[name])
-        elif name.startswith("make"):
+        elif not name.startswith("_"):
             ns.setdefault("_" + name, ns[name])
     ns["Array"] = _module("launch").Array
     ns["np"] = np
