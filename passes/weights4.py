@@ -68,11 +68,14 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from . import calibration, external
+from . import weights4_graph as w4g
 from .base import (Names, Pass, Report, constant_value, is_alive, is_graph_output, iter_graphs,
                    node_label, producer, single_consumer)
-from .linear import Linear, Skip, following_bias, match, rank
+from .linear import Linear, Skip, constant_weight, following_bias, match, rank
 
 FORMATS = ("nf4", "fp4", "awq")
+LM_HEAD = ("keep", "quantize")
+DEFAULT_AWQ_HOLDOUT = 0.25  # the last quarter of the calibration rows: AWQ's scales must beat RTN there too
 TARGETS = ("lowbit", "ort")
 MS_DOMAIN = "com.microsoft"
 DEFAULT_BLOCK_SIZE = 64
@@ -105,6 +108,8 @@ class Options:
     checkpoint: object = None  # onnx_lowbit.awq_checkpoint.Checkpoint: AWQ weights taken from it, not quantised
     module_paths: dict = field(default_factory=dict)  # node name -> source module path (dynamo exports)
     calibration_session: object = None
+    lm_head: str = "keep"  # "keep": the output head over a vocabulary stays in float; "quantize"
+    awq_holdout: float = DEFAULT_AWQ_HOLDOUT
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
 
 
@@ -179,6 +184,14 @@ def parse_options(options: dict) -> Options | None:
             raise ValueError(f"awq_checkpoint: an AutoAWQ checkpoint gives AWQ weights, not weights={o.fmt!r}")
         from onnx_lowbit.awq_checkpoint import Checkpoint  # noqa: PLC0415
         o.checkpoint = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
+    head = options.get("weights_lm_head") or "keep"
+    if head not in LM_HEAD:
+        raise ValueError(f"weights_lm_head: {head!r} is not one of {', '.join(LM_HEAD)}")
+    o.lm_head = head
+    hold = options.get("awq_holdout", DEFAULT_AWQ_HOLDOUT)
+    if isinstance(hold, bool) or not isinstance(hold, (int, float)) or not 0 <= hold < 1:
+        raise ValueError(f"awq_holdout: {hold!r} is not a fraction in [0, 1)")
+    o.awq_holdout = float(hold)
     o.module_paths = dict(options.get("module_paths") or {})
     o.calibration_session = options.get("calibration_session")
     o.spill = options.get("spill")
@@ -198,12 +211,14 @@ def _awq():
     return awq
 
 
-def nbits_layout(qweight, qzeros, scales, K: int, group_size: int, dtype):
+def nbits_layout(qweight, qzeros, scales, K: int, group_size: int, dtype, n: int | None = None):
     """AutoAWQ (qweight int32 [Kp, N/8], qzeros int32 [Kp/G, N/8], scales fp16 [Kp/G, N]) -> the inputs of
     com.microsoft.MatMulNBits (bits=4, block_size=G): B uint8 [N, Kp/G, G/2] (element k of a block in byte k//2,
     even k in the low nibble), scales [N * Kp/G] in A's dtype, zero_points uint8 [N * ceil((Kp/G)/2)] (block j of
     row n in byte n*ceil(nb/2) + j//2, even j in the low nibble). Rows past K are ignored by MatMulNBits."""
     q, z = _awq().unpack(qweight, qzeros)         # uint8 [Kp, N], [nb, N]
+    if n is not None:                             # AWQ's zero columns past the weight's N (MatMulNBits takes any N)
+        q, z, scales = q[:, :n], z[:, :n], np.asarray(scales)[:, :n]
     kp, n = q.shape
     nb = kp // group_size
     qt = q.T.reshape(n, nb, group_size)
@@ -236,12 +251,14 @@ class _Kept:
     weight_name: str
 
 
-def _excluded(cand: Linear, patterns, module_paths=None) -> str | None:
-    names = [n for n in (cand.node.name, cand.weight_name, (module_paths or {}).get(cand.node.name)) if n]
+def _excluded(cand: Linear, patterns, module_paths=None, names=None) -> str | None:
+    if names is None:
+        names = [cand.node.name, cand.weight_name, (module_paths or {}).get(cand.node.name)]
+    names = [n for n in names if n]
     for pat, rx in patterns:
         for n in names:
             if n == pat or rx.search(n):
-                return f"excluded by weights_exclude {pat!r} (matches {n!r})"
+                return f"excluded by --exclude / weights_exclude {pat!r} (matches {n!r})"
     return None
 
 
@@ -299,18 +316,65 @@ def quantize_nf4_chunked(cand: "Linear", fmt: str, block_size: int):
 
 def quantize_rtn_chunked(cand: "Linear", group_size: int):
     """(qweight, qzeros, scales, relative reconstruction error) of AWQ round-to-nearest on cand's weight,
-    CHUNK_ELEMENTS at a time (columns in multiples of 8: the same arrays as awq.quantize_rtn of the whole)."""
+    CHUNK_ELEMENTS at a time (columns in multiples of 8: the same arrays as awq.quantize_rtn of the whole; an N
+    not a multiple of 8 gets zero columns up to the next one: N + w4g.padding(N) columns)."""
     awq = _awq()
     k, n = int(cand.K), int(cand.N)
     parts, err2, ref2 = [], 0.0, 0.0
     for n0, n1 in _column_chunks(k, n, 8):
         w = _columns(cand, n0, n1)
-        qw, qz, sc = _format_call(awq.quantize_rtn, w, group_size)
-        e, r = _sq_err(w, awq.dequantize(qw, qz, sc, group_size, k, n1 - n0))
+        extra = w4g.padding(n1 - n0)   # the last chunk of an N not a multiple of 8: zero columns (quantised to 0)
+        qw, qz, sc = _format_call(awq.quantize_rtn, w4g.pad_columns(w, extra), group_size)
+        e, r = _sq_err(w, awq.dequantize(qw, qz, sc, group_size, k, n1 - n0 + extra)[:, :n1 - n0])
         parts.append((np.asarray(qw, np.int32), np.asarray(qz, np.int32), np.asarray(sc, np.float16)))
         err2, ref2 = err2 + e, ref2 + r
     qweight, qzeros, scales = (np.concatenate([p[i] for p in parts], axis=1) for i in range(3))
     return qweight, qzeros, scales, _rel_from(err2, ref2)
+
+
+def _search_details(found) -> dict:
+    """The AWQ search's figures for the report (output MSE on the rows searched and on the held-out rows) and a
+    one-line note ("search")."""
+    d = dict(awq_alpha=found.alpha, calib_mse_rtn=found.err_rtn, calib_mse_awq=found.err_awq,
+             heldout_mse_rtn=found.holdout_rtn, heldout_mse_awq=found.holdout_awq)
+    if found.holdout_rtn is None:
+        held = "no held-out rows (fewer than 8 calibration rows)"
+    else:
+        held = f"held-out output MSE {found.holdout_awq:.3g} vs RTN {found.holdout_rtn:.3g}"
+    if found.alpha:
+        d["search"] = f"AWQ scales alpha {found.alpha:.2f}: {held}"
+    elif found.holdout_awq is not None and found.holdout_awq > found.holdout_rtn:
+        d["search"] = f"RTN kept: the searched scales lost on the held-out rows ({held})"
+    else:
+        d["search"] = f"RTN kept: no searched scale beat it on the calibration rows ({held})"
+    return d
+
+
+def _usable_act(found, k: int, dtype) -> tuple:
+    """(act_scale = 1 / s as float32 rounded to the model's float type, or None for RTN; the weight rows' scale:
+    s for float32 models, 1 / act_scale for fp16 ones (the model applies act rounded to fp16: the pair is then
+    exact); a note when the searched scales cannot be used)."""
+    if not found.alpha:
+        return None, None, None
+    act = (np.float32(1.0) / np.asarray(found.scales, np.float32)).reshape(-1)
+    with np.errstate(over="ignore", divide="ignore"):
+        act_model = act.astype(dtype)
+        ok = (act.size == k and np.all(np.isfinite(act)) and np.all(act > 0) and np.all(np.isfinite(act_model))
+              and np.all(act_model > 0))
+    if not ok:
+        return None, None, ("AWQ search gave unusable activation scales (non-finite, <= 0 or outside the model's "
+                            "float range): RTN instead")
+    if dtype is np.float32 or np.array_equal(act_model.astype(np.float32), act):
+        return act, np.asarray(found.scales, np.float32).reshape(-1), None
+    act = act_model.astype(np.float32)
+    return act, np.float32(1.0) / act, None
+
+
+def unquantised(report: Report) -> list:
+    """weights4 skips of float constant weights left in float for a reason other than the user's choice
+    (--exclude, the size floor, the kept output head): the quantiser refused them, or the pattern around them is
+    one the pass does not handle."""
+    return [e for e in report.skipped(WeightsPass.name) if e.details.get("unquantised")]
 
 
 def totals(report: Report) -> dict:
@@ -320,7 +384,9 @@ def totals(report: Report) -> dict:
     before = sum(e.details["bytes_before"] for e in entries)
     after = sum(e.details["bytes_after"] + e.details.get("float_kept_bytes", 0) for e in entries)
     errs = [e.details["rel_error"] for e in entries]
+    heads = [e for e in report.skipped(WeightsPass.name) if e.details.get("head_kept")]
     return {"weights": len(entries), "bytes_before": before, "bytes_after": after,
+            "head_kept": len(heads), "head_kept_bytes": sum(e.details.get("float_bytes", 0) for e in heads),
             "ratio": (after / before) if before else None,
             "max_rel_error": max(errs) if errs else None,
             "mean_rel_error": float(np.mean(errs)) if errs else None,
@@ -354,7 +420,8 @@ class _Run:
         self.shared: dict = {}        # (id(stored), transpose, alpha) -> (Q, absmax, rel_error, first node)
         self.kept_checks: list = []   # (index in entries, Linear) of rewrites whose float weight may stay
         self.activations: dict = {}   # tensor name -> [rows, K] float32 calibration activations
-        self.shared_act: dict = {}    # A's name -> (act_scale [K] float32, ids of the candidate nodes sharing it)
+        self.shared_act: dict = {}    # A's name -> (act_scale [K] float32 or None for RTN, the weight rows' scale,
+                                      # ids of the candidate nodes sharing it, the search's figures for the report)
         self.applied: dict = {}       # A's name -> (tensor, note) once a shared act_scale has been applied
 
     def const(self, base: str, array: np.ndarray) -> gs.Constant:
@@ -390,26 +457,14 @@ class _Run:
     # -- main ----------------------------------------------------------------------------------------------
     def wanted(self, node):
         """The candidate ``node`` is, when the options let it be quantised; else None."""
-        cand, _ = match(node)
+        cand, _ = match(node, any_rank=True)
         if cand is None or cand.size < self.o.min_elements or _excluded(cand, self.o.exclude, self.o.module_paths):
+            return None
+        if self.o.lm_head == "keep" and w4g.head_reason(self.root, cand, self.o.module_paths.get(node.name)):
             return None
         return cand
 
-    def precheck(self):
-        """Errors that concern one weight are raised before any work (AWQ needs N % 8 == 0)."""
-        if self.o.fmt != "awq":
-            return
-        for g in iter_graphs(self.root):
-            for node in g.nodes:
-                cand = self.wanted(node)
-                if cand is not None and cand.N % 8:
-                    raise ValueError(
-                        f"weights='awq': weight {cand.weight_name!r} of node {node_label(node)!r} has N={cand.N} "
-                        "output features, not a multiple of 8 (AutoAWQ packs 8 columns per int32); exclude it "
-                        "with weights_exclude or use weights='nf4'")
-
     def run(self):
-        self.precheck()
         if self.o.fmt == "awq" and self.o.calibration is not None:
             self.calibrate()
         for g in list(iter_graphs(self.root)):
@@ -432,10 +487,16 @@ class _Run:
         return f"{self.o.fmt}: {spelling}"
 
     def one(self, g: gs.Graph, node: gs.Node):
-        cand, skip = match(node)
+        cand, skip = match(node, any_rank=True)
         label = [node_label(node)]
         if skip is not None:
-            self.skip(self.pattern(skip[0]), label, skip[1], format=self.o.fmt)
+            details = dict(format=self.o.fmt)
+            found = constant_weight(node.inputs[1]) if len(node.inputs) > 1 else None
+            if found is not None and found[0].ndim == 2 and found[0].dtype in (np.float32, np.float16) and not \
+                    _excluded(None, self.o.exclude, names=[node.name, found[1].name,
+                                                           self.o.module_paths.get(node.name)]):
+                details["unquantised"] = True  # a float weight left in float for a reason the user must see
+            self.skip(self.pattern(skip[0]), label, skip[1], **details)
             return
         if cand is None:
             return
@@ -455,12 +516,29 @@ class _Run:
                 cand.bias_add, cand.bias = found
                 cand.out = cand.bias_add.outputs[0]
                 cand.spelling += " -> Add(bias)"
+        head = w4g.head_reason(g, cand, self.o.module_paths.get(node.name)) if self.o.lm_head == "keep" else None
+        if head:
+            self.skip(self.pattern(cand.spelling), label, f"output head kept in float ({head}): 4-bit rounding of "
+                      "it costs more accuracy than any other weight; --quantize-lm-head (weights_lm_head="
+                      "'quantize') quantises it", head_kept=True, float_bytes=cand.bytes_before, **details)
+            return
         notes = []
+        final = cand.out
+        if cand.flat:  # A of unknown rank / rank 1: the op runs on A as [-1, K], reshaped back after
+            cand.out = gs.Variable(self.names(f"{final.name}_2d"), dtype=final.dtype)
+            cand.spelling += " (A flattened)"
         try:
             new, info = (self.emit_awq if self.o.fmt == "awq" else self.emit_nf4)(g, cand, notes)
         except Skip as e:  # the format refused the weight (e.g. NaN/Inf for AWQ); nothing was changed yet
-            self.skip(self.pattern(cand.spelling), label, str(e), **details)
+            self.skip(self.pattern(cand.spelling), label, str(e), unquantised=True, **details)
             return
+        if cand.flat:
+            made = w4g.flatten_around(g, self.names, new, cand.a, cand.out, final, int(cand.K),
+                                      int(cand.N))
+            cand.out = final
+            info["new_nodes"] = info.get("new_nodes", []) + [n.name for n in made]
+            notes.append("rank of A unknown or 1: the op runs on A reshaped to [-1, K], its result reshaped to "
+                         "shape(A)[:-1] + [N]")
         details.update(info)
         nodes = label + ([node_label(cand.bias_add)] if cand.bias_add is not None else [])
         self.kept_checks.append((len(self.entries), _Kept(cand.stored, cand.w_node, cand.weight_name)))
@@ -528,47 +606,44 @@ class _Run:
             return self.emit_awq_tensors(g, cand, notes, *self.from_checkpoint(cand, notes))
         x = self.activations.get(cand.a.name) if g is self.root else None
         act = None  # AWQ's act_scale = 1 / s [K]: the activation is multiplied by it, the weight rows by s
+        extra = w4g.padding(cand.N)
+        search = {}
         shared = self.shared_act.get(cand.a.name) if x is not None else None
-        if shared is not None and id(cand.node) in shared[1]:
+        if shared is not None and id(cand.node) in shared[2]:
             # one scale for every projection reading this A (AutoAWQ's grouping, e.g. gate+up, q/k/v)
-            w32, act = cand.w, shared[0]
-            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32 * (np.float32(1.0) / act)[:, None],
-                                                   o.group_size)
-            notes.append(f"activation scale searched jointly with the {len(shared[1]) - 1} other projection(s) "
-                         f"of {cand.a.name!r}")
+            act, s_w, search = shared[0], shared[1], shared[3]
+            notes.append(f"activation scale searched jointly with the {len(shared[2]) - 1} other projection(s) "
+                         f"of {cand.a.name!r}: {search['search']}")
         elif x is not None:
-            w32 = cand.w
-            qweight, qzeros, scales, act = _format_call(awq.quantize_awq, w32, x, o.group_size)
-            act = np.asarray(act, np.float32).reshape(-1)
-            with np.errstate(over="ignore", divide="ignore"):
-                act_model = act.astype(cand.dtype)
-                ok = (act.size == cand.K and np.all(np.isfinite(act)) and np.all(act > 0) and
-                      np.all(np.isfinite(act_model)) and np.all(act_model > 0))
-            if not ok:
-                notes.append("AWQ search gave unusable activation scales (non-finite, <= 0 or outside the model's "
-                             "float range): RTN instead")
-                act = None
-            elif cand.dtype is not np.float32 and not np.array_equal(act_model.astype(np.float32), act):
-                # the model applies act rounded to its float type: quantise W * (1 / that) so the pair is exact
-                act = act_model.astype(np.float32)
-                qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32 * (np.float32(1.0) / act)[:, None],
-                                                       o.group_size)
+            fit, held = awq.split_holdout(x, o.awq_holdout) if o.awq_holdout else (x, None)
+            found = _format_call(awq.search_scales, w4g.pad_columns(cand.w, extra), fit, o.group_size, 20, False,
+                                 held)
+            search = _search_details(found)
+            notes.append(search["search"])
+            act, s_w, why = _usable_act(found, cand.K, cand.dtype)
+            if why:
+                notes.append(why)
         elif o.calibration is not None:
             notes.append("no calibration activations for A (inside a subgraph or not reached): RTN")
         a_in = cand.a
         if act is None:
             qweight, qzeros, scales, rel = quantize_rtn_chunked(cand, o.group_size)
         else:
+            w32 = cand.w
+            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w4g.pad_columns(w32 * s_w[:, None], extra),
+                                                   o.group_size)
             qweight = np.ascontiguousarray(qweight, dtype=np.int32)
             qzeros = np.ascontiguousarray(qzeros, dtype=np.int32)
             scales = np.ascontiguousarray(scales, dtype=np.float16)
-            w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N), np.float64)
+            w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N + extra),
+                               np.float64)[:, :cand.N]
             w_hat = w_hat * act.astype(np.float64)[:, None]  # the effective weight: act_scale * dequantised
             a_in, how = self.apply_act_scale(g, cand, act)
             notes.append(how)
             rel = _rel_fro(w32, w_hat)
         new, info = self.emit_awq_tensors(g, cand, notes, qweight, qzeros, scales, group_size, rel, a_in)
         info["calibrated"] = act is not None
+        info.update({k: v for k, v in search.items() if k != "search"})
         return new, info
 
     def from_checkpoint(self, cand: Linear, notes: list):
@@ -599,18 +674,31 @@ class _Run:
                         f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
         base = cand.weight_name
         base_name = cand.node.name or cand.out.name
+        extra = int(np.shape(scales)[1]) - int(cand.N)  # zero columns AWQ's packing needed (N not a multiple of 8)
         attrs = dict(K=int(cand.K), N=int(cand.N))
-        bias_t = (gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype))
-                  if cand.bias is not None else None)
+        bias = cand.bias
+        if bias is not None and extra and o.target == "lowbit":
+            bias = np.concatenate([bias, np.zeros(extra, bias.dtype)])
+        bias_t = (gs.Constant(self.names(f"{base_name}_bias"), bias.astype(cand.dtype))
+                  if bias is not None else None)
+        made = []
         if o.target == "lowbit":
             arrays = [qweight, qzeros, scales]
             consts = [self.const(f"{base}_qweight", qweight), self.const(f"{base}_qzeros", qzeros),
                       self.const(f"{base}_scales", scales)]
             inputs = [a_in] + consts + ([bias_t] if bias_t is not None else [])
+            y = cand.out
+            if extra:  # the op computes N + extra columns; a Slice gives the model its N
+                attrs["N"] += extra
+                y = gs.Variable(self.names(f"{cand.out.name}_padded"), dtype=cand.out.dtype)
+                made.append(w4g.slice_columns(g, self.names, y, cand.out, int(cand.N),
+                                              1 if cand.flat else rank(cand.a) - 1))
+                notes.append(f"N={cand.N} padded to {cand.N + extra} zero columns for AWQ's packing; a Slice "
+                             "takes the first N")
             new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=self.names(f"{base_name}_awq"),
-                          attrs=dict(group_size=int(group_size), **attrs), inputs=inputs, outputs=[cand.out])
+                          attrs=dict(group_size=int(group_size), **attrs), inputs=inputs, outputs=[y])
         else:
-            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, group_size, cand.dtype)
+            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, group_size, cand.dtype, int(cand.N))
             arrays = [b, sc, zp]
             consts = [self.const(f"{base}_nbits", b), self.const(f"{base}_scales", sc),
                       self.const(f"{base}_zero_points", zp)]
@@ -624,7 +712,7 @@ class _Run:
         bytes_after = int(sum(a.nbytes for a in arrays))
         info = dict(target=o.target, op=new.op, new_node=new.name, group_size=group_size,
                     bytes_before=cand.bytes_before, bytes_after=bytes_after, rel_error=rel,
-                    bias=cand.bias is not None, calibrated=False, new_nodes=[new.name])
+                    bias=cand.bias is not None, calibrated=False, new_nodes=[new.name] + [n.name for n in made])
         return new, info
 
     # -- AWQ calibration -----------------------------------------------------------------------------------
@@ -664,23 +752,22 @@ class _Run:
         awq = _awq()
         groups = {}
         for cand in cands_all:
-            if cand.a.name in self.activations and cand.N % 8 == 0:
+            if cand.a.name in self.activations:
                 groups.setdefault(cand.a.name, []).append(cand)
         for name, cands in groups.items():
             if len(cands) < 2 or len({c.K for c in cands}) != 1 or len({c.dtype for c in cands}) != 1:
                 continue
+            x = self.activations[name]
+            fit, held = awq.split_holdout(x, self.o.awq_holdout) if self.o.awq_holdout else (x, None)
+            w = np.concatenate([c.w for c in cands], axis=1)
             try:
-                found = awq.search_scales(np.concatenate([c.w for c in cands], axis=1), self.activations[name],
-                                          self.o.group_size)
+                found = awq.search_scales(w4g.pad_columns(w, w4g.padding(w.shape[1])), fit, self.o.group_size,
+                                          20, False, held)
             except ValueError:
                 continue  # each projection then searches its own scale (and reports why that fails, if it does)
-            act = (np.float32(1.0) / found.scales).astype(np.float32)
-            with np.errstate(over="ignore", divide="ignore"):
-                act_model = act.astype(cands[0].dtype)
-                ok = (np.all(np.isfinite(act)) and np.all(act > 0) and np.all(np.isfinite(act_model)) and
-                      np.all(act_model > 0))
-            if ok:  # applied in the model's float type: quantise W * (1 / that) so the pair is exact
-                self.shared_act[name] = (act_model.astype(np.float32), {id(c.node) for c in cands})
+            act, s_w, why = _usable_act(found, cands[0].K, cands[0].dtype)
+            if act is not None or not why:  # a usable scale, or RTN chosen: shared by the group
+                self.shared_act[name] = (act, s_w, {id(c.node) for c in cands}, _search_details(found))
             for c in cands:
                 c._w = None
 
@@ -690,7 +777,7 @@ class _Run:
         a = cand.a
         if a.name in self.applied:  # a shared scale, already applied for another projection of the group
             return self.applied[a.name]
-        members = self.shared_act.get(a.name, (None, set()))[1]
+        members = self.shared_act.get(a.name, (None, None, set()))[2]
         if id(cand.node) not in members:
             members = set()
         only_readers = (all(id(c) in members for c in a.outputs) if members else single_consumer(a) is cand.node)

@@ -1,0 +1,124 @@
+"""Graph plumbing of the weights4 pass (passes/weights4.py) around the op it emits:
+
+* ``pad_columns``: AWQ packs 8 output columns per int32, so a weight whose N is not a multiple of 8 is quantised
+  with zero columns appended (they quantise to exactly 0) and the op runs with the padded N; ``slice_columns``
+  adds the Slice that gives the model its N columns back. No kernel needs to know.
+* ``flatten_around``: a MatMul whose A has an unknown rank (shape inference gave none: exporters that keep weights
+  in Constant nodes) or rank 1 is quantised as ``Reshape(A, [-1, K])`` -> op -> ``Reshape(., shape(A)[:-1] + [N])``,
+  which is MatMul's result for every rank of A (rank 1 included: shape(A)[:-1] is empty).
+* ``head_reason``: the weight that turns the last hidden state into logits over a vocabulary (an LLM's lm_head):
+  N >= HEAD_MIN_N columns, and tied to an embedding table (a Gather reads the same constant, or a constant equal
+  to its transpose), or named lm_head, or writing a graph output. 4-bit rounding of this one weight costs more
+  accuracy than all the others (issue 33: SmolLM2-135M, perplexity +68% with it quantised, +29% without), and a
+  tied one must stay in float for the embedding anyway, so the pass keeps it in float unless told otherwise.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from .base import constant_value, graph_output_names, is_alive, node_label
+
+PACK = 8             # AWQ columns per int32
+HEAD_MIN_N = 1024    # a vocabulary: output heads narrower than this (classifiers, projections) are not lm_heads
+
+
+def padding(n: int) -> int:
+    """Zero columns to append to N for AWQ's packing."""
+    return (-int(n)) % PACK
+
+
+def pad_columns(w: np.ndarray, extra: int) -> np.ndarray:
+    """[K, N] -> [K, N + extra] with zero columns (``w`` itself when extra == 0)."""
+    if not extra:
+        return w
+    return np.concatenate([w, np.zeros((w.shape[0], extra), w.dtype)], axis=1)
+
+
+def _opset(g: gs.Graph) -> int:
+    return int(getattr(g, "opset", None) or 13)
+
+
+def _int64(names, base: str, values) -> gs.Constant:
+    return gs.Constant(names(base), np.asarray(values, np.int64))
+
+
+def slice_columns(g: gs.Graph, names, y: gs.Variable, out: gs.Variable, n: int, axis: int) -> gs.Node:
+    """Slice(y)[..., :n] along ``axis`` (>= 0) written into ``out``."""
+    label = names(f"{out.name}_unpad")
+    if _opset(g) < 10:  # Slice-1: starts / ends / axes as attributes
+        node = gs.Node("Slice", name=label, inputs=[y], outputs=[out], attrs=dict(starts=[0], ends=[n], axes=[axis]))
+    else:
+        node = gs.Node("Slice", name=label, inputs=[y, _int64(names, f"{label}_starts", [0]),
+                                                    _int64(names, f"{label}_ends", [n]),
+                                                    _int64(names, f"{label}_axes", [axis])], outputs=[out])
+    g.nodes.append(node)
+    return node
+
+
+def flatten_around(g: gs.Graph, names, op: gs.Node, a: gs.Variable, y2d: gs.Variable, out: gs.Variable,
+                   k: int, n: int) -> list:
+    """Makes ``op`` (reading a tensor of A's shape as input 0, writing ``y2d``) run on A flattened to [-1, K] and
+    reshapes its result into ``out`` = shape(A)[:-1] + [N]. Returns the new nodes."""
+    label = names(f"{op.name}_2d")
+    dtype = out.dtype if out.dtype is not None else None
+    a2 = gs.Variable(names(f"{label}_a"), dtype=dtype)
+    nodes = [gs.Node("Reshape", name=names(f"{label}_in"), inputs=[op.inputs[0], _int64(names, f"{label}_kshape",
+                                                                                        [-1, k])], outputs=[a2])]
+    op.inputs[0] = a2
+    shape = gs.Variable(names(f"{label}_ashape"), dtype=np.int64)
+    lead = gs.Variable(names(f"{label}_lead"), dtype=np.int64)
+    target = gs.Variable(names(f"{label}_yshape"), dtype=np.int64)
+    nodes.append(gs.Node("Shape", name=names(f"{label}_shape"), inputs=[a], outputs=[shape]))
+    if _opset(g) < 10:
+        nodes.append(gs.Node("Slice", name=names(f"{label}_slice"), inputs=[shape], outputs=[lead],
+                             attrs=dict(starts=[0], ends=[-1], axes=[0])))
+    else:
+        nodes.append(gs.Node("Slice", name=names(f"{label}_slice"), outputs=[lead],
+                             inputs=[shape, _int64(names, f"{label}_s0", [0]), _int64(names, f"{label}_s1", [-1]),
+                                     _int64(names, f"{label}_s2", [0])]))
+    nodes.append(gs.Node("Concat", name=names(f"{label}_concat"), inputs=[lead, _int64(names, f"{label}_n", [n])],
+                         outputs=[target], attrs=dict(axis=0)))
+    nodes.append(gs.Node("Reshape", name=names(f"{label}_out"), inputs=[y2d, target], outputs=[out]))
+    g.nodes.extend(nodes)
+    return nodes
+
+
+def _tied_gather(cand) -> gs.Node | None:
+    """A Gather reading cand's weight as its table: the same constant, or (exports that fold lm_head's Transpose
+    into a second initializer) a constant whose values equal the weight transposed."""
+    for c in cand.stored.outputs:
+        if is_alive(c) and c.op == "Gather" and not c.domain and c.inputs and c.inputs[0] is cand.stored:
+            return c
+    return None
+
+
+def _equal_table(g: gs.Graph, cand) -> gs.Node | None:
+    want = (cand.N, cand.K)
+    for node in g.nodes:
+        if node.op != "Gather" or node.domain or not is_alive(node) or not node.inputs:
+            continue
+        table = node.inputs[0]
+        shape = getattr(table, "shape", None)
+        if shape is None or tuple(shape) != want or table is cand.stored:
+            continue
+        v = constant_value(table)
+        if v is not None and v.dtype == cand.value.dtype and \
+                np.array_equal(v, cand.value if cand.transpose else cand.value.T):
+            return node
+    return None
+
+
+def head_reason(g: gs.Graph, cand, module_path: str | None) -> str | None:
+    """Why ``cand`` is the model's output head over a vocabulary (module docstring), or None."""
+    if cand.N < HEAD_MIN_N:
+        return None
+    tied = _tied_gather(cand) or _equal_table(g, cand)
+    if tied is not None:
+        return f"tied to the embedding table of Gather {node_label(tied)!r}"
+    names = [x for x in (cand.node.name, cand.weight_name, module_path) if x]
+    if any("lm_head" in x for x in names):
+        return "named lm_head"
+    if cand.out.name in graph_output_names(g):
+        return f"writes the graph output {cand.out.name!r} (N={cand.N})"
+    return None
