@@ -226,9 +226,7 @@ def _verify_feeds(a, model):
     sig = feeds.signature(model)
     data = feeds.load_npz(data_path, sig, flag) if data_path else {}
     got, values, made_up = feeds.make_feeds(model, data=data, dims=feeds.parse_dims(a.dim))
-    where = f"{data_path} ({flag})" if data_path else "random data"
-    if data_path and made_up:
-        where += f"; {', '.join(made_up)} random"
+    where = f"{data_path} ({flag})" if data_path else "made-up inputs (--verify-data FILE.npz for real ones)"
     return got, values, made_up, where
 
 
@@ -367,6 +365,17 @@ def cmd_inspect(a) -> int:
 def cmd_bench(a) -> int:
     from . import api, bench
     return bench.main(a, session_factory=api.InferenceSession)
+
+
+def cmd_eval_ppl(a) -> int:
+    from . import api, evalppl
+
+    def session(path):
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        return api.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return evalppl.main(a, session_factory=session, progress=_progress)
 
 
 def cmd_demo(a) -> int:
@@ -521,6 +530,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "names, else 16)")
     b.add_argument("--out", default=".", metavar="DIR", help="where bench-<mode>.png/.json go (default: .)")
     b.set_defaults(fn=cmd_bench)
+    e = sub.add_parser("eval-ppl", help="perplexity and greedy-token agreement of a causal LM (ORIGINAL) and its "
+                                        "rewrites on a text (CPU)")
+    e.add_argument("original", metavar="ORIGINAL")
+    e.add_argument("rewritten", metavar="REWRITTEN", nargs="*", help="rewrites of ORIGINAL, scored on the same windows")
+    e.add_argument("--text", metavar="FILE", help="UTF-8 text to score")
+    e.add_argument("--tokenizer", metavar="DIR|FILE.gguf|bytes",
+                   help="the model's tokenizer: a transformers folder or .gguf file; 'bytes': UTF-8 bytes as ids")
+    e.add_argument("--tokens", metavar="FILE.npy", help="token ids instead of --text/--tokenizer")
+    e.add_argument("--window", type=int, default=512, metavar="N", help="tokens per window (default 512)")
+    e.add_argument("--max-tokens", type=int, metavar="N", help="score only the first N tokens")
+    e.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    e.set_defaults(fn=cmd_eval_ppl)
     lut = sub.add_parser("lut", help="FPLUT tables")
     lsub = lut.add_subparsers(dest="lut_cmd", required=True, parser_class=_Parser)
     lsub.add_parser("list", help="shipped tables and their exhaustive error figures")

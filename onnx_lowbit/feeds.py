@@ -97,8 +97,8 @@ def _evaluate(tree, values: dict) -> int:
 def _image_dims(sig: dict) -> set:
     """Symbolic dims in the spatial places of 4-D float inputs with a fixed channel count (NCHW or NHWC)."""
     out = set()
-    for dt, ds in sig.values():
-        if len(ds) != 4 or not np.issubdtype(dt, np.floating):
+    for name, (dt, ds) in sig.items():
+        if len(ds) != 4 or not np.issubdtype(dt, np.floating) or PAST.search(name):  # a KV cache is no image
             continue
         if isinstance(ds[1], int) and 1 <= ds[1] <= 4:
             out |= {d for d in ds[2:] if isinstance(d, str)}
@@ -110,10 +110,10 @@ def _image_dims(sig: dict) -> set:
 def _default(name: str, image: set) -> int:
     if BATCH.match(name):
         return 1
-    if name in image or SPATIAL.search(name):
-        return DEFAULT_IMAGE
     if PAST.search(name):
         return DEFAULT_PAST
+    if name in image or SPATIAL.search(name):
+        return DEFAULT_IMAGE
     return DEFAULT_OTHER
 
 
@@ -157,7 +157,7 @@ def shapes(sig: dict, values: dict) -> dict:
     out = {}
     for name, (dt, ds) in sig.items():
         spatial = ()
-        if len(ds) == 4 and np.issubdtype(dt, np.floating):
+        if len(ds) == 4 and np.issubdtype(dt, np.floating) and not PAST.search(name):
             spatial = (2, 3) if isinstance(ds[1], int) and 1 <= ds[1] <= 4 else \
                 (1, 2) if isinstance(ds[3], int) and 1 <= ds[3] <= 4 else ()
         out[name] = [d if isinstance(d, int) and d > 0 else values[d] if isinstance(d, str) else

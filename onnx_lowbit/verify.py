@@ -159,7 +159,8 @@ def format_errors(errors, tolerance) -> str:
 
 
 def describe_inputs(feeds: dict, made_up, values: dict) -> str:
-    """One line: what was fed (shapes; which inputs were random; the symbolic dims' values)."""
-    parts = [f"{n} {list(np.shape(v))}{' (random)' if n in made_up else ''}" for n, v in feeds.items()]
+    """One line: what was fed (shapes; which inputs were made up when some were not; the symbolic dims' values)."""
+    some = 0 < len(made_up) < len(feeds)
+    parts = [f"{n} {list(np.shape(v))}{' (made up)' if some and n in made_up else ''}" for n, v in feeds.items()]
     dims = ", ".join(f"{k}={v}" for k, v in values.items())
-    return "inputs: " + "; ".join(parts) + (f"; dims: {dims}" if dims else "")
+    return "inputs: " + ", ".join(parts) + (f"; dims: {dims}" if dims else "")

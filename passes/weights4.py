@@ -243,6 +243,11 @@ def _format_call(fn, *args):
         raise Skip(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} refused the weight: {e}") from None
 
 
+class _ByDesign(Skip):
+    """A weight left in float by the options' design (e.g. a module an AWQ checkpoint does not hold), not a
+    failure the user must be told about."""
+
+
 @dataclass
 class _Kept:
     """What the end-of-graph check of a rewrite needs (not the weight arrays: those are released at once)."""
@@ -530,7 +535,9 @@ class _Run:
         try:
             new, info = (self.emit_awq if self.o.fmt == "awq" else self.emit_nf4)(g, cand, notes)
         except Skip as e:  # the format refused the weight (e.g. NaN/Inf for AWQ); nothing was changed yet
-            self.skip(self.pattern(cand.spelling), label, str(e), unquantised=True, **details)
+            if not isinstance(e, _ByDesign):
+                details["unquantised"] = True
+            self.skip(self.pattern(cand.spelling), label, str(e), **details)
             return
         if cand.flat:
             made = w4g.flatten_around(g, self.names, new, cand.a, cand.out, final, int(cand.K),
@@ -653,7 +660,7 @@ class _Run:
         mod, why = self.o.checkpoint.find(self.o.module_paths.get(cand.node.name, ""), cand.weight_name,
                                           cand.node.name)
         if mod is None:
-            raise Skip(f"not in the AWQ checkpoint: {why}")
+            raise _ByDesign(f"not in the AWQ checkpoint: {why}")
         if (mod.K, mod.N) != (cand.K, cand.N):
             raise Skip(f"AWQ checkpoint module {mod.name} is [K={mod.K}, N={mod.N}], the weight [K={cand.K}, "
                         f"N={cand.N}]")

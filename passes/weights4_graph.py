@@ -8,7 +8,7 @@
   which is MatMul's result for every rank of A (rank 1 included: shape(A)[:-1] is empty).
 * ``head_reason``: the weight that turns the last hidden state into logits over a vocabulary (an LLM's lm_head):
   N >= HEAD_MIN_N columns, and tied to an embedding table (a Gather reads the same constant, or a constant equal
-  to its transpose), or named lm_head, or writing a graph output. 4-bit rounding of this one weight costs more
+  to its transpose), or named lm_head, or writing a graph output named like logits. 4-bit rounding of this one weight costs more
   accuracy than all the others (issue 33: SmolLM2-135M, perplexity +68% with it quantised, +29% without), and a
   tied one must stay in float for the embedding anyway, so the pass keeps it in float unless told otherwise.
 """
@@ -119,6 +119,6 @@ def head_reason(g: gs.Graph, cand, module_path: str | None) -> str | None:
     names = [x for x in (cand.node.name, cand.weight_name, module_path) if x]
     if any("lm_head" in x for x in names):
         return "named lm_head"
-    if cand.out.name in graph_output_names(g):
+    if cand.out.name in graph_output_names(g) and "logit" in cand.out.name.lower():
         return f"writes the graph output {cand.out.name!r} (N={cand.N})"
     return None
