@@ -343,7 +343,7 @@ def _search_details(found) -> dict:
     d = dict(awq_alpha=found.alpha, calib_mse_rtn=found.err_rtn, calib_mse_awq=found.err_awq,
              heldout_mse_rtn=found.holdout_rtn, heldout_mse_awq=found.holdout_awq)
     if found.holdout_rtn is None:
-        held = "no held-out rows (fewer than 8 calibration rows)"
+        held = "no held-out rows (awq_holdout=0, or fewer than 8 calibration rows)"
     else:
         held = f"held-out output MSE {found.holdout_awq:.3g} vs RTN {found.holdout_rtn:.3g}"
     if found.alpha:
