@@ -81,7 +81,8 @@ def _weights_options(a, model) -> dict:
         fmt = "awq"  # the checkpoint's weights are AWQ
     if fmt is None:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
-                                      ("--exclude", a.exclude), ("--target", a.target)) if v]
+                                      ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head))
+                 if v]
         if given:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
         return {}
@@ -94,8 +95,8 @@ def _weights_options(a, model) -> dict:
         options["group_size"] = a.group_size
     if a.exclude:
         options["weights_exclude"] = list(a.exclude)
-    if getattr(a, "quantize_lm_head", False):
-        options["weights_lm_head"] = "quantize"
+    if getattr(a, "lm_head", None):
+        options["weights_lm_head"] = a.lm_head
     if a.calibration and fmt == "awq":  # (the gru pass also reads --calibration: _gru_options)
         options["calibration"] = load_calibration(a.calibration, model)
         options["calibration_session"] = _calibration_session
@@ -188,7 +189,7 @@ def _weights_summary(report) -> str | None:
     if not t:
         return None
     mib = 1024.0 * 1024.0
-    head = (f"; output head kept in float ({t['head_kept_bytes'] / mib:.2f} MiB; --quantize-lm-head quantises it)"
+    head = (f"; output head kept in float ({t['head_kept_bytes'] / mib:.2f} MiB; --lm-head 4bit quantises it)"
             if t.get("head_kept") else "")
     return (f"weights4: {t['weights']} weights, {t['bytes_before'] / mib:.2f} MiB -> {t['bytes_after'] / mib:.2f} "
             f"MiB ({t['ratio']:.3f}x), relative reconstruction error max {t['max_rel_error']:.4f} "
@@ -411,10 +412,11 @@ def _weights_arguments(p) -> None:
     g.add_argument("--group-size", type=int, metavar="N", help="AWQ group along K (default 128)")
     g.add_argument("--exclude", action="append", metavar="NAME_OR_REGEX",
                    help="leave weights whose node or tensor name equals / matches this in float (repeatable)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="quantise the output head over a vocabulary too (an LLM's lm_head, tied to the embedding or "
-                        "not); by default it stays in float: 4-bit rounding of it costs more accuracy than all "
-                        "other weights together")
+    g.add_argument("--lm-head", choices=["fp16", "float", "4bit"],
+                   help="the output head over a vocabulary (an LLM's lm_head, tied to the embedding or not): fp16 "
+                        "(default: float32 models store it, and a tied embedding table, once in fp16), float (as the "
+                        "model has it, stored once), 4bit (quantised like the others: costs more accuracy than all "
+                        "other weights together)")
     g.add_argument("--calibration", metavar="FILE.npz",
                    help="calibration inputs (AWQ's scale search; the gru pass's ranges), one array per model "
                         "input, named after it")

@@ -29,6 +29,7 @@ from onnx import helper
 from . import model_io
 from .bench import weight_bytes
 from .errors import LowbitError
+from .feeds import index_ranges
 
 PAST = re.compile(r"past|cache", re.IGNORECASE)
 DEFAULT_WINDOW = 512
@@ -124,6 +125,7 @@ class _Runner:
         if unknown:
             raise LowbitError(f"{path}: eval-ppl does not know how to feed input{'s' if len(unknown) > 1 else ''} "
                               f"{', '.join(unknown)}")
+        self.vocab = index_ranges(head).get("input_ids")  # the embedding table's rows, when input_ids indexes one
         outs = [o.name for o in head.graph.output]
         self.logits = "logits" if "logits" in outs else outs[0]
         self.session = session_factory(path)
@@ -181,6 +183,10 @@ def evaluate(paths, ids: np.ndarray, *, session_factory, window: int = DEFAULT_W
     windows = [ids[i:i + window] for i in range(0, ids.size, window)]
     windows = [w for w in windows if w.size >= 2]
     runners = [_Runner(p, session_factory) for p in paths]
+    for r in runners:
+        if r.vocab is not None and int(ids.max()) >= r.vocab:
+            raise LowbitError(f"token id {int(ids.max())} is outside the model's vocabulary of {r.vocab} ({r.path}): "
+                              "is it the model's tokenizer?")
     lp = [[] for _ in runners]      # per model: log-likelihood of the actual next tokens
     top = [[] for _ in runners]     # per model: arg-max tokens
     vocab = None

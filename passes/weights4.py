@@ -74,7 +74,7 @@ from .base import (Names, Pass, Report, constant_value, is_alive, is_graph_outpu
 from .linear import Linear, Skip, constant_weight, following_bias, match, rank
 
 FORMATS = ("nf4", "fp4", "awq")
-LM_HEAD = ("keep", "quantize")
+LM_HEAD = ("fp16", "float", "4bit")  # the output head over a vocabulary: fp16 (float32 models), as is, quantised
 DEFAULT_AWQ_HOLDOUT = 0.25  # the last quarter of the calibration rows: AWQ's scales must beat RTN there too
 TARGETS = ("lowbit", "ort")
 MS_DOMAIN = "com.microsoft"
@@ -108,7 +108,7 @@ class Options:
     checkpoint: object = None  # onnx_lowbit.awq_checkpoint.Checkpoint: AWQ weights taken from it, not quantised
     module_paths: dict = field(default_factory=dict)  # node name -> source module path (dynamo exports)
     calibration_session: object = None
-    lm_head: str = "keep"  # "keep": the output head over a vocabulary stays in float; "quantize"
+    lm_head: str = "fp16"  # LM_HEAD: how the output head over a vocabulary is stored
     awq_holdout: float = DEFAULT_AWQ_HOLDOUT
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
 
@@ -184,7 +184,7 @@ def parse_options(options: dict) -> Options | None:
             raise ValueError(f"awq_checkpoint: an AutoAWQ checkpoint gives AWQ weights, not weights={o.fmt!r}")
         from onnx_lowbit.awq_checkpoint import Checkpoint  # noqa: PLC0415
         o.checkpoint = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
-    head = options.get("weights_lm_head") or "keep"
+    head = options.get("weights_lm_head") or "fp16"
     if head not in LM_HEAD:
         raise ValueError(f"weights_lm_head: {head!r} is not one of {', '.join(LM_HEAD)}")
     o.lm_head = head
@@ -465,7 +465,7 @@ class _Run:
         cand, _ = match(node, any_rank=True)
         if cand is None or cand.size < self.o.min_elements or _excluded(cand, self.o.exclude, self.o.module_paths):
             return None
-        if self.o.lm_head == "keep" and w4g.head_reason(self.root, cand, self.o.module_paths.get(node.name)):
+        if self.o.lm_head != "4bit" and w4g.head_reason(self.root, cand, self.o.module_paths.get(node.name)):
             return None
         return cand
 
@@ -521,11 +521,14 @@ class _Run:
                 cand.bias_add, cand.bias = found
                 cand.out = cand.bias_add.outputs[0]
                 cand.spelling += " -> Add(bias)"
-        head = w4g.head_reason(g, cand, self.o.module_paths.get(node.name)) if self.o.lm_head == "keep" else None
+        head = w4g.head_reason(g, cand, self.o.module_paths.get(node.name)) if self.o.lm_head != "4bit" else None
         if head:
-            self.skip(self.pattern(cand.spelling), label, f"output head kept in float ({head}): 4-bit rounding of "
-                      "it costs more accuracy than any other weight; --quantize-lm-head (weights_lm_head="
-                      "'quantize') quantises it", head_kept=True, float_bytes=cand.bytes_before, **details)
+            how = w4g.store_head(g, self.names, self.const, cand, self.o.lm_head == "fp16" and
+                                 cand.dtype is np.float32)
+            stored = cand.bytes_before // (2 if "fp16" in how else 1)
+            self.skip(self.pattern(cand.spelling), label, f"output head kept in float ({head}{'; ' if how else ''}"
+                      f"{how}): 4-bit rounding of it costs more accuracy than any other weight; --lm-head 4bit "
+                      "(weights_lm_head='4bit') quantises it", head_kept=True, float_bytes=stored, **details)
             return
         notes = []
         final = cand.out

@@ -109,6 +109,37 @@ def _equal_table(g: gs.Graph, cand) -> gs.Node | None:
     return None
 
 
+def store_head(g: gs.Graph, names, const, cand, fp16: bool) -> str:
+    """Stores the kept head's weight once: when the export holds a second copy of the embedding table for it
+    (TorchScript folds lm_head's Transpose into a new initializer), the head reads the table through a Transpose
+    instead; with ``fp16`` (float32 models) the one table is stored in fp16 (``const(name, array)`` makes the
+    constant) and Cast to float32 in the graph. Returns a note for the report."""
+    notes = []
+    table = cand.stored
+    other = _equal_table(g, cand) if _tied_gather(cand) is None else None
+    if other is not None:   # MatMul(A, W) with W == table^T: MatMul(A, Transpose(table)); W's copy becomes dead
+        table = other.inputs[0]
+        t = gs.Variable(names(f"{table.name}_T"), dtype=cand.value.dtype)
+        g.nodes.append(gs.Node("Transpose", name=names(f"{cand.node.name or 'head'}_table_T"), inputs=[table],
+                               outputs=[t], attrs=dict(perm=[1, 0])))
+        cand.node.inputs[1] = t
+        notes.append(f"reads the embedding table {table.name!r} (Transpose): its copy {cand.stored.name!r} is "
+                     "dropped")
+    value = constant_value(table) if fp16 and isinstance(table, gs.Constant) else None
+    if value is not None and value.dtype == np.float32:
+        t16 = const(f"{table.name}_fp16", value.astype(np.float16))
+        t32 = gs.Variable(names(f"{table.name}_f32"), dtype=np.float32, shape=list(value.shape))
+        for node in list(table.outputs):
+            if is_alive(node):
+                for i, x in enumerate(list(node.inputs)):
+                    if x is table:
+                        node.inputs[i] = t32
+        g.nodes.append(gs.Node("Cast", name=names(f"{table.name}_cast"), inputs=[t16], outputs=[t32],
+                               attrs=dict(to=1)))
+        notes.append(f"stored in fp16 ({value.nbytes // 2} bytes), Cast to float")
+    return "; ".join(notes)
+
+
 def head_reason(g: gs.Graph, cand, module_path: str | None) -> str | None:
     """Why ``cand`` is the model's output head over a vocabulary (module docstring), or None."""
     if cand.N < HEAD_MIN_N:
