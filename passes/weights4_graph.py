@@ -6,6 +6,8 @@
 * ``flatten_around``: a MatMul whose A has an unknown rank (shape inference gave none: exporters that keep weights
   in Constant nodes) or rank 1 is quantised as ``Reshape(A, [-1, K])`` -> op -> ``Reshape(., shape(A)[:-1] + [N])``,
   which is MatMul's result for every rank of A (rank 1 included: shape(A)[:-1] is empty).
+* ``fold_plan`` / ``apply_plan``: AWQ's activation scale folded into the op producing A (its weight and bias
+  columns, a norm's scale and bias, a constant Mul), see the weights4 docstring.
 * ``head_reason``: the weight that turns the last hidden state into logits over a vocabulary (an LLM's lm_head):
   N >= HEAD_MIN_N columns, and tied to an embedding table (a Gather reads the same constant, or a constant equal
   to its transpose), or named lm_head, or writing a graph output named like logits. 4-bit rounding of this one weight costs more
@@ -17,8 +19,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import constant_value, graph_output_names, is_alive, node_label
+from .base import (Names, constant_value, graph_output_names, is_alive, is_graph_output, node_label, producer,
+                   single_consumer)
+from .linear import rank
 
+MS_DOMAIN = "com.microsoft"
 PACK = 8             # AWQ columns per int32
 HEAD_MIN_N = 1024    # a vocabulary: output heads narrower than this (classifiers, projections) are not lm_heads
 
@@ -153,3 +158,77 @@ def head_reason(g: gs.Graph, cand, module_path: str | None) -> str | None:
     if cand.out.name in graph_output_names(g) and "logit" in cand.out.name.lower():
         return f"writes the graph output {cand.out.name!r} (N={cand.N})"
     return None
+
+
+_NORM_OPS = {("", "LayerNormalization"): (1, 2), ("", "RMSNormalization"): (1, None),
+             (MS_DOMAIN, "SimplifiedLayerNormalization"): (1, None), (MS_DOMAIN, "LayerNormalization"): (1, 2)}
+
+
+def _channel_scaled(v: np.ndarray, inv: np.ndarray, axis: int) -> np.ndarray:
+    """``v`` with its channels along ``axis`` (-1: the last) multiplied by ``inv``, in v's dtype."""
+    shape = [1] * v.ndim
+    shape[axis] = -1
+    return np.ascontiguousarray((v.astype(np.float64) * inv.reshape(shape)).astype(v.dtype))
+
+
+def fold_plan(p: gs.Node, g: gs.Graph, inv: np.ndarray, k: int, depth: int = 0):
+    """How to multiply the K output channels of A's producer ``p`` by ``inv``, by rewriting its constants:
+    ([(node, input index, new value)], description), or None when ``p`` is not foldable."""
+    dom = p.domain or ""
+    if not is_alive(p) or any(t.outputs or is_graph_output(g, t) for t in p.outputs[1:]):
+        return None
+    if dom == "" and p.op == "MatMul" and len(p.inputs) == 2:
+        w = constant_value(p.inputs[1])
+        if w is None or w.ndim != 2 or w.shape[1] != k:
+            return None
+        return [(p, 1, _channel_scaled(w, inv, -1))], f"the weight of MatMul {node_label(p)!r}"
+    if dom == "" and p.op == "Gemm" and len(p.inputs) >= 2 and not int(p.attrs.get("transA", 0)):
+        w = constant_value(p.inputs[1])
+        trans_b = int(p.attrs.get("transB", 0))
+        if w is None or w.ndim != 2 or (w.shape[0] if trans_b else w.shape[1]) != k:
+            return None
+        plan = [(p, 1, _channel_scaled(w, inv, 0 if trans_b else -1))]
+        if len(p.inputs) > 2 and p.inputs[2].name:
+            c = constant_value(p.inputs[2])
+            if c is None or c.ndim > 2 or not (c.size == 1 or c.shape[-1] == k):
+                return None
+            c = np.broadcast_to(c, c.shape[:-1] + (k,)) if c.ndim else np.full(k, c, dtype=c.dtype)
+            plan.append((p, 2, _channel_scaled(c, inv, -1)))
+        return plan, f"the weight{' and bias' if len(plan) > 1 else ''} of Gemm {node_label(p)!r}"
+    if (dom, p.op) in _NORM_OPS:
+        if int(p.attrs.get("axis", -1)) != -1:
+            return None
+        plan = []
+        for i in _NORM_OPS[(dom, p.op)]:
+            if i is None or len(p.inputs) <= i or not p.inputs[i].name:
+                continue
+            v = constant_value(p.inputs[i])
+            if v is None or v.size != k or v.shape[-1] != k:
+                return None
+            plan.append((p, i, _channel_scaled(v, inv, -1)))
+        if not plan:
+            return None
+        return plan, f"the scale{' and bias' if len(plan) > 1 else ''} of {p.op} {node_label(p)!r}"
+    if dom == "" and p.op in ("Mul", "Add") and len(p.inputs) == 2:
+        for i in (0, 1):
+            v, other = constant_value(p.inputs[i]), p.inputs[1 - i]
+            r = rank(other)
+            if v is None or constant_value(other) is not None or v.size != k or v.shape[-1] != k or \
+                    r is None or v.ndim > r:
+                continue
+            if p.op == "Mul":  # a per-channel scale (e.g. a decomposed norm's gamma)
+                return [(p, i, _channel_scaled(v, inv, -1))], f"the constant of Mul {node_label(p)!r}"
+            # Add(bias): also scale what is added to, when its producer folds (MatMul/Gemm/Mul before a bias)
+            q = producer(other)
+            if depth or q is None or single_consumer(other) is not p or is_graph_output(g, other):
+                return None
+            inner = fold_plan(q, g, inv, k, depth + 1)
+            if inner is None:
+                return None
+            return inner[0] + [(p, i, _channel_scaled(v, inv, -1))], f"{inner[1]} and the bias of Add {node_label(p)!r}"
+    return None
+
+
+def apply_plan(plan, names: Names) -> None:
+    for node, i, value in plan:
+        node.inputs[i] = gs.Constant(names(f"{node.inputs[i].name}_awq"), value)

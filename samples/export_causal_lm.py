@@ -108,15 +108,34 @@ def export(model, path: str, opset: int = 17, external_data: bool | None = None)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def load_gguf(path: str):
+    """A LLaMA-family causal LM from a .gguf file, dequantised to fp32 (transformers' GGUF reader and the gguf
+    package; without accelerate, which transformers' from_pretrained(gguf_file=...) asks for)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    cfg = dict(load_gguf_checkpoint(path)["config"])
+    model_type = cfg.pop("model_type", "llama")
+    config = AutoConfig.for_model(model_type, **cfg)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v) for k, v in tensors.items()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"{path}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model
+
+
 def load(source: str):
     """A causal LM from a transformers folder or a .gguf file (fp32, eager attention)."""
     import torch
     from transformers import AutoModelForCausalLM
-    kw = {"attn_implementation": "eager", "dtype": torch.float32}
     if source.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(os.path.abspath(source)),
-                                                    gguf_file=os.path.basename(source), **kw).eval()
-    return AutoModelForCausalLM.from_pretrained(source, **kw).eval()
+        return load_gguf(source)
+    return AutoModelForCausalLM.from_pretrained(source, attn_implementation="eager", dtype=torch.float32).eval()
 
 
 def main(argv=None) -> int:
