@@ -2,7 +2,8 @@
 
 Matched (main graph and subgraphs), with W the [K, N] weight of ``Y = A x W``:
 
-    MatMul(A, W)                  W an initializer or a Constant-node output; A of rank >= 2
+    MatMul(A, W)                  W an initializer or a Constant-node output; A of rank >= 2, or of unknown rank /
+                                  rank 1: then run on Reshape(A, [-1, K]) and reshaped back (weights4_graph.py)
     MatMul(A, Transpose(Wt))      Wt a constant stored [N, K] (perm absent or [1, 0])
     Gemm(A, B, C)                 transA=0; B constant (or Transpose of a constant), transB=0/1; alpha folded into
                                   W, beta into the bias; C absent or a constant scalar / [N] / [1, N]
@@ -43,9 +44,14 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
                           ``.run(None, feeds)`` and ``.get_outputs()`` for that run;
                           needed when the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass),
                           which stock onnxruntime cannot run; the CLI passes one built on onnx_lowbit's session
+    awq_holdout           fraction of the calibration rows (the last ones) the AWQ search does not see; a layer keeps
+                          its searched scales only when they beat RTN on those rows too (default 0.25; 0: off)
+    weights_lm_head       "fp16" (default) | "float" | "4bit": the output head over a vocabulary (weights4_graph.
+                          head_reason) stays in float, stored once (fp16 for float32 models), or is quantised
 
-AWQ activation scales: ``awq.quantize_awq`` quantises W * s (rows) and returns act_scale = 1 / s, by which A must
-be multiplied. It is folded into the op producing A when A has no other reader and that op is a MatMul / Gemm
+AWQ activation scales: ``awq.search_scales`` (its grid includes s = 1, plain RTN; with held-out rows RTN is kept
+when the searched s loses there) gives s; W * s (rows) is quantised and act_scale = 1 / s is what A must be
+multiplied by. It is folded into the op producing A when A has no other reader and that op is a MatMul / Gemm
 with a constant weight (its output columns and bias times act_scale; also through a following constant bias Add),
 a LayerNormalization / RMSNormalization / com.microsoft (Simplified)LayerNormalization over the last axis (scale
 and bias), or a Mul by a constant [K] vector (a decomposed norm's gamma); otherwise ``Mul(A, act_scale)`` is
@@ -54,8 +60,10 @@ re-quantised with s = 1 / that, so the rewritten op computes exactly (A * act_sc
 Candidates are processed from the graph's end backwards, so a producer that is itself quantised receives the fold
 before it is quantised. Without ``calibration`` AWQ is round-to-nearest (``awq.quantize_rtn``), no scales.
 
-Bad options raise ValueError naming the option, or the weight for AWQ's N % 8 == 0 requirement (checked before
-any work). A weight a quantiser refuses (NaN/Inf for AWQ) is skipped with the quantiser's message.
+AWQ with N not a multiple of 8: zero columns up to the next multiple (dequantised to exactly 0), the op's N is the
+padded one and a Slice returns the model's N columns (target "ort": the padded columns are dropped from
+MatMulNBits' tensors). Bad options raise ValueError naming the option. A weight a quantiser refuses (NaN/Inf for
+AWQ) is skipped with the quantiser's message and marked "unquantised" (``unquantised(report)``; the CLI exits 4).
 """
 from __future__ import annotations
 

@@ -92,8 +92,11 @@ def test_streamed_verify_and_runs(tmp_path, no_full_load):
     assert cli.main(["rewrite", src, str(out), "--weights", "nf4", "--verify", "--tolerance", "0.2"]) == 0
     assert (tmp_path / "o.onnx.data").exists()
     assert cli.main(["rewrite", src, str(tmp_path / "p.onnx"), "--weights", "nf4", "--verify",
-                     "--tolerance", "1e-9"]) == 1                       # verify fails: nothing written
+                     "--tolerance", "1e-9"]) == 1                       # verify fails: OUT not written,
     assert not (tmp_path / "p.onnx").exists() and not (tmp_path / "p.onnx.data").exists()
+    kept = tmp_path / "p.unverified.onnx"                                 # the rewrite kept under another name,
+    assert kept.exists() and (tmp_path / "p.unverified.onnx.data").exists()  # its data file named after it
+    assert {n.op_type for n in onnx.load(str(kept)).graph.node} >= {"MatMulNF4"}  # loads with its external data
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".onnx-lowbit-")]
 
 
