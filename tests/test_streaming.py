@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_lowbit import cli, model_io, nf4
-from onnx_lowbit.passes import run_passes, weights4
+from onnx_lowbit.passes import run_passes, weights4_quant
 
 
 def build(folder, layers=2, d=1024, f=3584, dtype=np.float16, data="weights.bin", name="in.onnx", seed=0):
@@ -64,7 +64,7 @@ def test_streamed_equals_in_memory(tmp_path, monkeypatch, fmt):
     real_spill = model_io.StagedOutput.spill
     monkeypatch.setattr(model_io.StagedOutput, "spill",
                         lambda self, name, a: spilled.append(name) or real_spill(self, name, a))
-    monkeypatch.setattr(weights4, "CHUNK_ELEMENTS", 1 << 20)             # several column chunks per weight
+    monkeypatch.setattr(weights4_quant, "CHUNK_ELEMENTS", 1 << 20)       # several column chunks per weight
     with monkeypatch.context() as m:
         m.setattr(onnx.external_data_helper, "load_external_data_for_model",
                   lambda *a, **k: (_ for _ in ()).throw(AssertionError("not streamed")))
