@@ -8,7 +8,10 @@ Figures per output (a: the original's, b: the rewritten model's):
   top-1    for logit / classifier-like outputs (a name with logit, prob, score, class, label, cls or pred in it, or
            the only output of its model, of rank >= 2 with a last axis of 2 or more): the fraction of rows whose
            arg-max along the last axis agrees
-NaN in one output but not the other, or a shape that differs, fails the output whatever the tolerance."""
+NaN in one output but not the other, or a shape that differs, fails the output whatever the tolerance. When the
+model has logit-like outputs, the tolerance is checked on those only: the other outputs (an LLM's KV cache, which
+4-bit weights move by 30-45 % rel-L2 in SmolLM2-135M's deeper layers while its logits move by 18 %) are shown but
+not checked; a KV computation gone wrong shows in the logits too."""
 from __future__ import annotations
 
 import re
@@ -38,6 +41,7 @@ class OutputError:
     rows: int = 0          # rows behind top1
     shape: tuple = ()
     note: str = ""         # e.g. a shape mismatch
+    checked: bool = True   # False: shown, not held to the tolerance (a state output beside logit-like ones)
 
 
 def default_tolerance(weights_totals) -> float:
@@ -127,6 +131,10 @@ def compare(original, rewritten, *, tolerance: float = DEFAULT_TOLERANCE, provid
     except LowbitError as e:
         raise LowbitError(f"--verify: {e}") from None
     errors = [compare_arrays(n, a, b, tolerance, len(names) == 1) for n, a, b in zip(names, ref, got)]
+    if any(e.top1 is not None for e in errors):
+        for e in errors:
+            if e.top1 is None and not e.note and e.mismatched_nan == 0:
+                e.checked, e.ok = False, True
     timings = {}
     if timing_runs:
         for key, s in (("original", s0), ("rewritten", s1)):
@@ -149,18 +157,27 @@ def format_errors(errors, tolerance) -> str:
         extra = f", {e.mismatched_nan} NaN/Inf mismatches" if e.mismatched_nan else ""
         extra += f", {e.note}" if e.note else ""
         top1 = f"{100 * e.top1:7.2f}%" if e.top1 is not None else f"{'-':>8s}"
-        lines.append(f"{e.name:{width}s} {e.rel:10.3g} {e.max_abs:11.4g} {e.max_rel:10.3g} {top1}  "
-                     f"{'ok' if e.ok else 'FAIL'}{extra}")
+        result = "not checked" if not e.checked else "ok" if e.ok else "FAIL"
+        lines.append(f"{e.name:{width}s} {e.rel:10.3g} {e.max_abs:11.4g} {e.max_rel:10.3g} {top1}  {result}{extra}")
     tops = [e for e in errors if e.top1 is not None]
     if tops:
         lines.append("top-1: arg-max agreement along the last axis over " +
                      ", ".join(f"{e.rows} rows of {e.name}" for e in tops))
+    if any(not e.checked for e in errors):
+        lines.append("not checked: outputs beside the logit-like ones (e.g. a KV cache) are shown, the tolerance "
+                     "applies to the logits")
     return "\n".join(lines)
 
 
 def describe_inputs(feeds: dict, made_up, values: dict) -> str:
-    """One line: what was fed (shapes; which inputs were made up when some were not; the symbolic dims' values)."""
+    """One line: what was fed (shapes, inputs numbered alike grouped: past_key_values.#.key x30; which inputs were
+    made up when some were not; the symbolic dims' values)."""
     some = 0 < len(made_up) < len(feeds)
-    parts = [f"{n} {list(np.shape(v))}{' (made up)' if some and n in made_up else ''}" for n, v in feeds.items()]
+    groups = {}
+    for n, v in feeds.items():
+        key = (re.sub(r"\d+", "#", n), tuple(np.shape(v)), some and n in made_up)
+        groups.setdefault(key, []).append(n)
+    parts = [f"{names[0] if len(names) == 1 else f'{k} x{len(names)}'} {list(shape)}{' (made up)' if up else ''}"
+             for (k, shape, up), names in groups.items()]
     dims = ", ".join(f"{k}={v}" for k, v in values.items())
     return "inputs: " + ", ".join(parts) + (f"; dims: {dims}" if dims else "")
