@@ -25,7 +25,8 @@ Activation-aware scaling (AWQ paper, AutoAWQ's ``_search_best_scale`` / ``_compu
 k, x_mean[k] = mean |x[:, k]| over the calibration rows; for alpha = i / grid, i = 0 .. grid-1:
   s = max(x_mean ** alpha, 1e-4); s = s / sqrt(max(s) * min(s)); (inf / NaN -> 1)
   error(alpha) = mean((x @ W - x @ (Q(W * s) / s)) ** 2) with Q = quantise + dequantise (the rows of W scaled by s);
-the alpha with the lowest error wins (alpha = 0 gives s = 1, i.e. plain RTN). The stored weight is Q(W * s); the
+the alpha with the lowest error wins (alpha = 0 gives s = 1, i.e. plain RTN). With held-out rows (rows the search
+did not see) the winner is kept only when it beats RTN on them too, else RTN. The stored weight is Q(W * s); the
 activation must then be multiplied by 1 / s along K: y = (x * (1 / s)) @ dequant. ``quantize_awq`` returns that
 ``act_scale = 1 / s``; fold it into the op that produces x (AutoAWQ divides the preceding LayerNorm/RMSNorm
 weight and bias, or the preceding Linear's output rows, by s) or insert a Mul by act_scale before MatMulAWQ.
@@ -220,9 +221,11 @@ def fake_quantize(w: np.ndarray, group_size: int = 128) -> np.ndarray:
 
 class ScaleSearch(NamedTuple):
     scales: np.ndarray   # s float32 [K]: the weight rows are multiplied by s, the activation by 1 / s
-    alpha: float         # the chosen exponent
-    err_rtn: float       # calibration output MSE of plain RTN (alpha = 0)
-    err_awq: float       # calibration output MSE with the chosen s (<= err_rtn)
+    alpha: float         # the chosen exponent (0: s = 1, plain RTN)
+    err_rtn: float       # calibration output MSE of plain RTN (alpha = 0) on the rows searched
+    err_awq: float       # calibration output MSE with the grid's best s on the rows searched (<= err_rtn)
+    holdout_rtn: float | None = None   # output MSE of RTN on the held-out rows (None: none given)
+    holdout_awq: float | None = None   # ... of the grid's best s on them; the search keeps RTN when this is larger
 
 
 class AWQWeight(NamedTuple):
@@ -254,10 +257,20 @@ def _candidate_scales(x_mean: np.ndarray, alpha: float, w_mean: np.ndarray | Non
     return s
 
 
+def _output_mse(x: np.ndarray, ref: np.ndarray, w: np.ndarray, s: np.ndarray, G: int) -> float:
+    wq = fake_quantize(w * s[:, None], G).astype(np.float64) / s.astype(np.float64)[:, None]
+    return float(np.mean((ref - x @ wq) ** 2))
+
+
 def search_scales(w: np.ndarray, x_calib: np.ndarray, group_size: int = 128, grid: int = 20,
-                  duo_scaling: bool = False) -> ScaleSearch:
+                  duo_scaling: bool = False, x_holdout: np.ndarray | None = None) -> ScaleSearch:
     """Grid search of the per-input-channel scale s = mean|x| ** alpha (normalised by sqrt(max(s) * min(s)))
     over alpha in {0, 1/grid, ..., (grid-1)/grid}, minimising the calibration output error of Q(W * s) / s.
+    alpha = 0 is plain round-to-nearest (s = 1), so the pick is never worse than RTN on ``x_calib``.
+
+    ``x_holdout`` (rows the search does not see): the grid's best s is kept only when its output error on these
+    rows is not larger than RTN's; otherwise the result is RTN (alpha 0, s = 1): scales fitted to some rows that
+    do not carry over to others (a text unlike the deployment's) are not used.
 
     duo_scaling=True uses AutoAWQ's default variant s = mean|x| ** alpha / (w_mean ** (1 - alpha) + 1e-4), w_mean
     being the per-input-channel mean of |W| normalised by each group's max |W|; the default (False) is the
@@ -276,25 +289,44 @@ def search_scales(w: np.ndarray, x_calib: np.ndarray, group_size: int = 128, gri
         w_mean = (g / (g.max(axis=1, keepdims=True) + np.float32(1e-6))).reshape(Kp, N)[:K].mean(axis=1)
         w_mean = w_mean.astype(np.float32)
     ref = x @ w.astype(np.float64)
-    best = None
-    err_rtn = None
+    ones = np.ones(K, np.float32)
+    err_rtn = _output_mse(x, ref, w, ones, G)
+    best = (ones, 0.0, err_rtn)
     for i in range(grid):
         alpha = i / grid
         s = _candidate_scales(x_mean, alpha, w_mean)
-        wq = fake_quantize(w * s[:, None], G).astype(np.float64) / s.astype(np.float64)[:, None]
-        err = float(np.mean((ref - x @ wq) ** 2))
-        if i == 0:
-            err_rtn = err if w_mean is None else float(np.mean((ref - x @ fake_quantize(w, G)) ** 2))
-        if best is None or err < best[2]:
+        if i == 0 and w_mean is None:
+            continue  # s = 1: RTN, measured above
+        err = _output_mse(x, ref, w, s, G)
+        if err < best[2]:
             best = (s, alpha, err)
-    return ScaleSearch(best[0], float(best[1]), float(err_rtn), float(best[2]))
+    h_rtn = h_awq = None
+    if x_holdout is not None:
+        xh = _check_calib(x_holdout, K)
+        ref_h = xh @ w.astype(np.float64)
+        h_rtn = _output_mse(xh, ref_h, w, ones, G)
+        h_awq = h_rtn if best[0] is ones else _output_mse(xh, ref_h, w, best[0], G)
+        if h_awq > h_rtn:
+            return ScaleSearch(ones, 0.0, float(err_rtn), float(best[2]), float(h_rtn), float(h_awq))
+    return ScaleSearch(best[0], float(best[1]), float(err_rtn), float(best[2]), h_rtn, h_awq)
+
+
+def split_holdout(x: np.ndarray, fraction: float = 0.25, min_rows: int = 8):
+    """(rows to search on, held-out rows): the last ``fraction`` of the rows (the end of the calibration data:
+    its last samples or tokens) held out; (x, None) below ``min_rows`` rows."""
+    x = np.asarray(x)
+    n = x.shape[0]
+    if n < min_rows:
+        return x, None
+    cut = n - max(1, int(round(n * fraction)))
+    return x[:cut], x[cut:]
 
 
 def quantize_awq(w: np.ndarray, x_calib: np.ndarray, group_size: int = 128, grid: int = 20,
-                 duo_scaling: bool = False) -> AWQWeight:
+                 duo_scaling: bool = False, x_holdout: np.ndarray | None = None) -> AWQWeight:
     """AWQ: search s, then quantise W * s (rows scaled). Returns (qweight, qzeros, scales, act_scale = 1 / s);
     y = (x * act_scale) @ dequantize(qweight, qzeros, scales) approximates x @ W."""
     w = _check_weight(w)
-    found = search_scales(w, x_calib, group_size, grid, duo_scaling)
+    found = search_scales(w, x_calib, group_size, grid, duo_scaling, x_holdout)
     qweight, qzeros, scales = quantize_rtn(w * found.scales[:, None], group_size)
     return AWQWeight(qweight, qzeros, scales, (np.float32(1.0) / found.scales).astype(np.float32))

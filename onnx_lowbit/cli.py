@@ -1,5 +1,6 @@
 """The ``onnx-lowbit`` command line. Bad input gives one line on stderr and exit status 2 (never a traceback);
-a failed --verify gives exit status 1 and no output file."""
+a failed --verify gives exit status 1 and keeps the rewritten model as OUT with ``.unverified`` before its
+extension (``y.onnx`` -> ``y.unverified.onnx``), never as OUT itself."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,7 @@ from .errors import LowbitError
 from .progress import Status
 
 EXIT_VERIFY_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL = 1, 2, 3
+EXIT_WEIGHTS_LEFT = 4  # --weights: some constant-weight products stayed in float for a reason the user must see
 
 
 class _Parser(argparse.ArgumentParser):
@@ -73,7 +75,8 @@ def _weights_options(a, model) -> dict:
         fmt = "awq"  # the checkpoint's weights are AWQ
     if fmt is None:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
-                                      ("--exclude", a.exclude), ("--target", a.target)) if v]
+                                      ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head))
+                 if v]
         if given:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
         return {}
@@ -86,6 +89,8 @@ def _weights_options(a, model) -> dict:
         options["group_size"] = a.group_size
     if a.exclude:
         options["weights_exclude"] = list(a.exclude)
+    if getattr(a, "lm_head", None):
+        options["weights_lm_head"] = a.lm_head
     if a.calibration and fmt == "awq":  # (the gru pass also reads --calibration: _gru_options)
         options["calibration"] = load_calibration(a.calibration, model)
         options["calibration_session"] = _calibration_session
@@ -178,9 +183,46 @@ def _weights_summary(report) -> str | None:
     if not t:
         return None
     mib = 1024.0 * 1024.0
+    head = (f"; output head kept in float ({t['head_kept_bytes'] / mib:.2f} MiB; --lm-head 4bit quantises it)"
+            if t.get("head_kept") else "")
     return (f"weights4: {t['weights']} weights, {t['bytes_before'] / mib:.2f} MiB -> {t['bytes_after'] / mib:.2f} "
             f"MiB ({t['ratio']:.3f}x), relative reconstruction error max {t['max_rel_error']:.4f} "
-            f"mean {t['mean_rel_error']:.4f}")
+            f"mean {t['mean_rel_error']:.4f}{head}")
+
+
+def _loud_skips(report) -> str | None:
+    """The float weights weights4 left in float for a reason the user did not choose (exit status 4)."""
+    from onnx_lowbit.passes import weights4
+    left = weights4.unquantised(report)
+    if not left:
+        return None
+    lines = [f"onnx-lowbit: warning: {len(left)} constant weight{'s' if len(left) > 1 else ''} stayed in float "
+             f"(exit status {EXIT_WEIGHTS_LEFT}; --exclude them to make that a choice):"]
+    lines += [f"  {', '.join(e.nodes)}: {e.reason}" for e in left[:20]]
+    if len(left) > 20:
+        lines.append(f"  ... and {len(left) - 20} more (--report lists them)")
+    return "\n".join(lines)
+
+
+def unverified_path(out: str) -> str:
+    """Where a rewrite that failed --verify is kept: ``y.onnx`` -> ``y.unverified.onnx``."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.unverified{ext or '.onnx'}"
+
+
+def _verify_feeds(a, model):
+    """(feeds, dim values, names of random inputs, where the data came from) for --verify, made before the
+    rewrite so that a bad file or --dim fails at once; None without --verify."""
+    from . import feeds
+    if not a.verify:
+        return None
+    data_path = a.verify_data or a.calibration
+    flag = "--verify-data" if a.verify_data else "--calibration"
+    sig = feeds.signature(model)
+    data = feeds.load_npz(data_path, sig, flag) if data_path else {}
+    got, values, made_up = feeds.make_feeds(model, data=data, dims=feeds.parse_dims(a.dim))
+    where = f"{data_path} ({flag})" if data_path else "made-up inputs (--verify-data FILE.npz for real ones)"
+    return got, values, made_up, where
 
 
 def cmd_rewrite(a) -> int:
@@ -189,9 +231,14 @@ def cmd_rewrite(a) -> int:
     selected = _selected_passes(a, passes_mod)  # unknown names fail before any work
     if _same_file(a.input, a.output):
         raise LowbitError(f"OUT must differ from IN ({a.output}); the input is never overwritten")
+    if a.verify_data or a.dim:
+        a.verify = True    # --verify-data / --dim imply --verify
     head = model_io.load(a.input, load_external_data=False)  # the graph; weights in external data stay on disk
     model_io.check_opset(head, a.input)
     model_io.check_output_spares_input(a.output, a.input, head)
+    if a.verify:
+        model_io.check_output_spares_input(unverified_path(a.output), a.input, head)
+    verify_feeds = _verify_feeds(a, head)
     # Models with external data (all models over 2 GB) are streamed: weights are read one at a time and new ones
     # are written to OUT's data file as they are made. AWQ calibration runs the whole model: it loads it.
     streamed = model_io.uses_external_data(head) and not getattr(a, "calibration", None)
@@ -202,15 +249,43 @@ def cmd_rewrite(a) -> int:
         staged = model_io.StagedOutput(a.output)
         options.update(external_data_dir=os.path.dirname(os.path.abspath(a.input)), spill=staged.spill)
     try:
-        return _rewrite(a, model, selected, options, staged)
+        return _rewrite(a, model, selected, options, staged, verify_feeds)
     finally:
         if staged is not None:
             staged.abort()
 
 
-def _rewrite(a, model, selected, options, staged) -> int:
+def _verify(a, model, out, staged_path, report, verify_feeds) -> bool:
+    """--verify: prints the inputs, the per-output figures and notes; True when every output is within the
+    tolerance."""
+    from . import verify
+    feeds, values, made_up, where = verify_feeds
+    tol = a.tolerance if a.tolerance is not None else verify.default_tolerance(_weights_totals(report))
+    print(f"verify on {where}: " + verify.describe_inputs(feeds, made_up, values)[len("inputs: "):])
+    original, rewritten = (os.path.abspath(a.input), staged_path) if staged_path else (model, out)
+    try:
+        with Status() as st:
+            st.step("verify: the original and the rewritten model in onnxruntime on the same inputs")
+            errors, _ = verify.compare(original, rewritten, tolerance=tol, feeds=feeds)
+    except LowbitError as e:
+        print(f"onnx-lowbit: {e}", file=sys.stderr)
+        if made_up:
+            print("onnx-lowbit: note: inputs were made up for " + ", ".join(made_up) + "; give real ones with "
+                  "--verify-data FILE.npz, or the sizes of symbolic dims with --dim NAME=VALUE", file=sys.stderr)
+        return False
+    print(verify.format_errors(errors, tol))
+    if all(e.ok for e in errors):   # (unchecked outputs are ok unless NaN / shape mismatches)
+        return True
+    t = _weights_totals(report)
+    if t:
+        print(f"onnx-lowbit: note: 4-bit weights change outputs by about their reconstruction error "
+              f"(max {t['max_rel_error']:.3f} per weight here); --verify-tol sets the limit", file=sys.stderr)
+    return False
+
+
+def _rewrite(a, model, selected, options, staged, verify_feeds=None) -> int:
     """The passes, --verify and the write of cmd_rewrite; ``staged``: the streamed output (None: in memory)."""
-    from . import model_io, verify
+    from . import model_io
     from onnx_lowbit import passes as passes_mod
     out, report = None, passes_mod.Report()
     current = model
@@ -231,32 +306,27 @@ def _rewrite(a, model, selected, options, staged) -> int:
     from onnx_lowbit.passes.gru import calibration_note
     if calibration_note(report):
         print(calibration_note(report), file=sys.stderr)
+    loud = _loud_skips(report)
+    if loud:
+        print(loud, file=sys.stderr)
     if a.report:
         print(report.to_table(width=shutil.get_terminal_size((120, 24)).columns))
     if a.report_json:
         with open(a.report_json, "w") as f:
             json.dump(report.to_dict(), f, indent=1)
-    status = 0
-    if a.verify:
-        with Status() as s:
-            s.step("verify: the original and the rewritten model in onnxruntime on the same random inputs")
-            if staged is not None:  # sessions from the files: the original and the staged output
-                errors, _ = verify.compare(os.path.abspath(a.input), staged_path, tolerance=a.tolerance)
-            else:
-                errors, _ = verify.compare(model, out, tolerance=a.tolerance)
-        print(verify.format_errors(errors, a.tolerance))
-        if not all(e.ok for e in errors):
-            t = _weights_totals(report)
-            if t:
-                print(f"onnx-lowbit: note: 4-bit weights change outputs by about their reconstruction error "
-                      f"(max {t['max_rel_error']:.3f} per weight here); --tolerance sets the limit", file=sys.stderr)
-            print(f"onnx-lowbit: verification failed: {a.output} not written", file=sys.stderr)
-            return EXIT_VERIFY_FAILED
+    status = EXIT_WEIGHTS_LEFT if loud else 0
+    target = a.output
+    if a.verify and not _verify(a, model, out, staged_path, report, verify_feeds):
+        target, status = unverified_path(a.output), EXIT_VERIFY_FAILED
     if staged is not None:
-        staged.commit()
+        staged.commit(target)
     else:
-        model_io.save(out, a.output)
-    print(f"wrote {a.output}")
+        model_io.save(out, target)
+    if target != a.output:
+        print(f"onnx-lowbit: verification failed: the rewritten model is kept as {target} ({a.output} not "
+              "written); judge the figures above, rename it to use it", file=sys.stderr)
+    else:
+        print(f"wrote {a.output}")
     return status
 
 
@@ -306,6 +376,17 @@ def cmd_inspect(a) -> int:
 def cmd_bench(a) -> int:
     from . import api, bench
     return bench.main(a, session_factory=api.InferenceSession)
+
+
+def cmd_eval_ppl(a) -> int:
+    from . import api, evalppl
+
+    def session(path):
+        import onnxruntime as ort
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        return api.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return evalppl.main(a, session_factory=session, progress=_progress)
 
 
 def cmd_demo(a) -> int:
@@ -362,6 +443,11 @@ def _weights_arguments(p) -> None:
     g.add_argument("--group-size", type=int, metavar="N", help="AWQ group along K (default 128)")
     g.add_argument("--exclude", action="append", metavar="NAME_OR_REGEX",
                    help="leave weights whose node or tensor name equals / matches this in float (repeatable)")
+    g.add_argument("--lm-head", choices=["fp16", "float", "4bit"],
+                   help="the output head over a vocabulary (an LLM's lm_head, tied to the embedding or not): fp16 "
+                        "(default: float32 models store it, and a tied embedding table, once in fp16), float (as the "
+                        "model has it, stored once), 4bit (quantised like the others: costs more accuracy than all "
+                        "other weights together)")
     g.add_argument("--calibration", metavar="FILE.npz",
                    help="calibration inputs (AWQ's scale search; the gru pass's ranges), one array per model "
                         "input, named after it")
@@ -408,6 +494,28 @@ def _gru_arguments(p) -> None:
     g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
 
 
+def _verify_arguments(p) -> None:
+    g = p.add_argument_group("checking the rewrite (--verify)")
+    g.add_argument("--verify", action="store_true",
+                   help="run original and rewritten on the same inputs and compare every output (rel-L2, max abs, "
+                        "top-1 for logits); past the tolerance: exit 1 and OUT kept as OUT.unverified.onnx")
+    g.add_argument("--verify-data", metavar="FILE.npz",
+                   help="inputs for --verify, one array per model input named after it (default: the "
+                        "--calibration file when given; inputs it lacks, and all without it, are made up "
+                        "consistent with the graph); implies --verify")
+    g.add_argument("--dim", action="append", metavar="NAME=VALUE",
+                   help="size of a symbolic input dim for made-up --verify inputs (repeatable; dims named like "
+                        "'past + seq' follow their parts); implies --verify")
+    g.add_argument("--verify-tol", "--tolerance", dest="tolerance", type=float, metavar="TOL",
+                   help="largest rel-L2 error ||a - b|| / ||a|| per output (default 0.02; "
+                        f"{_tol_4bit()} when 4-bit weights were written)")
+
+
+def _tol_4bit():
+    from .verify import WEIGHTS4_TOLERANCE
+    return WEIGHTS4_TOLERANCE
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="onnx-lowbit", description="Rewrite ONNX models with low-bit and fused onnx-lowbit ops.")
     p.add_argument("--version", action="version", version=f"onnx-lowbit {__version__}")
@@ -419,10 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "rmsnorm only when named)")
     r.add_argument("--report", action="store_true", help="print what was rewritten and skipped")
     r.add_argument("--report-json", metavar="FILE", help="write the report as JSON")
-    r.add_argument("--verify", action="store_true",
-                   help="run original and rewritten on random inputs; fail past --tolerance")
-    r.add_argument("--tolerance", type=float, default=2e-2,
-                   help="max |err| / max |reference| per output for --verify (default 0.02)")
+    _verify_arguments(r)
     r.add_argument("--fplut-functions", help="only these FPLUT functions (e.g. silu,gelu)")
     _weights_arguments(r)
     _merge_arguments(r)
@@ -461,6 +566,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "names, else 16)")
     b.add_argument("--out", default=".", metavar="DIR", help="where bench-<mode>.png/.json go (default: .)")
     b.set_defaults(fn=cmd_bench)
+    e = sub.add_parser("eval-ppl", help="perplexity and greedy-token agreement of a causal LM (ORIGINAL) and its "
+                                        "rewrites on a text (CPU)")
+    e.add_argument("original", metavar="ORIGINAL")
+    e.add_argument("rewritten", metavar="REWRITTEN", nargs="*", help="rewrites of ORIGINAL, scored on the same windows")
+    e.add_argument("--text", metavar="FILE", help="UTF-8 text to score")
+    e.add_argument("--tokenizer", metavar="DIR|FILE.gguf|bytes",
+                   help="the model's tokenizer: a transformers folder or .gguf file; 'bytes': UTF-8 bytes as ids")
+    e.add_argument("--tokens", metavar="FILE.npy", help="token ids instead of --text/--tokenizer")
+    e.add_argument("--window", type=int, default=512, metavar="N", help="tokens per window (default 512)")
+    e.add_argument("--max-tokens", type=int, metavar="N", help="score only the first N tokens")
+    e.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+    e.set_defaults(fn=cmd_eval_ppl)
     lut = sub.add_parser("lut", help="FPLUT tables")
     lsub = lut.add_subparsers(dest="lut_cmd", required=True, parser_class=_Parser)
     lsub.add_parser("list", help="shipped tables and their exhaustive error figures")

@@ -319,12 +319,25 @@ class StagedOutput:
         self.written = True
         return self.tmp_model
 
-    def commit(self) -> None:
+    def commit(self, path=None) -> None:
+        """Moves the staged model into place: at the output path, or at ``path`` (in the same folder; e.g. a
+        rewrite that failed --verify, kept under another name: its data file is named after it)."""
         if not self.written:
             raise LowbitError(f"{self.path}: nothing written to commit")
+        target = os.path.abspath(os.fspath(path)) if path is not None else self.path
+        data_name = os.path.basename(target) + ".data"
         try:
-            os.replace(self.tmp_data, os.path.join(os.path.dirname(self.path), self.data_name))
-            os.replace(self.tmp_model, self.path)
+            if data_name != self.data_name:  # the model refers to its data file by name: rename the references
+                m = onnx.load(self.tmp_model, load_external_data=False)
+                for t in onnx.external_data_helper._get_all_tensors(m):
+                    if t.data_location == onnx.TensorProto.EXTERNAL:
+                        for e in t.external_data:
+                            if e.key == "location" and e.value == self.data_name:
+                                e.value = data_name
+                with open(self.tmp_model, "wb") as f:
+                    f.write(m.SerializeToString())
+            os.replace(self.tmp_data, os.path.join(os.path.dirname(target), data_name))
+            os.replace(self.tmp_model, target)
         except OSError as e:
             raise LowbitError(f"{self.path}: could not write ({e.strerror or e})") from None
         finally:

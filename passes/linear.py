@@ -30,6 +30,7 @@ class Linear:
     w_node: gs.Node | None  # the Transpose / Constant node between the constant and the op, if any
     bias: np.ndarray | None = None
     bias_add: gs.Node | None = None   # a MatMul's following Add whose constant is the bias
+    flat: bool = False     # MatMul whose A has an unknown rank or rank 1 (match(any_rank=True)): run on A as [-1, K]
     _w: np.ndarray | None = None
 
     @property
@@ -104,8 +105,10 @@ class Skip(Exception):
     pass
 
 
-def match(node: gs.Node):
-    """(Linear, None) for a candidate, (None, (spelling, reason)) for a skipped one, (None, None) for no match."""
+def match(node: gs.Node, any_rank: bool = False):
+    """(Linear, None) for a candidate, (None, (spelling, reason)) for a skipped one, (None, None) for no match.
+    ``any_rank``: a MatMul whose A has an unknown rank or rank 1 is a candidate too (``flat`` set: the caller runs
+    its op on A reshaped to [-1, K]); otherwise it is skipped."""
     if node.domain or node.op not in ("MatMul", "Gemm") or not is_alive(node) or len(node.outputs) != 1:
         return None, None
     ins = node.inputs
@@ -151,14 +154,16 @@ def match(node: gs.Node):
                 bias = (vec.astype(np.float32) * np.float32(beta)).astype(value.dtype) if beta != 1.0 else \
                     vec.astype(value.dtype)
                 spelling += " + C"
-        else:
+        flat = False
+        if node.op == "MatMul":
             r = rank(a)
-            if r is None:
-                raise Skip("rank of A unknown (shape inference gave none)")
-            if r < 2:
-                raise Skip(f"A has rank {r}; a rank >= 2 A is needed")
+            if r is None or r < 2:
+                if not any_rank:
+                    raise Skip("rank of A unknown (shape inference gave none)" if r is None else
+                               f"A has rank {r}; a rank >= 2 A is needed")
+                flat = True
         cand = Linear(node=node, spelling=spelling, a=a, out=node.outputs[0], value=value, transpose=transpose,
-                     alpha=alpha, stored=stored, weight_name=stored.name, w_node=via, bias=bias)
+                      alpha=alpha, stored=stored, weight_name=stored.name, w_node=via, bias=bias, flat=flat)
         return cand, None
     except Skip as e:
         return None, (spelling, str(e))
@@ -176,6 +181,6 @@ def following_bias(graph: gs.Graph, cand: Linear):
     v = constant_value(other[0])
     if v is None or v.dtype.type is not cand.dtype:
         return None
-    r = rank(cand.a)
+    r = 1 if cand.flat else rank(cand.a)  # a bias of higher rank than A would broadcast the output's rank up
     vec = bias_vector(np.asarray(v), cand.N, r)
     return None if vec is None else (add, vec)

@@ -2,7 +2,8 @@
 
 Matched (main graph and subgraphs), with W the [K, N] weight of ``Y = A x W``:
 
-    MatMul(A, W)                  W an initializer or a Constant-node output; A of rank >= 2
+    MatMul(A, W)                  W an initializer or a Constant-node output; A of rank >= 2, or of unknown rank /
+                                  rank 1: then run on Reshape(A, [-1, K]) and reshaped back (weights4_graph.py)
     MatMul(A, Transpose(Wt))      Wt a constant stored [N, K] (perm absent or [1, 0])
     Gemm(A, B, C)                 transA=0; B constant (or Transpose of a constant), transB=0/1; alpha folded into
                                   W, beta into the bias; C absent or a constant scalar / [N] / [1, N]
@@ -43,9 +44,14 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
                           ``.run(None, feeds)`` and ``.get_outputs()`` for that run;
                           needed when the graph already holds onnx_lowbit ops (e.g. FPLUT from the fplut pass),
                           which stock onnxruntime cannot run; the CLI passes one built on onnx_lowbit's session
+    awq_holdout           fraction of the calibration rows (the last ones) the AWQ search does not see; a layer keeps
+                          its searched scales only when they beat RTN on those rows too (default 0.25; 0: off)
+    weights_lm_head       "fp16" (default) | "float" | "4bit": the output head over a vocabulary (weights4_graph.
+                          head_reason) stays in float, stored once (fp16 for float32 models), or is quantised
 
-AWQ activation scales: ``awq.quantize_awq`` quantises W * s (rows) and returns act_scale = 1 / s, by which A must
-be multiplied. It is folded into the op producing A when A has no other reader and that op is a MatMul / Gemm
+AWQ activation scales: ``awq.search_scales`` (its grid includes s = 1, plain RTN; with held-out rows RTN is kept
+when the searched s loses there) gives s; W * s (rows) is quantised and act_scale = 1 / s is what A must be
+multiplied by. It is folded into the op producing A when A has no other reader and that op is a MatMul / Gemm
 with a constant weight (its output columns and bias times act_scale; also through a following constant bias Add),
 a LayerNormalization / RMSNormalization / com.microsoft (Simplified)LayerNormalization over the last axis (scale
 and bias), or a Mul by a constant [K] vector (a decomposed norm's gamma); otherwise ``Mul(A, act_scale)`` is
@@ -54,13 +60,14 @@ re-quantised with s = 1 / that, so the rewritten op computes exactly (A * act_sc
 Candidates are processed from the graph's end backwards, so a producer that is itself quantised receives the fold
 before it is quantised. Without ``calibration`` AWQ is round-to-nearest (``awq.quantize_rtn``), no scales.
 
-Bad options raise ValueError naming the option, or the weight for AWQ's N % 8 == 0 requirement (checked before
-any work). A weight a quantiser refuses (NaN/Inf for AWQ) is skipped with the quantiser's message.
+AWQ with N not a multiple of 8: zero columns up to the next multiple (dequantised to exactly 0), the op's N is the
+padded one and a Slice returns the model's N columns (target "ort": the padded columns are dropped from
+MatMulNBits' tensors). Bad options raise ValueError naming the option. A weight a quantiser refuses (NaN/Inf for
+AWQ) is skipped with the quantiser's message and marked "unquantised" (``unquantised(report)``; the CLI exits 4).
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -68,20 +75,15 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from . import calibration, external
-from .base import (Names, Pass, Report, constant_value, is_alive, is_graph_output, iter_graphs,
-                   node_label, producer, single_consumer)
-from .linear import Linear, Skip, following_bias, match, rank
+from . import weights4_graph as w4g
+from .base import Names, Pass, Report, is_alive, is_graph_output, iter_graphs, node_label, producer, single_consumer
+from .linear import Linear, Skip, constant_weight, following_bias, match, rank
+from .weights4_graph import apply_plan, fold_plan
+from .weights4_quant import (DEFAULT_MIN_ELEMENTS, FORMATS, LM_HEAD, MAX_CALIBRATION_ROWS, MS_DOMAIN,  # noqa: F401
+                             ORT_BLOCK_SIZES, TARGETS, Options, _awq, _format_call, _int_option, _rel_fro,
+                             _search_details, _usable_act, nbits_layout, parse_options, quantize_nf4_chunked,
+                             quantize_rtn_chunked)
 
-FORMATS = ("nf4", "fp4", "awq")
-TARGETS = ("lowbit", "ort")
-MS_DOMAIN = "com.microsoft"
-DEFAULT_BLOCK_SIZE = 64
-DEFAULT_GROUP_SIZE = 128
-DEFAULT_MIN_ELEMENTS = 4096
-MAX_GROUP_SIZE = 1 << 16             # the MatMulAWQ kernels' limit
-ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatMulNBits kernels accept (1.31)
-MAX_CALIBRATION_ROWS = 8192          # activation rows per MatMul handed to the AWQ search (evenly subsampled)
-CHUNK_ELEMENTS = 1 << 22             # weight elements quantised at a time (column chunks; bounds the temporaries)
 BNB4_QUANT_TYPE = {"fp4": 0, "nf4": 1}  # com.microsoft.MatMulBnb4's quant_type attribute
 # onnxruntime's CUDA MatMulBnb4 (1.31) copies its 16-entry code table from a host array on the stack in every run
 # (SetBnbQuantMap), so a CUDA graph captures a copy from a stack address that holds something else at replay time:
@@ -91,141 +93,11 @@ BNB4_GRAPH_NOTE = ("onnxruntime's CUDA MatMulBnb4 is not safe in CUDA graphs (en
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# options
-# ---------------------------------------------------------------------------------------------------------------
-@dataclass
-class Options:
-    fmt: str
-    target: str = "lowbit"
-    block_size: int = DEFAULT_BLOCK_SIZE
-    group_size: int = DEFAULT_GROUP_SIZE
-    min_elements: int = DEFAULT_MIN_ELEMENTS
-    exclude: list = field(default_factory=list)  # (pattern string, compiled regex)
-    calibration: dict | None = None
-    checkpoint: object = None  # onnx_lowbit.awq_checkpoint.Checkpoint: AWQ weights taken from it, not quantised
-    module_paths: dict = field(default_factory=dict)  # node name -> source module path (dynamo exports)
-    calibration_session: object = None
-    spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
-
-
-def _int_option(options: dict, key: str, default: int) -> int:
-    v = options.get(key)
-    if v is None:
-        return default
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
-        return int(v)
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise ValueError(f"{key} must be an integer, got {v!r}")
-    return int(v)
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def parse_options(options: dict) -> Options | None:
-    """The pass's options, validated (ValueError naming the option); None when ``weights`` is not given."""
-    fmt = options.get("weights")
-    ckpt = options.get("awq_checkpoint")
-    if ckpt is not None and fmt is None:
-        fmt = "awq"
-    if fmt is None:
-        return None
-    if not isinstance(fmt, str) or fmt.lower() not in FORMATS:
-        raise ValueError(f"weights: unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    o = Options(fmt=fmt.lower())
-    target = options.get("weights_target") or "lowbit"
-    if not isinstance(target, str) or target.lower() not in TARGETS:
-        raise ValueError(f"weights_target: unknown target {target!r}; one of {', '.join(TARGETS)}")
-    o.target = target.lower()
-    o.block_size = _int_option(options, "block_size", DEFAULT_BLOCK_SIZE)
-    if o.fmt in ("nf4", "fp4"):
-        if not (_pow2(o.block_size) and 32 <= o.block_size <= 4096):
-            raise ValueError(f"block_size: {o.block_size} is not a power of two in 32..4096")
-        if o.target == "ort" and o.block_size not in ORT_BLOCK_SIZES:
-            raise ValueError(f"block_size: {o.block_size} is not supported by onnxruntime's MatMulBnb4 "
-                             f"(weights_target='ort'): one of {', '.join(str(b) for b in ORT_BLOCK_SIZES if b >= 32)}")
-    o.group_size = _int_option(options, "group_size", _int_option(options, "block_size", DEFAULT_GROUP_SIZE))
-    if o.fmt == "awq":
-        if not 1 <= o.group_size <= MAX_GROUP_SIZE:
-            raise ValueError(f"group_size: {o.group_size} is not in 1..{MAX_GROUP_SIZE} (K is zero-padded up to a "
-                             "multiple of the group size, so any size in that range divides it)")
-        if o.target == "ort" and o.group_size not in ORT_BLOCK_SIZES:
-            raise ValueError(f"group_size: {o.group_size} is not supported by onnxruntime's MatMulNBits "
-                             f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
-    o.min_elements = _int_option(options, "weights_min_elements", DEFAULT_MIN_ELEMENTS)
-    if o.min_elements < 0:
-        raise ValueError(f"weights_min_elements: {o.min_elements} must be >= 0")
-    exclude = options.get("weights_exclude") or []
-    if isinstance(exclude, str):
-        exclude = [exclude]
-    for pat in exclude:
-        if not isinstance(pat, str) or not pat:
-            raise ValueError(f"weights_exclude: {pat!r} is not a name or regular expression")
-        try:
-            rx = re.compile(pat)
-        except re.error as e:
-            raise ValueError(f"weights_exclude: {pat!r} is not a valid regular expression ({e})") from None
-        o.exclude.append((pat, rx))
-    cal = options.get("calibration")
-    if cal is not None:
-        if o.fmt != "awq":
-            raise ValueError(f"calibration: only used by weights='awq' (weights={o.fmt!r})")
-        if not isinstance(cal, dict) or not cal:
-            raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
-        o.calibration = {str(k): np.asarray(v) for k, v in cal.items()}
-    if ckpt is not None:
-        if o.fmt != "awq":
-            raise ValueError(f"awq_checkpoint: an AutoAWQ checkpoint gives AWQ weights, not weights={o.fmt!r}")
-        from onnx_lowbit.awq_checkpoint import Checkpoint  # noqa: PLC0415
-        o.checkpoint = ckpt if isinstance(ckpt, Checkpoint) else Checkpoint(ckpt)
-    o.module_paths = dict(options.get("module_paths") or {})
-    o.calibration_session = options.get("calibration_session")
-    o.spill = options.get("spill")
-    return o
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the formats (imported lazily: the pass registry must import without them)
-# ---------------------------------------------------------------------------------------------------------------
-def _nf4():
-    from onnx_lowbit import nf4  # noqa: PLC0415
-    return nf4
-
-
-def _awq():
-    from onnx_lowbit import awq  # noqa: PLC0415
-    return awq
-
-
-def nbits_layout(qweight, qzeros, scales, K: int, group_size: int, dtype):
-    """AutoAWQ (qweight int32 [Kp, N/8], qzeros int32 [Kp/G, N/8], scales fp16 [Kp/G, N]) -> the inputs of
-    com.microsoft.MatMulNBits (bits=4, block_size=G): B uint8 [N, Kp/G, G/2] (element k of a block in byte k//2,
-    even k in the low nibble), scales [N * Kp/G] in A's dtype, zero_points uint8 [N * ceil((Kp/G)/2)] (block j of
-    row n in byte n*ceil(nb/2) + j//2, even j in the low nibble). Rows past K are ignored by MatMulNBits."""
-    q, z = _awq().unpack(qweight, qzeros)         # uint8 [Kp, N], [nb, N]
-    kp, n = q.shape
-    nb = kp // group_size
-    qt = q.T.reshape(n, nb, group_size)
-    b = (qt[:, :, 0::2] | (qt[:, :, 1::2] << 4)).astype(np.uint8)
-    zt = z.T                                      # [N, nb]
-    zbytes = (nb + 1) // 2
-    zpad = np.zeros((n, 2 * zbytes), np.uint8)
-    zpad[:, :nb] = zt
-    zp = (zpad[:, 0::2] | (zpad[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
-    sc = np.asarray(scales).T.astype(dtype).reshape(-1)
-    return np.ascontiguousarray(b), sc, zp
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # matching helpers (the matcher itself: passes/linear.py)
 # ---------------------------------------------------------------------------------------------------------------
-def _format_call(fn, *args):
-    """A quantiser of onnx_lowbit.nf4 / awq; its ValueError (e.g. NaN/Inf weights) skips the weight."""
-    try:
-        return fn(*args)
-    except ValueError as e:
-        raise Skip(f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__} refused the weight: {e}") from None
+class _ByDesign(Skip):
+    """A weight left in float by the options' design (e.g. a module an AWQ checkpoint does not hold), not a
+    failure the user must be told about."""
 
 
 @dataclass
@@ -236,81 +108,25 @@ class _Kept:
     weight_name: str
 
 
-def _excluded(cand: Linear, patterns, module_paths=None) -> str | None:
-    names = [n for n in (cand.node.name, cand.weight_name, (module_paths or {}).get(cand.node.name)) if n]
+def _excluded(cand: Linear, patterns, module_paths=None, names=None) -> str | None:
+    if names is None:
+        names = [cand.node.name, cand.weight_name, (module_paths or {}).get(cand.node.name)]
+    names = [n for n in names if n]
     for pat, rx in patterns:
         for n in names:
             if n == pat or rx.search(n):
-                return f"excluded by weights_exclude {pat!r} (matches {n!r})"
+                return f"excluded by --exclude / weights_exclude {pat!r} (matches {n!r})"
     return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # the pass
 # ---------------------------------------------------------------------------------------------------------------
-def _rel_fro(w: np.ndarray, w_hat: np.ndarray) -> float:
-    w = np.asarray(w, np.float64)
-    d = np.linalg.norm(w - np.asarray(w_hat, np.float64))
-    n = np.linalg.norm(w)
-    return float(d / n) if n > 0 else float(d)
-
-
-def _column_chunks(k: int, n: int, multiple: int):
-    """[n0, n1) column ranges of about CHUNK_ELEMENTS weight elements, each a multiple of ``multiple`` wide
-    (the last may be shorter): the formats quantise columns independently, so chunked results are the same bytes."""
-    step = max(multiple, (CHUNK_ELEMENTS // max(k, 1)) // multiple * multiple)
-    for n0 in range(0, n, step):
-        yield n0, min(n, n0 + step)
-
-
-def _columns(cand: "Linear", n0: int, n1: int) -> np.ndarray:
-    """Columns n0..n1 of the effective [K, N] weight in float32 (alpha folded), as ``cand.w`` would give them."""
-    v = cand.value[n0:n1, :].T if cand.transpose else cand.value[:, n0:n1]
-    w = np.ascontiguousarray(v, dtype=np.float32)
-    return w * np.float32(cand.alpha) if cand.alpha != 1.0 else w
-
-
-def _sq_err(w: np.ndarray, w_hat: np.ndarray) -> tuple:
-    w = np.asarray(w, np.float64)
-    return float(np.sum(np.square(w - np.asarray(w_hat, np.float64)))), float(np.sum(np.square(w)))
-
-
-def _rel_from(err2: float, ref2: float) -> float:
-    return float(np.sqrt(err2) / np.sqrt(ref2)) if ref2 > 0 else float(np.sqrt(err2))
-
-
-def quantize_nf4_chunked(cand: "Linear", fmt: str, block_size: int):
-    """(packed uint8 flat, absmax float32 flat, relative reconstruction error) of cand's weight, quantised
-    CHUNK_ELEMENTS at a time (the same bytes as nf4.quantize of the whole weight)."""
-    nf4 = _nf4()
-    k, n = int(cand.K), int(cand.N)
-    packs, maxes, err2, ref2 = [], [], 0.0, 0.0
-    for n0, n1 in _column_chunks(k, n, block_size // np.gcd(k, block_size)):
-        w = _columns(cand, n0, n1)
-        packed, absmax = _format_call(nf4.quantize, w, fmt, block_size)
-        packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
-        absmax = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
-        e, r = _sq_err(w, nf4.dequantize(packed, absmax, fmt, block_size, k, n1 - n0))
-        packs.append(packed)
-        maxes.append(absmax)
-        err2, ref2 = err2 + e, ref2 + r
-    return np.concatenate(packs), np.concatenate(maxes), _rel_from(err2, ref2)
-
-
-def quantize_rtn_chunked(cand: "Linear", group_size: int):
-    """(qweight, qzeros, scales, relative reconstruction error) of AWQ round-to-nearest on cand's weight,
-    CHUNK_ELEMENTS at a time (columns in multiples of 8: the same arrays as awq.quantize_rtn of the whole)."""
-    awq = _awq()
-    k, n = int(cand.K), int(cand.N)
-    parts, err2, ref2 = [], 0.0, 0.0
-    for n0, n1 in _column_chunks(k, n, 8):
-        w = _columns(cand, n0, n1)
-        qw, qz, sc = _format_call(awq.quantize_rtn, w, group_size)
-        e, r = _sq_err(w, awq.dequantize(qw, qz, sc, group_size, k, n1 - n0))
-        parts.append((np.asarray(qw, np.int32), np.asarray(qz, np.int32), np.asarray(sc, np.float16)))
-        err2, ref2 = err2 + e, ref2 + r
-    qweight, qzeros, scales = (np.concatenate([p[i] for p in parts], axis=1) for i in range(3))
-    return qweight, qzeros, scales, _rel_from(err2, ref2)
+def unquantised(report: Report) -> list:
+    """weights4 skips of float constant weights left in float for a reason other than the user's choice
+    (--exclude, the size floor, the kept output head): the quantiser refused them, or the pattern around them is
+    one the pass does not handle."""
+    return [e for e in report.skipped(WeightsPass.name) if e.details.get("unquantised")]
 
 
 def totals(report: Report) -> dict:
@@ -320,7 +136,9 @@ def totals(report: Report) -> dict:
     before = sum(e.details["bytes_before"] for e in entries)
     after = sum(e.details["bytes_after"] + e.details.get("float_kept_bytes", 0) for e in entries)
     errs = [e.details["rel_error"] for e in entries]
+    heads = [e for e in report.skipped(WeightsPass.name) if e.details.get("head_kept")]
     return {"weights": len(entries), "bytes_before": before, "bytes_after": after,
+            "head_kept": len(heads), "head_kept_bytes": sum(e.details.get("float_bytes", 0) for e in heads),
             "ratio": (after / before) if before else None,
             "max_rel_error": max(errs) if errs else None,
             "mean_rel_error": float(np.mean(errs)) if errs else None,
@@ -357,7 +175,8 @@ class _Run:
         self.shared: dict = {}        # (id(stored), transpose, alpha) -> (Q, absmax, rel_error, first node)
         self.kept_checks: list = []   # (index in entries, Linear) of rewrites whose float weight may stay
         self.activations: dict = {}   # tensor name -> [rows, K] float32 calibration activations
-        self.shared_act: dict = {}    # A's name -> (act_scale [K] float32, ids of the candidate nodes sharing it)
+        self.shared_act: dict = {}    # A's name -> (act_scale [K] float32 or None for RTN, the weight rows' scale,
+                                      # ids of the candidate nodes sharing it, the search's figures for the report)
         self.applied: dict = {}       # A's name -> (tensor, note) once a shared act_scale has been applied
 
     def const(self, base: str, array: np.ndarray) -> gs.Constant:
@@ -393,26 +212,14 @@ class _Run:
     # -- main ----------------------------------------------------------------------------------------------
     def wanted(self, node):
         """The candidate ``node`` is, when the options let it be quantised; else None."""
-        cand, _ = match(node)
+        cand, _ = match(node, any_rank=True)
         if cand is None or cand.size < self.o.min_elements or _excluded(cand, self.o.exclude, self.o.module_paths):
+            return None
+        if self.o.lm_head != "4bit" and w4g.head_reason(self.root, cand, self.o.module_paths.get(node.name)):
             return None
         return cand
 
-    def precheck(self):
-        """Errors that concern one weight are raised before any work (AWQ needs N % 8 == 0)."""
-        if self.o.fmt != "awq":
-            return
-        for g in iter_graphs(self.root):
-            for node in g.nodes:
-                cand = self.wanted(node)
-                if cand is not None and cand.N % 8:
-                    raise ValueError(
-                        f"weights='awq': weight {cand.weight_name!r} of node {node_label(node)!r} has N={cand.N} "
-                        "output features, not a multiple of 8 (AutoAWQ packs 8 columns per int32); exclude it "
-                        "with weights_exclude or use weights='nf4'")
-
     def run(self):
-        self.precheck()
         if self.o.fmt == "awq" and self.o.calibration is not None:
             self.calibrate()
         for g in list(iter_graphs(self.root)):
@@ -435,10 +242,16 @@ class _Run:
         return f"{self.o.fmt}: {spelling}"
 
     def one(self, g: gs.Graph, node: gs.Node):
-        cand, skip = match(node)
+        cand, skip = match(node, any_rank=True)
         label = [node_label(node)]
         if skip is not None:
-            self.skip(self.pattern(skip[0]), label, skip[1], format=self.o.fmt)
+            details = dict(format=self.o.fmt)
+            found = constant_weight(node.inputs[1]) if len(node.inputs) > 1 else None
+            if found is not None and found[0].ndim == 2 and found[0].dtype in (np.float32, np.float16) and not \
+                    _excluded(None, self.o.exclude, names=[node.name, found[1].name,
+                                                           self.o.module_paths.get(node.name)]):
+                details["unquantised"] = True  # a float weight left in float for a reason the user must see
+            self.skip(self.pattern(skip[0]), label, skip[1], **details)
             return
         if cand is None:
             return
@@ -458,12 +271,34 @@ class _Run:
                 cand.bias_add, cand.bias = found
                 cand.out = cand.bias_add.outputs[0]
                 cand.spelling += " -> Add(bias)"
+        head = w4g.head_reason(g, cand, self.o.module_paths.get(node.name)) if self.o.lm_head != "4bit" else None
+        if head:
+            how = w4g.store_head(g, self.names, self.const, cand, self.o.lm_head == "fp16" and
+                                 cand.dtype is np.float32)
+            stored = cand.bytes_before // (2 if "fp16" in how else 1)
+            self.skip(self.pattern(cand.spelling), label, f"output head kept in float ({head}{'; ' if how else ''}"
+                      f"{how}): 4-bit rounding of it costs more accuracy than any other weight; --lm-head 4bit "
+                      "(weights_lm_head='4bit') quantises it", head_kept=True, float_bytes=stored, **details)
+            return
         notes = []
+        final = cand.out
+        if cand.flat:  # A of unknown rank / rank 1: the op runs on A as [-1, K], reshaped back after
+            cand.out = gs.Variable(self.names(f"{final.name}_2d"), dtype=final.dtype)
+            cand.spelling += " (A flattened)"
         try:
             new, info = (self.emit_awq if self.o.fmt == "awq" else self.emit_nf4)(g, cand, notes)
         except Skip as e:  # the format refused the weight (e.g. NaN/Inf for AWQ); nothing was changed yet
+            if not isinstance(e, _ByDesign):
+                details["unquantised"] = True
             self.skip(self.pattern(cand.spelling), label, str(e), **details)
             return
+        if cand.flat:
+            made = w4g.flatten_around(g, self.names, new, cand.a, cand.out, final, int(cand.K),
+                                      int(cand.N))
+            cand.out = final
+            info["new_nodes"] = info.get("new_nodes", []) + [n.name for n in made]
+            notes.append("rank of A unknown or 1: the op runs on A reshaped to [-1, K], its result reshaped to "
+                         "shape(A)[:-1] + [N]")
         details.update(info)
         nodes = label + ([node_label(cand.bias_add)] if cand.bias_add is not None else [])
         self.kept_checks.append((len(self.entries), _Kept(cand.stored, cand.w_node, cand.weight_name)))
@@ -531,47 +366,44 @@ class _Run:
             return self.emit_awq_tensors(g, cand, notes, *self.from_checkpoint(cand, notes))
         x = self.activations.get(cand.a.name) if g is self.root else None
         act = None  # AWQ's act_scale = 1 / s [K]: the activation is multiplied by it, the weight rows by s
+        extra = w4g.padding(cand.N)
+        search = {}
         shared = self.shared_act.get(cand.a.name) if x is not None else None
-        if shared is not None and id(cand.node) in shared[1]:
+        if shared is not None and id(cand.node) in shared[2]:
             # one scale for every projection reading this A (AutoAWQ's grouping, e.g. gate+up, q/k/v)
-            w32, act = cand.w, shared[0]
-            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32 * (np.float32(1.0) / act)[:, None],
-                                                   o.group_size)
-            notes.append(f"activation scale searched jointly with the {len(shared[1]) - 1} other projection(s) "
-                         f"of {cand.a.name!r}")
+            act, s_w, search = shared[0], shared[1], shared[3]
+            notes.append(f"activation scale searched jointly with the {len(shared[2]) - 1} other projection(s) "
+                         f"of {cand.a.name!r}: {search['search']}")
         elif x is not None:
-            w32 = cand.w
-            qweight, qzeros, scales, act = _format_call(awq.quantize_awq, w32, x, o.group_size)
-            act = np.asarray(act, np.float32).reshape(-1)
-            with np.errstate(over="ignore", divide="ignore"):
-                act_model = act.astype(cand.dtype)
-                ok = (act.size == cand.K and np.all(np.isfinite(act)) and np.all(act > 0) and
-                      np.all(np.isfinite(act_model)) and np.all(act_model > 0))
-            if not ok:
-                notes.append("AWQ search gave unusable activation scales (non-finite, <= 0 or outside the model's "
-                             "float range): RTN instead")
-                act = None
-            elif cand.dtype is not np.float32 and not np.array_equal(act_model.astype(np.float32), act):
-                # the model applies act rounded to its float type: quantise W * (1 / that) so the pair is exact
-                act = act_model.astype(np.float32)
-                qweight, qzeros, scales = _format_call(awq.quantize_rtn, w32 * (np.float32(1.0) / act)[:, None],
-                                                       o.group_size)
+            fit, held = awq.split_holdout(x, o.awq_holdout) if o.awq_holdout else (x, None)
+            found = _format_call(awq.search_scales, w4g.pad_columns(cand.w, extra), fit, o.group_size, 20, False,
+                                 held)
+            search = _search_details(found)
+            notes.append(search["search"])
+            act, s_w, why = _usable_act(found, cand.K, cand.dtype)
+            if why:
+                notes.append(why)
         elif o.calibration is not None:
             notes.append("no calibration activations for A (inside a subgraph or not reached): RTN")
         a_in = cand.a
         if act is None:
             qweight, qzeros, scales, rel = quantize_rtn_chunked(cand, o.group_size)
         else:
+            w32 = cand.w
+            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w4g.pad_columns(w32 * s_w[:, None], extra),
+                                                   o.group_size)
             qweight = np.ascontiguousarray(qweight, dtype=np.int32)
             qzeros = np.ascontiguousarray(qzeros, dtype=np.int32)
             scales = np.ascontiguousarray(scales, dtype=np.float16)
-            w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N), np.float64)
+            w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N + extra),
+                               np.float64)[:, :cand.N]
             w_hat = w_hat * act.astype(np.float64)[:, None]  # the effective weight: act_scale * dequantised
             a_in, how = self.apply_act_scale(g, cand, act)
             notes.append(how)
             rel = _rel_fro(w32, w_hat)
         new, info = self.emit_awq_tensors(g, cand, notes, qweight, qzeros, scales, group_size, rel, a_in)
         info["calibrated"] = act is not None
+        info.update({k: v for k, v in search.items() if k != "search"})
         return new, info
 
     def from_checkpoint(self, cand: Linear, notes: list):
@@ -581,7 +413,7 @@ class _Run:
         mod, why = self.o.checkpoint.find(self.o.module_paths.get(cand.node.name, ""), cand.weight_name,
                                           cand.node.name)
         if mod is None:
-            raise Skip(f"not in the AWQ checkpoint: {why}")
+            raise _ByDesign(f"not in the AWQ checkpoint: {why}")
         if (mod.K, mod.N) != (cand.K, cand.N):
             raise Skip(f"AWQ checkpoint module {mod.name} is [K={mod.K}, N={mod.N}], the weight [K={cand.K}, "
                         f"N={cand.N}]")
@@ -602,18 +434,31 @@ class _Run:
                         f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
         base = cand.weight_name
         base_name = cand.node.name or cand.out.name
+        extra = int(np.shape(scales)[1]) - int(cand.N)  # zero columns AWQ's packing needed (N not a multiple of 8)
         attrs = dict(K=int(cand.K), N=int(cand.N))
-        bias_t = (gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype))
-                  if cand.bias is not None else None)
+        bias = cand.bias
+        if bias is not None and extra and o.target == "lowbit":
+            bias = np.concatenate([bias, np.zeros(extra, bias.dtype)])
+        bias_t = (gs.Constant(self.names(f"{base_name}_bias"), bias.astype(cand.dtype))
+                  if bias is not None else None)
+        made = []
         if o.target == "lowbit":
             arrays = [qweight, qzeros, scales]
             consts = [self.const(f"{base}_qweight", qweight), self.const(f"{base}_qzeros", qzeros),
                       self.const(f"{base}_scales", scales)]
             inputs = [a_in] + consts + ([bias_t] if bias_t is not None else [])
+            y = cand.out
+            if extra:  # the op computes N + extra columns; a Slice gives the model its N
+                attrs["N"] += extra
+                y = gs.Variable(self.names(f"{cand.out.name}_padded"), dtype=cand.out.dtype)
+                made.append(w4g.slice_columns(g, self.names, y, cand.out, int(cand.N),
+                                              1 if cand.flat else rank(cand.a) - 1))
+                notes.append(f"N={cand.N} padded to {cand.N + extra} zero columns for AWQ's packing; a Slice "
+                             "takes the first N")
             new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=self.names(f"{base_name}_awq"),
-                          attrs=dict(group_size=int(group_size), **attrs), inputs=inputs, outputs=[cand.out])
+                          attrs=dict(group_size=int(group_size), **attrs), inputs=inputs, outputs=[y])
         else:
-            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, group_size, cand.dtype)
+            b, sc, zp = nbits_layout(qweight, qzeros, scales, cand.K, group_size, cand.dtype, int(cand.N))
             arrays = [b, sc, zp]
             consts = [self.const(f"{base}_nbits", b), self.const(f"{base}_scales", sc),
                       self.const(f"{base}_zero_points", zp)]
@@ -627,7 +472,7 @@ class _Run:
         bytes_after = int(sum(a.nbytes for a in arrays))
         info = dict(target=o.target, op=new.op, new_node=new.name, group_size=group_size,
                     bytes_before=cand.bytes_before, bytes_after=bytes_after, rel_error=rel,
-                    bias=cand.bias is not None, calibrated=False, new_nodes=[new.name])
+                    bias=cand.bias is not None, calibrated=False, new_nodes=[new.name] + [n.name for n in made])
         return new, info
 
     # -- AWQ calibration -----------------------------------------------------------------------------------
@@ -667,23 +512,22 @@ class _Run:
         awq = _awq()
         groups = {}
         for cand in cands_all:
-            if cand.a.name in self.activations and cand.N % 8 == 0:
+            if cand.a.name in self.activations:
                 groups.setdefault(cand.a.name, []).append(cand)
         for name, cands in groups.items():
             if len(cands) < 2 or len({c.K for c in cands}) != 1 or len({c.dtype for c in cands}) != 1:
                 continue
+            x = self.activations[name]
+            fit, held = awq.split_holdout(x, self.o.awq_holdout) if self.o.awq_holdout else (x, None)
+            w = np.concatenate([c.w for c in cands], axis=1)
             try:
-                found = awq.search_scales(np.concatenate([c.w for c in cands], axis=1), self.activations[name],
-                                          self.o.group_size)
+                found = awq.search_scales(w4g.pad_columns(w, w4g.padding(w.shape[1])), fit, self.o.group_size,
+                                          20, False, held)
             except ValueError:
                 continue  # each projection then searches its own scale (and reports why that fails, if it does)
-            act = (np.float32(1.0) / found.scales).astype(np.float32)
-            with np.errstate(over="ignore", divide="ignore"):
-                act_model = act.astype(cands[0].dtype)
-                ok = (np.all(np.isfinite(act)) and np.all(act > 0) and np.all(np.isfinite(act_model)) and
-                      np.all(act_model > 0))
-            if ok:  # applied in the model's float type: quantise W * (1 / that) so the pair is exact
-                self.shared_act[name] = (act_model.astype(np.float32), {id(c.node) for c in cands})
+            act, s_w, why = _usable_act(found, cands[0].K, cands[0].dtype)
+            if act is not None or not why:  # a usable scale, or RTN chosen: shared by the group
+                self.shared_act[name] = (act, s_w, {id(c.node) for c in cands}, _search_details(found))
             for c in cands:
                 c._w = None
 
@@ -693,16 +537,16 @@ class _Run:
         a = cand.a
         if a.name in self.applied:  # a shared scale, already applied for another projection of the group
             return self.applied[a.name]
-        members = self.shared_act.get(a.name, (None, set()))[1]
+        members = self.shared_act.get(a.name, (None, None, set()))[2]
         if id(cand.node) not in members:
             members = set()
         only_readers = (all(id(c) in members for c in a.outputs) if members else single_consumer(a) is cand.node)
         p = producer(a)
         result = None
         if p is not None and only_readers and not is_graph_output(g, a):
-            found = _fold_plan(p, g, act.astype(np.float64), cand.K)
+            found = fold_plan(p, g, act.astype(np.float64), cand.K)
             if found is not None:
-                _apply_plan(found[0], self.names)
+                apply_plan(found[0], self.names)
                 result = (a, f"AWQ activation scale folded into {found[1]}")
         if result is None:
             label = cand.node.name or a.name
@@ -714,77 +558,3 @@ class _Run:
         if members:
             self.applied[a.name] = result
         return result
-
-
-_NORM_OPS = {("", "LayerNormalization"): (1, 2), ("", "RMSNormalization"): (1, None),
-             (MS_DOMAIN, "SimplifiedLayerNormalization"): (1, None), (MS_DOMAIN, "LayerNormalization"): (1, 2)}
-
-
-def _channel_scaled(v: np.ndarray, inv: np.ndarray, axis: int) -> np.ndarray:
-    """``v`` with its channels along ``axis`` (-1: the last) multiplied by ``inv``, in v's dtype."""
-    shape = [1] * v.ndim
-    shape[axis] = -1
-    return np.ascontiguousarray((v.astype(np.float64) * inv.reshape(shape)).astype(v.dtype))
-
-
-def _fold_plan(p: gs.Node, g: gs.Graph, inv: np.ndarray, k: int, depth: int = 0):
-    """How to multiply the K output channels of A's producer ``p`` by ``inv``, by rewriting its constants:
-    ([(node, input index, new value)], description), or None when ``p`` is not foldable."""
-    dom = p.domain or ""
-    if not is_alive(p) or any(t.outputs or is_graph_output(g, t) for t in p.outputs[1:]):
-        return None
-    if dom == "" and p.op == "MatMul" and len(p.inputs) == 2:
-        w = constant_value(p.inputs[1])
-        if w is None or w.ndim != 2 or w.shape[1] != k:
-            return None
-        return [(p, 1, _channel_scaled(w, inv, -1))], f"the weight of MatMul {node_label(p)!r}"
-    if dom == "" and p.op == "Gemm" and len(p.inputs) >= 2 and not int(p.attrs.get("transA", 0)):
-        w = constant_value(p.inputs[1])
-        trans_b = int(p.attrs.get("transB", 0))
-        if w is None or w.ndim != 2 or (w.shape[0] if trans_b else w.shape[1]) != k:
-            return None
-        plan = [(p, 1, _channel_scaled(w, inv, 0 if trans_b else -1))]
-        if len(p.inputs) > 2 and p.inputs[2].name:
-            c = constant_value(p.inputs[2])
-            if c is None or c.ndim > 2 or not (c.size == 1 or c.shape[-1] == k):
-                return None
-            c = np.broadcast_to(c, c.shape[:-1] + (k,)) if c.ndim else np.full(k, c, dtype=c.dtype)
-            plan.append((p, 2, _channel_scaled(c, inv, -1)))
-        return plan, f"the weight{' and bias' if len(plan) > 1 else ''} of Gemm {node_label(p)!r}"
-    if (dom, p.op) in _NORM_OPS:
-        if int(p.attrs.get("axis", -1)) != -1:
-            return None
-        plan = []
-        for i in _NORM_OPS[(dom, p.op)]:
-            if i is None or len(p.inputs) <= i or not p.inputs[i].name:
-                continue
-            v = constant_value(p.inputs[i])
-            if v is None or v.size != k or v.shape[-1] != k:
-                return None
-            plan.append((p, i, _channel_scaled(v, inv, -1)))
-        if not plan:
-            return None
-        return plan, f"the scale{' and bias' if len(plan) > 1 else ''} of {p.op} {node_label(p)!r}"
-    if dom == "" and p.op in ("Mul", "Add") and len(p.inputs) == 2:
-        for i in (0, 1):
-            v, other = constant_value(p.inputs[i]), p.inputs[1 - i]
-            r = rank(other)
-            if v is None or constant_value(other) is not None or v.size != k or v.shape[-1] != k or \
-                    r is None or v.ndim > r:
-                continue
-            if p.op == "Mul":  # a per-channel scale (e.g. a decomposed norm's gamma)
-                return [(p, i, _channel_scaled(v, inv, -1))], f"the constant of Mul {node_label(p)!r}"
-            # Add(bias): also scale what is added to, when its producer folds (MatMul/Gemm/Mul before a bias)
-            q = producer(other)
-            if depth or q is None or single_consumer(other) is not p or is_graph_output(g, other):
-                return None
-            inner = _fold_plan(q, g, inv, k, depth + 1)
-            if inner is None:
-                return None
-            return inner[0] + [(p, i, _channel_scaled(v, inv, -1))], f"{inner[1]} and the bias of Add {node_label(p)!r}"
-    return None
-
-
-def _apply_plan(plan, names: Names) -> None:
-    for node, i, value in plan:
-        node.inputs[i] = gs.Constant(names(f"{node.inputs[i].name}_awq"), value)

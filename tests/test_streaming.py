@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_lowbit import cli, model_io, nf4
-from onnx_lowbit.passes import run_passes, weights4
+from onnx_lowbit.passes import run_passes, weights4_quant
 
 
 def build(folder, layers=2, d=1024, f=3584, dtype=np.float16, data="weights.bin", name="in.onnx", seed=0):
@@ -64,7 +64,7 @@ def test_streamed_equals_in_memory(tmp_path, monkeypatch, fmt):
     real_spill = model_io.StagedOutput.spill
     monkeypatch.setattr(model_io.StagedOutput, "spill",
                         lambda self, name, a: spilled.append(name) or real_spill(self, name, a))
-    monkeypatch.setattr(weights4, "CHUNK_ELEMENTS", 1 << 20)             # several column chunks per weight
+    monkeypatch.setattr(weights4_quant, "CHUNK_ELEMENTS", 1 << 20)       # several column chunks per weight
     with monkeypatch.context() as m:
         m.setattr(onnx.external_data_helper, "load_external_data_for_model",
                   lambda *a, **k: (_ for _ in ()).throw(AssertionError("not streamed")))
@@ -92,8 +92,11 @@ def test_streamed_verify_and_runs(tmp_path, no_full_load):
     assert cli.main(["rewrite", src, str(out), "--weights", "nf4", "--verify", "--tolerance", "0.2"]) == 0
     assert (tmp_path / "o.onnx.data").exists()
     assert cli.main(["rewrite", src, str(tmp_path / "p.onnx"), "--weights", "nf4", "--verify",
-                     "--tolerance", "1e-9"]) == 1                       # verify fails: nothing written
+                     "--tolerance", "1e-9"]) == 1                       # verify fails: OUT not written,
     assert not (tmp_path / "p.onnx").exists() and not (tmp_path / "p.onnx.data").exists()
+    kept = tmp_path / "p.unverified.onnx"                                 # the rewrite kept under another name,
+    assert kept.exists() and (tmp_path / "p.unverified.onnx.data").exists()  # its data file named after it
+    assert {n.op_type for n in onnx.load(str(kept)).graph.node} >= {"MatMulNF4"}  # loads with its external data
     assert not [f for f in os.listdir(tmp_path) if f.startswith(".onnx-lowbit-")]
 
 

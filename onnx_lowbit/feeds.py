@@ -1,0 +1,295 @@
+"""Inputs for running a model: its graph inputs' signature, the values of its symbolic dims, data read from an
+.npz, and random arrays made to be consistent with what the graph does with them (``rewrite --verify``).
+
+Symbolic dims get one value per name (inputs that share a name share the value). A dim whose name is an arithmetic
+expression of other names, as exporters write them (optimum: ``past_sequence_length + sequence_length``; dynamo:
+``s0 + s1``), is computed from its parts, so an attention mask is as long as the past plus the current tokens.
+Values come from, in order: ``--dim NAME=VALUE``, the shapes of arrays the user gave, then defaults by role
+(batch-like names 1, past / cache lengths 8, height / width of an image input 224, anything else 16).
+
+Random values: integer inputs that index a constant table (a Gather's indices: token ids, positions into an
+embedding) lie within that table; ``attention_mask``-like inputs are ones, ``position_ids`` count from the past
+length up, ``token_type_ids`` are zeros, other integers and bools are 0 or 1; floats ~ N(0, 1).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import zipfile
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .errors import LowbitError
+
+BATCH = re.compile(r"^(n|b|bs|batch.*|.*_batch|.*batch_size.*)$", re.IGNORECASE)
+PAST = re.compile(r"past|cache|memory", re.IGNORECASE)
+SPATIAL = re.compile(r"height|width|^h$|^w$|^(in|img|image)_?[hw]", re.IGNORECASE)
+DEFAULT_PAST = 8
+DEFAULT_IMAGE = 224
+DEFAULT_OTHER = 16
+MASK = re.compile(r"(^|_)mask$|attention_mask", re.IGNORECASE)
+POSITIONS = re.compile(r"position_ids|^positions?$", re.IGNORECASE)
+ZEROS = re.compile(r"token_type_ids|segment_ids", re.IGNORECASE)
+PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand"}
+
+
+def signature(model: onnx.ModelProto) -> dict:
+    """input name -> (numpy dtype, dims: int, a dim name, or None for an unnamed free dim)."""
+    inits = {i.name for i in model.graph.initializer}
+    sig = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        if not vi.type.HasField("tensor_type"):
+            raise LowbitError(f"input {vi.name!r} is not a tensor; only tensor inputs can be fed")
+        tt = vi.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        sig[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
+    return sig
+
+
+def parse_dims(specs) -> dict:
+    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec; 0 is allowed)."""
+    out = {}
+    for s in specs or []:
+        name, sep, value = s.partition("=")
+        if not sep or not name.strip() or not value.strip().isdigit():
+            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE an integer >= 0")
+        out[name.strip()] = int(value)
+    return out
+
+
+_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
+        ast.FloorDiv: lambda a, b: a // b, ast.Div: lambda a, b: a // b}
+
+
+def _expression(name: str):
+    """The parsed expression when ``name`` is arithmetic over other names (e.g. 'past + seq'), else None."""
+    try:
+        tree = ast.parse(name.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.BinOp):
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.BinOp, ast.Name, ast.Constant, ast.Load)) and type(node) not in _OPS:
+            return None
+        if isinstance(node, ast.Constant) and not isinstance(node.value, int):
+            return None
+    return tree
+
+
+def _leaves(tree) -> list:
+    return [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+
+
+def _evaluate(tree, values: dict) -> int:
+    if isinstance(tree, ast.Constant):
+        return int(tree.value)
+    if isinstance(tree, ast.Name):
+        return int(values[tree.id])
+    return int(_OPS[type(tree.op)](_evaluate(tree.left, values), _evaluate(tree.right, values)))
+
+
+def _image_dims(sig: dict) -> set:
+    """Symbolic dims in the spatial places of 4-D float inputs with a fixed channel count (NCHW or NHWC)."""
+    out = set()
+    for name, (dt, ds) in sig.items():
+        if len(ds) != 4 or not np.issubdtype(dt, np.floating) or PAST.search(name):  # a KV cache is no image
+            continue
+        if isinstance(ds[1], int) and 1 <= ds[1] <= 4:
+            out |= {d for d in ds[2:] if isinstance(d, str)}
+        elif isinstance(ds[3], int) and 1 <= ds[3] <= 4:
+            out |= {d for d in ds[1:3] if isinstance(d, str)}
+    return out
+
+
+def _default(name: str, image: set) -> int:
+    if BATCH.match(name):
+        return 1
+    if PAST.search(name):
+        return DEFAULT_PAST
+    if name in image or SPATIAL.search(name):
+        return DEFAULT_IMAGE
+    return DEFAULT_OTHER
+
+
+def resolve_dims(sig: dict, given: dict | None = None, known: dict | None = None) -> dict:
+    """The value of every symbolic dim of ``sig``: ``given`` (--dim; may name expression parts too), ``known``
+    (learnt from arrays the user gave), expressions computed from their parts, else defaults. LowbitError for a
+    --dim that names nothing, or an expression whose computed value contradicts a given one."""
+    given, known = dict(given or {}), dict(known or {})
+    names = []
+    for _, ds in sig.values():
+        names += [d for d in ds if isinstance(d, str) and d not in names]
+    exprs = {n: t for n in names if (t := _expression(n)) is not None}
+    leaves = []
+    for t in exprs.values():
+        leaves += [x for x in _leaves(t) if x not in leaves and x not in exprs]
+    plain = [n for n in names if n not in exprs] + [x for x in leaves if x not in names]
+    unknown = [n for n in given if n not in names and n not in leaves]
+    if unknown:
+        raise LowbitError(f"--dim {', '.join(unknown)}: no input has such a symbolic dimension; symbolic dims: "
+                          f"{', '.join(names) or 'none'}")
+    image = _image_dims(sig)
+    values = {}
+    for n in plain:
+        values[n] = given.get(n, known.get(n, _default(n, image)))
+    for n, t in exprs.items():
+        v = _evaluate(t, values)
+        fixed = given.get(n, known.get(n))
+        if fixed is not None and fixed != v:
+            src = "--dim" if n in given else "the data"
+            parts = ", ".join(f"{x}={values[x]}" for x in _leaves(t))
+            raise LowbitError(f"dim {n!r} is {fixed} ({src}) but its parts give {v} ({parts}); give the parts "
+                              f"with --dim instead")
+        if v < 0:
+            raise LowbitError(f"dim {n!r} comes out negative ({v}); set its parts with --dim")
+        values[n] = v
+    return values
+
+
+def shapes(sig: dict, values: dict) -> dict:
+    """input name -> concrete shape (unnamed free dims: 1 first, 224 in an image's spatial places, else 16)."""
+    out = {}
+    for name, (dt, ds) in sig.items():
+        spatial = ()
+        if len(ds) == 4 and np.issubdtype(dt, np.floating) and not PAST.search(name):
+            spatial = (2, 3) if isinstance(ds[1], int) and 1 <= ds[1] <= 4 else \
+                (1, 2) if isinstance(ds[3], int) and 1 <= ds[3] <= 4 else ()
+        out[name] = [d if isinstance(d, int) and d > 0 else values[d] if isinstance(d, str) else
+                     1 if i == 0 else DEFAULT_IMAGE if i in spatial else DEFAULT_OTHER for i, d in enumerate(ds)]
+    return out
+
+
+def index_ranges(model: onnx.ModelProto) -> dict:
+    """input name -> the number of rows of the constant table it indexes (the smallest such, over every Gather
+    reading it as indices, directly or through Cast / Reshape / Unsqueeze ...)."""
+    consts = {t.name: list(t.dims) for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Constant" and n.output:
+            for a in n.attribute:
+                if a.name == "value" and a.type == onnx.AttributeProto.TENSOR:
+                    consts[n.output[0]] = list(a.t.dims)
+    readers = {}
+    for n in model.graph.node:
+        for i, x in enumerate(n.input):
+            readers.setdefault(x, []).append((n, i))
+    out = {}
+    for vi in model.graph.input:
+        todo, seen = [vi.name], set()
+        while todo:
+            t = todo.pop()
+            if t in seen:
+                continue
+            seen.add(t)
+            for n, i in readers.get(t, []):
+                if n.op_type in PASS_THROUGH and i == 0 and not n.domain:
+                    todo += list(n.output)
+                elif n.op_type == "Gather" and i == 1 and not n.domain and n.input[0] in consts:
+                    dims = consts[n.input[0]]
+                    axis = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "axis"), 0)
+                    if dims and -len(dims) <= axis < len(dims):
+                        out[vi.name] = min(out.get(vi.name, dims[axis]), dims[axis])
+    return out
+
+
+def _past_length(sig: dict, shp: dict) -> int:
+    for name, (_, ds) in sig.items():
+        if PAST.search(name) and len(ds) == 4:
+            return int(shp[name][2])
+    return 0
+
+
+def random_inputs(model: onnx.ModelProto, sig: dict, shp: dict, seed: int = 0, given: dict | None = None) -> dict:
+    """Random arrays of the shapes ``shp`` for the inputs of ``sig`` not in ``given`` (module docstring)."""
+    rng = np.random.default_rng(seed)
+    ranges = index_ranges(model)
+    past = _past_length(sig, shp)
+    total = next((shp[n][-1] for n in sig if MASK.search(n) and shp[n]), None)
+    feeds = dict(given or {})
+    for name, (dt, _) in sig.items():
+        if name in feeds:
+            continue
+        shape = shp[name]
+        if not (np.issubdtype(dt, np.number) or dt == np.bool_):
+            raise LowbitError(f"cannot make random data for input {name!r} of type {dt}; give it in an .npz")
+        if MASK.search(name):
+            v = np.ones(shape, dt)
+        elif POSITIONS.search(name) and np.issubdtype(dt, np.integer) and shape:
+            start = (total - shape[-1]) if total is not None else past
+            v = np.broadcast_to(np.arange(max(start, 0), max(start, 0) + shape[-1]), shape).astype(dt)
+        elif ZEROS.search(name) and not np.issubdtype(dt, np.floating):
+            v = np.zeros(shape, dt)
+        elif name in ranges and np.issubdtype(dt, np.integer):
+            v = rng.integers(0, max(ranges[name], 1), size=shape).astype(dt)
+        elif np.issubdtype(dt, np.floating):
+            v = rng.standard_normal(shape).astype(dt)
+        else:
+            v = rng.integers(0, 2, size=shape).astype(dt)
+        feeds[name] = np.ascontiguousarray(v)
+    return feeds
+
+
+def load_npz(path: str, sig: dict, flag: str) -> dict:
+    """Arrays of an .npz named after inputs of ``sig`` (some may be missing: the caller fills them); checked:
+    names, ranks, fixed dims, numeric dtypes; cast to the input's dtype."""
+    if not os.path.exists(path):
+        raise LowbitError(f"{path}: no such file ({flag})")
+    if os.path.isdir(path):
+        raise LowbitError(f"{path}: is a directory, not an .npz file ({flag})")
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise LowbitError(f"{path}: a single .npy array, not an .npz archive of named arrays ({flag}; save "
+                              "with numpy.savez(path, input_name=array))")
+        with z:
+            arrays = {k: z[k] for k in z.files}
+    except LowbitError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise LowbitError(f"{path}: not a readable .npz file ({flag}): {type(e).__name__}") from None
+    unknown = sorted(set(arrays) - set(sig))
+    if unknown:
+        raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                          f"name{'' if len(unknown) > 1 else 's'} no model input; inputs: "
+                          f"{', '.join(map(repr, sig))} ({flag})")
+    out = {}
+    for name, v in arrays.items():
+        dt, ds = sig[name]
+        if v.ndim != len(ds) or any(isinstance(d, int) and d > 0 and d != n for d, n in zip(ds, v.shape)):
+            raise LowbitError(f"{path}: array {name!r} has shape {list(v.shape)}, the model input "
+                              f"{[d if d is not None else '?' for d in ds]} ({flag})")
+        if v.dtype.kind not in "fiub":
+            raise LowbitError(f"{path}: array {name!r} has dtype {v.dtype}, not numeric ({flag})")
+        out[name] = np.ascontiguousarray(v.astype(dt, copy=False))
+    return out
+
+
+def dims_of(sig: dict, arrays: dict) -> dict:
+    """Symbolic dim values the given arrays fix (LowbitError when two arrays disagree on one name)."""
+    found, where = {}, {}
+    for name, v in arrays.items():
+        for d, n in zip(sig[name][1], v.shape):
+            if isinstance(d, str):
+                if d in found and found[d] != n:
+                    raise LowbitError(f"dim {d!r} is {found[d]} in array {where[d]!r} but {n} in {name!r}")
+                found[d], where[d] = int(n), name
+    return found
+
+
+def make_feeds(model: onnx.ModelProto, *, data: dict | None = None, dims: dict | None = None,
+               seed: int = 0) -> tuple:
+    """(feeds, dim values, names of the inputs made up): the user's arrays (``data``), the rest random with
+    dims from ``dims`` (--dim), the arrays' shapes and defaults."""
+    sig = signature(model)
+    data = dict(data or {})
+    values = resolve_dims(sig, dims, dims_of(sig, data))
+    shp = shapes(sig, values)
+    shp.update({n: list(v.shape) for n, v in data.items()})
+    missing = [n for n in sig if n not in data]
+    feeds = random_inputs(model, sig, shp, seed, data) if missing else data
+    return feeds, values, missing
