@@ -25,6 +25,15 @@ class _Parser(argparse.ArgumentParser):
         raise LowbitError(message)
 
 
+def _progress(iterable, desc, total=None):
+    """Iterate with a status line that names the step and counts (``desc i/n``); used by eval-ppl's windows."""
+    n = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+    with Status() as st:
+        for i, item in enumerate(iterable, 1):
+            st.step(f"{desc} {i}/{n}" if n else f"{desc} {i}")
+            yield item
+
+
 def _same_file(a, b) -> bool:
     if os.path.abspath(a) == os.path.abspath(b):
         return True

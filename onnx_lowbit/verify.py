@@ -67,7 +67,9 @@ def _session(model, ours: bool, providers):
 
 
 def _logit_like(name: str, shape: tuple, single: bool) -> bool:
-    return len(shape) >= 2 and shape[-1] >= 2 and (bool(LOGIT_NAMES.search(name)) or single)
+    """A logit-like name of rank >= 2, or a model's only output of shape [batch, classes] (a detector's or a
+    denoiser's single 4-D output is not: the arg-max of its last axis means nothing)."""
+    return len(shape) >= 2 and shape[-1] >= 2 and (bool(LOGIT_NAMES.search(name)) or (single and len(shape) == 2))
 
 
 def compare_arrays(name: str, a, b, tolerance: float, single_output: bool = False) -> OutputError:

@@ -45,7 +45,7 @@ def test_readme_first_screen_from_install_to_a_running_model(tmp_path):
     rc, out, err = cli(*rewrite.split()[1:], cwd=tmp_path)
     assert rc == 0, err
     assert out.splitlines()[0].startswith("model.onnx: 12 rewritten, 0 skipped by fplut")
-    assert "result (tolerance 0.02 relative)" in out and " ok" in out and "wrote model.lowbit.onnx" in out
+    assert "result (tolerance 0.02 rel-L2)" in out and " ok" in out and "wrote model.lowbit.onnx" in out
     # then the snippet: a plain onnxruntime session with register(so)
     (snippet,) = _blocks(screen, "python")
     assert "onnx_lowbit.register(so)" in snippet and "ort.InferenceSession(" in snippet
