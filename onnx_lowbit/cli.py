@@ -169,10 +169,22 @@ def load_calibration(path, model=None) -> dict:
     return arrays
 
 
+# Passes whose output stock onnxruntime runs (weights4 with --target ort emits com.microsoft MatMulNBits /
+# MatMulBnb4; merge concatenates those products): the default selection of --target ort.
+ORT_TARGET_PASSES = ("weights4", "merge")
+
+
 def _selected_passes(a, passes_mod):
     """--passes (default: the default passes); --weights adds weights4 when --passes leaves it out, before the first
     selected pass that the registry orders after it (ffn: so quantised gate/up projections are fused as 4-bit)."""
     selected = passes_mod.resolve(a.passes)
+    if getattr(a, "target", None) == "ort" and a.passes is None:
+        # --target ort promises a model stock onnxruntime runs: by default only the passes that emit no op of ours
+        left = [p.name for p in selected if p.name not in ORT_TARGET_PASSES]
+        selected = [p for p in selected if p.name in ORT_TARGET_PASSES]
+        if left:
+            print(f"onnx-lowbit: --target ort: left out {', '.join(left)} (they emit onnx-lowbit ops, which stock "
+                  "onnxruntime cannot run; name them in --passes to run them anyway)", file=sys.stderr)
     if getattr(a, "weights", None) and "weights4" in passes_mod.PASSES and \
             not any(p.name == "weights4" for p in selected):
         order = list(passes_mod.PASSES)

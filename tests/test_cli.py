@@ -113,3 +113,25 @@ def test_inspect_and_lut(tmp_path):
     assert_bad(rc, err, "nosuchfn")
 
 # the demo: tests/test_newcomer.py (test_demo_says_what_it_does)
+
+
+def test_target_ort_runs_on_stock_onnxruntime(tmp_path):
+    """--target ort: the default passes that emit our ops (fplut: the sample's GELU) are left out, said on stderr,
+    so the model runs in a plain onnxruntime session; naming fplut in --passes still runs it."""
+    import numpy as np
+    import onnxruntime as ort
+    src, out = os.path.join(ROOT, "samples", "gpt2_mlp.onnx"), tmp_path / "g.ort.onnx"
+    rc, so, err = cli("rewrite", src, str(out), "--weights", "nf4", "--target", "ort")
+    assert rc == 0, err
+    assert "--target ort: left out fplut" in err and "by weights4, merge" in so
+    model = onnx.load(str(out))
+    assert {n.domain for n in model.graph.node} <= {"", "com.microsoft"}
+    assert "MatMulBnb4" in [n.op_type for n in model.graph.node]
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    feeds = {i.name: np.random.default_rng(0).standard_normal(
+        [d if isinstance(d, int) else 2 for d in i.shape]).astype(np.float32) for i in sess.get_inputs()}
+    assert all(np.isfinite(o).all() for o in sess.run(None, feeds))
+    rc, so, err = cli("rewrite", src, str(tmp_path / "g2.onnx"), "--weights", "nf4", "--target", "ort",
+                      "--passes", "fplut,weights4")
+    assert rc == 0 and "left out" not in err
+    assert "onnx_lowbit" in {n.domain for n in onnx.load(str(tmp_path / "g2.onnx")).graph.node}
