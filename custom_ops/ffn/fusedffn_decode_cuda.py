@@ -27,6 +27,7 @@ from ..device.activations import silu
 from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import (LOAD, ld16 as _ld16, ld32 as _ld32, make_ld4, st16 as _st16, st32 as _st32,
                              w16 as _w16, w32 as _w32)
+from ..device.ptx import warp_sum
 from ..device.target import SIM, device
 
 BLOCK = 32 if SIM else 256      # threads (8 warps on the GPU)
@@ -38,7 +39,6 @@ UJ = 2                          # chunks per thread per step (loads in flight: 2
 
 U0, U1 = np.uint64(0), np.uint64(1)
 F0 = np.float32(0.0)
-FULL = np.uint32(0xFFFFFFFF)
 
 
 def bucket(m):
@@ -71,18 +71,9 @@ if SIM:
         red[v * nred + int(tid)] = s
 else:
     @device
-    def _warp_sum(v):
-        v += cuda.shfl_down_sync(FULL, v, 16)
-        v += cuda.shfl_down_sync(FULL, v, 8)
-        v += cuda.shfl_down_sync(FULL, v, 4)
-        v += cuda.shfl_down_sync(FULL, v, 2)
-        v += cuda.shfl_down_sync(FULL, v, 1)
-        return v
-
-    @device
     def _partial(red, v, s, tid, nred):
         """Warp-reduce value v's partial; lane 0 puts the warp's sum into red[v * nred + warp]."""
-        s = _warp_sum(s)
+        s = warp_sum(s, red, tid)
         if (tid & uint64(31)) == U0:
             red[uint64(v * nred) + (tid >> uint64(5))] = s
 
@@ -236,6 +227,8 @@ def make(mt, x16, w16):
                     for t in range(nred):
                         gs += red[tid * uint64(2 * nred) + uint64(t)]
                         us += red[(tid * uint64(2) + U1) * uint64(nred) + uint64(t)]
+                    # the bias + SiLU * mul epilogue is spelled out in each float FusedFFN kernel (decode, tiled,
+                    # act; fusedffn_kn_cuda's finish): one shared device helper changed their PTX (2026-11-28)
                     if has_b1:
                         gs += ldx(b1, r)
                     if has_b3:
