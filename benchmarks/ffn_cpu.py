@@ -14,8 +14,8 @@ import time
 
 import numpy as np
 
-from onnx_lowbit.custom_ops import fusedffn_cpu
 from onnx_lowbit import ffn
+from onnx_lowbit.custom_ops.ffn import fusedffn_cpu
 
 SHAPES = [(64, 176), (512, 1376), (2048, 5504)]
 TYPES = [(np.float32, np.float32), (np.float16, np.float16), (np.float32, np.float16)]

@@ -1,7 +1,7 @@
 """FusedFFN (fp weights) on the GPU: decode kernel and prefill path against torch's unfused gate/up
 (two F.linear + silu * mul) and a 512 MiB device copy, all measured in the same run.
 
-    PYTHONPATH=.:tests python3 benchmarks/ffn_gpu.py [--variants] [--json out.json]
+    PYTHONPATH=.:tests python3 benchmarks/ffn_gpu.py [--json out.json]
 
 Our kernels are launched as the bridge launches them (FusedFFNCudaKernel.run: Launcher / cuLaunchKernel, cuBLAS
 through ctypes) on torch's current stream. Times: medians of CUDA-event timings around 20 back-to-back calls
@@ -17,7 +17,8 @@ import torch.nn.functional as F  # noqa: N812
 from timing import copy_gbps, time_cuda, time_graph, write_json
 
 from onnx_lowbit import ffn
-from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+from onnx_lowbit.custom_ops.device import cublas
+from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
 
 K, N = 4096, 11008
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 512)
@@ -60,7 +61,6 @@ def rel_err(y, x, w1, w3, rows=8):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true", help="also time decode-kernel variants (compiles each)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     out = {"gpu": torch.cuda.get_device_name(0)}
@@ -115,61 +115,21 @@ def main():
         out[f"decode_{int(x16)}{int(w16)}_us"] = t
         del a1, a3
 
-    if args.variants:
-        print("\n### Decode kernel variants (fp16)\n\n| M | block | cols | chunks/step | double-buffered | load | us |"
-              " occupancy, grid |\n| ---: | ---: | ---: | ---: | --- | --- | ---: | --- |")
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        s = torch.cuda.current_stream().cuda_stream
-        nl = "ld.global.nc.L1::no_allocate.L2::256B.v4.u32"
-        L0 = fc.LOAD
-        for m, block, cols, uj, db, ld in [
-                (1, 256, 2, 2, False, L0), (1, 512, 2, 1, False, L0), (1, 256, 2, 2, True, L0),
-                (1, 256, 1, 2, True, L0), (1, 512, 1, 1, False, L0), (1, 256, 2, 2, False, nl),
-                (2, 256, 2, 2, False, L0), (2, 256, 2, 2, True, L0), (2, 256, 2, 1, True, L0),
-                (4, 256, 1, 2, True, L0), (4, 256, 2, 1, True, L0), (4, 256, 1, 2, False, L0),
-                (4, 256, 2, 2, True, L0), (4, 512, 1, 1, True, L0), (4, 128, 1, 2, True, L0)]:
-            mt = fc.bucket(m)
-            L = fc.launcher("decode", True, True, mt, cols=cols, uj=uj, load=ld, block=block, db=db)
-            occ = fc.occupancy(L, block, mt * K * 4)
-            grid = fc.decode_grid(N, mt, sms, occ, cols)
-            xm = torch.randn(m, K, device="cuda", dtype=torch.float16)
-            ym = torch.empty(m, N, device="cuda", dtype=torch.float16)
-            wargs = [(xm.data_ptr(), (m * K,)), (w1.data_ptr(), (N * K // 2,)), (w3.data_ptr(), (N * K // 2,)),
-                     (ym.data_ptr(), (N,)), (ym.data_ptr(), (N,)), (ym.data_ptr(), (m * N,)), m, K, N, 0, 0]
-            fn = lambda L=L, grid=grid, block=block, wargs=wargs, mt=mt: L.launch(  # noqa: E731
-                grid, block, s, *wargs, shmem=mt * K * 4)
-            fn()
-            torch.cuda.synchronize()
-            e = rel_err(ym, xm, w1, w3)
-            t = time_cuda(fn)
-            print(f"| {m} | {block} | {cols} | {uj} | {db} | {ld} | {t:.1f} | {occ}, {grid} (err {e:.0e}) |")
-
     # ---- prefill sweep, fp16
-    print("\n### M sweep, fp16, K=4096, N=11008: ours (auto path) vs torch's unfused path; the GEMMs alone: two "
-          "[N, K] GEMMs (as the cuBLAS path) vs one on concatenated gate|up weights [2N, K] (fp32 out)\n\n"
-          "| M | path | ours us | decode us | cuBLAS path us | same, fp16 scratch | torch us | ours / torch | rel err |"
-          " rel err fp16 scratch | 2 GEMMs us | 1 GEMM [2N,K] us |\n"
-          "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    from onnx_lowbit.custom_ops import cublas
+    print("\n### M sweep, fp16, K=4096, N=11008: ours (the routed kernel) vs torch's unfused path; the GEMMs alone: "
+          "two [N, K] GEMMs (as the cuBLAS path) vs one on concatenated gate|up weights [2N, K] (fp32 out)\n\n"
+          "| M | routed kernel | ours us | cuBLAS path us | torch us | ours / torch | rel err | 2 GEMMs us | "
+          "1 GEMM [2N,K] us |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     wcat = torch.cat([w1, w3]) if k16.blas else None
     gbuf = torch.empty(max(SWEEP) * 2 * N, device="cuda", dtype=torch.float32) if k16.blas else None
-    k16h = kernel(True, True)
-    k16h.use_fp16_scratch(True)
     sweep = {}
-    cross = None
     for m in SWEEP:
         xm = torch.randn(m, K, device="cuda", dtype=torch.float16)
         ym = torch.empty(m, N, device="cuda", dtype=torch.float16)
-        auto = "decode" if fc.decode_ok(m, K, True) else ("gemm" if k16.blas else "tiled")
+        auto = k16.serving_row(m, K, N, xm.data_ptr(), w1.data_ptr(), w3.data_ptr(), None).kernel
         t_auto = time_cuda(runner(k16, xm, w1, w3, ym))
         e = rel_err(ym, xm, w1, w3)
-        feasible = fc.decode_ok(m, K, True, max_m=16)
-        t_dec = time_cuda(runner(k16, xm, w1, w3, ym, "decode")) if feasible else None
         t_gemm = time_cuda(runner(k16, xm, w1, w3, ym, "gemm")) if k16.blas else None
-        t_h, e_h = None, None
-        if k16.blas:
-            t_h = time_cuda(runner(k16h, xm, w1, w3, ym, "gemm"))
-            e_h = rel_err(ym, xm, w1, w3)
         t_t = time_cuda(torch_ffn(xm, w1, w3))
         t_two = t_one = None
         if k16.blas:
@@ -178,17 +138,12 @@ def main():
             t_two = time_cuda(lambda: [h.gemm_rows(xp, r16, w.data_ptr(), r16, gp + off * 4, m, N, K, 2 * N)
                                        for w, off in ((w1, 0), (w3, N))])
             t_one = time_cuda(lambda: h.gemm_rows(xp, r16, wcat.data_ptr(), r16, gp, m, 2 * N, K, 2 * N))
-        if t_dec is not None and t_gemm is not None and t_gemm < t_dec and cross is None:
-            cross = m
         f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        print(f"| {m} | {auto} | {t_auto:.1f} | {f(t_dec)} | {f(t_gemm)} | {f(t_h)} | {t_t:.1f} | {t_auto / t_t:.2f} | "
-              f"{e:.1e} | {'-' if e_h is None else f'{e_h:.1e}'} | {f(t_two)} | {f(t_one)} |")
-        sweep[m] = dict(path=auto, ours=t_auto, decode=t_dec, gemm=t_gemm, gemm_fp16_scratch=t_h, torch=t_t, err=e,
-                        err_fp16_scratch=e_h, two_gemms=t_two, one_gemm_concat=t_one)
-    print(f"\ncrossover decode -> cuBLAS path: {'M = ' + str(cross) if cross else 'none where both run'} "
-          f"(decode kernel used for M <= {max(m for m in SWEEP if fc.decode_ok(m, K, True))} at K={K})")
+        print(f"| {m} | {auto} | {t_auto:.1f} | {f(t_gemm)} | {t_t:.1f} | {t_auto / t_t:.2f} | {e:.1e} | {f(t_two)} | "
+              f"{f(t_one)} |")
+        sweep[m] = dict(path=auto, ours=t_auto, gemm=t_gemm, torch=t_t, err=e, two_gemms=t_two, one_gemm_concat=t_one)
     slower = [m for m, v in sweep.items() if v["ours"] > v["torch"]]
-    print(f"M where ours is slower than torch's unfused path: {slower or 'none'}")
+    print(f"\nM where ours is slower than torch's unfused path: {slower or 'none'}")
     out["sweep"] = sweep
     wcat = gbuf = None
     # the fallback kernel (no cuBLAS), two sizes

@@ -1,10 +1,10 @@
 """FusedFFN prefill at small M, fp16 (x[M, 4096], W1/W3 [11008, 4096]): the tensor-core kernel
-(custom_ops/fusedffn_tc_cuda.py, several block shapes) against torch's block on [N, K] weights (F.linear: the TN
+(custom_ops/ffn/fusedffn_tc_cuda.py, the configuration sessions launch at each M: fusedffn_tc_cuda.config) against torch's block on [N, K] weights (F.linear: the TN
 GEMMs of the op's cuBLAS path, fp16 outputs) and against torch's unfused block in onnxruntime's layout (W [K, N], x @ W1, x @ W3 in fp16, silu,
 mul: the kernels onnxruntime's unfused graph runs), all in the same run. medians of CUDA events around 20 back-to-back calls (time_cuda);
 every output checked against a float64 reference first.
 
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn_tc_gpu.py [M,M,...] [--quick]
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn_tc_gpu.py [M,M,...]
 """
 from __future__ import annotations
 
@@ -13,28 +13,10 @@ import sys
 import torch
 from timing import copy_gbps, time_cuda
 
-from onnx_lowbit.custom_ops import fusedffn_tc_cuda as tc
+from onnx_lowbit.custom_ops.ffn import fusedffn_tc_cuda as tc
 
 K, N = 4096, 11008
 MS = [3, 4, 8, 16, 32, 64, 128]
-
-
-def variants(m, quick):
-    """(mt, kw, ring, mfast) configurations to time at this M: first the one sessions launch (tc.config)."""
-    mt0 = tc.bucket(m)
-    c = tc.config(m)
-    out = [c]
-    if quick:
-        return out
-    for mt in (1, 2, 4, 8):
-        if mt > mt0:
-            continue
-        for kw in (2, 4):
-            for ring in ((2, 4) if mt <= 2 else (1, 2) if mt == 4 else (1,)):
-                for mfast in ((False, True) if 8 * mt < m else (False,)):
-                    if (mt, kw, ring, mfast) not in out:
-                        out.append((mt, kw, ring, mfast))
-    return out
 
 
 def main():
@@ -42,7 +24,6 @@ def main():
         print(__doc__)
         return
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    quick = "--quick" in sys.argv
     ms = [int(v) for v in args[0].split(",")] if args else MS
     torch.manual_seed(0)
     gbs, _ = copy_gbps()
@@ -52,9 +33,9 @@ def main():
     w1kn, w3kn = w1.t().contiguous(), w3.t().contiguous()
     wbytes = 2 * N * K * 2
     st = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
-    print("| M | torch unfused NN (us) | torch TN, W [N, K] (us) | tc best (us) | tc best config (mt, kw, ring, mfast) | "
-          "% copy bw | vs unfused | vs torch TN | all tc configs |")
-    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- |")
+    print("| M | torch unfused NN (us) | torch TN, W [N, K] (us) | tc (us) | tc config (mt, kw, ring, mfast) | "
+          "% copy bw | vs unfused | vs torch TN |")
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for m in ms:
         x = torch.randn(m, K, device="cuda", dtype=torch.float16)
         xd = x.double()
@@ -76,10 +57,10 @@ def main():
         res["unfused"] = time_cuda(unfused)
         res["tn"] = time_cuda(torch_tn)
         tcs = []
-        for mt, kw, ring, mfast in variants(m, quick):
+        for mt, kw, ring, mfast in [tc.config(m)]:
             def f(mt=mt, kw=kw, ring=ring, mfast=mfast):
                 tc.launch(st(), m, K, N, x.data_ptr(), w1.data_ptr(), w3.data_ptr(), 0, 0, y.data_ptr(), mt, kw,
-                          ring, None, mfast)
+                          ring, mfast)
             y.zero_()
             f()
             torch.cuda.synchronize()
@@ -92,7 +73,7 @@ def main():
         best = tcs[0]
         print(f"| {m} | {res['unfused']:.1f} | {res['tn']:.1f} | {best[0]:.1f} | {best[1]} | "
               f"{wbytes / best[0] / 1e3 / gbs * 100:.1f} | {res['unfused'] / best[0]:.2f}x | "
-              f"{res['tn'] / best[0]:.2f}x | " + ", ".join(f"{c}: {t:.1f}" for t, c, _ in tcs[:8]) + " |")
+              f"{res['tn'] / best[0]:.2f}x |")
         print(f"  errors (max abs / max |ref|): unfused {errs['unfused']:.1e}, torch TN {errs['tn']:.1e}, "
               f"tc {max(e for _, _, e in tcs):.1e}")
         sys.stdout.flush()

@@ -5,7 +5,7 @@ run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are 
     python3 benchmarks/kernel_once.py fplut [VARIANT [N]]           FPLUT on N fp16 values (base | s32 | s32u8)
     python3 benchmarks/kernel_once.py nf4 ffn|mm K N ["h2=2, wide=True"]   FusedFFNNF4 decode / MatMulNF4 M = 1
     M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows)
-    python3 benchmarks/kernel_once.py ffn_tc M K N ["mt=2, kw=4, ring=2"]   FusedFFN's [N, K] tensor-core kernel
+    python3 benchmarks/kernel_once.py ffn_tc M K N                   FusedFFN's [N, K] tensor-core kernel
     python3 benchmarks/kernel_once.py ffn_kn M K N XTYPE WTYPE       FusedFFN on [K, N] weights (decode / tensor cores)
     python3 benchmarks/kernel_once.py nf4tc M K N                    NF4 tensor-core kernel, one and two weights
     python3 benchmarks/kernel_once.py nf4wide_ffn M K N GROUPS       FusedFFNNF4's wide decode with thread groups
@@ -120,28 +120,42 @@ def awq(argv):
     print(what, f"M={m}", k, n, kw, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
 
 
+def _ffn_call(x, w1, w3, b1, b3, kn, path, calls=1):
+    """S of a FusedFFN node on these host arrays, ``calls`` times, through its CUDA kernel object as a session node
+    runs it (runtime.direct), forced onto ``path``."""
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops.runtime import direct
+    dev = [cuda.to_device(a) for a in (x, w1, w3, b1)] + ([cuda.to_device(b3)] if b3 is not None else [])
+    y = cuda.device_array(x.shape[:-1] + (w1.shape[1] if kn else w1.shape[0],), x.dtype)
+    run = direct.call("FusedFFN", {"weights_kn": int(kn)}, dev, [y], 0)
+    run.kernel.force_path = path
+    for _ in range(calls):
+        run()
+    cuda.synchronize()
+    return y.copy_to_host()
+
+
 def ffn_tc(argv):
-    from onnx_lowbit.custom_ops import fusedffn_tc_cuda as tc
+    """FusedFFN's [N, K] tensor-core kernel at M rows (the configuration sessions launch there)."""
+    from onnx_lowbit.custom_ops.ffn import fusedffn_tc_cuda as tc
     m, k, n = int(argv[0]), int(argv[1]), int(argv[2])
-    opts = _opts(argv, 3)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((m, k)).astype(np.float16)
     w1 = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
     w3 = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float16)
     b1, b3 = rng.standard_normal(n).astype(np.float16), rng.standard_normal(n).astype(np.float16)
-    for _ in range(2):
-        y = tc.run_arrays(x, w1, w3, b1, b3, **opts)
+    y = _ffn_call(x, w1, w3, b1, b3, False, "tc", calls=2)
     xd = x.astype(np.float64)
     gate = xd @ w1.astype(np.float64).T + b1
     ref = gate / (1 + np.exp(-gate)) * (xd @ w3.astype(np.float64).T + b3)
     err = float(np.abs(y - ref).max() / np.abs(ref).max())
-    print(f"M={m} K={k} N={n} {opts}: max rel error {err:.2e}")
+    print(f"M={m} K={k} N={n} config {tc.config(m)}: max rel error {err:.2e}")
     return 0 if err < 1e-3 else 1
 
 
 def ffn_kn(argv):
     from onnx_lowbit import ffn
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
     m, k, n, xd, wd = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
     path = "decode" if m <= 2 else "tc"
     r = np.random.default_rng(0)
@@ -149,8 +163,7 @@ def ffn_kn(argv):
     w1 = (r.standard_normal((k, n)) / np.sqrt(k)).astype(wd)
     w3 = (r.standard_normal((k, n)) / np.sqrt(k)).astype(wd)
     b = r.standard_normal(n).astype(xd)
-    for _ in range(2):           # the second call finds the tile counters the first left
-        y = fc.run_arrays(x, w1, w3, b, None, kn=True, path=path)
+    y = _ffn_call(x, w1, w3, b, None, True, path, calls=2)    # the second call finds the tile counters the first left
     ref = ffn.swiglu_ref(x, w1, w3, b, None, kn=True)
     print(m, k, n, xd, wd, path, "rel err", float(np.abs(y - ref).max() / np.abs(ref).max()))
 

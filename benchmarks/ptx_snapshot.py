@@ -46,7 +46,8 @@ CC = (9, 0)
 # ------------------------------------------------------------------------------------------------- the table
 MODULES = {     # alias -> module relative to onnx_lowbit.custom_ops: repoint here after a move
     "launch": "device.launch",
-    "fusedffn": "ffn.fusedffn_cuda",
+    "fusedffn_decode": "ffn.fusedffn_decode_cuda",
+    "fusedffn_prefill": "ffn.fusedffn_prefill_cuda",
     "fusedffn_kn": "ffn.fusedffn_kn_cuda",
     "fusedffn_tc": "ffn.fusedffn_tc_cuda",
     "fusedffn_kn_tc": "ffn.fusedffn_kn_tc_cuda",
@@ -83,32 +84,33 @@ def _add(vid, mod, factory, signature):
     VARIANTS.append((vid, mod, factory, signature))
 
 
-# FusedFFN: T, TW in {float, float16}. [N, K]: decode buckets (1, 2 routed, 4..16 when run(path='decode') forces
-# them), the tiled fallback; [K, N] (weights_kn=1): fusedffn_kn decode (M <= 2, TUNED u/db) and the tiled kernel
-# with kn=True; the prefill path's act (x16, g16: fp16 GEMM scratch only with fp16 X and W), widen, split; fp16 X
-# and W: fusedffn_tc's CONFIGS, fusedffn_kn_tc's CONFIGS with rows in KN_TC_MIN_M..KN_TC_MAX_M (2..16).
+# FusedFFN: T, TW in {float, float16}, the kernels fusedffn_cuda.ROUTES names. [N, K]: decode buckets 1, 2
+# (fusedffn_decode), the tiled kernel (fusedffn_prefill; [K, N] with kn=True); [K, N] (weights_kn=1): fusedffn_kn
+# decode (M <= 2, TUNED u/db); the cuBLAS path's act (x16, g16: fp16 G only with fp16 X and W, [K, N]), widen,
+# split; fp16 X and W: fusedffn_tc's CONFIGS, fusedffn_kn_tc's CONFIGS. Variant ids as before the routing table
+# (the decode buckets 4, 8, 16 are gone: docs/lab-log.md, "Removed kernel variants (float FFN)").
 for _x in (False, True):
     for _w in (False, True):
         _t = f"{_T[_x]}x.{_T[_w]}w"
-        for _mt in (1, 2, 4, 8, 16):
-            _add(f"fusedffn.decode.mt{_mt}.{_t}", "fusedffn", f"_make_decode({_mt}, {_x}, {_w})",
-                 f"_sig('decode', {_x}, {_w})")
+        for _mt in (1, 2):
+            _add(f"fusedffn.decode.mt{_mt}.{_t}", "fusedffn_decode", f"make({_mt}, {_x}, {_w})",
+                 f"[{_A[_x]}, Array(np.uint32), Array(np.uint32), {_A[_x]}, {_A[_x]}, {_A[_x]}] + ['int64'] * 5")
         for _kn in (False, True):
-            _add(f"fusedffn.tiled.{'kn' if _kn else 'nk'}.{_t}", "fusedffn", f"_make_tiled({_x}, {_w}, **TILE, kn={_kn})",
-                 f"_sig('tiled', {_x}, {_w})")
+            _add(f"fusedffn.tiled.{'kn' if _kn else 'nk'}.{_t}", "fusedffn_prefill",
+                 f"make_tiled({_x}, {_w}, **TILE, kn={_kn})", f"sig('tiled', {_x}, {_w})")
         for _mt in (1, 2):
             _add(f"fusedffn_kn.decode.mt{_mt}.{_t}", "fusedffn_kn",
-                 f"make({_mt}, {_x}, {_w}, BLOCK, CW, TUNED[{_mt}]['u'], TUNED[{_mt}]['db'])",
+                 f"make({_mt}, {_x}, {_w}, TUNED[{_mt}]['u'], TUNED[{_mt}]['db'])",
                  f"[{_A[_x]}, Array(np.uint32), Array(np.uint32), {_A[_x]}, {_A[_x]}, {_A[_x]}, Array(np.float32), "
                  f"Array(np.uint32)] + ['int64'] * 7")
 for _x, _g in ((False, False), (True, False), (True, True)):
-    _add(f"fusedffn.act.{_T[_x]}x.{_T[_g]}g", "fusedffn", f"_make_act({_x}, {_g})", f"_sig('act', {_x}, {_g})")
-_add("fusedffn.widen", "fusedffn", "_make_widen()", "_sig('widen', False, False)")
-_add("fusedffn.split", "fusedffn", "_make_split()", "_sig('split', False, False)")
+    _add(f"fusedffn.act.{_T[_x]}x.{_T[_g]}g", "fusedffn_prefill", f"make_act({_x}, {_g})", f"sig('act', {_x}, {_g})")
+_add("fusedffn.widen", "fusedffn_prefill", "make_widen()", "sig('widen', False, False)")
+_add("fusedffn.split", "fusedffn_prefill", "make_split()", "sig('split', False, False)")
 for _rows, (_mt, _kw, _ring, _mf) in ((8, (1, 4, 4, False)), (16, (2, 2, 2, False)), (32, (2, 4, 2, True))):
-    _add(f"fusedffn_tc.m{_rows}", "fusedffn_tc", f"_make({_mt}, {_kw}, {_ring}, None, {_mf})", "sig()")
+    _add(f"fusedffn_tc.m{_rows}", "fusedffn_tc", f"make({_mt}, {_kw}, {_ring}, {_mf})", "sig()")
 for _rows, (_mt, _kw, _ring) in ((8, (1, 4, 2)), (16, (2, 4, 2))):
-    _add(f"fusedffn_kn_tc.m{_rows}", "fusedffn_kn_tc", f"_make({_mt}, {_kw}, {_ring}, None)", "sig()")
+    _add(f"fusedffn_kn_tc.m{_rows}", "fusedffn_kn_tc", f"make({_mt}, {_kw}, {_ring})", "sig()")
 
 # FPLUT: one 16-bit kernel (fp16 and bf16), one fp32 kernel
 for _e, _edt, _n in ((10, "np.uint16", "16bit"), (1, "np.uint32", "f32")):
@@ -233,8 +235,6 @@ for _bits in (8, 16):
 
 NOT_COVERED = """\
 Not snapshotted (no session routes them; benchmark / test entry points only):
-  fusedffn_kn_tc CONFIGS row 32 (mt 4): KN_TC_MAX_M = 16, so no session compiles or launches it
-  decode / tiled kernels under non-default ``variant=`` options (run(variant=...), tests and benchmarks)
   dequantawq LEGACY (_make: launcher()'s default, run_arrays in tests / benchmarks; sessions use DEFAULT), other
   dequantawq / dequantnf4 Variant options than the sessions' (DEFAULT; dequantnf4's LEGACY fallback is covered)
   matmulnf4 _make_m1 variants from m1_opts and run_int4_m1's int4 kernel (tests / benchmarks, no op runs them)

@@ -13,10 +13,8 @@ CUDA graphs. The 4-bit and fused models are made from the fp16 ones by our passe
   prefill sweep: SwiGLU fp16 unfused vs FusedFFN for M in 1..1024, without and with CUDA graphs (the crossover);
                  FusedFFN on [N, K] weights as routed ("nk"; ffn_weights="nk") and on [K, N] weights as routed
                  ("kn"; what ffn_weights="auto", the default, gives this dynamic-shape fp16 model), and
-                 alternatives timed in the same run: "decode" (the [N, K] decode kernel for every M it can take,
-                 DECODE_MAX_M = 16; at K = 4096 that is M <= 4), "cuBLAS", "fp16 G" (the [N, K] cuBLAS path
-                 with fp16 GEMM outputs, FP16_SCRATCH), "kn fp32 G" ([K, N] cuBLAS path with fp32 GEMM outputs,
-                 KN_FP16_SCRATCH off), "kn cuBLAS" ([K, N] on cuBLAS where it takes
+                 alternatives timed in the same run: "cuBLAS" ([N, K] on cuBLAS where it takes its tensor-core
+                 kernel), "kn cuBLAS" ([K, N] on cuBLAS where it takes
                  its tensor-core kernel), and with fp32 weights "strict" / "kn strict" (prefill GEMMs in strict
                  fp32, TF32 off). Each is checked against a float64 reference (first and
                  last rows) before
@@ -148,18 +146,15 @@ SWEEP_MS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
-    """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN on [N, K] weights as routed ('nk'), forced
-    onto the decode kernel where it fits ('decode'), on the cuBLAS path where nk takes the tensor-core kernel
-    ('cuBLAS'), with fp16 GEMM outputs on the cuBLAS path ('fp16 G'), and FusedFFN on [K, N] weights ('kn',
-    attribute weights_kn = 1: its decode and tensor-core kernels, cuBLAS NN GEMMs with fp16 outputs; 'kn fp32 G'
-    with fp32 GEMM outputs, 'kn cuBLAS' on cuBLAS where it takes its tensor-core kernel); with fp32 weights, 'strict'
+    """Times, per M and CUDA-graph mode: the unfused graph and FusedFFN on [N, K] weights as routed ('nk'), on the
+    cuBLAS path where nk takes the tensor-core kernel ('cuBLAS'), and FusedFFN on [K, N] weights ('kn', attribute
+    weights_kn = 1: its decode and tensor-core kernels, cuBLAS NN GEMMs with fp16 outputs; 'kn cuBLAS' on cuBLAS
+    where it takes its tensor-core kernel); with fp32 weights, 'strict'
     / 'kn strict': the prefill GEMMs in strict fp32 instead of TF32.
     ``names``: the variants to time."""
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
-    from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
-    variants = {"nk": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
-                "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp32 G": dict(KN_FP16_SCRATCH=False),
-                "kn cuBLAS": dict(KN_TC_MAX_M=0), "strict": dict(TF32=False), "kn strict": dict(TF32=False)}
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
+    variants = {"nk": {}, "cuBLAS": dict(TC_MAX_M=0), "kn": {}, "kn cuBLAS": dict(KN_TC_MAX_M=0),
+                "strict": dict(TF32=False), "kn strict": dict(TF32=False)}
     names = [v for v in (names or variants) if v in variants and (not v.startswith("kn") or fused_kn is not None)]
     if "nk" not in names:
         names.insert(0, "nk")
@@ -179,10 +174,6 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
                 r.update(unfused=t, err_unfused=ref.rel_err(ys[0], x))
                 for name in names:
                     opts = variants[name]
-                    if name == "decode" and not (m > fc.DECODE_MAX_M and fc.decode_ok(m, K, True, max_m=16)):
-                        continue
-                    if name == "fp16 G" and m <= fc.DECODE_MAX_M or name == "kn fp32 G" and m <= knm.MAX_M:
-                        continue
                     if name == "kn cuBLAS" and not fc.KN_TC_MIN_M <= m <= fc.KN_TC_MAX_M:
                         continue
                     if name.endswith("strict") and DTYPE != np.float32:
@@ -217,9 +208,6 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
             slower = [r["M"] for r in ok if v in r and r[v] > r["unfused"]]
             if v in names:
                 print(f"\nours {v} slower than unfused at M = {slower or 'none'}")
-        dec = [(r["M"], r["decode"], r["nk"]) for r in ok if "decode" in r]
-        if dec:
-            print("decode kernel vs routed path: " + ", ".join(f"M={m} {d:.1f} vs {g:.1f} us" for m, d, g in dec))
     return rows
 
 
@@ -231,9 +219,9 @@ def main():
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--sweep-only", action="store_true", help="only the prefill sweep (FusedFFN vs unfused)")
     ap.add_argument("--ms", help="comma-separated M values for the sweep (default 1..1024)")
-    ap.add_argument("--sweep-variants", default="nk,decode,cuBLAS,fp16 G,kn,kn fp32 G",
-                    help="comma-separated FusedFFN variants the sweep times (nk, decode, cuBLAS, fp16 G, kn, "
-                         "kn fp32 G, kn cuBLAS, strict, kn strict)")
+    ap.add_argument("--sweep-variants", default="nk,cuBLAS,kn",
+                    help="comma-separated FusedFFN variants the sweep times (nk, cuBLAS, kn, kn cuBLAS, strict, "
+                         "kn strict)")
     ap.add_argument("--dtype", default="float16", choices=["float16", "float32", "mixed"],
                     help="x, weights and outputs (float32: the sweep's strict / kn strict variants run the prefill "
                          "GEMMs in strict fp32 instead of TF32, onnxruntime's MatMul default and ours)")

@@ -1,8 +1,9 @@
 """Native plan replay and CUDA-graph capture in onnxruntime CUDA sessions (GPU machine only: skipped without
 onnxruntime-gpu and a real GPU). A model with FPLUT and 4-bit MatMul nodes runs with plans on and off and on
 CPU; the results agree, and Python serves one compute call per node and input signature, not one per run. A single
-FusedFFN node at prefill sizes (its cuBLAS path) is replayed natively too, also inside a CUDA graph and from 8
-threads; its scratch comes from onnxruntime's allocator on every call (the shim's counters), none from ours."""
+FusedFFN node at prefill sizes (its tensor-core kernel and its cuBLAS path, as its routing table says) is replayed
+natively too, also inside a CUDA graph and from 8 threads; the cuBLAS path's scratch comes from onnxruntime's
+allocator on every call (the shim's counters), none from ours."""
 import os
 
 import numpy as np
@@ -106,12 +107,12 @@ def test_cuda_graph_capture_and_replay(model):
         assert _same(yv.numpy(), ref.run(None, {"x": x})[0], model), seed
 
 
-# ------------------------------------------------------------------ FusedFFN's prefill (cuBLAS) path, one node
+# ------------------------------------------------------------------ FusedFFN's prefill path, one node
 FK, FN = 512, 704
 
 
 def _ffn_session(xd, wd, graph=False):
-    from test_ffn_cuda import ffn_model
+    from test_ffn_cuda_gpu import ffn_model
     prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"}), "CPUExecutionProvider"] if graph else CUDA
     return onnx_lowbit.InferenceSession(ffn_model(xd, wd, FK, FN, True, True), providers=prov)
 
@@ -124,8 +125,13 @@ def cublas_lib():
 
 
 def _scratch_bytes(m, xd, wd):
-    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
-    return fc.prefill_plan(m, FK, FN, xd == np.float16, wd == np.float16)[4][2]
+    """Scratch bytes one call at M = m takes: the cuBLAS path's (prefill_plan), none on the other kernels (the
+    routing table says which serves the call)."""
+    from test_ffn_cuda import served
+    from onnx_lowbit.custom_ops.ffn import fusedffn_prefill_cuda as pre
+    if not served(xd, wd, m, FK, FN).startswith("gemm"):
+        return 0
+    return pre.prefill_plan(m, FK, FN, xd == np.float16, wd == np.float16)[4][2]
 
 
 def _no_own_scratch():
@@ -155,9 +161,10 @@ def _ffn_binding(sess, feeds, out_shape, out_dtype):
 @pytest.mark.parametrize("m", [8, 64])
 @pytest.mark.parametrize("xd,wd", [(np.float16, np.float16), (np.float32, np.float16), (np.float32, np.float32)])
 def test_prefill_fusedffn_is_served_natively(m, xd, wd, cublas_lib):
-    """M = 8, 64 take the cuBLAS path (convert, two GEMMs, SiLU*mul): the first run records it, later runs replay
-    it from C (no Python call); every output equals the first and meets the reference tolerance."""
-    from test_ffn_cuda import check, data
+    """M = 8, 64 on the kernel the routing table names (fp16 at M = 8: the tensor-core kernel, no scratch; the others
+    the cuBLAS path: convert, two GEMMs, SiLU*mul, with scratch): the first run records it, later runs replay it
+    from C (no Python call); every output equals the first and meets the reference tolerance."""
+    from test_ffn_cuda import bounds, check, data
     from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
     assert m > fc.DECODE_MAX_M
     x, w1, w3, b1, b3 = data((1, m), FK, FN, xd, wd, True, True, seed=m)
@@ -169,18 +176,29 @@ def test_prefill_fusedffn_is_served_natively(m, xd, wd, cublas_lib):
         sess.run_with_iobinding(io)
         outs.append(y.numpy())
     assert bridge.stats["python_computes"] - before == 1          # recorded once, replayed 5 times
-    # every call (the recording one and the 5 replays) took its scratch from onnxruntime's allocator, gave it back
-    assert _counts_delta(counts) == {"taken": 6, "given_back": 6, "bytes": 6 * _scratch_bytes(m, xd, wd)}
+    # every call on the cuBLAS path (the recording one and the 5 replays) took its scratch from onnxruntime's
+    # allocator and gave it back; the tensor-core kernel takes none
+    nbytes = _scratch_bytes(m, xd, wd)
+    taken = 6 if nbytes else 0
+    assert _counts_delta(counts) == {"taken": taken, "given_back": taken, "bytes": 6 * nbytes}
     assert _no_own_scratch()
-    check(outs[0], x, w1, w3, b1, b3, tf32=fc.TF32 and wd == np.float32)
+    check(outs[0], x, w1, w3, b1, b3, **bounds(xd, wd, m, FK, FN))
     for o in outs[1:]:
         assert np.array_equal(o, outs[0])
 
 
+def test_prefill_fusedffn_takes_both_native_paths(cublas_lib):
+    """The cases above cover both: fp16 at M = 8 on the tensor-core kernel, M = 64 and fp32 weights on cuBLAS."""
+    from test_ffn_cuda import served
+    assert served(np.float16, np.float16, 8, FK, FN) == "tc" and served(np.float16, np.float16, 64, FK, FN) == "gemm"
+    assert served(np.float32, np.float32, 8, FK, FN).startswith("gemm")
+
+
 @pytest.mark.parametrize("m", [8, 64])
 def test_prefill_fusedffn_in_a_cuda_graph(m, cublas_lib):
-    """enable_cuda_graph with a prefill shape: the captured graph (native replay of the cuBLAS path inside the
-    capture) gives, for new input contents, bit-identical results to a session without graphs."""
+    """enable_cuda_graph with a prefill shape (M = 8: the tensor-core kernel, M = 64: the cuBLAS path): the captured
+    graph (native replay inside the capture) gives, for new input contents, bit-identical results to a session
+    without graphs."""
     from test_ffn_cuda import check, data
     xd = wd = np.float16
     x, w1, w3, b1, b3 = data((1, m), FK, FN, xd, wd, True, True, seed=100 + m)
@@ -210,23 +228,27 @@ def test_prefill_fusedffn_in_a_cuda_graph(m, cublas_lib):
 
 
 def test_prefill_fusedffn_from_8_threads(cublas_lib):
-    """8 threads run one FusedFFN session at 8 prefill shapes (cuBLAS path, each call with its own scratch from
-    onnxruntime's allocator, no lock between calls): every result equals the single-threaded one, which meets
-    the reference tolerance; every scratch buffer went back."""
+    """8 threads run one FusedFFN session at 8 prefill shapes, M = 8, 13, .., 43 (the tensor-core kernel to M = 32,
+    the cuBLAS path past it, each call with its own scratch from onnxruntime's allocator, no lock between calls):
+    every result equals the single-threaded one, which meets the reference tolerance; every scratch buffer went
+    back. same_in_threads runs each shape 20 times."""
     from test_ffn_cuda import check, data
     xd, wd = np.float16, np.float16
     sess = _ffn_session(xd, wd)
     _, w1, w3, b1, b3 = data((1, 8), FK, FN, xd, wd, True, True, seed=3)
-    feeds = [{"X": data((1, 8 + 5 * i), FK, FN, xd, wd, seed=300 + i)[0], "W1": w1, "W3": w3, "B1": b1, "B3": b3}
-             for i in range(8)]
+    ms = [8 + 5 * i for i in range(8)]
+    feeds = [{"X": data((1, m), FK, FN, xd, wd, seed=300 + i)[0], "W1": w1, "W3": w3, "B1": b1, "B3": b3}
+             for i, m in enumerate(ms)]
     want = [sess.run(None, f)[0] for f in feeds]
     for f, w in zip(feeds, want):
         check(w, f["X"], f["W1"], f["W3"], f["B1"], f["B3"])
     counts = bridge.scratch_counts()
     assert not same_in_threads(lambda f: sess.run(None, f)[0], feeds, want, np.array_equal)
     d = _counts_delta(counts)
-    assert d["taken"] == d["given_back"] == 8 * 20
-    assert d["bytes"] == 20 * sum(_scratch_bytes(8 + 5 * i, xd, wd) for i in range(8))
+    gemm_ms = [m for m in ms if _scratch_bytes(m, xd, wd)]
+    assert gemm_ms == [33, 38, 43]                          # the others: the tensor-core kernel, no scratch
+    assert d["taken"] == d["given_back"] == 20 * len(gemm_ms)
+    assert d["bytes"] == 20 * sum(_scratch_bytes(m, xd, wd) for m in ms)
     assert _no_own_scratch()
 
 

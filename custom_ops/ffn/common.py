@@ -1,9 +1,5 @@
-"""Host-side input checks of FusedFFN's CUDA face, shared by fusedffn_cuda (sessions, host runners) and the host
-runners of its tensor-core kernels (fusedffn_tc_cuda, fusedffn_kn_tc_cuda): ``check_shapes`` (M, K, N from the
-input shapes) and ``check_arrays`` (the same for host arrays, with their dtypes)."""
+"""Host-side input checks of FusedFFN's CUDA face: ``check_shapes`` (M, K, N from the input shapes)."""
 from __future__ import annotations
-
-import numpy as np
 
 from ..runtime.kernels import KernelError
 
@@ -27,16 +23,3 @@ def check_shapes(x_shape, w1_shape, w3_shape, b1_shape=None, b3_shape=None, kn=F
     for d in x_shape[:-1]:
         m *= d
     return m, k, n
-
-
-def check_arrays(x, w1, w3, b1=None, b3=None, kn=False):
-    x, w1, w3 = np.asarray(x), np.asarray(w1), np.asarray(w3)
-    if x.dtype not in (np.float32, np.float16):
-        raise KernelError(f"input 0 'X' must be float or float16, got {x.dtype}")
-    if w1.dtype not in (np.float32, np.float16) or w3.dtype != w1.dtype:
-        raise KernelError(f"inputs 1 'W1' and 2 'W3' must both be float or both float16, got {w1.dtype}, {w3.dtype}")
-    for i, name, b in ((3, "B1", b1), (4, "B3", b3)):
-        if b is not None and np.asarray(b).dtype != x.dtype:
-            raise KernelError(f"input {i} '{name}' must have X's type {x.dtype}, got {np.asarray(b).dtype}")
-    return check_shapes(x.shape, w1.shape, w3.shape, None if b1 is None else np.shape(b1),
-                        None if b3 is None else np.shape(b3), kn)

@@ -6,8 +6,8 @@ Why a second layout: onnxruntime's MatMul multiplies [K, N] weights, and cuBLAS 
 weights the prefill path runs the same GEMMs as the unfused graph. The [N, K] decode kernel streams each weight
 row along K; this one streams the weight rows k, each a contiguous run of N values, with split-K:
 
-* grid = column tiles x K splits; a block of 256 threads = ``cw`` column warps x ``kw`` K warps; a column tile is
-  cw x 32 lanes x 16 bytes (cw x 256 fp16 columns), each lane owns the 8 (fp16) or 4 (fp32) columns of one 16-byte
+* grid = column tiles x K splits; a block of 256 threads = ``CW`` = 1 column warp x ``kw`` = 8 K warps; a column tile
+  is 32 lanes x 16 bytes (256 fp16 columns), each lane owns the 8 (fp16) or 4 (fp32) columns of one 16-byte
   chunk; a block takes ``ks`` consecutive rows of K, its K warps every kw-th step of ``u`` rows;
 * the block stages its ks values of x (each row of X) as fp32 in shared memory; per step a lane issues its 2 x u
   16-byte loads (``ld.global.nc.L1::no_allocate.v4.u32``: rows k .. k+u-1 of W1 and W3), then multiplies them
@@ -25,15 +25,14 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from ..device.activations import silu
-from ..device.launch import Array, Launcher
+from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import LOAD, ld16 as _ld16, ld32 as _ld32, make_ld4, st16 as _st16, st32 as _st32, w16 as _w16, w32
 from ..device.splitk import arrive_last
-from ..device.target import device
+from ..device.target import SIM, device
 
 MAX_M = 2                       # rows of X the kernel takes (accumulators: 2 x epc x M per lane)
-BLOCK = 256
+BLOCK = 64 if SIM else 256      # threads (the simulator: 2 K warps, a Python thread per CUDA thread)
 CW = 1                          # column warps per block (a tile of 256 fp16 columns: 512 bytes of each weight row)
-U = 4                           # weight rows per step (2 x U 16-byte loads in flight per lane)
 # per row bucket: rows per step, double-buffered loads (H100, 4096 x 14336 fp16, benchmarks/ffn_kn_gpu.py
 # --variants, 2026-11-27: M = 1 u=2 db 83.6 us, u=4 84.3; M = 2 u=4 88.8, u=4 db 89.4, u=2 90.9)
 TUNED = {1: dict(u=2, db=True), 2: dict(u=4, db=False)}
@@ -48,17 +47,17 @@ def epc_of(w16):
     return 8 if w16 else 4
 
 
-def ok(m, k, n, w16, aligned=True, max_m=MAX_M, block=BLOCK, cw=CW):
-    """Whether the kernel takes this product."""
-    return 1 <= m <= max_m and k >= 1 and n % epc_of(w16) == 0 and aligned and \
-        -(-n // (cw * 32 * epc_of(w16))) <= TILES_MAX
+def ok(m, k, n, w16, aligned=True):
+    """Whether the kernel takes this product (``aligned``: W1, W3 16-byte aligned)."""
+    return 1 <= m <= MAX_M and k >= 1 and n % epc_of(w16) == 0 and aligned and \
+        -(-n // (CW * 32 * epc_of(w16))) <= TILES_MAX
 
 
-def geometry(k, n, w16, sms, occupancy=BLOCKS_PER_SM, block=BLOCK, cw=CW, u=U, ks=None):
+def geometry(k, n, w16, sms, occupancy, u, ks=None):
     """(tiles, splits, rows per split): one wave of ``sms * occupancy`` blocks, rows per split a multiple of kw x u
-    so every K warp does the same number of steps."""
-    kw = block // 32 // cw
-    tiles = -(-n // (cw * 32 * epc_of(w16)))
+    so every K warp does the same number of steps; ``ks``: rows per split given (one split when >= K)."""
+    kw = BLOCK // 32 // CW
+    tiles = -(-n // (CW * 32 * epc_of(w16)))
     if ks is None:
         splits = max(1, (sms * occupancy) // tiles)
         ks = -(-k // splits)
@@ -71,8 +70,9 @@ def partial_floats(splits, m, n):
     return splits * 2 * m * n if splits > 1 else 0
 
 
-def make(mt, x16, w16, block=BLOCK, cw=CW, u=U, db=False, load=LOAD):
-    """The kernel for M <= mt rows of X."""
+def make(mt, x16, w16, u, db):
+    """The kernel for M <= mt rows of X: ``u`` weight rows per step, ``db``: double-buffered loads (TUNED[mt])."""
+    block, cw = BLOCK, CW
     ldx = _ld16 if x16 else _ld32
     st = _st16 if x16 else _st32
     wget = _w16 if w16 else w32
@@ -83,7 +83,7 @@ def make(mt, x16, w16, block=BLOCK, cw=CW, u=U, db=False, load=LOAD):
     nacc = mt * 2 * epc
     nw = 8 * u                            # loaded words per step (W1, W3)
     sh_size = max(mt * KS_MAX, kw * mt * 2 * tw)   # x while the block streams, then the K warps' sums
-    ld4 = make_ld4(load)
+    ld4 = make_ld4(LOAD)
 
     @device
     def load_step(w1, w3, wa, r, ke, nch, ch):
@@ -243,15 +243,15 @@ def make(mt, x16, w16, block=BLOCK, cw=CW, u=U, db=False, load=LOAD):
 _launchers = {}
 
 
-def launcher(mt, x16, w16, block=BLOCK, cw=CW, u=None, db=None):
-    """Direct-launch wrapper, compiled once per process and variant (``u``, ``db``: TUNED[mt] unless given)."""
-    u = TUNED[mt]["u"] if u is None else u
-    db = TUNED[mt]["db"] if db is None else db
-    key = (mt, x16, w16, block, cw, u, db)
+def launcher(mt, x16, w16):
+    """Direct-launch wrapper of the bucket-``mt`` kernel (TUNED[mt]), compiled once per process (SimLauncher under
+    the simulator)."""
+    key = (mt, x16, w16)
     if key not in _launchers:
         t = Array(np.uint16) if x16 else Array(np.float32)
         sig = [t, Array(np.uint32), Array(np.uint32), t, t, t, Array(np.float32), Array(np.uint32)] + ["int64"] * 7
-        _launchers[key] = Launcher(make(mt, x16, w16, block, cw, u, db), sig)
+        fn = make(mt, x16, w16, TUNED[mt]["u"], TUNED[mt]["db"])
+        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig)
     return _launchers[key]
 
 
@@ -259,38 +259,12 @@ def bucket(m):
     return 1 if m <= 1 else MAX_M
 
 
-def launch(lau, stream, m, k, n, w16, xp, w1p, w3p, b1p, b3p, yp, part, cnt, geo, block=BLOCK):
+def launch(lau, stream, m, k, n, w16, xp, w1p, w3p, b1p, b3p, yp, part, cnt, geo):
     """One launch on device pointers; ``geo`` = geometry(...); ``part`` = (pointer, floats) of the partials,
     ``cnt`` = (pointer, shape) of the tile counters."""
     tiles, splits, ks = geo
     words = k * n * (2 if w16 else 4) // 4
     bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
-    lau.launch(tiles * splits, block, stream, (xp, (m * k,)), (w1p, (words,)), (w3p, (words,)), *bias,
+    lau.launch(tiles * splits, BLOCK, stream, (xp, (m * k,)), (w1p, (words,)), (w3p, (words,)), *bias,
                (yp, (m * n,)), (part[0] or yp, (max(part[1], 1),)), cnt, m, k, n, ks, splits,
                int(b1p != 0), int(b3p != 0))
-
-
-def run_arrays(x, w1, w3, b1=None, b3=None, *, block=BLOCK, cw=CW, u=U, db=False, sms=2, occupancy=2, ks=None):
-    """S for host arrays with W1, W3 [K, N] (tests): one launch, under the simulator or on a GPU."""
-    x, w1, w3 = np.asarray(x), np.asarray(w1), np.asarray(w3)
-    k, n = w1.shape
-    m = int(np.prod(x.shape[:-1]))
-    x16, w16 = x.dtype == np.float16, w1.dtype == np.float16
-    xb = np.uint16 if x16 else np.float32
-    tiles, splits, ks = geometry(k, n, w16, sms, occupancy, block, cw, u, ks)
-
-    def dev(a, dt):
-        return cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))
-
-    dx, dy = dev(x, xb), cuda.device_array(m * n, xb)
-    db1 = dev(b1, xb) if b1 is not None else dy
-    db3 = dev(b3, xb) if b3 is not None else dy
-    part = cuda.device_array(max(partial_floats(splits, m, n), 1), np.float32)
-    cnt = cuda.to_device(np.zeros(tiles, np.uint32))
-    kern = make(bucket(m), x16, w16, block, cw, u, db)
-    kern[tiles * splits, block](dx, dev(w1, np.uint32), dev(w3, np.uint32), db1, db3, dy, part, cnt, m, k, n, ks,
-                                splits, int(b1 is not None), int(b3 is not None))
-    left = cnt.copy_to_host()
-    if left.any():
-        raise AssertionError(f"tile counters not reset: {left}")
-    return dy.copy_to_host().view(x.dtype).reshape(tuple(x.shape[:-1]) + (n,))

@@ -28,13 +28,12 @@ from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import make_ld4, st16
 from ..device.mma import make_to_warp0, mma as _mma
 from ..device.target import SIM, device
-from ..runtime.kernels import KernelError
-from .common import check_arrays
 
 KW = 4                           # warps per block (ranges of K steps of one feature tile)
 RING = 2                         # 16-row steps in flight per warp
-# What sessions launch, by M: (mt, kw, ring) for M <= rows (the last entry past its rows)
-CONFIGS = ((8, (1, 4, 2)), (16, (2, 4, 2)), (32, (4, 4, 1)))
+# What sessions launch, by M: (mt, kw, ring) for M <= rows (the last entry past its rows; sessions route M <=
+# fusedffn_cuda.KN_TC_MAX_M = 16 here)
+CONFIGS = ((8, (1, 4, 2)), (16, (2, 4, 2)))
 LOAD_W = "ld.global.nc.L1::no_allocate.v4.u32"   # weights: read once
 U0 = np.uint32(0)
 F0 = np.float32(0.0)
@@ -74,15 +73,13 @@ def red_bytes(mt, kw, smem_out):
     return 4 * 32 * 32 * mt * (kw if smem_out else kw - 1)
 
 
-def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
+def make(mt, kw=KW, ring=RING):
     """Signature: (x uint64 [M*K/4] (fp16 quads), w1, w3 uint32 [K*N/2], b1, b3 uint16 [N], out uint16 [M*N],
-    m_dim, k_dim, n_dim, spw, has_b1, has_b3); ``spw`` = steps_per_warp(K, kw, ring). ``smem_out`` (default: mt > 1):
-    every warp's sums go to shared memory and the whole block finishes the outputs from there, instead of warp 0
-    from its registers; from mt = 2 the register epilogue's loops are too long for LLVM to unroll, which put the
-    accumulators in local memory (ptxas: a 256-byte stack frame at mt = 2). Default: from mt = 2 where the sums fit
-    SMEM_MAX (mt = 4 needs kw <= 3)."""
-    if smem_out is None:
-        smem_out = mt > 1 and red_bytes(mt, kw, True) <= SMEM_MAX
+    m_dim, k_dim, n_dim, spw, has_b1, has_b3); ``spw`` = steps_per_warp(K, kw, ring). From mt = 2 (where the sums
+    fit SMEM_MAX) every warp's sums go to shared memory and the whole block finishes the outputs from there,
+    instead of warp 0 from its registers: from mt = 2 the register epilogue's loops are too long for LLVM to
+    unroll, which put the accumulators in local memory (ptxas: a 256-byte stack frame at mt = 2)."""
+    smem_out = mt > 1 and red_bytes(mt, kw, True) <= SMEM_MAX
     if red_bytes(mt, kw, smem_out) > SMEM_MAX:
         raise ValueError(f"mt={mt}, kw={kw}: {red_bytes(mt, kw, smem_out)} bytes of shared memory for the warps' sums "
                          f"(at most {SMEM_MAX})")
@@ -93,7 +90,6 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
     red_size = kw * nacc * 32 if smem_out else max(1, (kw - 1) * nacc * 32)
     nwb = ring * 32                   # per slot: rows i = 0..3 of W1, then of W3 (4 words each)
     nxb = ring * mt * 2               # per slot and X tile: 2 words (4 fp16 of one row)
-    opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
     to_warp0 = make_to_warp0(kw, nacc)
 
     @device
@@ -152,7 +148,7 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, smem_out=None):
         compute(wb, xb, u, acc, scr, tid)
         load(wb, xb, u, s0 + uint32(ring + u), send, k32, n32, col, colok, t, xr, x, w1, w3, m_dim)
 
-    @cuda.jit(**opts)
+    @cuda.jit
     def kern(x, w1, w3, b1, b3, out, m_dim, k_dim, n_dim, spw, has_b1, has_b3):
         scr = cuda.shared.array(scr_size, uint32)
         red = cuda.shared.array(red_size, float32)
@@ -253,47 +249,19 @@ def sig():
     return [Array(np.uint64), u32, u32, u16, u16, u16] + ["int64"] * 6
 
 
-def launcher(mt, kw=KW, ring=RING, max_registers=None):
+def launcher(mt, kw=KW, ring=RING):
     """Direct-launch wrapper, compiled once per process and configuration (SimLauncher under the simulator)."""
-    key = (mt, kw, ring, max_registers)
+    key = (mt, kw, ring)
     if key not in _launchers:
-        fn = _make(mt, kw, ring, max_registers)
+        fn = make(mt, kw, ring)
         _launchers[key] = SimLauncher(fn, sig()) if SIM else Launcher(fn, sig())
     return _launchers[key]
 
 
-def launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt, kw=KW, ring=RING, max_registers=None):
+def launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt, kw=KW, ring=RING):
     """One launch on device pointers (b1p / b3p 0 when absent)."""
     wwords = n * k // 2
     bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
-    launcher(mt, kw, ring, max_registers).launch(
+    launcher(mt, kw, ring).launch(
         grid(m, n, mt), 32 * kw, stream, (xp, (m * k // 4,)), (w1p, (wwords,)), (w3p, (wwords,)), *bias,
         (yp, (m * n,)), m, k, n, steps_per_warp(k, kw, ring), int(b1p != 0), int(b3p != 0))
-
-
-def run_arrays(x, w1, w3, b1=None, b3=None, mt=1, kw=KW, ring=RING, max_registers=None):
-    """S for host arrays (tests, benchmarks): fp16 x [..., K], w1 / w3 [K, N], optional fp16 biases [N]."""
-    m, k, n = check_arrays(x, w1, w3, b1, b3, kn=True)
-    if not ok(x.dtype == np.float16, w1.dtype == np.float16, m, k, n):
-        raise KernelError(f"the K-major tensor-core FusedFFN kernel takes fp16 X and W with K % 8 == 0 and "
-                          f"N % 8 == 0 (got {x.dtype}, {w1.dtype}, K={k}, N={n})")
-    lead = tuple(x.shape[:-1])
-
-    def dev(a):
-        return cuda.to_device(np.ascontiguousarray(a, np.float16).reshape(-1).view(np.uint16))
-
-    dx, dw1, dw3 = dev(x), dev(w1), dev(w3)
-    dy = cuda.device_array(m * n, np.uint16)
-    db1 = dev(b1) if b1 is not None else dy
-    db3 = dev(b3) if b3 is not None else dy
-    if SIM:
-        as_ = lambda a, t: a.view(t) if hasattr(a, "view") else a  # noqa: E731
-        _make(mt, kw, ring)[grid(m, n, mt), 32 * kw](
-            as_(dx, np.uint64), as_(dw1, np.uint32), as_(dw3, np.uint32), db1, db3, dy, m, k, n,
-            steps_per_warp(k, kw, ring), int(b1 is not None), int(b3 is not None))
-    else:
-        p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
-        launch(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0, p(db3) if b3 is not None else 0,
-               p(dy), mt, kw, ring, max_registers)
-        cuda.synchronize()
-    return dy.copy_to_host().view(np.float16).reshape(lead + (n,))

@@ -18,7 +18,7 @@ sums in shared memory in warp order (deterministic); warp 0 applies biases and S
 register ring of ``ring`` chunks in flight (weights and X), each slot reloaded right after its mmas.
 
 Needs fp16 X and W, K % 8 == 0 and 16-byte aligned X, W1, W3 (rows of 16-byte chunks); any M, N. Sessions route
-M in [fusedffn_cuda.TC_MIN_M, TC_MAX_M] here (FusedFFNCudaKernel.run). Measured: docs/ffn.md, BENCHMARKS.md.
+M in [fusedffn_cuda.TC_MIN_M, TC_MAX_M] here (fusedffn_cuda.ROUTES, row ``tc``). Measured: docs/ffn.md, BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -31,10 +31,7 @@ from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import make_ld4, st16
 from ..device.mma import make_to_warp0, mma as _mma
 from ..device.target import SIM, device
-from ..runtime.kernels import KernelError
-from .common import check_arrays
 
-MT_BUCKETS = (1, 2, 4, 8)        # 8-row tiles of X per block (rows per block: 8, 16, 32, 64)
 KW = 4                           # warps per block (K ranges of one feature tile)
 RING = 2                         # 32-column chunks in flight per warp
 # What sessions launch, by M (H100, x[M, 4096], W1/W3 [11008, 4096], benchmarks/ffn_tc_gpu.py, 2026-11-26, us
@@ -50,14 +47,6 @@ F0 = np.float32(0.0)
 
 _ldw = make_ld4(LOAD_W)
 _ldx = make_ld4(LOAD_X)
-
-
-def bucket(m):
-    """8-row tiles per block for M rows (chunks of 64 rows past that)."""
-    for mt in MT_BUCKETS:
-        if m <= 8 * mt:
-            return mt
-    return MT_BUCKETS[-1]
 
 
 def config(m):
@@ -83,7 +72,7 @@ def chunks_per_warp(k, kw=KW, ring=RING):
     return -(-per // ring) * ring
 
 
-def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
+def make(mt, kw=KW, ring=RING, mfast=False):
     """Signature: (x uint32 [M*K/2] (fp16 pairs), w1, w3 uint32 [N*K/2], b1, b3 uint16 [N], out uint16 [M*N],
     m_dim, k_dim, n_dim, cpw, has_b1, has_b3); ``cpw`` = chunks_per_warp(K, kw, ring). ``mfast``: consecutive blocks take the
     X row chunks of one feature tile (past 8 mt rows, its weights are read again while still in L2), else the
@@ -95,7 +84,6 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
     red_size = max(1, (kw - 1) * nacc * 32)
     nwb = ring * 16                   # per slot: W1 row g, W1 row g + 8, W3 row g, W3 row g + 8 (4 words each)
     nxb = ring * mt * 4               # per slot and tile: X row 8 j + g (4 words)
-    opts = {} if SIM or max_registers is None else {"max_registers": max_registers}
     to_warp0 = make_to_warp0(kw, nacc)
 
     @device
@@ -151,7 +139,7 @@ def _make(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
         compute(wb, xb, u, acc, scr, tid)
         load(wb, xb, u, c0 + uint32(ring + u), cend, t, k8, ra, rb, va, vb, xr, x, w1, w3, m_dim)
 
-    @cuda.jit(**opts)
+    @cuda.jit
     def kern(x, w1, w3, b1, b3, out, m_dim, k_dim, n_dim, cpw, has_b1, has_b3):
         scr = cuda.shared.array(scr_size, uint32)
         red = cuda.shared.array(red_size, float32)
@@ -231,52 +219,19 @@ def sig():
     return [u32, u32, u32, u16, u16, u16] + ["int64"] * 6
 
 
-def launcher(mt, kw=KW, ring=RING, max_registers=None, mfast=False):
+def launcher(mt, kw=KW, ring=RING, mfast=False):
     """Direct-launch wrapper, compiled once per process and configuration (SimLauncher under the simulator)."""
-    key = (mt, kw, ring, max_registers, mfast)
+    key = (mt, kw, ring, mfast)
     if key not in _launchers:
-        fn = _make(mt, kw, ring, max_registers, mfast)
+        fn = make(mt, kw, ring, mfast)
         _launchers[key] = SimLauncher(fn, sig()) if SIM else Launcher(fn, sig())
     return _launchers[key]
 
 
-def launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt=None, kw=KW, ring=RING, max_registers=None,
-           mfast=False):
+def launch(stream, m, k, n, xp, w1p, w3p, b1p, b3p, yp, mt, kw=KW, ring=RING, mfast=False):
     """One launch on device pointers (b1p / b3p 0 when absent)."""
-    mt = bucket(m) if mt is None else mt
     wwords = n * k // 2
     bias = ((b1p or yp, (n,)), (b3p or yp, (n,)))
-    launcher(mt, kw, ring, max_registers, mfast).launch(
+    launcher(mt, kw, ring, mfast).launch(
         grid(m, n, mt), 32 * kw, stream, (xp, (m * k // 2,)), (w1p, (wwords,)), (w3p, (wwords,)), *bias,
         (yp, (m * n,)), m, k, n, chunks_per_warp(k, kw, ring), int(b1p != 0), int(b3p != 0))
-
-
-def run_arrays(x, w1, w3, b1=None, b3=None, mt=None, kw=KW, ring=RING, max_registers=None, mfast=False):
-    """S for host arrays (tests, benchmarks): fp16 x [..., K], w1 / w3 [N, K], optional fp16 biases [N]."""
-    m, k, n = check_arrays(x, w1, w3, b1, b3)
-    if not ok(x.dtype == np.float16, w1.dtype == np.float16, m, k):
-        raise KernelError(f"the tensor-core FusedFFN kernel takes fp16 X and W with K % 8 == 0 (got {x.dtype}, "
-                          f"{w1.dtype}, K={k})")
-    lead = tuple(x.shape[:-1])
-    if n == 0:
-        return np.zeros(lead + (n,), np.float16)
-
-    def dev(a):
-        return cuda.to_device(np.ascontiguousarray(a, np.float16).reshape(-1).view(np.uint16))
-
-    dx, dw1, dw3 = dev(x), dev(w1), dev(w3)
-    dy = cuda.device_array(m * n, np.uint16)
-    db1 = dev(b1) if b1 is not None else dy
-    db3 = dev(b3) if b3 is not None else dy
-    mt = bucket(m) if mt is None else mt
-    if SIM:
-        as32 = lambda a: a.view(np.uint32) if hasattr(a, "view") else a  # noqa: E731
-        _make(mt, kw, ring, None, mfast)[grid(m, n, mt), 32 * kw](
-            as32(dx), as32(dw1), as32(dw3), db1, db3, dy, m, k, n, chunks_per_warp(k, kw, ring),
-            int(b1 is not None), int(b3 is not None))
-    else:
-        p = lambda a: a.device_ctypes_pointer.value  # noqa: E731
-        launch(0, m, k, n, p(dx), p(dw1), p(dw3), p(db1) if b1 is not None else 0, p(db3) if b3 is not None else 0,
-               p(dy), mt, kw, ring, max_registers, mfast)
-        cuda.synchronize()
-    return dy.copy_to_host().view(np.float16).reshape(lead + (n,))
