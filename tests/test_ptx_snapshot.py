@@ -122,9 +122,10 @@ def test_table_ids_are_unique_and_name_known_modules():
 
 def _nvvm_available():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    code = ("import _numba_cuda_redirector\n"
-            "from numba.cuda.cudadrv import nvvm\n"
-            "nvvm.NVVM()\n")
+    code = ("import _numba_cuda_redirector\n"      # a real compile: NVVM and everything numba-cuda needs for it
+            "from numba import cuda\n"
+            "def k(a):\n    a[0] = 1.0\n"
+            "cuda.compile_ptx(k, 'void(float32[:])', cc=(9, 0))\n")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
 
 
