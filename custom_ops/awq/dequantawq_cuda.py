@@ -114,12 +114,12 @@ def make(ct=CT, warps=WARPS, unroll=UNROLL):
 SIG = [Array(np.uint32), Array(np.uint32), Array(np.uint16), Array(np.uint64), "int64", "int64", "int64", "int64"]
 
 
-def plan(k_dim, n_dim, sms, ct=CT, warps=WARPS, bps=BLOCKS_PER_SM):
-    """(grid, rows per warp): ~``bps`` blocks per SM, every warp a contiguous run of rows."""
-    tiles = -(-(n_dim // 8) // ct)
-    rblocks = max(1, min(-(-k_dim // warps), -(-(sms * bps) // tiles)))
-    rows = -(-k_dim // (rblocks * warps))
-    rblocks = -(-k_dim // (rows * warps))
+def plan(k_dim, n_dim, sms):
+    """(grid, rows per warp): ~BLOCKS_PER_SM blocks per SM, every warp a contiguous run of rows."""
+    tiles = -(-(n_dim // 8) // CT)
+    rblocks = max(1, min(-(-k_dim // WARPS), -(-(sms * BLOCKS_PER_SM) // tiles)))
+    rows = -(-k_dim // (rblocks * WARPS))
+    rblocks = -(-k_dim // (rows * WARPS))
     return tiles * rblocks, rows
 
 
