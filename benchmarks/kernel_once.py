@@ -88,7 +88,7 @@ def awq(argv):
     from numba import cuda
 
     from onnx_lowbit import awq
-    from onnx_lowbit.custom_ops.awq import gemv_cuda, matmulawq1_cuda
+    from onnx_lowbit.custom_ops.awq import gemv_run_cuda, matmulawq1_cuda
     g = 128
     cuda.current_context()      # the context first (the launchers ask the driver for the SM count)
     what, k, n = argv[0], int(argv[1]), int(argv[2])
@@ -104,7 +104,7 @@ def awq(argv):
                 (rng.random((kp // g, n)) * 0.004 + 0.001).astype(np.float16))
 
     w1, w3 = weights(), weights()
-    run = matmulawq1_cuda.run if what in ("mm1", "ffn1") else gemv_cuda.run
+    run = matmulawq1_cuda.run if what in ("mm1", "ffn1") else gemv_run_cuda.run
     w3_ = w3 if what in ("ffn1", "ffn") else None
     for _ in range(2):
         y = run(x, w1, w3_, None, None, g, k, n, **kw)

@@ -1,7 +1,7 @@
 """AWQ CUDA kernels (MatMulAWQ, DequantAWQ, and FusedFFNAWQ's routing) against the numpy reference, under Numba's
 CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small shapes) or on a real GPU (ONNX_LOWBIT_REAL_GPU=1).
 
-The fp32 decode / generic kernels through awq/gemv_cuda.run (shrunk blocks and forced K slices reach the multi-split
+The fp32 decode / generic kernels through awq/gemv_run_cuda.run (shrunk blocks and forced K slices reach the multi-split
 edge cases at the simulator's cost); DequantAWQ through its kernel object, as a session calls it; the routing
 tables against the dispatch of the code they replaced. Tolerances: tests/test_awq_kernels.py. The kernel objects'
 split-K scratch and alignment routing: tests/test_awq_sessions_cuda.py."""
@@ -20,8 +20,8 @@ def _cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops.awq import dequantawq_cuda, gemv_cuda
-    return gemv_cuda, dequantawq_cuda
+    from onnx_lowbit.custom_ops.awq import dequantawq_cuda, gemv_cuda, gemv_run_cuda
+    return gemv_cuda, dequantawq_cuda, gemv_run_cuda.run
 
 
 # (M, K, N, G, A dtype, bias, ct, warps, rows): every M, K, N, dtype and bias value at least twice; ct/warps shrink
@@ -47,41 +47,41 @@ CUDA_CASES = [
                          ids=[f"M{c[0]}-K{c[1]}-N{c[2]}-G{c[3]}-{np.dtype(c[4]).name}{'-bias' if c[5] else ''}"
                               for c in CUDA_CASES])
 def test_cuda_matmul_vs_reference(M, K, N, G, dtype, hb, ct, warps, rows):  # noqa: N803
-    gc, _ = _cuda()
+    gc, _, run = _cuda()
     qw, qz, sc = weights(K, N, G, seed=2)
     a = activations((M, K), dtype, seed=M)
     bias = activations((N,), dtype, seed=9) if hb else None
     geo = {} if (ct is None or not SIM) else {"ct": ct, "warps": warps}
     repeat = 2 if M in (1, 17) or not SIM else 1   # the scratch must be left zeroed for the next launch
-    y = gc.run(a, (qw, qz, sc), None, bias, None, G, K, N, rows=rows if SIM else None, repeat=repeat, **geo)
+    y = run(a, (qw, qz, sc), None, bias, None, G, K, N, rows=rows if SIM else None, repeat=repeat, **geo)
     check_matmul(y, a, qw, qz, sc, G, K, N, bias)
 
 
 @pytest.mark.parametrize("M", [1, 16])
 def test_cuda_matmul_is_deterministic(M):  # noqa: N803
     """Split-K partials are summed in a fixed order: repeated runs give the same bits."""
-    gc, _ = _cuda()
+    gc, _, run = _cuda()
     K, N, G = (256, 64, 128) if SIM else (4096, 1024, 128)  # noqa: N806   (simulator: 8 K splits, 2 column tiles)
     qw, qz, sc = weights(K, N, G, seed=3)
     a = activations((M, K), np.float32, seed=M)
     geo = {"ct": 4, "warps": 2, "rows": 16} if SIM else {}
-    ys = [gc.run(a, (qw, qz, sc), None, None, None, G, K, N, repeat=2 if SIM else 3, **geo) for _ in range(2)]
+    ys = [run(a, (qw, qz, sc), None, None, None, G, K, N, repeat=2 if SIM else 3, **geo) for _ in range(2)]
     assert np.array_equal(ys[0].view(np.uint32), ys[1].view(np.uint32))
 
 
 def test_cuda_matmul_generic_and_empty():
-    gc, _ = _cuda()
+    gc, _, run = _cuda()
     K, N, G = 128, 16, 32  # noqa: N806
     qw, qz, sc = weights(K, N, G, seed=4)
     a = activations((2, K), np.float16, seed=11)
     geo = {"ct": 4, "warps": 2} if SIM else {}
-    check_matmul(gc.run(a, (qw, qz, sc), None, None, None, G, K, N, generic=True, **geo), a, qw, qz, sc, G, K, N)
-    y = gc.run(np.zeros((0, 3, K), np.float32), (qw, qz, sc), None, None, None, G, K, N)
+    check_matmul(run(a, (qw, qz, sc), None, None, None, G, K, N, generic=True, **geo), a, qw, qz, sc, G, K, N)
+    y = run(np.zeros((0, 3, K), np.float32), (qw, qz, sc), None, None, None, G, K, N)
     assert y.shape == (0, 3, N) and y.dtype == np.float32
 
 
 def test_decode_plan():
-    gc, _ = _cuda()
+    gc, _, run = _cuda()
     # LLaMA-7B gate/up on 132 SMs at 5 resident blocks per SM: 43 column tiles x 8 K splits of 8 x 64 rows,
     # one wave (688 blocks of R = 32 would need a second, nearly empty one)
     assert gc.plan(4096, 11008, 128, 132, blocks_per_sm=5) == (43, 64, 8)
@@ -140,7 +140,7 @@ def test_cuda_dequant_bit_exact(K, N, G):  # noqa: N803
 
 
 def test_dequant_geometry():
-    _, dc = _cuda()
+    _, dc, _ = _cuda()
     for K, N in [(4096, 11008), (300, 136), (100, 16)]:  # noqa: N806
         grid, rows = dc.plan(K, N, 132)
         tiles = -(-(N // 8) // dc.CT)
@@ -155,14 +155,14 @@ def test_cuda_bad_inputs_name_the_input():
     qw, qz, sc = weights(688, 136)
     with pytest.raises(KernelError, match=r"input 1 'qzeros' must have shape \[6, 17\]"):
         dequant_kernel(688, 136, 128).compute(_Ctx(688 * 136 * 2), tensors(qw, qz[:5], sc))
-    gc, _ = _cuda()
+    gc, _, run = _cuda()
     a = np.zeros((1, 688), np.float32)
     with pytest.raises(KernelError, match=r"input 2 'qzeros' must have shape \[6, 17\]"):
-        gc.run(a, (qw, qz[:5], sc), None, None, None, 128, 688, 136)
+        run(a, (qw, qz[:5], sc), None, None, None, 128, 688, 136)
     with pytest.raises(KernelError, match="'bias' must have A's type"):
-        gc.run(a, (qw, qz, sc), None, np.zeros(136, np.float16), None, 128, 688, 136)
+        run(a, (qw, qz, sc), None, np.zeros(136, np.float16), None, 128, 688, 136)
     with pytest.raises(KernelError, match="'A' must be float or float16"):
-        gc.run(a.astype(np.float64), (qw, qz, sc), None, None, None, 128, 688, 136)
+        run(a.astype(np.float64), (qw, qz, sc), None, None, None, 128, 688, 136)
 
 
 # ----------------------------------------------------------------------------------------------- routing tables

@@ -230,8 +230,8 @@ def _awq_cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops.awq import gemv_cuda    # FusedFFNAWQ's decode / generic kernels (nw = 2)
-    return gemv_cuda
+    from onnx_lowbit.custom_ops.awq import gemv_run_cuda    # FusedFFNAWQ's decode / generic kernels (nw = 2)
+    return gemv_run_cuda
 
 
 AWQ_CUDA_CASES = [  # M, K, N, G, dtype, (B1, B3), ct, warps (shrunk blocks under the simulator), rows

@@ -36,7 +36,8 @@ qweight is K-major (one int32 = 8 columns of one row k), so
   kernel creation, others on a new stream's first call, synchronously, before its launch), touched only by this
   node's launches, which are ordered on that stream (zeroing them in a launch of its own would add a launch to
   every call). With onnxruntime < 1.18 (no scratch API) the pool also keeps partials per stream, sized for the
-  largest M <= 16 and made on the stream's first such call. The runner (``run``: tests) allocates both for the call.
+  largest M <= 16 and made on the stream's first such call. The runner (gemv_run_cuda.run: tests) allocates
+  both for the call.
 * grid: row chunks x column tiles x splits; R (<= 64, dividing group_size) from a small cost model of the
   kernel's occupancy and the SM count (``plan``).
 * one kernel per row bucket MT in {1, 2, 4, 8} (M is rounded up; rows >= M are zero in shared memory and never
@@ -58,14 +59,12 @@ import numpy as np
 from numba import cuda, float32, uint32, uint64
 
 from ..device.fp16 import as_f32, f2h, h2f
-from ..device.inputs import check_x_biases
-from ..device.launch import Array, arg
+from ..device.launch import Array
 from ..device.mma import silu
 from ..device.splitk import arrive_last, sum_splits
 from ..device.target import SIM, device
-from .dequantawq_cpu import check_a_bias, check_both, check_weights, parse_attrs
 from .dequantawq_cuda import col_of
-from .launch_cuda import launcher_for, sm_count
+from .launch_cuda import launcher_for
 
 CT = 32                  # column groups per block (lanes of a warp)
 WARPS = 8                # K slices per block
@@ -593,55 +592,3 @@ def launcher(a16, mt, nw=1):
         fn = make_generic(a16, nw) if mt is None else make_gemv(mt, a16, nw)
         _launchers[key] = launcher_for(fn, sig(a16, nw, mt is not None))
     return _launchers[key]
-
-
-def run(x, w1, w3, b1, b3, group_size, K, N, *, generic=False, ct=CT, warps=WARPS, rows=None,  # noqa: N803
-        repeat=1):
-    """Runs the decode kernel of x's row bucket (with ``generic``: the generic kernel) on host arrays and returns
-    Y (w3 and b3 None: MatMulAWQ) or S (FusedFFNAWQ); w1 / w3 = (qweight, qzeros, scales). For tests: it reaches
-    what sessions (and so runtime/direct.py) never take, at the simulator's cost: blocks of ``ct`` x ``warps``
-    threads (the simulator runs a Python thread per CUDA thread), a forced K slice ``rows`` (one split, or many
-    splits at a small K), the generic kernel at any M. ``repeat`` launches on the same counters (each launch
-    must leave them zeroed). Inputs are checked as a session checks them. The Numba dispatcher under the
-    simulator (SIM_SMS SMs); on a GPU the sessions' launchers at their geometry (``ct`` / ``warps`` ignored)."""
-    sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
-    nw = 1 if w3 is None else 2
-    if nw == 1:
-        check_weights(*w1, sh, first=1)
-        m = check_a_bias(x, b1, sh)
-    else:
-        check_both(w1, w3, sh)
-        m = check_x_biases(x, b1, b3, K, N, 7, 8)
-    lead = tuple(x.shape[:-1])
-    if m == 0:
-        return np.empty(lead + (N,), x.dtype)
-    a16 = x.dtype == np.float16
-    if not SIM:
-        ct, warps = CT, WARPS
-    bits = np.uint16 if a16 else np.float32
-    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
-    dx = dev(x, bits)
-    dw = [dev(a, dt) for w in (w1, w3)[:nw] for a, dt in zip(w, (np.uint32, np.uint32, np.uint16))]
-    dy = cuda.device_array(m * N, bits)
-    db = [dev(b, bits) if b is not None else dy for b in (b1, b3)[:nw]]
-    flags = [int(b is not None) for b in (b1, b3)[:nw]]
-    mt = None if generic or m > MAX_M_FAST else bucket(m, nw)
-    lau = launcher(a16, mt, nw)
-    if mt is None:
-        grid = -(-(N // 8) // ct) * -(-m // warps)
-        args = (dx, *dw, *db, dy, m, K, N, group_size, *flags)
-        kern = make_generic(a16, nw, ct, warps) if SIM else None
-    else:
-        grid, r, splits = decode_plan(m, K, N, group_size, sm_count(), blocks_per_sm(lau), nw, ct, warps, rows)
-        dacc = cuda.to_device(np.zeros(max(1, splits * nw * m * N), np.float32))
-        dcnt = cuda.to_device(np.zeros(-(-(N // 8) // ct), np.uint32))
-        args = (dx, *dw, *db, dy, dacc, dcnt, m, K, N, group_size, r, splits, *flags)
-        kern = make_gemv(mt, a16, nw, ct, warps) if SIM else None
-    for _ in range(repeat):
-        if SIM:
-            kern[grid, ct * warps](*args)
-        else:
-            lau.launch(grid, BLOCK, 0, *[arg(a) for a in args])
-    if not SIM:
-        cuda.synchronize()
-    return dy.copy_to_host().view(x.dtype).reshape(lead + (N,))

@@ -18,7 +18,7 @@ onnxruntime's allocator, tile counters the node's own per stream (session_cuda).
 from __future__ import annotations
 
 from ..runtime.routing import Route, always
-from .dequantawq_cpu import check_a_bias, check_weights
+from .matmulawq_cpu import operands
 from .session_cuda import GEMV_WHEN, AWQDecodeKernel, decode, gemv1, gemv8
 
 ROUTES = (
@@ -38,11 +38,8 @@ class MatMulAWQCudaKernel(AWQDecodeKernel):
     ROUTES = ROUTES
 
     def operands(self, inputs):
-        a, qw, qz, sc = (inputs[i] if i < len(inputs) else None for i in range(4))
-        bias = inputs[4] if len(inputs) > 4 else None
-        check_weights(qw, qz, sc, self.sh, first=1)
-        m = check_a_bias(a, bias, self.sh)
-        return a, [(qw, qz, sc)], [bias], m
+        a, w, bias, m = operands(inputs, self.sh)
+        return a, [w], [bias], m
 
 
 KERNEL = MatMulAWQCudaKernel

@@ -28,11 +28,9 @@ weights; correct, not tuned.
 """
 from __future__ import annotations
 
-from ..awq.dequantawq_cpu import check_both
 from ..awq.session_cuda import GEMV_WHEN, AWQDecodeKernel, decode, gemv1, gemv8
-from ..device.inputs import check_x_biases
 from ..runtime.routing import Route, always
-from .common4 import opt
+from .fusedffnawq_cpu import operands
 
 ROUTES = (
     Route("gemv1", f"M = 1, {GEMV_WHEN}", gemv1,
@@ -51,12 +49,7 @@ class FusedFFNAWQCudaKernel(AWQDecodeKernel):
     ROUTES = ROUTES
 
     def operands(self, inputs):
-        x = opt(inputs, 0)
-        w1 = tuple(opt(inputs, i) for i in (1, 2, 3))
-        w3 = tuple(opt(inputs, i) for i in (4, 5, 6))
-        b1, b3 = opt(inputs, 7), opt(inputs, 8)
-        check_both(w1, w3, self.sh)
-        m = check_x_biases(x, b1, b3, self.sh.K, self.sh.N, 7, 8)
+        x, w1, w3, b1, b3, m = operands(inputs, self.sh)
         return x, [w1, w3], [b1, b3], m
 
 
