@@ -1,17 +1,14 @@
-"""MatMulAWQ's M=1 decode kernel with weights cycled past L2 (a pool of >= 128 MB of distinct weights, one per
-call, as in a decode step; the older benchmarks reuse one 22.5 MB weight, which partly stays in the 50 MB L2), and
-variants of it: words in flight per thread (unroll), column groups per thread (gpt), the register cap. CUDA-graph
-medians per call; torch fp16 x @ W on a pool of fp16 weights in the same run; outputs checked against
-onnx_lowbit.awq.matmul on the last pool entry.
+"""MatMulAWQ at M = 1 with weights cycled past L2 (a pool of >= 128 MB of distinct weights, one per call, as in a
+decode step; one reused 22.5 MB weight partly stays in the 50 MB L2): the small-M tensor-core GEMV (matmulawq1_cuda,
+what sessions take for fp16 A) in the session configuration and in other configurations of its parameters (words
+per lane, unroll, groups per warp), and the fp32 decode kernel (awq/gemv_cuda, sessions' kernel for fp32 A or
+where the GEMV cannot go). CUDA-graph medians per call; torch fp16 x @ W on a pool of fp16 weights in the same run;
+outputs checked against onnx_lowbit.awq.matmul on the last pool entry.
 
-    PYTHONPATH=/tmp/site:.:benchmarks:tests python3 benchmarks/awq1_gpu.py [KxN ...] [--tc1]
+    PYTHONPATH=/tmp/site:.:benchmarks:tests python3 benchmarks/awq1_gpu.py [KxN ...]
 
-``--tc1``: only torch, the default kernel and the M = 1 tensor-core kernel's variants (matmulawq1_cuda).
 ``--ffn KxN``: FusedFFNAWQ at M = 1 instead (gate + up pairs cycled past L2): its fp32 decode kernel, the
 two-weight tensor-core GEMV (matmulawq1_cuda, nw = 2), two MatMulAWQ GEMVs + torch silu * mul, torch fp16.
-
-Each shape ends with the same kind of int4 weights in onnxruntime's N-major MatMulNBits layout through the NF4
-decode generator's experimental int4 mode (``int4 N-major``), for comparison.
 """
 from __future__ import annotations
 
@@ -24,24 +21,13 @@ from timing import copy_gbps, time_graph
 G = 128
 POOL_BYTES = 128 << 20
 SHAPES = [(4096, 11008), (2048, 2048), (8192, 2048), (2048, 6144)]   # last: q/k/v merged
-VARIANTS = [("default", {}),
-            # narrower column tiles, more K slices per block (ct column groups x warps slices: ct * warps threads;
-            # "warp" is a K slice here, ct = 8 puts 4 slices in one hardware warp, each reading 32 B of its row)
-            ("ct 16 x 16", {"ct": 16, "warps": 16}),
-            # forced rows per slice (fewer K splits than the plan takes: ceil(K / (rows * warps)), e.g. one split
-            # without partials at K = 2048)
-            ("ct 8 x 32, R 64", {"ct": 8, "warps": 32, "rows": 64})]
-# the M = 1 tensor-core kernel (custom_ops/matmulawq1_cuda): (label, warps per block, unroll, groups per warp or
-# None for the plan's, register cap, int32 words per lane and row, probe (matmulawq1_cuda._make); None:
-# what sessions launch)
-TC1_VARIANTS = [("tc1 (session config)", None, None, None, None, None, 0),
-                ("tc1 probe: loads only", 4, 4, 2, None, 2, 1),
-                ("tc1 probe: math only", 4, 4, 2, None, 2, 2),
-                ("tc1 wpl 2 gpw 1", 4, 4, 1, None, 2, 0),
-                ("tc1 wpl 2 unroll 2", 4, 2, None, None, 2, 0),
-                ("tc1 wpl 1", 4, 4, None, None, 1, 0),
-                ("tc1 wpl 1 gpw 1", 4, 4, 1, None, 1, 0),
-                ("tc1 wpl 1 probe: math only", 4, 4, 2, None, 1, 2)]
+# the M = 1 tensor-core kernel (custom_ops/awq/matmulawq1_cuda): (label, warps per block, unroll, groups per warp
+# or None for the plan's, register cap, int32 words per lane and row; None: what sessions launch)
+TC1_VARIANTS = [("tc1 (session config)", None, None, None, None, None),
+                ("tc1 wpl 2 gpw 1", 4, 4, 1, None, 2),
+                ("tc1 wpl 2 unroll 2", 4, 2, None, None, 2),
+                ("tc1 wpl 1", 4, 4, None, None, 1),
+                ("tc1 wpl 1 gpw 1", 4, 4, 1, None, 1)]
 
 
 def timed(calls):
@@ -62,8 +48,8 @@ def main():
     import torch
 
     from onnx_lowbit import awq
-    from onnx_lowbit.custom_ops import matmulawq_cuda as mc
-    from onnx_lowbit.custom_ops.cuda_launch import Launcher, current_device, sm_count
+    from onnx_lowbit.custom_ops.awq import gemv_cuda as gc
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
     torch.zeros(1, device="cuda")
     print("GPU:", torch.cuda.get_device_name(0))
     sms = sm_count(current_device())
@@ -72,9 +58,6 @@ def main():
     bw, _ = copy_gbps()
     print(f"device copy 256 MiB: {bw:.0f} GB/s")
     rng = np.random.default_rng(0)
-    made = {}       # variant kernels, compiled once for all shapes
-
-    only_tc1 = "--tc1" in sys.argv
     if "--ffn" in sys.argv:
         for a in sys.argv[1:]:
             if "x" in a:
@@ -98,49 +81,23 @@ def main():
         del wp
         print(f"MatMulAWQ M=1 {k}->{n}: torch fp16 {t_torch:.2f} us")
         tc1(k, n, pool, x, y, ref, per, bw, t_torch, stream, ptr)
-        for label, kw in (VARIANTS[:1] if only_tc1 else VARIANTS):
-            gpt = kw.get("gpt", mc.gpt_for(1, n))
-            if n % (16 * gpt):
-                continue
-            if not kw:
-                lau = mc.launcher(True, 1, gpt)
-            elif label in made:
-                lau = made[label]
-            else:
-                fn = mc._make_gemv(1, True, ct=kw.get("ct", mc.CT), warps=kw.get("warps", mc.WARPS),
-                                   unroll=kw.get("unroll", mc.UNROLL_M1), gpt=gpt,
-                                   max_registers=kw.get("max_registers"))
-                lau = Launcher(fn, mc._sig(True, True, gpt))
-                lau.dispatcher = fn
-                made[label] = lau
-            ct, warps = kw.get("ct", mc.CT), kw.get("warps", mc.WARPS)
-            block = ct * warps
-            occ = max(1, lau.blocks_per_sm(block, 0))
-            grid, r, splits = mc.decode_plan(1, k, n, G, sms, occ, ct, warps, gpt=gpt)
-            tiles = -(-(n // 8) // (ct * gpt))
-            if "rows" in kw:
-                r = kw["rows"]
-                splits = -(-k // (warps * r))
-                grid = tiles * splits
-            acc = torch.zeros(splits * n, dtype=torch.float32, device="cuda")
-            ctr = torch.zeros(tiles, dtype=torch.int32, device="cuda")
+        # the fp32 decode kernel (bucket 1) at its session plan
+        lau = gc.launcher(True, 1)
+        occ = gc.blocks_per_sm(lau)
+        grid, r, splits = gc.decode_plan(1, k, n, G, sms, occ)
+        acc = torch.zeros(splits * n, dtype=torch.float32, device="cuda")
+        ctr = torch.zeros(-(-(n // 8) // gc.CT), dtype=torch.int32, device="cuda")
 
-            def call(w, lau=lau, grid=grid, r=r, splits=splits, acc=acc, ctr=ctr, gpt=gpt, block=block):
-                qw_, qz_, sc_ = w
-                lau.launch(grid, block, stream(), ptr(x), (qw_.data_ptr(), (qw_.numel() // gpt,)),
-                           (qz_.data_ptr(), (qz_.numel() // gpt,)), ptr(sc_), ptr(y), ptr(y), ptr(acc), ptr(ctr),
-                           1, k, n, G, r, splits, 0)
-            try:
-                t = timed([lambda w=w: call(w) for w in pool])
-            except Exception as e:  # noqa: BLE001
-                print(f"  {label}: FAILED {type(e).__name__}: {e}")
-                continue
-            err = float(np.max(np.abs(y.float().cpu().numpy().astype(np.float64) - ref)) / np.max(np.abs(ref)))
-            gbs = per / t / 1e3
-            print(f"  {label:22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy {t_torch / t:5.2f}x torch "
-                  f"rel {err:.1e} [{grid} blocks, R={r}, {splits} splits, {occ}/SM, {regs(lau)}]", flush=True)
-        if not only_tc1:
-            int4_nmajor(k, n, x, t_torch, bw, stream)
+        def call(w):
+            lau.launch(grid, gc.BLOCK, stream(), ptr(x), *(ptr(t) for t in w), ptr(y), ptr(y), ptr(acc), ptr(ctr),
+                       1, k, n, G, r, splits, 0)
+        t = timed([lambda w=w: call(w) for w in pool])
+        err = float(np.max(np.abs(y.float().cpu().numpy().astype(np.float64) - ref)) / np.max(np.abs(ref)))
+        gbs = per / t / 1e3
+        print(f"  {'fp32 decode kernel':22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy "
+              f"{t_torch / t:5.2f}x torch rel {err:.1e} [{grid} blocks, R={r}, {splits} splits, {occ}/SM, "
+              f"{regs(lau)}]", flush=True)
+
 
 # FusedFFNAWQ M = 1 (--ffn): (label, weights per launch, wpl, unroll, groups per warp, register cap); None: the
 # session configuration's (matmulawq1_cuda.config)
@@ -156,19 +113,19 @@ def tc1(k, n, pool, x, y, ref, per, bw, t_torch, stream, ptr):
     """The M = 1 tensor-core kernel's variants on the same pool."""
     import torch
 
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
-    if not m1.ok(True, 1, k, n, G, 1, 1):
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
+    if not m1.takes(k, G):
         return
     sms = sm_count(current_device())
     u64 = lambda t: (t.data_ptr(), (t.numel() * t.element_size() // 8,))  # noqa: E731
-    for label, warps, unroll, gpw, cap, wpl, probe in TC1_VARIANTS:
+    for label, warps, unroll, gpw, cap, wpl in TC1_VARIANTS:
         if warps is None:
-            warps, unroll, cap, wpl = m1.config(True, k, n, G, sms)
-        if not m1.ok(True, 1, k, n, G, unroll, wpl):
+            warps, unroll, cap, wpl = m1.config(k, n, G, sms)
+        if not m1.ok(1, k, n, G, unroll, wpl):
             continue
         try:
-            lau = m1.launcher(warps, unroll, cap, wpl, probe)
+            lau = m1.launcher(warps, unroll, cap, wpl)
             occ = max(1, lau.blocks_per_sm(32 * warps))
         except Exception as e:  # noqa: BLE001
             print(f"  {label}: FAILED {type(e).__name__}: {e}")
@@ -197,9 +154,9 @@ def ffn1(k, n):
     import torch.nn.functional as F  # noqa: N812
 
     from onnx_lowbit import ffn
-    from onnx_lowbit.custom_ops import fusedffnawq_cuda as fc
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.awq import gemv_cuda as gc
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
     torch.zeros(1, device="cuda")
     sms = sm_count(current_device())
     bw, _ = copy_gbps()
@@ -236,20 +193,19 @@ def ffn1(k, n):
     del wp
     print(f"FusedFFNAWQ M=1 {k} -> 2 x {n}: torch fp16 {t:.2f} us")
     # the fp32 decode kernel (what sessions ran at M = 1 before)
-    lau = fc.launcher(True, 1)
-    grid, r, splits = fc.decode_plan(1, k, n, G, sms, fc.blocks_per_sm(lau))
+    lau = gc.launcher(True, 1, 2)
+    grid, r, splits = gc.decode_plan(1, k, n, G, sms, gc.blocks_per_sm(lau), 2)
     part = torch.zeros(max(1, splits * 2 * n), dtype=torch.float32, device="cuda")
-    ctr = torch.zeros(-(-(n // 8) // fc.CT), dtype=torch.int32, device="cuda")
+    ctr = torch.zeros(-(-(n // 8) // gc.CT), dtype=torch.int32, device="cuda")
     wa = lambda w: [ptr(w[0]), ptr(w[1]), ptr(w[2])]  # noqa: E731
-    t = timed([lambda p=p: lau.launch(grid, fc.BLOCK, stream(), ptr(x), *wa(p[0]), *wa(p[1]), ptr(s), ptr(s),
+    t = timed([lambda p=p: lau.launch(grid, gc.BLOCK, stream(), ptr(x), *wa(p[0]), *wa(p[1]), ptr(s), ptr(s),
                                       ptr(s), ptr(part), ptr(ctr), 1, k, n, G, r, splits, 0, 0) for p in pool])
     report("fp32 decode kernel", t, f"[{grid} blocks, {splits} splits]")
     # the two-weight tensor-core GEMV, and two one-weight launches + torch silu * mul
     for label, nw, wpl, unroll, gpw, cap_ in FFN1_VARIANTS:
-        cfg = m1.config(True, k, n, G, sms, nw)
-        warps, u, cap, wl = cfg
+        warps, u, cap, wl = m1.config(k, n, G, sms, nw)
         u, wl, cap = unroll or u, wpl or wl, cap_ or cap
-        l1 = m1.launcher(warps, u, cap, wl, 0, nw)
+        l1 = m1.launcher(warps, u, cap, wl, nw)
         grid, gp, splits = m1.plan(k, n, G, sms, max(1, l1.blocks_per_sm(32 * warps)), warps, gpw, wl)
         part = torch.zeros(max(1, splits * nw * n), dtype=torch.float32, device="cuda")
         ctr = torch.zeros(m1.tiles(n, wl), dtype=torch.int32, device="cuda")
@@ -267,38 +223,6 @@ def ffn1(k, n):
             calls = [lambda p=p: two(p) for p in pool]
         t = timed(calls)
         report(label, t, f"[{grid} blocks, wpl {wl}, unroll {u}, gpw {gp}, {splits} splits, {regs(l1)}]")
-
-
-def int4_nmajor(k, n, x, t_torch, bw, stream):
-    """The same int4 weights (group G, zero points) in onnxruntime's N-major MatMulNBits layout, through the NF4
-    decode generator's experimental int4 mode (matmulnf4_cuda.run_int4_m1): what an N-major int4 op would take.
-    Random bytes / zero points / scales (the decode does not care about their origin), a pool past L2 as above."""
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as m4
-    rng = np.random.default_rng(1)
-    nb = k // G
-    per = n * k // 2 + n * nb * 2 + n * nb // 2
-    xh = x.cpu().numpy()
-    calls, last = [], None
-    for _ in range(max(4, -(-POOL_BYTES // per))):
-        b = rng.integers(0, 256, (n, nb, G // 2), dtype=np.uint8)
-        sc = (rng.random(n * nb) * 0.004 + 0.001).astype(np.float16)
-        zp = rng.integers(0, 256, n * nb // 2, dtype=np.uint8)
-        launch, dev = m4.run_int4_m1(xh, b, sc, zp, k, n, G, launch_only=True)
-        calls.append(lambda f=launch: f(stream()))
-        last = (b, sc, zp, dev)
-    t = timed(calls)
-    b, sc, zp, dev = last
-    q = np.empty((n, k), np.uint8)
-    q[:, 0::2], q[:, 1::2] = b.reshape(n, -1) & 15, b.reshape(n, -1) >> 4
-    z = np.empty((n, nb), np.uint8)
-    z[:, 0::2], z[:, 1::2] = zp.reshape(n, -1) & 15, zp.reshape(n, -1) >> 4
-    wt = (q.astype(np.float64) - np.repeat(z, G, axis=1)) * np.repeat(sc.reshape(n, nb).astype(np.float64), G, axis=1)
-    ref = xh.astype(np.float64) @ wt.T
-    y = dev[6].copy_to_host().astype(np.float64)
-    err = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
-    gbs = per / t / 1e3
-    print(f"  {'int4 N-major (NBits)':22s} {t:7.2f} us {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy "
-          f"{t_torch / t:5.2f}x torch rel {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

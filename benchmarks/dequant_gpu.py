@@ -7,14 +7,16 @@ Data: one 4096 x 11008 weight, random packed bytes. NF4: W^T [N, K] (transposed=
 (fp32 output) and the same absmax as fp16 (fp16 output). AWQ: AutoAWQ GEMM layout, group 128, random qweight /
 qzeros, scales in [2^-10, 2^-4].
 
-Each variant (the lists below; custom_ops/dequantnf4_cuda.Variant, custom_ops/dequantawq_cuda.Variant) is
-compiled, launched once on an output prefilled with 0xFF bytes, compared bit for bit with the CPU face on the
-same data (dequantnf4_cpu.dequantize, dequantawq_cpu.dequantize), and timed as the median of 30 CUDA-graph
-replays of 20 launches (timing.time_graph), through the same launch helpers the ops use (``geometry``,
-``rows_args``). Then the grid and block of the fastest bit-exact variant of each case are swept (no
-recompilation). Bytes moved = packed weights + absmax (or qzeros + scales) + output; % of copy against a 256 MiB
-device-to-device copy timed the same way in the same run. The last lines print the one-line change that makes
-the fastest bit-exact variants the ops' defaults. Total runtime is mostly compilation (~40 kernels).
+NF4: each variant (the lists below; custom_ops/nf4/dequantnf4_cuda.Variant) is compiled, launched once on an
+output prefilled with 0xFF bytes, compared bit for bit with the CPU face on the same data
+(dequantnf4_cpu.dequantize), and timed as the median of 30 CUDA-graph replays of 20 launches (timing.time_graph),
+through the same launch helpers the op uses (``geometry``, ``rows_args``); then the grid and block of the fastest
+bit-exact variant of each case are swept (no recompilation). AWQ: DequantAWQ's one kernel (custom_ops/awq/
+dequantawq_cuda; the variants it was chosen from are gone: docs/lab-log.md, "Removed kernel variants (AWQ)"), at its
+session geometry, checked and timed the same way. Bytes moved = packed weights + absmax (or qzeros + scales) +
+output; % of copy against a 256 MiB device-to-device copy timed the same way in the same run. The last lines print
+the one-line change that makes the fastest bit-exact NF4 variants the op's defaults. Total runtime is mostly
+compilation (~30 kernels).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ K, N, BS, G = 4096, 11008, 64, 128
 
 
 def nf4_variants():
-    from onnx_lowbit.custom_ops.dequantnf4_cuda import LEGACY, Variant as V
+    from onnx_lowbit.custom_ops.nf4.dequantnf4_cuda import LEGACY, Variant as V
     base = [LEGACY,
             V(4, 4, store="v4"), V(4, 8, store="v4"), V(4, 4, store="v4cs"),
             V(8, 2, store="v4"), V(8, 4, store="v4"), V(8, 4, store="v4cs"), V(8, 4, store="scalar"),
@@ -38,15 +40,6 @@ def nf4_variants():
     return {"float32": base,
             "float16": base + [V(8, 4, store="v4", h2=True), V(16, 2, store="v4cs", h2=True),
                                V(32, 1, store="v4", load="nc", h2=True)]}
-
-
-def awq_variants():
-    from onnx_lowbit.custom_ops.dequantawq_cuda import LEGACY, Variant as A
-    return [LEGACY, A(bps=0),
-            A(store="v4"), A(store="v4", bps=0), A(store="v4cs"), A(store="v4cs", bps=0),
-            A(store="v4", zpre=True, h2=True, bps=0), A(store="v4cs", zpre=True, h2=True, bps=0),
-            A(unroll=4, store="v4", bps=0), A(unroll=16, store="v4", bps=0),
-            A(warps=4, store="v4", bps=0), A(warps=16, store="v4", bps=0), A(ct=16, warps=16, store="v4", bps=0)]
 
 
 def label(v, legacy):
@@ -60,7 +53,7 @@ def label(v, legacy):
 def regs(lau):
     import ctypes
 
-    from onnx_lowbit.custom_ops.cuda_launch import libcuda
+    from onnx_lowbit.custom_ops.runtime.driver import libcuda
     r = ctypes.c_int(0)
     fn = libcuda().cuFuncGetAttribute
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p]
@@ -123,8 +116,8 @@ def nf4(table, sms, stream):
     import torch
 
     from onnx_lowbit import nf4 as ref
-    from onnx_lowbit.custom_ops import dequantnf4_cpu
-    from onnx_lowbit.custom_ops import dequantnf4_cuda as dq
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cpu
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cuda as dq
     rng = np.random.default_rng(0)
     total = K * N
     q = rng.integers(0, 256, total // 2, dtype=np.uint8)
@@ -171,12 +164,10 @@ def nf4(table, sms, stream):
 
 
 def awq(table, sms, stream):
-    import dataclasses
-
     import torch
 
-    from onnx_lowbit.custom_ops import dequantawq_cpu
-    from onnx_lowbit.custom_ops import dequantawq_cuda as dc
+    from onnx_lowbit.custom_ops.awq import dequantawq_cpu
+    from onnx_lowbit.custom_ops.awq import dequantawq_cuda as dc
     rng = np.random.default_rng(1)
     qw = rng.integers(-2 ** 31, 2 ** 31, (K, N // 8), dtype=np.int64).astype(np.int32)
     qz = rng.integers(-2 ** 31, 2 ** 31, (K // G, N // 8), dtype=np.int64).astype(np.int32)
@@ -188,26 +179,22 @@ def awq(table, sms, stream):
     dqw, dqz, dsc = (torch.from_numpy(a).cuda() for a in (qw, qz, sc))
     out = torch.empty(K * N, dtype=torch.float16, device="cuda")
     nbytes = qw.nbytes + qz.nbytes + sc.nbytes + K * N * 2
+    t0 = time.perf_counter()
+    lau = dc.launcher()
+    ct = time.perf_counter() - t0
+    grid, rows = dc.plan(K, N, sms)
+    args = [(dqw.data_ptr(), (dqw.numel(),)), (dqz.data_ptr(), (dqz.numel(),)), (dsc.data_ptr(), (dsc.numel(),)),
+            (out.data_ptr(), (K * N // 4,)), K, N, G, rows]
 
-    def make_fn(v):
-        lau = dc.launcher(v)
-        grid, block, rows = dc.geometry(v, K, N, sms, lau)
-        args = [(dqw.data_ptr(), (dqw.numel(),)), (dqz.data_ptr(), (dqz.numel(),)), (dsc.data_ptr(), (dsc.numel(),)),
-                (out.data_ptr(), (K * N // 4,)), K, N, G, rows]
-        res = lau.blocks_per_sm(block)
-        return (lambda: lau.launch(grid, block, stream(), *args)), \
-            f"grid {grid} x {block}, {rows} rows/warp, {regs(lau)} regs, {res} blocks/SM resident"
-
-    def check(fn):
-        out.view(torch.int16).fill_(-1)
-        fn()
-        torch.cuda.synchronize()
-        return bool(torch.equal(out.view(torch.int16), wref))
-
-    def sweep(best):
-        return [dataclasses.replace(best, bps=b) for b in (0, 2, 3, 4, 6, 8, 12, 16)]
-
-    run_case(table, "AWQ->float16", awq_variants(), dc.LEGACY, make_fn, nbytes, check, sweep)
+    def fn():
+        lau.launch(grid, dc.BLOCK, stream(), *args)
+    out.view(torch.int16).fill_(-1)
+    fn()
+    torch.cuda.synchronize()
+    exact = bool(torch.equal(out.view(torch.int16), wref))
+    table.add("AWQ->float16", "session kernel", None, time_graph(fn), nbytes, exact,
+              f"grid {grid} x {dc.BLOCK}, {rows} rows/warp, {regs(lau)} regs, "
+              f"{lau.blocks_per_sm(dc.BLOCK)} blocks/SM resident, compile {ct:.1f} s")
 
 
 def main():
@@ -217,7 +204,7 @@ def main():
     a = ap.parse_args()
     import torch
 
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
     t_start = time.perf_counter()
     print("GPU:", torch.cuda.get_device_name(0))
     torch.cuda.init()
@@ -237,13 +224,11 @@ def main():
         b = table.best(case)
         if b:
             print(f"  {case:14s} {b['us']:8.1f} us {b['pct']:6.1f}%  {b['name'].strip()}")
-    b32, b16, bawq = (table.best(c) for c in ("NF4->float32", "NF4->float16", "AWQ->float16"))
-    print("\nto make them the defaults (one line each):")
+    b32, b16 = (table.best(c) for c in ("NF4->float32", "NF4->float16"))
     if b32 or b16:
-        print("  custom_ops/dequantnf4_cuda.py:  DEFAULT = {" + f"\"float32\": {b32['variant'] if b32 else 'LEGACY'}, "
+        print("\nto make them the defaults (one line):")
+        print("  custom_ops/nf4/dequantnf4_cuda.py:  DEFAULT = {" + f"\"float32\": {b32['variant'] if b32 else 'LEGACY'}, "
               f"\"float16\": {b16['variant'] if b16 else 'LEGACY'}" + "}")
-    if bawq:
-        print(f"  custom_ops/dequantawq_cuda.py:   DEFAULT = {bawq['variant']}")
     write_json(a.json, {"copy_bw": copy_bw, "rows": table.rows})
 
 

@@ -9,11 +9,11 @@ bytes of both weights (2 * K * N / 2 = 45.1 MB), as the issue's floor does.
 
 The "session" rows call each op's CUDA kernel object as a session node does (custom_ops.direct), so they run what
 sessions run at that M; the other rows launch particular kernels with their launcher defaults (FusedFFNNF4's
-decode kernel without the two-buffer loop or thread groups; FusedFFNAWQ / MatMulAWQ's fp32 decode and tensor-core
-kernels, matmulawq_cuda._make_tc). One weight pair is reused call after call, so part of it comes from L2:
+decode kernel without the two-buffer loop or thread groups; FusedFFNAWQ / MatMulAWQ's fp32 decode kernels,
+awq/gemv_cuda, which sessions take for fp32 X or where the small-M GEMV cannot go). One weight pair is reused call after call, so part of it comes from L2:
 nf4shapes_gpu.py and nf4tc_gpu.py cycle weights past L2.
 
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants] [--tc-variants] [--ms 1,4,16]
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants] [--ms 1,4,16]
 """
 from __future__ import annotations
 
@@ -51,16 +51,17 @@ def rel(y, ref):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", action="store_true")
-    ap.add_argument("--tc-variants", action="store_true", help="M=1 variants of the AWQ tensor-core kernels")
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--profile", action="store_true", help="only launch the fused kernels (M=1) 3 times each, for ncu")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    from onnx_lowbit.custom_ops import direct, fusedffnawq_cpu, fusedffnawq_cuda, fusedffnnf4_cpu, fusedffnnf4_cuda
-    from onnx_lowbit.custom_ops import matmulawq_cuda, nf4_common
-    from onnx_lowbit.custom_ops.cuda_launch import Launcher, current_device, sm_count
+    from onnx_lowbit.custom_ops import direct, fusedffnnf4_cpu, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops import nf4_common
+    from onnx_lowbit.custom_ops.awq import gemv_cuda
+    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cpu
     print("GPU:", torch.cuda.get_device_name(0))
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
@@ -165,30 +166,19 @@ def main():
 
         t_n2 = None     # two MatMulNF4: the session rows above (the M = 1 kernel needs its session launch)
 
-        # ---- AWQ fused
-        def awq_fused(rows_=None, unroll=None, maxreg=None, ct=fusedffnawq_cuda.CT, warps=fusedffnawq_cuda.WARPS):
-            mt = fusedffnawq_cuda.bucket(m)
-            unroll = unroll or fusedffnawq_cuda.UNROLL[mt]
-            if (unroll, maxreg, ct, warps) == (fusedffnawq_cuda.UNROLL[mt], None, fusedffnawq_cuda.CT,
-                                               fusedffnawq_cuda.WARPS):
-                lau = fusedffnawq_cuda.launcher(True, mt)
-            else:
-                kf = fusedffnawq_cuda._make_gemv(mt, True, ct=ct, warps=warps, unroll=unroll, max_registers=maxreg)
-                lau = Launcher(kf, fusedffnawq_cuda._sig(True, True))
-                lau.dispatcher = kf
-            occ = fusedffnawq_cuda.blocks_per_sm(lau)
-            grid, r, splits = fusedffnawq_cuda.decode_plan(m, K, N, G, sms, occ, ct, warps)
-            tiles = -(-(N // 8) // ct)
-            if rows_:
-                r, splits = rows_, -(-K // (warps * rows_))
-                grid = tiles * splits * fusedffnawq_cuda.chunks(m, mt)
+        # ---- AWQ fused: the fp32 decode kernel (two weights) sessions take for fp32 X or where the GEMV cannot go
+        def awq_fused():
+            mt = gemv_cuda.bucket(m, 2)
+            lau = gemv_cuda.launcher(True, mt, 2)
+            occ = gemv_cuda.blocks_per_sm(lau)
+            grid, r, splits = gemv_cuda.decode_plan(m, K, N, G, sms, occ, 2)
+            tiles = -(-(N // 8) // gemv_cuda.CT)
             acc = torch.zeros(splits * 2 * m * N, device="cuda", dtype=torch.float32)   # per-split partials
             cnt = torch.zeros(tiles, device="cuda", dtype=torch.int32)
             args = [ptr(x)] + [ptr(t) for w in daw for t in w] + [ptr(s), ptr(s), ptr(s), ptr(acc), ptr(cnt),
                                                                    m, K, N, G, r, splits, 0, 0]
-            desc = (f"{grid} blocks, ct={ct} x {warps} warps, R={r}, splits={splits}, unroll={unroll}, {regs(lau)}, "
-                    f"{occ}/SM")
-            return (lambda: lau.launch(grid, ct * warps, stream(), *args)), desc, acc
+            desc = f"{grid} blocks, R={r}, splits={splits}, {regs(lau)}, {occ}/SM"
+            return (lambda: lau.launch(grid, gemv_cuda.BLOCK, stream(), *args)), desc, acc
 
         if a.profile:
             for fn in (nf4_fused()[0], nf4_fused(True, 4)[0], awq_fused()[0]):
@@ -198,73 +188,18 @@ def main():
             return
         fn, desc, acc_keep = awq_fused()
         t_af = record(f"FusedFFNAWQ fp32 decode kernel [{desc}]", m, fn, check=chk(ref_a))
-        if a.variants and m == 1:
-            for unroll, maxreg in ((4, 80), (8, 96)):
-                for r_ in (32, 64):
-                    fn, desc, _acc = awq_fused(r_, unroll, maxreg)
-                    record(f"  variant AWQ maxreg={maxreg} [{desc}]", m, fn, check=chk(ref_a))
-            for ct, warps in ((64, 4), (128, 2), (256, 1)):     # wider column tiles, fewer K slices per block
-                for r_ in (32, 64):
-                    fn, desc, _acc = awq_fused(r_, 8, 96, ct, warps)
-                    record(f"  variant AWQ [{desc}]", m, fn, check=chk(ref_a))
 
-        # ---- AWQ tensor-core kernels (matmulawq_cuda._make_tc): fused (nw=2) and two MatMulAWQ (nw=1)
-        mc = matmulawq_cuda
-        y1t, y3t = torch.empty_like(s), torch.empty_like(s)
-
-        keep = []
-
-        def awq_tc(nw, unroll=mc.TC_UNROLL, warps=mc.TC_WARPS, maxreg=None, max_splits=mc.TC_SPLITS):
-            lau = mc.tc_launcher(nw, unroll, maxreg, warps)
-            grid, gpt, splits = mc.tc_plan(m, K, N, G, warps, max_splits)
-            psz, csz = mc.tc_scratch(m, K, N, G, nw, warps, max_splits)
-            part = torch.zeros(psz, device="cuda", dtype=torch.float32)
-            cnt = torch.zeros(csz, device="cuda", dtype=torch.int32)
-            wp = lambda w: [ptr(w[0]), ptr(w[1]), ptr(w[2], w[2].numel() // 4)]  # noqa: E731
-            tail = [ptr(part), ptr(cnt), m, K, N, G, gpt, splits, 0, 0]
-            occ = fusedffnnf4_cuda.blocks_per_sm(lau, 32 * warps)
-            desc = (f"{grid} blocks x {warps} warps, gpt={gpt}, splits={splits}, unroll={unroll}, {regs(lau)}, "
-                    f"{occ}/SM")
-            xa_ = ptr(x, m * K // 4)
-            keep.append((part, cnt))     # the launches hold raw pointers only
-            if nw == 2:
-                args = [xa_, *wp(daw[0]), *wp(daw[1]), ptr(s), ptr(s), ptr(s)] + tail
-                return (lambda: lau.launch(grid, 32 * warps, stream(), *args)), desc
-            a1 = [xa_, *wp(daw[0]), *wp(daw[0]), ptr(y1t), ptr(y1t), ptr(y1t)] + tail
-            a3 = [xa_, *wp(daw[1]), *wp(daw[1]), ptr(y3t), ptr(y3t), ptr(y3t)] + tail
-
-            def two():
-                lau.launch(grid, 32 * warps, stream(), *a1)
-                lau.launch(grid, 32 * warps, stream(), *a3)
-                torch.mul(F.silu(y1t), y3t, out=s)
-            return two, desc
-
-        fn, desc = awq_tc(2)
-        t_at = record(f"FusedFFNAWQ tensor-core kernel (_make_tc) [{desc}]", m, fn, check=chk(ref_a))
-        fn, desc = awq_tc(1)
-        t_at2 = record(f"two MatMulAWQ tensor-core + torch silu*mul [{desc}]", m, fn, check=chk(ref_a))
-        if a.tc_variants and m == 1:
-            for kw in ({"unroll": 2}, {"unroll": 4}, {"maxreg": 96}, {"warps": 2}, {"warps": 8}, {"max_splits": 4},
-                       {"max_splits": 16}, {"warps": 8, "max_splits": 4}, {"unroll": 2, "warps": 8}):
-                fn, desc = awq_tc(2, **kw)
-                record(f"  variant AWQ tc {kw} [{desc}]", m, fn, check=chk(ref_a))
-            for kw in ({"unroll": 2}, {"warps": 8}, {"maxreg": 128}):
-                fn, desc = awq_tc(1, **kw)
-                record(f"  variant two MatMulAWQ tc {kw} [{desc}]", m, fn, check=chk(ref_a))
-
-        mt_a = matmulawq_cuda.bucket(m)
-        gpt = matmulawq_cuda.gpt_for(mt_a, N)
-        lau_a = matmulawq_cuda.launcher(True, mt_a, gpt)
-        grid_a, r_a, sp_a = matmulawq_cuda.decode_plan(m, K, N, G, sms, matmulawq_cuda.blocks_per_sm(lau_a), gpt=gpt)
-        tiles_a = -(-(N // 8) // matmulawq_cuda.CT)
+        lau_a = gemv_cuda.launcher(True, gemv_cuda.bucket(m), 1)
+        grid_a, r_a, sp_a = gemv_cuda.decode_plan(m, K, N, G, sms, gemv_cuda.blocks_per_sm(lau_a))
+        tiles_a = -(-(N // 8) // gemv_cuda.CT)
         scr = [(torch.zeros(sp_a * m * N, device="cuda", dtype=torch.float32),  # per-split partials [splits, M, N]
                 torch.zeros(tiles_a, device="cuda", dtype=torch.int32)) for _ in range(2)]
-        aargs = [[ptr(x), ptr(w[0], w[0].numel() // gpt), ptr(w[1], w[1].numel() // gpt), ptr(w[2]), ptr(y), ptr(y),
-                  ptr(sc[0]), ptr(sc[1]), m, K, N, G, r_a, sp_a, 0] for w, y, sc in zip(daw, (y1, y3), scr)]
+        aargs = [[ptr(x), ptr(w[0]), ptr(w[1]), ptr(w[2]), ptr(y), ptr(y), ptr(sc[0]), ptr(sc[1]), m, K, N, G, r_a,
+                  sp_a, 0] for w, y, sc in zip(daw, (y1, y3), scr)]
 
         def awq_two():
             for ar in aargs:
-                lau_a.launch(grid_a, matmulawq_cuda.BLOCK, stream(), *ar)
+                lau_a.launch(grid_a, gemv_cuda.BLOCK, stream(), *ar)
             torch.mul(F.silu(y1), y3, out=s)
         t_a2 = record("two MatMulAWQ fp32 decode kernels + torch silu*mul", m, awq_two, check=chk(ref_a))
 
@@ -274,17 +209,17 @@ def main():
             torch.matmul(x, w16[1], out=y3)
             torch.mul(F.silu(y1), y3, out=s)
         t_t = record("torch fp16 x@W1, x@W3 + silu*mul", m, torch_fp16)
-        summary.append((m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2))
+        summary.append((m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t))
 
     print("\n| op | M | fused (us) | GB/s on 4-bit bytes | % of 2900 GB/s | two MatMul4 + silu*mul (us) | "
           "torch fp16 (us) | vs two MatMul4 | vs torch fp16 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     r_ = lambda a_, b_: "-" if a_ is None or b_ is None else f"{b_ / a_:.2f}x"  # noqa: E731
-    for m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t, t_at, t_at2 in summary:
+    for m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t in summary:
         for op, tf, t2 in (("FusedFFNNF4 (session)", t_sn, t_sn2), ("FusedFFNAWQ (session)", t_sa, t_sa2),
                            ("FusedFFNNF4 decode kernel, defaults", t_nf, t_n2),
-                           ("FusedFFNAWQ fp32 decode", t_af, t_a2), ("FusedFFNAWQ tensor-core", t_at, t_at2)):
+                           ("FusedFFNAWQ fp32 decode", t_af, t_a2)):
             bw = None if tf is None else NIBBLE_BYTES / tf / 1e3
             print(f"| {op} | {m} | {f(tf)} | {f(bw)} | {f(None if bw is None else 100 * bw / PEAK)} | {f(t2)} | "
                   f"{f(t_t)} | {r_(tf, t2)} | {r_(tf, t_t)} |")

@@ -4,8 +4,9 @@ run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are 
 
     python3 benchmarks/kernel_once.py fplut [VARIANT [N]]           FPLUT on N fp16 values (base | s32 | s32u8)
     python3 benchmarks/kernel_once.py nf4 ffn|mm K N ["h2=2, wide=True"]   FusedFFNNF4 decode / MatMulNF4 M = 1
-    M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows)
-    python3 benchmarks/kernel_once.py ffn_tc M K N                   FusedFFN's [N, K] tensor-core kernel
+    M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows):
+                                                                     fp32 decode (mm, ffn) / small-M GEMV (mm1, ffn1)
+    python3 benchmarks/kernel_once.py ffn_tc M K N   FusedFFN's [N, K] tensor-core kernel (the routed configuration)
     python3 benchmarks/kernel_once.py ffn_kn M K N XTYPE WTYPE       FusedFFN on [K, N] weights (decode / tensor cores)
     python3 benchmarks/kernel_once.py nf4tc M K N                    NF4 tensor-core kernel, one and two weights
     python3 benchmarks/kernel_once.py nf4wide_ffn M K N GROUPS       FusedFFNNF4's wide decode with thread groups
@@ -87,7 +88,7 @@ def awq(argv):
     from numba import cuda
 
     from onnx_lowbit import awq
-    from onnx_lowbit.custom_ops import fusedffnawq_cuda, matmulawq1_cuda, matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import gemv_run_cuda, matmulawq1_cuda
     g = 128
     cuda.current_context()      # the context first (the launchers ask the driver for the SM count)
     what, k, n = argv[0], int(argv[1]), int(argv[2])
@@ -103,19 +104,13 @@ def awq(argv):
                 (rng.random((kp // g, n)) * 0.004 + 0.001).astype(np.float16))
 
     w1, w3 = weights(), weights()
-    if what in ("ffn1", "ffn"):
-        for _ in range(2):
-            if what == "ffn1":
-                y = matmulawq1_cuda.run(x, w1, w3, None, None, g, k, n, **kw)
-            else:
-                y = fusedffnawq_cuda.run_arrays(x, w1, w3, g, k, n, **kw)
-        gate = awq.matmul(x, *w1, g, k, n).astype(np.float64)
-        ref = gate / (1 + np.exp(-gate)) * awq.matmul(x, *w3, g, k, n).astype(np.float64)
-    else:
-        run = matmulawq1_cuda.run_arrays if what == "mm1" else matmulawq_cuda.run_arrays
-        for _ in range(2):
-            y = run(x, *w1, g, k, n, **kw)
-        ref = awq.matmul(x, *w1, g, k, n).astype(np.float64)
+    run = matmulawq1_cuda.run if what in ("mm1", "ffn1") else gemv_run_cuda.run
+    w3_ = w3 if what in ("ffn1", "ffn") else None
+    for _ in range(2):
+        y = run(x, w1, w3_, None, None, g, k, n, **kw)
+    ref = awq.matmul(x, *w1, g, k, n).astype(np.float64)
+    if w3_ is not None:
+        ref = ref / (1 + np.exp(-ref)) * awq.matmul(x, *w3, g, k, n).astype(np.float64)
     err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
     print(what, f"M={m}", k, n, kw, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
 

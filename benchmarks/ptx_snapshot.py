@@ -63,9 +63,8 @@ MODULES = {     # alias -> module relative to onnx_lowbit.custom_ops: repoint he
     "nf4tc": "nf4.nf4tc_cuda",
     "nf4warp": "nf4.nf4warp_cuda",
     "nf4mma": "nf4.nf4mma_cuda",
-    "matmulawq": "awq.matmulawq_cuda",
+    "awqgemv": "awq.gemv_cuda",
     "matmulawq1": "awq.matmulawq1_cuda",
-    "fusedffnawq": "ffn.fusedffnawq_cuda",
     "quantgru": "gru.quantgru_cuda",
     "quantgru_prep": "gru.quantgru_prep_cuda",
 }
@@ -148,9 +147,8 @@ for _n, _d in _D.items():
     _add(f"dequantnf4.vec.{_n}", "dequantnf4", f"_make_vec(*{_v}.kernel_key({_f16}))",
          f"[Array(_QTYPE[{_v}.epv]), Array(np.uint8), Array({_d}), Array(np.float32), Array({_ow}), Array({_oe}), "
          f"'int64', 'int64']")
-# DequantAWQ: DEFAULT
-_add("dequantawq.default", "dequantawq", "_make_v(*DEFAULT.kernel_key())",
-     "[Array(np.uint32), Array(np.uint32), Array(np.uint16), Array(np.uint64)] + ['int64'] * 4")
+# DequantAWQ: its one kernel (the former Variant DEFAULT)
+_add("dequantawq.default", "dequantawq", "make()", "SIG")
 
 # MatMulNF4: M=1 kernel (16-entry / pair table; fp16 A: chains of 2, wide chains of 4; the 16-entry / pair ones
 # also with ONNX_LOWBIT_FP32_DECODE=1), fast, generic; fp16: the two-row decode (m2) and nf4tc (one weight, rc 1 / 2;
@@ -200,23 +198,20 @@ for (_m, _c), _split in (((1, 1), 1), ((2, 1), 1), ((1, 2), 1), ((2, 2), 2), ((1
          "sig(2)")
 _add("nf4mma.nw2.mm4", "nf4mma", "make(2, 4, WARPS, MAX_REGISTERS, DEPTH)", "sig()")
 
-# MatMulAWQ / FusedFFNAWQ: decode buckets (gpt 1: GPT_SMALL_M = 1), generic, fp16 tensor-core kernel (nw 1 / 2),
-# matmulawq1 (session config: unroll 4 / 2 / 1 by group size; one weight at M = 1: wpl 1 or 2; else wpl 1)
+# MatMulAWQ (nw 1) / FusedFFNAWQ (nw 2), awq/gemv_cuda: decode buckets (TUNED[nw]), generic; matmulawq1 (session
+# config: unroll 4 / 2 / 1 by group size; one weight at M = 1: wpl 1 or 2; else wpl 1). The ids keep the op names
+# of the kernels' former modules.
 for _a in (False, True):
-    for _mt in (1, 2, 4, 8):
-        _add(f"matmulawq.decode.mt{_mt}.{_T[_a]}", "matmulawq", f"_make_gemv({_mt}, {_a}, gpt=1)",
-             f"_sig({_a}, True, 1)")
-    _add(f"matmulawq.generic.{_T[_a]}", "matmulawq", f"_make_generic({_a})", f"_sig({_a}, False, 1)")
-    for _mt in (1, 2, 4):
-        _add(f"fusedffnawq.decode.mt{_mt}.{_T[_a]}", "fusedffnawq", f"_make_gemv({_mt}, {_a})", f"_sig({_a}, True)")
-    _add(f"fusedffnawq.generic.{_T[_a]}", "fusedffnawq", f"_make_generic({_a})", f"_sig({_a}, False)")
-for _nw in (1, 2):
-    _add(f"matmulawq.tc.nw{_nw}", "matmulawq", f"_make_tc({_nw}, True, TC_UNROLL, None, TC_WARPS)", "tc_sig()")
+    for _nw, _op in ((1, "matmulawq"), (2, "fusedffnawq")):
+        for _mt in ((1, 2, 4, 8) if _nw == 1 else (1, 2, 4)):
+            _add(f"{_op}.decode.mt{_mt}.{_T[_a]}", "awqgemv", f"make_gemv({_mt}, {_a}, {_nw})",
+                 f"sig({_a}, {_nw}, True)")
+        _add(f"{_op}.generic.{_T[_a]}", "awqgemv", f"make_generic({_a}, {_nw})", f"sig({_a}, {_nw}, False)")
 for _nw, _mr, _wpls in ((1, 1, (1, 2)), (1, 8, (1,)), (2, 1, (1,)), (2, 8, (1,))):
     for _u in (4, 2, 1):
         for _wpl in _wpls:
             _add(f"matmulawq1.nw{_nw}.mr{_mr}.u{_u}.wpl{_wpl}", "matmulawq1",
-                 f"_make(WARPS, {_u}, CONFIGS[{_wpl}][2], {_wpl}, 0, {_nw}, {_mr})", f"sig({_wpl})")
+                 f"make(WARPS, {_u}, CONFIGS[{_wpl}][2], {_wpl}, {_nw}, {_mr})", f"sig({_wpl})")
 
 # QuantGRU: the parameter kernel, the recurrent kernel (wide = bits 16; tn 1 / 2 / 4 by batch), xproj per tile of
 # XTILES[bits] and (chunked: C > kc, wide: bits 16 or C >= 65536) as xproj_fn keys it
@@ -235,10 +230,9 @@ for _bits in (8, 16):
 
 NOT_COVERED = """\
 Not snapshotted (no session routes them; benchmark / test entry points only):
-  dequantawq LEGACY (_make: launcher()'s default, run_arrays in tests / benchmarks; sessions use DEFAULT), other
-  dequantawq / dequantnf4 Variant options than the sessions' (DEFAULT; dequantnf4's LEGACY fallback is covered)
+  decode / tiled kernels under non-default ``variant=`` options (run(variant=...), tests and benchmarks)
+  other dequantnf4 Variant options than the sessions' (DEFAULT; dequantnf4's LEGACY fallback is covered)
   matmulnf4 _make_m1 variants from m1_opts and run_int4_m1's int4 kernel (tests / benchmarks, no op runs them)
-  matmulawq decode with gpt 2 (GPT_SMALL_M = 1), matmulawq1 probe kernels (probe > 0)
   fusedffnnf4 / nf4tc / nf4mma / nf4warp options other than the routed ones (cols, prefetch, max_registers, am16)"""
 
 

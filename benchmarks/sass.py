@@ -2,7 +2,7 @@
 
 Needs libNVVM, ptxas and nvdisasm (pip: nvidia-cuda-nvcc-cu12, nvidia-cuda-nvdisasm), and runs outside the
 simulator. Example:
-    python benchmarks/sass.py onnx_lowbit.custom_ops.fusedffnawq_cuda '_make_gemv(1, True)' '_sig(True, True)' 80
+    python benchmarks/sass.py onnx_lowbit.custom_ops.awq.gemv_cuda 'make_gemv(1, True, 2)' 'sig(True, 2, True)' 80
 prints registers / spills / shared memory and a histogram of SASS opcodes (whole kernel), plus the opcodes of the
 largest loop body (the hot loop of a GEMV).
 """

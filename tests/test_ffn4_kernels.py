@@ -230,8 +230,8 @@ def _awq_cuda():
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cuda
-    return fusedffnawq_cuda
+    from onnx_lowbit.custom_ops.awq import gemv_run_cuda    # FusedFFNAWQ's decode / generic kernels (nw = 2)
+    return gemv_run_cuda
 
 
 AWQ_CUDA_CASES = [  # M, K, N, G, dtype, (B1, B3), ct, warps (shrunk blocks under the simulator), rows
@@ -253,28 +253,17 @@ def test_awq_cuda_kernel(M, K, N, G, dtype, biases, ct, warps, rows):  # noqa: N
     w1, w3 = awq_weights(K, N, G, seed=1)
     x, b1, b3 = _data((M,), K, N, dtype, biases, 5)
     geo = {"ct": ct, "warps": warps, "rows": rows} if SIM else {}
-    s = fc.run_arrays(x, w1, w3, G, K, N, b1, b3, repeat=2, **geo)   # the scratch must be left zeroed
+    s = fc.run(x, w1, w3, b1, b3, G, K, N, repeat=2, **geo)   # the scratch must be left zeroed
     check_awq(s, x, w1, w3, G, K, N, b1, b3)
     if M <= 16:
         geo.pop("rows", None)
-        check_awq(fc.run_arrays(x, w1, w3, G, K, N, b1, b3, force_generic=True, **geo), x, w1, w3, G, K, N, b1, b3)
-
-
-# tensor-core kernel (fp16 X; matmulawq_cuda._make_tc with both weights): M = 1 (sessions use it from TC_MIN_M on),
-# and two row chunks with several K splits
-@pytest.mark.parametrize("M,K,N,G,biases", [(1, 320, 24, 128, (True, False)), (11, 256, 16, 64, (False, True)),
-                                             (1, 512, 16, 32, (True, True))])   # 8 K splits under the simulator
-def test_awq_cuda_tc_kernel(M, K, N, G, biases):  # noqa: N803
-    fc = _awq_cuda()
-    w1, w3 = awq_weights(K, N, G, seed=3)
-    x, b1, b3 = _data((M,), K, N, np.float16, biases, 8)
-    check_awq(fc.run_arrays(x, w1, w3, G, K, N, b1, b3, repeat=2, tc=True), x, w1, w3, G, K, N, b1, b3)
+        check_awq(fc.run(x, w1, w3, b1, b3, G, K, N, generic=True, **geo), x, w1, w3, G, K, N, b1, b3)
 
 
 def test_awq_cuda_empty():
     fc = _awq_cuda()
     w1, w3 = awq_weights(64, 8, 32)
-    s = fc.run_arrays(np.zeros((0, 3, 64), np.float16), w1, w3, 32, 64, 8)
+    s = fc.run(np.zeros((0, 3, 64), np.float16), w1, w3, None, None, 32, 64, 8)
     assert s.shape == (0, 3, 8) and s.dtype == np.float16
 
 
@@ -403,8 +392,11 @@ def test_nonfinite_x_awq(dtype):
     _check_nonfinite(_session(awq_model((5,), k, n, g, dtype, w1, w3, b1, b3)).run(None, {"x": x})[0], ref, dtype)
     fc = _awq_cuda()
     geo = {"ct": 2, "warps": 2} if SIM else {}
-    for kw in ({}, {"force_generic": True}) + (({"tc": True},) if dtype == np.float16 else ()):
-        _check_nonfinite(fc.run_arrays(x, w1, w3, g, k, n, b1, None if b3 is None else b3, **geo, **kw), ref, dtype)
+    for kw in ({}, {"generic": True}):
+        _check_nonfinite(fc.run(x, w1, w3, b1, b3, g, k, n, **geo, **kw), ref, dtype)
+    if dtype == np.float16:     # what sessions route fp16 X at M = 5 to: the small-M tensor-core GEMV (8 rows)
+        from onnx_lowbit.custom_ops.awq import matmulawq1_cuda
+        _check_nonfinite(matmulawq1_cuda.run(x, w1, w3, b1, b3, g, k, n, wpl=1, unroll=2), ref, dtype)
 
 
 # ------------------------------------------------------------------------------------------------ bad inputs
@@ -465,7 +457,7 @@ def test_awq_cuda_host_entry_checks_inputs():
     from onnx_lowbit.custom_ops import KernelError
     w1, w3 = awq_weights(128, 16, 128)
     with pytest.raises(KernelError, match="input 4 'qweight3'"):
-        fc.run_arrays(np.ones((1, 128), np.float32), w1, (w3[0][:64], w3[1], w3[2]), 128, 128, 16)
+        fc.run(np.ones((1, 128), np.float32), w1, (w3[0][:64], w3[1], w3[2]), None, None, 128, 128, 16)
 
 
 @pytest.mark.parametrize("m", [1, 2])

@@ -1,7 +1,8 @@
 """MatMulAWQ's small-M tensor-core GEMV (custom_ops/awq/matmulawq1_cuda: M = 1, and up to 16 rows per launch in chunks
-of 8) against the numpy reference (onnx_lowbit.awq):
+of 8) against the numpy reference (onnx_lowbit.awq), through its runner ``run`` (the configurations sessions pick by
+shape and SM count, at the simulator's block size):
 under Numba's CUDA simulator in CI (small shapes, 2 warps per block), on the GPU with ONNX_LOWBIT_REAL_GPU=1 (the
-session configuration too). Its session dispatch is tested in test_awq_kernels.py (scratch cases) and through
+session configuration too). Its session dispatch is tested in test_awq_sessions_cuda.py (scratch cases), test_awq_cuda.py (routing) and through
 onnxruntime there and in test_nan_cuda.py."""
 import numpy as np
 import pytest
@@ -55,7 +56,7 @@ def test_gemv1_vs_reference(K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     x = (rng.standard_normal((1, K)) * 0.5).astype(np.float16)
     bias = rng.standard_normal(N).astype(np.float16) if hb else None
     # twice on the same scratch: the last block of each column tile must leave its counter at zero
-    y = m1.run_arrays(x, *w, G, K, N, bias, wpl=wpl, unroll=unroll, gpw=gpw, repeat=2)
+    y = m1.run(x, w, None, bias, None, G, K, N, wpl=wpl, unroll=unroll, gpw=gpw, repeat=2)
     _check(y, x, w, G, K, N, bias)
 
 
@@ -79,7 +80,7 @@ def test_gemv8_vs_reference(M, K, N, G, wpl, unroll, gpw, hb):  # noqa: N803
     rng = np.random.default_rng(K + M)
     x = (rng.standard_normal((M, K)) * 0.5).astype(np.float16)
     bias = rng.standard_normal(N).astype(np.float16) if hb else None
-    y = m1.run_arrays(x, *w, G, K, N, bias, wpl=wpl, unroll=unroll, gpw=gpw, repeat=2, mr=8)
+    y = m1.run(x, w, None, bias, None, G, K, N, wpl=wpl, unroll=unroll, gpw=gpw, repeat=2, mr=8)
     assert y.shape == (M, N)
     _check(y, x, w, G, K, N, bias)
 
@@ -96,7 +97,7 @@ def test_gemv8_rows_stay_apart(M, nan_row, inf_row):  # noqa: N803
     x = np.random.default_rng(16).standard_normal((M, K)).astype(np.float16)
     x[nan_row, 37] = np.nan
     x[inf_row, 2] = np.inf
-    y = m1.run_arrays(x, *w, G, K, N, **kw).astype(np.float64)
+    y = m1.run(x, w, None, None, None, G, K, N, **kw).astype(np.float64)
     assert np.isnan(y[nan_row]).all() and not np.isfinite(y[inf_row]).all()
     ok = [r for r in range(M) if r not in (nan_row, inf_row)]
     assert np.isfinite(y[ok]).all()
@@ -113,7 +114,7 @@ def test_gemv1_is_deterministic():
     kw = {"wpl": 1, "unroll": 2, "gpw": 1} if SIM else {}
     if SIM:
         assert m1.plan(K, N, G, 2, 4, 2, 1, 1)[2] == 2      # two splits under the simulator's 2-warp blocks
-    ys = [m1.run_arrays(x, *w, G, K, N, repeat=1 if SIM else 3, **kw) for _ in range(2)]
+    ys = [m1.run(x, w, None, None, None, G, K, N, repeat=1 if SIM else 3, **kw) for _ in range(2)]
     assert np.array_equal(ys[0], ys[1])
     _check(ys[0], x, w, G, K, N)
 
@@ -128,30 +129,32 @@ def test_gemv1_nan_inf():
     for bad, check in ((np.nan, np.isnan), (np.inf, lambda v: ~np.isfinite(v))):
         x = np.random.default_rng(6).standard_normal((1, K)).astype(np.float16)  # (M > 1: test_gemv8_rows_...)
         x[0, 37] = bad
-        y = m1.run_arrays(x, *w, G, K, N, **kw)
+        y = m1.run(x, w, None, None, None, G, K, N, **kw)
         assert check(y.astype(np.float64)).all(), bad
 
 
 def test_config_and_plan():
     from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     # what sessions take on 132 SMs: wpl 2 where the wpl 1 grid would not fit one wave, else wpl 1
-    assert m1.config(True, 4096, 11008, 128, 132) == (4, 4, None, 2)
-    assert m1.config(True, 2048, 2048, 128, 132) == (4, 4, None, 1)
-    assert m1.config(True, 8192, 2048, 128, 132)[3] == 1
-    assert m1.config(True, 4096, 11000, 128, 132) == (4, 4, None, 1)     # N % 16 != 0: only wpl 1 can load it
-    assert m1.config(True, 4096, 1024, 32, 132)[1] == 2                  # G = 32: 2 steps per group
-    assert m1.config(False, 4096, 1024, 128, 132) is None                # fp32 A: the fp32 decode kernel
-    assert m1.config(True, 4098, 1024, 128, 132) is None                 # K % 4: x is read 8 bytes at a time
-    assert m1.config(True, 4096, 1024, 8, 132) is None                   # G < 16: no whole 16-row steps
+    assert m1.config(4096, 11008, 128, 132) == (4, 4, None, 2)
+    assert m1.config(2048, 2048, 128, 132) == (4, 4, None, 1)
+    assert m1.config(8192, 2048, 128, 132)[3] == 1
+    assert m1.config(4096, 11000, 128, 132) == (4, 4, None, 1)     # N % 16 != 0: only wpl 1 can load it
+    assert m1.config(4096, 1024, 32, 132)[1] == 2                  # G = 32: 2 steps per group
+    assert m1.config(4096, 1024, 16, 132)[1] == 1                  # G = 16: 1
+    # the shapes the ops' ROUTES send here (fp16 X on tensor cores: tests/test_awq_cuda.py)
+    assert m1.takes(4096, 128) and m1.takes(4096, 16)
+    assert not m1.takes(4098, 128)                                 # K % 4: x is read 8 bytes at a time
+    assert not m1.takes(4096, 8) and not m1.takes(4096, 40)        # no whole 16-row steps per group
     # plan: the fewest groups per warp whose grid fits one wave; splits cover every group
     assert m1.plan(4096, 11008, 128, 132, 3, 4, None, 2) == (344, 2, 4)
     assert m1.plan(2048, 2048, 128, 132, 4, 4, None, 1) == (128, 1, 4)
     assert m1.plan(688, 1024, 128, 132, 4, 4, None, 1) == (32, 1, 2)     # 6 groups (K padded): 2 splits
     assert m1.plan(128, 16, 128, 132, 4, 4, 3, 1) == (1, 1, 1)           # gpw capped at the groups
     assert m1.plan(4096, 11008, 128, 132, 4, 4, None, 1) == (516, 3, 3)  # two weights (wpl 1): 3 groups per warp
-    assert m1.config(True, 4096, 11008, 128, 132, nw=2) == (4, 4, None, 1)
-    assert m1.config(True, 4096, 11008, 128, 132, mr=8) == (4, 4, None, 1)     # up to 8 rows: wpl 1
-    assert m1.ok(True, 16, 4096, 11008, 128) and not m1.ok(True, 17, 4096, 11008, 128)
+    assert m1.config(4096, 11008, 128, 132, nw=2) == (4, 4, None, 1)
+    assert m1.config(4096, 11008, 128, 132, mr=8) == (4, 4, None, 1)     # up to 8 rows: wpl 1
+    assert m1.ok(16, 4096, 11008, 128) and not m1.ok(17, 4096, 11008, 128)
 
 
 # FusedFFNAWQ at M = 1 (two weights, SiLU(x W1 + b1) * (x W3 + b3)): K, N, G, unroll, groups per warp, biases
@@ -180,22 +183,22 @@ def test_gemv1_ffn_vs_reference(M, K, N, G, unroll, gpw, biases):  # noqa: N803
 
 
 def test_host_runner_checks_inputs():
-    """run / run_arrays check shapes as a session does (the kernel reads all Kp rows of qweight), and refuse
-    products the kernel cannot take, before any launch."""
+    """run checks shapes as a session does (the kernel reads all Kp rows of qweight), and refuses products the
+    kernel cannot take, before any launch."""
     from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     from onnx_lowbit.custom_ops.runtime.kernels import KernelError
     K, N, G = 100, 16, 32  # noqa: N806
     qw, qz, sc = _weights(K, N, G, seed=9)
     x = np.ones((1, K), np.float16)
     with pytest.raises(KernelError, match="qweight"):
-        m1.run_arrays(x, qw[:K], qz, sc, G, K, N)            # K rows instead of Kp = 128
+        m1.run(x, (qw[:K], qz, sc), None, None, None, G, K, N)   # K rows instead of Kp = 128
     with pytest.raises(KernelError, match="scales"):
         m1.run(x, (qw, qz, sc), (qw, qz, sc[:, :8]), None, None, G, K, N)
     with pytest.raises(ValueError, match="cannot take"):
-        m1.run_arrays(x.astype(np.float32), qw, qz, sc, G, K, N)
+        m1.run(x.astype(np.float32), (qw, qz, sc), None, None, None, G, K, N)
     with pytest.raises(ValueError, match="cannot take"):
-        m1.run_arrays(x, qw, qz, sc, G, K, N, unroll=4)     # 4 steps per batch need G % 64 == 0
+        m1.run(x, (qw, qz, sc), None, None, None, G, K, N, unroll=4)     # 4 steps per batch need G % 64 == 0
     with pytest.raises(ValueError, match="cannot take"):
-        m1.run_arrays(np.ones((17, K), np.float16), qw, qz, sc, G, K, N)   # 17 rows: past two chunks of 8
+        m1.run(np.ones((17, K), np.float16), (qw, qz, sc), None, None, None, G, K, N)   # 17 rows: past 2 x 8
     with pytest.raises(ValueError, match="cannot take"):
-        m1.run_arrays(np.ones((2, K), np.float16), qw, qz, sc, G, K, N, mr=1)   # the M = 1 kernel takes one row
+        m1.run(np.ones((2, K), np.float16), (qw, qz, sc), None, None, None, G, K, N, mr=1)   # M = 1 kernel: 1 row

@@ -47,13 +47,13 @@ def test_matmulnf4_cuda_nan_inf_rows(m):
 
 def test_matmulawq_cuda_nan_inf_rows():
     _cuda()
-    from onnx_lowbit.custom_ops.awq import matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import gemv_run_cuda
     k, n, g = 64, 16, 32
     qw, qz, sc = awq.quantize_rtn(np.random.default_rng(1).standard_normal((k, n)).astype(np.float32), g)
     a = _rows(3, k, np.float32)
     geo = {"ct": 4, "warps": 2} if SIM else {}
-    for force_generic in (False, True):
-        y = matmulawq_cuda.run_arrays(a, qw, qz, sc, g, k, n, force_generic=force_generic, **geo).astype(np.float64)
+    for generic in (False, True):
+        y = gemv_run_cuda.run(a, (qw, qz, sc), None, None, None, g, k, n, generic=generic, **geo).astype(np.float64)
         ref = awq.matmul(a[:1], qw, qz, sc, g, k, n).astype(np.float64)
         assert np.allclose(y[0], ref[0], rtol=2e-3, atol=2e-3)
         assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any()

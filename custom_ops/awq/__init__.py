@@ -1,2 +1,4 @@
-"""AWQ 4-bit weights (AutoAWQ GEMM layout): MatMulAWQ and DequantAWQ (CPU and CUDA faces), the small-M tensor-core
-GEMV (matmulawq1_cuda.py) and the tensor-core decode constants (common_cuda.py). Imports no other family."""
+"""AWQ 4-bit weights (AutoAWQ GEMM layout): MatMulAWQ and DequantAWQ (CPU and CUDA faces), the kernels MatMulAWQ and
+FusedFFNAWQ share (gemv_cuda: the fp32 decode and generic kernels; matmulawq1_cuda: the small-M tensor-core GEMV;
+session_cuda: their kernel object and routing conditions; launch_cuda: GPU or simulator) and the tensor-core decode
+constants (common_cuda.py). Imports no other family."""

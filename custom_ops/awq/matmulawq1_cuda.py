@@ -24,12 +24,13 @@ matmulawq_cuda) and changes what each warp streams:
   last block applies the biases and SiLU * mul.
 
 Up to 8 rows (``mr`` = 8): B column g holds row g of X instead of x in every column, and each lane scales all
-columns of its words for its two rows (sessions: M = 2 .. SESSION_MAX_M). M = 9 .. 16: two chunks of 8 rows in the
+columns of its words for its two rows (sessions: M = 2 .. MAX_M). M = 9 .. 16: two chunks of 8 rows in the
 same launch, each block streaming its weights once per chunk (the second time from L2: the block's slice was read
 just before).
 
-Needs fp16 x, K % 4 == 0 (x is read 8 bytes at a time), N % (8 wpl) == 0 and G % (16 * unroll) == 0; other
-products take the fp32 decode kernels. Measured: docs/ffn4.md, BENCHMARKS.md (sessions 23, 24).
+Needs fp16 x, K % 4 == 0 (x is read 8 bytes at a time), N % (8 wpl) == 0 and G % (16 * unroll) == 0 (``takes``;
+the ops' ROUTES send other products to the fp32 decode kernels, gemv_cuda). Measured: docs/ffn4.md, BENCHMARKS.md
+(sessions 23, 24).
 """
 from __future__ import annotations
 
@@ -38,16 +39,16 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from ..device import launch as cuda_launch
 from ..device.fp16 import as_f32, h2f
 from ..device.inputs import check_x_biases
-from ..device.launch import Array, Launcher, arg
+from ..device.launch import Array, arg
 from ..device.mma import mma as _mma, tc_store
 from ..device.ptx import add32, mad32, prmt
 from ..device.splitk import arrive_last, partial_floats, sum_splits
-from ..device.target import SIM, device, tc_device
+from ..device.target import SIM, device
 from .common_cuda import F2P20, F2P24, HI16, LO16, ONES16, TC_SEL
 from .dequantawq_cpu import check_a_bias, check_both, check_weights, parse_attrs
+from .launch_cuda import SIM_BLOCKS_PER_SM, launcher_for, sm_count
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
                           # instruction) or 1 (4-byte loads, 32 bytes; half the accumulators)
@@ -59,7 +60,6 @@ MAX_REGISTERS = 128
 U0, M32, F0 = np.uint64(0), np.uint64(0xFFFFFFFF), np.float32(0.0)   # (matmulawq_cuda's values)
 MAGIC = np.uint32(0x4B000000)   # as_f32(v | MAGIC) - 2^23 = v for v < 2^23 (no integer-to-float conversion)
 F2P23 = np.float32(2.0 ** 23)
-DEFAULT_BLOCKS_PER_SM = 4  # planning without an occupancy query (simulator)
 
 
 # What sessions launch (config): per words per lane, (warps, unroll, register cap); H100, weights cycled past L2
@@ -74,32 +74,35 @@ WPL1_BLOCKS_PER_SM = 6      # the wpl 1 configuration's occupancy (H100) (for th
 
 MAX_M = 16                  # rows of X one launch takes: chunks of 8 (B's columns), the second chunk's weights
                             # re-read by the same block right after the first (from L2)
-SESSION_MAX_M = 16          # MatMulAWQ / FusedFFNAWQ sessions take this kernel for M = 1 .. SESSION_MAX_M (fp16 X)
 
 
-def ok(a16, m, k, n, g_size, unroll=UNROLL, wpl=WPL):
-    """Whether this kernel can take the product."""
-    return a16 and 1 <= m <= MAX_M and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
+def takes(k, g_size):
+    """Whether the kernel takes a product with fp16 X of K columns in groups of ``g_size`` rows (N is a multiple of
+    8: wpl 1 always fits): x is read 8 bytes at a time, a group is whole 16-row steps. The ops' ROUTES ask."""
+    return k % 4 == 0 and g_size % 16 == 0
 
 
-def config(a16, k, n, g_size, sms, nw=1, mr=1):
-    """(warps, unroll, register cap, wpl) that a session launches for this product (``nw`` weights), or None where
-    the kernel cannot take it (fp32 A, K % 4, group sizes not a multiple of 16 rows): two weights always
-    with wpl 1 (their accumulators and rings together are what wpl 2 holds for one); one weight: wpl 1 where its
-    grid with one group per warp fits one wave of the SMs, else wpl 2; unroll 4, or the largest of 2, 1 that
-    divides G / 16. Up to 8 rows (``mr`` = 8): wpl 1 (the lane's column sums are 8 times M = 1's)."""
-    unroll = next((u for u in (4, 2, 1) if g_size % (16 * u) == 0), None)
-    if unroll is None or not ok(a16, 1, k, n, g_size, unroll, 1):
-        return None
+def ok(m, k, n, g_size, unroll=UNROLL, wpl=WPL):
+    """Whether this kernel can take the product (fp16 X) at ``unroll`` steps per batch and ``wpl`` words per lane."""
+    return 1 <= m <= MAX_M and k % 4 == 0 and n % (8 * wpl) == 0 and g_size % (16 * unroll) == 0
+
+
+def config(k, n, g_size, sms, nw=1, mr=1):
+    """(warps, unroll, register cap, wpl) that a session launches for a product the kernel ``takes`` (``nw``
+    weights): two weights always with wpl 1 (their accumulators and rings together are what wpl 2 holds for
+    one); one weight: wpl 1 where its grid with one group per warp fits one wave of the SMs, else wpl 2; unroll 4,
+    or the largest of 2, 1 that divides G / 16. Up to 8 rows (``mr`` = 8): wpl 1 (the lane's column sums are 8
+    times M = 1's)."""
+    unroll = next(u for u in (4, 2, 1) if g_size % (16 * u) == 0)
     if nw == 2 or mr == 8:
         return WARPS, unroll, None, 1
     fits = plan(k, n, g_size, sms, WPL1_BLOCKS_PER_SM, WARPS, 1, 1)[0] <= sms * WPL1_BLOCKS_PER_SM
-    wpl = 1 if fits or not ok(a16, 1, k, n, g_size, unroll, 2) else 2
+    wpl = 1 if fits or not ok(1, k, n, g_size, unroll, 2) else 2
     warps, _, cap = CONFIGS[wpl]
     return warps, unroll, cap, wpl
 
 
-def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1):
+def make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, nw=1, mr=1):
     """The kernel for ``nw`` weights: 1 = MatMulAWQ (out = x W1 + b1), 2 = FusedFFNAWQ (out = SiLU(x W1 + b1) *
     (x W3 + b3)). Signature: (x uint64 [K/4] (fp16 bits), qw1 [Kp * N/8/wpl], qz1 [groups * N/8/wpl] (uint64 for
     wpl = 2, uint32 for 1), sc1 uint64 [groups * N/4] (fp16 bits), qw3, qz3, sc3, b1, b3 uint16 [N], out uint16 [N],
@@ -108,8 +111,7 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
     Block b: column tile (8 wpl words) b % tiles, K split b // tiles; warp w of split s takes groups
     (s * warps + w) * gpw .. + gpw - 1 (past the last group: re-reads of the last batch with x = 0, whose sums are
     dropped, so that every warp runs the same steps, as the simulator's mma needs); the lane loads word(s)
-    wpl (tile * 8 + g) .. of each row (clamped past N: not stored). ``probe`` (benchmarks only,
-    wrong results): 1 = the loads without the arithmetic, 2 = the arithmetic without the weight loads.
+    wpl (tile * 8 + g) .. of each row (clamped past N: not stored).
 
     B holds x in all 8 columns (M = 1), so every lane's first D column is the real row: lane (g, t) scales the
     nibbles of byte t of its words at each group end (a quarter of the epilogue each, instead of all of it in the
@@ -137,9 +139,6 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
     @device
     def step(buf, u, xb0, xb1, acc, scr, tid):
         """One weight's 16-row step u of the ring: the A fragments of the lane's words, one mma per byte and word."""
-        if probe == 1:                               # benchmark probe: the loads without the arithmetic
-            acc[0] += float32(uint32(buf[u * 4] ^ buf[u * 4 + 1] ^ buf[u * 4 + 2] ^ buf[u * 4 + 3]) & 1)
-            return
         for h in range(wpl):                         # the lane's words of each row
             w0 = word(buf[u * 4], h)
             w1 = word(buf[u * 4 + 1], h)
@@ -163,14 +162,13 @@ def _make(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, prob
             xq = xbuf[u]
             xb0 = uint32(xq & M32)
             xb1 = uint32(xq >> uint64(32))
-            if probe != 1:
-                r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
-                for i in range(4):
-                    sacc[i] = r4[i]
+            r4 = _mma(ONES16, ONES16, ONES16, ONES16, xb0, xb1, sacc[0], sacc[1], sacc[2], sacc[3], scr, tid)
+            for i in range(4):
+                sacc[i] = r4[i]
             step(buf, u, xb0, xb1, acc, scr, tid)
             if nw == 2:
                 step(buf3, u, xb0, xb1, acc3, scr, tid)
-            if more and probe != 2:                  # probe 2: the arithmetic on stale words, no weight loads
+            if more:
                 for r in range(4):
                     o = mad32(uint32(16 * u + r), nq32, nbase)
                     buf[u * 4 + r] = qw1[o]
@@ -417,7 +415,7 @@ def tiles(n, wpl=WPL):
     return -(-(n // (8 * wpl)) // 8)
 
 
-def plan(k, n, g_size, sms, blocks_per_sm=DEFAULT_BLOCKS_PER_SM, warps=WARPS, gpw=None, wpl=WPL):
+def plan(k, n, g_size, sms, blocks_per_sm=SIM_BLOCKS_PER_SM, warps=WARPS, gpw=None, wpl=WPL):
     """(grid, gpw, splits): the fewest groups per warp (at most GPW, or ``gpw``) whose grid fits one wave of
     ``sms`` x ``blocks_per_sm`` blocks (else GPW)."""
     groups = -(-k // g_size)
@@ -443,13 +441,10 @@ def sig(wpl=WPL):
 _launchers = {}
 
 
-def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, probe=0, nw=1, mr=1):
-    key = (warps, unroll, max_registers, wpl, probe, nw, mr)
+def launcher(warps=WARPS, unroll=UNROLL, max_registers=MAX_REGISTERS, wpl=WPL, nw=1, mr=1):
+    key = (warps, unroll, max_registers, wpl, nw, mr)
     if key not in _launchers:
-        fn = _make(warps, unroll, max_registers, wpl, probe, nw, mr)
-        lau = Launcher(fn, sig(wpl))
-        lau.dispatcher = fn
-        _launchers[key] = lau
+        _launchers[key] = launcher_for(make(warps, unroll, max_registers, wpl, nw, mr), sig(wpl))
     return _launchers[key]
 
 
@@ -470,50 +465,45 @@ class SessionPlan(NamedTuple):
     scalars: tuple          # the scalar arguments without the two bias flags and M
     mr: int                 # 1 (M = 1) or 8 (M = 2 .. 16: chunks of 8 rows)
 
+    def scratch(self, n):
+        """(partial floats, tile counters) the plan's largest call needs."""
+        return partial_floats(self.splits, self.nw, 1 if self.mr == 1 else MAX_M, n), tiles(n, self.wpl)
 
-def session_setup(a16, sh, sms, nw, acc_size, cnt_size, mr=1):
-    """This kernel for a kernel object of ``nw`` weights and shape ``sh`` (dequantawq_cpu.AWQShape), for M = 1
-    (``mr`` 1) or M = 2 .. 16 (``mr`` 8): (SessionPlan, or None where it cannot serve it, acc_size and cnt_size
-    grown to what its partials and tile counters need)."""
-    cfg = config(a16, sh.K, sh.N, sh.group_size, sms, nw, mr) if tc_device() else None
-    if cfg is None:
-        return None, acc_size, cnt_size
-    warps, unroll, cap, wpl = cfg
-    lau = launcher(warps, unroll, cap, wpl, 0, nw, mr)
+
+def session_setup(sh, sms, nw, mr):
+    """This kernel for a kernel object of ``nw`` weights and shape ``sh`` (dequantawq_cpu.AWQShape) that its
+    ROUTES send here, for M = 1 (``mr`` 1) or M = 2 .. 16 (``mr`` 8): the SessionPlan (compiled now)."""
+    warps, unroll, cap, wpl = config(sh.K, sh.N, sh.group_size, sms, nw, mr)
+    lau = launcher(warps, unroll, cap, wpl, nw, mr)
     grid, gpw, splits = plan(sh.K, sh.N, sh.group_size, sms, max(1, lau.blocks_per_sm(32 * warps)), warps, None,
                              wpl)
-    sp = SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
-                     scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr)
-    rows = 1 if mr == 1 else MAX_M
-    return sp, max(acc_size, partial_floats(splits, nw, rows, sh.N)), max(cnt_size, tiles(sh.N, wpl))
+    return SessionPlan(lau, grid, 32 * warps, gpw, splits, wpl, nw,
+                       scalars(sh.K, sh.N, sh.group_size, gpw, splits, False, False, wpl)[:-3], mr)
 
 
 def session_launch(sp, ctx, scratch, x, w1, w3, b1, b3, out, n, m=1):
     """One session call at M = m (1 for a plan of ``mr`` 1, up to MAX_M for ``mr`` 8; bridge Tensors; w3 = (qweight,
     qzeros, scales) and b3 None for MatMulAWQ; ``out`` the output's device pointer; ``scratch`` the kernel object's
-    splitk.ScratchPool): launches the kernel and returns True, or returns False where the buffers are not
-    aligned for it (X and scales to 8 bytes, qweight and qzeros to 4 wpl bytes, biases to 2), for the caller's
-    other kernels."""
+    splitk.ScratchPool). The caller's route checked the alignment (X and scales to 8 bytes, qweight and qzeros to
+    4 wpl bytes, biases to 2)."""
     ws = (w1,) if w3 is None else (w1, w3)
-    if (x.ptr | ws[-1][2].ptr | w1[2].ptr) & 7 or any((q.ptr | z.ptr) & (4 * sp.wpl - 1) for q, z, _ in ws) or \
-            any(b is not None and b.ptr & 1 for b in (b1, b3)):
-        return False
     part = scratch.partials(ctx, partial_floats(sp.splits, sp.nw, m, n))
     ob = (out, (m * n,))
     wa = [(t.ptr, (t.size // (4 if i == 2 else sp.wpl),)) for w in (w1, ws[-1]) for i, t in enumerate(w)]
     bias = [(b.ptr, (n,)) if b is not None else ob for b in (b1, b3)]
     sp.launcher.launch(sp.grid, sp.block, ctx.stream, (x.ptr, (x.size // 4,)), *wa, *bias, ob, part,
                        scratch.counters(ctx.stream), *sp.scalars, int(b1 is not None), int(b3 is not None), m)
-    return True
 
 
 def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=None,  # noqa: N803
-        max_registers=MAX_REGISTERS, wpl=WPL, probe=0, sms=None, repeat=1, mr=None):
-    """Runs the kernel on host arrays (tests, benchmarks): x fp16 [M, K] (M <= 8; ``mr`` default 1 for M = 1, else
-    8), w1 / w3 = (qweight, qzeros, scales), w3 None for MatMulAWQ; returns the fp16 output [M, N]: the Numba
-    dispatcher under the simulator (``warps`` per block, default 2), the direct launch path on a GPU. The inputs are checked as a session checks them (the kernel
-    reads all Kp rows of qweight), and the product must suit the kernel (``ok``). ``repeat`` launches that many
-    times on the same scratch."""
+        max_registers=MAX_REGISTERS, wpl=WPL, repeat=1, mr=None):
+    """Runs the kernel on host arrays and returns the fp16 output [M, N] (tests, benchmarks/kernel_once.py): x fp16
+    [M, K] (``mr`` default 1 for M = 1, else 8), w1 / w3 = (qweight, qzeros, scales), w3 None for MatMulAWQ. It
+    exposes what a session (and so runtime/direct.py) fixes by shape and SM count: ``wpl``, ``unroll``, ``gpw``,
+    ``mr``, and ``warps`` per block (default 2 under the simulator, whose threads are Python threads); the Numba
+    dispatcher under the simulator, the direct launch path on a GPU. The inputs are checked as a session checks
+    them (the kernel reads all Kp rows of qweight), and the product must suit the kernel (``ok``). ``repeat``
+    launches that many times on the same scratch."""
     sh = parse_attrs({"group_size": group_size, "K": K, "N": N})
     if w3 is None:
         check_weights(*w1, sh, first=1)
@@ -524,7 +514,7 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
     m = x.size // K if K else 0
     mr = mr or (1 if m == 1 else 8)
     most = 1 if mr == 1 else MAX_M
-    if not ok(x.dtype == np.float16, m, K, N, group_size, unroll, wpl) or m > most:
+    if x.dtype != np.float16 or not ok(m, K, N, group_size, unroll, wpl) or m > most:
         raise ValueError(f"the small-M tensor-core GEMV cannot take this product (fp16 X [M, K], M <= {most}, "
                          f"K % 4 == 0, N % {8 * wpl} == 0, group_size % {16 * unroll} == 0)")
     nw = 1 if w3 is None else 2
@@ -535,27 +525,17 @@ def run(x, w1, w3, b1, b3, group_size, K, N, *, warps=None, unroll=UNROLL, gpw=N
     dout = cuda.device_array(m * N, np.uint16)
     db1 = dev(b1, np.uint16) if b1 is not None else dout
     db3 = dev(b3, np.uint16) if b3 is not None else dout
-    if SIM:
-        occ, sms = DEFAULT_BLOCKS_PER_SM, sms or 2
-    else:
-        lau = launcher(warps, unroll, max_registers, wpl, probe, nw, mr)
-        occ, sms = lau.blocks_per_sm(32 * warps), sms or cuda_launch.sm_count(cuda_launch.current_device())
-    grid, gp, splits = plan(K, N, group_size, sms, occ, warps, gpw, wpl)
+    lau = launcher(warps, unroll, max_registers, wpl, nw, mr)
+    grid, gp, splits = plan(K, N, group_size, sm_count(), lau.blocks_per_sm(32 * warps), warps, gpw, wpl)
     dpart = cuda.to_device(np.zeros(max(1, splits * nw * m * N), np.float32))
     dcnt = cuda.to_device(np.zeros(tiles(N, wpl), np.uint32))
     args = (dev(x, np.uint64), *ws, db1, db3, dout, dpart, dcnt,
             *scalars(K, N, group_size, gp, splits, b1 is not None, b3 is not None, wpl, m))
-    if SIM:
-        kern = _make(warps, unroll, None, wpl, probe, nw, mr)
-        for _ in range(repeat):
-            kern[grid, 32 * warps](*args)
-    else:
-        for _ in range(repeat):
+    for _ in range(repeat):
+        if SIM:
+            lau.dispatcher[grid, 32 * warps](*args)
+        else:
             lau.launch(grid, 32 * warps, 0, *[arg(v) for v in args])
+    if not SIM:
         cuda.synchronize()
     return dout.copy_to_host().view(np.float16).reshape(m, N)
-
-
-def run_arrays(a, qweight, qzeros, scales, group_size, K, N, bias=None, **kw):  # noqa: N803
-    """MatMulAWQ through ``run`` (the same options)."""
-    return run(a, (qweight, qzeros, scales), None, bias, None, group_size, K, N, **kw)

@@ -108,16 +108,22 @@ def _matmul(a, qweight, qzeros, scales, sh, m, bias):
     return out.astype(a.dtype, copy=False).reshape(lead + (n,))
 
 
+def operands(inputs, sh):
+    """(A, (qweight, qzeros, scales), bias or None, M) of a MatMulAWQ call's inputs (bridge Tensors), checked
+    (KernelError naming the input); the CUDA face's too."""
+    a, qw, qz, sc = (inputs[i] if i < len(inputs) else None for i in range(4))
+    bias = inputs[4] if len(inputs) > 4 else None
+    check_weights(qw, qz, sc, sh, first=1)
+    return a, (qw, qz, sc), bias, check_a_bias(a, bias, sh)
+
+
 class MatMulAWQKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.sh = parse_attrs(self.attrs)
 
     def compute(self, ctx, inputs):
-        a, qw, qz, sc = (inputs[i] if i < len(inputs) else None for i in range(4))
-        bias = inputs[4] if len(inputs) > 4 else None
-        check_weights(qw, qz, sc, self.sh, first=1)
-        m = check_a_bias(a, bias, self.sh)
+        a, (qw, qz, sc), bias, m = operands(inputs, self.sh)
         av = a.numpy()
         out = ctx.output_numpy(0, tuple(a.shape[:-1]) + (self.sh.N,), av.dtype)
         if m:

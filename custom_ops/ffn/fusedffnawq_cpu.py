@@ -32,18 +32,24 @@ def _swiglu(x, w1, w3, sh, b1, b3):
         return s.astype(x.dtype).reshape(lead + (sh.N,))
 
 
+def operands(inputs, sh):
+    """(X, W1, W3, B1, B3, M) of a FusedFFNAWQ call's inputs (bridge Tensors; W = (qweight, qzeros, scales)),
+    checked (KernelError naming the input); the CUDA face's too."""
+    x = opt(inputs, 0)
+    w1 = tuple(opt(inputs, i) for i in (1, 2, 3))
+    w3 = tuple(opt(inputs, i) for i in (4, 5, 6))
+    b1, b3 = opt(inputs, 7), opt(inputs, 8)
+    check_both(w1, w3, sh)
+    return x, w1, w3, b1, b3, check_x_biases(x, b1, b3, sh.K, sh.N, 7, 8)
+
+
 class FusedFFNAWQKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.sh = parse_attrs(self.attrs)
 
     def compute(self, ctx, inputs):
-        x = opt(inputs, 0)
-        w1 = tuple(opt(inputs, i) for i in (1, 2, 3))
-        w3 = tuple(opt(inputs, i) for i in (4, 5, 6))
-        b1, b3 = opt(inputs, 7), opt(inputs, 8)
-        check_both(w1, w3, self.sh)
-        m = check_x_biases(x, b1, b3, self.sh.K, self.sh.N, 7, 8)
+        x, w1, w3, b1, b3, m = operands(inputs, self.sh)
         xv = x.numpy()
         out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (self.sh.N,), xv.dtype)
         if m:
