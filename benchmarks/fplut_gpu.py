@@ -20,7 +20,7 @@ except ImportError:  # pragma: no cover
     fplut_tables = None
 SEED_SILU = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
              0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
-from onnx_lowbit.custom_ops import fplut_cuda
+from onnx_lowbit.custom_ops.fplut import fplut_cuda
 
 
 def check_correctness(table):
@@ -47,7 +47,7 @@ def check_correctness(table):
 
 def throughput(table, n=64 << 20, variants=False):
     import torch
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
     sms = sm_count(current_device())
     rows = []
     copy_bw, t_copy = copy_gbps()
@@ -75,7 +75,7 @@ def throughput(table, n=64 << 20, variants=False):
         rows.append((f"torch silu 64M {str(dt)[6:]}", torch_t, nbytes / torch_t / 1e3, None))
         rows.append((f"ratio ours/torch throughput {str(dt)[6:]}", torch_t / ours, None, None))
         if variants and elem == 10:
-            from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
+            from onnx_lowbit.custom_ops.device.launch import Array, Launcher
             fc = fplut_cuda
             for vname, k in [("pipelined smem64 unroll=4", fc._make(fc._word16, fc._one16, 4, 4, smem32=False)),
                              ("pipelined smem32 unroll=2", fc._make(fc._word16b, fc._one16b, 4, 2)),

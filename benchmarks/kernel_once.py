@@ -32,8 +32,8 @@ def fplut(argv):
     import torch
 
     from onnx_lowbit import fplut
-    from onnx_lowbit.custom_ops import fplut_cuda as fc
-    from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
+    from onnx_lowbit.custom_ops.fplut import fplut_cuda as fc
+    from onnx_lowbit.custom_ops.device.launch import Array, Launcher
     seed = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
             0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
     variant = argv[0] if argv else "base"
@@ -60,7 +60,9 @@ def fplut(argv):
 def nf4(argv):
     from numba import cuda
 
-    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cpu, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import common as nf4_common
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu, matmulnf4_cuda
     bs = 64
     cuda.current_context()      # the context first (matmulnf4_cuda asks the driver for the SM count)
     what, k, n = argv[0], int(argv[1]), int(argv[2])
@@ -87,7 +89,8 @@ def awq(argv):
     from numba import cuda
 
     from onnx_lowbit import awq
-    from onnx_lowbit.custom_ops import fusedffnawq_cuda, matmulawq1_cuda, matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda, matmulawq_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cuda
     g = 128
     cuda.current_context()      # the context first (the launchers ask the driver for the SM count)
     what, k, n = argv[0], int(argv[1]), int(argv[2])
@@ -121,7 +124,7 @@ def awq(argv):
 
 
 def ffn_tc(argv):
-    from onnx_lowbit.custom_ops import fusedffn_tc_cuda as tc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_tc_cuda as tc
     m, k, n = int(argv[0]), int(argv[1]), int(argv[2])
     opts = _opts(argv, 3)
     rng = np.random.default_rng(0)
@@ -141,7 +144,7 @@ def ffn_tc(argv):
 
 def ffn_kn(argv):
     from onnx_lowbit import ffn
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
     m, k, n, xd, wd = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], argv[4]
     path = "decode" if m <= 2 else "tc"
     r = np.random.default_rng(0)
@@ -162,7 +165,7 @@ def _nf4_weights(r, k, n, count):
 
 def nf4tc(argv):
     from onnx_lowbit import nf4
-    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.nf4 import nf4tc_cuda as tc
     m, k, n = (int(v) for v in argv[:3])
     r = np.random.default_rng(0)
     w = _nf4_weights(r, k, n, 2)
@@ -173,7 +176,7 @@ def nf4tc(argv):
 
 
 def nf4wide_ffn(argv):
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as f
     m, k, n, g = (int(v) for v in argv[:4])
     r = np.random.default_rng(0)
     w = _nf4_weights(r, k, n, 2)
@@ -185,7 +188,7 @@ def nf4wide_ffn(argv):
 
 def nf4wide_mm(argv):
     from onnx_lowbit import nf4
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     m, k, n = (int(v) for v in argv[:3])
     mc.M2_MAX_M = max(mc.M2_MAX_M, m)
     r = np.random.default_rng(0)

@@ -106,7 +106,7 @@ def time_model(model, m, runs, cuda_graph, check_replay=False):
         prov = ["CPUExecutionProvider"]
     else:
         prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
-    from onnx_lowbit.custom_ops import bridge
+    from onnx_lowbit.custom_ops.runtime import bridge
     sess = onnx_lowbit.InferenceSession(model, providers=prov)
     x = (np.random.default_rng(7 + m).standard_normal((m, K)) * 0.5).astype(DTYPE)
     xv = ort.OrtValue.ortvalue_from_numpy(x, DEVICE, 0)
@@ -155,8 +155,8 @@ def prefill_sweep(sw, fused, ref, runs, ms, fused_kn=None, names=None):
     with fp32 GEMM outputs, 'kn cuBLAS' on cuBLAS where it takes its tensor-core kernel); with fp32 weights, 'strict'
     / 'kn strict': the prefill GEMMs in strict fp32 instead of TF32.
     ``names``: the variants to time."""
-    from onnx_lowbit.custom_ops import fusedffn_cuda as fc
-    from onnx_lowbit.custom_ops import fusedffn_kn_cuda as knm
+    from onnx_lowbit.custom_ops.ffn import fusedffn_cuda as fc
+    from onnx_lowbit.custom_ops.ffn import fusedffn_kn_cuda as knm
     variants = {"nk": {}, "decode": dict(DECODE_MAX_M=16), "cuBLAS": dict(TC_MAX_M=0),
                 "fp16 G": dict(FP16_SCRATCH=True), "kn": {}, "kn fp32 G": dict(KN_FP16_SCRATCH=False),
                 "kn cuBLAS": dict(KN_TC_MAX_M=0), "strict": dict(TF32=False), "kn strict": dict(TF32=False)}
@@ -277,8 +277,8 @@ def main():
         others.append(("SwiGLU", f"ours FusedFFNAWQ {OLD_TC}", sw, "weights4,ffn", dict(weights="awq")))
     others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
     others.insert(6, ("SwiGLU", "ours FusedFFN (fp16, [N, K])", sw, "ffn", dict(ffn_weights="nk")))
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f4
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as f4
+    from onnx_lowbit.custom_ops.awq import matmulawq1_cuda as m1
     if not a.sweep_only and DEVICE == "cuda" and K % 1024 == 0 and any(c == K // 1024 for _, c in f4.WARPCOLS):
         others.insert(-1, ("SwiGLU", f"ours FusedFFNNF4 {BLOCK_KERNEL}", sw, "weights4,ffn", dict(weights="nf4")))
     if a.only:
