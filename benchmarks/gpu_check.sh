@@ -25,8 +25,8 @@ tests)
   echo "== tests on the GPU"
   timeout 560 python3 -m pytest -q -p no:cacheprovider -x $GPU_TESTS 2>&1 | tail -8
   echo "== compute-sanitizer (memcheck; racecheck for shared-memory kernels), edge shapes"
-  timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/kernel_once.py fplut s32 4099 2>&1 | grep -E "ERROR SUMMARY|MISMATCH" | head -2
-  timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/kernel_once.py fplut s32 4099 2>&1 | grep -E "RACECHECK SUMMARY|MISMATCH" | head -2
+  timeout 60 compute-sanitizer --tool memcheck python3 benchmarks/kernel_once.py fplut 4099 2>&1 | grep -E "ERROR SUMMARY|MISMATCH" | head -2
+  timeout 60 compute-sanitizer --tool racecheck python3 benchmarks/kernel_once.py fplut 4099 2>&1 | grep -E "RACECHECK SUMMARY|MISMATCH" | head -2
   for t in "tests/test_nf4_kernels.py -k cuda_kernel" "tests/test_awq_kernels.py -k cuda_matmul_vs_reference" \
            "tests/test_ffn_cuda.py" "tests/test_ffn4_kernels.py -k cuda" "tests/test_gru_cuda.py -k kernel_bit_exact"; do
     echo "-- memcheck: $t"

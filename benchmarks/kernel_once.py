@@ -2,7 +2,7 @@
 first, or ``ncu --launch-skip 1``), check the output, print one line: the program that compute-sanitizer and ncu
 run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are the host runners' keywords).
 
-    python3 benchmarks/kernel_once.py fplut [VARIANT [N]]           FPLUT on N fp16 values (base | s32 | s32u8)
+    python3 benchmarks/kernel_once.py fplut [N]                     FPLUT on N fp16 values (the routed kernel)
     python3 benchmarks/kernel_once.py nf4 ffn|mm K N ["h2=2, wide=True"]   FusedFFNNF4 decode / MatMulNF4 M = 1
     M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows)
     python3 benchmarks/kernel_once.py ffn_tc M K N ["mt=2, kw=4, ring=2"]   FusedFFN's [N, K] tensor-core kernel
@@ -29,32 +29,23 @@ def _opts(argv, i):
 
 
 def fplut(argv):
+    """FPLUT on N fp16 values as a session node runs it (runtime.direct.call: the kernel ROUTES picks)."""
     import torch
 
     from onnx_lowbit import fplut
-    from onnx_lowbit.custom_ops.fplut import fplut_cuda as fc
-    from onnx_lowbit.custom_ops.device.launch import Array, Launcher
+    from onnx_lowbit.custom_ops.runtime import direct
     seed = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
             0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
-    variant = argv[0] if argv else "base"
-    n = int(argv[1]) if len(argv) > 1 else 64 << 20
-    kern = {"base": lambda: fc._make(fc._word16, fc._one16, 4, 4, smem32=False),
-            "s32": lambda: fc._make(fc._word16b, fc._one16b, 4, 4),
-            "s32u8": lambda: fc._make(fc._word16b, fc._one16b, 4, 8)}[variant]()
-    lv = Launcher(kern, [Array(np.uint64), Array(np.uint64), Array(np.uint16), Array(np.uint16), Array(np.uint64),
-                         "int64"], dynamic_shared=fc.SHARED_BYTES)
+    n = int(argv[0]) if argv else 64 << 20
     t = fplut.Table.build("silu", seed)
-    dT = torch.from_numpy(fc.expanded(t.cut_points, t.values, 10).view(np.int64).copy()).cuda()
     x = (torch.randn(n, device="cuda") * 4).half()
     out = torch.empty_like(x)
-    grid = fc.grid_for(n, 4, torch.cuda.get_device_properties(0).multi_processor_count)
-    lv.launch(grid, fc.BLOCK, torch.cuda.current_stream().cuda_stream, (x.data_ptr(), (n // 4,)),
-              (out.data_ptr(), (n // 4,)), (x.data_ptr(), (n,)), (out.data_ptr(), (n,)),
-              (dT.data_ptr(), (fc.TABLE_WORDS,)), n)
+    attrs = {"function": "silu", "cut_points": list(t.cut_points), "table": t.values.astype(np.float32)}
+    direct.call("FPLUT", attrs, [x], [out], torch.cuda.current_stream().cuda_stream)()
     torch.cuda.synchronize()
     ref = fplut.apply(x[:4096].cpu().numpy(), t.cut_points, t.values)
     ok = np.array_equal(out[:4096].cpu().numpy().view(np.uint16), ref.view(np.uint16))
-    print(variant, "ok" if ok else "MISMATCH")
+    print("fplut", n, "ok" if ok else "MISMATCH")
 
 
 def nf4(argv):

@@ -110,9 +110,9 @@ for _rows, (_mt, _kw, _ring, _mf) in ((8, (1, 4, 4, False)), (16, (2, 2, 2, Fals
 for _rows, (_mt, _kw, _ring) in ((8, (1, 4, 2)), (16, (2, 4, 2))):
     _add(f"fusedffn_kn_tc.m{_rows}", "fusedffn_kn_tc", f"_make({_mt}, {_kw}, {_ring}, None)", "sig()")
 
-# FPLUT: one 16-bit kernel (fp16 and bf16), one fp32 kernel
-for _e, _edt, _n in ((10, "np.uint16", "16bit"), (1, "np.uint32", "f32")):
-    _add(f"fplut.{_n}", "fplut", f"KERNELS[{_e}][0]",
+# FPLUT: one 16-bit kernel (fp16 and bf16), one fp32 kernel (fplut_cuda.ROUTES)
+for _k, _edt, _n in (("fplut16", "np.uint16", "16bit"), ("fplut32", "np.uint32", "f32")):
+    _add(f"fplut.{_n}", "fplut", f"KERNELS['{_k}'][0]",
          f"[Array(np.uint64), Array(np.uint64), Array({_edt}), Array({_edt}), Array(np.uint64), 'int64']")
 
 # RMSNorm: register kernel (ept 8) or two passes (ept 0), skip and H present or not

@@ -72,6 +72,16 @@ def arg(v):
     return v
 
 
+def device_ptr(v) -> int:
+    """The device address of a device array (``__cuda_array_interface__``), or under Numba's CUDA simulator of one
+    of its device arrays: the address of its host buffer, which SimLauncher turns back into an array. 0 for an
+    empty array."""
+    cai = getattr(v, "__cuda_array_interface__", None)
+    if cai is None:     # the simulator's device arrays have none; their host buffer is the simulator's device memory
+        cai = v.__array_interface__
+    return int(cai["data"][0] or 0)
+
+
 class Array:
     """Signature entry: a C-contiguous array of ``dtype`` and ``ndim`` dimensions."""
 
