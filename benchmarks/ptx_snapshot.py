@@ -127,7 +127,7 @@ for _f in (False, True):
 # Rotary, RotaryKV (element or 8-byte copy units), KVAttention (element or wide units)
 for _e in (10, 1):
     _n = "f16" if _e == 10 else "f32"
-    _add(f"rotary.{_n}", "rotary", f"KERNELS[{_e}]", f"_signature({_e})")
+    _add(f"rotary.{_n}", "rotary", f"KERNELS['rotary{_n[1:]}']", f"_signature('rotary{_n[1:]}')")
     for _wide in (False, True):
         _u = "wide" if _wide else "elem"
         _add(f"rotarykv.{_n}.{_u}", "rotarykv", f"KERNELS[{_e}]", f"_signature({_e}, {_wide})")

@@ -199,6 +199,7 @@ class FPLUTCudaKernel(Kernel):
             raise KernelError(f"bad attribute: {e}") from None
         self.table = cuda.to_device(table.view(np.uint64))  # once, at session creation
         self.table_ptr = cuda_launch.device_ptr(self.table)
+        launcher(route(ROUTES, case(self.elem, 0)).kernel)              # compiled at session creation
         self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
 
     def compute(self, ctx, inputs):
