@@ -65,7 +65,8 @@ MODULES = {     # alias -> module relative to onnx_lowbit.custom_ops: repoint he
     "matmulawq": "awq.matmulawq_cuda",
     "matmulawq1": "awq.matmulawq1_cuda",
     "fusedffnawq": "ffn.fusedffnawq_cuda",
-    "quantgru": "gru.quantgru_cuda",
+    "quantgru_xproj": "gru.quantgru_xproj_cuda",
+    "quantgru_rec": "gru.quantgru_rec_cuda",
     "quantgru_prep": "gru.quantgru_prep_cuda",
 }
 
@@ -219,17 +220,16 @@ for _nw, _mr, _wpls in ((1, 1, (1, 2)), (1, 8, (1,)), (2, 1, (1,)), (2, 8, (1,))
 # QuantGRU: the parameter kernel, the recurrent kernel (wide = bits 16; tn 1 / 2 / 4 by batch), xproj per tile of
 # XTILES[bits] and (chunked: C > kc, wide: bits 16 or C >= 65536) as xproj_fn keys it
 _add("quantgru.prep", "quantgru_prep", "prep", "signature()")
-for _bits in (8, 16):
+for _bits in (8, 16):       # quantgru_cuda.ROUTES: the xproj tiles, the recurrence per batch rows per thread (tn)
     _wdt = "np.int8" if _bits == 8 else "np.int16"
     for _tn in (1, 2, 4):
-        _add(f"quantgru.rec.b{_bits}.tn{_tn}", "quantgru", f"_make_rec({_bits == 16}, {_tn})", f"_sig_rec({_wdt})")
-    _tiles = ("128x64", "128x128", "64x64", "32x32") if _bits == 8 else ("128x64", "64x64", "32x32")
+        _add(f"quantgru.rec.b{_bits}.tn{_tn}", "quantgru_rec", f"_make_rec({_bits == 16}, {_tn})", f"sig_rec({_wdt})")
     _cw = ((False, False), (True, False), (True, True)) if _bits == 8 else ((False, True), (True, True))
-    for _tile in _tiles:
+    for _tile in ("128x64", "64x64", "32x32"):
         for _ch, _wd in _cw:
-            _add(f"quantgru.xproj.b{_bits}.{_tile}.c{int(_ch)}w{int(_wd)}", "quantgru",
-                 f"_make_xproj({_bits}, pick_xtile({_bits}, 1, 1, 1, 1, '{_tile}'), {_ch}, {_wd}, "
-                 f"{'K_F32' if _bits == 8 else 'K_F64'})", f"_sig_xproj({_wdt})")
+            _add(f"quantgru.xproj.b{_bits}.{_tile}.c{int(_ch)}w{int(_wd)}", "quantgru_xproj",
+                 f"_make_xproj({_bits}, xtile({_bits}, '{_tile}'), {_ch}, {_wd}, "
+                 f"{'K_F32' if _bits == 8 else 'K_F64'})", f"sig_xproj({_wdt})")
 
 NOT_COVERED = """\
 Not snapshotted (no session routes them; benchmark / test entry points only):

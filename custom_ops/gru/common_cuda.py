@@ -1,7 +1,7 @@
 """What QuantGRU's CUDA kernels (quantgru_cuda: xproj and the recurrence) and their per-call parameter kernel
 (quantgru_prep_cuda) share: the layout of the parameter arrays (P_* indices into prm [D, NP], PC per-channel
 parameters per unit in pch [D, PC H]), the host ``scalar_params`` (prm, qsc, dq from the attributes) and the device
-shift ``rsh`` (gru_int.rshift)."""
+shift ``rsh`` (gru_int.rshift) and saturation ``sat``."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,6 +27,12 @@ def rsh(v, s):
     if s >= 63:
         return int64(0)
     return (v + (int64(1) << (s - 1))) >> s
+
+
+@cuda.jit(device=True, inline=True)
+def sat(v, lo, hi):
+    """v clamped to [lo, hi] (gru_int's saturation)."""
+    return min(max(v, lo), hi)
 
 
 def scalar_params(a: gru_int.GRUAttrs):
