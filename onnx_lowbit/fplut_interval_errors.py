@@ -38,7 +38,7 @@ def errors_numpy(x32, ref, den, ref16, ia, ib, t, s, nseg, closed):
 def make_numba_errors():
     """``errors_numpy`` compiled with Numba: float32 arithmetic (Numba contracts nothing into FMAs without
     fastmath) and round-to-nearest-even to fp16 on the float32 bits (halfbits), so the figures are identical."""
-    from numba import njit
+    from numba import njit  # here: without Numba the module still imports (errors = errors_numpy, below)
 
     to_f16 = njit(inline="always")(halfbits.f32bits_to_f16bits)
     f16_value = halfbits.all_fp16().astype(np.float64)          # fp16 bit pattern -> value
