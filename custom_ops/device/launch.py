@@ -6,6 +6,11 @@ cuLaunchKernel on onnxruntime's stream. No array wrapping, no dispatcher, no all
 
 Parameter layout is Numba's: an array argument is flattened into
 (meminfo, parent, nitems, itemsize, data, shape[0..nd), strides[0..nd)), a scalar into its C value.
+
+Used by every CUDA op module (its kernel class launches through a ``Launcher`` per compiled kernel, under the
+simulator a ``SimLauncher`` with the same arguments) and by host runners and tests (``arg``, ``device_ptr``); the
+runtime's plans.py records what ``launch`` does. Also the device queries the kernels size their grids with
+(``current_device``, ``sm_count``, ``shared_optin``).
 """
 from __future__ import annotations
 
