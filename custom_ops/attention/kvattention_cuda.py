@@ -36,7 +36,8 @@ from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
 from ..device.target import SIM, device
 from ..runtime.kernels import Kernel, KernelError
-from ..runtime.routing import Case, Route, always, route
+from ..runtime.routing import Case, route
+from .common_cuda import unit_routes, unit_variant
 
 NT = 64 if SIM else 512     # threads per block (a power of two: tree reductions; 1024 did not launch with the first
 #                             kernel's 76 registers); fewer in the simulator: speed
@@ -240,22 +241,12 @@ def _signature(elem, wide):
 
 # Which kernel serves which call (routing.py): per element type, 8-byte units where D and the K / V pointers allow
 # (``aligned``; onnxruntime's buffers always are), else element units. Case: M = query rows, K = D, N = keys (T).
-_WIDE = "D a multiple of the 8-byte unit (4 fp16 / 2 fp32) and K, V 8-byte aligned: 8-byte units"
-ROUTES = (
-    Route("kvattention16.wide", "fp16, " + _WIDE, lambda c: c.dtype == "float16" and c.aligned and c.k % 4 == 0,
-          "BENCHMARKS.md, Kernels: Rotary, RotaryKV, KVAttention, RMSNorm (H100 2026-11-25)"),
-    Route("kvattention16", "fp16, otherwise: element units", lambda c: c.dtype == "float16",
-          "correctness fallback (unaligned views, odd D); not timed"),
-    Route("kvattention32.wide", "fp32, " + _WIDE, lambda c: c.aligned and c.k % 2 == 0,
-          "the fp16 kernel's measurement (the same code on fp32); fp32 not timed"),
-    Route("kvattention32", "fp32, otherwise: element units", always, "correctness fallback; not timed"),
-)
+ROUTES = unit_routes("kvattention", "K, V",
+                     "BENCHMARKS.md, Kernels: Rotary, RotaryKV, KVAttention, RMSNorm (H100 2026-11-25)")
 DTYPES = {10: "float16", 1: "float32"}
 
 
-def variant(name):
-    """(element type, wide) of ROUTES kernel ``name``."""
-    return (10 if name.startswith("kvattention16") else 1), name.endswith(".wide")
+variant = unit_variant      # ROUTES kernel name -> (element type, wide)
 
 
 _launchers = {}

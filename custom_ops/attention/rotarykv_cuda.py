@@ -27,7 +27,8 @@ from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
 from ..device.target import SIM
 from ..runtime.kernels import Kernel, KernelError
-from ..runtime.routing import Case, Route, always, route
+from ..runtime.routing import Case, route
+from .common_cuda import unit_routes, unit_variant
 from .rotarykv_cpu import strides
 
 BLOCK = 256
@@ -87,16 +88,8 @@ def _make(f16):
 # Which kernel serves which call (routing.py): per element type, 8-byte copy units where D and every pointer allow
 # (``aligned``; onnxruntime's buffers always are, D a multiple of 4 fp16 / 2 fp32 elements), else element copies.
 # Case: K = D, aligned = every given pointer 8-byte aligned.
-_WIDE = "D a multiple of the 8-byte unit (4 fp16 / 2 fp32) and every pointer 8-byte aligned: 8-byte copy units"
-ROUTES = (
-    Route("rotarykv16.wide", "fp16, " + _WIDE, lambda c: c.dtype == "float16" and c.aligned and c.k % 4 == 0,
-          "docs/lab-log.md, 2026-11-25 (session 17): the decode step with RotaryKV"),
-    Route("rotarykv16", "fp16, otherwise: element copies", lambda c: c.dtype == "float16",
-          "correctness fallback (unaligned views, odd D); not timed"),
-    Route("rotarykv32.wide", "fp32, " + _WIDE, lambda c: c.aligned and c.k % 2 == 0,
-          "the fp16 kernel's measurement (the same code on fp32); fp32 not timed"),
-    Route("rotarykv32", "fp32, otherwise: element copies", always, "correctness fallback; not timed"),
-)
+ROUTES = unit_routes("rotarykv", "every pointer",
+                     "docs/lab-log.md, 2026-11-25 (session 17): the decode step with RotaryKV")
 KERNELS = {10: _make(True), 1: _make(False)}     # one function per element type; the copy unit is its signature's
 STORAGE = {10: np.uint16, 1: np.float32}
 DTYPES = {10: "float16", 1: "float32"}
@@ -107,9 +100,7 @@ def _signature(elem, wide):
     return [a] * 5 + [cp] * 5 + ["int64"] * 17 + ["float64"] * 6
 
 
-def variant(name):
-    """(element type, wide) of ROUTES kernel ``name``."""
-    return (10 if name.startswith("rotarykv16") else 1), name.endswith(".wide")
+variant = unit_variant      # ROUTES kernel name -> (element type, wide)
 
 
 _launchers = {}

@@ -304,7 +304,12 @@ def sm_count_now():
 class Prepared:
     """One QuantGRU call on host arrays copied to the device (tests, benchmarks): validated (values too), its
     CallPlan, the node's Params, device copies of the inputs, the outputs and a scratch buffer of its own;
-    ``launch(stream)`` issues the call exactly as the onnxruntime kernel does on onnxruntime's buffers."""
+    ``launch(stream)`` issues the call exactly as the onnxruntime kernel does on onnxruntime's buffers.
+
+    Kept beside runtime/direct.call because it reaches what a session node cannot: one kernel alone
+    (``launch(what="xproj" / "rec")``), the scratch's intermediate values (``qwx``, ``pch``, ``lens``,
+    ``counters``), and overrides that put tiny test shapes on the paths large shapes take on a GPU (``units``: a
+    block split, ``per_step``, ``xtile``: a tile by name, ``kc``: a shorter exact float sum, ``sms``)."""
 
     def __init__(self, X, W, R, B, channel_exp, luts, sequence_lens=None, initial_h=None, *, hidden_size, bits,
                  exponents, zero_points, direction="forward", layout=0, units=None, per_step=False, sms=None,
@@ -375,8 +380,8 @@ class Prepared:
 
 
 def run_arrays(*args, repeat=1, **kw):
-    """QuantGRU on host arrays (the arguments of gru_int.quant_gru, plus ``units``/``per_step`` overrides):
-    returns (Y, Y_h). Under the CUDA simulator through launch.SimLauncher (one launch per step when a group has
+    """QuantGRU on host arrays (the arguments of gru_int.quant_gru, plus Prepared's overrides, which direct.call
+    cannot pass): returns (Y, Y_h). Under the CUDA simulator through launch.SimLauncher (one launch per step when a group has
     several blocks), on a GPU through the direct (cooperative) launch path."""
     p = Prepared(*args, **kw)
     for _ in range(repeat):

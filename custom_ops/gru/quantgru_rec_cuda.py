@@ -20,22 +20,12 @@ from ..device.launch import Array
 from ..device.target import SIM
 from .common_cuda import (NP, PC, P_ONE, P_SNEW, P_SNH, P_SOH, P_SOLD, P_SRHAB, P_SRHR, P_SRHZ, P_SRRH, P_SRRHG, P_SWXG,
                           P_SWXR, P_SWXZ, P_ZPAB, P_ZPG, P_ZPGOUT, P_ZPH, P_ZPNEW, P_ZPOLD, P_ZPR, P_ZPRH, P_ZPROUT,
-                          P_ZPRRH, P_ZPWX, P_ZPZ, P_ZPZOUT, rsh, sat)
+                          P_ZPRRH, P_ZPWX, P_ZPZ, P_ZPZOUT, rint, rsh, sat)
 
 REC_TPB = 32 if SIM else 256
 PAD = 8                      # recurrent weight rows are H + PAD int32 apart (spreads the rows over the banks)
 MAX_SMEM = 227 * 1024        # dynamic shared memory per block (H100/H200), opted in once per device
 SIM_SMEM = 48 * 1024
-
-if SIM:
-    _rint = np.rint
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, inline=True)
-    def _rint(v):
-        return libdevice.rint(v)
-
 
 @cuda.jit(device=True, inline=True)
 def _quant(x, scale, lo, hi):
@@ -43,7 +33,7 @@ def _quant(x, scale, lo, hi):
     v = float64(x) * scale
     if v != v:
         v = 0.0
-    v = _rint(v)
+    v = rint(v)
     return int64(min(max(v, float64(lo)), float64(hi)))
 
 

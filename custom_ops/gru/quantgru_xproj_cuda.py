@@ -13,17 +13,7 @@ from numba import cuda, float32, float64, int32, int64, uint64
 
 from ..device.launch import Array
 from ..device.target import SIM
-from .common_cuda import NP, PC, P_ZPWX, P_ZPX, rsh, sat
-
-if SIM:
-    _rintf = np.rint
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, inline=True)
-    def _rintf(v):
-        return libdevice.rintf(v)
-
+from .common_cuda import NP, PC, P_ZPWX, P_ZPX, rintf, rsh, sat
 
 @cuda.jit(device=True, inline=True)
 def _quantf(x, scale, lo, hi):
@@ -33,7 +23,7 @@ def _quantf(x, scale, lo, hi):
     v = x * scale
     if v != v:
         v = float32(0.0)
-    return min(max(_rintf(v), lo), hi)
+    return min(max(rintf(v), lo), hi)
 
 
 # Exact integer products on the float pipes. A staged operand is an integer: a = qx - zp_x with |a| <= 2^bits - 1
