@@ -51,7 +51,7 @@ def main():
     import torch
 
     from onnx_lowbit import fplut, fplut_tables
-    from onnx_lowbit.custom_ops import bridge
+    from onnx_lowbit.custom_ops.runtime import bridge
     table = fplut_tables.get_table("silu")
     print("GPU:", torch.cuda.get_device_name(0))
     rows = []

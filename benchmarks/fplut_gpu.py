@@ -1,5 +1,6 @@
 """FPLUT on the GPU: correctness against the numpy reference, throughput against torch, and the per-op
-overhead of our CUDA-EP bridge against an onnxruntime native op, all in one run.
+overhead of our CUDA-EP bridge against an onnxruntime native op, all in one run. The kernel runs as a session
+node runs it (custom_ops.runtime.direct.call: the kernel object's compute and its ROUTES).
 
     PYTHONPATH=/tmp/ortgpu/site:. python benchmarks/fplut_gpu.py [--json OUT.json]
 
@@ -13,6 +14,7 @@ import numpy as np
 from timing import bind_io, copy_gbps, time_cuda, time_wall, write_json
 
 from onnx_lowbit import fplut, halfbits
+from onnx_lowbit.custom_ops.runtime import direct
 
 try:
     from onnx_lowbit import fplut_tables
@@ -20,7 +22,20 @@ except ImportError:  # pragma: no cover
     fplut_tables = None
 SEED_SILU = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
              0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
-from onnx_lowbit.custom_ops import fplut_cuda
+
+
+def _attrs(table):
+    return {"function": "silu", "cut_points": list(table.cut_points), "table": table.values.astype(np.float32)}
+
+
+def run_host(x, table, bf16=False):
+    """FPLUT on host array ``x`` (bf16: uint16 bits read as bfloat16) through direct.call, on Numba device arrays."""
+    from numba import cuda
+    dx, dy = cuda.to_device(np.ascontiguousarray(x)), cuda.device_array(x.shape, x.dtype)
+    wrap = (lambda a: direct.typed(a, 16)) if bf16 else (lambda a: a)  # noqa: E731
+    direct.call("FPLUT", _attrs(table), [wrap(dx)], [wrap(dy)], 0)()
+    cuda.synchronize()
+    return dy.copy_to_host()
 
 
 def check_correctness(table):
@@ -34,56 +49,40 @@ def check_correctness(table):
         x32[: min(n, 4)] = np.array([np.nan, np.inf, -np.inf, 1e30], np.float32)[: min(n, 4)]
         xb = halfbits.f32_to_bf16_bits(x32)
         for name, x, bf in [("fp16", x16, False), ("fp32", x32, False), ("bf16", xb, True)]:
-            y = fplut_cuda.run_arrays(x, cuts, vals, bf16=bf)
+            y = run_host(x, table, bf16=bf)
             ref = fplut.apply(x, cuts, vals, bf16=bf)
             if not np.array_equal(y.view(np.uint8), ref.view(np.uint8)):
                 bad.append((name, n))
     # exhaustive over fp16
-    y = fplut_cuda.run_arrays(allx.copy(), cuts, vals)
+    y = run_host(allx.copy(), table)
     if not np.array_equal(y.view(np.uint16), fplut.apply(allx, cuts, vals).view(np.uint16)):
         bad.append(("fp16-exhaustive", 65536))
     return bad
 
 
-def throughput(table, n=64 << 20, variants=False):
+def throughput(table, n=64 << 20):
     import torch
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
-    sms = sm_count(current_device())
     rows = []
     copy_bw, t_copy = copy_gbps()
     rows.append(("d2d copy 256 MiB", t_copy, copy_bw, None))
-    for dt, elem in [(torch.float16, 10), (torch.float32, 1), (torch.bfloat16, 16)]:
+    for dt in (torch.float16, torch.float32, torch.bfloat16):
         x = (torch.randn(n, device="cuda") * 4).to(dt)
         out = torch.empty_like(x)
-        per = fplut_cuda.KERNELS[elem][2]
-        launcher = fplut_cuda._launcher(elem)
-        dT = torch.from_numpy(fplut_cuda.expanded(table.cut_points, table.values, elem).view(np.int64).copy()).cuda()
-        stream = torch.cuda.current_stream().cuda_stream
-        grid = fplut_cuda.grid_for(n, per, sms)
-        args = ((x.data_ptr(), (n // per,)), (out.data_ptr(), (n // per,)), (x.data_ptr(), (n,)),
-                (out.data_ptr(), (n,)), (dT.data_ptr(), (fplut_cuda.TABLE_WORDS,)), n)
-        ours = time_cuda(lambda: launcher.launch(grid, fplut_cuda.BLOCK, stream, *args))
+        bf = dt == torch.bfloat16
+        wrap = (lambda a: direct.typed(a.view(torch.int16), 16)) if bf else (lambda a: a)  # noqa: E731
+        stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
+        run = direct.call("FPLUT", _attrs(table), [wrap(x)], [wrap(out)], stream)
+        ours = time_cuda(run)
         torch_t = time_cuda(lambda: torch.nn.functional.silu(x, inplace=False))
         nbytes = 2 * x.numel() * x.element_size()
         # spot check vs reference on a slice
         ref = fplut.apply(x[:100000].view(torch.int16).cpu().numpy().view(np.uint16), table.cut_points, table.values,
-                          bf16=True) if dt == torch.bfloat16 else fplut.apply(x[:100000].cpu().numpy(),
-                                                                              table.cut_points, table.values)
-        got = out[:100000].view(torch.int16).cpu().numpy().view(np.uint16) if dt == torch.bfloat16 else out[:100000].cpu().numpy()
+                          bf16=True) if bf else fplut.apply(x[:100000].cpu().numpy(), table.cut_points, table.values)
+        got = out[:100000].view(torch.int16).cpu().numpy().view(np.uint16) if bf else out[:100000].cpu().numpy()
         ok = np.array_equal(np.asarray(got).view(np.uint8), np.asarray(ref).view(np.uint8))
         rows.append((f"FPLUT silu 64M {str(dt)[6:]} (ours)", ours, nbytes / ours / 1e3, ok))
         rows.append((f"torch silu 64M {str(dt)[6:]}", torch_t, nbytes / torch_t / 1e3, None))
         rows.append((f"ratio ours/torch throughput {str(dt)[6:]}", torch_t / ours, None, None))
-        if variants and elem == 10:
-            from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
-            fc = fplut_cuda
-            for vname, k in [("pipelined smem64 unroll=4", fc._make(fc._word16, fc._one16, 4, 4, smem32=False)),
-                             ("pipelined smem32 unroll=2", fc._make(fc._word16b, fc._one16b, 4, 2)),
-                             ("pipelined smem32 unroll=8", fc._make(fc._word16b, fc._one16b, 4, 8))]:
-                lv = Launcher(k, [Array(np.uint64), Array(np.uint64), Array(np.uint16), Array(np.uint16),
-                                  Array(np.uint64), "int64"], dynamic_shared=fplut_cuda.SHARED_BYTES)
-                tv = time_cuda(lambda: lv.launch(grid, fplut_cuda.BLOCK, stream, *args))
-                rows.append((f"  variant {vname} fp16", tv, nbytes / tv / 1e3, None))
     return rows, copy_bw
 
 
@@ -126,7 +125,6 @@ def ort_overhead(table, reps=2000):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--variants", action="store_true", help="also time kernel variants (tuning)")
     a = ap.parse_args()
     import torch
     try:
@@ -137,7 +135,7 @@ def main():
     print("GPU:", torch.cuda.get_device_name(0))
     bad = check_correctness(table)
     print("correctness vs numpy reference:", "all bit-exact" if not bad else f"MISMATCH {bad}")
-    rows, copy_bw = throughput(table, variants=a.variants)
+    rows, copy_bw = throughput(table)
     print(f"{'case':45s} {'us':>9s} {'GB/s':>8s} {'%copy':>6s}  bit-exact")
     for name, us, bw, ok in rows:
         if bw is None:

@@ -55,7 +55,7 @@ def main():
     import torch
 
     from onnx_lowbit import gru_int
-    from onnx_lowbit.custom_ops import quantgru_cuda as qg
+    from onnx_lowbit.custom_ops.gru import quantgru_cuda as qg
     torch.cuda.init()
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
     rows, out = [], []

@@ -2,7 +2,7 @@
 first, or ``ncu --launch-skip 1``), check the output, print one line: the program that compute-sanitizer and ncu
 run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are the host runners' keywords).
 
-    python3 benchmarks/kernel_once.py fplut [VARIANT [N]]           FPLUT on N fp16 values (base | s32 | s32u8)
+    python3 benchmarks/kernel_once.py fplut [N]                     FPLUT on N fp16 values (the routed kernel)
     python3 benchmarks/kernel_once.py nf4 ffn|mm K N ["h2=2, wide=True"]   FusedFFNNF4 decode / MatMulNF4 M = 1
     M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows):
                                                                      fp32 decode (mm, ffn) / small-M GEMV (mm1, ffn1)
@@ -30,38 +30,31 @@ def _opts(argv, i):
 
 
 def fplut(argv):
+    """FPLUT on N fp16 values as a session node runs it (runtime.direct.call: the kernel ROUTES picks)."""
     import torch
 
     from onnx_lowbit import fplut
-    from onnx_lowbit.custom_ops import fplut_cuda as fc
-    from onnx_lowbit.custom_ops.cuda_launch import Array, Launcher
+    from onnx_lowbit.custom_ops.runtime import direct
     seed = [-20.359375, -17.109375, -8.3671875, -1.9755859375, -0.255615234375, -0.007244110107421875,
             0.0072174072265625, 0.228515625, 1.58203125, 10.46875, 65504.0]
-    variant = argv[0] if argv else "base"
-    n = int(argv[1]) if len(argv) > 1 else 64 << 20
-    kern = {"base": lambda: fc._make(fc._word16, fc._one16, 4, 4, smem32=False),
-            "s32": lambda: fc._make(fc._word16b, fc._one16b, 4, 4),
-            "s32u8": lambda: fc._make(fc._word16b, fc._one16b, 4, 8)}[variant]()
-    lv = Launcher(kern, [Array(np.uint64), Array(np.uint64), Array(np.uint16), Array(np.uint16), Array(np.uint64),
-                         "int64"], dynamic_shared=fc.SHARED_BYTES)
+    n = int(argv[0]) if argv else 64 << 20
     t = fplut.Table.build("silu", seed)
-    dT = torch.from_numpy(fc.expanded(t.cut_points, t.values, 10).view(np.int64).copy()).cuda()
     x = (torch.randn(n, device="cuda") * 4).half()
     out = torch.empty_like(x)
-    grid = fc.grid_for(n, 4, torch.cuda.get_device_properties(0).multi_processor_count)
-    lv.launch(grid, fc.BLOCK, torch.cuda.current_stream().cuda_stream, (x.data_ptr(), (n // 4,)),
-              (out.data_ptr(), (n // 4,)), (x.data_ptr(), (n,)), (out.data_ptr(), (n,)),
-              (dT.data_ptr(), (fc.TABLE_WORDS,)), n)
+    attrs = {"function": "silu", "cut_points": list(t.cut_points), "table": t.values.astype(np.float32)}
+    direct.call("FPLUT", attrs, [x], [out], torch.cuda.current_stream().cuda_stream)()
     torch.cuda.synchronize()
     ref = fplut.apply(x[:4096].cpu().numpy(), t.cut_points, t.values)
     ok = np.array_equal(out[:4096].cpu().numpy().view(np.uint16), ref.view(np.uint16))
-    print(variant, "ok" if ok else "MISMATCH")
+    print("fplut", n, "ok" if ok else "MISMATCH")
 
 
 def nf4(argv):
     from numba import cuda
 
-    from onnx_lowbit.custom_ops import fusedffnnf4_cpu, fusedffnnf4_cuda, matmulnf4_cpu, matmulnf4_cuda, nf4_common
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cpu, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import common as nf4_common
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu, matmulnf4_cuda
     bs = 64
     cuda.current_context()      # the context first (matmulnf4_cuda asks the driver for the SM count)
     what, k, n = argv[0], int(argv[1]), int(argv[2])
@@ -170,7 +163,7 @@ def _nf4_weights(r, k, n, count):
 
 def nf4tc(argv):
     from onnx_lowbit import nf4
-    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.nf4 import nf4tc_cuda as tc
     m, k, n = (int(v) for v in argv[:3])
     r = np.random.default_rng(0)
     w = _nf4_weights(r, k, n, 2)
@@ -181,7 +174,7 @@ def nf4tc(argv):
 
 
 def nf4wide_ffn(argv):
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as f
     m, k, n, g = (int(v) for v in argv[:4])
     r = np.random.default_rng(0)
     w = _nf4_weights(r, k, n, 2)
@@ -193,7 +186,7 @@ def nf4wide_ffn(argv):
 
 def nf4wide_mm(argv):
     from onnx_lowbit import nf4
-    from onnx_lowbit.custom_ops import matmulnf4_cuda as mc
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     m, k, n = (int(v) for v in argv[:3])
     mc.M2_MAX_M = max(mc.M2_MAX_M, m)
     r = np.random.default_rng(0)

@@ -30,10 +30,22 @@ def category(name: str) -> str:
 
 
 def short(name: str) -> str:
-    m = re.search(r"(custom_ops\d*[A-Za-z_]*?)(\w+_cuda)\w*?(_[a-z]\w{3,40})", name)
-    if m:
-        return m.group(2) + m.group(3)
-    return name[:90]
+    """A Numba kernel's mangled name (its module path as length-prefixed parts: ..10custom_ops5fplut10fplut_cuda5_make
+    ..) as the op module and what follows it (``fplut_cuda_make...``); other names cut to 90 characters."""
+    i = name.find("10custom_ops")
+    if i < 0:
+        return name[:90]
+    i += len("10custom_ops")
+    while True:                             # the length-prefixed parts after custom_ops, up to the *_cuda module
+        m = re.match(r"\d+", name[i:])
+        if not m:
+            return name[:90]
+        j = i + len(m.group())
+        part = name[j:j + int(m.group())]
+        i = j + len(part)
+        if part.endswith("_cuda"):
+            m = re.match(r"\w*?(_[a-z]\w{3,40})", name[i:])
+            return part + (m.group(1) if m else "")
 
 
 def profile(path, ours, feeds, cuda_graph, steps, warmup, kernels=True):

@@ -65,7 +65,9 @@ MODULES = {     # alias -> module relative to onnx_lowbit.custom_ops: repoint he
     "nf4mma": "nf4.nf4mma_cuda",
     "awqgemv": "awq.gemv_cuda",
     "matmulawq1": "awq.matmulawq1_cuda",
-    "quantgru": "gru.quantgru_cuda",
+    "fusedffnawq": "ffn.fusedffnawq_cuda",
+    "quantgru_xproj": "gru.quantgru_xproj_cuda",
+    "quantgru_rec": "gru.quantgru_rec_cuda",
     "quantgru_prep": "gru.quantgru_prep_cuda",
 }
 
@@ -111,9 +113,9 @@ for _rows, (_mt, _kw, _ring, _mf) in ((8, (1, 4, 4, False)), (16, (2, 2, 2, Fals
 for _rows, (_mt, _kw, _ring) in ((8, (1, 4, 2)), (16, (2, 4, 2))):
     _add(f"fusedffn_kn_tc.m{_rows}", "fusedffn_kn_tc", f"make({_mt}, {_kw}, {_ring})", "sig()")
 
-# FPLUT: one 16-bit kernel (fp16 and bf16), one fp32 kernel
-for _e, _edt, _n in ((10, "np.uint16", "16bit"), (1, "np.uint32", "f32")):
-    _add(f"fplut.{_n}", "fplut", f"KERNELS[{_e}][0]",
+# FPLUT: one 16-bit kernel (fp16 and bf16), one fp32 kernel (fplut_cuda.ROUTES)
+for _k, _edt, _n in (("fplut16", "np.uint16", "16bit"), ("fplut32", "np.uint32", "f32")):
+    _add(f"fplut.{_n}", "fplut", f"KERNELS['{_k}'][0]",
          f"[Array(np.uint64), Array(np.uint64), Array({_edt}), Array({_edt}), Array(np.uint64), 'int64']")
 
 # RMSNorm: register kernel (ept 8) or two passes (ept 0), skip and H present or not
@@ -128,7 +130,7 @@ for _f in (False, True):
 # Rotary, RotaryKV (element or 8-byte copy units), KVAttention (element or wide units)
 for _e in (10, 1):
     _n = "f16" if _e == 10 else "f32"
-    _add(f"rotary.{_n}", "rotary", f"KERNELS[{_e}]", f"_signature({_e})")
+    _add(f"rotary.{_n}", "rotary", f"KERNELS['rotary{_n[1:]}']", f"_signature('rotary{_n[1:]}')")
     for _wide in (False, True):
         _u = "wide" if _wide else "elem"
         _add(f"rotarykv.{_n}.{_u}", "rotarykv", f"KERNELS[{_e}]", f"_signature({_e}, {_wide})")
@@ -216,17 +218,16 @@ for _nw, _mr, _wpls in ((1, 1, (1, 2)), (1, 8, (1,)), (2, 1, (1,)), (2, 8, (1,))
 # QuantGRU: the parameter kernel, the recurrent kernel (wide = bits 16; tn 1 / 2 / 4 by batch), xproj per tile of
 # XTILES[bits] and (chunked: C > kc, wide: bits 16 or C >= 65536) as xproj_fn keys it
 _add("quantgru.prep", "quantgru_prep", "prep", "signature()")
-for _bits in (8, 16):
+for _bits in (8, 16):       # quantgru_cuda.ROUTES: the xproj tiles, the recurrence per batch rows per thread (tn)
     _wdt = "np.int8" if _bits == 8 else "np.int16"
     for _tn in (1, 2, 4):
-        _add(f"quantgru.rec.b{_bits}.tn{_tn}", "quantgru", f"_make_rec({_bits == 16}, {_tn})", f"_sig_rec({_wdt})")
-    _tiles = ("128x64", "128x128", "64x64", "32x32") if _bits == 8 else ("128x64", "64x64", "32x32")
+        _add(f"quantgru.rec.b{_bits}.tn{_tn}", "quantgru_rec", f"_make_rec({_bits == 16}, {_tn})", f"sig_rec({_wdt})")
     _cw = ((False, False), (True, False), (True, True)) if _bits == 8 else ((False, True), (True, True))
-    for _tile in _tiles:
+    for _tile in ("128x64", "64x64", "32x32"):
         for _ch, _wd in _cw:
-            _add(f"quantgru.xproj.b{_bits}.{_tile}.c{int(_ch)}w{int(_wd)}", "quantgru",
-                 f"_make_xproj({_bits}, pick_xtile({_bits}, 1, 1, 1, 1, '{_tile}'), {_ch}, {_wd}, "
-                 f"{'K_F32' if _bits == 8 else 'K_F64'})", f"_sig_xproj({_wdt})")
+            _add(f"quantgru.xproj.b{_bits}.{_tile}.c{int(_ch)}w{int(_wd)}", "quantgru_xproj",
+                 f"_make_xproj({_bits}, xtile({_bits}, '{_tile}'), {_ch}, {_wd}, "
+                 f"{'K_F32' if _bits == 8 else 'K_F64'})", f"sig_xproj({_wdt})")
 
 NOT_COVERED = """\
 Not snapshotted (no session routes them; benchmark / test entry points only):

@@ -91,7 +91,6 @@ def _elem():
     from onnx import TensorProto
     return TensorProto.FLOAT16 if DTYPE == np.float16 else TensorProto.FLOAT
 BLOCK_KERNEL = "(block kernel, WARPCOLS off)"   # a row that times FusedFFNNF4 without the warp-column kernel
-OLD_TC = "(older tensor-core kernel, M > 8)"   # MatMulAWQ / FusedFFNAWQ with matmulawq1_cuda.SESSION_MAX_M = 8
 
 
 def time_model(model, m, runs, cuda_graph, check_replay=False):
@@ -104,7 +103,7 @@ def time_model(model, m, runs, cuda_graph, check_replay=False):
         prov = ["CPUExecutionProvider"]
     else:
         prov = [("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if cuda_graph else {})]
-    from onnx_lowbit.custom_ops import bridge
+    from onnx_lowbit.custom_ops.runtime import bridge
     sess = onnx_lowbit.InferenceSession(model, providers=prov)
     x = (np.random.default_rng(7 + m).standard_normal((m, K)) * 0.5).astype(DTYPE)
     xv = ort.OrtValue.ortvalue_from_numpy(x, DEVICE, 0)
@@ -260,13 +259,9 @@ def main():
              dict(weights="awq", weights_target="ort")),
             ("SwiGLU", "ours FusedFFNNF4", sw, "weights4,ffn", dict(weights="nf4")),
             ("SwiGLU", "ours FusedFFNAWQ", sw, "weights4,ffn", dict(weights="awq"))]
-    if any(8 < int(v) <= 16 for v in a.block_ms.split(",")):     # M = 9 .. 16: also the kernel sessions took before
-        others.insert(4, ("gate+up", f"ours MatMulAWQ x2 {OLD_TC}", pair, "weights4", dict(weights="awq")))
-        others.append(("SwiGLU", f"ours FusedFFNAWQ {OLD_TC}", sw, "weights4,ffn", dict(weights="awq")))
     others.insert(5, ("SwiGLU", "ours FusedFFN (fp16)", sw, "ffn", {}))
     others.insert(6, ("SwiGLU", "ours FusedFFN (fp16, [N, K])", sw, "ffn", dict(ffn_weights="nk")))
-    from onnx_lowbit.custom_ops import fusedffnnf4_cuda as f4
-    from onnx_lowbit.custom_ops import matmulawq1_cuda as m1
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as f4
     if not a.sweep_only and DEVICE == "cuda" and K % 1024 == 0 and any(c == K // 1024 for _, c in f4.WARPCOLS):
         others.insert(-1, ("SwiGLU", f"ours FusedFFNNF4 {BLOCK_KERNEL}", sw, "weights4,ffn", dict(weights="nf4")))
     if a.only:
@@ -285,11 +280,9 @@ def main():
         for label, name, model, ops in ([] if a.sweep_only else cases):
             for graph in (False, True):
                 blk = f"{label} (M={bm})"
-                saved, saved_m = f4.WARPCOLS, m1.SESSION_MAX_M
+                saved = f4.WARPCOLS
                 if BLOCK_KERNEL in name:        # the kernel objects read it when the session is made
                     f4.WARPCOLS = {}
-                if OLD_TC in name:              # read per call
-                    m1.SESSION_MAX_M = 8
                 try:
                     med, p90, ys, x, _ = time_model(model, bm, a.runs, graph)
                 except Exception as e:  # noqa: BLE001
@@ -297,7 +290,7 @@ def main():
                                      error=f"{type(e).__name__}: {str(e)[:160]}"))
                     continue
                 finally:
-                    f4.WARPCOLS, m1.SESSION_MAX_M = saved, saved_m
+                    f4.WARPCOLS = saved
                 key = (blk, graph)
                 if key not in ref:
                     ref[key] = ys

@@ -64,8 +64,8 @@ Finally the cut points are checked against the reference: :func:`fplut.error_sta
 max_rel as the piece decomposition (for every function whose f stays within the fp16 range).
 
 Interval errors are evaluated in batches by a Numba kernel (the numpy steps of ``evaluate_fp16`` transcribed,
-float32 arithmetic, round-to-nearest-even to fp16 on the bits; pure numpy fallback ``_errors_numpy`` gives
-identical figures).  The full search of the 12 functions takes about 75 s of CPU, ~40 s wall with the default
+float32 arithmetic, round-to-nearest-even to fp16 on the bits; pure numpy fallback ``errors_numpy`` gives
+identical figures; both in fplut_interval_errors.py).  The full search of the 12 functions takes about 75 s of CPU, ~40 s wall with the default
 ``--jobs 2``.
 
 Usage::
@@ -80,13 +80,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
 from . import fplut, halfbits
+from . import fplut_interval_errors as interval_errors
 from .unary import FUNCTIONS, evaluate
 
 FUNCTION_NAMES = ["silu", "sigmoid", "tanh", "gelu", "gelu_tanh", "exp", "softplus", "elu", "hardswish", "mish",
@@ -108,97 +111,6 @@ _CYCLES = 4
 _MOVES = sorted({int(round(1.5 ** k)) for k in range(0, 21)} | {1, 2, 3, 4})   # 1 .. ~3300 fp16 steps
 
 
-def _errors_numpy(x32, ref, den, ref16, ia, ib, t, s, nseg, closed):
-    """Batch of intervals [x[ia[m]], x[ib[m]]) (closed: ..]) with nseg segments, fp16 samples t[m] (float32) and
-    scales s[m]: their (max rel, max abs, number of outputs != fp16(f)), by the numpy steps of
-    ``fplut.evaluate_fp16``."""
-    out = np.zeros((len(ia), 3))
-    for m in range(len(ia)):
-        hi = ib[m] + 1 if closed else ib[m]
-        xs, tm = x32[ia[m]:hi], t[m]
-        p = (xs - x32[ia[m]]) * s[m]
-        j = np.minimum(np.maximum(np.floor(p), 0), nseg).astype(np.int64)
-        jp = np.minimum(j + 1, nseg)
-        fr = np.clip(p - j.astype(np.float32), np.float32(0), np.float32(1))
-        y1 = tm[j]
-        y = (tm[jp] - y1) * fr + y1
-        if closed:
-            y = np.where(xs >= x32[ib[m]], tm[nseg], y)
-        y = np.clip(y, np.float32(-_MAX), np.float32(_MAX)).astype(np.float16).astype(np.float64)
-        err = np.abs(y - ref[ia[m]:hi])
-        out[m] = (err / den[ia[m]:hi]).max(), err.max(), np.count_nonzero(y != ref16[ia[m]:hi])
-    return out
-
-
-def _make_numba_errors():
-    """``_errors_numpy`` compiled with Numba: float32 arithmetic (Numba contracts nothing into FMAs without
-    fastmath) and round-to-nearest-even to fp16 on the float32 bits (halfbits), so the figures are identical."""
-    from numba import njit
-
-    to_f16 = njit(inline="always")(halfbits.f32bits_to_f16bits)
-    f16_value = halfbits.all_fp16().astype(np.float64)          # fp16 bit pattern -> value
-
-    @njit(cache=True, nogil=True, boundscheck=False)
-    def kernel(x32, ref, den, ref16, ia, ib, t, s, nseg, closed, f16v):
-        zero, one = np.float32(0.0), np.float32(1.0)
-        lim = np.float32(65504.0)
-        fn = np.float32(nseg)
-        buf = np.empty(1, np.float32)
-        bits = buf.view(np.uint32)
-        out = np.zeros((ia.size, 3))
-        for m in range(ia.size):
-            a32, b32, s32 = x32[ia[m]], x32[ib[m]], s[m]
-            hi = ib[m] + 1 if closed else ib[m]
-            mr, ma, cnt = 0.0, 0.0, 0
-            for i in range(ia[m], hi):
-                x = x32[i]
-                p = (x - a32) * s32
-                fl = np.floor(p)
-                if fl < zero:
-                    fl = zero
-                if fl > fn:
-                    fl = fn
-                j = int(fl)
-                jp = min(j + 1, nseg)
-                fr = p - np.float32(j)
-                if fr < zero:
-                    fr = zero
-                if fr > one:
-                    fr = one
-                y1 = t[m, j]
-                y = (t[m, jp] - y1) * fr + y1
-                if closed and x >= b32:
-                    y = t[m, nseg]
-                if y > lim:
-                    y = lim
-                if y < -lim:
-                    y = -lim
-                buf[0] = y
-                y16 = f16v[to_f16(bits[0])]
-                if y16 != ref16[i]:
-                    cnt += 1
-                err = abs(y16 - ref[i])
-                rel = err / den[i]
-                if err > ma:
-                    ma = err
-                if rel > mr:
-                    mr = rel
-            out[m, 0] = mr
-            out[m, 1] = ma
-            out[m, 2] = cnt
-        return out
-
-    def errors(x32, ref, den, ref16, ia, ib, t, s, nseg, closed):
-        return kernel(x32, ref, den, ref16, ia, ib, t, s, nseg, closed, f16_value)
-    return errors
-
-
-try:
-    _errors = _make_numba_errors()
-except Exception:  # pragma: no cover - Numba missing: the numpy version gives the same figures, slower
-    _errors = _errors_numpy
-
-
 class _Problem:
     """One function on the grid of distinct finite fp16 values, with cached piece errors."""
 
@@ -217,7 +129,7 @@ class _Problem:
         self.den = np.maximum(np.abs(self.ref), _TINY)
         self.ref16 = self.ref.astype(np.float16).astype(np.float64)    # correctly rounded output
         self._cache: dict = {}
-        self.errors = _errors
+        self.errors = interval_errors.errors
 
     # ---- pieces --------------------------------------------------------------------------------------------
     def _t16(self, pts: np.ndarray) -> np.ndarray:
@@ -596,8 +508,6 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     tasks = [(n, args.rel_budget) for n in names]
     if args.jobs > 1 and len(tasks) > 1:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else None)
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
             results = list(pool.map(_timed_search, tasks))

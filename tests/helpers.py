@@ -272,3 +272,43 @@ def checked_rewrite(model, passes, check=True, **options):
     assert [i.name for i in out.graph.input] == [i.name for i in model.graph.input]
     assert [o.name for o in out.graph.output] == [o.name for o in model.graph.output]
     return out, rep
+
+
+def direct_run(op, attrs, inputs, outputs, *, misalign=(), setup=None):
+    """``op``'s CUDA face run once as a session node runs it (custom_ops.runtime.direct.call: the kernel object's
+    compute, its routing and its launches), on device copies of the host ``inputs`` (None: an optional input left
+    out; ``direct.typed(array, elem)``: another element type of the same width, e.g. bf16 in uint16). ``outputs``:
+    (shape, dtype[, ONNX element type when not dtype's]) of each output, NaN-filled (integers: 0x5A bytes) before the call; ``misalign``: indices of
+    inputs placed one element past their allocation's start (unaligned pointers); ``setup(kernel)``: adjusts the
+    kernel object first (e.g. ``kernel.sms``). Returns the outputs as host arrays. Simulator or GPU."""
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops.runtime import direct
+
+    def dev(a, shift):
+        a = np.ascontiguousarray(a)
+        if not shift:
+            return cuda.to_device(a)
+        buf = cuda.to_device(np.concatenate([np.zeros(1, a.dtype), a.reshape(-1)]))
+        return buf[1:].reshape(a.shape)
+
+    ins = []
+    for i, a in enumerate(inputs):
+        if isinstance(a, direct.typed):
+            ins.append(direct.typed(dev(a.array, i in misalign), a.elem))
+        else:
+            ins.append(None if a is None else dev(a, i in misalign))
+    outs, given = [], []
+    for shape, dtype, *elem in outputs:
+        dt = np.dtype(dtype)
+        size = int(np.prod(shape, dtype=np.int64))
+        fill = np.full(shape, np.nan, dt) if dt.kind == "f" else \
+            np.full(size * dt.itemsize, 0x5A, np.uint8).view(dt).reshape(shape)
+        outs.append(cuda.to_device(fill))
+        given.append(direct.typed(outs[-1], elem[0]) if elem else outs[-1])
+    run = direct.call(op, dict(attrs), ins, given, 0)
+    if setup is not None:
+        setup(run.kernel)
+    run()
+    cuda.synchronize()
+    return [o.copy_to_host() for o in outs]

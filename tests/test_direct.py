@@ -49,7 +49,7 @@ def test_kernel_binds_the_variant(monkeypatch):
 
 def test_context_output_and_stream():
     ctx = direct.Context(lambda: 7, [_Dev(np.float16, (2, 3), 512)])
-    assert ctx.stream == 7 and ctx.output_count == 1
+    assert ctx.stream == 7 and ctx.output_count() == 1
     assert ctx.output(0, (1, 2, 3)) == 512
     with pytest.raises(ValueError, match="output 0"):
         ctx.output(0, (2, 4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnx_lowbit import fplut, fplut_plot, fplut_search, fplut_tables, halfbits
+from onnx_lowbit import fplut, fplut_interval_errors, fplut_plot, fplut_search, fplut_tables, halfbits
 
 NAMES = fplut_tables.available()
 
@@ -65,7 +65,7 @@ def test_numba_and_numpy_interval_errors_agree():
         a = fplut_search._Problem("silu")
         a.intervals(pairs, nseg, closed)
         b = fplut_search._Problem("silu")
-        b.errors = fplut_search._errors_numpy
+        b.errors = fplut_interval_errors.errors_numpy
         b.intervals(pairs, nseg, closed)
         assert all(a.interval(p, q, nseg, closed) == b.interval(p, q, nseg, closed) for p, q in pairs)
 

@@ -14,9 +14,10 @@ import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import SimContext, gpu_or_sim, lowbit_session, ort_cuda_or_skip
+from helpers import SimContext, direct_run, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import domain, kvattention
 from onnx_lowbit.custom_ops.attention import kvattention_cpu, kvattention_cuda
+from onnx_lowbit.custom_ops.runtime import routing
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -122,6 +123,13 @@ def test_reference_refuses_mixed_types():
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+def cuda_run(q, k, v, mask=None, scale=1.0, divide=False, misalign=False):
+    """The CUDA face as a session node runs it (direct.call; the output NaN-filled first); ``misalign``: K one
+    element off an 8-byte boundary (element units)."""
+    return direct_run("KVAttention", {"scale": scale, "divide": int(divide)}, [q, k, v, mask], [(q.shape, q.dtype)],
+                      misalign=(1,) if misalign else ())[0]
+
+
 @pytest.mark.parametrize("dt", [F16, F32])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("specials", [False, True])
@@ -147,7 +155,7 @@ def test_cuda_kernel(case, dt, specials, misalign):
     element units for K one element off an 8-byte boundary."""
     gpu_or_sim()
     args = _data(case, dt, seed=case[5], specials=specials)
-    got = kvattention_cuda.run_arrays(*args, scale=case[7], divide=bool(case[8]), misalign=misalign)
+    got = cuda_run(*args, scale=case[7], divide=bool(case[8]), misalign=misalign)
     _close(got, _want(case, args), dt)
 
 
@@ -156,10 +164,10 @@ def test_cuda_kernel_no_keys_and_long_rows():
     thread's CU (D = 100 fp32: 50 units, 7 threads per key)."""
     gpu_or_sim()
     q, k, v, _ = _data((1, 2, 1, 8, 2, 0, None, 1.0, 0), F16)
-    assert np.array_equal(kvattention_cuda.run_arrays(q, k, v), np.zeros(q.shape, F16))
+    assert np.array_equal(cuda_run(q, k, v), np.zeros(q.shape, F16))
     case = (1, 1, 1, 100, 1, 5, (1, 1, 1, 5), 0.1, 0)
     args = _data(case, F32)
-    _close(kvattention_cuda.run_arrays(*args, scale=0.1), _want(case, args), F32)
+    _close(cuda_run(*args, scale=0.1), _want(case, args), F32)
 
 
 @pytest.mark.parametrize("dt", [F16, F32])
@@ -179,7 +187,7 @@ def test_kernels_causal_mask_with_minus_inf(dt):
     assert np.isnan(want[..., -1, :]).all() == (dt == F32) and np.isfinite(want[..., :-1, :]).all()
     _close(kvattention_cpu.run(q, k, v, mask, 0.3), want, dt)
     if SIM or REAL_GPU:
-        _close(kvattention_cuda.run_arrays(q, k, v, mask, 0.3), want, dt)
+        _close(cuda_run(q, k, v, mask, 0.3), want, dt)
 
 
 def test_cuda_kernel_refuses_too_many_keys():
@@ -205,6 +213,19 @@ def test_cuda_kernel_key_limit_follows_the_device(monkeypatch):
                                 1.0, False)
 
 
+def test_routes():
+    """The table read from the old code (8-byte units when D is a multiple of 4 fp16 / 2 fp32 elements and K, V are
+    8-byte aligned, else element units); every kernel it names has a launcher."""
+    name = lambda dt, d, al: routing.route(kvattention_cuda.ROUTES, routing.Case(dt, 1, d, 5, aligned=al)).kernel  # noqa
+    assert [name("float16", d, al) for d, al in ((8, True), (6, True), (8, False))] == \
+        ["kvattention16.wide", "kvattention16", "kvattention16"]
+    assert [name("float32", d, al) for d, al in ((6, True), (5, True), (6, False))] == \
+        ["kvattention32.wide", "kvattention32", "kvattention32"]
+    for k in routing.kernels(kvattention_cuda.ROUTES):
+        elem, wide = kvattention_cuda.variant(k)
+        assert kvattention_cuda.launcher(elem, wide) is kvattention_cuda.launcher(elem, wide)
+
+
 @pytest.mark.skipif(not REAL_GPU, reason="LLaMA-size shapes on the GPU only")
 @pytest.mark.parametrize("dt", [F16, F32])
 @pytest.mark.parametrize("case", [(1, 16, 1, 128, 16, 129, (1, 1, 1, 129), 0.0884, 0),
@@ -213,7 +234,7 @@ def test_cuda_kernel_key_limit_follows_the_device(monkeypatch):
                                   (1, 4, 1, 80, 2, 20000, None, 0.11, 0), (1, 2, 1, 256, 1, 300, None, 0.0625, 1)])
 def test_gpu_large(case, dt):
     args = _data(case, dt, specials=True)
-    _close(kvattention_cuda.run_arrays(*args, scale=case[7], divide=bool(case[8])), _want(case, args), dt)
+    _close(cuda_run(*args, scale=case[7], divide=bool(case[8])), _want(case, args), dt)
 
 
 @pytest.mark.skipif(not SIM, reason="stand-in context over host memory: simulator only")

@@ -61,12 +61,10 @@ def test_matmulawq_cuda_nan_inf_rows():
 
 def test_fplut_cuda_nan_inf():
     _cuda()
-    from helpers import SEED, seed_table
+    from helpers import SEED, direct_run, seed_table
     from onnx_lowbit import fplut
-    from onnx_lowbit.custom_ops.fplut import fplut_cuda
     x = np.array([np.nan, np.inf, -np.inf, 65504.0, -60000.0, 0.5, 1e30, -1e30], np.float32)
-    kw = {"block": 32} if SIM else {}
-    y = fplut_cuda.run_arrays(x, SEED, seed_table().values, **kw)
+    (y,) = direct_run("FPLUT", {"cut_points": SEED, "table": seed_table().values}, [x], [(x.shape, x.dtype)])
     ref = fplut.apply(x, SEED, seed_table().values)
     assert np.isnan(y[0]) and np.array_equal(y[1:], ref[1:]) and np.isfinite(y[1:]).all()
     assert y[1] == y[3] == y[6] and y[2] == y[4] == y[7]

@@ -265,7 +265,7 @@ def _coop_steps():
 
 def _gru(case, T=6, N=5):  # noqa: N803
     """A one-node QuantGRU model (weights as initializers) and feeds, with the reference's attributes."""
-    from test_gru_cuda import calibrated_case
+    from gru_cuda_cases import calibrated_case
     from test_gru_kernels import gru_node_model
     H, bits, direction, layout, lens, h0 = GRU_CASES[case]  # noqa: N806
     args, attrs = calibrated_case(T, N, 7, H, bits, direction, seed=H + bits, layout=layout, lens=lens)

@@ -13,8 +13,10 @@ import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers import direct_run
 from onnx_lowbit import domain, halfbits, rmsnorm
 from onnx_lowbit.custom_ops.attention import rmsnorm_cpu, rmsnorm_cuda
+from onnx_lowbit.custom_ops.runtime import routing
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # NaN / Inf inputs in the simulator's scalars
 SIM = bool(config.ENABLE_CUDASIM)
@@ -23,6 +25,15 @@ F16, F32 = np.float16, np.float32
 ET = {F16: TensorProto.FLOAT16, F32: TensorProto.FLOAT}
 EPS = 1e-5
 SHAPES = [(1, 1, 96), (3, 2, 64), (7,), (0, 8), (5, 40), (2, 1)]
+
+
+def cuda_run(x, g, skip, eps, block=None, sms=None):
+    """(Y, H) of the CUDA face run as a session node runs it (direct.call); ``block``: force the two-pass kernel with
+    that many threads, ``sms``: the grid size (both set on the kernel object)."""
+    def setup(k):
+        k.block = block
+        k.sms = sms or k.sms
+    return direct_run("RMSNorm", {"epsilon": eps}, [x, g, skip], [(x.shape, x.dtype)] * 2, setup=setup)
 
 
 def _data(shape, dt, seed=0, specials=False):
@@ -102,7 +113,7 @@ def test_cuda_kernel(shape, dt, with_skip, two_pass):
     x, g, skip = _data(shape, dt, seed=len(shape), specials=True)
     skip = skip if with_skip else None
     want_y, want_h = rmsnorm.apply(x, g, skip, EPS)
-    y, h = rmsnorm_cuda.run_arrays(x, g, skip, EPS, block=32 if two_pass else None, sms=1)
+    y, h = cuda_run(x, g, skip, EPS, block=32 if two_pass else None, sms=1)
     assert close(y, want_y) and same(h, want_h)
 
 
@@ -112,13 +123,29 @@ def test_geometry():
     assert rmsnorm_cuda.geometry(8192) == (0, rmsnorm_cuda.BLOCK) and rmsnorm_cuda.geometry(64, 32) == (0, 32)
 
 
+def test_routes():
+    """The table read from the old code: the register kernel up to 4096 elements a row unless a block size is
+    forced, else the two-pass kernel; every kernel it names has a launcher (both element types, skip and H given
+    or not)."""
+    name = lambda d, block=None: routing.route(rmsnorm_cuda.ROUTES, routing.Case(  # noqa: E731
+        "float16", 1, d, opts=routing.options(block=block))).kernel
+    assert [name(1), name(4096), name(4097), name(64, 32)] == ["register", "register", "twopass", "twopass"]
+    ept = {"register": rmsnorm_cuda.EPT, "twopass": 0}
+    for k in routing.kernels(rmsnorm_cuda.ROUTES):
+        for elem in (10, 1):
+            for skip in (False, True):
+                for h in (False, True):
+                    lau = rmsnorm_cuda.launcher(elem, ept[k], skip, h)
+                    assert lau is rmsnorm_cuda.launcher(elem, ept[k], skip, h)
+
+
 @pytest.mark.skipif(not REAL_GPU, reason="LLaMA-size shapes on the GPU only")
 @pytest.mark.parametrize("dt", [F16, F32])
 @pytest.mark.parametrize("shape", [(1, 1, 2048), (1, 1, 4096), (4, 128, 4096), (3, 1000), (2, 8192), (2, 10000)])
 def test_gpu_large(shape, dt):
     x, g, skip = _data(shape, dt)
     want_y, want_h = rmsnorm.apply(x, g, skip, EPS)
-    y, h = rmsnorm_cuda.run_arrays(x, g, skip, EPS)
+    y, h = cuda_run(x, g, skip, EPS)
     assert close(y, want_y) and same(h, want_h)
 
 

@@ -12,8 +12,10 @@ import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
+from helpers import SimContext, direct_run
 from onnx_lowbit import domain, rotary
 from onnx_lowbit.custom_ops.attention import rotary_cpu, rotary_cuda
+from onnx_lowbit.custom_ops.runtime import routing
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -35,6 +37,12 @@ def _data(xs, cs, dt, seed=0, specials=True):
     if specials and x.size >= 4:
         x.reshape(-1)[:4] = [np.nan, np.inf, -np.inf, 6e4]
     return x, c, s
+
+
+def cuda_run(x, c, s, sms=None):
+    """The CUDA face as a session node runs it (direct.call); ``sms``: the kernel object's grid size."""
+    setup = None if sms is None else (lambda k: setattr(k, "sms", sms))
+    return direct_run("Rotary", {}, [x, c, s], [(x.shape, x.dtype)], setup=setup)[0]
 
 
 def _same(a, b):
@@ -120,7 +128,7 @@ def test_cuda_kernel_bit_exact(xs, cs, dt):
     if not SIM and not REAL_GPU:
         pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
     x, c, s = _data(xs, cs, dt, seed=len(xs))
-    assert _same(rotary_cuda.run_arrays(x, c, s), rotary.apply(x, c, s))
+    assert _same(cuda_run(x, c, s), rotary.apply(x, c, s))
 
 
 def test_cuda_kernel_grid_stride():
@@ -129,7 +137,7 @@ def test_cuda_kernel_grid_stride():
         pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
     x, c, s = _data((2, 3, 9, 80), (1, 1, 9, 80), F16)
     assert x.size // 2 > rotary_cuda.BLOCK * rotary_cuda.GRID_PER_SM
-    assert _same(rotary_cuda.run_arrays(x, c, s, sms=1), rotary.apply(x, c, s))
+    assert _same(cuda_run(x, c, s, sms=1), rotary.apply(x, c, s))
 
 
 @pytest.mark.skipif(not REAL_GPU, reason="LLaMA-size shapes on the GPU only")
@@ -138,19 +146,8 @@ def test_cuda_kernel_grid_stride():
                                    ((1, 40, 77, 64), (77, 64))])
 def test_gpu_large(xs, cs, dt):
     x, c, s = _data(xs, cs, dt)
-    assert _same(rotary_cuda.run_arrays(x, c, s), rotary.apply(x, c, s))
+    assert _same(cuda_run(x, c, s), rotary.apply(x, c, s))
 
-
-class _Ctx:
-    """bridge.Context's stand-in under the simulator: outputs are host buffers (the simulator's device memory)."""
-
-    def __init__(self):
-        self.stream, self.recorder, self.keep = 0, None, []
-
-    def output(self, index, shape):
-        b = np.zeros(max(int(np.prod(shape)) * 4, 4), np.uint8)
-        self.keep.append(b)
-        return b.ctypes.data
 
 
 @pytest.mark.skipif(not SIM, reason="stand-in context over host memory: simulator only")
@@ -167,13 +164,22 @@ def test_cuda_kernel_object_compute(dt, monkeypatch):
     kern = rotary_cuda.KERNEL(spec=domain.OPS["Rotary"], attrs={}, node_name="rot0", in_types=(et,) * 3,
                               out_types=(et,))
     x, c, s = _data((2, 2, 3, 8), (1, 1, 3, 8), dt)
-    ctx = _Ctx()
+    ctx = SimContext()
     kern.compute(ctx, [Tensor(a.ctypes.data, et, a.shape) for a in (x, c, s)])
-    got = ctx.keep[0][: x.nbytes].view(dt).reshape(x.shape)
+    got = ctx.keep[0][0].view(dt)[: x.size].reshape(x.shape)
     assert _same(got, rotary.apply(x, c, s))
     bad = np.zeros((3, 3, 8), dt)
     with pytest.raises(KernelError, match="does not broadcast"):
-        kern.compute(_Ctx(), [Tensor(a.ctypes.data, et, a.shape) for a in (x, bad, bad)])
+        kern.compute(SimContext(), [Tensor(a.ctypes.data, et, a.shape) for a in (x, bad, bad)])
+
+
+def test_routes():
+    """The table read from the old code: one kernel per element type; every kernel it names has a launcher."""
+    name = lambda dt: routing.route(rotary_cuda.ROUTES, routing.Case(dt, 64)).kernel  # noqa: E731
+    assert (name("float16"), name("float32")) == ("rotary16", "rotary32")
+    assert routing.kernels(rotary_cuda.ROUTES) == list(rotary_cuda.KERNELS)
+    for k in routing.kernels(rotary_cuda.ROUTES):
+        assert rotary_cuda.launcher(k) is rotary_cuda.launcher(k)
 
 
 # ------------------------------------------------------------------------------------------------ sessions

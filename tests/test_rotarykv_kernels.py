@@ -13,9 +13,10 @@ import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
-from helpers import SimContext, gpu_or_sim, lowbit_session, ort_cuda_or_skip
+from helpers import SimContext, direct_run, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import domain, rotarykv
 from onnx_lowbit.custom_ops.attention import rotarykv_cpu, rotarykv_cuda
+from onnx_lowbit.custom_ops.runtime import routing
 
 SIM = bool(config.ENABLE_CUDASIM)
 REAL_GPU = os.environ.get("ONNX_LOWBIT_REAL_GPU") == "1"
@@ -95,6 +96,18 @@ def test_reference_refuses_mixed_types():
 
 
 # ------------------------------------------------------------------------------------------------ kernels
+def cuda_run(qkv, cos, sin, past_key, past_value, hq, hkv, sms=None, misalign=False):
+    """The CUDA face as a session node runs it (direct.call; outputs NaN-filled first); ``sms``: the kernel object's
+    grid size; ``misalign``: QKV one element (2 bytes fp16, 4 bytes fp32) off an 8-byte boundary."""
+    b, s = qkv.shape[:2]
+    d = qkv.shape[2] // (hq + 2 * hkv)
+    p = past_key.shape[2] if past_key is not None else 0
+    outs = [((b, hq, s, d), qkv.dtype), ((b, hkv, p + s, d), qkv.dtype), ((b, hkv, p + s, d), qkv.dtype)]
+    setup = None if sms is None else (lambda k: setattr(k, "sms", sms))
+    return tuple(direct_run("RotaryKV", {"num_heads": hq, "kv_num_heads": hkv}, [qkv, cos, sin, past_key, past_value],
+                            outs, misalign=(0,) if misalign else (), setup=setup))
+
+
 def _want(case, args, cache):
     hq, hkv = case[4], case[5]
     qkv, c, s, pk, pv = args
@@ -127,7 +140,7 @@ def test_cuda_kernel_bit_exact(case, dt, cache, misalign):
     gpu_or_sim()
     args = _data(case, dt, seed=case[1])
     qkv, c, s, pk, pv = args
-    got = rotarykv_cuda.run_arrays(qkv, c, s, pk if cache else None, pv if cache else None, case[4], case[5],
+    got = cuda_run(qkv, c, s, pk if cache else None, pv if cache else None, case[4], case[5],
                                    misalign=misalign)
     assert _all_same(got, _want(case, args, cache))
 
@@ -139,7 +152,7 @@ def test_cuda_kernel_grid_stride():
     case = (2, 3, 40, 32, 4, 2, (2, 1, 3, 32))
     args = _data(case, F16)
     assert 2 * case[0] * case[5] * case[2] * case[3] // 4 > rotarykv_cuda.BLOCK * rotarykv_cuda.GRID_PER_SM
-    assert _all_same(rotarykv_cuda.run_arrays(*args, 4, 2, sms=1), _want(case, args, True))
+    assert _all_same(cuda_run(*args, 4, 2, sms=1), _want(case, args, True))
 
 
 @pytest.mark.skipif(not REAL_GPU, reason="LLaMA-size shapes on the GPU only")
@@ -148,7 +161,7 @@ def test_cuda_kernel_grid_stride():
                                   (4, 512, 0, 128, 32, 32, (4, 1, 512, 128)), (2, 77, 300, 64, 12, 4, (77, 64))])
 def test_gpu_large(case, dt):
     args = _data(case, dt)
-    assert _all_same(rotarykv_cuda.run_arrays(*args, case[4], case[5]), _want(case, args, True))
+    assert _all_same(cuda_run(*args, case[4], case[5]), _want(case, args, True))
 
 
 @pytest.mark.skipif(not SIM, reason="stand-in context over host memory: simulator only")
@@ -174,6 +187,18 @@ def test_cuda_kernel_object_compute(dt, cache, monkeypatch):
     assert _all_same(got, _want(case, args, cache))
     with pytest.raises(KernelError, match="past_key must be"):
         kern.compute(SimContext(), tensors[:3] + [Tensor(args[3].ctypes.data, et, (2, 3, 5, 16))] * 2)
+
+
+def test_routes():
+    """The table read from the old code (8-byte copy units when D is a multiple of 4 fp16 / 2 fp32 elements and
+    every pointer is 8-byte aligned, else element copies); every kernel it names has a launcher."""
+    name = lambda dt, d, al: routing.route(rotarykv_cuda.ROUTES, routing.Case(dt, 1, d, aligned=al)).kernel  # noqa
+    assert [name("float16", d, al) for d, al in ((8, True), (6, True), (8, False))] == \
+        ["rotarykv16.wide", "rotarykv16", "rotarykv16"]
+    assert [name("float32", d, al) for d, al in ((6, True), (5, True), (6, False))] == \
+        ["rotarykv32.wide", "rotarykv32", "rotarykv32"]
+    for k in routing.kernels(rotarykv_cuda.ROUTES):
+        assert rotarykv_cuda.launcher(k) is rotarykv_cuda.launcher(k)
 
 
 # ------------------------------------------------------------------------------------------------ sessions

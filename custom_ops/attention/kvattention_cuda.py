@@ -36,6 +36,8 @@ from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
 from ..device.target import SIM, device
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, route
+from .common_cuda import unit_routes, unit_variant
 
 NT = 64 if SIM else 512     # threads per block (a power of two: tree reductions; 1024 did not launch with the first
 #                             kernel's 76 registers); fewer in the simulator: speed
@@ -237,6 +239,16 @@ def _signature(elem, wide):
     return [a, kv, kv, a, a] + ["int64"] * 15 + ["float64"] * 6
 
 
+# Which kernel serves which call (routing.py): per element type, 8-byte units where D and the K / V pointers allow
+# (``aligned``; onnxruntime's buffers always are), else element units. Case: M = query rows, K = D, N = keys (T).
+ROUTES = unit_routes("kvattention", "K, V",
+                     "BENCHMARKS.md, Kernels: Rotary, RotaryKV, KVAttention, RMSNorm (H100 2026-11-25)")
+DTYPES = {10: "float16", 1: "float32"}
+
+
+variant = unit_variant      # ROUTES kernel name -> (element type, wide)
+
+
 _launchers = {}
 
 
@@ -282,8 +294,9 @@ def max_keys(d, elem=10, limit=SHARED_MAX):
 
 
 def launch(elem, stream, shapes, ptrs, scale, divide):
-    """One launch for Q / K / V / mask of ``shapes`` (mask None: absent) at device pointers ``ptrs`` (q, k, v, mask or
-    0, o); nothing when O is empty. Raises kvattention.KVAttentionError for shapes the op or this kernel does not
+    """The kernel object's launch for Q / K / V / mask of ``shapes`` (mask None: absent) at device pointers ``ptrs``
+    (q, k, v, mask or 0, o): the routing Case (element type, M = query rows, K = D, N = T, K / V alignment), the
+    kernel ROUTES names, one launch; nothing when O is empty. Raises kvattention.KVAttentionError for shapes the op or this kernel does not
     take."""
     qs, ks, vs, ms = shapes
     b, hq, s, d, hkv, t = kvattention.dims(qs, ks, vs, ms)
@@ -292,7 +305,7 @@ def launch(elem, stream, shapes, ptrs, scale, divide):
         return
     wvw = unit_width(elem == 10, True)
     q, k, v, m, o = ptrs
-    wide = d % wvw == 0 and k % 8 == 0 and v % 8 == 0
+    wide = variant(route(ROUTES, Case(DTYPES[elem], rows, d, t, aligned=k % 8 == 0 and v % 8 == 0)).kernel)[1]
     vw = wvw if wide else 1
     cw, c, g, shmem = geometry(d, t, vw)
     limit = shared_limit() if shmem > SHARED_PLAIN else SHARED_PLAIN
@@ -312,37 +325,8 @@ def launch(elem, stream, shapes, ptrs, scale, divide):
                int(bool(divide)), rep, sc, *[1.0 / x for x in (s, hq, rep, c, cw)], shmem=shmem)
 
 
-def run_arrays(q, k, v, mask=None, scale=1.0, divide=False, misalign=False):
-    """The kernel on host arrays (tests): copied to the device, launched as a session launches it, copied back.
-    ``misalign``: K placed one element past an 8-byte boundary (takes the element-unit variant)."""
-    kvattention.check(q, k, v, mask)
-    elem = 10 if q.dtype == np.float16 else 1
-    st = STORAGE[elem]
-    flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
-    src = [flat(q), flat(k), flat(v), None if mask is None else flat(mask)]
-    if misalign:
-        src[1] = np.concatenate([np.zeros(1, st), src[1]])
-    out = np.full(max(q.size, 1), 0x7E00 if elem == 10 else np.nan, st)        # NaN-filled
-    shapes = (q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    if SIM:     # host memory is the simulator's device memory
-        bufs = [a if a is None or a.size else np.zeros(1, st) for a in src] + [out]
-        ptrs = [0 if a is None else a.ctypes.data for a in bufs]
-        if misalign:
-            ptrs[1] += out.itemsize
-        launch(elem, 0, shapes, ptrs, scale, divide)
-    else:
-        dev = [None if a is None else cuda.to_device(a if a.size else np.zeros(1, st)) for a in src]
-        dout = cuda.to_device(out)
-        ptrs = [0 if a is None else a.device_ctypes_pointer.value for a in dev + [dout]]
-        if misalign:
-            ptrs[1] += out.itemsize
-        launch(elem, 0, shapes, ptrs, scale, divide)
-        cuda.synchronize()
-        out = dout.copy_to_host()
-    return out[:q.size].view(q.dtype).reshape(q.shape)
-
-
 class KVAttentionCudaKernel(Kernel):
+    """Per call: validates the shapes, one launch (``launch``)."""
     native_plans = True  # one launch whose parameters depend only on the input shapes and alignments; see plans.py
 
     def __init__(self, **kw):

@@ -12,7 +12,7 @@ from numba import njit, prange
 
 from onnx_lowbit import rmsnorm
 
-from ..device.half_cpu import f2h as _f2h, h2f as _h2f
+from ..device.half_cpu import f2h, h2f
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 16
@@ -23,10 +23,10 @@ def _norm16(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
         b = r * d
         acc = np.float32(0.0)
         for i in range(d):
-            v = _h2f(x[b + i])
+            v = h2f(x[b + i])
             if has_skip:
-                hb = _f2h(v + _h2f(skip[b + i]))
-                v = _h2f(hb)
+                hb = f2h(v + h2f(skip[b + i]))
+                v = h2f(hb)
                 if has_h:
                     hout[b + i] = hb
             elif has_h:
@@ -34,10 +34,10 @@ def _norm16(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
             acc += v * v
         inv = np.float32(1.0) / np.sqrt(acc / np.float32(d) + eps)
         for i in range(d):
-            v = _h2f(x[b + i])
+            v = h2f(x[b + i])
             if has_skip:
-                v = _h2f(_f2h(v + _h2f(skip[b + i])))
-            y[b + i] = _f2h(_h2f(g[i]) * _h2f(_f2h(v * inv)))
+                v = h2f(f2h(v + h2f(skip[b + i])))
+            y[b + i] = f2h(h2f(g[i]) * h2f(f2h(v * inv)))
 
 
 def _norm32(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):

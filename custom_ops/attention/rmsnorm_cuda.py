@@ -13,7 +13,7 @@ per call, twice onnxruntime's LayerNormalization (2.7 us): its eight dependent l
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda, float32, uint64
+from numba import cuda, float32, uint64
 
 from onnx_lowbit import rmsnorm
 
@@ -21,10 +21,10 @@ from ..device import launch as cuda_launch
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
-from ..device.target import device
+from ..device.target import SIM, device
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, Route, always, options, route
 
-SIM = bool(config.ENABLE_CUDASIM)
 BLOCK = 256             # threads of the two-pass kernel
 FULL = np.uint32(0xFFFFFFFF)
 U0, U5, U31 = np.uint64(0), np.uint64(5), np.uint64(31)
@@ -137,20 +137,35 @@ EPT = 8                 # elements per thread of the register kernel
 MAX_BLOCK = 512         # its largest block: rows up to EPT * MAX_BLOCK = 4096 elements; longer rows: two passes
                         # (1024 threads x 66-72 registers of the fp16 variants exceed an SM's 64K registers)
 STORAGE = {10: np.uint16, 1: np.float32}
+DTYPES = {10: "float16", 1: "float32"}
+
+# Which kernel serves which call (routing.py). Case: M = rows, K = D (row length); opts: block (a two-pass block
+# size forced by tests, else None). Each kernel is compiled per element type and per node (skip given, H wanted).
+ROUTES = (
+    Route("register", f"rows of at most EPT * MAX_BLOCK = {EPT * MAX_BLOCK} elements: the row in registers, the "
+          "fewest warps that hold it", lambda c: c.k <= EPT * MAX_BLOCK and c.opt("block") is None,
+          "rmsnorm_cuda's docstring: the two-pass kernel alone took 5.8 us at D = 2048 (H100), twice onnxruntime's "
+          "LayerNormalization; BENCHMARKS.md, Kernels: Rotary, RotaryKV, KVAttention, RMSNorm"),
+    Route("twopass", f"longer rows (or a block size forced by tests): two strided passes, {BLOCK} threads", always,
+          "the only kernel for rows past 4096 elements; BENCHMARKS.md, same section (4 x 512 x 4096)"),
+)
 _launchers = {}
 
 
 def geometry(d, block=None):
-    """(ept, block) for rows of d elements: the register kernel with the fewest warps that hold the row, else
-    the two-pass kernel with ``block`` (default BLOCK) threads."""
-    if block is None and d <= EPT * MAX_BLOCK:
+    """(ept, block) for rows of d elements: the kernel ROUTES names (``block``: a forced two-pass block size), the
+    register kernel with the fewest warps that hold the row, else the two-pass kernel with ``block`` (default
+    BLOCK) threads."""
+    name = route(ROUTES, Case("", 0, d, opts=options(block=block))).kernel
+    if name == "register":
         return EPT, max(32, -(-d // (EPT * 32)) * 32)
     return 0, block or BLOCK
 
 
 def launcher(elem, ept, has_skip, has_h):
-    """The direct-launch wrapper for fp16 (10) or fp32 (1), ``ept`` and the optional input / output present
-    (compiled once per process and variant); under the simulator launch.SimLauncher."""
+    """The direct-launch wrapper for fp16 (10) or fp32 (1), ``ept`` (EPT: the register kernel, 0: two passes) and
+    the optional input / output present (compiled once per process and variant); under the simulator
+    launch.SimLauncher."""
     key = (elem, ept, bool(has_skip), bool(has_h))
     if key not in _launchers:
         a = Array(STORAGE[elem])
@@ -164,8 +179,9 @@ def grid_for(rows, sms):
 
 
 def launch(elem, stream, sms, shape, ptrs, has_skip, has_h, eps, block=None):
-    """One launch for X of ``shape`` at ``ptrs`` (x, skip or 0, gamma, y, h or 0); nothing for an empty X.
-    ``block``: force the two-pass kernel with that many threads (tests)."""
+    """The kernel object's launch for X of ``shape`` at ``ptrs`` (x, skip or 0, gamma, y, h or 0): the kernel
+    ROUTES names (``geometry``), one launch; nothing for an empty X. ``block``: force the two-pass kernel with that
+    many threads (tests: short rows through it)."""
     n = int(np.prod(shape, dtype=np.int64))
     if n == 0:
         return
@@ -178,31 +194,10 @@ def launch(elem, stream, sms, shape, ptrs, has_skip, has_h, eps, block=None):
         (ph if has_h else py, (n,)), rows, d, float(eps))
 
 
-def run_arrays(x, gamma, skip=None, epsilon=1e-6, sms=None, block=None):
-    """The kernel on host arrays (tests): (Y, H) copied back, launched as a session launches it."""
-    rmsnorm.check(x.shape, x.dtype, gamma.shape, gamma.dtype, None if skip is None else skip.shape,
-                  None if skip is None else skip.dtype)
-    elem = 10 if x.dtype == np.float16 else 1
-    st = STORAGE[elem]
-    flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
-    n = x.size
-    y, h = np.zeros(max(n, 1), st), np.zeros(max(n, 1), st)
-    src = [flat(x) if n else np.zeros(1, st), flat(skip) if skip is not None and n else np.zeros(1, st),
-           flat(gamma) if gamma.size else np.zeros(1, st)]
-    if SIM:
-        bufs = src + [y, h]
-        launch(elem, 0, sms or 2, x.shape, [b.ctypes.data for b in bufs], skip is not None, True, epsilon, block)
-    else:
-        dev = [cuda.to_device(a) for a in src + [y, h]]
-        launch(elem, 0, sms or cuda_launch.sm_count(cuda_launch.current_device()), x.shape,
-               [a.device_ctypes_pointer.value for a in dev], skip is not None, True, epsilon, block)
-        cuda.synchronize()
-        y, h = dev[3].copy_to_host(), dev[4].copy_to_host()
-    out = lambda a: a[:n].view(x.dtype).reshape(x.shape)  # noqa: E731
-    return out(y), out(h)
-
-
 class RMSNormCudaKernel(Kernel):
+    """Per call: validates the shapes, one launch (``launch``). ``sms`` sets the grid, ``block`` (None) forces the
+    two-pass kernel with that many threads: tests set them to reach the grid-stride loop and the two-pass kernel
+    on small tensors."""
     native_plans = True  # one launch whose parameters depend only on the input shapes; see plans.py
 
     def __init__(self, **kw):
@@ -210,6 +205,7 @@ class RMSNormCudaKernel(Kernel):
         self.elem = self.in_types[0]
         self.eps = float(np.float32(self.attrs["epsilon"]))
         self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
+        self.block = None
 
     def compute(self, ctx, inputs):
         x, g = self.check_input(inputs, 0), self.check_input(inputs, 1)
@@ -222,7 +218,7 @@ class RMSNormCudaKernel(Kernel):
         y = ctx.output(0, x.shape)
         h = ctx.output(1, x.shape) if ctx.output_count() > 1 else 0
         launch(self.elem, ctx.stream, self.sms, x.shape, (x.ptr, s.ptr if s is not None else 0, g.ptr, y, h),
-               s is not None, bool(h), self.eps)
+               s is not None, bool(h), self.eps, self.block)
 
 
 KERNEL = RMSNormCudaKernel

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from onnx_lowbit import rotary
 
-from ..device.half_cpu import f2h as _f2h, h2f as _h2f
+from ..device.half_cpu import f2h, h2f
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 16
@@ -22,7 +22,7 @@ PARALLEL_MIN = 1 << 16
 @njit(inline="always")
 def r16(v):
     """v rounded to fp16 precision (as float32)."""
-    return _h2f(_f2h(v))
+    return h2f(f2h(v))
 
 
 @njit(inline="always")
@@ -44,10 +44,10 @@ def _rot16(x, c, s, y, dims, h, cst, sst):
         xb = r * 2 * h
         cb, sb = _bases(r, dims, cst, sst)
         for j in range(h):
-            x1 = _h2f(x[xb + j])
-            x2 = _h2f(x[xb + j + h])
-            y[xb + j] = _f2h(r16(x1 * _h2f(c[cb + j * cl])) + r16(-x2 * _h2f(s[sb + j * sl])))
-            y[xb + j + h] = _f2h(r16(x2 * _h2f(c[cb + (j + h) * cl])) + r16(x1 * _h2f(s[sb + (j + h) * sl])))
+            x1 = h2f(x[xb + j])
+            x2 = h2f(x[xb + j + h])
+            y[xb + j] = f2h(r16(x1 * h2f(c[cb + j * cl])) + r16(-x2 * h2f(s[sb + j * sl])))
+            y[xb + j + h] = f2h(r16(x2 * h2f(c[cb + (j + h) * cl])) + r16(x1 * h2f(s[sb + (j + h) * sl])))
 
 
 def _rot32(x, c, s, y, dims, h, cst, sst):

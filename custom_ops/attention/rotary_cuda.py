@@ -11,7 +11,7 @@ or a Split, two Negs, two Concats, four Muls, two Adds) by two launches.
 from __future__ import annotations
 
 import numpy as np
-from numba import config, cuda, int64
+from numba import cuda, int64
 
 from onnx_lowbit import rotary
 
@@ -20,11 +20,13 @@ from ..device.arith import add, divmod_, mul
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
+from ..device.target import SIM
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, Route, always, route
 
-SIM = bool(config.ENABLE_CUDASIM)
 BLOCK = 256
 GRID_PER_SM = 8
+
 
 def _make(f16):
     ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
@@ -55,72 +57,63 @@ def _make(f16):
     return kernel
 
 
-KERNELS = {10: _make(True), 1: _make(False)}
-STORAGE = {10: np.uint16, 1: np.float32}
+# Which kernel serves which call (routing.py): one kernel per element type.
+ROUTES = (
+    Route("rotary16", "fp16 X, cos, sin", lambda c: c.dtype == "float16",
+          "BENCHMARKS.md, Kernels: Rotary, RotaryKV, KVAttention, RMSNorm (H100 2026-11-25)"),
+    Route("rotary32", "fp32 X, cos, sin", always,
+          "bit-exactness with the unfused fp32 graph (tests/test_rotary_kernels.py); its speed is not measured"),
+)
+KERNELS = {"rotary16": _make(True), "rotary32": _make(False)}
+STORAGE = {"rotary16": np.uint16, "rotary32": np.float32}
+DTYPES = {10: "float16", 1: "float32"}
 
 
-def _signature(elem):
-    a = Array(STORAGE[elem])
+def _signature(name):
+    a = Array(STORAGE[name])
     return [a, a, a, a] + ["int64"] * 15 + ["float64"] * 4
 
 
 _launchers = {}
 
 
-def launcher(elem):
-    """The direct-launch wrapper of the kernel for fp16 (10) or fp32 (1) (compiled once per process); under the
-    simulator launch.SimLauncher."""
-    if elem not in _launchers:
-        _launchers[elem] = (SimLauncher if SIM else Launcher)(KERNELS[elem], _signature(elem))
-    return _launchers[elem]
+def launcher(name):
+    """The direct-launch wrapper of ROUTES kernel ``name`` (compiled once per process); under the simulator
+    launch.SimLauncher."""
+    if name not in _launchers:
+        _launchers[name] = (SimLauncher if SIM else Launcher)(KERNELS[name], _signature(name))
+    return _launchers[name]
 
 
 def grid_for(pairs, sms):
     return max(1, min(-(-pairs // BLOCK), sms * GRID_PER_SM))
 
 
-def launch(lau, stream, sms, shapes, ptrs):
-    """One launch for X / cos / sin of ``shapes`` at device pointers ``ptrs`` (x, cos, sin, y); nothing for an
+def launch(elem, stream, sms, shapes, ptrs):
+    """The kernel object's launch for X / cos / sin of ``shapes`` at device pointers ``ptrs`` (x, cos, sin, y): the
+    routing Case (X's element type, M = its rotated pairs), the kernel ROUTES names, one launch; nothing for an
     empty X. Raises rotary.RotaryError for shapes the op does not take."""
     xs, cs, ss = shapes
     dims, d, cst, sst = rotary.layout(xs, cs, ss)
     n = int(np.prod(xs, dtype=np.int64))
     if n == 0:
         return
+    name = route(ROUTES, Case(DTYPES[elem], n // 2)).kernel
     sizes = (n, int(np.prod(cs, dtype=np.int64)), int(np.prod(ss, dtype=np.int64)), n)
     arrays = [(p, (k,)) for p, k in zip(ptrs, sizes)]
     recips = [1.0 / v for v in (d // 2, dims[3], dims[2], dims[1])]
-    lau.launch(grid_for(n // 2, sms), BLOCK, stream, *arrays, *dims, d // 2, *cst, *sst, *recips)
-
-
-def run_arrays(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sms: int | None = None) -> np.ndarray:
-    """The kernel on host arrays (tests): copied to the device, launched as a session launches it, copied back."""
-    rotary.check(x.shape, x.dtype, cos.shape, cos.dtype, sin.shape, sin.dtype)
-    elem = 10 if x.dtype == np.float16 else 1
-    st = STORAGE[elem]
-    flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
-    y = np.zeros(x.size, st)
-    if SIM:     # host memory is the simulator's device memory
-        bufs = [flat(x), flat(cos), flat(sin), y]
-        ptrs = [b.ctypes.data for b in bufs]
-        launch(launcher(elem), 0, sms or 2, (x.shape, cos.shape, sin.shape), ptrs)
-        return y.view(x.dtype).reshape(x.shape)
-    dev = [cuda.to_device(flat(a) if a.size else np.zeros(1, st)) for a in (x, cos, sin)]
-    dy = cuda.to_device(y if y.size else np.zeros(1, st))
-    ptrs = [d.device_ctypes_pointer.value for d in dev + [dy]]
-    launch(launcher(elem), 0, sms or cuda_launch.sm_count(cuda_launch.current_device()), (x.shape, cos.shape, sin.shape),
-           ptrs)
-    cuda.synchronize()
-    return dy.copy_to_host()[: x.size].view(x.dtype).reshape(x.shape)
+    launcher(name).launch(grid_for(n // 2, sms), BLOCK, stream, *arrays, *dims, d // 2, *cst, *sst, *recips)
 
 
 class RotaryCudaKernel(Kernel):
+    """Per call: validates the shapes, one launch (``launch``); ``sms`` sets the grid (tests lower it to reach the
+    grid-stride loop on small tensors)."""
     native_plans = True  # one launch whose parameters depend only on the input shapes; see plans.py
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.elem = self.in_types[0]
-        self.launcher = launcher(self.elem)
+        launcher(route(ROUTES, Case(DTYPES[self.elem], 0)).kernel)     # compiled at session creation
         self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
 
     def compute(self, ctx, inputs):
@@ -132,7 +125,7 @@ class RotaryCudaKernel(Kernel):
         except rotary.RotaryError as e:
             raise KernelError(str(e)) from None
         y = ctx.output(0, x.shape)
-        launch(self.launcher, ctx.stream, self.sms, (x.shape, c.shape, s.shape), (x.ptr, c.ptr, s.ptr, y))
+        launch(self.elem, ctx.stream, self.sms, (x.shape, c.shape, s.shape), (x.ptr, c.ptr, s.ptr, y))
 
 
 KERNEL = RotaryCudaKernel

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from onnx_lowbit import rotary, rotarykv
 
-from ..device.half_cpu import f2h as _f2h, h2f as _h2f
+from ..device.half_cpu import f2h, h2f
 from ..runtime.kernels import Kernel, KernelError
 from .rotary_cpu import PARALLEL_MIN, r16
 
@@ -31,10 +31,10 @@ def _rows16(qkv, c, s, q, k, dims, cst, sst):
         dst = q if hd < hq else k
         ob = ((b * hq + hd) * s_ + si) * d if hd < hq else ((b * hkv + hd - hq) * t + p + si) * d
         for j in range(h):
-            x1 = _h2f(qkv[xb + j])
-            x2 = _h2f(qkv[xb + j + h])
-            dst[ob + j] = _f2h(r16(x1 * _h2f(c[cb + j * cst[2]])) + r16(-x2 * _h2f(s[sb + j * sst[2]])))
-            dst[ob + j + h] = _f2h(r16(x2 * _h2f(c[cb + (j + h) * cst[2]])) + r16(x1 * _h2f(s[sb + (j + h) * sst[2]])))
+            x1 = h2f(qkv[xb + j])
+            x2 = h2f(qkv[xb + j + h])
+            dst[ob + j] = f2h(r16(x1 * h2f(c[cb + j * cst[2]])) + r16(-x2 * h2f(s[sb + j * sst[2]])))
+            dst[ob + j + h] = f2h(r16(x2 * h2f(c[cb + (j + h) * cst[2]])) + r16(x1 * h2f(s[sb + (j + h) * sst[2]])))
 
 
 def _rows32(qkv, c, s, q, k, dims, cst, sst):

@@ -27,6 +27,8 @@ from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
 from ..device.target import SIM
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, route
+from .common_cuda import unit_routes, unit_variant
 from .rotarykv_cpu import strides
 
 BLOCK = 256
@@ -83,8 +85,14 @@ def _make(f16):
     return kernel
 
 
-KERNELS = {10: _make(True), 1: _make(False)}
+# Which kernel serves which call (routing.py): per element type, 8-byte copy units where D and every pointer allow
+# (``aligned``; onnxruntime's buffers always are, D a multiple of 4 fp16 / 2 fp32 elements), else element copies.
+# Case: K = D, aligned = every given pointer 8-byte aligned.
+ROUTES = unit_routes("rotarykv", "every pointer",
+                     "docs/lab-log.md, 2026-11-25 (session 17): the decode step with RotaryKV")
+KERNELS = {10: _make(True), 1: _make(False)}     # one function per element type; the copy unit is its signature's
 STORAGE = {10: np.uint16, 1: np.float32}
+DTYPES = {10: "float16", 1: "float32"}
 
 
 def _signature(elem, wide):
@@ -92,16 +100,19 @@ def _signature(elem, wide):
     return [a] * 5 + [cp] * 5 + ["int64"] * 17 + ["float64"] * 6
 
 
+variant = unit_variant      # ROUTES kernel name -> (element type, wide)
+
+
 _launchers = {}
 
 
-def launcher(elem, wide):
-    """The direct-launch wrapper for fp16 (10) or fp32 (1), 8-byte (``wide``) or element copy units (compiled once
-    per process); under the simulator launch.SimLauncher."""
-    key = (elem, wide)
-    if key not in _launchers:
-        _launchers[key] = (SimLauncher if SIM else Launcher)(KERNELS[elem], _signature(elem, wide))
-    return _launchers[key]
+def launcher(name):
+    """The direct-launch wrapper of ROUTES kernel ``name`` (compiled once per process); under the simulator
+    launch.SimLauncher."""
+    if name not in _launchers:
+        elem, wide = variant(name)
+        _launchers[name] = (SimLauncher if SIM else Launcher)(KERNELS[elem], _signature(elem, wide))
+    return _launchers[name]
 
 
 def _recip(v):
@@ -109,13 +120,16 @@ def _recip(v):
 
 
 def launch(elem, stream, sms, shapes, ptrs, hq, hkv):
-    """One launch for QKV / cos / sin / past_key / past_value of ``shapes`` (the pasts None: no cache) at device
-    pointers ``ptrs`` (qkv, cos, sin, past_key, past_value, Q, present_key, present_value; 0 for absent pasts);
-    nothing when every output is empty. Raises rotarykv.RotaryKVError for shapes the op does not take."""
+    """The kernel object's launch for QKV / cos / sin / past_key / past_value of ``shapes`` (the pasts None: no
+    cache) at device pointers ``ptrs`` (qkv, cos, sin, past_key, past_value, Q, present_key, present_value; 0 for
+    absent pasts): the routing Case (element type, M = B S, K = D, the pointers' alignment), the kernel ROUTES
+    names, one launch; nothing when every output is empty. Raises rotarykv.RotaryKVError for shapes the op does
+    not take."""
     qs, cs, ss, pks, pvs = shapes
     b, s, d, p = rotarykv.dims(qs, cs, ss, pks, pvs, hq, hkv)
+    name = route(ROUTES, Case(DTYPES[elem], b * s, d, aligned=all(x % 8 == 0 for x in ptrs if x))).kernel
+    wide = variant(name)[1]
     isz = 2 if elem == 10 else 4
-    wide = d % (8 // isz) == 0 and all(x % 8 == 0 for x in ptrs if x)
     vw = 8 // isz if wide else 1
     n1, n3, n4 = b * hkv * p * d // vw, b * (hq + hkv) * s * (d // 2), b * hkv * s * d // vw
     total = 2 * n1 + n3 + n4
@@ -131,44 +145,13 @@ def launch(elem, stream, sms, shapes, ptrs, hq, hkv):
     cst, sst = strides(cs), strides(ss)
     recips = [_recip(v) for v in (p * d // vw, d // 2, hq + hkv, s, d // vw, hkv)]
     grid = max(1, min(-(-total // BLOCK), sms * GRID_PER_SM))
-    launcher(elem, wide).launch(grid, BLOCK, stream, *arrays, s, d, p, hq, hkv, p * d // vw, t * d // vw, d // vw,
-                                *cst, *sst, n1, n3, n4, *recips)
-
-
-def run_arrays(qkv, cos, sin, past_key, past_value, num_heads, kv_num_heads, sms=None, misalign=False):
-    """The kernel on host arrays (tests): copied to the device, launched as a session launches it, copied back.
-    ``misalign``: QKV placed 2 bytes past an 8-byte boundary (fp16; takes the element-copy variant)."""
-    b, s, d, p = rotarykv.check(qkv, cos, sin, past_key, past_value, num_heads, kv_num_heads)
-    hq, hkv = int(num_heads), int(kv_num_heads)
-    elem = 10 if qkv.dtype == np.float16 else 1
-    st = STORAGE[elem]
-    flat = lambda a: np.ascontiguousarray(a).reshape(-1).view(st)  # noqa: E731
-    src = [flat(qkv), flat(cos), flat(sin)] + [None if a is None else flat(a) for a in (past_key, past_value)]
-    if misalign:
-        src[0] = np.concatenate([np.zeros(1, st), src[0]])
-    oshape = [(b, hq, s, d), (b, hkv, p + s, d), (b, hkv, p + s, d)]
-    outs = [np.full(max(int(np.prod(sh)), 1), 0x7E00 if elem == 10 else np.nan, st) for sh in oshape]  # NaN-filled
-    shapes = (qkv.shape, cos.shape, sin.shape, None if past_key is None else past_key.shape,
-              None if past_value is None else past_value.shape)
-    if SIM:     # host memory is the simulator's device memory
-        bufs = [a if a is None or a.size else np.zeros(1, st) for a in src] + outs
-        ptrs = [0 if a is None else a.ctypes.data for a in bufs]
-        if misalign:
-            ptrs[0] += 2 if elem == 10 else 4
-        launch(elem, 0, sms or 2, shapes, ptrs, hq, hkv)
-    else:
-        dev = [None if a is None else cuda.to_device(a if a.size else np.zeros(1, st)) for a in src]
-        dout = [cuda.to_device(o) for o in outs]
-        ptrs = [0 if a is None else a.device_ctypes_pointer.value for a in dev + dout]
-        if misalign:
-            ptrs[0] += 2 if elem == 10 else 4
-        launch(elem, 0, sms or cuda_launch.sm_count(cuda_launch.current_device()), shapes, ptrs, hq, hkv)
-        cuda.synchronize()
-        outs = [o.copy_to_host() for o in dout]
-    return tuple(o[: int(np.prod(sh))].view(qkv.dtype).reshape(sh) for o, sh in zip(outs, oshape))
+    launcher(name).launch(grid, BLOCK, stream, *arrays, s, d, p, hq, hkv, p * d // vw, t * d // vw, d // vw,
+                          *cst, *sst, n1, n3, n4, *recips)
 
 
 class RotaryKVCudaKernel(Kernel):
+    """Per call: validates the shapes, allocates the three outputs, one launch (``launch``); ``sms`` sets the grid
+    (tests lower it to reach the grid-stride loop on small tensors)."""
     native_plans = True  # one launch whose parameters depend only on the input shapes and alignments; see plans.py
 
     def __init__(self, **kw):

@@ -6,6 +6,11 @@ cuLaunchKernel on onnxruntime's stream. No array wrapping, no dispatcher, no all
 
 Parameter layout is Numba's: an array argument is flattened into
 (meminfo, parent, nitems, itemsize, data, shape[0..nd), strides[0..nd)), a scalar into its C value.
+
+Used by every CUDA op module (its kernel class launches through a ``Launcher`` per compiled kernel, under the
+simulator a ``SimLauncher`` with the same arguments) and by host runners and tests (``arg``, ``device_ptr``); the
+runtime's plans.py records what ``launch`` does. Also the device queries the kernels size their grids with
+(``current_device``, ``sm_count``, ``shared_optin``).
 """
 from __future__ import annotations
 
@@ -70,6 +75,16 @@ def arg(v):
     if hasattr(v, "device_ctypes_pointer"):
         return v.device_ctypes_pointer.value, (v.size,)
     return v
+
+
+def device_ptr(v) -> int:
+    """The device address of a device array (``__cuda_array_interface__``), or under Numba's CUDA simulator of one
+    of its device arrays: the address of its host buffer, which SimLauncher turns back into an array. 0 for an
+    empty array."""
+    cai = getattr(v, "__cuda_array_interface__", None)
+    if cai is None:     # the simulator's device arrays have none; their host buffer is the simulator's device memory
+        cai = v.__array_interface__
+    return int(cai["data"][0] or 0)
 
 
 class Array:

@@ -1,6 +1,19 @@
 """Where the CUDA kernels run and what the device offers: ``SIM`` (Numba's CUDA simulator, NUMBA_ENABLE_CUDASIM=1),
 the ``device`` decorator of the shared device helpers (an inlined ``cuda.jit`` device function on the GPU; under the
-simulator the plain Python function, see fp16.py), and compute-capability checks (``tc_device``)."""
+simulator the plain Python function, see fp16.py), compute-capability checks (``tc_device``) and ``launch_cuda``
+(numba.cuda on the GPU; under the simulator the running launch's stand-in module, for splitk.arrive_last).
+
+Used by every CUDA module: the families' op modules and the other device/ helpers.
+
+Why ``launch_cuda`` (simulator only; reviewed for issue 31 and kept): a device helper that lives outside its
+kernels' module and calls ``cuda.threadfence`` / ``cuda.atomic`` after its last barrier (splitk.arrive_last) sees
+numba.cuda, not the launch's stand-in, in the threads still inside it when the first thread returns (the
+simulator swaps a device function's module only per call). The alternatives are worse: a copy of arrive_last in
+every kernel module (the duplication the split-K helpers were made to remove), or simulator versions of the
+atomics and fences written here (a second implementation of what the simulator already does). The cost is one
+private function of numba-cuda's simulator, ``_get_kernel_context``; numba-cuda is pinned (0.30), and the split-K
+kernels' simulator tests (AWQ, FusedFFN [K, N], NF4 tensor-core) fail if it changes. GPU builds never see it.
+"""
 from __future__ import annotations
 
 from numba import config, cuda

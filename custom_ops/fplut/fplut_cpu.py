@@ -10,7 +10,7 @@ from numba import njit, prange
 
 from onnx_lowbit import fplut
 
-from ..device.half_cpu import f16_to_f32 as _f16_to_f32, f32_to_bf16 as _f32_to_bf16, f32_to_f16 as _f32_to_f16
+from ..device.half_cpu import f16_to_f32, f32_to_bf16, f32_to_f16
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 17  # below this many elements a single thread is faster than waking the pool
@@ -23,13 +23,13 @@ def _lut16(x, table, out):
 
 def _lut32(x, table, out):
     for i in prange(x.size):
-        out[i] = _f16_to_f32(table[_f32_to_f16(x[i])])
+        out[i] = f16_to_f32(table[f32_to_f16(x[i])])
 
 
 def _lutbf16(x, table, out):
     for i in prange(x.size):
-        h = _f32_to_f16(np.uint32(x[i]) << 16)
-        out[i] = _f32_to_bf16(_f16_to_f32(table[h]))
+        h = f32_to_f16(np.uint32(x[i]) << 16)
+        out[i] = f32_to_bf16(f16_to_f32(table[h]))
 
 
 def _compile(fn, parallel):

@@ -12,25 +12,27 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import config, cuda, int32, uint16, uint32, uint64
+from numba import cuda, int32, uint16, uint32, uint64
 from numba.cuda import libdevice
 
 from onnx_lowbit import fplut, halfbits
 
 from ..device import launch as cuda_launch
-from ..device.launch import Array, Launcher
+from ..device.launch import Array, Launcher, SimLauncher
+from ..device.target import SIM
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, Route, always, route
 
-BLOCK = 1024
+BLOCK = 32 if SIM else 1024          # the simulator runs a Python thread per CUDA thread: fewer there
 TABLE_WORDS = 16384                  # the 65,536-entry map as uint64 words (four 16-bit entries each)
 SHARED_BYTES = TABLE_WORDS * 8
 STAGE_ROUNDS = TABLE_WORDS // BLOCK  # table words each thread stages (loads issued back to back)
 UNROLL = 4                           # independent 8-byte words in flight per thread
 
-U0, U1, U2, U4, U16, U32, U48 = (np.uint64(v) for v in (0, 1, 2, 4, 16, 32, 48))
-M16, M32 = np.uint64(0xFFFF), np.uint64(0xFFFFFFFF)
+U0, U32 = np.uint64(0), np.uint64(32)
+M32 = np.uint64(0xFFFFFFFF)
 
-if config.ENABLE_CUDASIM:
+if SIM:
     # The simulator has no libdevice conversions: use the integer RNE code (exhaustively tested against numpy).
     _f32_to_f16 = cuda.jit(device=True, inline=True)(halfbits.f32bits_to_f16bits)
     _f16_to_f32 = cuda.jit(device=True, inline=True)(halfbits.f16bits_to_f32bits)
@@ -49,19 +51,6 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
-def _look(sm, h):
-    w = sm[h >> U2]
-    return (w >> ((h & np.uint64(3)) << U4)) & M16
-
-
-@cuda.jit(device=True, inline=True)
-def _word16(sm, w):
-    """4 16-bit lanes of a word through the map (fp16 map for fp16, bf16 map for bf16)."""
-    return (_look(sm, w & M16) | (_look(sm, (w >> U16) & M16) << U16) | (_look(sm, (w >> U32) & M16) << U32)
-            | (_look(sm, w >> U48) << U48))
-
-
-@cuda.jit(device=True, inline=True)
 def _look32(sm32, h):
     """Lookup on the map staged as uint32 words (two entries each), 32-bit index math."""
     w = sm32[h >> np.uint32(1)]
@@ -74,51 +63,38 @@ def _pair16(sm32, v):
 
 
 @cuda.jit(device=True, inline=True)
-def _word16b(sm, w):
-    """_word16 with 32-bit arithmetic and 32-bit shared-memory accesses."""
+def _word16(sm, w):
+    """4 16-bit lanes of a word through the map (fp16 map for fp16, bf16 map for bf16), 32-bit arithmetic and
+    32-bit shared-memory accesses."""
     lo = _pair16(sm, uint32(w & M32))
     hi = _pair16(sm, uint32(w >> U32))
     return uint64(lo) | (uint64(hi) << U32)
 
 
 @cuda.jit(device=True, inline=True)
-def _one16b(sm, h):
+def _one16(sm, h):
     return uint64(_look32(sm, uint32(h)))
 
 
-@cuda.jit(device=True, inline=True)
-def _one16(sm, h):
-    return _look(sm, h)
-
 
 @cuda.jit(device=True, inline=True)
-def _one32(sm, u):
-    return _f16_to_f32(_look(sm, _f32_to_f16(u)))
-
-
-@cuda.jit(device=True, inline=True)
-def _word32(sm, w):
-    """2 fp32 lanes of a word."""
-    return _one32(sm, w & M32) | (_one32(sm, w >> U32) << U32)
-
-
-@cuda.jit(device=True, inline=True)
-def _one32b(sm32, u):
+def _one32(sm32, u):
     return _f16_to_f32(_look32(sm32, uint32(_f32_to_f16(u))))
 
 
 @cuda.jit(device=True, inline=True)
-def _word32b(sm32, w):
-    """2 fp32 lanes of a word, map staged as uint32 words."""
-    return _one32b(sm32, w & M32) | (_one32b(sm32, w >> U32) << U32)
+def _word32(sm32, w):
+    """2 fp32 lanes of a word."""
+    return _one32(sm32, w & M32) | (_one32(sm32, w >> U32) << U32)
 
 
-def _make(word, one, per_word, unroll=UNROLL, smem32=True):
+def _make(word, one, per_word):
     """Kernel over ``n`` elements: xw/ow are the tensors as 8-byte words, xe/oe as elements (for the tail).
 
     Software-pipelined: the next ``unroll`` words of a thread are loaded before the current ones are looked up
     and stored, and the first batch is loaded before the table is staged, so loads stay in flight throughout."""
     per = np.uint64(per_word)
+    unroll = UNROLL
     unroll_u = np.uint64(unroll)
 
     @cuda.jit
@@ -143,7 +119,7 @@ def _make(word, one, per_word, unroll=UNROLL, smem32=True):
             sm64[k] = table[k]
             k += nt
         cuda.syncthreads()
-        sm = cuda.shared.array(0, dtype=uint32) if smem32 else sm64
+        sm = cuda.shared.array(0, dtype=uint32)   # the map as uint32 words from here on: 32-bit lookups
         while i < nw:
             nexti = i + unroll_u * stride
             for u in range(unroll):
@@ -163,12 +139,20 @@ def _make(word, one, per_word, unroll=UNROLL, smem32=True):
     return kernel
 
 
-_K16 = _make(_word16b, _one16b, 4)
-KERNELS = {  # input element type -> (kernel, element dtype, elements per word); bf16 reuses the 16-bit kernel
-    10: (_K16, np.uint16, 4),
-    16: (_K16, np.uint16, 4),
-    1: (_make(_word32b, _one32b, 2), np.uint32, 2),
-}
+# Which kernel serves which call (routing.py): one kernel per width of X's values. Both stage the map as uint32
+# words and look it up with 32-bit arithmetic, UNROLL = 4 words in flight per thread; the variants measured
+# against them (64-bit shared words, unroll 2 / 8) are gone (docs/lab-log.md, "Removed kernel variants").
+ROUTES = (
+    Route("fplut16", "fp16 or bf16 X (bf16 through the composed bf16 map): 4 values per 8-byte word",
+          lambda c: c.dtype in ("float16", "bfloat16"),
+          "BENCHMARKS.md, Kernels: FPLUT (H200 2026-11-28); 64-bit shared words and unroll 2 / 8 against it: "
+          "docs/lab-log.md, FPLUT (issue 2)"),
+    Route("fplut32", "fp32 X: 2 values per word, each rounded to fp16, mapped and widened back", always,
+          "BENCHMARKS.md, Kernels: FPLUT (H200 2026-11-28)"),
+)
+KERNELS = {"fplut16": (_make(_word16, _one16, 4), np.uint16, 4),   # kernel, element storage, elements per word
+           "fplut32": (_make(_word32, _one32, 2), np.uint32, 2)}
+DTYPES = {10: "float16", 16: "bfloat16", 1: "float32"}          # X's ONNX element type -> Case.dtype
 
 
 def expanded(cut_points, values, elem):
@@ -184,43 +168,26 @@ def grid_for(n, per_word, sms, block=BLOCK):
     return max(1, min(sms, math.ceil(words / (block * UNROLL))))
 
 
-def run_arrays(x: np.ndarray, cut_points, values, *, bf16: bool = False, sms: int | None = None,
-               block: int = BLOCK):
-    """Runs the kernel on host arrays and returns the output: through the Numba dispatcher under the CUDA
-    simulator, through the same direct launch path as onnxruntime sessions on a real GPU (tests)."""
-    elem = 16 if bf16 else {np.dtype(np.float16): 10, np.dtype(np.float32): 1}[x.dtype]
-    kernel, edt, per = KERNELS[elem]
-    flat = np.ascontiguousarray(x).reshape(-1).view(edt)
-    n, nw = flat.size, flat.size // per
-    dx, dout = cuda.to_device(flat), cuda.device_array_like(flat)
-    dt = cuda.to_device(expanded(cut_points, values, elem).view(np.uint64))
-    if config.ENABLE_CUDASIM:
-        dxw = dx[: nw * per].view(np.uint64) if nw else cuda.to_device(np.zeros(1, np.uint64))
-        dow = dout[: nw * per].view(np.uint64) if nw else cuda.device_array(1, np.uint64)
-        kernel[grid_for(n, per, sms or 2, block), block, 0, SHARED_BYTES](dxw, dow, dx, dout, dt, n)
-    else:
-        launcher = _launcher(elem)
-        ptr = lambda a: a.device_ctypes_pointer.value  # noqa: E731
-        grid = grid_for(n, per, sms or cuda_launch.sm_count(cuda_launch.current_device()), block)
-        launcher.launch(grid, block, 0, (ptr(dx), (max(nw, 1),)), (ptr(dout), (max(nw, 1),)), (ptr(dx), (n,)),
-                        (ptr(dout), (n,)), (ptr(dt), (TABLE_WORDS,)), n)
-        cuda.synchronize()
-    return dout.copy_to_host().view(x.dtype).reshape(x.shape)
+def case(elem, n):
+    """The routing Case of a call: X's element type and its element count (M)."""
+    return Case(DTYPES[elem], n)
 
 
 _launchers = {}
 
 
-def _launcher(elem):
-    """The direct-launch wrapper of the kernel for one input element type (compiled once per process)."""
-    if elem not in _launchers:
-        kernel, edt, _ = KERNELS[elem]
-        _launchers[elem] = Launcher(kernel, [Array(np.uint64), Array(np.uint64), Array(edt), Array(edt),
-                                             Array(np.uint64), "int64"], dynamic_shared=SHARED_BYTES)
-    return _launchers[elem]
+def launcher(name):
+    """The direct-launch wrapper of ROUTES kernel ``name`` (compiled once per process); under the simulator
+    launch.SimLauncher."""
+    if name not in _launchers:
+        kernel, edt, _ = KERNELS[name]
+        sig = [Array(np.uint64), Array(np.uint64), Array(edt), Array(edt), Array(np.uint64), "int64"]
+        _launchers[name] = SimLauncher(kernel, sig) if SIM else Launcher(kernel, sig, dynamic_shared=SHARED_BYTES)
+    return _launchers[name]
 
 
 class FPLUTCudaKernel(Kernel):
+    """Per call: one launch of the kernel ROUTES names for X's element type, on the node's map (uploaded once)."""
     native_plans = True  # launches depend only on shapes; see plans.py
 
     def __init__(self, **kw):
@@ -230,11 +197,10 @@ class FPLUTCudaKernel(Kernel):
             table = expanded(self.attrs["cut_points"], self.attrs["table"], self.elem)
         except fplut.TableError as e:
             raise KernelError(f"bad attribute: {e}") from None
-        _, _, self.per = KERNELS[self.elem]
         self.table = cuda.to_device(table.view(np.uint64))  # once, at session creation
-        self.table_ptr = self.table.device_ctypes_pointer.value
-        self.launcher = _launcher(self.elem)
-        self.sms = cuda_launch.sm_count(cuda_launch.current_device())
+        self.table_ptr = cuda_launch.device_ptr(self.table)
+        launcher(route(ROUTES, case(self.elem, 0)).kernel)              # compiled at session creation
+        self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
 
     def compute(self, ctx, inputs):
         x = self.check_input(inputs, 0)
@@ -242,12 +208,14 @@ class FPLUTCudaKernel(Kernel):
         out = ctx.output(0, x.shape)
         if n == 0:
             return
-        nw = n // self.per
         if (x.ptr | out) & 7:
             raise KernelError("input 0 'X' and the output must be 8-byte aligned device buffers")
-        grid = grid_for(n, self.per, self.sms)
-        self.launcher.launch(grid, BLOCK, ctx.stream, (x.ptr, (max(nw, 1),)), (out, (max(nw, 1),)), (x.ptr, (n,)),
-                             (out, (n,)), (self.table_ptr, (TABLE_WORDS,)), n)
+        name = route(ROUTES, case(self.elem, n)).kernel
+        per = KERNELS[name][2]
+        nw = n // per
+        grid = grid_for(n, per, self.sms)
+        launcher(name).launch(grid, BLOCK, ctx.stream, (x.ptr, (max(nw, 1),)), (out, (max(nw, 1),)), (x.ptr, (n,)),
+                              (out, (n,)), (self.table_ptr, (TABLE_WORDS,)), n, shmem=SHARED_BYTES)
 
 
 KERNEL = FPLUTCudaKernel

@@ -1,7 +1,8 @@
-"""What QuantGRU's CUDA kernels (quantgru_cuda: xproj and the recurrence) and their per-call parameter kernel
+"""What QuantGRU's CUDA kernels (quantgru_xproj_cuda, quantgru_rec_cuda) and their per-call parameter kernel
 (quantgru_prep_cuda) share: the layout of the parameter arrays (P_* indices into prm [D, NP], PC per-channel
 parameters per unit in pch [D, PC H]), the host ``scalar_params`` (prm, qsc, dq from the attributes) and the device
-shift ``rsh`` (gru_int.rshift)."""
+shift ``rsh`` (gru_int.rshift), saturation ``sat`` and rounding to the nearest integer (``rint``, ``rintf``:
+libdevice on the GPU, numpy under the simulator)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,6 +10,21 @@ from numba import cuda, int64
 
 from onnx_lowbit import gru_int
 from onnx_lowbit.gru_int import Q
+
+from ..device.target import SIM
+
+if SIM:
+    rint = rintf = np.rint
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def rint(v):
+        return libdevice.rint(v)
+
+    @cuda.jit(device=True, inline=True)
+    def rintf(v):
+        return libdevice.rintf(v)
 
 # scalar parameters per direction (int64 array prm[D, NP])
 (P_ZPX, P_ZPH, P_ZPWX, P_ZPRH, P_SWXZ, P_SRHZ, P_ZPZ, P_SWXR, P_SRHR, P_ZPR, P_SRHAB, P_ZPAB, P_ZPROUT, P_SRRH,
@@ -27,6 +43,12 @@ def rsh(v, s):
     if s >= 63:
         return int64(0)
     return (v + (int64(1) << (s - 1))) >> s
+
+
+@cuda.jit(device=True, inline=True)
+def sat(v, lo, hi):
+    """v clamped to [lo, hi] (gru_int's saturation)."""
+    return min(max(v, lo), hi)
 
 
 def scalar_params(a: gru_int.GRUAttrs):

@@ -4,7 +4,7 @@ Parameters that depend on the attributes alone (common_cuda.scalar_params: zero 
 2^e_h, 2^-e_h) are made once per node and kept on the device (quantgru_cuda.Params). What the recurrence needs
 from B and channel_exp -- the per-channel shifts of W x and R h and the folded bias terms, pch int64 [D, 10H] --
 is computed on the device at the start of every call from the call's B and channel_exp in device memory, exactly
-as the host reference ``channel_params`` (bit-identical on valid inputs: tests/test_gru_cuda.py), so a call never
+as the host reference ``channel_params`` (bit-identical on valid inputs: tests/test_gru_ort_cuda.py), so a call never
 copies values to the host. The same launch writes the sequence lengths the recurrence reads and zeroes the
 barrier counters, so a call depends on no state left by an earlier one: its launches are a function of the
 shapes (a native plan, a CUDA graph) and everything it writes lives in the call's scratch.

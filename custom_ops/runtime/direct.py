@@ -4,7 +4,14 @@ For benchmarks that must time what sessions run: the kernel object is built from
 op variant's input / output types exactly as the bridge builds it, and its ``compute`` picks the launch per call
 (per M, per alignment) as in a session. What differs from a session: the outputs are the caller's arrays, and
 scratch comes from one buffer this context keeps (grown when a call asks for more; onnxruntime's allocator hands out
-a fresh one per call). Arrays are anything with ``__cuda_array_interface__`` (torch, Numba, CuPy)."""
+a fresh one per call). Arrays are anything with ``__cuda_array_interface__`` (torch, Numba, CuPy), or, under
+Numba's CUDA simulator, the simulator's device arrays (their host buffers are the simulator's device memory; the
+kernels' SimLauncher turns the pointers back into arrays), so tests run an op's CUDA face through ``call`` without
+a GPU. ``typed(array, elem)`` passes an array as another ONNX element type of the same width (bfloat16 in uint16
+storage).
+
+Used by the benchmarks that time what sessions run (nf4tc_gpu.py, fplut_gpu.py, ...) and by the CUDA kernel tests
+(tests/helpers.direct_run)."""
 from __future__ import annotations
 
 import math
@@ -20,13 +27,33 @@ _ELEM = {np.dtype(np.float32): 1, np.dtype(np.uint8): 2, np.dtype(np.int8): 3, n
          np.dtype(np.int32): 6, np.dtype(np.int64): 7, np.dtype(np.float16): 10}
 
 
+class typed:  # noqa: N801 - reads as a conversion, like a dtype
+    """``array`` passed as ONNX element type ``elem`` (same item size): bfloat16 (16) in uint16 storage."""
+
+    def __init__(self, array, elem):
+        self.array, self.elem = array, int(elem)
+
+
+def _interface(arr):
+    cai = getattr(arr, "__cuda_array_interface__", None)
+    if cai is not None:
+        return cai
+    if type(arr).__module__.startswith("numba.cuda.simulator"):    # the simulator's device array: host memory
+        return arr.__array_interface__
+    raise TypeError(f"{type(arr).__name__} is not a device array (no __cuda_array_interface__)")
+
+
 def describe(arr):
-    """(device pointer, ONNX element type, shape) of a device array."""
-    cai = arr.__cuda_array_interface__
+    """(device pointer, ONNX element type, shape) of a device array (or of ``typed(array, elem)``)."""
+    cai = _interface(arr.array if isinstance(arr, typed) else arr)
     dt = np.dtype(cai["typestr"])
-    if dt not in _ELEM:
+    if isinstance(arr, typed):
+        elem = arr.elem
+    elif dt in _ELEM:
+        elem = _ELEM[dt]
+    else:
         raise TypeError(f"no ONNX element type for {dt}")
-    return int(cai["data"][0]), _ELEM[dt], tuple(int(d) for d in cai["shape"])
+    return int(cai["data"][0]), elem, tuple(int(d) for d in cai["shape"])
 
 
 class Context:
@@ -43,8 +70,8 @@ class Context:
         stream, which changes under graph capture)."""
         return int(self._stream() if callable(self._stream) else self._stream)
 
-    @property
     def output_count(self):
+        """How many outputs the node has (a method, as bridge.Context's: RMSNorm asks whether H is wanted)."""
         return len(self._outputs)
 
     def output(self, index, shape):
@@ -59,7 +86,7 @@ class Context:
         if self._scratch is None or self._scratch.nbytes < nbytes:
             from numba import cuda  # numba.cuda only when a kernel asks for scratch (the runtime imports without it)
             self._scratch = cuda.device_array(int(nbytes), np.uint8)
-        return self._scratch.device_ctypes_pointer.value
+        return describe(self._scratch)[0]
 
 
 def kernel(op, attrs, inputs, outputs, name="direct"):

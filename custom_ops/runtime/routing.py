@@ -29,11 +29,12 @@ class Case:
     float weights ('float16', 'float32'); ``layout``: 'nk' or 'kn' (FusedFFN's weights_kn); ``aligned``: the call's
     buffers meet the alignment the fast kernels load with (onnxruntime's allocations always do); ``tc``: the GPU has
     the tensor-core instructions our kernels use (compute capability >= 8.0); ``bs``: the 4-bit block or group size;
-    ``opts``: op-specific switches as sorted (name, value) pairs (read with :meth:`opt`)."""
+    ``opts``: op-specific switches as sorted (name, value) pairs (read with :meth:`opt`). Elementwise and row ops
+    (FPLUT, Rotary, RMSNorm, ...) say what their M, K, N are in their table's rows; K and N default to 0."""
     dtype: str
     m: int
-    k: int
-    n: int
+    k: int = 0
+    n: int = 0
     wdtype: str = ""
     layout: str = "nk"
     aligned: bool = True
@@ -60,11 +61,18 @@ class Route:
 
 
 def always(_case):
+    """The last row's test: every case."""
     return True
 
 
+def options(**kw):
+    """``Case.opts`` from keywords: sorted (name, value) pairs."""
+    return tuple(sorted(kw.items()))
+
+
 def route(routes, case):
-    """The first row of ``routes`` whose test holds for ``case``."""
+    """The first row of ``routes`` whose test holds for ``case``; LookupError when none does (a table whose last
+    row is not always true)."""
     for row in routes:
         if row.test(case):
             return row
