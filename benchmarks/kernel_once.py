@@ -3,7 +3,7 @@ first, or ``ncu --launch-skip 1``), check the output, print one line: the progra
 run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are the host runners' keywords).
 
     python3 benchmarks/kernel_once.py fplut [VARIANT [N]]           FPLUT on N fp16 values (base | s32 | s32u8)
-    python3 benchmarks/kernel_once.py nf4 ffn|mm K N                 FusedFFNNF4 / MatMulNF4 at M = 1 (the routed kernel)
+    python3 benchmarks/kernel_once.py nf4 ffn|mm K N                 FusedFFNNF4 / MatMulNF4 at M = 1 (routed)
     M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows)
     python3 benchmarks/kernel_once.py ffn_tc M K N ["mt=2, kw=4, ring=2"]   FusedFFN's [N, K] tensor-core kernel
     python3 benchmarks/kernel_once.py ffn_kn M K N XTYPE WTYPE       FusedFFN on [K, N] weights (decode / tensor cores)

@@ -1,7 +1,8 @@
 """MatMulNF4 / DequantNF4 kernels against onnx_lowbit.nf4: CPU through onnxruntime sessions, CUDA under the
 simulator in CI (real GPU with ONNX_LOWBIT_REAL_GPU=1). fp32 accumulation vs the float64 reference: relative
-error (max |err| / max |ref|) below 1e-5 for fp32 outputs, and within fp16 rounding (2^-10) for fp16 outputs. The CUDA kernels run through runtime/direct.call (``call_op``),
-the kernel objects sessions make; their routing tables: test_nf4_routes.py."""
+error (max |err| / max |ref|) below 1e-5 for fp32 outputs, and within fp16 rounding (2^-10) for fp16 outputs. The
+CUDA kernels run through runtime/direct.call (``call_op``), the kernel objects sessions make; their routing tables:
+test_nf4_routes.py."""
 import sys
 
 import numpy as np

@@ -20,18 +20,19 @@ are reduced across the warp with a reduce-scatter (2*COLS*MT - 1 shuffles + the 
 of 5 per value), across the block's warps through shared memory (double-buffered: one barrier per step), and
 COLS*MT threads apply the biases and SiLU * mul in fp32 and store S in X's type. The kernel is generated as
 straight-line code (every per-thread value has a constant name or index: no local-memory spills). With
-pair=False the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (``decode.mt1.nib``) for fp32 X:
-no 64 KiB of shared memory per block, so twice the blocks per SM at K = 2048 and, at these latency-bound sizes, faster at every
-K measured (BENCHMARKS.md, session 13). The same generator (matmul=True) builds MatMulNF4's M=1 kernel; it lives in
-nf4/decode_cuda.py (``make_decode``).
+pair=False the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (``decode.mt1.nib``) for fp32
+X: no 64 KiB of shared memory per block, so twice the blocks per SM at K = 2048 and, at these latency-bound sizes,
+faster at every K measured (BENCHMARKS.md, session 13). The same generator (matmul=True) builds MatMulNF4's M=1
+kernel; it lives in nf4/decode_cuda.py (``make_decode``).
 Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
 51.0 us for two MatMulNF4 + silu*mul; ncu: latency bound (0.6 instructions issued per cycle and scheduler, 35%
 of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4), 40.7 us, but on 132 blocks:
 ``blocks_per_sm`` asked for the occupancy before the kernel's 64 KiB opt-in and got 0 (1 block per SM); the
 query (``Launcher.blocks_per_sm``) now opts the kernel in first. See docs/ffn4.md.
-With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, ``decode.mt1.h2``): one PRMT, one LDS and
-one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us (H100),
-21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row (``decode.mt1.wide``): 24.1 us.
+With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, ``decode.mt1.h2``): one PRMT,
+one LDS and one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us
+(H100), 21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row
+(``decode.mt1.wide``): 24.1 us.
 X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sectors each and held the prologue for
 ~2 us), and from K = 4096 the chains are 4 bytes long (chains of 4): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
 2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table); that wide decode's step
@@ -57,7 +58,7 @@ from ..device.ptx import warp_sum
 from ..device.splitk import ScratchPool
 from ..device.target import SIM
 from ..nf4 import common as nf4_common, host, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
-from ..nf4.common import check_weights
+from ..nf4.common import case_align, case_f16, case_fp32_decode, check_weights
 from ..nf4.decode_cuda import COLS, TAB_BYTES, lut_for, make_decode, sig, threads
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
@@ -167,22 +168,9 @@ def _make_generic(a16, warps=GEN_WARPS):
 
 
 # ------------------------------------------------------------------------------------------------- routing
-def _a16(c):
-    return c.dtype == "float16"
-
-
-def _al(c, buf):
-    """The alignment (bytes, up to 16) of the call's buffers ``buf``: 'x', or 'q' (Q1 and Q3)."""
-    return 16 if c.aligned else c.opt(buf + "_align", 1)
-
-
-def _fp32(c):
-    return bool(c.opt("fp32_decode"))
-
-
 def _tc(c, lo, hi):
     """fp16 X at M = lo .. hi on a GPU with tensor cores, nf4tc's shapes (K % 64 == 0, block >= 64, K * N < 2^32)."""
-    return _a16(c) and c.tc and lo <= c.m <= hi and nf4tc_cuda.ok(True, c.m, c.k, c.n, c.bs)
+    return case_f16(c) and c.tc and lo <= c.m <= hi and nf4tc_cuda.ok(True, c.m, c.k, c.n, c.bs)
 
 
 def _warp_name(m, ch, split):
@@ -196,7 +184,7 @@ def warpcols(c):
     """The warp-column kernel WARPCOLS gives this call ('nf4warp.mt<M>.c<K/1024>', '.s2' for pairs of warps), or
     None (also with ONNX_LOWBIT_FP32_DECODE=1: it is a packed-fp16 decode)."""
     plan = WARPCOLS.get((c.m, c.k // nf4warp_cuda.CHUNK))
-    if plan is None or _fp32(c) or not nf4warp_cuda.ok(c.m, c.k, _a16(c), plan[1]):
+    if plan is None or case_fp32_decode(c) or not nf4warp_cuda.ok(c.m, c.k, case_f16(c), plan[1]):
         return None
     return _warp_name(c.m, c.k // nf4warp_cuda.CHUNK, plan[1])
 
@@ -211,7 +199,7 @@ def bucket(m):
 
 def decode_kernel(c):
     """The block decode variant (a DECODE name) of this call's row bucket, X type, K and switches."""
-    h2 = _a16(c) and not _fp32(c)
+    h2 = case_f16(c) and not case_fp32_decode(c)
     wide = h2 and c.k >= WIDE_MIN_K and c.k % 32 == 0
     if bucket(c.m) == 2:
         return "decode.mt2.wide" if wide else "decode.mt2.pair"
@@ -223,8 +211,8 @@ def decode_kernel(c):
 def _decode(c, name):
     """The decode variant ``name`` takes the call: decode_ok, its variant, X 16-byte and Q1 / Q3 8-byte (wide:
     16-byte) aligned."""
-    return (decode_ok(c.m, c.k) and decode_kernel(c) == name and _al(c, "x") >= 16
-            and _al(c, "q") >= (16 if DECODE[name][5] else 8))
+    return (decode_ok(c.m, c.k) and decode_kernel(c) == name and case_align(c, "x") >= 16
+            and case_align(c, "q") >= (16 if DECODE[name][5] else 8))
 
 
 _SESSION_27 = "BENCHMARKS.md NF4 (H100 x3 row); lab-log session 27 (73ab0e3)"
@@ -233,13 +221,13 @@ ROUTES = (
     Route("nf4mma", "fp16 X, tensor cores, M in MMA_M (3, 4), K * N >= MMA_MIN_KN (2^25), K % 128 == 0, block >= "
           "64, M * K <= 16384; X, Q1, Q3 16-byte aligned",
           lambda c: _tc(c, 1, 16) and c.m in MMA_M and nf4mma_cuda.ok(True, c.m, c.k, c.n, c.bs)
-          and c.k * c.n >= MMA_MIN_KN and _al(c, "x") >= 16 and _al(c, "q") >= 16,
+          and c.k * c.n >= MMA_MIN_KN and case_align(c, "x") >= 16 and case_align(c, "q") >= 16,
           "BENCHMARKS.md NF4 (M = 3 / 4 on nf4mma); the MMA_MIN_KN figures (e3d5170)"),
     Route("nf4tc.rc2", "fp16 X, tensor cores, M = 9 .. 16, K % 64 == 0, block >= 64; X, Q1, Q3 8-byte aligned",
-          lambda c: _tc(c, nf4tc_cuda.RC2_MIN_M, 16) and _al(c, "x") >= 8 and _al(c, "q") >= 8,
+          lambda c: _tc(c, nf4tc_cuda.RC2_MIN_M, 16) and case_align(c, "x") >= 8 and case_align(c, "q") >= 8,
           "BENCHMARKS.md NF4 (M = 9 / 12 / 16); lab-log session 25 (8f7e4e7)"),
     Route("nf4tc.rc1", "as above at M = TC_MIN_M (3) .. 8",
-          lambda c: _tc(c, TC_MIN_M, 16) and _al(c, "x") >= 8 and _al(c, "q") >= 8,
+          lambda c: _tc(c, TC_MIN_M, 16) and case_align(c, "x") >= 8 and case_align(c, "q") >= 8,
           "the TC_MIN_M figures (BENCHMARKS.md NF4; acda774)"),
 ) + tuple(
     Route(_warp_name(m, ch, split),
@@ -247,7 +235,7 @@ ROUTES = (
           + (", pairs of warps on halves of K" if split == 2 else "") + "), not ONNX_LOWBIT_FP32_DECODE; X, Q1, Q3 "
           "16-byte aligned",
           lambda c, name=_warp_name(m, ch, split): warpcols(c) == name
-          and _al(c, "x") >= 16 and _al(c, "q") >= 16,
+          and case_align(c, "x") >= 16 and case_align(c, "q") >= 16,
           "the WARPCOLS figures (BENCHMARKS.md NF4, 2048 -> 2 x 8192 row); lab-log session 21 (c9c815d)")
     for (m, ch), (warps, split) in WARPCOLS.items()
 ) + (

@@ -1,6 +1,7 @@
 """Shared pieces of the NF4/FP4 kernels (MatMulNF4, DequantNF4, FusedFFNNF4): attribute and input validation,
-the block size with the encodings the kernels take (``BlockSize``), and the 16-value code table. Layout (onnx_lowbit.nf4): W^T [N, K] row-major flat, element i = n*K + k lives in byte i>>1
-(high nibble for even i), block i // block_size, one fp32 absmax per block."""
+the block size with the encodings the kernels take (``BlockSize``), the 16-value code table, and the readers of
+the NF4 routing tables' Case fields. Layout (onnx_lowbit.nf4): W^T [N, K] row-major flat, element i = n*K + k lives
+in byte i>>1 (high nibble for even i), block i // block_size, one fp32 absmax per block."""
 from __future__ import annotations
 
 import dataclasses
@@ -94,3 +95,20 @@ def check_weights(q1, am1, q3, am3, k, n, bs):
     """FusedFFNNF4's two weights (inputs 1, 2: Q1, absmax1; 3, 4: Q3, absmax3), as MatMulNF4 checks its one."""
     check_q_absmax(q1, am1, k, n, bs, 1, 2, "Q1", "absmax1")
     check_q_absmax(q3, am3, k, n, bs, 3, 4, "Q3", "absmax3")
+
+
+# ------------------------------------------------------------------------------------------------- Case readers
+def case_f16(c):
+    """The routing Case's activations are fp16."""
+    return c.dtype == "float16"
+
+
+def case_align(c, buf):
+    """The alignment (bytes, up to 16) of the call's buffer ``buf`` in the routing Case: 16 when ``c.aligned``, else
+    its opts entry '<buf>_align'."""
+    return 16 if c.aligned else c.opt(buf + "_align", 1)
+
+
+def case_fp32_decode(c):
+    """ONNX_LOWBIT_FP32_DECODE=1 for this call (the kernel object read it when it was made)."""
+    return bool(c.opt("fp32_decode"))

@@ -2,7 +2,8 @@
 FusedFFNNF4 (its decode kernel, two weights): ``make_decode`` writes the kernel as straight-line code for a row bucket,
 a column step and a table mode (its docstring says what every option does; fusedffnnf4_cuda's module docstring
 describes the kernel and what was measured). Also the host side those kernels share: ``lut_for`` (the decode
-table), ``threads`` (a block's), TAB_BYTES and ``sig`` (FusedFFNNF4's launch signature, which the warp-column kernel of nf4warp_cuda shares).
+table), ``threads`` (a block's), TAB_BYTES and ``sig`` (FusedFFNNF4's launch signature, which the warp-column
+kernel of nf4warp_cuda shares).
 Moved out of fusedffnnf4_cuda so that nf4/ never imports ffn/."""
 from __future__ import annotations
 
@@ -88,10 +89,11 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     at byte offset v * 256 + l * 8: fp32 code[v >> 4] in the low half, code[v & 15] in the high half), addressed
     by one PRMT per byte (the byte into bits 8..15, the lane's copy l = lane & 15 into bits 3..6: each half-warp
     reads 16 distinct bank pairs); else the 16-entry fp32 code table (a shift, a mask and a load per nibble).
-    ``max_registers``: ptxas limit (default MAX_REGISTERS[mt], except wide: ptxas's choice). ``matmul``: MatMulNF4's M=1 kernel instead (one
-    weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their own dtype, the 16 fp32 code
-    values from which the pair table is built, column slices from the grid size; mt = 1); with mt = 2 its M <= 16
-    kernel (rows in chunks of 2, m_dim after s in the signature, grid = row chunks x column slices).
+    ``max_registers``: ptxas limit (default MAX_REGISTERS[mt], except wide: ptxas's choice). ``matmul``:
+    MatMulNF4's M=1 kernel instead (one weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their
+    own dtype, the 16 fp32 code values from which the pair table is built, column slices from the grid size;
+    mt = 1); with mt = 2 its M <= 16 kernel (rows in chunks of 2, m_dim after s in the signature, grid = row chunks x
+    column slices).
     ``pingpong``: the step loop unrolled twice with the two word buffers' roles swapped, instead of copying the
     prefetched words into the current ones (fewer moves, twice the code). ``early``: x and the first step's words
     are loaded before the table is built, so the table build overlaps their latency (matters when a block has only

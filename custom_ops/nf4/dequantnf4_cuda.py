@@ -44,7 +44,8 @@ U0, U1, U3, U4, U15 = (np.uint64(v) for v in (0, 1, 3, 4, 15))
 @cuda.jit
 def dequant_rows(q64, q8, absmax, code, out, total, bs_shift, bs):
     """out[i] = code[nib(i)] * absmax[i // bs] for i < total (flat W^T); bs: BlockSize.size (q64 and bs_shift,
-    BlockSize.log2_words, are not read: the signature of the word kernels it was measured against). One byte (two outputs) per thread step,
+    BlockSize.log2_words, are not read: the signature of the word kernels it was measured against). One byte (two
+    outputs) per thread step,
     so a warp reads 32 consecutive bytes and writes 64 consecutive outputs (coalesced); grid-stride."""
     sm_code = cuda.shared.array(16, dtype=float32)
     if cuda.threadIdx.x < 16:

@@ -30,6 +30,7 @@ from ..device.launch import Array
 from ..runtime.kernels import Kernel
 from ..runtime.routing import Case, Route, always, route
 from . import common as nf4_common, host, nf4tc_cuda
+from .common import case_align, case_f16, case_fp32_decode
 from .decode_cuda import COLS, TAB_BYTES, make_decode, threads
 from .gemv_cuda import GEMV16, GENERIC, MAX_M_FAST, WARPS_PER_BLOCK
 
@@ -63,41 +64,28 @@ BLOCKS_PER_SM = 4           # ``fast``: persistent blocks per SM
 
 
 # ------------------------------------------------------------------------------------------------- routing
-def _a16(c):
-    return c.dtype == "float16"
-
-
-def _al(c, buf):
-    """The alignment (bytes, up to 16) of the call's buffer ``buf`` ('a', 'q', 'am')."""
-    return 16 if c.aligned else c.opt(buf + "_align", 1)
-
-
-def _fp32(c):
-    return bool(c.opt("fp32_decode"))
-
-
 def _m1(c):
     return c.m == 1 and c.k % 16 == 0 and c.k // 16 <= 1024
 
 
 def _wide(c):
     """The wide packed-fp16 decode's shapes (m1.h2wide; m2's)."""
-    return _a16(c) and c.k >= M1_WIDE_MIN_K and c.k % 32 == 0 and c.k // 16 <= 1024 and not _fp32(c)
+    return case_f16(c) and c.k >= M1_WIDE_MIN_K and c.k % 32 == 0 and c.k // 16 <= 1024 and not case_fp32_decode(c)
 
 
 def _m1_table(c):
     """The M = 1 kernel's decode for this call's A and K: 'h2wide', 'h2' (packed fp16), 'pair' or 'table16'."""
     if _wide(c):
         return "h2wide"
-    if _a16(c) and c.k >= M1_H2_MIN_K and not _fp32(c):
+    if case_f16(c) and c.k >= M1_H2_MIN_K and not case_fp32_decode(c):
         return "h2"
     return "pair" if c.k >= M1_PAIR_MIN_K else "table16"
 
 
 def _tc(c, lo, hi):
     """nf4tc takes the call at M = lo .. hi (fp16 A, tensor cores, its shapes, A and Q 8-byte aligned)."""
-    return (_a16(c) and c.tc and lo <= c.m <= hi and nf4tc_cuda.ok(True, c.m, c.k, c.n, c.bs)
-            and _al(c, "a") >= 8 and _al(c, "q") >= 8 and _al(c, "am") >= 4)
+    return (case_f16(c) and c.tc and lo <= c.m <= hi and nf4tc_cuda.ok(True, c.m, c.k, c.n, c.bs)
+            and case_align(c, "a") >= 8 and case_align(c, "q") >= 8 and case_align(c, "am") >= 4)
 
 
 def _halves(c):
@@ -109,8 +97,8 @@ ROUTES = (
     Route("fast", "forced (tests): opts path = 'fast'", lambda c: c.opt("path") == "fast"),
     Route("m2", "fp16 A, M = 2 .. M2_MAX_M (4), K >= M1_WIDE_MIN_K (4096), K % 32 == 0, K <= 16384, not "
           "ONNX_LOWBIT_FP32_DECODE; A, Q 16-byte and absmax 4-byte aligned",
-          lambda c: 2 <= c.m <= M2_MAX_M and _wide(c) and _al(c, "a") >= 16 and _al(c, "q") >= 16
-          and _al(c, "am") >= 4, "BENCHMARKS.md NF4 (M = 2 rows); lab-log session 28 (0e56466)"),
+          lambda c: 2 <= c.m <= M2_MAX_M and _wide(c) and case_align(c, "a") >= 16 and case_align(c, "q") >= 16
+          and case_align(c, "am") >= 4, "BENCHMARKS.md NF4 (M = 2 rows); lab-log session 28 (0e56466)"),
     Route("nf4tc.halves.rc2", "fp16 A, tensor cores, M = 9 .. 16, K % 64 == 0, block >= 64, N even with whole absmax "
           "blocks per half; A, Q 8-byte, absmax 4-byte aligned",
           lambda c: _tc(c, max(nf4tc_cuda.HALVES_MIN_M, nf4tc_cuda.RC2_MIN_M), 16) and _halves(c),
@@ -123,23 +111,23 @@ ROUTES = (
           lambda c: _tc(c, TC_MIN_M, 16), "BENCHMARKS.md NF4 (the TC_MIN_M figures; acda774)"),
     Route("m1.h2wide", "M = 1, fp16 A, K >= M1_WIDE_MIN_K (4096), K % 32 == 0, K <= 16384, not "
           "ONNX_LOWBIT_FP32_DECODE; A, Q 16-byte aligned",
-          lambda c: _m1(c) and _m1_table(c) == "h2wide" and _al(c, "a") >= 16 and _al(c, "q") >= 16,
+          lambda c: _m1(c) and _m1_table(c) == "h2wide" and case_align(c, "a") >= 16 and case_align(c, "q") >= 16,
           "BENCHMARKS.md NF4 (MatMulNF4 M = 1 rows); lab-log session 27 (14188a5)"),
     Route("m1.h2", "M = 1, fp16 A, K >= M1_H2_MIN_K (4096), K % 16 == 0 (not 32), K <= 16384, not "
           "ONNX_LOWBIT_FP32_DECODE; A 16-byte, Q 8-byte aligned",
-          lambda c: _m1(c) and _m1_table(c) == "h2" and _al(c, "a") >= 16 and _al(c, "q") >= 8,
+          lambda c: _m1(c) and _m1_table(c) == "h2" and case_align(c, "a") >= 16 and case_align(c, "q") >= 8,
           "lab-log sessions 19-20 (6b998ae)"),
     Route("m1.pair", "M = 1, K >= M1_PAIR_MIN_K (4096), K % 16 == 0, K <= 16384 (fp32 A, or ONNX_LOWBIT_FP32_DECODE); "
           "A 16-byte, Q 8-byte aligned",
-          lambda c: _m1(c) and _m1_table(c) == "pair" and _al(c, "a") >= 16 and _al(c, "q") >= 8,
+          lambda c: _m1(c) and _m1_table(c) == "pair" and case_align(c, "a") >= 16 and case_align(c, "q") >= 8,
           "the M1_PAIR_MIN_K figures (nf4shapes_gpu.py; 3d1c1ab)"),
     Route("m1.table16", "M = 1, K < 4096, K % 16 == 0; A 16-byte, Q 8-byte aligned",
-          lambda c: _m1(c) and _m1_table(c) == "table16" and _al(c, "a") >= 16 and _al(c, "q") >= 8,
+          lambda c: _m1(c) and _m1_table(c) == "table16" and case_align(c, "a") >= 16 and case_align(c, "q") >= 8,
           "the M1_PAIR_MIN_K figures (nf4shapes_gpu.py; 3d1c1ab)"),
     Route("generic", "M = 1, K % 16 == 0, K <= 16384 with A or Q not aligned as its row above asks", _m1,
           "correctness fallback"),
     Route("fast", "M <= 16, K % 16 == 0, M * K * 4 <= MAX_X_SHARED (160 KiB); Q 8-byte aligned",
-          lambda c: c.m <= MAX_M_FAST and c.k % 16 == 0 and c.m * c.k * 4 <= MAX_X_SHARED and _al(c, "q") >= 8,
+          lambda c: c.m <= MAX_M_FAST and c.k % 16 == 0 and c.m * c.k * 4 <= MAX_X_SHARED and case_align(c, "q") >= 8,
           "the kernel before the decode kernels (no measured alternative at these calls)"),
     Route("generic", "any other call (M > 16: prefill)", always, "correctness fallback"),
 )

@@ -184,6 +184,7 @@ def make(warps=WARPS):
         wv[5] = v1
         wv[6] = v2
         wv[7] = v3
+        # W3's words as W1's above, written out (not a loop over the weights): constant register indices
         w0, w1, w2, w3 = _ldw(q3, i0)
         v0, v1, v2, v3 = _ldw(q3, i1)
         wv[8] = w0

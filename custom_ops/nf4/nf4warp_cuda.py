@@ -1,8 +1,9 @@
-"""NF4/FP4 GEMV at M = 1, 2 with fp16 X, warp-column decode (FusedFFNNF4's two weights): every warp owns a contiguous range of output columns and reads the whole of K for each of them, so partial sums
-never leave the warp (no shared-memory reduction, no barrier per step; the block decode kernel of
-fusedffnnf4_cuda.py splits K over a block's warps and meets once a step). K % 1024 == 0 and K <= 1024 *
-MAX_CHUNKS: a 16-byte load per lane covers 32 elements, a warp-wide load 1024 (a chunk), and a lane keeps its 32
-elements of every chunk of X in registers as 16 half2 (32 registers at K = 2048).
+"""NF4/FP4 GEMV at M = 1, 2 with fp16 X, warp-column decode (FusedFFNNF4's two weights): every warp owns a
+contiguous range of output columns and reads the whole of K for each of them, so partial sums never leave the warp
+(no shared-memory reduction, no barrier per step; the block decode kernel of fusedffnnf4_cuda.py splits K over a
+block's warps and meets once a step). K % 1024 == 0 and K <= 1024 * MAX_CHUNKS: a 16-byte load per lane covers 32
+elements, a warp-wide load 1024 (a chunk), and a lane keeps its 32 elements of every chunk of X in registers as 16
+half2 (32 registers at K = 2048).
 
 Per column and weight a lane issues one 16-byte load per chunk (``ld.global.nc.L1::no_allocate.v4``) and one absmax
 load; the next column's loads are in flight while the current one is decoded (the step is written out twice with
