@@ -9,7 +9,7 @@ bytes of both weights (2 * K * N / 2 = 45.1 MB), as the issue's floor does.
 
 The "session" rows call each op's CUDA kernel object as a session node does (custom_ops.direct), so they run what
 sessions run at that M; the other rows launch particular kernels with their launcher defaults (FusedFFNNF4's
-decode kernel without the two-buffer loop or thread groups; FusedFFNAWQ / MatMulAWQ's fp32 decode kernels,
+block decode kernel for that M and K, one thread group per block; FusedFFNAWQ / MatMulAWQ's fp32 decode kernels,
 awq/gemv_cuda, which sessions take for fp32 X or where the small-M GEMV cannot go). One weight pair is reused call after call, so part of it comes from L2:
 nf4shapes_gpu.py and nf4tc_gpu.py cycle weights past L2.
 
@@ -57,11 +57,12 @@ def main():
     import torch
     import torch.nn.functional as F  # noqa: N812
 
-    from onnx_lowbit.custom_ops import direct, fusedffnnf4_cpu, fusedffnnf4_cuda
-    from onnx_lowbit.custom_ops import nf4_common
     from onnx_lowbit.custom_ops.awq import gemv_cuda
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
-    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cpu
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.ffn import fusedffnawq_cpu, fusedffnnf4_cpu, fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import common as nf4_common
+    from onnx_lowbit.custom_ops.nf4.decode_cuda import lut_for, threads
+    from onnx_lowbit.custom_ops.runtime import direct
     print("GPU:", torch.cuda.get_device_name(0))
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
@@ -78,8 +79,6 @@ def main():
     w16 = [torch.randn(K, N, device="cuda", dtype=torch.float16) * 0.02 for _ in range(2)]
     bw, t_copy = copy_gbps()
     print(f"device copy 256 MiB: {t_copy:.1f} us = {bw:.0f} GB/s")
-    nlut = td(fusedffnnf4_cuda.lut_for(code, True).view(np.int64))
-    nlut32 = td(fusedffnnf4_cuda.lut_for(code, False).view(np.int32))
     ptr = lambda t, n=None: (t.data_ptr(), (t.numel() if n is None else n,))  # noqa: E731
     rows = []
 
@@ -140,29 +139,28 @@ def main():
                 [direct.call("MatMulAWQ", aw_attrs, [x, *w], [y], stream) for w, y in zip(daw, (y1, y3))]),
                 check=chk(ref_a))
 
-        # ---- NF4 fused
-        def nf4_fused(pair=None, cols=fusedffnnf4_cuda.COLS, scale=1, prefetch=True):
-            mt = fusedffnnf4_cuda.bucket(m)
-            pair = fusedffnnf4_cuda.table_choice(mt, pair)[0]
-            lau = fusedffnnf4_cuda.launcher(True, mt, pair, cols, prefetch)
-            block = fusedffnnf4_cuda.threads(K)
-            occ = fusedffnnf4_cuda.blocks_per_sm(lau, block)
+        # ---- NF4 fused: the block decode kernel FusedFFNNF4's routes name for this M and K (one thread group)
+        def nf4_fused():
+            fc = fusedffnnf4_cuda
+            name = fc.decode_kernel(fc.case("float16", m, K, N, BS))
+            mt, pair, _, _, h2, wide, _, groups = fc.DECODE[name]
+            lau = fc.launcher(True, name)
+            block = threads(K, wide) * groups
+            occ = fc.blocks_per_sm(lau, block)
             nch = -(-m // mt)
-            parts = fusedffnnf4_cuda.parts_for(N, nch, sms, occ * scale, cols)
+            parts = fc.parts_for(N, nch, sms, occ, groups)
+            lut = lut_for(code, pair, h2)
+            dlut = td(lut.view(np.int64 if lut.dtype == np.uint64 else np.int32))
+            keep.append(dlut)    # the launches hold raw pointers only
             args = [ptr(x), ptr(dnq[0][0], K * N // 16), ptr(dnq[0][1]), ptr(dnq[1][0], K * N // 16), ptr(dnq[1][1]),
-                    ptr(nlut if pair else nlut32), ptr(s), ptr(s), ptr(s), m, K, N, BS.bit_length() - 5, parts, 0, 0]
-            desc = f"{nch * parts} blocks x {block} thr, {regs(lau)}, {occ}/SM"
-            return (lambda: lau.launch(nch * parts, block, stream(), *args)), desc
+                    ptr(dlut), ptr(s), ptr(s), ptr(s), m, K, N, BS.bit_length() - 5, parts, 0, 0]
+            grid = nch * parts // groups
+            desc = f"{name}: {grid} blocks x {block} thr, {regs(lau)}, {occ}/SM"
+            return (lambda: lau.launch(grid, block, stream(), *args)), desc
 
+        keep = []
         fn, desc = nf4_fused()
-        t_nf = None if a.profile else record(f"FusedFFNNF4 decode kernel, launcher defaults [{desc}]", m, fn,
-                                             check=chk(ref_n))
-        if a.variants and m == 1 and not a.profile:
-            for pair, cols, pf in [(True, 4, True), (True, 4, False), (True, 8, False), (False, 4, False),
-                                   (True, 2, True)]:
-                fn, desc = nf4_fused(pair, cols, 1, pf)
-                record(f"  variant NF4 pair={int(pair)} cols={cols} prefetch={int(pf)} [{desc}]", m, fn,
-                       check=chk(ref_n))
+        t_nf = None if a.profile else record(f"FusedFFNNF4 block decode kernel [{desc}]", m, fn, check=chk(ref_n))
 
         t_n2 = None     # two MatMulNF4: the session rows above (the M = 1 kernel needs its session launch)
 
@@ -181,7 +179,7 @@ def main():
             return (lambda: lau.launch(grid, gemv_cuda.BLOCK, stream(), *args)), desc, acc
 
         if a.profile:
-            for fn in (nf4_fused()[0], nf4_fused(True, 4)[0], awq_fused()[0]):
+            for fn in (nf4_fused()[0], awq_fused()[0]):
                 for _ in range(3):
                     fn()
                 torch.cuda.synchronize()
@@ -218,7 +216,7 @@ def main():
     r_ = lambda a_, b_: "-" if a_ is None or b_ is None else f"{b_ / a_:.2f}x"  # noqa: E731
     for m, t_sn, t_sn2, t_sa, t_sa2, t_nf, t_n2, t_af, t_a2, t_t in summary:
         for op, tf, t2 in (("FusedFFNNF4 (session)", t_sn, t_sn2), ("FusedFFNAWQ (session)", t_sa, t_sa2),
-                           ("FusedFFNNF4 decode kernel, defaults", t_nf, t_n2),
+                           ("FusedFFNNF4 block decode kernel", t_nf, t_n2),
                            ("FusedFFNAWQ fp32 decode", t_af, t_a2)):
             bw = None if tf is None else NIBBLE_BYTES / tf / 1e3
             print(f"| {op} | {m} | {f(tf)} | {f(bw)} | {f(None if bw is None else 100 * bw / PEAK)} | {f(t2)} | "

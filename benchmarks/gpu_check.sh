@@ -98,7 +98,7 @@ nf4tc memcheck 1 nf4tc 13 192 40
 nf4tc memcheck 1 nf4tc 16 4096 1000
 nf4tc racecheck 1 nf4tc 11 256 72
 nf4wide memcheck 1 nf4wide_ffn 1 4096 1000 3
-nf4wide memcheck 1 nf4wide_ffn 1 512 37 4
+nf4wide memcheck 1 nf4wide_ffn 1 512 37 3
 nf4wide racecheck 1 nf4wide_ffn 1 512 200 3
 nf4wide memcheck 1 nf4wide_mm 1 4096 1000
 nf4wide memcheck 1 nf4wide_mm 1 8192 37

@@ -1,7 +1,7 @@
 """Rounding error of the NF4 decode kernels' packed-fp16 arithmetic (``h2``), emulated in numpy (CPU, no GPU):
 x W^T for one row of X against float64, for the fp32 decode (exact products, fp32 sums), fp16 code values with
 exact products, and chains of 2 / 4 bytes (fma.rn.f16x2 into an fp16 partial sum, then fp32), as
-fusedffnnf4_cuda._make_decode(h2=c) computes them (X scaled by a power of two so that |x p| < 2^12), with the
+decode_cuda.make_decode(h2=c) computes them (X scaled by a power of two so that |x p| < 2^12), with the
 levels as plain fp16 and as fp16 of a * level (half2.h2_scale: what the kernels' tables hold).
 
 Three kinds of X: zero-mean N(0, 1), mean-shifted N(0.2, 1), and N(0, 1) with 8 outlier channels x 30 (as hidden
@@ -17,7 +17,7 @@ import sys
 import numpy as np
 
 from onnx_lowbit import nf4
-from onnx_lowbit.custom_ops import half2
+from onnx_lowbit.custom_ops.device import half2
 
 
 def chains(codes16, xs16, c):

@@ -3,13 +3,13 @@ first, or ``ncu --launch-skip 1``), check the output, print one line: the progra
 run (`bash benchmarks/gpu_check.sh edges` and `... stalls` call it; options are the host runners' keywords).
 
     python3 benchmarks/kernel_once.py fplut [N]                     FPLUT on N fp16 values (the routed kernel)
-    python3 benchmarks/kernel_once.py nf4 ffn|mm K N ["h2=2, wide=True"]   FusedFFNNF4 decode / MatMulNF4 M = 1
+    python3 benchmarks/kernel_once.py nf4 ffn|mm K N                 FusedFFNNF4 / MatMulNF4 at M = 1 (routed)
     M=2 python3 benchmarks/kernel_once.py awq mm|mm1|ffn|ffn1 K N ["wpl=1"]   MatMulAWQ / FusedFFNAWQ (M rows):
                                                                      fp32 decode (mm, ffn) / small-M GEMV (mm1, ffn1)
     python3 benchmarks/kernel_once.py ffn_tc M K N   FusedFFN's [N, K] tensor-core kernel (the routed configuration)
     python3 benchmarks/kernel_once.py ffn_kn M K N XTYPE WTYPE       FusedFFN on [K, N] weights (decode / tensor cores)
     python3 benchmarks/kernel_once.py nf4tc M K N                    NF4 tensor-core kernel, one and two weights
-    python3 benchmarks/kernel_once.py nf4wide_ffn M K N GROUPS       FusedFFNNF4's wide decode with thread groups
+    python3 benchmarks/kernel_once.py nf4wide_ffn M K N GROUPS       FusedFFNNF4's wide decode, GROUPS 1 or 3 (.g3)
     python3 benchmarks/kernel_once.py nf4wide_mm M K N                MatMulNF4's wide M = 1 / two-row decode
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:decode --launch-skip 1 --launch-count 1 \\
@@ -49,32 +49,45 @@ def fplut(argv):
     print("fplut", n, "ok" if ok else "MISMATCH")
 
 
+def _nf4_call(op, x, ws, k, n, bias=None):
+    """``op`` through its kernel object, as a session node calls it (runtime/direct.call), twice; host arrays in,
+    (output, the routed kernel's name) out."""
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops.runtime import direct
+    from onnx_lowbit.custom_ops.runtime.routing import route
+    dev = [cuda.to_device(np.ascontiguousarray(v)) for v in (x, *ws) + ((bias,) if bias is not None else ())]
+    out = cuda.device_array(x.shape[:-1] + (n,), x.dtype)
+    run = direct.call(op, {"quant_type": "nf4", "block_size": 64, "K": k, "N": n}, dev, [out], 0)
+    for _ in range(2):
+        run()
+    cuda.synchronize()
+    mod = sys.modules[type(run.kernel).__module__]
+    return out.copy_to_host(), route(mod.ROUTES, run.kernel.case(x.shape[0])).kernel
+
+
 def nf4(argv):
     from numba import cuda
 
-    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cpu, fusedffnnf4_cuda
-    from onnx_lowbit.custom_ops.nf4 import common as nf4_common
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu, matmulnf4_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cpu
+    from onnx_lowbit.custom_ops.nf4 import common as nf4_common, matmulnf4_cpu
     bs = 64
-    cuda.current_context()      # the context first (matmulnf4_cuda asks the driver for the SM count)
+    cuda.current_context()      # the context first (the kernel objects ask the driver for the SM count)
     what, k, n = argv[0], int(argv[1]), int(argv[2])
-    kw = _opts(argv, 3)
     rng = np.random.default_rng(0)
     code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": bs, "K": k, "N": n})[4]
     x = (rng.standard_normal((1, k)) * 0.5).astype(np.float16)
     w = [(rng.integers(0, 256, k * n // 2, dtype=np.uint8),
           (rng.random(k * n // bs) * 0.1 + 0.01).astype(np.float32)) for _ in range(2)]
     if what == "ffn":
-        for _ in range(2):
-            y = fusedffnnf4_cuda.run_arrays(x, w[0][0], w[0][1], w[1][0], w[1][1], "nf4", bs, k, n, **kw)
+        y, name = _nf4_call("FusedFFNNF4", x, (w[0][0], w[0][1], w[1][0], w[1][1]), k, n)
         ref = fusedffnnf4_cpu.swiglu(x.astype(np.float32), w[0][0], w[0][1], w[1][0], w[1][1], code, k, n, bs)
     else:
-        for _ in range(2):
-            y = matmulnf4_cuda.run_arrays(x, w[0][0], w[0][1], code, k, n, bs)
+        y, name = _nf4_call("MatMulNF4", x, w[0], k, n)
         ref = matmulnf4_cpu.matmul(x.astype(np.float32), w[0][0], w[0][1], code, k, n, bs)
     ref = np.asarray(ref, np.float64).reshape(y.shape)
     err = np.max(np.abs(y.astype(np.float64) - ref)) / np.max(np.abs(ref))
-    print(what, k, n, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
+    print(what, k, n, name, "ok" if err < 2e-3 else "MISMATCH", f"rel {err:.1e}")
 
 
 def awq(argv):
@@ -174,27 +187,38 @@ def nf4tc(argv):
 
 
 def nf4wide_ffn(argv):
+    """The wide decode at any K (WIDE_MIN_K lowered, the warp-column routes off), one thread group per block or
+    GROUPS_CARDS' 3 (on any card)."""
+    from numba import cuda
+
     from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as f
     m, k, n, g = (int(v) for v in argv[:4])
+    if g not in (1, 3):
+        raise SystemExit("GROUPS: 1 or 3 (the thread groups sessions run)")
+    cuda.current_context()
+    f.WIDE_MIN_K, f.WARPCOLS = 0, {}
+    f.grouped = lambda a16, k_: g == 3
     r = np.random.default_rng(0)
     w = _nf4_weights(r, k, n, 2)
     x = r.standard_normal((m, k)).astype(np.float16)
-    s = f.run_arrays(x, *w, "nf4", 64, k, n, r.standard_normal(n).astype(np.float16), None, h2=4, wide=True,
-                     groups=g)
-    print("groups", g, "finite", bool(np.isfinite(s).all()))
+    s, name = _nf4_call("FusedFFNNF4", x, w, k, n)
+    print(name, "finite", bool(np.isfinite(s).all()))
 
 
 def nf4wide_mm(argv):
-    from onnx_lowbit import nf4
+    """MatMulNF4's wide M = 1 kernel / two-row decode (M2_MAX_M raised to M)."""
+    from numba import cuda
+
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     m, k, n = (int(v) for v in argv[:3])
+    cuda.current_context()
     mc.M2_MAX_M = max(mc.M2_MAX_M, m)
     r = np.random.default_rng(0)
     q, am = _nf4_weights(r, k, n, 1)
     a = r.standard_normal((m, k)).astype(np.float16)
-    y = mc.run_arrays(a, q, am, nf4.code("nf4").astype(np.float32), k, n, 64, r.standard_normal(n).astype(np.float16))
-    print("matmul m", m, "wide", mc.m1_wide(np.float16, k), "two-row", mc.m2_path(m, k, np.float16),
-          "finite", bool(np.isfinite(y).all()))
+    y, name = _nf4_call("MatMulNF4", a, (q.reshape(-1), am.reshape(-1).astype(np.float32)), k, n,
+                        r.standard_normal(n).astype(np.float16))
+    print("matmul m", m, name, "finite", bool(np.isfinite(y).all()))
 
 
 KERNELS = {"fplut": fplut, "nf4": nf4, "awq": awq, "ffn_tc": ffn_tc, "ffn_kn": ffn_kn, "nf4tc": nf4tc,

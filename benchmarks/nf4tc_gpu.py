@@ -1,4 +1,4 @@
-"""NF4 tensor-core decode kernel (custom_ops/nf4tc_cuda.py) against the kernels sessions use today, same run, H100:
+"""NF4 tensor-core decode kernel (custom_ops/nf4/nf4tc_cuda.py) against the kernels sessions use today, same run, H100:
   fused  FusedFFNNF4 (gate+up + SiLU*mul): nf4tc nw=2 vs what a session node runs at that M
   matmul MatMulNF4 (one weight): nf4tc nw=1 vs what a session node runs at that M
 ("session kernel": the op's CUDA kernel object called as the bridge calls it, custom_ops.direct, so its launch is
@@ -8,9 +8,11 @@ bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py) over calls that 
 weights (>= 128 MB in all, past the 50 MB L2, as layer after layer of a decode step; before 2026-11-26 session 26 one
 weight was reused, so part of it came from L2); every output checked against the CPU face on the first pool entry.
 GB/s counts the packed weight bytes + absmax.
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8:1:0,8:2:128,8:1:0:2]
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8,4:2]
         [--fused-ms 12,16] [--matmul-ms 12,16]
-(a variant is warps:cpl:maxreg[:rc], rc = row chunks of 8 per block; default the kernel's row_chunks(M))
+(a variant is warps[:rc], rc = row chunks of 8 per block; default the kernel's row_chunks(M); CPL chunks per batch
+and ptxas's register choice, the only ones sessions run since the options went: docs/lab-log.md, "Removed kernel
+variants (NF4)")
 """
 from __future__ import annotations
 
@@ -27,18 +29,18 @@ POOL_BYTES = 128 << 20
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="LLaMA-7B only (fused M=1, 4; matmul M=1)")
-    ap.add_argument("--variants", default="8:1:0",
-                    help="tensor-core kernel variants warps:cpl:maxreg[:rc] (maxreg 0: ptxas's choice)")
+    ap.add_argument("--variants", default="8", help="tensor-core kernel variants warps[:rc]")
     ap.add_argument("--fused-ms", help="FusedFFNNF4 cases at these M (default 1, 2, 3, 4, 8, 16)")
     ap.add_argument("--matmul-ms", help="MatMulNF4 cases at these M (default 1, 2, 4, 16)")
     ap.add_argument("--halves", action="store_true", help="MatMulNF4 cases also through the two-weight kernel on the "
-                    "weight's two halves (nf4tc_cuda.HALVES)")
+                    "weight's two halves (MatMulNF4 routes there from nf4tc_cuda.HALVES_MIN_M rows)")
     a = ap.parse_args()
     import torch
 
-    from onnx_lowbit.custom_ops import direct, fusedffnnf4_cpu, matmulnf4_cpu, nf4_common
-    from onnx_lowbit.custom_ops import nf4tc_cuda as tc
-    from onnx_lowbit.custom_ops.cuda_launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.device.launch import current_device, sm_count
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cpu
+    from onnx_lowbit.custom_ops.nf4 import common as nf4_common, matmulnf4_cpu, nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.runtime import direct
     print("GPU:", torch.cuda.get_device_name(0))
     sms = sm_count(current_device())
     stream = lambda: torch.cuda.current_stream().cuda_stream  # noqa: E731
@@ -87,13 +89,12 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"{kind} K={K} N={N} M={m} {name}: FAILED {type(e).__name__}: {e}", flush=True)
 
-        for (warps, cpl, maxreg, *rc), halves in [(v, h) for v in variants
-                                                  for h in ((False, True) if a.halves and nw == 1 else (False,))]:
-            maxreg = maxreg or None
+        for (warps, *rc), halves in [(v, h) for v in variants
+                                     for h in ((False, True) if a.halves and nw == 1 else (False,))]:
             rc = rc[0] if rc else tc.row_chunks(m)
             if rc == 2 and m <= 8:
                 continue
-            lau = tc.launcher(2 if halves else nw, warps, maxreg, cpl, rc, halves)
+            lau = tc.launcher(2 if halves else nw, warps, rc, halves)
             occ = max(1, lau.blocks_per_sm(32 * warps))
             nch = tc.chunks(m, rc)
             # halves: the weight's two halves of rows as W1 / W3, N / 2 rows each
@@ -109,7 +110,7 @@ def main():
                 ptr(out), ptr(out), m, K, nd, BS.bit_length() - 1, p, 0, 0) for d in pool]
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
-            rec(f"tc w={warps} cpl={cpl} rc={rc} cap={maxreg} {r}r ({occ}/SM){' halves' if halves else ''}", fns)
+            rec(f"tc w={warps} rc={rc} {r}r ({occ}/SM){' halves' if halves else ''}", fns)
         # what a session node runs at this M (custom_ops.direct: the op's kernel object and its per-call choice)
         op = "FusedFFNNF4" if nw == 2 else "MatMulNF4"
         attrs = {"quant_type": "nf4", "block_size": BS, "K": K, "N": N}

@@ -152,35 +152,36 @@ for _n, _d in _D.items():
 # DequantAWQ: its one kernel (the former Variant DEFAULT)
 _add("dequantawq.default", "dequantawq", "make()", "SIG")
 
-# MatMulNF4: M=1 kernel (16-entry / pair table; fp16 A: chains of 2, wide chains of 4; the 16-entry / pair ones
-# also with ONNX_LOWBIT_FP32_DECODE=1), fast, generic; fp16: the two-row decode (m2) and nf4tc (one weight, rc 1 / 2;
-# the two-weight kernel on the weight's halves from M = 8)
+# MatMulNF4 (its ROUTES: python -m onnx_lowbit.custom_ops.runtime.routing): M=1 kernels m1.table16 / m1.pair (also
+# fp16 A with ONNX_LOWBIT_FP32_DECODE=1), fp16 A m1.h2 / m1.h2wide, fast, generic; fp16: the two-row decode (m2) and
+# nf4tc (one weight, rc 1 / 2; the two-weight kernel on the weight's halves from M = 8)
 for _n, _d in _D.items():
     _m1 = (f"[Array({_d}), Array(np.uint64), Array(np.float32), Array(np.float32), Array({_d}), 'int32', "
            f"Array({_d}), 'int64', 'int64', 'int64']")
-    _m1s = [("table16", "False, 0, False"), ("pair", "True, 0, False")]
+    _m1s = [("table16", "False, M1_MAX_REGISTERS, matmul=True, early=False, h2=0, wide=False"),
+            ("pair", "True, M1_MAX_REGISTERS, matmul=True, early=True, h2=0, wide=False")]
     if _n == "f16":
-        _m1s += [("h2", "False, 2, False"), ("h2wide", "False, 4, True")]
+        _m1s += [("h2", "False, M1_MAX_REGISTERS, matmul=True, early=False, h2=M1_H2, wide=False"),
+                 ("h2wide", "False, M1_MAX_REGISTERS, matmul=True, early=False, h2=M1_H2_WIDE, wide=True")]
     for _k, _a in _m1s:
-        _add(f"matmulnf4.m1.{_k}.{_n}", "matmulnf4", f"gemv_m1({_a})", _m1)
+        _add(f"matmulnf4.m1.{_k}.{_n}", "matmulnf4", f"make_decode(1, False, {_a})", _m1)
     for _mode, _fn, _q in (("fast", "GEMV16", "np.uint64"), ("generic", "GENERIC", "np.uint8")):
         _add(f"matmulnf4.{_mode}.{_n}", "matmulnf4", _fn,
              f"[Array({_d}), Array({_q}), Array(np.float32), Array(np.float32), Array({_d}), 'int32', Array({_d}), "
              f"'int64', 'int64', 'int64', 'int64']")
-_add("matmulnf4.m2.f16", "matmulnf4", "gemv_m2()",
+_add("matmulnf4.m2.f16", "matmulnf4", "make_decode(2, False, False, None, matmul=True, h2=M1_H2_WIDE, wide=True)",
      "[Array(np.float16), Array(np.uint64), Array(np.float32), Array(np.float32), Array(np.float16), 'int32', "
      "Array(np.float16), 'int64', 'int64', 'int64', 'int64']")
-# nf4tc (make(nw, warps, max_registers, cpl, rc, halves)): geometry(1) = (WARPS 8, CPL 2), geometry(2) = (4, 2)
+# nf4tc (make(nw, warps, rc, halves)): warps_for(1) = WARPS 8, warps_for(2) = RC2_WARPS 4
 for _nw, _h, _n in ((1, False, "nw1"), (2, True, "halves"), (2, False, "nw2")):
-    for _rc, (_wp, _cpl) in ((1, (8, 2)), (2, (4, 2))):
-        _add(f"nf4tc.{_n}.rc{_rc}", "nf4tc", f"make({_nw}, {_wp}, None, {_cpl}, {_rc}, {_h})", "sig()")
+    for _rc, _wp in ((1, 8), (2, 4)):
+        _add(f"nf4tc.{_n}.rc{_rc}", "nf4tc", f"make({_nw}, {_wp}, {_rc}, {_h})", "sig()")
 
-# FusedFFNNF4: generic; block decode per row bucket as table_choice / pick_groups / pingpong_for give it (fp32 X:
-# mt1 nib, mt2 pair+early; fp16 X: wide chains of 4 with pingpong (mt1 also 3 groups, H100), mt1 chains of 2 below
-# K 4096, mt1 nib / mt2 pair with ONNX_LOWBIT_FP32_DECODE=1 or narrow K); nf4warp (WARPCOLS), nf4tc nw2 (above),
-# nf4mma (mm_for(4) = 4)
+# FusedFFNNF4 (its ROUTES): generic; the block decode variants of fusedffnnf4_cuda.DECODE (fp32 X: mt1 nib, mt2
+# pair+early; fp16 X: wide chains of 4 with pingpong (mt1 also 3 groups, H100), mt1 chains of 2 below K 4096, mt1
+# nib / mt2 pair with ONNX_LOWBIT_FP32_DECODE=1 or narrow K); nf4warp (WARPCOLS), nf4tc nw2 (above), nf4mma
 for _a in (False, True):
-    _add(f"fusedffnnf4.generic.{_T[_a]}", "fusedffnnf4", f"_make_generic({_a})", f"_sig({_a}, True)")
+    _add(f"fusedffnnf4.generic.{_T[_a]}", "fusedffnnf4", f"_make_generic({_a})", f"sig({_a}, True)")
 _NF4_DECODE = [  # (a16, mt, name, pair, early, nib, h2, wide, pingpong, groups)
     (False, 1, "nib", False, False, True, 0, False, False, 1),
     (False, 2, "pair", True, True, False, 0, False, False, 1),
@@ -193,12 +194,11 @@ _NF4_DECODE = [  # (a16, mt, name, pair, early, nib, h2, wide, pingpong, groups)
 ]
 for _a, _mt, _n, _p, _e, _nib, _h2, _wd, _pp, _g in _NF4_DECODE:
     _add(f"fusedffnnf4.decode.mt{_mt}.{_T[_a]}.{_n}", "fusedffnnf4",
-         f"_make_decode({_mt}, {_a}, {_p}, COLS, True, None, pingpong={_pp}, early={_e}, nib={_nib}, h2={_h2}, "
-         f"wide={_wd}, am16=False, vec_table=half2.VEC_TABLE, groups={_g})", f"_sig({_a}, False, {_p}, False)")
+         f"make_decode({_mt}, {_a}, {_p}, pingpong={_pp}, early={_e}, nib={_nib}, h2={_h2}, wide={_wd}, groups={_g})",
+         f"sig({_a}, False, {_p})")
 for (_m, _c), _split in (((1, 1), 1), ((2, 1), 1), ((1, 2), 1), ((2, 2), 2), ((1, 3), 1)):
-    _add(f"nf4warp.mt{_m}.c{_c}.s{_split}", "nf4warp", f"_make({_c}, 2, MAX_REGISTERS, {_split}, {_m}, half2.VEC_TABLE)",
-         "sig(2)")
-_add("nf4mma.nw2.mm4", "nf4mma", "make(2, 4, WARPS, MAX_REGISTERS, DEPTH)", "sig()")
+    _add(f"nf4warp.mt{_m}.c{_c}.s{_split}", "nf4warp", f"_make({_c}, {_split}, {_m})", "sig(True, False, False)")
+_add("nf4mma.nw2.mm4", "nf4mma", "make(WARPS)", "sig()")
 
 # MatMulAWQ (nw 1) / FusedFFNAWQ (nw 2), awq/gemv_cuda: decode buckets (TUNED[nw]), generic; matmulawq1 (session
 # config: unroll 4 / 2 / 1 by group size; one weight at M = 1: wpl 1 or 2; else wpl 1). The ids keep the op names
@@ -233,7 +233,6 @@ NOT_COVERED = """\
 Not snapshotted (no session routes them; benchmark / test entry points only):
   decode / tiled kernels under non-default ``variant=`` options (run(variant=...), tests and benchmarks)
   other dequantnf4 Variant options than the sessions' (DEFAULT; dequantnf4's LEGACY fallback is covered)
-  matmulnf4 _make_m1 variants from m1_opts and run_int4_m1's int4 kernel (tests / benchmarks, no op runs them)
   fusedffnnf4 / nf4tc / nf4mma / nf4warp options other than the routed ones (cols, prefetch, max_registers, am16)"""
 
 

@@ -1,5 +1,6 @@
 """FusedFFNNF4 / FusedFFNAWQ kernels against onnx_lowbit.ffn: CPU faces through onnxruntime sessions, CUDA faces
-through ``run_arrays`` under Numba's CUDA simulator (small shapes; NUMBA_ENABLE_CUDASIM=1) or on a real GPU
+(FusedFFNNF4: its kernel object through runtime/direct.call, ``nf4_cuda_call``; FusedFFNAWQ: ``run_arrays``) under
+Numba's CUDA simulator (small shapes; NUMBA_ENABLE_CUDASIM=1) or on a real GPU
 (ONNX_LOWBIT_REAL_GPU=1).
 
 Error metric: max |S - ref| / max |ref| (float64 reference). Bars:
@@ -9,12 +10,16 @@ Error metric: max |S - ref| / max |ref| (float64 reference). Bars:
   * AWQ against ffn.swiglu_awq_ref (whose weights are rounded to fp16): <= 1e-3, the issue's bar.
 Non-finite X: the rows holding NaN/Inf must be non-finite exactly where the reference is, other rows as above.
 """
+import itertools
+
 import numpy as np
 import pytest
 from numba import config
 from onnx import TensorProto, helper, numpy_helper
 
 from onnx_lowbit import awq, domain, ffn, nf4
+from onnx_lowbit.custom_ops.runtime.routing import route
+from test_nf4_kernels import call_op
 
 SIM = bool(config.ENABLE_CUDASIM)
 ET = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
@@ -104,7 +109,34 @@ def _nf4_cuda():
     return fusedffnnf4_cuda
 
 
-M1_HALF = {(64, 16): 0, (688, 10): 1, (96, 45): 0, (512, 19): 1}   # M = 1 cases: which half of the extra variants
+def nf4_cuda_call(x, ws, qt, bs, k, n, b1=None, b3=None, path=None):
+    """FusedFFNNF4's CUDA kernel object on host arrays (test_nf4_kernels.call_op): (S, the routed kernel's name)."""
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as fc
+    q1, a1, q3, a3 = ws
+    attrs = {"quant_type": qt, "block_size": bs, "K": k, "N": n}
+    s, kern = call_op("FusedFFNNF4", attrs, [x, q1.reshape(-1), a1.reshape(-1).astype(np.float32), q3.reshape(-1),
+                                             a3.reshape(-1).astype(np.float32), b1, b3], x.shape[:-1] + (n,),
+                      x.dtype, path)
+    m = int(np.prod(x.shape[:-1]))
+    return s, (route(fc.ROUTES, kern.case(m)).kernel if m else None)
+
+
+def _nf4_setting(fc, monkeypatch, setting):
+    """Routing switches of the tests: 'fp32' (ONNX_LOWBIT_FP32_DECODE=1), 'wide' (WIDE_MIN_K = 0), 'block' (no
+    warp-column kernel), 'ungrouped' (no thread groups)."""
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    for part in setting.split("+") if setting else ():
+        if part == "fp32":
+            monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
+        elif part == "wide":
+            monkeypatch.setattr(fc, "WIDE_MIN_K", 0)
+        elif part == "block":
+            monkeypatch.setattr(fc, "WARPCOLS", {})
+        else:
+            assert part == "ungrouped"
+            monkeypatch.setattr(fc, "grouped", lambda a16, k: False)
+
+
 NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
     ((1,), 64, 16, 32, "nf4", np.float32, (True, True)),
     ((1, 1), 688, 10, 64, "fp4", np.float16, (False, False)),     # blocks straddle rows; 2 warps, one partial
@@ -122,39 +154,31 @@ NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
 @pytest.mark.parametrize("lead,k,n,bs,qt,dtype,biases", NF4_CUDA_CASES,
                          ids=[f"{'x'.join(map(str, c[0]))}-K{c[1]}-N{c[2]}-bs{c[3]}-{np.dtype(c[5]).name}"
                               for c in NF4_CUDA_CASES])
-def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases):
+def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases, monkeypatch):
+    """The routed kernel, the generic one (forced), and with fp16 X the other decode kernels the routing switches
+    reach at this shape (the fp32 decode; the wide one where K % 32 == 0, with and without thread groups), each
+    distinct kernel once."""
     fc = _nf4_cuda()
     ws = nf4_weights(k, n, bs, qt, seed=2)
     x, b1, b3 = _data(lead, k, n, dtype, biases, 3)
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
+    settings = [("", None), ("", "generic")]
+    if np.dtype(dtype) == np.float16:
+        settings += [("fp32", None), ("wide", None), ("wide+ungrouped", None)]
     m = int(np.prod(lead))
-    variants = [{}]
-    if fc.decode_ok(m, k):   # the generic kernel too, and for M = 1 the decode generator's other variants
-        extra = [{"pair": False, "cols": 8}, {"pair": True}, {"prefetch": False, "cols": 2}, {"pingpong": True, "cols": 2},
-                 {"early": True, "cols": 2, "pair": True}, {"early": True, "pair": False}, {"pair": False, "nib": False},
-                 {"pair": False, "nib": True, "cols": 2}]
-        half = M1_HALF.get((k, n), 0)   # the simulator takes each of them on two M = 1 cases (one fp16, one fp32)
-        variants += [{"force_generic": True}] + (extra[half::2] if m == 1 and SIM else [])
-        if np.dtype(dtype) == np.float16 and m <= 2:     # the packed-fp16 decode (its default is per bucket)
-            variants += [{"h2": 2}, {"h2": 4}, {"h2": 0}] + ([{"h2": 2, "cols": 2, "early": True}] if SIM else [])
-            if k % 32 == 0:     # two words (16 bytes) per thread and row
-                variants += [{"h2": 2, "wide": True}, {"h2": 4, "wide": True}] + (
-                    [{"h2": 4, "wide": True, "cols": 2, "pingpong": True}] if SIM else [])
-        seen = set()    # a variant that is the default (by its table choice and geometry) runs once
-        kept = []
-        for kw in variants:
-            tc = fc.table_choice(fc.bucket(m), kw.get("pair"), kw.get("early"), kw.get("nib"), kw.get("h2"),
-                                 np.dtype(dtype) == np.float16, kw.get("wide"), k)
-            key = ("generic",) if kw.get("force_generic") else (tc, kw.get("cols", fc.COLS), kw.get("prefetch", True),
-                                                                   kw.get("pingpong", False))
-            if key not in seen:
-                seen.add(key)
-                kept.append(kw)
-        variants = kept
-    for kw in variants:
-        s = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw)
-        assert s.shape == ref.shape and s.dtype == x.dtype, kw
-        assert _rel(s, ref) <= _tol(dtype), kw
+    seen = set()
+    for setting, path in settings:
+        with monkeypatch.context() as mp:
+            _nf4_setting(fc, mp, setting)
+            a16 = np.dtype(dtype) == np.float16
+            want = route(fc.ROUTES, fc.case(dtype, m, k, n, bs, False, "fp32" in setting, fc.grouped(a16, k),
+                                            path=path)).kernel
+            if want in seen:
+                continue
+            seen.add(want)
+            s, name = nf4_cuda_call(x, ws, qt, bs, k, n, b1, b3, path)
+        assert name in (want, None) and s.shape == ref.shape and s.dtype == x.dtype, (setting, want)
+        assert _rel(s, ref) <= _tol(dtype), (setting, want)
 
 
 def test_nf4_reduce_index_matches_kernel_layout():
@@ -284,7 +308,7 @@ def _check_nonfinite(s, ref, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_nonfinite_x_nf4(dtype):
+def test_nonfinite_x_nf4(dtype, monkeypatch):
     k, n, bs, qt = 64, 16, 32, "nf4"
     ws = nf4_weights(k, n, bs, qt, seed=4)
     x, b1, b3 = _data((5,), k, n, dtype, (True, True), 6)
@@ -292,77 +316,66 @@ def test_nonfinite_x_nf4(dtype):
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
     _check_nonfinite(_session(nf4_model((5,), k, n, bs, qt, dtype, ws, b1, b3)).run(None, {"x": x})[0], ref, dtype)
     fc = _nf4_cuda()
-    for kw in ({}, {"force_generic": True}):
-        _check_nonfinite(fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, **kw), ref, dtype)
-    if dtype == np.float16:     # the packed-fp16 decode at M = 1 and 2 (rows 0 and 1 hold NaN / Inf, row 4 none)
-        for rows in ([0], [1], [0, 1], [4], [3, 4]):
-            xr = x[rows]
-            s = fc.run_arrays(xr, *ws, qt, bs, k, n, b1, b3, h2=2)
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    for path in (None, "generic"):
+        _check_nonfinite(nf4_cuda_call(x, ws, qt, bs, k, n, b1, b3, path)[0], ref, dtype)
+    if dtype == np.float16:     # the packed-fp16 decodes at M = 1 and 2 (rows 0 and 1 hold NaN / Inf, row 4 none)
+        for setting, rows in itertools.product(("", "wide"), ([0], [1], [0, 1], [4], [3, 4])):
+            with monkeypatch.context() as mp:
+                _nf4_setting(fc, mp, setting)
+                s, name = nf4_cuda_call(x[rows], ws, qt, bs, k, n, b1, b3)
+            assert name.startswith("decode.") and ("wide" in name) == (setting == "wide"), name
             bad = ~np.isfinite(ref[rows])
-            assert np.array_equal(~np.isfinite(s), bad), rows
-            assert _rel(s[~bad.any(axis=1)], ref[rows][~bad.any(axis=1)]) <= _tol(dtype), rows
+            assert np.array_equal(~np.isfinite(s), bad), (name, rows)
+            assert _rel(s[~bad.any(axis=1)], ref[rows][~bad.any(axis=1)]) <= _tol(dtype), (name, rows)
 
 
 def test_nf4_h2_default_and_opt_out(monkeypatch):
-    """fp16 X at M = 1 decodes in packed fp16 by default (chains of 2; from K = 4096 chains of 4 with two words per
-    thread and row, also at M = 2), fp32 X never does, and ONNX_LOWBIT_FP32_DECODE=1 keeps the fp32 decode (its
-    table choice and the outputs of run_arrays)."""
+    """fp16 X at M = 1 decodes in packed fp16 by default, fp32 X never does, and ONNX_LOWBIT_FP32_DECODE=1 (read when
+    the kernel object is made) keeps the fp32 decode: the routes the kernel objects take and their outputs."""
     fc = _nf4_cuda()
-    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
-    assert fc.table_choice(1, a16=True)[3] == 2 and fc.table_choice(1, a16=False)[3] == 0
-    assert fc.table_choice(2, a16=True)[3] == 0
-    # two words per thread and row from K = 4096 (K % 32 == 0), never without h2
-    assert fc.table_choice(1, a16=True, k=4096)[4] and fc.table_choice(1, a16=True, k=8192)[4]
-    assert not fc.table_choice(1, a16=True, k=2048)[4] and not fc.table_choice(1, a16=True, k=4112)[4]
-    assert not fc.table_choice(1, a16=False, k=4096)[4] and not fc.table_choice(1, a16=True, k=4096, h2=0)[4]
-    assert fc.table_choice(1, a16=True, k=4096)[3:] == (4, True) and fc.table_choice(1, a16=True, k=2048)[3:] == (2, False)
-    assert fc.table_choice(2, a16=True, k=4096) == (False, False, False, 4, True)
-    assert fc.table_choice(2, a16=True, k=2048) == (True, True, False, 0, False)      # the pair table, built early
-    assert fc.table_choice(1, a16=True, k=4096, wide=False)[3:] == (2, False)
     k, n, bs = 128, 8, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=7)
     x, _, _ = _data((1,), k, n, np.float16, (False, False), 7)
-    fast = fc.run_arrays(x, *ws, "nf4", bs, k, n)
-    assert np.array_equal(fast.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=2).view(np.uint16))
-    # the warp-column kernel: fp16 X, (M, K) in WARPCOLS (M = 1, 2 at K = 1024, 2048; M = 1 at 3072; pairs of
-    # warps at M = 2, K = 2048)
-    assert fc.warpcols_plan(1, 2048, True, 64) == (8, 1) and fc.warpcols_plan(2, 2048, True, 64) == (8, 2)
-    assert fc.warpcols_plan(1, 1024, True, 64) == (8, 1) and fc.warpcols_plan(2, 1024, True, 64) == (8, 1)
-    assert fc.warpcols_plan(1, 3072, True, 64) == (6, 1) and fc.warpcols_plan(2, 3072, True, 64) is None
-    assert fc.warpcols_plan(3, 2048, True, 64) is None and fc.warpcols_plan(1, 4096, True, 64) is None
-    assert fc.warpcols_plan(1, 2048, False, 64) is None and fc.warpcols_plan(1, 2048, True, 16) is None
-    monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
-    assert fc.warpcols_plan(1, 2048, True, 64) is None
-    assert fc.table_choice(1, a16=True)[:4] == (False, False, True, 0)
-    assert fc.table_choice(1, a16=True, k=4096)[3:] == (0, False) and fc.table_choice(2, a16=True, k=4096)[3] == 0
-    exact = fc.run_arrays(x, *ws, "nf4", bs, k, n)
-    assert np.array_equal(exact.view(np.uint16), fc.run_arrays(x, *ws, "nf4", bs, k, n, h2=0).view(np.uint16))
     ref = ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, None, None)
-    assert _rel(exact, ref) <= _tol(np.float16) and _rel(fast, ref) <= _tol(np.float16)
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    fast, name = nf4_cuda_call(x, ws, "nf4", bs, k, n)
+    assert name == "decode.mt1.h2" and _rel(fast, ref) <= _tol(np.float16)
+    assert nf4_cuda_call(x.astype(np.float32), ws, "nf4", bs, k, n)[1] == "decode.mt1.nib"
+    monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
+    exact, name = nf4_cuda_call(x, ws, "nf4", bs, k, n)
+    assert name == "decode.mt1.nib" and _rel(exact, ref) <= _tol(np.float16)
+    assert not np.array_equal(exact, fast)
 
 
-def test_nf4_h2_rounding_with_a_mean_in_x():
+def test_nf4_h2_rounding_with_a_mean_in_x(monkeypatch):
     """The packed-fp16 decode rounds each of the 16 NF4 levels to fp16 once, so that error is systematic per level
     and does not average out when X has a mean. Here (K = 1024, X ~ N(0.2, 1), weights N(0, 1), SiLU(g) * u after
     sums with cancellation) plain fp16 levels gave 1.9e-3 of the largest output, twice the fp16 tolerance; the
     table holds the levels times half2.h2_scale (1.3662 for NF4: half the rounding), which brings it to 6.8e-4.
-    The fp32 decode (ONNX_LOWBIT_FP32_DECODE=1) stays far inside."""
+    The fp32 decode (ONNX_LOWBIT_FP32_DECODE=1) stays far inside. The block decode kernels (the warp-column kernel,
+    routed at this K, does the wide one's arithmetic: test_nf4warp_cuda)."""
     fc = _nf4_cuda()
     k, n, bs = 1024, 3, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=2)
     x, b1, _ = _data((1,), k, n, np.float16, (True, False), 3)
     ref = ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, None)
-    assert _rel(fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, h2=0), ref) <= _tol(np.float16) / 8
-    for kw in ({"h2": 2}, {"h2": 4, "wide": True}):
-        err = _rel(fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, **kw), ref)
-        assert err <= _tol(np.float16), (kw, err)
+    for setting, want, tol in (("fp32", "decode.mt1.nib", _tol(np.float16) / 8),
+                               ("block", "decode.mt1.h2", _tol(np.float16)),
+                               ("block+wide+ungrouped", "decode.mt1.wide", _tol(np.float16))):
+        with monkeypatch.context() as mp:
+            _nf4_setting(fc, mp, setting)
+            s, name = nf4_cuda_call(x, ws, "nf4", bs, k, n, b1)
+        assert name == want and _rel(s, ref) <= tol, (name, _rel(s, ref))
 
 
-@pytest.mark.parametrize("scale,chain", [(2.0 ** -20, 2), (2.0 ** -9, 4), (1.0, 2), (3000.0, 4), (30000.0, 2)])
-def test_nf4_h2_decode_x_range(scale, chain):
+@pytest.mark.parametrize("scale,wide", [(2.0 ** -20, False), (2.0 ** -9, True), (1.0, False), (3000.0, True),
+                                        (30000.0, False)])
+def test_nf4_h2_decode_x_range(scale, wide, monkeypatch):
     """The packed-fp16 decode scales each row of X by a power of two: activations near fp16's largest value do not
-    overflow its fp16 partial sums, tiny ones (subnormal in fp16) keep their precision; M = 1 and 2, rows of
-    different magnitude (the absmax scaled so that the outputs stay inside fp16's range)."""
+    overflow its fp16 partial sums, tiny ones (subnormal in fp16) keep their precision; M = 1 (chains of 2, or the
+    wide decode's chains of 4) and M = 2 (the wide decode), rows of different magnitude (the absmax scaled so that
+    the outputs stay inside fp16's range)."""
     fc = _nf4_cuda()
     k, n, bs, qt = 256, 12, 64, "nf4"
     q1, am1, q3, am3 = nf4_weights(k, n, bs, qt, seed=5)
@@ -373,12 +386,14 @@ def test_nf4_h2_decode_x_range(scale, chain):
     x[1] *= 2.0 ** -3
     x = x.astype(np.float16)
     ws = (q1, am1.astype(np.float32), q3, am3.astype(np.float32))
-    for m in (1, 2):
+    _nf4_setting(fc, monkeypatch, "wide" if wide else "")
+    for m in (1, 2) if wide else (1,):
         ref = ffn.swiglu_nf4_ref(x[:m], *ws, qt, bs, k, n, None, None)
-        s = fc.run_arrays(x[:m], *ws, qt, bs, k, n, h2=chain)
+        s, name = nf4_cuda_call(x[:m], ws, qt, bs, k, n)
+        assert name.startswith(f"decode.mt{m}.{'wide' if wide else 'h2'}"), name
         assert np.isfinite(ref).all() and np.isfinite(s).all(), m
         for r in range(m):      # each row against its own magnitude; chains of 4 round about twice as much
-            assert _rel(s[r], ref[r]) <= _tol(np.float16) * (1 if chain == 2 else 2), (m, r)
+            assert _rel(s[r], ref[r]) <= _tol(np.float16) * (2 if wide else 1), (m, r)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -425,15 +440,17 @@ def test_nf4_bad_inputs_name_the_input():
 
 
 def test_nf4_cuda_host_entry_checks_inputs():
-    fc = _nf4_cuda()
+    """The kernel object's input checks (as a session calls it; a bias of the wrong type never reaches it: the
+    op variants bind by type)."""
+    _nf4_cuda()
     from onnx_lowbit.custom_ops import KernelError
     q1, a1, q3, a3 = nf4_weights(64, 16, 32, "nf4")
     with pytest.raises(KernelError, match="input 2 'absmax1'"):
-        fc.run_arrays(np.ones((1, 64), np.float32), q1, a1[:-1], q3, a3, "nf4", 32, 64, 16)
+        nf4_cuda_call(np.ones((1, 64), np.float32), (q1, a1[:-1], q3, a3), "nf4", 32, 64, 16)
     with pytest.raises(KernelError, match="input 0 'X' must have last dimension K=64"):
-        fc.run_arrays(np.ones((1, 80), np.float32), q1, a1, q3, a3, "nf4", 32, 64, 16)
-    with pytest.raises(KernelError, match="input 5 'B1' must have X's type float"):
-        fc.run_arrays(np.ones((1, 64), np.float32), q1, a1, q3, a3, "nf4", 32, 64, 16, np.ones(16, np.float16))
+        nf4_cuda_call(np.ones((1, 80), np.float32), (q1, a1, q3, a3), "nf4", 32, 64, 16)
+    with pytest.raises(KernelError, match=r"input 5 'B1' must have shape \[16\]"):
+        nf4_cuda_call(np.ones((1, 64), np.float32), (q1, a1, q3, a3), "nf4", 32, 64, 16, np.ones(15, np.float32))
 
 
 def test_awq_bad_inputs_name_the_input():
@@ -462,21 +479,24 @@ def test_awq_cuda_host_entry_checks_inputs():
 
 @pytest.mark.parametrize("m", [1, 2])
 def test_nf4_default_is_warpcols_at_k2048(m, monkeypatch):
-    """At M = 1, 2 with fp16 X and K = 2048 run_arrays' default (as the session's) is the warp-column kernel (pairs
-    of warps at M = 2): the same bits as nf4warp_cuda's, and the block kernel when a table option is given."""
+    """At M = 1, 2 with fp16 X and K = 2048 the kernel object routes to the warp-column kernel (pairs of warps at
+    M = 2): the same bits as nf4warp_cuda's runner with the geometry the kernel object uses under the simulator
+    (2 warps per column pair, 2 blocks), and within fp16 rounding of the block kernel in the same arithmetic."""
     fc = _nf4_cuda()
     from onnx_lowbit.custom_ops.nf4 import nf4warp_cuda
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 2048, 5, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=11)
     x, b1, b3 = _data((m,), k, n, np.float16, (True, False), 12)
-    s = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3)
-    warps, split = fc.warpcols_plan(m, k, True, bs)
+    s, name = nf4_cuda_call(x, ws, "nf4", bs, k, n, b1, b3)
+    warps, split = fc.WARPCOLS[(m, 2)]
+    assert name == f"nf4warp.mt{m}.c2" + (".s2" if split == 2 else "")
     wc = nf4warp_cuda.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, warps=2 * split if SIM else warps,
                                  blocks=2 if SIM else None, split=split)
     assert np.array_equal(s.view(np.uint16), wc.view(np.uint16))
-    blk = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True)
-    assert _rel(s, blk) <= _tol(np.float16)
+    _nf4_setting(fc, monkeypatch, "block+wide")
+    blk, name = nf4_cuda_call(x, ws, "nf4", bs, k, n, b1, b3)
+    assert name.startswith(f"decode.mt{m}.wide") and _rel(s, blk) <= _tol(np.float16)
 
 
 def test_nf4_cuda_session_warpcols(monkeypatch):
@@ -485,7 +505,7 @@ def test_nf4_cuda_session_warpcols(monkeypatch):
     reference, the same bits on a second run."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
-    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as fc
     from onnx_lowbit.custom_ops.runtime import bridge
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 2048, 300, 64
@@ -496,10 +516,12 @@ def test_nf4_cuda_session_warpcols(monkeypatch):
         s1 = sess.run(None, {"x": x})[0]
         s2 = sess.run(None, {"x": x})[0]
         assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
-        ks = [kk for kk in list(bridge._kernels.values()) if isinstance(kk, fusedffnnf4_cuda.FusedFFNNF4CudaKernel)
+        ks = [kk for kk in list(bridge._kernels.values()) if isinstance(kk, fc.FusedFFNNF4CudaKernel)
               and kk.k == k and kk.n == n]
-        assert ks and all(set(kk.wc) == {1, 2} for kk in ks)
-        blk = fusedffnnf4_cuda.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True)
+        assert ks and all(route(fc.ROUTES, kk.case(m)).kernel.startswith("nf4warp.") for kk in ks for m in (1, 2))
+        with monkeypatch.context() as mp:
+            _nf4_setting(fc, mp, "block+wide")
+            blk, _ = nf4_cuda_call(x, ws, "nf4", bs, k, n, b1, b3)
         assert _rel(s1, blk) <= _tol(np.float16), lead
         assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), lead
 
@@ -508,11 +530,12 @@ def test_nf4_cuda_session_warpcols(monkeypatch):
 def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     """A FusedFFNNF4 node in an onnxruntime CUDA session at M = 1 with fp16 X (GPU machine only) runs the
     packed-fp16 decode, with chains of 4 and two words per thread and row (WIDE_MIN_K lowered so that a small
-    weight takes it) and without: outputs against the reference, the same bits on a second run."""
+    weight takes it; blocks of thread groups on GROUPS_CARDS) and without: outputs against the reference, the same
+    bits on a second run."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
-    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda
-    monkeypatch.setattr(fusedffnnf4_cuda, "WIDE_MIN_K", wide_min_k)
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cuda as fc
+    monkeypatch.setattr(fc, "WIDE_MIN_K", wide_min_k)
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 512, 72, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=4)
@@ -524,57 +547,29 @@ def test_nf4_cuda_session_m1_decode(wide_min_k, monkeypatch):
     s2 = sess.run(None, {"x": x})[0]
     assert np.array_equal(s1.view(np.uint16), s2.view(np.uint16))
     assert _rel(s1, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= _tol(np.float16)
-    assert fusedffnnf4_cuda.table_choice(1, a16=True, k=k)[3:] == ((4, True) if wide_min_k == 0 else (2, False))
     ks = [kk for kid, kk in list(bridge._kernels.items()) if kid not in before and
-          isinstance(kk, fusedffnnf4_cuda.FusedFFNNF4CudaKernel)]   # the wide decode: blocks of thread groups
-    want = fusedffnnf4_cuda.GROUPS[1] if wide_min_k == 0 and fusedffnnf4_cuda.grouped_card() else 1
-    assert ks and all(kk.groups[1] == want for kk in ks)
+          isinstance(kk, fc.FusedFFNNF4CudaKernel)]
+    want = "decode.mt1.h2" if wide_min_k else "decode.mt1.wide.g3" if fc.grouped_card() else "decode.mt1.wide"
+    assert ks and all(route(fc.ROUTES, kk.case(1)).kernel == want for kk in ks)
 
 
-@pytest.mark.parametrize("n", [61, 8])
-def test_nf4_wide_pingpong_is_default_same_bits(n, monkeypatch):
-    """The wide decode's default (sessions and run_arrays) is the two-buffer step loop (PINGPONG_WIDE): the same bits
-    as the loop that copies the prefetched words, for slices of odd and even step counts and a partial last step."""
+@pytest.mark.parametrize("n", [61, 200, 8])
+def test_nf4_wide_groups_same_bits(n, monkeypatch):
+    """Blocks of 3 thread groups sharing one table (decode.mt1.wide.g3): each group on its own column slice, every
+    group walking the longest slice's steps (n = 200: slices of different step counts; n = 8: empty slices). The
+    same bits as one group per block (decode.mt1.wide), biases or not."""
     fc = _nf4_cuda()
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     monkeypatch.setattr(fc, "WIDE_MIN_K", 0)
-    assert fc.PINGPONG_WIDE
-    k, bs = 256, 64
-    ws = nf4_weights(k, n, bs, "nf4", seed=31)
-    seen = []   # the default really takes the two-buffer loop
-    if SIM:
-        make = fc.make_decode
-        monkeypatch.setattr(fc, "make_decode", lambda *a, **kw: seen.append(kw.get("pingpong")) or make(*a, **kw))
-    else:       # run_arrays asks launcher(a16, mt, pair, cols, prefetch, pingpong, ...) for occupancy and launch
-        lau = fc.launcher
-        monkeypatch.setattr(fc, "launcher", lambda *a, **kw: seen.append(a[5] if len(a) > 5 else kw["pingpong"])
-                            or lau(*a, **kw))
-    for m in (1, 2):
-        x, b1, b3 = _data((m,), k, n, np.float16, (True, m == 1), 32 + m)
-        seen.clear()
-        base = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, pingpong=False, sms=1)
-        assert seen and not any(seen), m
-        seen.clear()
-        got = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, sms=1)
-        assert seen and all(seen), m
-        assert np.array_equal(base.view(np.uint16), got.view(np.uint16)), m
-        assert _rel(got, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), m
-
-
-@pytest.mark.parametrize("n,groups,ms", [(61, 2, (1, 2)), (200, 3, (1,)), (8, 4, (1, 5))])
-def test_nf4_wide_groups_same_bits(n, groups, ms, monkeypatch):
-    """Thread groups sharing one table (``groups``): each group on its own column slice, every group walking the
-    longest slice's steps (n = 200 with 3 groups on 4 simulated blocks per SM: slices of 4 and 5 steps; n = 8 with 4
-    groups: empty slices). The same bits as one group per block, at M = 1, 2 and 5 (row chunks), biases or not."""
-    fc = _nf4_cuda()
-    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, bs = 256, 64
     ws = nf4_weights(k, n, bs, "nf4", seed=37)
-    if SIM:
-        assert fc.DEFAULT_BLOCKS_PER_SM == 4
-    for m in ms:
-        x, b1, b3 = _data((m,), k, n, np.float16, (m != 2, True), 40 + m)
-        base = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, groups=1, sms=1)
-        got = fc.run_arrays(x, *ws, "nf4", bs, k, n, b1, b3, h2=4, wide=True, groups=groups, sms=1)
-        assert np.array_equal(base.view(np.uint16), got.view(np.uint16)), m
-        assert _rel(got, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16), m
+    x, b1, b3 = _data((1,), k, n, np.float16, (n != 8, True), 41)
+    with monkeypatch.context() as mp:
+        mp.setattr(fc, "grouped", lambda a16, k: True)
+        got, name = nf4_cuda_call(x, ws, "nf4", bs, k, n, b1, b3)
+    assert name == "decode.mt1.wide.g3"
+    _nf4_setting(fc, monkeypatch, "ungrouped")
+    base, name = nf4_cuda_call(x, ws, "nf4", bs, k, n, b1, b3)
+    assert name == "decode.mt1.wide"
+    assert np.array_equal(base.view(np.uint16), got.view(np.uint16))
+    assert _rel(got, ffn.swiglu_nf4_ref(x, *ws, "nf4", bs, k, n, b1, b3)) <= 4 * _tol(np.float16)

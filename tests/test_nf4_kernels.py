@@ -1,6 +1,10 @@
 """MatMulNF4 / DequantNF4 kernels against onnx_lowbit.nf4: CPU through onnxruntime sessions, CUDA under the
 simulator in CI (real GPU with ONNX_LOWBIT_REAL_GPU=1). fp32 accumulation vs the float64 reference: relative
-error (max |err| / max |ref|) below 1e-5 for fp32 outputs, and within fp16 rounding (2^-10) for fp16 outputs."""
+error (max |err| / max |ref|) below 1e-5 for fp32 outputs, and within fp16 rounding (2^-10) for fp16 outputs. The
+CUDA kernels run through runtime/direct.call (``call_op``), the kernel objects sessions make; their routing tables:
+test_nf4_routes.py."""
+import sys
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -120,45 +124,102 @@ def _cuda_ok():
     return cuda.is_available()
 
 
-@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+needs_cuda = pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+
+
+class _HostArray:
+    """A host array standing in for a device array under the simulator (host memory is the simulator's device
+    memory): __cuda_array_interface__ over a 64-byte aligned copy, or ``offset`` bytes past such an address."""
+
+    def __init__(self, a, offset=0):
+        a = np.ascontiguousarray(a)
+        self._buf = np.zeros(a.nbytes + 128, np.uint8)
+        start = (-self._buf.ctypes.data) % 64 + offset
+        self.host = self._buf[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+        self.host[...] = a
+        self.__cuda_array_interface__ = {"data": (self.host.ctypes.data, False), "typestr": a.dtype.str,
+                                         "shape": a.shape, "version": 3}
+
+
+def call_op(op, attrs, inputs, out_shape, out_dtype, path=None, offsets=None):
+    """``op`` run once through runtime/direct.call, the kernel object as a session node calls it (its ROUTES pick
+    the kernel; ``path`` sets the kernel object's forced path, for the tables' forced rows): host arrays in (None:
+    an optional input left out; ``offsets``: byte offsets of the inputs from 64-byte alignment, simulator only),
+    host array out. Returns (output, the kernel object)."""
+    from onnx_lowbit.custom_ops.runtime import direct
+    offsets = offsets or [0] * len(inputs)
+    if SIM:
+        dev = [None if a is None else _HostArray(a, o) for a, o in zip(inputs, offsets)]
+        out = _HostArray(np.zeros(out_shape, out_dtype))
+    else:
+        from numba import cuda
+        dev = [None if a is None else cuda.to_device(np.ascontiguousarray(a)) for a in inputs]
+        out = cuda.device_array(out_shape, out_dtype)
+    while dev and dev[-1] is None:
+        dev.pop()
+    run = direct.call(op, attrs, dev, [out], 0)
+    run.kernel.path = path
+    run()
+    if SIM:
+        return out.host.copy(), run.kernel
+    cuda.synchronize()
+    return out.copy_to_host(), run.kernel
+
+
+def matmul_cuda(a, q, am, qt, bs, k, n, bias=None, path=None):
+    """MatMulNF4's CUDA kernel object on host arrays (call_op)."""
+    attrs = {"quant_type": qt, "block_size": bs, "K": k, "N": n}
+    y, kern = call_op("MatMulNF4", attrs, [a, q.reshape(-1), am.reshape(-1).astype(np.float32), bias],
+                      a.shape[:-1] + (n,), a.dtype, path)
+    return y, kern
+
+
+def _routed(kern, m):
+    """The kernel the kernel object's ROUTES pick for M = m with aligned buffers."""
+    from onnx_lowbit.custom_ops.runtime.routing import route
+    return route(sys.modules[type(kern).__module__].ROUTES, kern.case(m)).kernel
+
+
+@needs_cuda
 @pytest.mark.parametrize("lead,k,n,bs,qt,dtype,bias", CASES)
 def test_matmul_cuda_kernel(lead, k, n, bs, qt, dtype, bias):
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
+    """The routed kernel, and every kernel the table can be forced to (generic; fast where it fits)."""
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     q, am = _quantized(k, n, bs, qt)
     rng = np.random.default_rng(2)
     a = rng.standard_normal(lead + (k,)).astype(dtype)
     b = rng.standard_normal(n).astype(dtype)
     ref = nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)
     m = int(np.prod(lead))
-    modes = ["generic"] + (["fast"] if matmulnf4_cuda.fast_path(m, k) else []) + (
-        ["m1"] if matmulnf4_cuda.m1_path(m, k) else [])
-    for mode in modes:  # every kernel that can take this shape
-        y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None,
-                                      mode=mode)
-        assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), mode
+    fits = m <= mc.MAX_M_FAST and k % 16 == 0 and m * k * 4 <= mc.MAX_X_SHARED
+    for path in [None, "generic"] + (["fast"] if fits else []):
+        y, _ = matmul_cuda(a, q, am, qt, bs, k, n, b if bias else None, path)
+        assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), path
 
 
-@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
+@needs_cuda
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(96, 45, 32, "nf4", np.float16, True),    # partial warp, tails
                                                   (512, 37, 64, "fp4", np.float32, False)])  # full warp
-def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias):
-    """The M=1 kernel on column slices of several steps with a partial last one, and its variants."""
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
+@pytest.mark.parametrize("table", ["table16", "pair", "h2", "h2wide"])
+def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias, table, monkeypatch):
+    """Each M = 1 kernel (the thresholds lowered so that a small weight takes it) on column slices of several steps
+    with a partial last one; the packed-fp16 ones for fp16 A only (fp32 A takes the pair table there)."""
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    if table != "table16":
+        monkeypatch.setattr(mc, "M1_PAIR_MIN_K", 16)
+    if table in ("h2", "h2wide"):
+        monkeypatch.setattr(mc, "M1_H2_MIN_K", 16)
+    if table == "h2wide":
+        monkeypatch.setattr(mc, "M1_WIDE_MIN_K", 32)
     q, am = _quantized(k, n, bs, qt, seed=4)
     rng = np.random.default_rng(5)
     a = rng.standard_normal((1, k)).astype(dtype)
     b = rng.standard_normal(n).astype(dtype)
-    ref = nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)
-    extra = ({"COLS": 4, "prefetch": True}, {"COLS": 2}, {"COLS": 4, "prefetch": True, "early": True},
-             {"COLS": 8, "pair": False}, {"COLS": 2, "prefetch": True, "pair": False, "early": True},
-             {"COLS": 4, "pair": False, "nib": True})
-    half = extra[(1 if dtype == np.float16 else 0)::2] if SIM else extra     # the simulator: half on each case
-    for opts in (None,) + half + (
-            ({"h2": 2}, {"h2": 4, "COLS": 2, "early": True}, {"h2": 2, "wide": True})
-            if dtype == np.float16 else ()):     # the packed-fp16 decode (fp16 A only)
-        y = matmulnf4_cuda.run_arrays(a, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b if bias else None,
-                                      mode="m1", m1_opts=opts)
-        assert y.shape == ref.shape and _rel(y, ref) <= _tol(dtype), opts
+    y, kern = matmul_cuda(a, q, am, qt, bs, k, n, b if bias else None)
+    want = table if dtype == np.float16 or table == "table16" else "pair"
+    assert _routed(kern, 1) == "m1." + want
+    assert _rel(y, nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)) <= _tol(dtype), table
 
 
 @pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
@@ -316,74 +377,25 @@ def test_dequant_kernel_object_default_and_fallback(monkeypatch, adt):
         assert np.array_equal(got.view(np.uint8), ref.reshape(-1).view(np.uint8)), want
 
 
-def _nbits_weights(k, n, bs, seed):
-    """Random int4 weights in onnxruntime's MatMulNBits layout and W [K, N] (float64) they stand for."""
-    rng = np.random.default_rng(seed)
-    nb = k // bs
-    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    z = rng.integers(0, 16, (n, nb), dtype=np.uint8)
-    s = (rng.random((n, nb)) * 0.02 + 0.005).astype(np.float16)
-    b = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8).reshape(n, nb, bs // 2)
-    zp = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
-    w = (q.astype(np.float64) - np.repeat(z, bs, axis=1)) * np.repeat(s.astype(np.float64), bs, axis=1)
-    w8 = (q.astype(np.float64) - 8.0) * np.repeat(s.astype(np.float64), bs, axis=1)
-    return b, s.reshape(-1), zp, w.T, w8.T
-
-
-@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
-@pytest.mark.parametrize("k,n,bs,dtype,bias", [(64, 9, 32, np.float16, False), (256, 20, 64, np.float32, True),
-                                               (128, 4, 16, np.float16, True)])
-def test_int4_nbits_layout_m1_kernel(k, n, bs, dtype, bias):
-    """The decode generator's experimental int4 mode (MatMulNBits layout: low nibble first, zero points two per
-    byte or 8 without them) against the weights it stands for, with and without zero points, NaN in x included."""
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
-    b, s, zp, w, w8 = _nbits_weights(k, n, bs, seed=k + n)
-    rng = np.random.default_rng(5)
-    a = (rng.standard_normal((1, k)) * 0.5).astype(dtype)
-    bb = rng.standard_normal(n).astype(dtype) if bias else None
-    s = s.astype(dtype)
-    for zpv, wref in ((zp, w), (None, w8)):
-        ref = a.astype(np.float64) @ wref + (bb.astype(np.float64) if bias else 0)
-        y = mc.run_int4_m1(a, b, s, zpv, k, n, bs, bias=bb)
-        assert y.dtype == dtype and y.shape == (1, n)
-        err = np.abs(y.astype(np.float64) - ref).max() / np.abs(ref).max()
-        assert err < (2e-3 if dtype == np.float16 else 1e-5), err
-    a[0, 3] = np.nan
-    y = mc.run_int4_m1(a, b, s, zp, k, n, bs)
-    assert np.isnan(y).all()
-    with pytest.raises(ValueError, match="not supported"):
-        mc.run_int4_m1(a, b, s, zp, k + 16, n, bs)
-
-
-@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
-def test_matmul_cuda_m1_default_h2(monkeypatch):
-    """fp16 A at M = 1 from K = M1_H2_MIN_K (lowered here so a small weight takes it) runs the packed-fp16 decode by
-    default, fp32 A never does, ONNX_LOWBIT_FP32_DECODE=1 keeps fp32: the routes, and the default's outputs."""
+@needs_cuda
+def test_matmul_cuda_fp32_decode_switch(monkeypatch):
+    """ONNX_LOWBIT_FP32_DECODE=1, read when the kernel object is made, keeps fp32 arithmetic at M = 1 (the pair
+    table where the packed-fp16 decode would run): another kernel, outputs within fp16 of the reference and not the
+    packed decode's bits."""
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
-    assert mc.m1_h2(np.float16, 4096) == mc.M1_H2_WIDE == 4 and mc.m1_wide(np.float16, 4096)
-    assert mc.m1_h2(np.float16, 4112) == mc.M1_H2 == 2 and not mc.m1_wide(np.float16, 4112)   # K % 32 != 0
-    assert mc.m1_h2(np.float16, 2048) == 0 and not mc.m1_wide(np.float16, 2048)
-    assert mc.m1_h2(np.float32, 8192) == 0 and not mc.m1_wide(np.float32, 8192)
-    monkeypatch.setattr(mc, "M1_H2_MIN_K", 64)
+    for name in ("M1_H2_MIN_K", "M1_WIDE_MIN_K", "M1_PAIR_MIN_K"):
+        monkeypatch.setattr(mc, name, 64)
     k, n, bs = 128, 24, 64
     q, am = _quantized(k, n, bs, "nf4", seed=6)
     a = np.random.default_rng(6).standard_normal((1, k)).astype(np.float16)
     b = np.random.default_rng(7).standard_normal(n).astype(np.float16)
     ref = nf4.matmul(a, q, am, "nf4", bs, k, n, b)
-    code = nf4.code("nf4").astype(np.float32)
-    y = mc.run_arrays(a, q, am, code, k, n, bs, b)
-    assert _rel(y, ref) <= _tol(np.float16)
-    assert np.array_equal(y.view(np.uint16), mc.run_arrays(a, q, am, code, k, n, bs, b, mode="m1",
-                                                           m1_opts={"h2": 2}).view(np.uint16))
-    monkeypatch.setattr(mc, "M1_WIDE_MIN_K", 64)     # 16 bytes per thread and row, chains of 4
-    yw = mc.run_arrays(a, q, am, code, k, n, bs, b)
-    assert _rel(yw, ref) <= _tol(np.float16)
-    assert np.array_equal(yw.view(np.uint16), mc.run_arrays(a, q, am, code, k, n, bs, b, mode="m1",
-                                                            m1_opts={"h2": 4, "wide": True}).view(np.uint16))
+    y, kern = matmul_cuda(a, q, am, "nf4", bs, k, n, b)
+    assert _routed(kern, 1) == "m1.h2wide" and _rel(y, ref) <= _tol(np.float16)
     monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
-    assert mc.m1_h2(np.float16, 4096) == 0 and not mc.m1_wide(np.float16, 4096)
-    exact = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    exact, kern = matmul_cuda(a, q, am, "nf4", bs, k, n, b)
+    assert kern.fp32_decode and _routed(kern, 1) == "m1.pair"
     assert _rel(exact, ref) <= _tol(np.float16) and not np.array_equal(exact, y)
 
 
@@ -392,15 +404,12 @@ def test_matmul_cuda_m1_default_h2(monkeypatch):
 def test_matmul_cuda_session_m1_h2(m1_h2_min_k, wide_min_k, m, monkeypatch):
     """A MatMulNF4 node in an onnxruntime CUDA session with fp16 A (GPU machine only): at M = 1 with the packed-fp16
     decode (M1_H2_MIN_K lowered), with its 16-byte wide form (M1_WIDE_MIN_K lowered) and without; at M = 2 and 4 on
-    the two-row decode kernel (M2_DECODE; M = 4 as two row chunks): outputs against the reference, the same bits
-    twice."""
+    the two-row decode kernel (M = 4 as two row chunks): outputs against the reference, the same bits twice."""
     from helpers import lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.setattr(mc, "M1_H2_MIN_K", m1_h2_min_k)
     monkeypatch.setattr(mc, "M1_WIDE_MIN_K", wide_min_k)
-    monkeypatch.setattr(mc, "M2_DECODE", m > 1)
-    monkeypatch.setattr(mc, "M2_MAX_M", 4)
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
     k, n, bs = 256, 40, 64
     q, am = _quantized(k, n, bs, "nf4", seed=8)
@@ -412,16 +421,14 @@ def test_matmul_cuda_session_m1_h2(m1_h2_min_k, wide_min_k, m, monkeypatch):
     assert _rel(y1, nf4.matmul(a, q, am, "nf4", bs, k, n, None)) <= _tol(np.float16)
 
 
-@pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")
-@pytest.mark.parametrize("m,n", [(2, 40), (2, 7), (5, 24)])
+@needs_cuda
+@pytest.mark.parametrize("m,n", [(2, 40), (2, 7), (4, 24)])
 def test_matmul_cuda_m2_decode(m, n, monkeypatch):
-    """The two-row decode kernel (M2_DECODE, wide, chains of 4; M2_MAX_M raised so that M = 5 runs as row chunks):
-    every row the same bits as the M = 1 wide kernel on that row alone, against the reference, a NaN row stays
-    NaN and the others finite."""
+    """The two-row decode kernel (wide, chains of 4; M = 4 as two row chunks), the wide thresholds lowered: every row
+    the same bits as the M = 1 wide kernel on that row alone, against the reference, a NaN row stays NaN and the
+    others finite."""
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
-    monkeypatch.setattr(mc, "M2_DECODE", True)
-    monkeypatch.setattr(mc, "M2_MAX_M", 5)
     monkeypatch.setattr(mc, "M1_WIDE_MIN_K", 64)
     monkeypatch.setattr(mc, "M1_H2_MIN_K", 64)
     k, bs = 256, 64
@@ -429,13 +436,34 @@ def test_matmul_cuda_m2_decode(m, n, monkeypatch):
     rng = np.random.default_rng(m)
     a = rng.standard_normal((m, k)).astype(np.float16)
     b = rng.standard_normal(n).astype(np.float16)
-    code = nf4.code("nf4").astype(np.float32)
-    assert mc.m2_path(m, k, np.float16) and not mc.m2_path(1, k, np.float16)
-    y = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    y, kern = matmul_cuda(a, q, am, "nf4", bs, k, n, b)
+    assert _routed(kern, m) == "m2" and _routed(kern, 1) == "m1.h2wide"
     assert _rel(y, nf4.matmul(a, q, am, "nf4", bs, k, n, b)) <= _tol(np.float16)
     for i in range(m):
-        row = mc.run_arrays(a[i:i + 1], q, am, code, k, n, bs, b)
+        row, _ = matmul_cuda(a[i:i + 1], q, am, "nf4", bs, k, n, b)
         assert np.array_equal(y[i].view(np.uint16), row[0].view(np.uint16)), i
     a[1, 3] = np.nan
-    y = mc.run_arrays(a, q, am, code, k, n, bs, b)
+    y, _ = matmul_cuda(a, q, am, "nf4", bs, k, n, b)
     assert np.isnan(y[1]).all() and np.isfinite(np.delete(y, 1, axis=0)).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 3])
+def test_matmul_cuda_nan_inf_rows(m):
+    """NaN / Inf in a row of A make that row's outputs non-finite on every kernel that takes the call (the routed
+    one, generic, fast); a NaN absmax makes its column NaN."""
+    k, n, bs = 64, 8, 32
+    q, am = _quantized(k, n, bs, "nf4", seed=1)
+    a = np.random.default_rng(2).standard_normal((m, k)).astype(np.float16)
+    if m == 3:
+        a[1, 3], a[2, 5] = np.nan, np.inf
+    ref = nf4.matmul(a[:1], q, am, "nf4", bs, k, n).astype(np.float64)
+    for path in (None, "generic", "fast"):
+        y, _ = matmul_cuda(a, q, am, "nf4", bs, k, n, path=path)
+        assert np.allclose(y[0].astype(np.float64), ref[0], rtol=2e-3, atol=2e-3), path
+        if m == 3:
+            assert np.isnan(y[1]).all() and not np.isfinite(y[2]).any(), path
+    am2 = am.copy()
+    am2.reshape(-1)[0] = np.nan  # block 0: the first 32 elements of W^T, i.e. column 0
+    y, _ = matmul_cuda(np.ones((1, k), np.float32), q, am2, "nf4", bs, k, n, path="generic")
+    assert np.isnan(y[0, 0]) and np.isfinite(y[0, 1:]).all()

@@ -40,28 +40,28 @@ def _case(m, k, n, bs, qt, biases, seed):
     return ws, x, b1, b3
 
 
-CASES = [  # m, k, n, block size, type, biases, warps, chunks per batch, row chunks of 8 per block (None: the
-    # default, 2 from M = 9) (simulator: keep M * N small)
-    (1, 128, 40, 64, "nf4", (True, True), 2, 1, None),      # 3 tiles, the last partial
-    (1, 384, 40, 64, "nf4", (True, True), 2, 2, None),      # 6 chunks: 2 warps x 2 batches of 2, the last partial
-    (3, 192, 16, 128, "fp4", (False, True), 2, 1, None),    # 3 chunks over 2 warps: one warp idles on its second
-    (3, 192, 16, 128, "fp4", (False, True), 1, 2, None),    # one warp, a batch half past K
-    (9, 64, 20, 64, "nf4", (True, False), 1, 2, 1),         # two row chunks in two blocks (the second partial)
-    (9, 64, 20, 64, "nf4", (True, False), 1, 2, None),      # both in one block (the second one row)
-    (16, 192, 40, 64, "nf4", (False, True), 2, 1, None),    # both whole, 3 tiles, 3 chunks of K over 2 warps
-    (1, 256, 16, 4096, "nf4", (False, False), 2, 2, None),  # absmax blocks straddle rows
+CASES = [  # m, k, n, block size, type, biases, warps, row chunks of 8 per block (None: the default, 2 from M = 9)
+    # (simulator: keep M * N small; batches of CPL = 2 chunks of 64)
+    (1, 128, 40, 64, "nf4", (True, True), 2, None),      # 3 tiles, the last partial
+    (1, 384, 40, 64, "nf4", (True, True), 2, None),      # 6 chunks: 2 warps x 2 batches of 2, the last partial
+    (3, 192, 16, 128, "fp4", (False, True), 2, None),    # 3 chunks over 2 warps: the second warp's batch half past K
+    (3, 192, 16, 128, "fp4", (False, True), 1, None),    # one warp, a batch half past K
+    (9, 64, 20, 64, "nf4", (True, False), 1, 1),         # two row chunks in two blocks (the second partial)
+    (9, 64, 20, 64, "nf4", (True, False), 1, None),      # both in one block (the second one row)
+    (16, 192, 40, 64, "nf4", (False, True), 2, None),    # both whole, 3 tiles, 3 chunks of K over 2 warps
+    (1, 256, 16, 4096, "nf4", (False, False), 2, None),  # absmax blocks straddle rows
 ]
 
 
-@pytest.mark.parametrize("m,k,n,bs,qt,biases,warps,cpl,rc", CASES)
-def test_tc_kernel_vs_reference(m, k, n, bs, qt, biases, warps, cpl, rc):
+@pytest.mark.parametrize("m,k,n,bs,qt,biases,warps,rc", CASES)
+def test_tc_kernel_vs_reference(m, k, n, bs, qt, biases, warps, rc):
     tc = _mod()
     ws, x, b1, b3 = _case(m, k, n, bs, qt, biases, 7)
     code = nf4.code(qt)
-    s = tc.run(x, *ws, code, bs, k, n, b1, b3, warps=warps, sms=1 if SIM else None, cpl=cpl, rc=rc)
+    s = tc.run(x, *ws, code, bs, k, n, b1, b3, warps=warps, sms=1 if SIM else None, rc=rc)
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
     assert s.shape == ref.shape and _rel(s, ref) <= 2.0 ** -10
-    y = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, warps=warps, sms=1 if SIM else None, cpl=cpl, rc=rc)
+    y = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, warps=warps, sms=1 if SIM else None, rc=rc)
     yref = _mm_ref(x, ws[0], ws[1], qt, bs, k, n, b1)
     assert _rel(y, yref) <= 2.0 ** -10
 
@@ -97,10 +97,10 @@ def test_tc_lut_is_fp16_code_pairs():
     (11, 64, 16, 64, 1, True),         # row chunks in two blocks, halves of one partial tile each
     (1, 256, 32, 4096, None, True),    # absmax blocks straddle rows (16 per block), each half whole blocks
 ])
-def test_tc_halves_same_bits_as_one_weight(m, k, n, bs, rc, bias, monkeypatch):
+def test_tc_halves_same_bits_as_one_weight(m, k, n, bs, rc, bias):
     """MatMulNF4 through the two-weight kernel on its weight's two halves of rows (``halves``: W1 = rows 0 .. N/2-1,
     W3 = the rest, written to columns n and N/2 + n) gives the same bits as the one-weight kernel (each column's sums
-    run in the same order), within 2^-10 of the reference, and is the default when HALVES is set and N is even."""
+    run in the same order), within 2^-10 of the reference; use_halves takes even N with whole absmax blocks."""
     tc = _mod()
     ws, x, b1, _ = _case(m, k, n, bs, "nf4", (bias, False), 9)
     code = nf4.code("nf4")
@@ -109,67 +109,41 @@ def test_tc_halves_same_bits_as_one_weight(m, k, n, bs, rc, bias, monkeypatch):
     two = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, halves=True, **kw)
     assert np.array_equal(one.view(np.uint16), two.view(np.uint16))
     assert _rel(two, _mm_ref(x, ws[0], ws[1], "nf4", bs, k, n, b1)) <= 2.0 ** -10
-    monkeypatch.setattr(tc, "HALVES", True)
-    assert tc.use_halves(n, k, bs) and not tc.use_halves(n + 1, k, bs) and tc.SessionKernels(1, n, 1, k, bs).halves
-    assert tc.use_halves(n, k, bs, tc.HALVES_MIN_M) and not tc.use_halves(n, k, bs, tc.HALVES_MIN_M - 1)
-    assert not tc.SessionKernels(2, n, 1, k, bs).halves and not tc.use_halves(2, 256, 4096)   # a block over both
+    assert tc.use_halves(n, k, bs) and not tc.use_halves(n + 1, k, bs)
+    assert not tc.use_halves(2, 256, 4096)   # a block over both halves
     x[m - 1, 3] = np.inf             # a non-finite row stays in its row, in both halves
     y = tc.run(x, ws[0], ws[1], None, None, code, bs, k, n, b1, halves=True, **kw)
     assert not np.isfinite(y[m - 1]).all() and np.isfinite(y[:m - 1]).all()
 
 
-@pytest.mark.parametrize("halves,m,n,bias", [(True, 8, 40, True), (False, 9, 40, True), (True, 10, 36, False),
-                                             (True, 3, 40, True)])
-def test_matmulnf4_session_call_on_halves(halves, m, n, bias, monkeypatch):
-    """MatMulNF4's CUDA kernel object (as a session calls it, simulator stand-ins for the launches) on the
-    tensor-core path: with HALVES, from HALVES_MIN_M rows, its one launch takes the weight's two halves as W1 / W3,
-    and the recorded native plan patches the second halves' pointers as offsets into the packed weight, the absmax
-    and the bias (so a replay with other buffers stays right); the output is the one-weight kernel's, bit for
-    bit."""
+@pytest.mark.parametrize("m,n,bias", [(8, 40, True), (9, 41, True), (10, 36, False), (3, 40, True)])
+def test_matmulnf4_session_call_on_halves(m, n, bias, monkeypatch):
+    """MatMulNF4's CUDA kernel object (as a session calls it; the simulator's launches) on the tensor-core path
+    (tensor cores granted, 2 warps per block): from HALVES_MIN_M rows with an even N its one launch takes the
+    weight's two halves as W1 / W3, and the recorded native plan patches the second halves' pointers as offsets into
+    the packed weight, the absmax and the bias (so a replay with other buffers stays right); the output is the
+    one-weight kernel's, bit for bit."""
     if not SIM:
         pytest.skip("stand-in launches over host memory: simulator only")
-    from types import SimpleNamespace
-
     from onnx_lowbit import domain
-    from onnx_lowbit.custom_ops.device import launch as cuda_launch
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
+    from onnx_lowbit.custom_ops.nf4 import host, matmulnf4_cuda, nf4tc_cuda as tc
     from onnx_lowbit.custom_ops.runtime import plans
-    from onnx_lowbit.custom_ops.nf4 import nf4tc_cuda as tc
     from onnx_lowbit.custom_ops.runtime.abi import LbPlan
     from onnx_lowbit.custom_ops.runtime.bridge import Tensor
-    from onnx_lowbit.custom_ops.device.launch import SimLauncher
-
-    class Sim(SimLauncher):
-        def blocks_per_sm(self, block, shmem=None):
-            return 2
-
-        def launch(self, grid, block, stream, *args, shmem=None):
-            super().launch(grid, block, stream, *args, shmem=tc.TAB_BYTES)
-
-    keep = []
-
-    def to_device(a):
-        a = np.ascontiguousarray(a)
-        keep.append(a)
-        return SimpleNamespace(keep=a, device_ctypes_pointer=SimpleNamespace(value=a.ctypes.data))
+    from onnx_lowbit.custom_ops.runtime.routing import route
 
     k, bs = 128, 64
     ws, x, b1, _ = _case(m, k, n, bs, "nf4", (bias, False), 12)
     ref = tc.run(x, ws[0], ws[1], None, None, nf4.code("nf4"), bs, k, n, b1, halves=False, warps=2, sms=1)
-    monkeypatch.setattr(tc, "HALVES", halves)
-    monkeypatch.setattr(cuda_launch, "current_device", lambda: 0)
-    monkeypatch.setattr(cuda_launch, "sm_count", lambda device: 1)
-    monkeypatch.setattr(matmulnf4_cuda, "tc_device", lambda: True)
-    monkeypatch.setattr(matmulnf4_cuda, "_launcher", lambda *a, **kw: None)
-    monkeypatch.setattr(matmulnf4_cuda.cuda, "to_device", to_device)
-    monkeypatch.setattr(tc, "geometry", lambda rc, g=tc.geometry: (2, g(rc)[1]))     # 2 simulated warps
-    monkeypatch.setattr(tc, "launcher", lambda nw, warps, max_registers, cpl, rc, halves=False: Sim(
-        tc.make(nw, warps, None, cpl, rc, halves), tc.sig(), empty=0))
+    monkeypatch.setattr(host, "tc_device", lambda: True)
+    monkeypatch.setattr(tc, "WARPS", 2)         # fewer simulated threads
+    monkeypatch.setattr(tc, "RC2_WARPS", 2)
     kern = matmulnf4_cuda.MatMulNF4CudaKernel(spec=domain.OPS["MatMulNF4"], node_name="t",
                                                in_types=(10, 2, 1) + ((10,) if bias else ()), out_types=(10,),
                                                attrs={"quant_type": "nf4", "block_size": bs, "K": k, "N": n})
-    assert kern.tc is not None and kern.tc.halves == halves
-    halves = halves and m >= tc.HALVES_MIN_M
+    halves = tc.use_halves(n, k, bs) and m >= tc.HALVES_MIN_M
+    name = route(matmulnf4_cuda.ROUTES, kern.case(m)).kernel
+    assert name == f"nf4tc.{'halves.' if halves else ''}rc{2 if m >= tc.RC2_MIN_M else 1}"
     out = np.zeros(m * n, np.float16)
 
     class Ctx:
@@ -181,7 +155,7 @@ def test_matmulnf4_session_call_on_halves(halves, m, n, bias, monkeypatch):
                 self.recorder.output(index, tuple(shape), out.ctypes.data)
             return out.ctypes.data
 
-    arrays = [x, ws[0], ws[1]] + ([b1] if bias else [])
+    arrays = [np.ascontiguousarray(a) for a in [x, ws[0], ws[1]] + ([b1] if bias else [])]
     inputs = [Tensor(a.ctypes.data, et, a.shape) for a, et in zip(arrays, (10, 2, 1, 10))]
     plan = LbPlan()
     plans.compute_and_record(kern, Ctx(), inputs, plan)

@@ -1,4 +1,4 @@
-"""The warp-column NF4/FP4 decode kernel (custom_ops/nf4/nf4warp_cuda.py: FusedFFNNF4 and MatMulNF4 at M = 1, fp16 X,
+"""The warp-column NF4/FP4 decode kernel (custom_ops/nf4/nf4warp_cuda.py: FusedFFNNF4 at M = 1, 2, fp16 X,
 K % 1024 == 0) under Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, small grids) or on a real GPU
 (ONNX_LOWBIT_REAL_GPU=1).
 
@@ -6,8 +6,8 @@ It does the same fp16 arithmetic as the block decode kernel's packed-fp16 mode w
 h2=4, wide), only the fp32 sums over K are taken in another order, so the SwiGLU face is checked against that kernel
 tightly (2^-10 of the largest output: at most an fp16 rounding step apart) and both faces against the
 float64 references with the packed-fp16 decode's bar (4 * 2^-10 here: X with a mean and sums with cancellation,
-where both kernels measure 2.3e-3 .. 3.1e-3 on such cases against 2.3e-4 for the fp32 decode). The MatMul face
-likewise against MatMulNF4's block M=1 kernel in the same mode."""
+where both kernels measure 2.3e-3 .. 3.1e-3 on such cases against 2.3e-4 for the fp32 decode). The block kernel
+runs through FusedFFNNF4's kernel object with the warp-column routes off and WIDE_MIN_K lowered."""
 import os
 
 import numpy as np
@@ -15,10 +15,19 @@ import pytest
 from numba import config
 
 from onnx_lowbit import ffn, nf4
-from test_ffn4_kernels import _data, _rel, nf4_weights
+from test_ffn4_kernels import _data, _nf4_setting, _rel, nf4_cuda_call, nf4_weights
 
 SIM = bool(config.ENABLE_CUDASIM)
 TOL = 2.0 ** -10
+
+
+def _block(fc, monkeypatch, x, ws, qt, bs, k, n, b1, b3):
+    """FusedFFNNF4's block kernel with chains of 4 and 16 bytes per thread and row (decode.mt*.wide)."""
+    with monkeypatch.context() as mp:
+        _nf4_setting(fc, mp, "block+wide")
+        s, name = nf4_cuda_call(x, ws, qt, bs, k, n, b1, b3)
+    assert "wide" in name
+    return s
 
 
 def _mods():
@@ -48,14 +57,14 @@ GPU_CASES = [
 
 
 @pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", CASES + ([] if SIM else GPU_CASES))
-def test_warpcols_swiglu(k, n, bs, qt, biases, warps, blocks, split):
+def test_warpcols_swiglu(k, n, bs, qt, biases, warps, blocks, split, monkeypatch):
     wc, fc = _mods()
     ws = nf4_weights(k, n, bs, qt, seed=k + 3 * n)
     x, b1, b3 = _data((1,), k, n, np.float16, biases, 3)
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
     s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, warps=warps, blocks=blocks, split=split)
     assert s.shape == (1, n) and s.dtype == np.float16
-    blk = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, h2=4, wide=True)
+    blk = _block(fc, monkeypatch, x, ws, qt, bs, k, n, b1, b3)
     assert _rel(s, blk) <= TOL, _rel(s, blk)
     assert _rel(s, ref) <= 4 * TOL, _rel(s, ref)
 
@@ -68,7 +77,7 @@ TWO_ROWS = [  # k, n, block size, type, biases, warps per block, blocks, split
 
 
 @pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", TWO_ROWS)
-def test_warpcols_swiglu_two_rows(k, n, bs, qt, biases, warps, blocks, split):
+def test_warpcols_swiglu_two_rows(k, n, bs, qt, biases, warps, blocks, split, monkeypatch):
     """M = 2 (mt=2: each weight byte's table entry serves both rows), rows of different magnitude (each its own
     power-of-two scale): each row against the block kernel and the reference, against its own largest output."""
     wc, fc = _mods()
@@ -78,27 +87,10 @@ def test_warpcols_swiglu_two_rows(k, n, bs, qt, biases, warps, blocks, split):
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
     s = wc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, warps=warps, blocks=blocks, split=split)
     assert s.shape == (2, n)
-    blk = fc.run_arrays(x, *ws, qt, bs, k, n, b1, b3, h2=4, wide=True)
+    blk = _block(fc, monkeypatch, x, ws, qt, bs, k, n, b1, b3)
     for r in range(2):
         assert _rel(s[r], blk[r]) <= TOL, (r, _rel(s[r], blk[r]))
         assert _rel(s[r], ref[r]) <= 4 * TOL, (r, _rel(s[r], ref[r]))
-
-
-@pytest.mark.parametrize("k,n,bs,qt,biases,warps,blocks,split", CASES + ([] if SIM else GPU_CASES))
-def test_warpcols_matmul(k, n, bs, qt, biases, warps, blocks, split):
-    wc, _ = _mods()
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda
-    q, am = nf4_weights(k, n, bs, qt, seed=k + n)[:2]
-    rng = np.random.default_rng(k)
-    x = rng.standard_normal((1, k)).astype(np.float16)
-    b = rng.standard_normal(n).astype(np.float16) if biases[0] else None
-    ref = nf4.matmul(x, q, am, qt, bs, k, n, b)
-    y = wc.run_arrays(x, q, am, None, None, qt, bs, k, n, b, warps=warps, blocks=blocks, split=split)
-    assert y.shape == (1, n) and y.dtype == np.float16
-    blk = matmulnf4_cuda.run_arrays(x, q, am, nf4.code(qt).astype(np.float32), k, n, bs, b, mode="m1",
-                                    m1_opts={"h2": 4, "wide": True})
-    assert _rel(y, blk) <= TOL, _rel(y, blk)
-    assert _rel(y, ref) <= 4 * TOL, _rel(y, ref)
 
 
 @pytest.mark.parametrize("scale", [2.0 ** -20, 1.0, 30000.0])
@@ -139,10 +131,9 @@ def test_warpcols_refuses_other_shapes():
     x = np.ones((1, 1000), np.float16)
     with pytest.raises(ValueError, match="K % 1024"):
         wc.run_arrays(x, *ws, "nf4", 64, 1000, 4)
-    assert not wc.ok(3, 1024, True, 64) and not wc.ok(2, 1024, True, 64, nw=1) and wc.ok(2, 1024, True, 64)
-    assert not wc.ok(1, 1024, False, 64) and not wc.ok(1, 6144, True, 64)
-    assert wc.ok(1, 4096, True, 64) and not wc.ok(1, 4096, True, 16)
-    assert wc.ok(1, 8192, True, 64, split=2) and not wc.ok(1, 3072, True, 64, split=2)
+    assert not wc.ok(3, 1024, True) and wc.ok(2, 1024, True)
+    assert not wc.ok(1, 1024, False) and not wc.ok(1, 6144, True) and wc.ok(1, 4096, True)
+    assert wc.ok(1, 8192, True, split=2) and not wc.ok(1, 3072, True, split=2)
 
 
 @pytest.mark.parametrize("threads", [32, 96, 128])

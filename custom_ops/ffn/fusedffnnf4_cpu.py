@@ -40,7 +40,7 @@ class FusedFFNNF4Kernel(Kernel):
         out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (self.n,), xv.dtype)
         if m:
             out[...] = swiglu(xv, q1.numpy(), am1.numpy(), q3.numpy(), am3.numpy(), self.code, self.k, self.n,
-                              self.bs, None if b1 is None else b1.numpy(), None if b3 is None else b3.numpy())
+                              self.bs.size, None if b1 is None else b1.numpy(), None if b3 is None else b3.numpy())
 
 
 KERNEL = FusedFFNNF4Kernel

@@ -19,93 +19,92 @@ nibbles, 3.3 per nibble; 80 registers, no spills; 3 blocks of 256 threads per SM
 are reduced across the warp with a reduce-scatter (2*COLS*MT - 1 shuffles + the rest of the butterfly, instead
 of 5 per value), across the block's warps through shared memory (double-buffered: one barrier per step), and
 COLS*MT threads apply the biases and SiLU * mul in fp32 and store S in X's type. The kernel is generated as
-straight-line code (every per-thread value has a constant name or index: no local-memory spills). Option
-pair=False: the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (PAIR) for fp32 X: no 64 KiB of
-shared memory per block, so twice the blocks per SM at K = 2048 and, at these latency-bound sizes, faster at every
-K measured (BENCHMARKS.md, session 13). The same generator (matmul=True) builds MatMulNF4's M=1 kernel; it lives in
-nf4/decode_cuda.py (``make_decode``).
+straight-line code (every per-thread value has a constant name or index: no local-memory spills). With
+pair=False the 16-entry fp32 code table (one lookup per nibble), the default at M=1 (``decode.mt1.nib``) for fp32
+X: no 64 KiB of shared memory per block, so twice the blocks per SM at K = 2048 and, at these latency-bound sizes,
+faster at every K measured (BENCHMARKS.md, session 13). The same generator (matmul=True) builds MatMulNF4's M=1
+kernel; it lives in nf4/decode_cuda.py (``make_decode``).
 Measured before this decode (H100, LLaMA-7B gate+up, M=1; 6.1 SASS instructions per nibble): 37.1 us against
 51.0 us for two MatMulNF4 + silu*mul; ncu: latency bound (0.6 instructions issued per cycle and scheduler, 35%
 of DRAM bandwidth). The PRMT decode, first GPU run (2026-11-24): correct (3.1e-4), 40.7 us, but on 132 blocks:
 ``blocks_per_sm`` asked for the occupancy before the kernel's 64 KiB opt-in and got 0 (1 block per SM); the
 query (``Launcher.blocks_per_sm``) now opts the kernel in first. See docs/ffn4.md.
-With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, H2): one PRMT, one LDS and
-one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us (H100),
-21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row (WIDE): 24.1 us.
+With fp16 X at M=1 the default since 2026-11-26 is the packed-fp16 decode (``h2``, ``decode.mt1.h2``): one PRMT,
+one LDS and one fma.rn.f16x2 per byte in chains of 2 bytes summed in fp32; LLaMA-7B gate+up 24.8 against 25.6 us
+(H100), 21.8 against 25.1 (H200); from K = 4096 with two words (16 bytes, one load) per thread and row
+(``decode.mt1.wide``): 24.1 us.
 X is read with 16-byte loads (half2.ldx8; element loads asked a warp for 32 sectors each and held the prologue for
-~2 us), and from K = 4096 the chains are 4 bytes long (H2_WIDE): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
+~2 us), and from K = 4096 the chains are 4 bytes long (chains of 4): LLaMA-7B gate+up 21.05-21.80 us at M = 1 (H100,
 2026-11-26; chains of 2: 21.7-22.4), 23.4-24.1 at M = 2 (26.9-27.3 for the pair table); that wide decode's step
-loop is written out twice with the word buffers' roles swapped (PINGPONG_WIDE): 21.64 against 21.87 us at M = 1,
+loop is written out twice with the word buffers' roles swapped (``pingpong``): 21.64 against 21.87 us at M = 1,
 22.84 against 23.70 at M = 2 (H100, medians of 4 rounds). On the H100 (GROUPS_CARDS) the M = 1 wide decode's blocks
-are 3 thread groups sharing one table (GROUPS, ``groups``): 20.64-21.49 against 21.08-21.83 us (three machines).
+are 3 thread groups sharing one table (``decode.mt1.wide.g3``): 20.64-21.49 against 21.08-21.83 us (three machines).
 With fp16 X at M = 1, 2 and K = 1024 .. 3072 (WARPCOLS) sessions take the warp-column kernel of nf4warp_cuda
 instead (a warp, or a pair of warps, owns whole columns: no barrier per step; 13-38% faster there, BENCHMARKS.md).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
+``ROUTES`` (below) says which kernel serves a call; ``FusedFFNNF4CudaKernel`` builds the call's Case and launches
+the row's kernel.
 """
 from __future__ import annotations
-
 
 import numpy as np
 from numba import cuda, float32, int64
 
-from ..device import half2, launch as cuda_launch
+from ..device import half2
 from ..device.inputs import check_x_biases
-from ..device.launch import Launcher, arg
 from ..device.memory import ld16, ld32, st16, st32
 from ..device.mma import silu
 from ..device.ptx import warp_sum
 from ..device.splitk import ScratchPool
-from ..device.target import SIM, tc_device
-from ..nf4 import common as nf4_common, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
-from ..nf4.common import check_weights
-from ..nf4.decode_cuda import COLS, lut_for, make_decode, sig
-from ..nf4.matmulnf4_cuda import TAB_BYTES, m1_block
+from ..device.target import SIM
+from ..nf4 import common as nf4_common, host, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
+from ..nf4.common import case_align, case_f16, case_fp32_decode, check_weights
+from ..nf4.decode_cuda import COLS, TAB_BYTES, lut_for, make_decode, sig, threads
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, Route, always, route
 from .common4 import opt
 
-MT_BUCKETS = (1, 2)       # rows per block (x kept in registers: 16 * MT floats per thread)
-MAX_M_FAST = 16
-MAX_WPR = 1024            # words per row the decode kernel takes (K <= 16384)
-GEN_WARPS = 8
-DEFAULT_BLOCKS_PER_SM = 4
-NIB = {1: True, 2: False}   # per row bucket: the 16-entry table addressed by PRMT (``nib``; pair=False only).
-                            # H100, M=1, weights cycled past L2 (benchmarks/nf4shapes_gpu.py, BENCHMARKS.md): 25.5 us
-                            # against 27.1 at 4096 -> 2 x 11008, 14.0 against 14.5 at 2048 -> 2 x 8192
-H2 = {1: 2, 2: 0}          # per row bucket, fp16 X only: the packed-fp16 decode with chains of this many products
-                            # (0: off; ``h2``, see decode_cuda.make_decode). Weights cycled past L2, M=1 (benchmarks/
-                            # nf4shapes_gpu.py, BENCHMARKS.md), us, against the fp32 decode (nib): LLaMA-7B gate+up
-                            # H100 24.8 / 25.6, H200 21.8 / 25.1; 2048 -> 2 x 8192 H100 12.5 / 14.2, H200 12.0 / 13.7.
-                            # Below WIDE_MIN_K; from it H2_WIDE (chains of 4) applies. Earlier (before the 16-byte X
-                            # loads), chains of 4 measured H100 23.8 us at 4096 with 8 columns a step, and at M=2
-                            # against the pair table H100 27.4 / 27.5, H200 26.1 / 27.0
-WIDE = {1: True, 2: True}   # per row bucket, fp16 X, K % 32 == 0 and K >= WIDE_MIN_K: the h2 decode with chains of
-WIDE_MIN_K = 4096           # H2_WIDE[mt] and two words (16 bytes) per thread and row, one ld.global.nc.L1::no_allocate
-H2_WIDE = {1: 4, 2: 4}      # .v4 each (half the threads and absmax loads). H100, weights past L2 (nf4shapes_gpu.py,
-                            # 2026-11-26 after the 16-byte X loads), LLaMA-7B gate+up, us: M=2 chains of 4 23.38 /
-                            # 23.86 / 24.09 against 26.85 / 27.32 for the pair table (chains of 2: 26.47 / 26.93 /
-                            # 27.05); M=1 chains of 4 21.05 / 21.80 / 21.25 (mean 21.37) against 21.89 / 21.68 / 22.44
-                            # / 21.99 (mean 22.0) for chains of 2. Rounding (benchmarks/h2_error.py, RMS of x W^T):
-                            # 3.9e-4 against 3.2e-4 (zero-mean X). At 2048 -> 2 x 8192 the 64-thread blocks are slower
-                            # (M=1 13.07 against 12.31; M=2 15.42 / 15.03), hence the bound
-PINGPONG_WIDE = True        # the wide decode's step loop written out twice with the word buffers' roles swapped
-                            # (``pingpong``: no copies of the prefetched words; 116 registers). H100, LLaMA-7B
-                            # gate+up, weights past L2, medians of 4 rounds (BENCHMARKS.md, session 26): M=1 21.64
-                            # against 21.87 us, M=2 22.84 against 23.70; H200 M=1 17.95 against 18.28
-GROUPS = {1: 3, 2: 1}       # per row bucket, the wide decode: thread groups per block sharing one 64 KiB table
-                            # (``groups``, where one-group blocks fit this many per SM: one table build and copy
-                            # per SM instead of 3), on the cards GROUPS_CARDS names. Weights past L2, medians of 3
-                            # rounds (nf4shapes_gpu.py, BENCHMARKS.md session 27), us, 3 groups / 1: H100 4096 ->
-                            # 2 x 11008 20.72 / 21.08 and (another machine) 21.49 / 21.83, 4096 -> 2 x 14336 27.34 /
-                            # 27.64, 5120 -> 2 x 13824 32.62 / 33.96; H200 18.08 / 17.86, 23.98 / 23.12, 24.65 /
-                            # 25.36 (so not there). H100 M=1: 2 groups 21.12, 4 (16 warps, 115 blocks) 21.15; M=2
-                            # (146 registers: 1 block of 2 or 3 groups per SM) 26.2 / 24.2 against 22.9
-GROUPS_CARDS = ("H100",)    # device names (substrings) that take GROUPS
-EARLY = {1: False, 2: True}  # M=2 (pair table): built while the first words load; 15.4 / 27.5 us against 16.0 / 28.5
-PAIR = {1: False, 2: True}  # per row bucket: the byte-pair table (else the 16-entry table). H100, M=1, weights
-                            # cycled past L2 (benchmarks/nf4shapes_gpu.py): the 16-entry table 14.6 us against
-                            # 17.0 at 2048 -> 2 x 8192 (6 blocks of 128 threads per SM instead of 3: no 64 KiB
-                            # table), 27.0 against 28.5 at 4096 -> 2 x 11008; at M=2 (MT=2, 124 registers) the
-                            # pair table stays faster at 4096 (27.5 against 32.9 us)
+MAX_M_FAST = 16           # the decode kernels' rows (row chunks of 1 or 2)
+MAX_WPR = 1024            # words per row the decode kernels take (K <= 16384)
+GEN_WARPS = 2 if SIM else 8     # the generic kernel's warps per block (fewer simulated threads)
+DEFAULT_BLOCKS_PER_SM = 4       # the decode kernels' occupancy under the simulator
+WIDE_MIN_K = 4096         # fp16 X, K % 32 == 0 from this K: the wide packed-fp16 decode (decode.mt*.wide)
+GROUPS_CARDS = ("H100",)  # device names (substrings) whose M = 1 wide decode runs blocks of thread groups (.g3)
+# The decode kernel variants sessions take: name -> make_decode's row bucket and table options (pair, early, nib, h2
+# chain length, wide, pingpong, thread groups). What decided them (H100 unless said, weights cycled past L2,
+# benchmarks/nf4shapes_gpu.py, BENCHMARKS.md):
+#   decode.mt1.nib (fp32 X, M = 1; fp16 X with ONNX_LOWBIT_FP32_DECODE=1): the 16-entry table addressed by PRMT:
+#     25.5 us against 27.1 at 4096 -> 2 x 11008, 14.0 against 14.5 at 2048 -> 2 x 8192; the 16-entry table beat the
+#     pair table at M = 1: 14.6 us against 17.0 at 2048 -> 2 x 8192 (6 blocks of 128 threads per SM instead of 3),
+#     27.0 against 28.5 at 4096 -> 2 x 11008.
+#   decode.mt2.pair (M >= 2 where the wide decode does not apply): the byte-pair table (124 registers) stays faster at
+#     M = 2: 27.5 against 32.9 us at 4096; built while the first words load: 15.4 / 27.5 us against 16.0 / 28.5.
+#   decode.mt1.h2 (fp16 X, M = 1, below WIDE_MIN_K or K % 32 != 0): the packed-fp16 decode, chains of 2, against the
+#     fp32 decode (nib): LLaMA-7B gate+up H100 24.8 / 25.6, H200 21.8 / 25.1; 2048 -> 2 x 8192 H100 12.5 / 14.2,
+#     H200 12.0 / 13.7. Chains of 4 with 8 columns a step (before the 16-byte X loads): H100 23.8 us at 4096.
+#   decode.mt1.wide, decode.mt2.wide (fp16 X, K >= WIDE_MIN_K, K % 32 == 0): chains of 4 with two words (16 bytes,
+#     one ld.global.nc.L1::no_allocate.v4) per thread and row (half the threads and absmax loads). LLaMA-7B gate+up,
+#     us (2026-11-26, after the 16-byte X loads): M=2 chains of 4 23.38 / 23.86 / 24.09 against 26.85 / 27.32 for the
+#     pair table (chains of 2: 26.47 / 26.93 / 27.05); M=1 chains of 4 21.05 / 21.80 / 21.25 (mean 21.37) against
+#     21.89 / 21.68 / 22.44 / 21.99 (mean 22.0) for chains of 2. Rounding (benchmarks/h2_error.py, RMS of x W^T):
+#     3.9e-4 against 3.2e-4 (zero-mean X). At 2048 -> 2 x 8192 the 64-thread blocks are slower (M=1 13.07 against
+#     12.31; M=2 15.42 / 15.03), hence WIDE_MIN_K. Their step loop written out twice with the word buffers' roles
+#     swapped (``pingpong``: no copies of the prefetched words; 116 registers), medians of 4 rounds (BENCHMARKS.md,
+#     session 26): M=1 21.64 against 21.87 us, M=2 22.84 against 23.70; H200 M=1 17.95 against 18.28.
+#   decode.mt1.wide.g3 (GROUPS_CARDS, where one-group blocks fit 3 per SM and the grouped block fits): 3 thread
+#     groups per block sharing one 64 KiB table (one table build and copy per SM instead of 3). Medians of 3 rounds
+#     (session 27), us, 3 groups / 1: H100 4096 -> 2 x 11008 20.72 / 21.08 and (another machine) 21.49 / 21.83,
+#     4096 -> 2 x 14336 27.34 / 27.64, 5120 -> 2 x 13824 32.62 / 33.96; H200 18.08 / 17.86, 23.98 / 23.12, 24.65 /
+#     25.36 (so not there). H100 M=1: 2 groups 21.12, 4 (16 warps, 115 blocks) 21.15; M=2 (146 registers: 1 block
+#     of 2 or 3 groups per SM) 26.2 / 24.2 against 22.9.
+DECODE = {  # name: (mt, pair, early, nib, h2, wide, pingpong, groups)
+    "decode.mt1.nib": (1, False, False, True, 0, False, False, 1),
+    "decode.mt2.pair": (2, True, True, False, 0, False, False, 1),
+    "decode.mt1.h2": (1, False, False, False, 2, False, False, 1),
+    "decode.mt1.wide": (1, False, False, False, 4, True, True, 1),
+    "decode.mt1.wide.g3": (1, False, False, False, 4, True, True, 3),
+    "decode.mt2.wide": (2, False, False, False, 4, True, True, 1),
+}
 WARPCOLS = {(1, 1): (8, 1), (2, 1): (8, 1),   # fp16 X, (M, K / 1024) -> (warps per block, warps per column): the
             (1, 2): (8, 1), (2, 2): (8, 2),   # warp-column kernel (nf4warp_cuda: a warp, or a pair of warps on
             (1, 3): (6, 1)}                   # halves of K, owns whole columns; no barrier per step). H100, weights
@@ -167,7 +166,29 @@ def _make_generic(a16, warps=GEN_WARPS):
     return generic
 
 
-# ------------------------------------------------------------------------------------------------- host side
+
+# ------------------------------------------------------------------------------------------------- routing
+def _tc(c, lo, hi):
+    """fp16 X at M = lo .. hi on a GPU with tensor cores, nf4tc's shapes (K % 64 == 0, block >= 64, K * N < 2^32)."""
+    return case_f16(c) and c.tc and lo <= c.m <= hi and nf4tc_cuda.ok(True, c.m, c.k, c.n, c.bs)
+
+
+def _warp_name(m, ch, split):
+    return f"nf4warp.mt{m}.c{ch}" + (".s2" if split == 2 else "")
+
+
+WARP_KERNELS = {_warp_name(m, ch, split): (m, ch) for (m, ch), (_, split) in WARPCOLS.items()}
+
+
+def warpcols(c):
+    """The warp-column kernel WARPCOLS gives this call ('nf4warp.mt<M>.c<K/1024>', '.s2' for pairs of warps), or
+    None (also with ONNX_LOWBIT_FP32_DECODE=1: it is a packed-fp16 decode)."""
+    plan = WARPCOLS.get((c.m, c.k // nf4warp_cuda.CHUNK))
+    if plan is None or case_fp32_decode(c) or not nf4warp_cuda.ok(c.m, c.k, case_f16(c), plan[1]):
+        return None
+    return _warp_name(c.m, c.k // nf4warp_cuda.CHUNK, plan[1])
+
+
 def decode_ok(m, k):
     return 0 < m <= MAX_M_FAST and k % 16 == 0 and k // 16 <= MAX_WPR
 
@@ -176,38 +197,87 @@ def bucket(m):
     return 1 if m == 1 else 2
 
 
-def threads(k, wide=False):
-    return m1_block(k, wide)
+def decode_kernel(c):
+    """The block decode variant (a DECODE name) of this call's row bucket, X type, K and switches."""
+    h2 = case_f16(c) and not case_fp32_decode(c)
+    wide = h2 and c.k >= WIDE_MIN_K and c.k % 32 == 0
+    if bucket(c.m) == 2:
+        return "decode.mt2.wide" if wide else "decode.mt2.pair"
+    if wide:
+        return "decode.mt1.wide.g3" if c.opt("grouped") else "decode.mt1.wide"
+    return "decode.mt1.h2" if h2 else "decode.mt1.nib"
 
 
-def parts_for(n, nch, sms, occupancy, cols=COLS, groups=1):
+def _decode(c, name):
+    """The decode variant ``name`` takes the call: decode_ok, its variant, X 16-byte and Q1 / Q3 8-byte (wide:
+    16-byte) aligned."""
+    return (decode_ok(c.m, c.k) and decode_kernel(c) == name and case_align(c, "x") >= 16
+            and case_align(c, "q") >= (16 if DECODE[name][5] else 8))
+
+
+_SESSION_27 = "BENCHMARKS.md NF4 (H100 x3 row); lab-log session 27 (73ab0e3)"
+ROUTES = (
+    Route("generic", "forced (tests): opts path = 'generic'", lambda c: c.opt("path") == "generic"),
+    Route("nf4mma", "fp16 X, tensor cores, M in MMA_M (3, 4), K * N >= MMA_MIN_KN (2^25), K % 128 == 0, block >= "
+          "64, M * K <= 16384; X, Q1, Q3 16-byte aligned",
+          lambda c: _tc(c, 1, 16) and c.m in MMA_M and nf4mma_cuda.ok(True, c.m, c.k, c.n, c.bs)
+          and c.k * c.n >= MMA_MIN_KN and case_align(c, "x") >= 16 and case_align(c, "q") >= 16,
+          "BENCHMARKS.md NF4 (M = 3 / 4 on nf4mma); the MMA_MIN_KN figures (e3d5170)"),
+    Route("nf4tc.rc2", "fp16 X, tensor cores, M = 9 .. 16, K % 64 == 0, block >= 64; X, Q1, Q3 8-byte aligned",
+          lambda c: _tc(c, nf4tc_cuda.RC2_MIN_M, 16) and case_align(c, "x") >= 8 and case_align(c, "q") >= 8,
+          "BENCHMARKS.md NF4 (M = 9 / 12 / 16); lab-log session 25 (8f7e4e7)"),
+    Route("nf4tc.rc1", "as above at M = TC_MIN_M (3) .. 8",
+          lambda c: _tc(c, TC_MIN_M, 16) and case_align(c, "x") >= 8 and case_align(c, "q") >= 8,
+          "the TC_MIN_M figures (BENCHMARKS.md NF4; acda774)"),
+) + tuple(
+    Route(_warp_name(m, ch, split),
+          f"fp16 X, M = {m}, K = {1024 * ch} (WARPCOLS: {warps} warps per block"
+          + (", pairs of warps on halves of K" if split == 2 else "") + "), not ONNX_LOWBIT_FP32_DECODE; X, Q1, Q3 "
+          "16-byte aligned",
+          lambda c, name=_warp_name(m, ch, split): warpcols(c) == name
+          and case_align(c, "x") >= 16 and case_align(c, "q") >= 16,
+          "the WARPCOLS figures (BENCHMARKS.md NF4, 2048 -> 2 x 8192 row); lab-log session 21 (c9c815d)")
+    for (m, ch), (warps, split) in WARPCOLS.items()
+) + (
+    Route("decode.mt1.wide.g3", "fp16 X, M = 1, K >= WIDE_MIN_K (4096), K % 32 == 0, K <= 16384, not "
+          "ONNX_LOWBIT_FP32_DECODE, on GROUPS_CARDS (H100) where blocks of 3 groups fit (opts grouped); X, Q1, Q3 "
+          "16-byte aligned", lambda c: _decode(c, "decode.mt1.wide.g3"), _SESSION_27),
+    Route("decode.mt1.wide", "as above elsewhere",
+          lambda c: _decode(c, "decode.mt1.wide"), "BENCHMARKS.md NF4; lab-log session 26 (8349ad2)"),
+    Route("decode.mt2.wide", "fp16 X, M = 2 .. 16, K >= WIDE_MIN_K (4096), K % 32 == 0, K <= 16384, not "
+          "ONNX_LOWBIT_FP32_DECODE; X, Q1, Q3 16-byte aligned", lambda c: _decode(c, "decode.mt2.wide"),
+          "BENCHMARKS.md NF4 (M = 2 row); lab-log session 26 (8349ad2)"),
+    Route("decode.mt1.h2", "fp16 X, M = 1, K % 16 == 0, K <= 16384 (below 4096 or K % 32 != 0), not "
+          "ONNX_LOWBIT_FP32_DECODE; X 16-byte, Q1, Q3 8-byte aligned", lambda c: _decode(c, "decode.mt1.h2"),
+          "the decode.mt1.h2 figures (BENCHMARKS.md NF4; c9faa9f)"),
+    Route("decode.mt1.nib", "M = 1, K % 16 == 0, K <= 16384: fp32 X, or fp16 with ONNX_LOWBIT_FP32_DECODE; X "
+          "16-byte, Q1, Q3 8-byte aligned", lambda c: _decode(c, "decode.mt1.nib"),
+          "the decode.mt1.nib figures (9217596)"),
+    Route("decode.mt2.pair", "M = 2 .. 16, K % 16 == 0, K <= 16384, where decode.mt2.wide does not apply; X "
+          "16-byte, Q1, Q3 8-byte aligned", lambda c: _decode(c, "decode.mt2.pair"),
+          "the decode.mt2.pair figures (3d1c1ab)"),
+    Route("generic", "any other call (M > 16: prefill; K % 16 != 0; unaligned)", always, "correctness fallback"),
+)
+
+
+def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, grouped=False, align=(16, 16), path=None):
+    """The Case of a call: X's ``dtype``, M, K, N, the block size, whether the GPU has tensor cores, the
+    ONNX_LOWBIT_FP32_DECODE switch, whether the wide M = 1 decode runs blocks of 3 thread groups here (``grouped``),
+    the alignments (X; Q1 and Q3; capped at 16) and a forced path (tests)."""
+    aligned = tuple(align) == (16, 16)
+    opts = [("fp32_decode", True)] if fp32_decode else []
+    opts += [("grouped", True)] if grouped else []
+    opts += [] if aligned else [("q_align", align[1]), ("x_align", align[0])]
+    opts += [("path", path)] if path else []
+    return Case(np.dtype(dtype).name, m, k, n, aligned=aligned, tc=tc, bs=bs, opts=tuple(sorted(opts)))
+
+
+# ------------------------------------------------------------------------------------------------- launches
+def parts_for(n, nch, sms, occupancy, groups=1):
     """Column slices: at most sms * occupancy blocks in all (one wave), every slice the same number of steps
     (nf4_common.even_parts); with ``groups`` per block, a multiple of groups (the grid is nch * parts / groups)."""
-    parts = nf4_common.even_parts(-(-n // cols), max(1, (sms * occupancy * groups) // nch))
+    parts = nf4_common.even_parts(-(-n // COLS), max(1, (sms * occupancy * groups) // nch))
     return -(-parts // groups) * groups
-
-
-_launchers = {}
-
-
-fp32_decode = half2.fp32_decode
-
-
-def warpcols_plan(m, k, a16, bs):
-    """(warps per block, warps per column) of the warp-column kernel for this call (WARPCOLS), or None for the
-    block kernels (also with ONNX_LOWBIT_FP32_DECODE=1: it is a packed-fp16 decode)."""
-    plan = WARPCOLS.get((m, k // nf4warp_cuda.CHUNK))
-    if plan is None or fp32_decode() or not nf4warp_cuda.ok(m, k, a16, bs, plan[1]):
-        return None
-    return plan
-
-
-def groups_for(mt, h2, wide, occ1, occ=None):
-    """Thread groups per block of the decode kernel: GROUPS[mt] for the packed-fp16 wide decode where one-group blocks
-    fit that many per SM (``occ1``: the table, not registers, bounds them) and the grouped block fits at all (``occ``,
-    its resident blocks per SM, a callable asked only then); else 1."""
-    g = GROUPS.get(mt, 1) if h2 and wide else 1
-    return g if g > 1 and occ1 >= g and (occ is None or occ(g) >= 1) else 1
 
 
 def grouped_card():
@@ -217,57 +287,22 @@ def grouped_card():
     return any(c in name for c in GROUPS_CARDS)
 
 
-def pick_groups(a16, mt, h2, wide, k, pingpong):
-    """groups_for with the occupancies of the session's launchers on a card GROUPS_CARDS names, else 1 (the
-    simulator: DEFAULT_BLOCKS_PER_SM, any card)."""
-    if SIM:
-        return groups_for(mt, h2, wide, DEFAULT_BLOCKS_PER_SM)
-    if not grouped_card():
-        return 1
-    lau = lambda g: launcher(a16, mt, h2=h2, wide=wide, pingpong=pingpong, groups=g)  # noqa: E731
-    return groups_for(mt, h2, wide, blocks_per_sm(lau(1), threads(k, wide)),
-                      lambda g: lau(g).blocks_per_sm(threads(k, wide) * g))
+_launchers = {}
 
 
-def pingpong_for(wide, prefetch=True):
-    """Whether the decode kernel runs its step loop with two word buffers (PINGPONG_WIDE: the wide decode's)."""
-    return bool(wide and prefetch and PINGPONG_WIDE)
-
-
-def table_choice(mt, pair=None, early=None, nib=None, h2=None, a16=True, wide=None, k=None):
-    """(pair, early, nib, h2, wide) of row bucket ``mt``'s decode kernel: the given values, else the defaults PAIR /
-    EARLY / NIB / H2 (with fp16 X from K = WIDE_MIN_K, K % 32 == 0: WIDE with chains of H2_WIDE; h2 only with fp16 X;
-    it replaces the pair and nib tables and early; wide only with h2 and, when ``k`` is given, K % 32 == 0)."""
-    big = k is not None and k >= WIDE_MIN_K and k % 32 == 0 and WIDE.get(mt, False) and wide is not False
-    if not a16:
-        h2 = 0
-    elif h2 is None:
-        h2 = 0 if fp32_decode() else H2_WIDE[mt] if big else H2.get(mt, 0)
-    h2 = int(h2)
-    if wide is None:
-        wide = WIDE.get(mt, False) and (k is None or k >= WIDE_MIN_K)
-    wide = bool(h2) and bool(wide) and (k is None or k % 32 == 0)
-    return ((PAIR.get(mt, True) if pair is None else pair) and not h2,
-            (EARLY.get(mt, False) and not h2 if early is None else early),
-            (NIB.get(mt, False) if nib is None else nib) and not h2, h2, wide)
-
-
-def launcher(a16, mt, pair=None, cols=COLS, prefetch=True, pingpong=False, max_registers=None, early=None,
-             nib=None, h2=None, wide=None, am16=False, vec_table=None, groups=1):
-    """Direct-launch wrapper (compiled once per process): the decode kernel of bucket ``mt``, or the generic
-    kernel for mt=None. ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
-    pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide)
-    vec_table = half2.VEC_TABLE if vec_table is None else vec_table
-    key = (a16, mt) + ((pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, am16, vec_table, groups)
-                       if mt else ())
+def launcher(a16, name):
+    """Direct-launch wrapper (compiled once per process) of the DECODE variant ``name`` or (name 'generic') the
+    generic kernel, for fp16 (``a16``) or fp32 X; under the simulator a SimLauncher answering DEFAULT_BLOCKS_PER_SM.
+    ``.dispatcher`` is the Numba kernel (register / local memory queries)."""
+    key = (a16, name)
     if key not in _launchers:
-        fn = _make_generic(a16) if mt is None else make_decode(mt, a16, pair, cols, prefetch, max_registers,
-                                                                 pingpong=pingpong, early=early, nib=nib, h2=h2,
-                                                                 wide=wide, am16=am16, vec_table=vec_table,
-                                                                 groups=groups)
-        lau = Launcher(fn, sig(a16, mt is None, pair, am16), dynamic_shared=TAB_BYTES if mt and (pair or h2) else 0)
-        lau.dispatcher = fn
-        _launchers[key] = lau
+        if name == "generic":
+            _launchers[key] = host.launcher(_make_generic(a16), sig(a16, True))
+        else:
+            mt, pair, early, nib, h2, wide, pingpong, groups = DECODE[name]
+            fn = make_decode(mt, a16, pair, pingpong=pingpong, early=early, nib=nib, h2=h2, wide=wide, groups=groups)
+            _launchers[key] = host.launcher(fn, sig(a16, False, pair), dynamic_shared=TAB_BYTES if pair or h2 else 0,
+                                            sim_blocks=DEFAULT_BLOCKS_PER_SM)
     return _launchers[key]
 
 
@@ -276,133 +311,82 @@ def blocks_per_sm(launcher_, block):
     return max(1, launcher_.blocks_per_sm(block))
 
 
-def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               force_generic=False, pair=None, cols=COLS, prefetch=True, pingpong=None, max_registers=None, sms=None,
-               repeat=1, early=None, nib=None, h2=None, wide=None, groups=None):
-    """Runs the kernel on host arrays (tests, benchmark) and returns S: through the Numba dispatcher under the
-    CUDA simulator, through the direct launch path on a GPU. Inputs are checked as in a session."""
-    qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
-    check_weights(q1, am1, q3, am3, k, n, bs)
-    m = check_x_biases(x, b1, b3, k, n, 5, 6)
-    lead = tuple(x.shape[:-1])
-    if m == 0:
-        return np.empty(lead + (n,), x.dtype)
-    a16 = x.dtype == np.float16
-    wcp = warpcols_plan(m, k, a16, bs)
-    if wcp and not force_generic and (pair, early, nib, h2, wide) == (None,) * 5 and cols == COLS and prefetch \
-            and not pingpong:      # the default at this shape: the warp-column kernel
-        return nf4warp_cuda.run_arrays(x, q1, am1, q3, am3, quant_type, block_size, k, n, b1, b3,
-                                       warps=2 * wcp[1] if SIM else wcp[0], sms=sms, blocks=2 if SIM else None,
-                                       split=wcp[1])
-    bits = np.uint16 if a16 else np.float32
-    dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
-    dx = dev(x, bits)
-    ds = cuda.device_array(m * n, bits)
-    db1 = dev(b1, bits) if b1 is not None else ds
-    db3 = dev(b3, bits) if b3 is not None else ds
-    dam1 = dev(np.asarray(am1, np.float32), np.float32)
-    dam3 = dev(np.asarray(am3, np.float32), np.float32)
-    generic = force_generic or not decode_ok(m, k)
-    gw = 2 if SIM else GEN_WARPS       # fewer simulated threads
-    if generic:
-        args = (dx, dev(q1, np.uint8), dam1, dev(q3, np.uint8), dam3, cuda.to_device(code), db1, db3, ds,
-                m, k, n, bs, int(b1 is not None), int(b3 is not None))
-        grid, block, mt = -(-n // gw), 32 * gw, None
-    else:
-        mt = bucket(m)
-        pair, early, nib, h2, wide = table_choice(mt, pair, early, nib, h2, a16, wide, k)
-        if pingpong is None:    # as sessions
-            pingpong = pingpong_for(wide, prefetch)
-        if groups is None:      # as sessions
-            groups = pick_groups(a16, mt, h2, wide, k, pingpong) if (pair, early, nib, cols, prefetch,
-                                                                      max_registers) == (False, False, False, COLS,
-                                                                                         True, None) else 1
-        nch = -(-m // mt)
-        block = threads(k, wide) * groups
-        if SIM:
-            occ = DEFAULT_BLOCKS_PER_SM
-        else:
-            occ = blocks_per_sm(launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2,
-                                         wide, groups=groups), block)
-        if sms is None:
-            if SIM:
-                sms = 2
-            else:
-                sms = cuda_launch.sm_count(cuda_launch.current_device())
-        parts = parts_for(n, nch, sms, occ, cols, groups)
-        grid = nch * parts // groups
-        args = (dx, dev(q1, np.uint64), dam1, dev(q3, np.uint64), dam3, cuda.to_device(lut_for(code, pair, h2)), db1, db3,
-                ds, m, k, n, bs.bit_length() - 5, parts, int(b1 is not None), int(b3 is not None))
+def grouped(a16, k):
+    """Whether the M = 1 wide decode runs as decode.mt1.wide.g3 here: on a card GROUPS_CARDS names (any under the
+    simulator), where one-group blocks fit 3 per SM (the table, not registers, bounds them) and the grouped block
+    fits at all."""
+    g = DECODE["decode.mt1.wide.g3"][7]
     if SIM:
-        kern = _make_generic(a16, gw) if generic else make_decode(mt, a16, pair, cols, prefetch, pingpong=pingpong,
-                                                                   early=early, nib=nib, h2=h2, wide=wide,
-                                                                   groups=groups)
-        for _ in range(repeat):
-            kern[grid, block, 0, 0 if generic or not (pair or h2) else TAB_BYTES](*args)
-    else:
-        lau = launcher(a16, mt, pair, cols, prefetch, pingpong, max_registers, early, nib, h2, wide, groups=groups)
-        for _ in range(repeat):
-            lau.launch(grid, block, 0, *[arg(a) for a in args])
-        cuda.synchronize()
-    return ds.copy_to_host().view(x.dtype).reshape(lead + (n,))
+        return DEFAULT_BLOCKS_PER_SM >= g
+    if not grouped_card():
+        return False
+    one, grp = launcher(a16, "decode.mt1.wide"), launcher(a16, "decode.mt1.wide.g3")
+    return blocks_per_sm(one, threads(k, True)) >= g and grp.blocks_per_sm(threads(k, True) * g) >= 1
 
 
 class FusedFFNNF4CudaKernel(Kernel):
     native_plans = True  # launches depend only on shapes and pointer alignment (see plans.py)
+    path = None          # tests: 'generic' forces ROUTES' first row
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.a16 = self.in_types[0] == 10
-        self.code = cuda.to_device(code)
-        self.code_arg = (self.code.device_ctypes_pointer.value, (16,))
-        self.generic = launcher(self.a16, None)
-        self.sms = cuda_launch.sm_count(cuda_launch.current_device())
-        self.fast, self.parts = {}, {}
-        self.tc = None      # the tensor-core decode kernel (fp16 X, M = TC_MIN_M .. 16; nf4tc_cuda)
-        if self.a16 and nf4tc_cuda.ok(True, TC_MIN_M, self.k, self.n, self.bs) and tc_device():
-            self.tc = nf4tc_cuda.SessionKernels(2, self.n, self.sms)
-            self.tc_lut = cuda.to_device(nf4tc_cuda.lut(code))
-        self.mma = None     # the balanced tensor-core kernel at M in mma_ms (nf4mma_cuda)
-        self.mma_ms = {m for m in MMA_M if nf4mma_cuda.ok(True, m, self.k, self.n, self.bs)}
-        if self.tc is not None and self.mma_ms and self.k * self.n >= MMA_MIN_KN:
-            mm = nf4mma_cuda.mm_for(max(MMA_M))
-            self.mma = nf4mma_cuda.launcher(2, mm)
-            self.mma_shm = nf4mma_cuda.shared_bytes(2, mm)
-            occ = max(1, self.mma.blocks_per_sm(32 * nf4mma_cuda.WARPS, self.mma_shm))
-            self.mma_blocks = nf4mma_cuda.plan_blocks(self.k, self.n, self.sms, occ)
-            pf, nc = nf4mma_cuda.scratch(2, mm, self.mma_blocks, self.k, self.n)
-            self.mma_scratch = ScratchPool(pf, nc)
-            self.mma_floats = pf
-        self.block, self.align, self.luts, self.lut_args, self.groups = {}, {}, {}, {}, {}
+        self.code_host, self.code = code, host.Table(code)
+        self.tc_lut = host.Table(nf4tc_cuda.lut(code))
+        self.luts = {}
+        self.sms = host.sm_count()
+        self.tc = host.tc_device()
+        self.fp32_decode = half2.fp32_decode()      # ONNX_LOWBIT_FP32_DECODE, read here only
+        wide_k = self.a16 and not self.fp32_decode and self.k >= WIDE_MIN_K and self.k % 32 == 0 and \
+            decode_ok(1, self.k)
+        self.grouped = bool(wide_k) and grouped(self.a16, self.k)
+        self.prepared = {}
+        for m in range(1, MAX_M_FAST + 1):          # compiled and planned now, never on the hot path
+            self.prepare(route(ROUTES, self.case(m)).kernel)
+        self.prepare("generic")
 
-        def lut_arg(pair, h2):
-            """(pointer, shape) of the device table; one copy per table (the h2 one serves every chain length)."""
-            key = (pair and not h2, bool(h2))
-            if key not in self.luts:
-                self.luts[key] = cuda.to_device(lut_for(code, pair, h2))
-            return self.luts[key].device_ctypes_pointer.value, (self.luts[key].size,)
-        self.wc = {}        # M -> (launcher, block, grid) of the warp-column kernel (nf4warp_cuda; WARPCOLS)
-        for m in (1, 2):
-            plan = warpcols_plan(m, self.k, self.a16, self.bs)
-            if plan:
-                lau = nf4warp_cuda.launcher(self.k // nf4warp_cuda.CHUNK, split=plan[1], mt=m)
-                self.wc[m] = (lau, 32 * plan[0], nf4warp_cuda.grid_for(lau, plan[0], self.sms))
-        if self.wc:
-            self.wc_lut = lut_arg(False, True)
-        if self.k % 16 == 0 and self.k // 16 <= MAX_WPR:
-            for mt in MT_BUCKETS:   # compiled and planned now, never on the hot path
-                pair, _, _, h2, wide = table_choice(mt, a16=self.a16, k=self.k)
-                self.lut_args[mt] = lut_arg(pair, h2)
-                self.groups[mt] = pick_groups(self.a16, mt, h2, wide, self.k, pingpong_for(wide))
-                self.block[mt] = threads(self.k, wide) * self.groups[mt]
-                self.align[mt] = 15 if wide else 7      # 16- / 8-byte weight loads
-                self.fast[mt] = launcher(self.a16, mt, h2=h2, wide=wide, pingpong=pingpong_for(wide),
-                                         groups=self.groups[mt])
-                occ = blocks_per_sm(self.fast[mt], self.block[mt])
-                for m in range(1, MAX_M_FAST + 1):
-                    if bucket(m) == mt:
-                        self.parts[m] = parts_for(self.n, -(-m // mt), self.sms, occ, groups=self.groups[mt])
+    def case(self, m, align=(16, 16)):
+        return case("float16" if self.a16 else "float32", m, self.k, self.n, self.bs.size, self.tc, self.fp32_decode,
+                    self.grouped, align, self.path)
+
+    def lut(self, pair, h2):
+        """(pointer, shape) of a decode table; one copy per table (the h2 one serves every chain length)."""
+        key = (pair and not h2, bool(h2))
+        if key not in self.luts:
+            self.luts[key] = host.Table(lut_for(self.code_host, pair, h2))
+        return self.luts[key].arg
+
+    def prepare(self, name):
+        """What a launch of kernel ``name`` needs for this node (built once)."""
+        if name not in self.prepared:
+            if name == "nf4mma":
+                lau = nf4mma_cuda.launcher()
+                shm = nf4mma_cuda.shared_bytes()
+                blocks = nf4mma_cuda.plan_blocks(self.k, self.n, self.sms,
+                                                 max(1, lau.blocks_per_sm(32 * nf4mma_cuda.WARPS, shm)))
+                pf, nc = nf4mma_cuda.scratch(blocks, self.k, self.n)
+                prep = lau, shm, blocks, ScratchPool(pf, nc), pf
+            elif name.startswith("nf4tc."):
+                prep = nf4tc_cuda.session_mode(2, 1 if name == "nf4tc.rc1" else 2, False)
+            elif name.startswith("nf4warp."):
+                mt, ch = WARP_KERNELS[name]
+                warps, split = WARPCOLS[(mt, ch)]
+                warps = 2 * split if SIM else warps       # fewer simulated threads
+                lau = nf4warp_cuda.launcher(ch, split=split, mt=mt)
+                prep = lau, 32 * warps, nf4warp_cuda.grid_for(lau, warps, self.sms), self.lut(False, True)
+            elif name == "generic":
+                prep = launcher(self.a16, name), 32 * GEN_WARPS, -(-self.n // GEN_WARPS)
+            else:
+                mt, pair, _, _, h2, wide, _, groups = DECODE[name]
+                lau = launcher(self.a16, name)
+                block = threads(self.k, wide) * groups
+                occ = blocks_per_sm(lau, block)
+                parts = {m: parts_for(self.n, -(-m // mt), self.sms, occ, groups)
+                         for m in range(1, MAX_M_FAST + 1) if bucket(m) == mt}
+                prep = lau, block, parts, groups, self.lut(pair, h2)
+            self.prepared[name] = prep
+        return self.prepared[name]
 
     def compute(self, ctx, inputs):
         x, q1, am1, q3, am3, b1, b3 = (opt(inputs, i) for i in range(7))
@@ -415,42 +399,37 @@ class FusedFFNNF4CudaKernel(Kernel):
         if (x.ptr | s | (b1.ptr if b1 is not None else 0) | (b3.ptr if b3 is not None else 0)) & \
                 (1 if self.a16 else 3) or am1.ptr & 3 or am3.ptr & 3:
             raise KernelError("inputs and the output must be aligned device buffers")
+        name = route(ROUTES, self.case(m, (host.alignment(x.ptr), host.alignment(q1.ptr, q3.ptr)))).kernel
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
-        common = [(x.ptr, (m * k,))]
         tail = [(b1.ptr, (n,)) if hb1 else (s, (n,)), (b3.ptr, (n,)) if hb3 else (s, (n,)), (s, (m * n,))]
-        if self.mma is not None and m in self.mma_ms and not ((x.ptr | q1.ptr | q3.ptr) & 15):
-            blocks = self.mma_blocks
-            self.mma.launch(blocks, 32 * nf4mma_cuda.WARPS, ctx.stream, (x.ptr, (m * k // 2,)),
-                            (q1.ptr, (q1.size // 4,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 4,)),
-                            (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail,
-                            self.mma_scratch.partials(ctx, self.mma_floats), self.mma_scratch.counters(ctx.stream),
-                            m, k, n, self.bs.bit_length() - 1, blocks, hb1, hb3, shmem=self.mma_shm)
-            return
-        if self.tc is not None and TC_MIN_M <= m <= nf4tc_cuda.MAX_M and not ((x.ptr | q1.ptr | q3.ptr) & 7):
-            lau, grid_, block, parts, _ = self.tc.pick(m)
-            lau.launch(grid_, block, ctx.stream, (x.ptr, (m * k // 4,)),
-                       (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
-                       (am3.ptr, (am3.size,)), (self.tc_lut.device_ctypes_pointer.value, (256,)), *tail, m, k, n,
-                       self.bs.bit_length() - 1, parts, hb1, hb3)
-            return
-        if m in self.wc and not ((x.ptr | q1.ptr | q3.ptr) & 15):    # 16-byte loads
-            lau, block, grid = self.wc[m]
-            lau.launch(grid, block, ctx.stream, *common, (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)),
-                       (q3.ptr, (q3.size // 8,)), (am3.ptr, (am3.size,)),
-                       self.wc_lut, *tail, m, k, n, self.bs.bit_length() - 5,
+        w8 = [(q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)), (am3.ptr, (am3.size,))]
+        prep = self.prepare(name)
+        if name == "nf4mma":
+            lau, shm, blocks, pool, pf = prep
+            lau.launch(blocks, 32 * nf4mma_cuda.WARPS, ctx.stream, (x.ptr, (m * k // 2,)),
+                       (q1.ptr, (q1.size // 4,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 4,)),
+                       (am3.ptr, (am3.size,)), (self.tc_lut.ptr, (256,)), *tail, pool.partials(ctx, pf),
+                       pool.counters(ctx.stream), m, k, n, self.bs.log2, blocks, hb1, hb3, shmem=shm)
+        elif name.startswith("nf4tc."):
+            lau, block, occ = prep
+            rc = 1 if name == "nf4tc.rc1" else 2
+            parts = nf4tc_cuda.parts_for(n, nf4tc_cuda.chunks(m, rc), self.sms, occ)
+            lau.launch(nf4tc_cuda.chunks(m, rc) * parts, block, ctx.stream, (x.ptr, (m * k // 4,)), *w8,
+                       (self.tc_lut.ptr, (256,)), *tail, m, k, n, self.bs.log2, parts, hb1, hb3)
+        elif name.startswith("nf4warp."):
+            lau, block, grid, lut = prep
+            lau.launch(grid, block, ctx.stream, (x.ptr, (m * k,)), *w8, lut, *tail, m, k, n, self.bs.log2_words,
                        grid, hb1, hb3)
-            return
-        mt = bucket(m)
-        if m in self.parts and not ((q1.ptr | q3.ptr) & self.align[mt] or x.ptr & 15):   # 16-byte loads of X
-            parts = self.parts[m]
-            self.fast[mt].launch(-(-m // mt) * parts // self.groups[mt], self.block[mt], ctx.stream, *common,
-                                 (q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)),
-                                 (am3.ptr, (am3.size,)), self.lut_args[mt], *tail, m, k, n, self.bs.bit_length() - 5,
-                                 parts, hb1, hb3)
+        elif name == "generic":
+            lau, block, grid = prep
+            lau.launch(grid, block, ctx.stream, (x.ptr, (m * k,)), (q1.ptr, (q1.size,)), (am1.ptr, (am1.size,)),
+                       (q3.ptr, (q3.size,)), (am3.ptr, (am3.size,)), self.code.arg, *tail, m, k, n, self.bs.size,
+                       hb1, hb3)
         else:
-            self.generic.launch(-(-n // GEN_WARPS), 32 * GEN_WARPS, ctx.stream, *common, (q1.ptr, (q1.size,)),
-                                (am1.ptr, (am1.size,)), (q3.ptr, (q3.size,)), (am3.ptr, (am3.size,)), self.code_arg,
-                                *tail, m, k, n, self.bs, hb1, hb3)
+            lau, block, parts, groups, lut = prep
+            mt = DECODE[name][0]
+            lau.launch(-(-m // mt) * parts[m] // groups, block, ctx.stream, (x.ptr, (m * k,)), *w8, lut, *tail, m, k,
+                       n, self.bs.log2_words, parts[m], hb1, hb3)
 
 
 KERNEL = FusedFFNNF4CudaKernel

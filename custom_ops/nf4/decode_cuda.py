@@ -2,7 +2,8 @@
 FusedFFNNF4 (its decode kernel, two weights): ``make_decode`` writes the kernel as straight-line code for a row bucket,
 a column step and a table mode (its docstring says what every option does; fusedffnnf4_cuda's module docstring
 describes the kernel and what was measured). Also the host side those kernels share: ``lut_for`` (the decode
-table) and ``sig`` (FusedFFNNF4's launch signature, which the warp-column kernel of nf4warp_cuda shares).
+table), ``threads`` (a block's), TAB_BYTES and ``sig`` (FusedFFNNF4's launch signature, which the warp-column
+kernel of nf4warp_cuda shares).
 Moved out of fusedffnnf4_cuda so that nf4/ never imports ffn/."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
 from ..device import half2
-from ..device.fp16 import as_f32, h2f, pack_h2
+from ..device.fp16 import as_f32, pack_h2
 from ..device.launch import Array
 from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32
 from ..device.mma import silu
@@ -20,6 +21,8 @@ from ..device.ptx import add32, f2u, hfma2, lds32, lds64, mad32, min32, prmt, sh
 from ..device.target import SIM
 
 COLS = 4                  # columns per block step
+TAB_BYTES = 255 * 256 + 16 * 8  # the 64 KiB tables in dynamic shared memory (byte-pair: byte v, copy l at v * 256 +
+                                # l * 8; packed-fp16: byte v, lane l at v * 256 + 4 l)
 MAX_REGISTERS = {1: 80}   # ptxas limit per row bucket (MT=1: 80, no spills, 3 blocks of 256 threads per SM)
 NWMAX = 32                # warps per block, at most
 FULL = np.uint32(0xFFFFFFFF)
@@ -76,38 +79,27 @@ def _make_rs(nv):
     return cuda.jit(device=True, inline=True)(ns["rs"])
 
 
-@cuda.jit(device=True, inline=True)
-def _zval(zp, j, has_zp):
-    """Zero point of flat block j (MatMulNBits packing: two per byte, even block in the low nibble), or 8."""
-    if has_zp:
-        return float32((uint32(zp[j >> uint32(1)]) >> ((j & uint32(1)) << uint32(2))) & uint32(15))
-    return float32(8.0)
-
-
-def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None, matmul=False, pingpong=False,
-                 early=False, int4=False, nib=False, h2=False, wide=False, am16=False, vec_table=None, groups=1):
-    """The decode kernel for row bucket ``mt`` and ``cols`` columns per step, generated as straight-line code so
-    that every per-thread value (16*mt x values, 2*cols words and scales in flight and prefetched, 2*cols*mt
-    partial sums) has a constant name or index and stays in registers. Integer work is 32-bit (uint32 indices:
+def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=False, early=False, nib=False, h2=False,
+                wide=False, groups=1):
+    """The decode kernel for row bucket ``mt`` and COLS columns per step (the next step's words prefetched while
+    one is decoded), generated as straight-line code so that every per-thread value (16*mt x values, 2*COLS words
+    and scales in flight and prefetched, 2*COLS*mt partial sums) has a constant name or index and stays in
+    registers. Integer work is 32-bit (uint32 indices:
     N * K / 16 < 2^32). ``pair``: byte-pair table in dynamic shared memory (TAB_BYTES; entry of byte v for copy l
     at byte offset v * 256 + l * 8: fp32 code[v >> 4] in the low half, code[v & 15] in the high half), addressed
     by one PRMT per byte (the byte into bits 8..15, the lane's copy l = lane & 15 into bits 3..6: each half-warp
     reads 16 distinct bank pairs); else the 16-entry fp32 code table (a shift, a mask and a load per nibble).
-    ``max_registers``: ptxas limit (default MAX_REGISTERS[mt]). ``matmul``: MatMulNF4's M=1 kernel instead (one
-    weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their own dtype, the 16 fp32 code
-    values from which the pair table is built, column slices from the grid size; mt = 1); with mt = 2 its M <= 16
-    kernel (rows in chunks of 2, m_dim after s in the signature, grid = row chunks x column slices).
-    ``pingpong`` (with prefetch): the step loop unrolled twice with the two word buffers' roles swapped, instead
-    of copying the prefetched words into the current ones (fewer moves, twice the code). ``early`` (with
-    prefetch): x and the first step's words are loaded before the table is built, so the table build overlaps
-    their latency (matters when a block has only a few steps). matmul with pair=False: the 16-entry table built
-    from the 16 code values (no dynamic shared memory: occupancy bound by registers only). ``int4`` (with matmul;
-    experimental, benchmark and tests only, no op uses it yet): int4 weights with zero points in onnxruntime's
-    MatMulNBits layout (N-major blocks, element k of a block in byte k // 2, even k in the LOW nibble; scales [N *
-    K/bs] in x's dtype; zero points uint8 [N * K/bs / 2], even block in the low nibble, or 8 without them; needs
-    K % (2 * bs) == 0): the 16-entry table holds 0..15, and each word's sum becomes (sum q x - z sum x) * s with
-    sum x of the thread's 16 x values computed once. Signature (x, q1, scales, zp, lut, b1, has_b1, s, k_dim, n_dim,
-    bs_shift, has_zp). ``nib`` (with pair=False): the 16-entry table as 32 lane copies in static shared memory
+    ``max_registers``: ptxas limit (default MAX_REGISTERS[mt], except wide: ptxas's choice). ``matmul``:
+    MatMulNF4's M=1 kernel instead (one weight, y = x W^T + bias, matmulnf4_cuda's signature: x / y / bias in their
+    own dtype, the 16 fp32 code values from which the pair table is built, column slices from the grid size;
+    mt = 1); with mt = 2 its M <= 16 kernel (rows in chunks of 2, m_dim after s in the signature, grid = row chunks x
+    column slices).
+    ``pingpong``: the step loop unrolled twice with the two word buffers' roles swapped, instead of copying the
+    prefetched words into the current ones (fewer moves, twice the code). ``early``: x and the first step's words
+    are loaded before the table is built, so the table build overlaps their latency (matters when a block has only
+    a few steps). matmul with pair=False: the 16-entry table built from the 16 code values (no dynamic shared
+    memory: occupancy bound by registers only). ``bs_shift`` (every signature): BlockSize.log2_words. ``nib``
+    (with pair=False): the 16-entry table as 32 lane copies in static shared memory
     (entry v of lane l at byte v * 256 + 4 l, 4 KiB): each word's nibbles are split into two words of bytes (one
     AND, one shift + AND per 8 nibbles) and each nibble's table address is one PRMT (nibble byte into bits 8..15,
     4 * lane into bits 0..7) instead of a shift and a mask. ``h2`` = c (2 or 4; fp16 X, two weights; replaces
@@ -119,39 +111,29 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
     addressed by one PRMT per byte. Per byte: one PRMT, one LDS, one fma.rn.f16x2 into a chain of c bytes; each
     word's chains are converted to fp32 and summed (hsum2) and scaled by the absmax; the epilogue multiplies by
     1 / (p a). NaN / Inf in X stay non-finite (p = 1 for a row whose max is Inf). Error: benchmarks/h2_error.py.
-    ``vec_table`` (h2): the table build's store width (half2.h2_table_src; default half2.VEC_TABLE, 16-byte stores).
-    ``am16`` (experimental, benchmarks only: no op takes it): absmax as fp16 bits (uint16 arrays) instead of fp32;
-    H100, LLaMA-7B gate+up M=1: 21.0-21.3 us against 21.4-22.3 for fp32 absmax in the same runs (BENCHMARKS.md,
-    session 22), short of a reason to leave bitsandbytes' fp32 absmax.
+    The table build's stores: half2.h2_table_src's default (half2.VEC_TABLE).
     ``groups`` = G: a block is G thread groups of the one-group block's size, each on its own column slice (part
     (bid // nch) * G + group; the host passes G times the parts, matmul: G x the grid), sharing one table (one build,
     one 64 KiB copy per G groups: more warps per SM where the table bounds the resident blocks). The groups' step
     loops run the same number of steps (the longest slice's; past its own slice a group's loads are clamped and
     nothing is stored), since the per-step barrier is the block's."""
-    if h2 and (int4 or not (a16 or matmul) or h2 not in (2, 4)):
+    if h2 and (not (a16 or matmul) or h2 not in (2, 4)):
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
         pair = nib = False
     if wide and not h2:
         raise ValueError("wide (two words per thread and row) is a mode of the h2 decode")
     ne = 32 if wide else 16             # elements of K per thread
-    if int4:
-        if not matmul:
-            raise ValueError("int4 is a mode of the one-weight (matmul=True) kernel")
-        pair = False
+    cols = COLS
     nw = 1 if matmul else 2
-    if max_registers is None and cols == COLS and prefetch and not wide:
-        max_registers = MAX_REGISTERS.get(mt)       # the default geometry; variants and wide: ptxas's choice
+    if max_registers is None and not wide:
+        max_registers = MAX_REGISTERS.get(mt)       # wide: ptxas's choice
     nv = nw * cols * mt                 # partial sums per thread: [weight][column][row]
     steps = nv.bit_length() - 1
     low = 5 - steps                     # lane bits reduced by the final butterfly
     src = []
     a = src.append
-    if int4:
-        a("def decode(x, q1, am1, zp1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift, has_zp):")
-        a("    m_dim = 1")
-        a(f"    parts = int64(cuda.gridDim.x){f' * int64({groups})' if groups > 1 else ''}")
-    elif matmul and mt > 1:     # M rows in row chunks of mt: grid = chunks x slices
+    if matmul and mt > 1:     # M rows in row chunks of mt: grid = chunks x slices
         a("def decode(x, q1, am1, lut, b1, has_b1, s, m_dim, k_dim, n_dim, bs_shift):")
         a(f"    parts = (int64(cuda.gridDim.x) // ((int64(m_dim) + int64({mt - 1})) // int64({mt})))"
           f"{f' * int64({groups})' if groups > 1 else ''}")
@@ -206,7 +188,7 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
     elif h2:       # half2.h2_table_src: the values are the code values times half2.h2_scale (matmul: built from
                    # lut[0..16]; else the host's lut)
-        tsrc[:] = half2.h2_table_src(matmul, vec_table)
+        tsrc[:] = half2.h2_table_src(matmul)
     elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
         t_("    while i < uint32(512):")
         t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
@@ -216,7 +198,7 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
         t_("        tab[i] = f2u(lut[i])" if matmul else "        tab[i] = lut[i]")
     if not h2:
         t_("        i = uint32(i + nthreads)")
-    if not (early and prefetch):
+    if not early:
         src.extend(tsrc)
     a("    lane8 = (tid & U15) << U3")
     a("    lane4 = lane << uint32(2)")
@@ -243,8 +225,6 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
         a("    else:")
         for e in range(ne):
             a(f"        x_{m}_{e} = F0")
-        if int4:
-            a(f"    xsum_{m} = " + " + ".join(f"x_{m}_{e}" for e in range(16)))
         if h2:      # the row's largest |x| over the block (NaN ignored), for its power-of-two scale: a tree of
                     # fmax (depth 5 for 32 values; a chain took ~6% of the kernel's warp time), then the warp's max
             lv = [f"abs(x_{m}_{e})" for e in range(ne)]
@@ -288,18 +268,14 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
                     out(f"{ind}" + ", ".join(f"{prefix}w{w}_{c}_{h}" for h in range(4)) + f" = ld4(q{w}, wi_{c})")
                 else:
                     out(f"{ind}{prefix}w{w}_{c} = q{w}[wi_{c}]")
-            cvt = "h2f" if am16 else "float32"     # am16: absmax as fp16 bits
-            out(f"{ind}{prefix}s1_{c} = {cvt}(am1[shr32(wi_{c}, sh)]) if owns else F0")
-            if int4:
-                out(f"{ind}{prefix}z1_{c} = zval(zp1, shr32(wi_{c}, sh), has_zp)")
+            out(f"{ind}{prefix}s1_{c} = float32(am1[shr32(wi_{c}, sh)]) if owns else F0")
             if not matmul:
-                out(f"{ind}{prefix}s3_{c} = {cvt}(am3[shr32(wi_{c}, sh)]) if owns else F0")
+                out(f"{ind}{prefix}s3_{c} = float32(am3[shr32(wi_{c}, sh)]) if owns else F0")
 
     a("    n0 = n_lo")
     a("    wb = mad32(n_lo, wpr, tcl)")
-    if prefetch:
-        loads(a, "", "n0", "wb", "    ")
-    if early and prefetch:
+    loads(a, "", "n0", "wb", "    ")
+    if early:
         src.extend(tsrc)
     a("    cuda.syncthreads()")
     if h2:
@@ -323,10 +299,7 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
     b_ = body.append
     b_("nn = add32(n0, uint32(%d))" % cols)
     b_(f"wbn = add32(wb, cw_{cols})")
-    if prefetch:        # the next step's words (clamped past the slice: never stored)
-        loads(b_, "n", "nn", "wbn", "")
-    else:
-        loads(b_, "", "n0", "wb", "")
+    loads(b_, "n", "nn", "wbn", "")     # the next step's words (clamped past the slice: never stored)
     nch2 = ne // 2 // h2 if h2 else 0   # fp16 chains per row and step (h2 bytes each)
     for c in range(cols if h2 else 0):
         for wsel in (1,) if matmul else (1, 3):
@@ -367,16 +340,12 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
                         b_(f"c0 = as_f32(lds32(tab, (wd >> uint32({8 * b + 2})) & U60))")
                         b_(f"c1 = as_f32(lds32(tab, (wd >> uint32({8 * b - 2})) & U60))" if b else
                            "c1 = as_f32(lds32(tab, (wd << uint32(2)) & U60))")
-                    e_hi, e_lo = (e0 + 1, e0) if int4 else (e0, e0 + 1)   # int4: element 2b in the low nibble
                     for m in range(mt):
-                        b_(f"acc_{m} += c0 * x_{m}_{e_hi}")
-                        b_(f"acc_{m} += c1 * x_{m}_{e_lo}")
+                        b_(f"acc_{m} += c0 * x_{m}_{e0}")
+                        b_(f"acc_{m} += c1 * x_{m}_{e0 + 1}")
             for m in range(mt):
                 idx = ((0 if wsel == 1 else 1) * cols + c) * mt + m
-                if int4:
-                    b_(f"pv[{idx}] = (acc_{m} - z1_{c} * xsum_{m}) * s1_{c}")
-                else:
-                    b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
+                b_(f"pv[{idx}] = acc_{m} * s{wsel}_{c}")
     b_("tot = rs(pv, lane, simred, tid)")
     b_("if writer:")
     b_(f"    red[mad32(mad32(buf, uint32({NWMAX}), warp), uint32({nv}), my_idx)] = tot")
@@ -417,23 +386,23 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
     b_("buf ^= U1")
     b_("n0 = nn")
     b_("wb = wbn")
-    if prefetch and pingpong:
-        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3|z1)_\d+(?:_\d)?)\b")
+    if pingpong:
+        swap = re.compile(r"\b(n?)((?:w1|w3|s1|s3)_\d+(?:_\d)?)\b")
         src.extend("        " + line for line in body)
         src.append(f"        if n0 >= {n_end}:")
         src.append("            break")
         src.extend("        " + swap.sub(lambda mo: ("" if mo.group(1) else "n") + mo.group(2), line) for line in body)
     else:
-        for c in range(cols if prefetch else 0):
-            for v in ("w1", "s1", "z1") if int4 else ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
+        for c in range(cols):
+            for v in ("w1", "s1") if matmul else ("w1", "w3", "s1", "s3"):
                 for sfx in ([f"_{h}" for h in range(4)] if wide and v[0] == "w" else [""]):
                     b_(f"{v}_{c}{sfx} = n{v}_{c}{sfx}")
         src.extend("        " + line for line in body)
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": ld16 if a16 else ld32, "store": st16 if a16 else st32, "silu": silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
-          "min32": min32, "f2u": f2u, "zval": _zval, "hfma2": hfma2, "hsum2": half2.hsum2,
-          "pack_h2": pack_h2, "h2f": h2f, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w,
+          "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
+          "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w,
           "ldx8": half2.ldx8, "sts4": half2.sts4,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
@@ -446,6 +415,11 @@ def make_decode(mt, a16, pair=True, cols=COLS, prefetch=True, max_registers=None
 
 
 # ------------------------------------------------------------------------------------------------- host side
+def threads(k, wide=False):
+    """Threads of a decode block (one group): one per 8-byte word of a row (wide: per 16 bytes), whole warps."""
+    return max(32, 32 * -(-(k // (32 if wide else 16)) // 32))
+
+
 def lut_for(code, pair=True, h2=False):
     """The decode kernel's table: pair -> uint64 [256], entry b = fp32 bits of code[b >> 4] (low half, the first
     element of the byte) | code[b & 15] << 32; h2 -> uint32 [257], the same two values times a = half2.h2_scale(code)
@@ -463,11 +437,11 @@ def lut_for(code, pair=True, h2=False):
     return (code[b >> 4] | (code[b & 15] << np.uint64(32))).astype(np.uint64)
 
 
-def sig(a16, generic, pair=True, am16=False):
+def sig(a16, generic, pair=True):
     """The launch signature of FusedFFNNF4's kernels: the decode kernel (two weights), or (``generic``) the generic one
-    (fusedffnnf4_cuda); ``pair``: the byte-pair table (uint64 entries), ``am16``: absmax as fp16 bits."""
+    (fusedffnnf4_cuda); ``pair``: the byte-pair table (uint64 entries)."""
     t = Array(np.uint16) if a16 else Array(np.float32)
     q = Array(np.uint8) if generic else Array(np.uint64)
     tab = Array(np.float32) if generic else Array(np.uint64 if pair else np.uint32)
-    am = Array(np.uint16) if am16 else Array(np.float32)
+    am = Array(np.float32)
     return [t, q, am, q, am, tab, t, t, t] + ["int64"] * (6 if generic else 7)

@@ -40,7 +40,7 @@ class DequantNF4Kernel(Kernel):
     def compute(self, ctx, inputs):
         q, absmax = inputs[0], inputs[1]
         nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs, 0, 1)
-        w = dequantize(q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs, self.transposed)
+        w = dequantize(q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs.size, self.transposed)
         out = ctx.output_numpy(0, w.shape, w.dtype)
         out[...] = w
 

@@ -33,7 +33,9 @@ from ..device.fp16 import f2h, pack_h2
 from ..device.launch import Array, Launcher
 from ..device.memory import make_ld4, make_st
 from ..runtime.kernels import Kernel, KernelError
+from ..runtime.routing import Case, Route, always, route
 from . import common as nf4_common
+from .host import alignment
 
 BLOCK = 256
 U0, U1, U3, U4, U15 = (np.uint64(v) for v in (0, 1, 3, 4, 15))
@@ -41,7 +43,9 @@ U0, U1, U3, U4, U15 = (np.uint64(v) for v in (0, 1, 3, 4, 15))
 
 @cuda.jit
 def dequant_rows(q64, q8, absmax, code, out, total, bs_shift, bs):
-    """out[i] = code[nib(i)] * absmax[i // bs] for i < total (flat W^T). One byte (two outputs) per thread step,
+    """out[i] = code[nib(i)] * absmax[i // bs] for i < total (flat W^T); bs: BlockSize.size (q64 and bs_shift,
+    BlockSize.log2_words, are not read: the signature of the word kernels it was measured against). One byte (two
+    outputs) per thread step,
     so a warp reads 32 consecutive bytes and writes 64 consecutive outputs (coalesced); grid-stride."""
     sm_code = cuda.shared.array(16, dtype=float32)
     if cuda.threadIdx.x < 16:
@@ -249,22 +253,26 @@ def geometry(variant, total, sms):
 
 def rows_args(variant, f16, q_ptr, q_size, am_ptr, am_size, code_ptr, out_ptr, total, bs):
     """Launch arguments of the transposed=1 kernel of ``variant`` for fp16 (``f16``) or fp32 output (device
-    pointers, sizes in elements)."""
+    pointers, sizes in elements; ``bs`` a BlockSize, or its size: benchmarks/dequant_gpu.py)."""
+    if not isinstance(bs, nf4_common.BlockSize):
+        bs = nf4_common.BlockSize(bs)
     if variant.epv == 2:
         return [(q_ptr, (max(total // 16, 1),)), (q_ptr, (q_size,)), (am_ptr, (am_size,)), (code_ptr, (16,)),
-                (out_ptr, (total,)), total, bs.bit_length() - 5, bs]
+                (out_ptr, (total,)), total, bs.log2_words, bs.size]
     nvec = total // variant.epv
     qn = nvec * 4 if variant.epv == 32 else nvec
     nwords = total // 2 if f16 else total
     return [(q_ptr, (qn,)), (q_ptr, (q_size,)), (am_ptr, (am_size,)), (code_ptr, (16,)), (out_ptr, (nwords,)),
-            (out_ptr, (total,)), total, bs.bit_length() - 1]
+            (out_ptr, (total,)), total, bs.log2]
 
 
 def run_arrays(q, absmax, code, k, n, bs, transposed=False, variant=None, sms=None):
-    """Runs a kernel on host arrays (tests): through the Numba dispatcher under the CUDA simulator (a variant's
-    block may be shrunk there, ``sms`` sets its grid), through the direct launch path on a real GPU. Output in
-    absmax's dtype, W [K, N] or W^T [N, K]."""
+    """Runs a kernel on host arrays: through the Numba dispatcher under the CUDA simulator (a variant's block may be
+    shrunk there, ``sms`` sets its grid), through the direct launch path on a real GPU. Output in absmax's dtype,
+    W [K, N] or W^T [N, K]. Kept beside runtime/direct.py (which runs the routed DEFAULT / LEGACY kernels) for the
+    tests and benchmarks/dequant_gpu.py that run any ``Variant`` of the transposed=1 kernel and choose ``sms``."""
     v = variant or LEGACY
+    bs = nf4_common.BlockSize(bs)
     total = k * n
     f16 = absmax.dtype == np.float16
     dq = cuda.to_device(q.reshape(-1))
@@ -279,14 +287,14 @@ def run_arrays(q, absmax, code, k, n, bs, transposed=False, variant=None, sms=No
             qv = cuda.to_device(np.ascontiguousarray(q.reshape(-1)[: nvec * v.epv // 2]).view(_QTYPE[v.epv]))
             ow = out.view(np.uint32) if f16 else out
             grid, block = geometry(v, total, sms or 2)
-            _make_vec(*v.kernel_key(f16))[grid, block](qv, dq, dam, dcode, ow, out, total, bs.bit_length() - 1)
+            _make_vec(*v.kernel_key(f16))[grid, block](qv, dq, dam, dcode, ow, out, total, bs.log2)
         elif transposed:
             nw = total // 16
             dq64 = cuda.to_device(np.ascontiguousarray(q.reshape(-1)[: nw * 8]).view(np.uint64)) if nw else \
                 cuda.to_device(np.zeros(1, np.uint64))
-            dequant_rows[_grid_rows(total), BLOCK](dq64, dq, dam, dcode, out, total, bs.bit_length() - 5, bs)
+            dequant_rows[_grid_rows(total), BLOCK](dq64, dq, dam, dcode, out, total, bs.log2_words, bs.size)
         else:
-            dequant_kn[(total + BLOCK - 1) // BLOCK, BLOCK](dq, dam, dcode, out, k, n, bs)
+            dequant_kn[(total + BLOCK - 1) // BLOCK, BLOCK](dq, dam, dcode, out, k, n, bs.size)
     else:
         ptr = lambda d: d.device_ctypes_pointer.value  # noqa: E731
         lau = _launcher(transposed, absmax.dtype, v)
@@ -295,13 +303,30 @@ def run_arrays(q, absmax, code, k, n, bs, transposed=False, variant=None, sms=No
             args = rows_args(v, f16, ptr(dq), dq.size, ptr(dam), dam.size, ptr(dcode), ptr(out), total, bs)
         else:
             grid, block = (total + BLOCK - 1) // BLOCK, BLOCK
-            args = [(ptr(dq), (dq.size,)), (ptr(dam), (dam.size,)), (ptr(dcode), (16,)), (ptr(out), (total,)), k, n, bs]
+            args = [(ptr(dq), (dq.size,)), (ptr(dam), (dam.size,)), (ptr(dcode), (16,)), (ptr(out), (total,)), k, n,
+                    bs.size]
         lau.launch(grid, block, 0, *args)
         cuda.synchronize()
     w = out.copy_to_host()[:total]
     if w.dtype == np.uint16:
         w = w.view(np.float16)
     return w.reshape((n, k) if transposed else (k, n))
+
+
+ROUTES = (
+    Route("kn", "transposed = 0 (W [K, N]): one thread per output element", lambda c: c.layout == "kn",
+          "the only kernel for W [K, N] (strided reads; prefer transposed = 1)"),
+    Route("vec", "transposed = 1 with the packed input aligned to DEFAULT[output type]'s loads (opts q_align)",
+          lambda c: c.opt("q_align", 16) >= DEFAULT[c.dtype].q_align(),
+          "BENCHMARKS.md Dequant (DEFAULT; benchmarks/dequant_gpu.py, 2026-11-24)"),
+    Route("rows", "transposed = 1 otherwise (LEGACY: a byte per thread step)", always, "correctness fallback"),
+)
+
+
+def case(dtype, k, n, bs, transposed, q_align=16):
+    """The Case of a call (output ``dtype``; the packed input's alignment, capped at 16). DequantNF4 has no M."""
+    return Case(np.dtype(dtype).name, 1, k, n, layout="nk" if transposed else "kn", aligned=q_align == 16, bs=bs,
+                opts=(("q_align", q_align),))
 
 
 class DequantNF4CudaKernel(Kernel):
@@ -311,32 +336,41 @@ class DequantNF4CudaKernel(Kernel):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
         self.transposed = nf4_common.parse_transposed(self.attrs)
-        self.dtype = np.float32 if self.in_types[1] == 1 else np.float16
+        self.dtype = np.dtype(np.float32 if self.in_types[1] == 1 else np.float16)
         self.code = cuda.to_device(code)
         self.code_ptr = self.code.device_ctypes_pointer.value
-        self.variant = DEFAULT[np.dtype(self.dtype).name] if self.transposed else LEGACY
-        self.launcher = _launcher(self.transposed, self.dtype, self.variant)
         self.sms = cuda_launch.sm_count(cuda_launch.current_device())
+        self.variants = {"vec": DEFAULT[self.dtype.name], "rows": LEGACY}
+        self.launcher(route(ROUTES, case(self.dtype, self.k, self.n, self.bs.size, self.transposed)).kernel)
+
+    @property
+    def variant(self):
+        """The transposed=1 kernel aligned inputs run (DEFAULT[output type])."""
+        return self.variants["vec"]
+
+    def launcher(self, name):
+        return _launcher(name != "kn", self.dtype, self.variants.get(name))
 
     def compute(self, ctx, inputs):
         q, absmax = inputs[0], inputs[1]
         nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs, 0, 1)
         total = self.k * self.n
         out = ctx.output(0, (self.n, self.k) if self.transposed else (self.k, self.n))
-        if self.transposed:
-            v, lau = self.variant, self.launcher
-            if q.ptr % v.q_align():   # a variant's packed loads need alignment (part of the plan key)
-                v, lau = LEGACY, _launcher(True, self.dtype, LEGACY)
-            if out % v.out_align():
-                raise KernelError(f"the output must be a device buffer aligned to {v.out_align()} bytes")
-            grid, block = geometry(v, total, self.sms)
-            args = rows_args(v, self.dtype == np.float16, q.ptr, q.size, absmax.ptr, absmax.size, self.code_ptr,
-                             out, total, self.bs)
-            lau.launch(grid, block, ctx.stream, *args)
-        else:
+        name = route(ROUTES, case(self.dtype, self.k, self.n, self.bs.size, self.transposed,
+                                  alignment(q.ptr))).kernel
+        lau = self.launcher(name)
+        if name == "kn":
             args = [(q.ptr, (q.size,)), (absmax.ptr, (absmax.size,)), (self.code_ptr, (16,)), (out, (total,)),
-                    self.k, self.n, self.bs]
-            self.launcher.launch((total + BLOCK - 1) // BLOCK, BLOCK, ctx.stream, *args)
+                    self.k, self.n, self.bs.size]
+            lau.launch((total + BLOCK - 1) // BLOCK, BLOCK, ctx.stream, *args)
+            return
+        v = self.variants[name]
+        if out % v.out_align():
+            raise KernelError(f"the output must be a device buffer aligned to {v.out_align()} bytes")
+        grid, block = geometry(v, total, self.sms)
+        args = rows_args(v, self.dtype == np.float16, q.ptr, q.size, absmax.ptr, absmax.size, self.code_ptr, out,
+                         total, self.bs)
+        lau.launch(grid, block, ctx.stream, *args)
 
 
 KERNEL = DequantNF4CudaKernel

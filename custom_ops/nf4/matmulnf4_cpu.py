@@ -106,7 +106,7 @@ class MatMulNF4Kernel(Kernel):
         bias = inputs[3] if len(inputs) > 3 else None
         nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs)
         nf4_common.check_a(a, self.k, bias, self.n)
-        y = matmul(a.numpy(), q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs,
+        y = matmul(a.numpy(), q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs.size,
                    None if bias is None else bias.numpy())
         out = ctx.output_numpy(0, a.shape[:-1] + (self.n,), y.dtype)
         out[...] = y

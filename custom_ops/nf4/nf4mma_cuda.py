@@ -1,12 +1,12 @@
-"""NF4/FP4 balanced tensor-core GEMV (fp16 X, M <= 4, K % 128 == 0, block_size >= 64, a power of two): MatMulNF4
-(nw=1, Y = X W^T + bias) and FusedFFNNF4 (nw=2, S = SiLU(X W1^T + B1) * (X W3^T + B3)) on the bitsandbytes layout
+"""NF4/FP4 balanced tensor-core GEMV (fp16 X, M <= 4, K % 128 == 0, block_size >= 64): FusedFFNNF4's
+S = SiLU(X W1^T + B1) * (X W3^T + B3) on the bitsandbytes layout
 (onnx_lowbit.nf4: W^T [N, K] row-major, element i in byte i >> 1, high nibble first, one fp32 absmax per block).
 
 Why another kernel: the decode kernels before it (fusedffnnf4_cuda's fp32 decode, nf4tc_cuda) read 8 bytes per lane
 and load instruction and give each block whole 16-row tiles; at LLaMA-7B's 688 tiles on 132 SMs a block gets 2 or 3
 tiles (87% balance at best) and the M=1 pair stayed at 27-31 us against a 16-17 us read floor. Here:
 
-* Work unit = one 128-element chunk of K of one 16-row tile (of both weights when nw=2). The U = tiles * K/128
+* Work unit = one 128-element chunk of K of one 16-row tile (of both weights). The U = tiles * K/128
   units are cut into ``nblk`` equal contiguous ranges, one per block (one wave); the W warps of a block take its
   units in turn (warp w: units lo + w, lo + w + W, ...), so no warp does more than one unit above the mean.
 * A lane (fragment row g = lane >> 2, t = lane & 3) reads 16 bytes (one 128-bit ``ld.global.nc`` that does not
@@ -38,26 +38,25 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from ..device import launch as cuda_launch
-from ..device.launch import Array, Launcher, arg
+from ..device.launch import Array, arg
 from ..device.memory import LOAD, make_ld4
 from ..device.mma import mma as _mma, tc_store
 from ..device.ptx import add32, lds32, mad32, min32, prmt
 from ..device.target import SIM
+from . import host
 from .nf4tc_cuda import SEL, build_table, device_args
 
 WARPS = 8
-MAX_M = 4
+MAX_M = 4                  # rows of X (the kernel's slots are sized for MAX_M rows whatever M is)
+NW = 2                     # weights (W1, W3: FusedFFNNF4; the one-weight form, for MatMulNF4, was never routed)
 TLMAX = 6                  # tiles one block's range may touch (the plan raises the block count to keep to it)
 TAB_WORDS = 16384          # half2 table: 256 entries x 256 bytes (32 lanes x 4 bytes used)
-MAX_REGISTERS = None
 F0 = np.float32(0.0)
 U0 = np.uint32(0)
 
 _ldw = make_ld4(LOAD)                       # weights: streamed, no L1 allocation
 _ldx = make_ld4("ld.global.nc.v4.u32")      # x: staged once per block
 XSEGS = 512                # 32-element segments of X a block stages (M * K <= 16384): in the table's holes
-DEPTH = 1                  # units in flight ahead of the one being decoded (1 or 2)
 
 if SIM:
     def sub32(a, b):
@@ -96,22 +95,18 @@ else:
 
 
 def ok(a16, m, k, n, bs):
-    """Whether this kernel can take the product (element offsets of W^T are 32-bit)."""
-    return (bool(a16) and 0 < m <= MAX_M and k % 128 == 0 and bs >= 64 and bs & (bs - 1) == 0
-            and k * n < 2 ** 32 and m * k <= 32 * XSEGS)
+    """Whether this kernel can take the product (element offsets of W^T are 32-bit; ``bs`` a BlockSize's size, a
+    power of two)."""
+    return bool(a16) and 0 < m <= MAX_M and k % 128 == 0 and bs >= 64 and k * n < 2 ** 32 and m * k <= 32 * XSEGS
 
 
-def mm_for(m):
-    return 1 if m == 1 else MAX_M
+def red_floats(warps=WARPS):
+    return TLMAX * warps * NW * MAX_M * 16
 
 
-def red_floats(nw, mm, warps=WARPS):
-    return TLMAX * warps * nw * mm * 16
-
-
-def shared_bytes(nw, mm, warps=WARPS):
+def shared_bytes(warps=WARPS):
     """Dynamic shared memory of a launch: the table (whose holes hold the staged x), then the warps' partials."""
-    return 4 * (TAB_WORDS + red_floats(nw, mm, warps))
+    return 4 * (TAB_WORDS + red_floats(warps))
 
 
 def units(k, n):
@@ -128,9 +123,9 @@ def plan_blocks(k, n, sms, occupancy):
     return max(b, -(-u // span))
 
 
-def scratch(nw, mm, blocks, k, n):
+def scratch(blocks, k, n):
     """(partial floats, counters) one launch needs."""
-    return 2 * blocks * nw * mm * 16, -(-n // 16)
+    return 2 * blocks * NW * MAX_M * 16, -(-n // 16)
 
 
 @cuda.jit(device=True, inline=True)
@@ -156,18 +151,17 @@ def blocks_of(tau, cpt, utot, nb):
     return ((lo_u + uint64(1)) * nb - uint64(1)) // utot, ((lo_u + uint64(cpt)) * nb - uint64(1)) // utot
 
 
-def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
-    """The kernel for ``nw`` weights and at most ``mm`` rows of X. Signature: x uint32 [M*K/2] (fp16 pairs), q1
-    uint32 [N*K/8], am1 float32, q3, am3 (nw=1: pass q1's), lut uint32 [256] (nf4tc_cuda.lut), b1, b3 uint16, out
-    uint16 [M*N], part float32 (``scratch``), cnt uint32 [tiles] (zero), m_dim, k_dim, n_dim, bs_shift (log2 block
-    size), nblk (the grid), has_b1, has_b3. Dynamic shared memory: ``shared_bytes(nw, mm, warps)``. ``depth``: units
-    whose words are in flight ahead of the one being decoded (1 or 2)."""
+def make(warps=WARPS):
+    """The kernel for the two weights and at most MAX_M rows of X, the next unit's words in flight while one is
+    decoded. Signature: x uint32 [M*K/2] (fp16 pairs), q1 uint32 [N*K/8], am1 float32, q3, am3, lut uint32 [256]
+    (nf4tc_cuda.lut), b1, b3 uint16, out uint16 [M*N], part float32 (``scratch``), cnt uint32 [tiles] (zero), m_dim,
+    k_dim, n_dim, bs_shift (BlockSize.log2), nblk (the grid), has_b1, has_b3. Dynamic shared memory:
+    ``shared_bytes(warps)``."""
+    nw, mm = NW, MAX_M
     slot = nw * mm * 16
     nwv = 8 * nw
     nav = 4 * nw
     nacc = 2 * nw
-    nwm = nwv if depth == 2 else 1
-    nam = nav if depth == 2 else 1
     red_words = TLMAX * warps * slot
     scr_size = warps * 32 * 6 if SIM else 1
 
@@ -190,17 +184,17 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
         wv[5] = v1
         wv[6] = v2
         wv[7] = v3
-        if nw == 2:
-            w0, w1, w2, w3 = _ldw(q3, i0)
-            v0, v1, v2, v3 = _ldw(q3, i1)
-            wv[8] = w0
-            wv[9] = w1
-            wv[10] = w2
-            wv[11] = w3
-            wv[12] = v0
-            wv[13] = v1
-            wv[14] = v2
-            wv[15] = v3
+        # W3's words as W1's above, written out (not a loop over the weights): constant register indices
+        w0, w1, w2, w3 = _ldw(q3, i0)
+        v0, v1, v2, v3 = _ldw(q3, i1)
+        wv[8] = w0
+        wv[9] = w1
+        wv[10] = w2
+        wv[11] = w3
+        wv[12] = v0
+        wv[13] = v1
+        wv[14] = v2
+        wv[15] = v3
         if amok:
             e0 = mad32(r0, kdim, c << uint32(7))
             e1 = mad32(r1, kdim, c << uint32(7))
@@ -210,11 +204,10 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
             av[1] = am1[h0 >> sh]
             av[2] = am1[e1 >> sh]
             av[3] = am1[h1 >> sh]
-            if nw == 2:
-                av[4] = am3[e0 >> sh]
-                av[5] = am3[h0 >> sh]
-                av[6] = am3[e1 >> sh]
-                av[7] = am3[h1 >> sh]
+            av[4] = am3[e0 >> sh]
+            av[5] = am3[h0 >> sh]
+            av[6] = am3[e1 >> sh]
+            av[7] = am3[h1 >> sh]
 
     @cuda.jit(device=True, inline=True)
     def chunk(wv, av, xw, acc, tab, lane4, valid, scr, tid):
@@ -252,9 +245,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                 acc[2 * w] += (d0 + e0) * av[4 * w] + (d1 + e1) * av[4 * w + 1]
                 acc[2 * w + 1] += (d2 + e2) * av[4 * w + 2] + (d3 + e3) * av[4 * w + 3]
 
-    opts = {} if SIM or not max_registers else {"max_registers": max_registers}
-
-    @cuda.jit(**opts)
+    @cuda.jit
     def nf4mma(x, q1, am1, q3, am3, lt, b1, b3, out, part, cnt, m_dim, k_dim, n_dim, bs_shift, nblk, has_b1, has_b3):
         tab = cuda.shared.array(0, uint32)           # table (x in its holes), then the warps' partials
         red = cuda.shared.array(0, float32)          # (the same memory as float)
@@ -290,8 +281,6 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
         av = cuda.local.array(nav, float32)
         wn = cuda.local.array(nwv, uint32)
         an = cuda.local.array(nav, float32)
-        wm = cuda.local.array(nwm, uint32)
-        am_ = cuda.local.array(nam, float32)
         xw = cuda.local.array(16, uint32)
         acc = cuda.local.array(nacc, float32)
         for q in range(nacc):
@@ -299,8 +288,6 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
         for q in range(nav):
             av[q] = F0
             an[q] = F0
-            if depth == 2:
-                am_[q] = F0
         u = add32(u_lo, warp)
         tile = u // cpt
         c = sub32(u, tile * cpt)
@@ -308,8 +295,6 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
             fetch(wv, av, q1, am1, q3, am3, tile, c, g, t, kdim, ndim, sh, amok)
         ua = add32(u, uint32(warps))                 # the next unit (its tile and chunk)
         ca, ta = advance(c, tile, uint32(warps), cpt)
-        if depth == 2 and ua < u_hi:
-            fetch(wn, an, q1, am1, q3, am3, ta, ca, g, t, kdim, ndim, sh, amok)
         build_table(tab, lt, tid, nthr, lane)
         i = tid
         while i < uint32(red_words):
@@ -333,11 +318,8 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
             valid = u < u_hi
             ub = add32(ua, uint32(warps))            # the unit after the next
             cb, tb = advance(ca, ta, uint32(warps), cpt)
-            if depth == 1:
-                if ua < u_hi:
-                    fetch(wn, an, q1, am1, q3, am3, ta, ca, g, t, kdim, ndim, sh, amok)
-            elif ub < u_hi:
-                fetch(wm, am_, q1, am1, q3, am3, tb, cb, g, t, kdim, ndim, sh, amok)
+            if ua < u_hi:
+                fetch(wn, an, q1, am1, q3, am3, ta, ca, g, t, kdim, ndim, sh, amok)
             # every warp decodes n_iter units (at most one past its range, with x zero and no accumulation): the
             # decode stays in block-uniform control flow (fewer instructions: ptxas had branched around it)
             sg = mad32(c, uint32(4), xrow)
@@ -363,12 +345,8 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                     acc[q] = F0
             for q in range(nwv):
                 wv[q] = wn[q]
-                if depth == 2:
-                    wn[q] = wm[q]
             for q in range(nav):
                 av[q] = an[q]
-                if depth == 2:
-                    an[q] = am_[q]
             u = ua
             c = ca
             tile = ta
@@ -393,8 +371,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
             uv = F0
             for wp in range(warps):
                 gv += red[o + uint32(wp * slot)]
-                if nw == 2:
-                    uv += red[o + uint32(wp * slot + mm * 16)]
+                uv += red[o + uint32(wp * slot + mm * 16)]
             if tau * cpt >= u_lo and (tau + uint32(1)) * cpt <= u_hi:
                 n = (tau << uint32(4)) + row
                 if n < ndim:
@@ -403,8 +380,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                 s = uint64(0) if tl == uint32(0) else uint64(1)
                 pb = (bid * uint64(2) + s) * uint64(slot) + uint64((mr << uint32(4)) + row)
                 part[pb] = gv
-                if nw == 2:
-                    part[pb + uint64(mm * 16)] = uv
+                part[pb + uint64(mm * 16)] = uv
             e += nthr
         full0 = tau0 * cpt >= u_lo and (tau0 + uint32(1)) * cpt <= u_hi
         full1 = nt == uint32(1) or (tau_last + uint32(1)) * cpt <= u_hi
@@ -440,8 +416,7 @@ def make(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
                         s = uint64(0) if first == tau else uint64(1)
                         pb = (bb * uint64(2) + s) * uint64(slot) + uint64(e)
                         gv += part[pb]
-                        if nw == 2:
-                            uv += part[pb + uint64(mm * 16)]
+                        uv += part[pb + uint64(mm * 16)]
                         bb += uint64(1)
                     if n < ndim:
                         tc_store(nw, out, b1, b3, has_b1, has_b3, uint64(mr) * uint64(ndim) + uint64(n), n, gv, uv)
@@ -460,48 +435,46 @@ def sig():
 _launchers = {}
 
 
-def launcher(nw, mm, warps=WARPS, max_registers=MAX_REGISTERS, depth=DEPTH):
-    """Direct-launch wrapper, compiled once per process (``.dispatcher``: the Numba kernel)."""
-    key = (nw, mm, warps, max_registers, depth)
-    if key not in _launchers:
-        fn = make(nw, mm, warps, max_registers, depth)
-        lau = Launcher(fn, sig(), dynamic_shared=shared_bytes(nw, mm, warps))
-        lau.dispatcher = fn
-        _launchers[key] = lau
-    return _launchers[key]
+def launcher(warps=WARPS):
+    """Direct-launch wrapper, compiled once per process (nf4/host.launcher; ``.dispatcher``: the Numba kernel)."""
+    if warps not in _launchers:
+        _launchers[warps] = host.launcher(make(warps), sig(), dynamic_shared=shared_bytes(warps))
+    return _launchers[warps]
 
 
 def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
-        blocks=None, repeat=1, max_registers=MAX_REGISTERS, depth=DEPTH):
-    """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K].
-    ``blocks``: the grid (default: the plan's)."""
+        blocks=None, repeat=1):
+    """Host arrays in, host array out. x fp16 [..., K]. Kept beside runtime/direct.py (which runs what FusedFFNNF4
+    routes to, with its geometry) for what tests choose that sessions do not: ``warps`` per block (2 under the
+    simulator), a grid of ``blocks`` (default: the plan's) so that tiles are shared by several blocks, M = 1, 2 and
+    ``repeat`` launches (the tile counters left at zero: asserted)."""
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
     assert ok(True, m, K, N, block_size), "shape not served by the balanced tensor-core kernel"
-    mm = mm_for(m)
+    assert q3 is not None, "two weights"
     warps = warps or (2 if SIM else WARPS)
-    nw, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
-                                                                        np.uint32)
+    _, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
+                                                                       np.uint32)
     if SIM:
         occ, sms = 1, sms or 2
     else:
-        lau = launcher(nw, mm, warps, max_registers, depth)
-        occ = max(1, lau.blocks_per_sm(32 * warps, shared_bytes(nw, mm, warps)))
-        sms = sms or cuda_launch.sm_count(cuda_launch.current_device())
+        lau = launcher(warps)
+        occ = max(1, lau.blocks_per_sm(32 * warps, shared_bytes(warps)))
+        sms = sms or host.sm_count()
     nblk = blocks or plan_blocks(K, N, sms, occ)
-    pf, nc = scratch(nw, mm, nblk, K, N)
+    pf, nc = scratch(nblk, K, N)
     dpart = cuda.device_array(max(pf, 1), np.float32)
     dcnt = cuda.to_device(np.zeros(nc, np.uint32))
     args = (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout, dpart, dcnt, m, K, N, block_size.bit_length() - 1, nblk,
             int(b1 is not None), int(b3 is not None))
     if SIM:
-        kern = make(nw, mm, warps, depth=depth)
+        kern = make(warps)
         for _ in range(repeat):
-            kern[nblk, 32 * warps, 0, shared_bytes(nw, mm, warps)](*args)
+            kern[nblk, 32 * warps, 0, shared_bytes(warps)](*args)
     else:
         for _ in range(repeat):
-            lau.launch(nblk, 32 * warps, 0, *[arg(a) for a in args], shmem=shared_bytes(nw, mm, warps))
+            lau.launch(nblk, 32 * warps, 0, *[arg(a) for a in args], shmem=shared_bytes(warps))
         cuda.synchronize()
     assert not dcnt.copy_to_host().any(), "tile counters not left at zero"
     return dout.copy_to_host().view(np.float16).reshape(tuple(lead) + (N,))

@@ -36,17 +36,16 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, uint32, uint64
 
-from ..device import launch as cuda_launch
 from ..device.fp16 import f2h, h2f
-from ..device.launch import Array, Launcher, arg
+from ..device.launch import Array, arg
 from ..device.mma import mma as _mma, silu
 from ..device.ptx import add32, lds32, mad32, prmt, shr32
 from ..device.target import SIM
+from . import host
 
 WARPS = 8                  # warps per block (they split K)
 MAX_M = 16
 TAB_BYTES = 65536          # half2 table: 256 bytes x 32 lanes x 4 B at stride 256
-MAX_REGISTERS = None       # ptxas cap (None: its own choice)
 CPL = 2                    # chunks of 64 per load batch (the next batch is in flight while one is decoded)
 SEL = tuple(np.uint32(0x5504 | (b << 4)) for b in range(4))   # PRMT: byte b of the word -> bits 8..15
 M32 = np.uint64(0xFFFFFFFF)
@@ -81,7 +80,7 @@ def ok(a16, m, k, n, bs):
 
 
 RC2_MIN_M = 9              # from this M one block takes both chunks of 8 rows (rc = 2), with RC2_WARPS warps and
-RC2_WARPS, RC2_CPL = 4, 2  # RC2_CPL chunks per batch. H100, LLaMA-7B gate / up (benchmarks/nf4tc_gpu.py, session 25),
+RC2_WARPS = 4              # CPL chunks per batch. H100, LLaMA-7B gate / up (benchmarks/nf4tc_gpu.py, session 25),
                            # us at M = 9 / 12 / 16: FusedFFNNF4 44.3 / 46.2 / 49.1 against 69.5 / 70.9 / 73.7 for two
                            # blocks of one chunk each (8 warps, cpl 2); MatMulNF4 25.7 / 27.4 / 31.1 against 41.5 /
                            # 41.4 / 41.4; 8 warps or cpl 1 with rc = 2: 28.0-57.9
@@ -92,9 +91,9 @@ def row_chunks(m):
     return 2 if m >= RC2_MIN_M else 1
 
 
-def geometry(rc):
-    """(warps per block, chunks of 64 per batch) of the kernel with ``rc`` row chunks per block."""
-    return (WARPS, CPL) if rc == 1 else (RC2_WARPS, RC2_CPL)
+def warps_for(rc):
+    """Warps per block of the kernel with ``rc`` row chunks per block."""
+    return WARPS if rc == 1 else RC2_WARPS
 
 
 def chunks(m, rc=1):
@@ -102,19 +101,19 @@ def chunks(m, rc=1):
     return -(-m // (8 * rc))
 
 
-HALVES = True              # MatMulNF4 (one weight, even N) from HALVES_MIN_M rows: the two-weight kernel on the
-HALVES_MIN_M = 8           # weight's two halves (twice the words in flight per warp). H200, LLaMA-7B gate / up,
+HALVES_MIN_M = 8           # MatMulNF4 (one weight, even N) from HALVES_MIN_M rows: the two-weight kernel on the
+                          # weight's two halves (twice the words in flight per warp). H200, LLaMA-7B gate / up,
                            # weights past L2 (benchmarks/nf4tc_gpu.py --halves, BENCHMARKS.md session 26), us, halves
                            # / one weight: M = 9 / 12 / 16 (rc 2) 30.7 / 31.8 / 33.9 against 32.9 / 35.5 / 39.3; M = 8
                            # 23.8 / 24.7; M = 2, 4 slower (22.2 / 20.7, 22.3 / 21.6). H100: M = 8 / 12 / 16 23.5 /
                            # 31.8 / 33.7 against 24.1 / 34.8 / 38.4; M = 4 22.6 against 21.8
 
 
-def use_halves(n, k, bs, m=None):
-    """Whether a one-weight product of N = ``n`` columns (K = ``k``, block size ``bs``; M = ``m`` rows, if given, from
-    HALVES_MIN_M) runs as two halves through the two-weight kernel: N even and the second half's first absmax block
-    starting at its first element."""
-    return HALVES and n % 2 == 0 and (n // 2 * k) % bs == 0 and (m is None or m >= HALVES_MIN_M)
+def use_halves(n, k, bs):
+    """Whether a one-weight product of N = ``n`` columns (K = ``k``, block size ``bs``) can run as two halves through
+    the two-weight kernel: N even and the second half's first absmax block starting at its first element (MatMulNF4
+    routes there from HALVES_MIN_M rows)."""
+    return n % 2 == 0 and (n // 2 * k) % bs == 0
 
 
 def half_sizes(n, k, bs):
@@ -128,35 +127,20 @@ def parts_for(n, nch, sms, occupancy):
     return max(1, min(-(-n // 16), (sms * occupancy) // nch))
 
 
-class SessionKernels:
-    """What a MatMulNF4 (nw = 1) / FusedFFNNF4 (nw = 2) kernel object keeps of this kernel: per row-chunk mode (rc =
-    1, 2; each compiled on first use) its launcher, block and resident blocks per SM."""
-
-    def __init__(self, nw, n, sms, k=None, bs=None):
-        self.nw, self.n, self.sms, self.modes = nw, n, sms, {}
-        # one weight of K = k, block size bs whose halves can serve as W1 / W3 (n / 2 rows each)
-        self.halves = nw == 1 and k is not None and use_halves(n, k, bs)
-
-    def pick(self, m):
-        """(launcher, grid, block, parts, halves) for M = m; with ``halves`` the caller passes the weight's two
-        halves as W1 / W3 and N / 2 as N."""
-        rc = row_chunks(m)
-        h = self.halves and m >= HALVES_MIN_M
-        if (rc, h) not in self.modes:
-            warps, cpl = geometry(rc)
-            lau = launcher(2 if h else self.nw, warps, MAX_REGISTERS, cpl, rc, h)
-            self.modes[(rc, h)] = (lau, 32 * warps, max(1, lau.blocks_per_sm(32 * warps)))
-        lau, block, occ = self.modes[(rc, h)]
-        nch = chunks(m, rc)
-        parts = parts_for(self.n // 2 if h else self.n, nch, self.sms, occ)
-        return lau, nch * parts, block, parts, h
+def session_mode(nw, rc, halves):
+    """(launcher, block, resident blocks per SM) of the kernel a MatMulNF4 (nw = 1; ``halves``: the two-weight kernel
+    on its weight's halves) / FusedFFNNF4 (nw = 2) kernel object launches with ``rc`` row chunks per block; the grid
+    of a call is chunks(M, rc) * parts_for(...)."""
+    warps = warps_for(rc)
+    lau = launcher(2 if halves else nw, warps, rc, halves)
+    return lau, 32 * warps, max(1, lau.blocks_per_sm(32 * warps))
 
 
-def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1, halves=False):
-    """The kernel for ``nw`` weights (1: MatMulNF4, 2: FusedFFNNF4), ``cpl`` chunks of 64 per load batch, ``rc``
+def make(nw, warps=WARPS, rc=1, halves=False):
+    """The kernel for ``nw`` weights (1: MatMulNF4, 2: FusedFFNNF4), CPL chunks of 64 per load batch, ``rc``
     chunks of 8 rows of X per block (2: M = 9 .. 16 with each A fragment decoded once for both chunks' mma).
     Signature: x uint64 [M*K/4] (fp16 bits), q1 uint64 [N*K/16], am1 float32, q3, am3 (nw=1: pass q1's), lut
-    uint32 [256] (``lut``), b1, b3, out uint16, m_dim, k_dim, n_dim, bs_shift (log2 block_size), parts, has_b1,
+    uint32 [256] (``lut``), b1, b3, out uint16, m_dim, k_dim, n_dim, bs_shift (BlockSize.log2), parts, has_b1,
     has_b3. ``halves`` (nw = 2; MatMulNF4 with an even N): W1 / W3 are the first and second halves of one weight's
     rows (n_dim = N / 2 each; q3, am3, b3 point into the same arrays), and the output is the plain product Y [M, N]:
     column n of a half-product goes to column n (W1) and N / 2 + n (W3) of Y; the two-weight kernel keeps twice the
@@ -164,6 +148,7 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1, halves=Fal
     assert not halves or nw == 2
     red_size = 2 * warps * rc * nw * 128   # [buffer][warp][row chunk][weight][16 columns x 8 rows]
     scr_size = warps * 32 * 6 if SIM else 1
+    cpl = CPL
     nwd = 2 * nw * cpl          # words (and absmax) per batch: [chunk][weight][row]
     nxv = 4 * cpl * rc          # x words per batch: [row chunk][chunk][step]
     nacc = 4 * nw * rc          # [row chunk][weight][4]
@@ -251,9 +236,7 @@ def make(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1, halves=Fal
                     acc[4 * (nw + w) + 2] += av[o + 1] * f2
                     acc[4 * (nw + w) + 3] += av[o + 1] * f3
 
-    opts = {} if SIM or not max_registers else {"max_registers": max_registers}
-
-    @cuda.jit(**opts)
+    @cuda.jit
     def nf4tc(x, q1, am1, q3, am3, lt, b1, b3, out, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):
         tab = cuda.shared.array(0, uint32)
         red = cuda.shared.array(red_size, float32)
@@ -393,14 +376,11 @@ def sig():
 _launchers = {}
 
 
-def launcher(nw, warps=WARPS, max_registers=MAX_REGISTERS, cpl=CPL, rc=1, halves=False):
-    """Direct-launch wrapper, compiled once per process (``.dispatcher``: the Numba kernel)."""
-    key = (nw, warps, max_registers, cpl, rc, halves)
+def launcher(nw, warps=WARPS, rc=1, halves=False):
+    """Direct-launch wrapper, compiled once per process (nf4/host.launcher; ``.dispatcher``: the Numba kernel)."""
+    key = (nw, warps, rc, halves)
     if key not in _launchers:
-        fn = make(nw, warps, max_registers, cpl, rc, halves)
-        lau = Launcher(fn, sig(), dynamic_shared=TAB_BYTES)
-        lau.dispatcher = fn
-        _launchers[key] = lau
+        _launchers[key] = host.launcher(make(nw, warps, rc, halves), sig(), dynamic_shared=TAB_BYTES)
     return _launchers[key]
 
 
@@ -419,21 +399,25 @@ def device_args(x, q1, am1, q3, am3, code, b1, b3, out_size, words):
 
 
 def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=None, sms=None,  # noqa: N803
-        repeat=1, max_registers=MAX_REGISTERS, cpl=None, rc=None, halves=None):
-    """Host arrays in, host array out (tests, benchmarks): nw = 2 when q3 is given, else 1. x fp16 [..., K]. ``rc``:
-    row chunks of 8 per block (default: ``row_chunks(M)``); warps and cpl default to ``geometry(rc)`` (2 warps
-    under the simulator). ``halves`` (one weight): through the two-weight kernel on its two halves (default, as
-    sessions: ``use_halves(N, K, block_size, M)``)."""
+        repeat=1, rc=None, halves=None):
+    """Host arrays in, host array out: nw = 2 when q3 is given, else 1. x fp16 [..., K]. Kept beside
+    runtime/direct.py (which runs what the ops route to, with their geometry) for what tests and benchmarks choose
+    that sessions do not: ``warps`` per block (default warps_for(rc); 2 under the simulator), ``sms`` (the grid),
+    ``rc`` row chunks of 8 per block at any M (default: ``row_chunks(M)``), ``halves`` (one weight: through the
+    two-weight kernel on its two halves; default use_halves(N, K, block_size) from HALVES_MIN_M rows, as
+    MatMulNF4 routes), ``repeat`` launches."""
     x = np.ascontiguousarray(x, np.float16)
     lead = x.shape[:-1]
     m = int(np.prod(lead)) if lead else 1
     assert ok(True, m, K, N, block_size), "shape not served by the tensor-core kernel"
     nw, (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout) = device_args(x, q1, am1, q3, am3, code, b1, b3, m * N,
                                                                         np.uint64)
-    halves = nw == 1 and (use_halves(N, K, block_size, m) if halves is None else halves)
+    if halves is None:
+        halves = use_halves(N, K, block_size) and m >= HALVES_MIN_M
+    halves = nw == 1 and halves
     nd, hb3 = N, int(b3 is not None)
     if halves:      # the two halves of the weight's rows (and of its bias) as W1 / W3
-        assert N % 2 == 0 and (N // 2 * K) % block_size == 0, "halves need an even N and whole absmax blocks"
+        assert use_halves(N, K, block_size), "halves need an even N and whole absmax blocks"
         nd, w, a = half_sizes(N, K, block_size)
         nw, hb3 = 2, int(b1 is not None)
         dq1, dq3, dam1, dam3 = dq1[:w], dq1[w:], dam1[:a], dam1[a:]
@@ -441,19 +425,18 @@ def run(x, q1, am1, q3, am3, code, block_size, K, N, b1=None, b3=None, *, warps=
             db1, db3 = db1[:nd], db1[nd:]
     rc = rc or row_chunks(m)
     nch = chunks(m, rc)
-    warps = warps or (2 if SIM else geometry(rc)[0])
-    cpl = cpl or geometry(rc)[1]
+    warps = warps or (2 if SIM else warps_for(rc))
     if SIM:
         occ, sms = 1, sms or 2
     else:
-        lau = launcher(nw, warps, max_registers, cpl, rc, halves)
+        lau = launcher(nw, warps, rc, halves)
         occ = max(1, lau.blocks_per_sm(32 * warps))
-        sms = sms or cuda_launch.sm_count(cuda_launch.current_device())
+        sms = sms or host.sm_count()
     parts = parts_for(nd, nch, sms, occ)
     args = (dx, dq1, dam1, dq3, dam3, dlut, db1, db3, dout, m, K, nd, block_size.bit_length() - 1, parts,
             int(b1 is not None), hb3)
     if SIM:
-        kern = make(nw, warps, cpl=cpl, rc=rc, halves=halves)
+        kern = make(nw, warps, rc, halves)
         for _ in range(repeat):
             kern[nch * parts, 32 * warps, 0, TAB_BYTES](*args)
     else:

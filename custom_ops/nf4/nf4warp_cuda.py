@@ -1,9 +1,9 @@
-"""NF4/FP4 GEMV at M = 1, 2 with fp16 X, warp-column decode (FusedFFNNF4: two weights, nw=2; MatMulNF4: one,
-nw=1): every warp owns a contiguous range of output columns and reads the whole of K for each of them, so partial sums
-never leave the warp (no shared-memory reduction, no barrier per step; the block decode kernel of
-fusedffnnf4_cuda.py splits K over a block's warps and meets once a step). K % 1024 == 0 and K <= 1024 *
-MAX_CHUNKS: a 16-byte load per lane covers 32 elements, a warp-wide load 1024 (a chunk), and a lane keeps its 32
-elements of every chunk of X in registers as 16 half2 (32 registers at K = 2048).
+"""NF4/FP4 GEMV at M = 1, 2 with fp16 X, warp-column decode (FusedFFNNF4's two weights): every warp owns a
+contiguous range of output columns and reads the whole of K for each of them, so partial sums never leave the warp
+(no shared-memory reduction, no barrier per step; the block decode kernel of fusedffnnf4_cuda.py splits K over a
+block's warps and meets once a step). K % 1024 == 0 and K <= 1024 * MAX_CHUNKS: a 16-byte load per lane covers 32
+elements, a warp-wide load 1024 (a chunk), and a lane keeps its 32 elements of every chunk of X in registers as 16
+half2 (32 registers at K = 2048).
 
 Per column and weight a lane issues one 16-byte load per chunk (``ld.global.nc.L1::no_allocate.v4``) and one absmax
 load; the next column's loads are in flight while the current one is decoded (the step is written out twice with
@@ -12,11 +12,11 @@ one with chains of 4: the byte-pair table of scaled fp16 code values (half2.h2_s
 dynamic shared memory (byte v of lane l at v * 256 + 4 l), one PRMT, one LDS and one fma.rn.f16x2 per byte; each
 chunk's four chains are summed in fp32 and scaled by the absmax. X is scaled by p = 2^(11 - floor(log2 max|x|))
 as there (each warp reduces the row's max itself: it holds all of X). The sums are reduced across the warp with
-shuffles (6 for the gate / up pair, 5 for one) and lane 0 applies 1 / (p a), the bias(es), SiLU * mul (nw=2) and
+shuffles (6 for the gate / up pair) and lane 0 applies 1 / (p a), the biases, SiLU * mul and
 stores the column. Under the CUDA simulator (no shuffles) the warps step in lockstep and reduce through shared
 memory.
 
-``mt=2`` (two weights): two rows of X (M = 2), each with its own scale; each weight byte's table entry serves both.
+``mt=2``: two rows of X (M = 2), each with its own scale; each weight byte's table entry serves both.
 
 ``split=2``: a pair of warps shares each column range, warp 2p + h decoding half h of K (X and weights), so K up
 to 2 * 1024 * MAX_CHUNKS with the registers of half; half 1's lane 0 leaves its sums in shared memory and the pair
@@ -37,18 +37,17 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from ..device import half2, launch as cuda_launch
+from ..device import half2
 from ..device.fp16 import as_f32, pack_h2
 from ..device.inputs import check_x_biases
-from ..device.launch import Array, Launcher, arg
+from ..device.launch import arg
 from ..device.memory import LOAD, ld16, make_ld4, st16
 from ..device.mma import silu
 from ..device.ptx import add32, f2u, hfma2, lds32, mad32, min32, prmt, shr32, warp_sum
 from ..device.target import SIM
-from . import common as nf4_common
+from . import common as nf4_common, host
 from .common import check_weights
-from .decode_cuda import lut_for, sig as _sig
-from .matmulnf4_cuda import TAB_BYTES
+from .decode_cuda import TAB_BYTES, lut_for, sig
 
 CHUNK = 1024            # elements of K per warp-wide 16-byte load
 MAX_CHUNKS = 5          # X in registers: 16 half2 per chunk
@@ -58,12 +57,11 @@ FULL = np.uint32(0xFFFFFFFF)
 _ld4 = make_ld4(LOAD)
 
 
-def ok(m, k, a16, bs, split=1, nw=2):
-    """Whether the warp-column kernel can take this call: fp16 X, M = 1 (two weights: M = 1 or 2), K a multiple of
-    1024 * split up to MAX_CHUNKS chunks per warp (``split`` warps share a column), absmax blocks of at least 32
-    elements (one per 16-byte unit)."""
-    return (a16 and 1 <= m <= (2 if nw == 2 else 1) and k % (CHUNK * split) == 0
-            and 1 <= k // CHUNK // split <= MAX_CHUNKS and bs >= 32)
+def ok(m, k, a16, split=1):
+    """Whether the warp-column kernel can take this call: fp16 X, M = 1 or 2, K a multiple of 1024 * split up to
+    MAX_CHUNKS chunks per warp (``split`` warps share a column). (Absmax blocks of at least 32 elements, one per
+    16-byte unit: every BlockSize.)"""
+    return a16 and 1 <= m <= 2 and k % (CHUNK * split) == 0 and 1 <= k // CHUNK // split <= MAX_CHUNKS
 
 
 if SIM:
@@ -119,27 +117,22 @@ else:
         return types.void(p), codegen
 
 
-def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=None):
+def _make(chunks, split=1, mt=1):
     """The kernel for K = 1024 * ``chunks``, generated as straight-line code (every per-lane value has its own
     name: X as x2_{row}_{chunk}_{pair}, the current and next column's words as a{w}_{chunk}_{h} / na..., so nothing
-    spills to local memory). nw=2: fusedffnnf4_cuda's decode signature (``lut`` its h2 table: 256 half2 entries +
-    the bits of 1 / a; ``parts`` unused: the columns are split over all the grid's warps); nw=1: MatMulNF4's M=1
-    signature (``lut`` = half2.code_with_scale: 16 code values, a, 1 / a; the table is built from them). ``mt``
-    (nw=2): rows of X, 1 or 2 (M must equal it: each weight byte's table entry serves both rows)."""
-    if not 1 <= chunks // split <= MAX_CHUNKS or nw not in (1, 2) or split not in (1, 2) or chunks % split or \
-            mt not in (1, 2) or (mt == 2 and nw == 1):
-        raise ValueError(f"chunks / split must be 1..{MAX_CHUNKS}, nw 1 or 2, split 1 or 2 (dividing chunks), "
-                         "mt 1 or 2 (2 only with nw=2)")
+    spills to local memory). fusedffnnf4_cuda's decode signature (``lut`` its h2 table: 256 half2 entries + the bits
+    of 1 / a; ``parts`` unused: the columns are split over all the grid's warps; ``bs_shift``: BlockSize.log2_words).
+    ``mt``: rows of X, 1 or 2 (M must equal it: each weight byte's table entry serves both rows)."""
+    if not 1 <= chunks // split <= MAX_CHUNKS or split not in (1, 2) or chunks % split or mt not in (1, 2):
+        raise ValueError(f"chunks / split must be 1..{MAX_CHUNKS}, split 1 or 2 (dividing chunks), mt 1 or 2")
+    nw = 2                          # two weights (the one-weight form, for MatMulNF4, was never routed)
     cl = chunks // split            # the chunks one warp decodes
-    ws = (1, 3) if nw == 2 else (1,)
+    ws = (1, 3)
     rows = range(mt)
     nv = nw * mt                    # sums per column leaving a warp
     src = []
     a = src.append
-    if nw == 2:
-        a("def kern(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
-    else:
-        a("def kern(x, q1, am1, lut, b1, has_b1, s, k_dim, n_dim, bs_shift):")
+    a("def kern(x, q1, am1, q3, am3, lut, b1, b3, s, m_dim, k_dim, n_dim, bs_shift, parts, has_b1, has_b3):")
     a("    tab = cuda.shared.array(0, uint32)")
     a("    xmaxs = cuda.shared.array(64, float32)")
     a("    red = cuda.shared.array(128, float32)")
@@ -205,9 +198,9 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=No
         a(f"    xm = warp_max({tree(mx)}, simred, tid)")
         a("    if lane == U0:")
         a(f"        xmaxs[warp + uint32({32 * m})] = xm")
-    src.extend(half2.h2_table_src(nw == 1, vec_table))     # nw=1: built from the code values and their scale
+    src.extend(half2.h2_table_src(False))
     a("    cuda.syncthreads()")
-    ia = "as_f32(lut[U256])" if nw == 2 else "lut[17]"
+    ia = "as_f32(lut[U256])"
     for m in rows:
         if split == 2:      # the row's max over all the block's warps (each holds half of X)
             a("    xm = F0")
@@ -235,7 +228,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=No
         a("    while n < n_hi:")
         more = "", "if n >= n_hi:"
     ind = "        "
-    sums = [f"{v}{m}" for m in rows for v in (("g", "u") if nw == 2 else ("g",))]
+    sums = [f"{v}{m}" for m in rows for v in ("g", "u")]
 
     def body(cur, nxt):
         """One column: the next column's loads into ``nxt``-prefixed registers (skipped past the range: those
@@ -262,10 +255,7 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=No
                 for m in rows:
                     a(f"{ind}acc{w}_{m} += (hsum2(c0_{m}, c1_{m}) + hsum2(c2_{m}, c3_{m})) * {cur}s{w}_{j}")
         for m in rows:
-            if nw == 2:
-                a(f"{ind}g{m}, u{m} = pair_sum(acc1_{m}, acc3_{m}, lane, simred, tid)")
-            else:
-                a(f"{ind}g{m} = warp_sum(acc1_{m}, simred, tid)")
+            a(f"{ind}g{m}, u{m} = pair_sum(acc1_{m}, acc3_{m}, lane, simred, tid)")
         if split == 2:      # the pair meets: half 1's lane 0 leaves its sums, half 0's finishes the column
             a(f"{ind}if hf == U1 and lane == U0:")
             for i, v in enumerate(sums):
@@ -278,17 +268,12 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=No
         a(f"{ind}if lane == U0 and n < n_hi{' and hf == U0' if split == 2 else ''}:")
         for m in rows:
             a(f"{ind}    g{m} *= ip{m}")
-            if nw == 2:
-                a(f"{ind}    u{m} *= ip{m}")
-                a(f"{ind}    if has_b1:")
-                a(f"{ind}        g{m} += load(b1, n)")
-                a(f"{ind}    if has_b3:")
-                a(f"{ind}        u{m} += load(b3, n)")
-                a(f"{ind}    store(s, n + ndim * uint32({m}), silu(g{m}) * u{m})")
-            else:
-                a(f"{ind}    if has_b1:")
-                a(f"{ind}        g{m} += float32(b1[n])")
-                a(f"{ind}    s[n] = g{m}")
+            a(f"{ind}    u{m} *= ip{m}")
+            a(f"{ind}    if has_b1:")
+            a(f"{ind}        g{m} += load(b1, n)")
+            a(f"{ind}    if has_b3:")
+            a(f"{ind}        u{m} += load(b3, n)")
+            a(f"{ind}    store(s, n + ndim * uint32({m}), silu(g{m}) * u{m})")
         a(f"{ind}n = nn")
         if more[0]:
             a(ind + more[0])
@@ -309,32 +294,19 @@ def _make(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=No
     # PRMT selectors: output byte 0 = lane4 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
     ns.update({f"SEL_{b}": np.uint32(0x5504 | (b << 4)) for b in range(4)})
     exec("\n".join(src), ns)  # noqa: S102 - generated from constants only
-    opts = {} if SIM or not max_registers else {"max_registers": max_registers}
-    return cuda.jit(**opts)(ns["kern"])
+    return cuda.jit(**({} if SIM else {"max_registers": MAX_REGISTERS}))(ns["kern"])
 
 
 _launchers = {}
 
 
-def sig(nw=2):
-    """The launch signature: fusedffnnf4_cuda's fp16 decode kernel's (nw=2), MatMulNF4's fp16 M=1 kernel's (nw=1)."""
-    if nw == 2:
-        return _sig(True, False, False)
-    f16 = Array(np.float16)
-    return [f16, Array(np.uint64), Array(np.float32), Array(np.float32), f16, "int32", f16, "int64", "int64",
-            "int64"]
-
-
-def launcher(chunks, nw=2, max_registers=MAX_REGISTERS, split=1, mt=1, vec_table=None):
-    """Direct-launch wrapper of the kernel (compiled once per process; GPU only). ``vec_table``: half2.h2_table_src's
-    store width (default half2.VEC_TABLE)."""
-    vec_table = half2.VEC_TABLE if vec_table is None else vec_table
-    key = (chunks, nw, max_registers, split, mt, vec_table)
+def launcher(chunks, split=1, mt=1):
+    """Direct-launch wrapper of the kernel (compiled once per process; nf4/host.launcher: a SimLauncher answering 1
+    resident block per SM under the simulator). Signature: decode_cuda.sig's fp16 decode kernel's."""
+    key = (chunks, split, mt)
     if key not in _launchers:
-        fn = _make(chunks, nw, max_registers, split, mt, vec_table)
-        lau = Launcher(fn, sig(nw), dynamic_shared=TAB_BYTES)
-        lau.dispatcher = fn
-        _launchers[key] = lau
+        _launchers[key] = host.launcher(_make(chunks, split=split, mt=mt), sig(True, False, False),
+                                        dynamic_shared=TAB_BYTES)
     return _launchers[key]
 
 
@@ -344,35 +316,28 @@ def grid_for(lau, warps, sms):
 
 
 def run_arrays(x, q1, am1, q3, am3, quant_type, block_size, K, N, b1=None, b3=None, *,  # noqa: N803
-               warps=WARPS, sms=None, blocks=None, max_registers=MAX_REGISTERS, split=1):
-    """Runs the kernel on host arrays (tests, benchmarks; fp16 X with one row) and returns S (q3 None: MatMulNF4,
-    Y = X W1^T + b1): through the Numba dispatcher under the simulator, the direct launch path on a GPU.
-    ``blocks``: the grid (default one wave)."""
+               warps=WARPS, blocks=None, split=1):
+    """Runs the kernel on host arrays and returns S. Kept beside runtime/direct.py (which runs what FusedFFNNF4's
+    routing picks, with its geometry) for the tests that choose what sessions never do on small shapes: a few warps
+    per block, a grid of ``blocks`` (default one wave) and pairs of warps (``split``) at any K. Through the Numba
+    dispatcher under the simulator, the direct launch path on a GPU."""
     qt, bs, k, n, code = nf4_common.parse_attrs({"quant_type": quant_type, "block_size": block_size, "K": K, "N": N})
-    nw = 1 if q3 is None else 2
-    check_weights(q1, am1, q1 if nw == 1 else q3, am1 if nw == 1 else am3, k, n, bs)
+    check_weights(q1, am1, q3, am3, k, n, bs)
     m = check_x_biases(x, b1, b3, k, n, 5, 6)
-    if not ok(m, k, x.dtype == np.float16, bs, split, nw):
-        raise ValueError("the warp-column kernel takes fp16 X with one row (two weights: 1 or 2), K % 1024 == 0, "
-                         "K / 1024 / split <= 5, bs >= 32")
+    if not ok(m, k, x.dtype == np.float16, split):
+        raise ValueError("the warp-column kernel takes fp16 X with one or two rows, K % 1024 == 0, "
+                         "K / 1024 / split <= 5")
     dev = lambda a, dt: cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(dt))  # noqa: E731
-    dx = dev(x, np.uint16 if nw == 2 else np.float16)
-    ds = cuda.device_array(m * n, np.uint16 if nw == 2 else np.float16)
-    w1 = (dev(q1, np.uint64), dev(np.asarray(am1, np.float32), np.float32))
-    if nw == 2:
-        args = (dx, *w1, dev(q3, np.uint64), dev(np.asarray(am3, np.float32), np.float32),
-                cuda.to_device(lut_for(code, False, True)), dev(b1, np.uint16) if b1 is not None else ds,
-                dev(b3, np.uint16) if b3 is not None else ds, ds, m, k, n, bs.bit_length() - 5, 0,
-                int(b1 is not None), int(b3 is not None))
-    else:
-        args = (dx, *w1, cuda.to_device(half2.code_with_scale(code)), dev(b1, np.float16) if b1 is not None else ds,
-                int(b1 is not None), ds, k, n, bs.bit_length() - 5)
+    ds = cuda.device_array(m * n, np.uint16)
+    args = (dev(x, np.uint16), dev(q1, np.uint64), dev(np.asarray(am1, np.float32), np.float32), dev(q3, np.uint64),
+            dev(np.asarray(am3, np.float32), np.float32), cuda.to_device(lut_for(code, False, True)),
+            dev(b1, np.uint16) if b1 is not None else ds, dev(b3, np.uint16) if b3 is not None else ds, ds, m, k, n,
+            bs.log2_words, 0, int(b1 is not None), int(b3 is not None))
     chunks = k // CHUNK
     if SIM:
-        _make(chunks, nw, split=split, mt=m)[blocks or 2, 32 * warps, 0, TAB_BYTES](*args)
+        _make(chunks, split=split, mt=m)[blocks or 2, 32 * warps, 0, TAB_BYTES](*args)
     else:
-        lau = launcher(chunks, nw, max_registers, split, m)
-        grid = blocks or grid_for(lau, warps, sms or cuda_launch.sm_count(cuda_launch.current_device()))
-        lau.launch(grid, 32 * warps, 0, *[arg(a) for a in args])
+        lau = launcher(chunks, split, m)
+        lau.launch(blocks or grid_for(lau, warps, host.sm_count()), 32 * warps, 0, *[arg(a) for a in args])
         cuda.synchronize()
     return ds.copy_to_host().view(np.float16).reshape(tuple(x.shape[:-1]) + (n,))
