@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import config
 
-from onnx_lowbit import awq, nf4
+from onnx_lowbit import awq
 
 SIM = bool(config.ENABLE_CUDASIM)
 
