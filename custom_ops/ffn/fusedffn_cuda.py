@@ -36,7 +36,7 @@ from ..device import cublas, launch as cuda_launch
 from ..device.splitk import ScratchPool
 from ..device.target import SIM, tc_device
 from ..runtime.kernels import Kernel, KernelError
-from ..runtime.routing import Case, Route, route
+from ..runtime.routing import Case, Route, always, route
 from . import (fusedffn_decode_cuda as dec, fusedffn_kn_cuda as knm, fusedffn_kn_tc_cuda as kntc,
                fusedffn_prefill_cuda as pre, fusedffn_tc_cuda as tcm)
 from .common import check_shapes
@@ -113,7 +113,7 @@ ROUTES = (
           "BENCHMARKS.md 'Float FusedFFN' ([N, K] from M = 33, mixed); 'FusedFFN (fp16 weights), decode and prefill "
           "kernels'"),
     Route("tiled", "always (no cuBLAS, no scratch memory, K = 0, shapes the kernels above do not take)",
-          lambda c: True, "not measured: the fallback (correct, not tuned)"),
+          always, "not measured: the fallback (correct, not tuned)"),
 )
 
 REFUSED = {     # forced path -> why the call cannot take it
