@@ -1,5 +1,5 @@
 """MatMulAWQ / FusedFFNAWQ kernel objects called as a session calls them: under the simulator, compute over host
-memory (the simulator's device memory; awq/launch_cuda gives the kernel objects simulator launchers, SMs and tensor
+memory (the simulator's device memory; device/host and awq/common_cuda give the kernel objects simulator launchers, SMs and tensor
 cores), with a stand-in Context; on a GPU (ONNX_LOWBIT_REAL_GPU=1) one-node onnxruntime sessions. Each case names
 the kernel its op's ROUTES sends it to, and checks the launch is that kernel's."""
 import numpy as np

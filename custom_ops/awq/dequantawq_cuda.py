@@ -26,7 +26,8 @@ from ..device.target import device
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
 from .dequantawq_cpu import check_weights, parse_attrs
-from .launch_cuda import launcher_for, sm_count
+from ..device.host import sm_count
+from .common_cuda import launcher_for
 
 CT = 32            # column groups per block (lanes)
 WARPS = 8          # row runs per block

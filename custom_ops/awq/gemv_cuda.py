@@ -64,7 +64,7 @@ from ..device.mma import silu
 from ..device.splitk import arrive_last, sum_splits
 from ..device.target import SIM, device
 from .dequantawq_cuda import col_of
-from .launch_cuda import launcher_for
+from .common_cuda import launcher_for
 
 CT = 32                  # column groups per block (lanes of a warp)
 WARPS = 8                # K slices per block

@@ -11,7 +11,7 @@ from ..device.target import SIM
 from .dequantawq_cpu import check_a_bias, check_both, check_weights, parse_attrs
 from .gemv_cuda import (BLOCK, CT, MAX_M_FAST, WARPS, blocks_per_sm, bucket, decode_plan, launcher, make_gemv,
                         make_generic)
-from .launch_cuda import sm_count
+from ..device.host import sm_count
 
 
 def run(x, w1, w3, b1, b3, group_size, K, N, *, generic=False, ct=CT, warps=WARPS, rows=None,  # noqa: N803

@@ -41,14 +41,14 @@ from numba import cuda, float32, uint32, uint64
 
 from ..device.fp16 import as_f32, h2f
 from ..device.inputs import check_x_biases
+from ..device.host import sm_count
 from ..device.launch import Array, arg
 from ..device.mma import mma as _mma, tc_store
 from ..device.ptx import add32, mad32, prmt
 from ..device.splitk import arrive_last, partial_floats, sum_splits
 from ..device.target import SIM, device
-from .common_cuda import F2P20, F2P24, HI16, LO16, ONES16, TC_SEL
+from .common_cuda import F2P20, F2P24, HI16, LO16, ONES16, SIM_BLOCKS_PER_SM, TC_SEL, launcher_for
 from .dequantawq_cpu import check_a_bias, check_both, check_weights, parse_attrs
-from .launch_cuda import SIM_BLOCKS_PER_SM, launcher_for, sm_count
 
 WPL = 2                   # int32 words per lane and row: 2 (8-byte loads, 64 contiguous bytes per row and warp
                           # instruction) or 1 (4-byte loads, 32 bytes; half the accumulators)

@@ -21,7 +21,8 @@ from ..runtime.routing import Case, route
 from . import matmulawq1_cuda as m1
 from .dequantawq_cpu import parse_attrs
 from .gemv_cuda import BLOCK, CT, MAX_M_FAST, WARPS, blocks_per_sm, bucket, decode_plan, launcher
-from .launch_cuda import has_tc, sm_count
+from ..device.host import sm_count
+from .common_cuda import has_tc
 
 
 # ------------------------------------------------------------------------------- routing conditions (both ops)

@@ -228,7 +228,7 @@ class SimLauncher:
                 conv.append(v)
                 flat.append(int.from_bytes(bytes(_SCALARS[s](v)), "little"))   # as Launcher records it
         self.fn[grid, block, 0, shmem or 0](*conv)
-        self.last_slots = type(self).last_slots = slots
+        self.last_slots = SimLauncher.last_slots = slots     # the class attribute also for subclasses
         rec = plans.active()
         if rec is not None:
             rec.launch(id(self.fn), int(grid), int(block), int(shmem or 0), flat, slots)

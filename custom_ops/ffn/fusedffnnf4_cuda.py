@@ -57,7 +57,8 @@ from ..device.mma import silu
 from ..device.ptx import warp_sum
 from ..device.splitk import ScratchPool
 from ..device.target import SIM
-from ..nf4 import common as nf4_common, host, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
+from ..device import host
+from ..nf4 import common as nf4_common, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
 from ..nf4.common import case_align, case_f16, case_fp32_decode, check_weights
 from ..nf4.decode_cuda import COLS, TAB_BYTES, lut_for, make_decode, sig, threads
 from ..runtime.kernels import Kernel, KernelError
@@ -336,7 +337,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         self.tc_lut = host.Table(nf4tc_cuda.lut(code))
         self.luts = {}
         self.sms = host.sm_count()
-        self.tc = host.tc_device()
+        self.tc = host.tensor_cores()
         self.fp32_decode = half2.fp32_decode()      # ONNX_LOWBIT_FP32_DECODE, read here only
         wide_k = self.a16 and not self.fp32_decode and self.k >= WIDE_MIN_K and self.k % 32 == 0 and \
             decode_ok(1, self.k)

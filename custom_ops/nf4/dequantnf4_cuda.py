@@ -35,7 +35,7 @@ from ..device.memory import make_ld4, make_st
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
 from . import common as nf4_common
-from .host import alignment
+from ..device.host import alignment
 
 BLOCK = 256
 U0, U1, U3, U4, U15 = (np.uint64(v) for v in (0, 1, 3, 4, 15))

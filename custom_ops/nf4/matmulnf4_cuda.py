@@ -29,7 +29,8 @@ from ..device import half2
 from ..device.launch import Array
 from ..runtime.kernels import Kernel
 from ..runtime.routing import Case, Route, always, route
-from . import common as nf4_common, host, nf4tc_cuda
+from ..device import host
+from . import common as nf4_common, nf4tc_cuda
 from .common import case_align, case_f16, case_fp32_decode
 from .decode_cuda import COLS, TAB_BYTES, make_decode, threads
 from .gemv_cuda import GEMV16, GENERIC, MAX_M_FAST, WARPS_PER_BLOCK
@@ -214,7 +215,7 @@ class MatMulNF4CudaKernel(Kernel):
         self.code = host.Table(half2.code_with_scale(code))  # the h2 kernels read entries 16, 17 (its scale)
         self.tc_lut = host.Table(nf4tc_cuda.lut(code))
         self.sms = host.sm_count()
-        self.tc = host.tc_device()
+        self.tc = host.tensor_cores()
         self.fp32_decode = half2.fp32_decode()      # ONNX_LOWBIT_FP32_DECODE, read here only
         self.prepared = {}
         for m in range(1, MAX_M_FAST + 1):          # compiled and planned now, never on the hot path

@@ -43,7 +43,7 @@ from ..device.memory import LOAD, make_ld4
 from ..device.mma import mma as _mma, tc_store
 from ..device.ptx import add32, lds32, mad32, min32, prmt
 from ..device.target import SIM
-from . import host
+from ..device import host
 from .nf4tc_cuda import SEL, build_table, device_args
 
 WARPS = 8
@@ -436,7 +436,7 @@ _launchers = {}
 
 
 def launcher(warps=WARPS):
-    """Direct-launch wrapper, compiled once per process (nf4/host.launcher; ``.dispatcher``: the Numba kernel)."""
+    """Direct-launch wrapper, compiled once per process (device/host.launcher; ``.dispatcher``: the Numba kernel)."""
     if warps not in _launchers:
         _launchers[warps] = host.launcher(make(warps), sig(), dynamic_shared=shared_bytes(warps))
     return _launchers[warps]

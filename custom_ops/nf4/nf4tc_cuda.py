@@ -41,7 +41,7 @@ from ..device.launch import Array, arg
 from ..device.mma import mma as _mma, silu
 from ..device.ptx import add32, lds32, mad32, prmt, shr32
 from ..device.target import SIM
-from . import host
+from ..device import host
 
 WARPS = 8                  # warps per block (they split K)
 MAX_M = 16
@@ -377,7 +377,7 @@ _launchers = {}
 
 
 def launcher(nw, warps=WARPS, rc=1, halves=False):
-    """Direct-launch wrapper, compiled once per process (nf4/host.launcher; ``.dispatcher``: the Numba kernel)."""
+    """Direct-launch wrapper, compiled once per process (device/host.launcher; ``.dispatcher``: the Numba kernel)."""
     key = (nw, warps, rc, halves)
     if key not in _launchers:
         _launchers[key] = host.launcher(make(nw, warps, rc, halves), sig(), dynamic_shared=TAB_BYTES)

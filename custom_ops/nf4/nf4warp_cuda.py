@@ -45,7 +45,8 @@ from ..device.memory import LOAD, ld16, make_ld4, st16
 from ..device.mma import silu
 from ..device.ptx import add32, f2u, hfma2, lds32, mad32, min32, prmt, shr32, warp_sum
 from ..device.target import SIM
-from . import common as nf4_common, host
+from ..device import host
+from . import common as nf4_common
 from .common import check_weights
 from .decode_cuda import TAB_BYTES, lut_for, sig
 
@@ -301,7 +302,7 @@ _launchers = {}
 
 
 def launcher(chunks, split=1, mt=1):
-    """Direct-launch wrapper of the kernel (compiled once per process; nf4/host.launcher: a SimLauncher answering 1
+    """Direct-launch wrapper of the kernel (compiled once per process; device/host.launcher: a SimLauncher answering 1
     resident block per SM under the simulator). Signature: decode_cuda.sig's fp16 decode kernel's."""
     key = (chunks, split, mt)
     if key not in _launchers:
