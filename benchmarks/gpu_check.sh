@@ -35,18 +35,30 @@ tests)
   done
   ;;
 sanitize)
-  # every CUDA kernel with shared memory under racecheck, and memcheck of each family (issue 7); the fused 4-bit
-  # tests compile slowly under the sanitizer: give them time. A subset: SAN_ONLY="ffn4 gru" (names below).
-  declare -A SETS=([ffn]="tests/test_ffn_cuda.py" [ffn4]="tests/test_ffn4_kernels.py -k cuda"
-                   [gru]="tests/test_gru_cuda.py -k kernel_bit_exact" [awq]="tests/test_awq_kernels.py -k cuda_matmul_vs_reference"
-                   [nf4]="tests/test_nf4_kernels.py -k cuda_kernel")
-  for name in ${SAN_ONLY:-ffn ffn4 gru awq nf4}; do
-    t=${SETS[$name]}
+  # memcheck and racecheck of every kernel family, through the family's kernel tests (each set runs the routed
+  # kernels on small shapes: partial tiles, several K splits, NaN rows). The sets run side by side (one process
+  # each; the GPU and the host's cores have room), each log under $OUT/san-<family>-<tool>.log; a subset:
+  # SAN_ONLY="ffn gru", SAN_TOOLS=memcheck, SAN_TIMEOUT seconds per set.
+  declare -A SETS=(
+    [fplut]="tests/test_fplut_cuda.py -k kernel_matches_reference or multi_block"
+    [nf4]="tests/test_nf4_kernels.py tests/test_nf4tc_cuda.py tests/test_nf4warp_cuda.py tests/test_nf4mma_cuda.py -k matmul_cuda_kernel or m1_kernel or m2_decode or dequant_cuda_kernel or tc_kernel_vs_reference or warpcols_swiglu or mma_kernel_vs_reference"
+    [awq]="tests/test_awq_cuda.py tests/test_matmulawq1_cuda.py -k matmul_vs_reference or dequant_bit_exact or gemv1_vs_reference or gemv1_ffn"
+    [ffn]="tests/test_ffn_cuda.py tests/test_ffn_tc_cuda.py tests/test_ffn4_kernels.py -k vs_reference or tc_vs_reference or nf4_cuda_kernel or awq_cuda_kernel"
+    [gru]="tests/test_gru_cuda.py -k kernel_bit_exact"
+    [attention]="tests/test_rotary_kernels.py tests/test_rotarykv_kernels.py tests/test_rmsnorm_kernels.py tests/test_kvattention_kernels.py -k cuda_kernel_bit_exact or test_cuda_kernel")
+  pids=()
+  for name in ${SAN_ONLY:-fplut nf4 awq ffn gru attention}; do
+    files=${SETS[$name]%% -k *}; sel=${SETS[$name]#* -k }
     for tool in ${SAN_TOOLS:-memcheck racecheck}; do
-      echo "-- $tool: $t"
-      timeout ${SAN_TIMEOUT:-280} compute-sanitizer --tool $tool --print-limit 5 python3 -m pytest -q -p no:cacheprovider -x $t 2>&1 \
-        | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Invalid|Error|Race" | head -6
+      ( timeout ${SAN_TIMEOUT:-420} compute-sanitizer --tool $tool --print-limit 5 python3 -m pytest -q \
+          -p no:cacheprovider $files -k "$sel" > "$OUT/san-$name-$tool.log" 2>&1 ) &
+      pids+=($!)
     done
+  done
+  wait "${pids[@]}"
+  for f in "$OUT"/san-*.log; do
+    printf '%-28s %s | %s\n' "$(basename "$f" .log)" \
+      "$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)" "$(grep -E '[0-9]+ (passed|failed)' "$f" | tail -1)"
   done
   ;;
 edges)
