@@ -7,13 +7,16 @@ Times: median us per call, "graph" = 20 calls replayed from a CUDA graph (no hos
 events around 20 back-to-back launches (includes our Python launch cost). % of 2900 GB/s counts the packed 4-bit
 bytes of both weights (2 * K * N / 2 = 45.1 MB), as the issue's floor does.
 
-The "session" rows call each op's CUDA kernel object as a session node does (custom_ops.direct), so they run what
-sessions run at that M; the other rows launch particular kernels with their launcher defaults (FusedFFNNF4's
-block decode kernel for that M and K, one thread group per block; FusedFFNAWQ / MatMulAWQ's fp32 decode kernels,
-awq/gemv_cuda, which sessions take for fp32 X or where the small-M GEMV cannot go). One weight pair is reused call after call, so part of it comes from L2:
-nf4shapes_gpu.py and nf4tc_gpu.py cycle weights past L2.
+The "session" rows call each op's CUDA kernel object as a session node does (custom_ops.runtime.direct), so they
+run what sessions run at that M; the other rows launch particular kernels with their launcher defaults
+(FusedFFNNF4's block decode kernel for that M and K, one thread group per block; FusedFFNAWQ / MatMulAWQ's fp32
+decode kernels, awq/gemv_cuda, which sessions take for fp32 X or where the small-M GEMV cannot go). One weight pair
+is reused call after call, so part of it comes from L2: nf4shapes_gpu.py and nf4tc_gpu.py cycle weights past L2.
 
-    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--variants] [--ms 1,4,16]
+    PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--ms 1,4,16] [--profile]
+
+(--profile: only the fused kernels at M = 1, three launches each, for ncu. --variants is still accepted and does
+nothing: the FusedFFNAWQ variants it timed are gone, docs/lab-log.md, "Removed kernel variants (AWQ)".)
 """
 from __future__ import annotations
 
@@ -116,7 +119,7 @@ def main():
         print(f"M={m}: CPU references in {time.perf_counter() - t0:.1f} s")
         chk = lambda ref: (lambda: rel(s.float().cpu().numpy(), ref))  # noqa: E731
 
-        # ---- what session nodes run at this M (custom_ops.direct: each op's kernel object, its per-call choice)
+        # ---- what session nodes run at this M (runtime.direct: each op's kernel object, its per-call choice)
         nf_attrs = {"quant_type": "nf4", "block_size": BS, "K": K, "N": N}
         aw_attrs = {"group_size": G, "K": K, "N": N}
 

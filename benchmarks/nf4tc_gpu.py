@@ -1,15 +1,16 @@
 """NF4 tensor-core decode kernel (custom_ops/nf4/nf4tc_cuda.py) against the kernels sessions use today, same run, H100:
   fused  FusedFFNNF4 (gate+up + SiLU*mul): nf4tc nw=2 vs what a session node runs at that M
   matmul MatMulNF4 (one weight): nf4tc nw=1 vs what a session node runs at that M
-("session kernel": the op's CUDA kernel object called as the bridge calls it, custom_ops.direct, so its launch is
-the session's own choice at that M: decode kernels, groups, two-buffer loop, two-row decode, tensor cores)
+("session kernel": the op's CUDA kernel object called as the bridge calls it, custom_ops.runtime.direct, so its
+launch is the session's own choice at that M, the row its ROUTES table picks: decode kernels, groups, two-buffer
+loop, two-row decode, tensor cores)
 Shape: LLaMA-7B gate/up (4096 -> 11008), fused M = 1, 2, 3, 4, 8, 16, matmul M = 1, 2, 4, 16. NF4 block 64, random
 bytes/absmax, x fp16. CUDA-graph medians (benchmarks/timing.py) over calls that cycle through a pool of distinct
 weights (>= 128 MB in all, past the 50 MB L2, as layer after layer of a decode step; before 2026-11-26 session 26 one
 weight was reused, so part of it came from L2); every output checked against the CPU face on the first pool entry.
 GB/s counts the packed weight bytes + absmax.
     PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/nf4tc_gpu.py [--quick] [--variants 8,4:2]
-        [--fused-ms 12,16] [--matmul-ms 12,16]
+        [--fused-ms 12,16] [--matmul-ms 12,16] [--halves]
 (a variant is warps[:rc], rc = row chunks of 8 per block; default the kernel's row_chunks(M); CPL chunks per batch
 and ptxas's register choice, the only ones sessions run since the options went: docs/lab-log.md, "Removed kernel
 variants (NF4)")
@@ -111,7 +112,7 @@ def main():
             r = lau.dispatcher.get_regs_per_thread()
             r = list(r.values())[0] if isinstance(r, dict) else r
             rec(f"tc w={warps} rc={rc} {r}r ({occ}/SM){' halves' if halves else ''}", fns)
-        # what a session node runs at this M (custom_ops.direct: the op's kernel object and its per-call choice)
+        # what a session node runs at this M (custom_ops.runtime.direct: the op's kernel object and its per-call choice)
         op = "FusedFFNNF4" if nw == 2 else "MatMulNF4"
         attrs = {"quant_type": "nf4", "block_size": BS, "K": K, "N": N}
         rec(f"session kernel ({op})", [direct.call(op, attrs, [x] + [t for qa in d for t in qa], [out], stream)
