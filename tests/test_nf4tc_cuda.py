@@ -126,7 +126,8 @@ def test_matmulnf4_session_call_on_halves(m, n, bias, monkeypatch):
     if not SIM:
         pytest.skip("stand-in launches over host memory: simulator only")
     from onnx_lowbit import domain
-    from onnx_lowbit.custom_ops.nf4 import host, matmulnf4_cuda, nf4tc_cuda as tc
+    from onnx_lowbit.custom_ops.device import host
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda, nf4tc_cuda as tc
     from onnx_lowbit.custom_ops.runtime import plans
     from onnx_lowbit.custom_ops.runtime.abi import LbPlan
     from onnx_lowbit.custom_ops.runtime.bridge import Tensor
@@ -135,7 +136,7 @@ def test_matmulnf4_session_call_on_halves(m, n, bias, monkeypatch):
     k, bs = 128, 64
     ws, x, b1, _ = _case(m, k, n, bs, "nf4", (bias, False), 12)
     ref = tc.run(x, ws[0], ws[1], None, None, nf4.code("nf4"), bs, k, n, b1, halves=False, warps=2, sms=1)
-    monkeypatch.setattr(host, "tc_device", lambda: True)
+    monkeypatch.setattr(host, "tensor_cores", lambda simulated=False: True)
     monkeypatch.setattr(tc, "WARPS", 2)         # fewer simulated threads
     monkeypatch.setattr(tc, "RC2_WARPS", 2)
     kern = matmulnf4_cuda.MatMulNF4CudaKernel(spec=domain.OPS["MatMulNF4"], node_name="t",

@@ -88,7 +88,7 @@ def test_awq_n_not_multiple_of_8_cuda_kernel(n):
         from numba import cuda
         if not cuda.is_available():
             pytest.skip("no GPU and the CUDA simulator is off")
-    from onnx_lowbit.custom_ops.awq import matmulawq_cuda
+    from onnx_lowbit.custom_ops.awq import gemv_run_cuda
     model, w, b = linear(n, k=128)
     out, report = run_passes(model, passes=["weights4"], weights="awq")
     node = out.graph.node[0]
@@ -97,7 +97,7 @@ def test_awq_n_not_multiple_of_8_cuda_kernel(n):
     qw, qz, sc, bias = (inits[i] for i in node.input[1:5])
     x = np.random.default_rng(2).standard_normal((3, 128)).astype(np.float32)
     geo = {"ct": 8, "warps": 2} if SIM else {}
-    y = matmulawq_cuda.run_arrays(x, qw, qz, sc, attrs["group_size"], attrs["K"], attrs["N"], bias, **geo)
+    y = gemv_run_cuda.run(x, (qw, qz, sc), None, bias, None, attrs["group_size"], attrs["K"], attrs["N"], **geo)
     assert y.shape == (3, attrs["N"]) and np.all(y[:, n:] == 0)   # the zero columns stay zero
     ref = x @ w + b
     assert rel_fro(y[:, :n], ref) <= 2 * bound(report), (rel_fro(y[:, :n], ref), bound(report))
