@@ -63,6 +63,8 @@ def _gru_options(a, model, loaded=None) -> dict:
     options = {}
     if getattr(a, "gru_bits", None) is not None:
         options["gru_bits"] = a.gru_bits
+    if getattr(a, "gru_small", None):
+        options["gru_small"] = True
     if getattr(a, "calibration", None):
         has_gru = model is None or any(n.op_type == "GRU" for n in model.graph.node)
         if loaded is None and not has_gru:
@@ -513,6 +515,9 @@ def _merge_arguments(p) -> None:
 def _gru_arguments(p) -> None:
     g = p.add_argument_group("integer GRU (the gru pass; needs --calibration)")
     g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
+    g.add_argument("--gru-small", action="store_true", default=None,
+                   help="rewrite GRUs too small to gain (QuantGRU not smaller than the float GRU: its tables "
+                        "outweigh tiny weights; skipped by default)")
 
 
 def _verify_arguments(p) -> None:

@@ -7,8 +7,9 @@
 1. Statistics: the float GRU (gru_float, linear_before_reset=1) runs over every sequence; for each direction and
    each of the 14 quantities the exact min / max over all steps and sequences and a sample of values (at most
    ``SAMPLE_PER_STEP`` per step) for quantiles.
-2. Candidates per quantity: the range [min, max] or a quantile range (LEVELS: 1e-5 .. 1e-3 clipped at each end),
-   each with ``headroom`` -1 .. +2 bits (exponent one finer .. two coarser); deduplicated by the (exponent,
+2. Candidates per quantity: int8: the range [min, max] or a quantile range (LEVELS: 1e-5 .. 1e-3 clipped at
+   each end), each with ``headroom`` -1 .. +2 bits (exponent one finer .. two coarser); int16: [min, max] with
+   1 .. 3 bits of headroom (START_HEADROOM, HEADROOMS); deduplicated by the (exponent,
    zero point) pairs they give after gru_quant's shift rules; plus the per-row weight exponent rule (max|row| or
    squared error, gru_quant.row_exp).
 3. Greedy coordinate descent (a first pass over direction x quantity with every candidate, ``rounds`` - 1 more
@@ -17,7 +18,7 @@
    an evaluation set drawn from all sequences: forward GRUs: chunks of ``chunk`` steps started from the float
    state at the chunk's start (many sequences, long streams); others: the sequences' first ``chunk`` steps. At
    most ``max_chunks`` chunks, spread evenly over all sequences.
-Start: [min, max] with 0 bits of headroom (every quantity's full range fits).
+Start: [min, max] with START_HEADROOM bits (int8 0, int16 1): every quantity's full range fits.
 """
 from __future__ import annotations
 
@@ -29,8 +30,11 @@ import numpy as np
 from . import gru_float, gru_int, gru_quant
 from .gru_int import NQ, QUANTITIES
 
-LEVELS = (0.0, 1e-5, 1e-4, 1e-3)     # fraction clipped at each end of a quantity's range (0: min / max)
-HEADROOMS = (0, -1, 1, 2)            # bits of headroom tried with each range
+LEVELS = {8: (0.0, 1e-5, 1e-4, 1e-3), 16: (0.0,)}   # fraction clipped at each end of a range (0: min / max)
+HEADROOMS = {8: (0, -1, 1, 2), 16: (0, 1, 2)}       # bits of headroom tried with each range, from the start's
+START_HEADROOM = {8: 0, 16: 1}
+# int16 neither clips nor goes finer than [min, max] + 1 bit: its resolution is ample and data beyond the
+# calibration's extremes would saturate (measured: on 21 calibration steps 0 bits gave 7e-2 on new data).
 SAMPLE_PER_STEP = 512
 
 
@@ -81,7 +85,7 @@ class Stats:
         return r
 
 
-def _gather(seqs, d, h):
+def gather(seqs, d, h):
     """All sequences as one padded batch: x [T, M, C], lens [M], h0 [D, M, H]."""
     t = max(s.x.shape[0] for s in seqs)
     xs, ls, hs = [], [], []
@@ -125,17 +129,19 @@ class Result:
     error_start: float
     error: float
     trials: int
+    headroom0: int = 0
 
 
-def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=None, rounds=2, chunk=96,
-           max_chunks=48, on_trial=None) -> Result:
-    """Quantisation parameters minimising the integer GRU's Y error on the calibration sequences (docstring)."""
+def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=None, rounds=2, headroom=None,
+           chunk=96, max_chunks=48, on_trial=None) -> Result:
+    """Quantisation parameters minimising the integer GRU's Y error on the calibration sequences (docstring).
+    ``rounds`` 0: no search, the start ([min, max] with ``headroom`` bits, default 0, for every quantity)."""
     W, R = np.asarray(W, np.float64), np.asarray(R, np.float64)
     d, h = W.shape[0], R.shape[-1]
     if not seqs:
         raise ValueError("calibration: no sequences")
     stats = Stats(d)
-    x, lens, h0 = _gather(seqs, d, h)
+    x, lens, h0 = gather(seqs, d, h)
     kw = dict(hidden_size=hidden_size, direction=direction, linear_before_reset=1, clip=clip)
     y_ref = gru_float.gru(x, W, R, B, lens, h0, trace=stats.update, **kw)[0]
     ex, el, eh = eval_set(x, lens, h0, y_ref, direction, chunk, max_chunks)
@@ -156,7 +162,8 @@ def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=N
         return float(np.linalg.norm(y - ref)) / den
 
     levels = [{n: 0.0 for n in QUANTITIES} for _ in range(d)]
-    headroom = [{n: 0 for n in QUANTITIES} for _ in range(d)]
+    hr0 = START_HEADROOM[bits] if headroom is None else int(headroom)
+    headroom = [{n: hr0 for n in QUANTITIES} for _ in range(d)]
     wmse = False
     best_p = params(levels, headroom, wmse)
     start = best = err(best_p)
@@ -165,11 +172,11 @@ def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=N
 
     def cands(k, name, rnd):
         if rnd == 0:
-            return [(lv, hr) for lv in LEVELS for hr in HEADROOMS]
+            return [(lv, hr0 + hr) for lv in LEVELS[bits] for hr in HEADROOMS[bits]]
         lv, hr = levels[k][name], headroom[k][name]
-        return [(lv, hr - 1), (lv, hr + 1)]
+        return [(lv, v) for v in (hr - 1, hr + 1) if v - hr0 >= min(HEADROOMS[bits])]
 
-    total = d * NQ * len(LEVELS) * len(HEADROOMS) + (rounds - 1) * d * NQ * 2 + rounds
+    total = (d * NQ * len(LEVELS[bits]) * len(HEADROOMS[bits]) + (rounds - 1) * d * NQ * 2 + rounds) if rounds else 0
     for rnd in range(rounds):
         for k in range(d):
             for name in QUANTITIES:
@@ -197,7 +204,7 @@ def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=N
             v = err(p)
             if v < best * (1 - 1e-3):
                 wmse, best, best_p = not wmse, v, p
-    return Result(best_p, levels, headroom, wmse, start, best, trials)
+    return Result(best_p, levels, headroom, wmse, start, best, trials, hr0)
 
 
 def _key(p, wmse):
@@ -209,8 +216,8 @@ def describe(res: Result) -> str:
     parts = []
     for k, (lv, hd) in enumerate(zip(res.levels, res.headroom)):
         for n in QUANTITIES:
-            if lv[n] or hd[n]:
-                tag = (f" q{lv[n]:.0e}" if lv[n] else "") + (f" {hd[n]:+d}" if hd[n] else "")
+            if lv[n] or hd[n] != res.headroom0:
+                tag = (f" q{lv[n]:.0e}" if lv[n] else "") + (f" {hd[n] - res.headroom0:+d}" if hd[n] != res.headroom0 else "")
                 parts.append(f"{n}{'' if len(res.levels) == 1 else f'[{k}]'}{tag}")
     if res.weight_mse:
         parts.append("weights mse")
