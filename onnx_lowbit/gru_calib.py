@@ -7,9 +7,9 @@
 1. Statistics: the float GRU (gru_float, linear_before_reset=1) runs over every sequence; for each direction and
    each of the 14 quantities the exact min / max over all steps and sequences and a sample of values (at most
    ``SAMPLE_PER_STEP`` per step) for quantiles.
-2. Candidates per quantity: int8: the range [min, max] or a quantile range (LEVELS: 1e-5 .. 1e-3 clipped at
-   each end), each with ``headroom`` -1 .. +2 bits (exponent one finer .. two coarser); int16: [min, max] with
-   1 .. 3 bits of headroom (START_HEADROOM, HEADROOMS); deduplicated by the (exponent,
+2. Candidates per quantity: the range [min, max] or, for the GEMM outputs and pre-activations (CLIPPABLE), a
+   quantile range (LEVELS: 1e-5 .. 5e-2 clipped at each end), each with ``headroom`` (int8: -1 .. +2 bits,
+   exponent one finer .. two coarser; int16: 1 .. 3 bits: START_HEADROOM, HEADROOMS); deduplicated by the (exponent,
    zero point) pairs they give after gru_quant's shift rules; plus the per-row weight exponent rule (max|row| or
    squared error, gru_quant.row_exp).
 3. Greedy coordinate descent (a first pass over direction x quantity with every candidate, ``rounds`` - 1 more
@@ -30,9 +30,14 @@ import numpy as np
 from . import gru_float, gru_int, gru_quant
 from .gru_int import NQ, QUANTITIES
 
-LEVELS = {8: (0.0, 1e-5, 1e-4, 1e-3), 16: (0.0,)}   # fraction clipped at each end of a range (0: min / max)
+LEVELS = {8: (0.0, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2), 16: (0.0, 1e-4, 1e-3, 1e-2, 5e-2)}   # fraction clipped at each end
+                                                    # of a range (0: min / max)
 HEADROOMS = {8: (0, -1, 1, 2), 16: (0, 1, 2)}       # bits of headroom tried with each range, from the start's
 START_HEADROOM = {8: 0, 16: 1}
+# Quantities whose ranges may be clipped at quantiles: the GEMM outputs and pre-activations, whose extremes feed
+# saturating sigmoid / tanh (clipping the state h or the products overfits small calibration sets: measured on
+# tests/test_pass_gru.py's 21-step data, h clipped at 1e-2 gave 1.3e-4 there and 7.8e-2 on new data).
+CLIPPABLE = ("Wx", "Rh", "z_pre", "r_pre", "g_pre", "Rh_add_br", "rRh")
 # int16 neither clips nor goes finer than [min, max] + 1 bit: its resolution is ample and data beyond the
 # calibration's extremes would saturate (measured: on 21 calibration steps 0 bits gave 7e-2 on new data).
 SAMPLE_PER_STEP = 512
@@ -172,7 +177,8 @@ def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=N
 
     def cands(k, name, rnd):
         if rnd == 0:
-            return [(lv, hr0 + hr) for lv in LEVELS[bits] for hr in HEADROOMS[bits]]
+            lvs = LEVELS[bits] if name in CLIPPABLE else (0.0,)
+            return [(lv, hr0 + hr) for lv in lvs for hr in HEADROOMS[bits]]
         lv, hr = levels[k][name], headroom[k][name]
         return [(lv, v) for v in (hr - 1, hr + 1) if v - hr0 >= min(HEADROOMS[bits])]
 
