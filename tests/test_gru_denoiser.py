@@ -28,8 +28,9 @@ from samples import denoiser as dn  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 CPU = ["CPUExecutionProvider"]
-# measured (docs/gru.md) -> bound: int16 Y, int8 Y, int16 / int8 SNR loss in dB
-BOUNDS = {16: (2e-3, 0.1), 8: (4e-2, 0.5)}
+# bounds (Y rel-L2 of each GRU, |SNR change| dB) over the measured figures (docs/gru.md): int16 6.0e-4 / 4.7e-4,
+# 0.000 dB; int8 2.8e-2 / 2.8e-2, +0.016 dB. The SNR bounds are the goals.
+BOUNDS = {16: (1.5e-3, 0.1), 8: (4e-2, 0.5)}
 
 
 @functools.lru_cache(None)
@@ -146,7 +147,7 @@ def test_streaming_calibration_sees_every_frame():
     reasons = [e.reason for e in r["report"].rewritten("gru")]
     n_frames = sum(len(f) for _, _, f in audio()["cal"])
     assert len(reasons) == 2 and all(f"{n_frames} streamed frames, states carried" in s for s in reasons), reasons
-    assert r["rel"][0] <= BOUNDS[16][0] * 2 and r["rel"][1] <= BOUNDS[16][0] * 2, r["rel"]
+    assert max(r["rel"][:2]) <= BOUNDS[16][0], r["rel"]
     assert abs(r["snr"][0] - r["snr"][1]) <= BOUNDS[16][1], r["snr"]
 
 

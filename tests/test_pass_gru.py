@@ -241,3 +241,23 @@ def test_small_gru_skipped_with_size_reason():
     assert e.action == "skipped" and "too small to gain" in e.reason and "bytes" in e.reason, rep.to_table()
     assert gru.stored_bytes(1, 8, 5, 8) >= gru.stored_bytes(1, 8, 5)
     assert gru.stored_bytes(1, 128, 257, 8) < gru.stored_bytes(1, 128, 257, 16) < gru.stored_bytes(1, 128, 257)
+
+
+def test_several_runs_cli_and_api(tmp_path):
+    """NAME#K arrays (CLI) and a list of dicts (API) are one calibration run each: the report counts them, and both
+    give the same parameters; a bad run number is a clear error."""
+    m, _ = gru_model("forward", h0=True)
+    a, b = feeds_for(m, 1), feeds_for(m, 2)
+    out, rep = run_passes(m, passes=["gru"], calibration=[a, b], gru_small=True)
+    assert "calibrated on 2 runs" in rep.entries[0].reason, rep.to_table()
+    src, dst = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(m, src)
+    np.savez(tmp_path / "cal.npz", **{f"{k}#0": v for k, v in a.items()}, **{f"{k}#1": v for k, v in b.items()})
+    assert cli.main(["rewrite", str(src), str(dst), "--passes", "gru", "--calibration", str(tmp_path / "cal.npz"),
+                     "--gru-small"]) == 0
+    got, want = quant_node(onnx.load(dst)), quant_node(out)
+    assert [helper.get_attribute_value(x) for x in got.attribute] == [helper.get_attribute_value(x)
+                                                                       for x in want.attribute]
+    with pytest.raises(ValueError, match="followed by the run number"):
+        run_passes(m, passes=["gru"], calibration={f"{k}#x": v for k, v in a.items()}, gru_small=True)
+    domain.register_schemas()
