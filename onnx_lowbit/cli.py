@@ -63,6 +63,8 @@ def _gru_options(a, model, loaded=None) -> dict:
     options = {}
     if getattr(a, "gru_bits", None) is not None:
         options["gru_bits"] = a.gru_bits
+    if getattr(a, "gru_small", None):
+        options["gru_small"] = True
     if getattr(a, "calibration", None):
         has_gru = model is None or any(n.op_type == "GRU" for n in model.graph.node)
         if loaded is None and not has_gru:
@@ -147,25 +149,28 @@ def load_calibration(path, model=None) -> dict:
     if model is not None:
         inits = {i.name for i in model.graph.initializer}
         inputs = {vi.name: vi for vi in model.graph.input if vi.name not in inits}
-        unknown = sorted(set(arrays) - set(inputs))
+        # NAME#K: run K of several (the gru pass: utterances of different lengths)
+        base = {k: (k.rpartition("#")[0] if "#" in k and k.rpartition("#")[2].isdigit() else k) for k in arrays}
+        unknown = sorted(k for k in arrays if base[k] not in inputs)
         if unknown:
             raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
                               f"name{'' if len(unknown) > 1 else 's'} no model input; inputs: "
                               f"{', '.join(map(repr, inputs))} (--calibration)")
-        missing = [n for n in inputs if n not in arrays]
-        if missing:
+        missing = [n for n in inputs if n not in base.values()]
+        has_gru = any(n.op_type == "GRU" for n in model.graph.node)
+        if missing and not has_gru:   # (a streaming GRU model's states may be left out: the gru pass checks)
             raise LowbitError(f"{path}: no array for model input{'s' if len(missing) > 1 else ''} "
                               f"{', '.join(map(repr, missing))} (--calibration)")
-        for name, vi in inputs.items():
-            v = arrays[name]
+        for key, v in arrays.items():
+            vi = inputs[base[key]]
             dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                     for d in vi.type.tensor_type.shape.dim]
-            if vi.type.tensor_type.HasField("shape") and (
+            if not missing and vi.type.tensor_type.HasField("shape") and (
                     len(dims) != v.ndim or any(isinstance(d, int) and d > 0 and d != n for d, n in zip(dims, v.shape))):
-                raise LowbitError(f"{path}: array {name!r} has shape {list(v.shape)}, the model input {dims} "
+                raise LowbitError(f"{path}: array {key!r} has shape {list(v.shape)}, the model input {dims} "
                                   "(--calibration)")
             if not np.issubdtype(v.dtype, np.number) and v.dtype != np.bool_:
-                raise LowbitError(f"{path}: array {name!r} has dtype {v.dtype}, not numeric (--calibration)")
+                raise LowbitError(f"{path}: array {key!r} has dtype {v.dtype}, not numeric (--calibration)")
     return arrays
 
 
@@ -471,7 +476,8 @@ def _weights_arguments(p) -> None:
                         "other weights together)")
     g.add_argument("--calibration", metavar="FILE.npz",
                    help="calibration inputs (AWQ's scale search; the gru pass's ranges), one array per model "
-                        "input, named after it")
+                        "input, named after it; for the gru pass NAME#0, NAME#1, ... give several runs (e.g. "
+                        "utterances), and a streaming model's state inputs may be left out ([frames, ...] arrays)")
     g.add_argument("--awq-checkpoint", metavar="PATH",
                    help="take AWQ weights from a pre-quantised AutoAWQ checkpoint (.safetensors file or directory; "
                         "matched by weight / node names; unmatched weights stay in float); implies --weights awq")
@@ -513,6 +519,9 @@ def _merge_arguments(p) -> None:
 def _gru_arguments(p) -> None:
     g = p.add_argument_group("integer GRU (the gru pass; needs --calibration)")
     g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
+    g.add_argument("--gru-small", action="store_true", default=None,
+                   help="rewrite GRUs too small to gain (QuantGRU not smaller than the float GRU: its tables "
+                        "outweigh tiny weights; skipped by default)")
 
 
 def _verify_arguments(p) -> None:

@@ -106,7 +106,20 @@ def _sigmoid(v):
     return 0.5 * (np.tanh(0.5 * v) + 1.0)
 
 
-def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom):
+def row_exp(rows, bits: int, hi_cap: int, mse: bool = False):
+    """Per-row exponent of symmetric weights: the largest e with max|row| 2^e <= qmax, or with ``mse`` the one of
+    e, e + 1 (one bit finer, the largest weights clipped to qmax) with the smaller squared quantisation error."""
+    e = sym_exp(np.abs(rows).max(axis=1), bits, hi_cap)
+    if not mse:
+        return e
+    errs = []
+    for ee in (e, np.minimum(e + 1, hi_cap)):
+        q = quantize(np.ldexp(rows, ee[:, None].astype(np.int32)), 0, 0, bits)
+        errs.append(np.sum((np.ldexp(q.astype(np.float64), -ee[:, None].astype(np.int32)) - rows) ** 2, axis=1))
+    return np.where(errs[1] < errs[0], np.minimum(e + 1, hi_cap), e)
+
+
+def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom, weight_mse=False):
     emin, emax = exp_limits(bits)
     e = {}
     for name in QUANTITIES:
@@ -118,8 +131,8 @@ def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom):
         e[name] -= headroom if isinstance(headroom, int) else int(headroom.get(name, 0))
     for name in ("z_out", "r_out", "g_out"):              # table outputs: at most 2^-bits resolution, e >= 0
         e[name] = min(max(e[name], 0), bits)
-    eW = sym_exp(np.abs(W).max(axis=1), bits, emax + 8)
-    eR = sym_exp(np.abs(R).max(axis=1), bits, emax + 8)
+    eW = row_exp(W, bits, emax + 8, weight_mse)
+    eR = row_exp(R, bits, emax + 8, weight_mse)
     # lower targets until every scalar rescale is a left shift of at most MAX_LEFT_SHIFT and the GEMM rescales
     # are right shifts (lowering e coarsens a quantity's scale; its range still fits)
     lim = gru_int.MAX_LEFT_SHIFT
@@ -152,9 +165,10 @@ def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom):
     return qW, qR, b, ch, luts, [e[n] for n in QUANTITIES], [zp[n] for n in QUANTITIES]
 
 
-def quant_params(W, R, B, ranges, *, bits=16, clip=None, headroom=None) -> dict:
+def quant_params(W, R, B, ranges, *, bits=16, clip=None, headroom=None, weight_mse=False) -> dict:
     """QuantGRU inputs and attributes from float weights W [D, 3H, C], R [D, 3H, H], B [D, 6H] (or None) and
-    the per-direction calibration ranges."""
+    the per-direction calibration ranges. ``headroom``: bits (int), {quantity: bits}, or a list of either per
+    direction; ``weight_mse``: per-row weight exponents by squared error (row_exp) instead of max|row|."""
     if bits not in gru_int.LUT_SHIFT:
         raise ValueError(f"bits must be 8 or 16, got {bits}")
     W, R = np.asarray(W, np.float64), np.asarray(R, np.float64)
@@ -162,8 +176,12 @@ def quant_params(W, R, B, ranges, *, bits=16, clip=None, headroom=None) -> dict:
     B = np.zeros((d, 2 * h3)) if B is None else np.asarray(B, np.float64)
     if len(ranges) != d:
         raise ValueError(f"expected {d} direction ranges, got {len(ranges)}")
-    headroom = HEADROOM[bits] if headroom is None else (headroom if isinstance(headroom, dict) else int(headroom))
-    out = [_direction_params(W[k], R[k], B[k, :h3], B[k, h3:], ranges[k], bits, clip, headroom) for k in range(d)]
+    hd = headroom if isinstance(headroom, (list, tuple)) else [headroom] * d
+    if len(hd) != d:
+        raise ValueError(f"expected {d} per-direction headrooms, got {len(hd)}")
+    hd = [HEADROOM[bits] if v is None else (v if isinstance(v, dict) else int(v)) for v in hd]
+    out = [_direction_params(W[k], R[k], B[k, :h3], B[k, h3:], ranges[k], bits, clip, hd[k], weight_mse)
+           for k in range(d)]
     assert all(len(o[5]) == NQ for o in out)
     return {"W": np.stack([o[0] for o in out]), "R": np.stack([o[1] for o in out]),
             "B": np.stack([o[2] for o in out]), "channel_exp": np.stack([o[3] for o in out]),

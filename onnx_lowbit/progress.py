@@ -1,5 +1,5 @@
 """The CLI's status line for long steps: which step runs (e.g. "pass 7/7 gru"), what it is doing now (a pass's own
-notes through its ``progress`` option, e.g. the GRU node it calibrates and the headroom-search trial) and how long
+notes through its ``progress`` option, e.g. the GRU node it calibrates and the range-search trial) and how long
 the step has taken so far.
 
 On a terminal the line is redrawn in place every half second, so a long step visibly moves even while one numpy

@@ -13,16 +13,20 @@ the tables). The QuantGRU node writes the GRU's output tensors (an omitted outpu
 
 Options:
     calibration           {graph input name: np.ndarray} (shared with weights4's AWQ; ``gru_calibration``, when
-                          given, is used instead, e.g. with weights nf4 which rejects calibration): the model runs once in
-                          onnxruntime with every GRU's inputs as extra outputs; each GRU's float reference
-                          (onnx_lowbit.gru_float) records the ranges of the seed's quantities per time step (EMA)
-                          and onnx_lowbit.gru_quant derives the parameters. Without it every GRU is skipped
+                          given, is used instead, e.g. with weights nf4 which rejects calibration), a list of such
+                          dicts, or NAME#K keys (one run per K: utterances of different lengths): the model runs
+                          in onnxruntime with every GRU's inputs as extra outputs; a run that leaves out the
+                          state inputs of a streaming model (state_pairs) holds [frames, ...] arrays and runs frame
+                          by frame, states carried. onnx_lowbit.gru_calib searches the parameters that minimise
+                          the integer GRU's Y error on all sequences. Without calibration every GRU is skipped
                           ("pass calibration data: --calibration DATA.npz ...").
     calibration_session   optional session factory (as weights4): needed when the graph already holds onnx_lowbit ops
     gru_bits              8 or 16 (default 16)
-    gru_headroom          bits of headroom above the calibrated ranges (default gru_quant.HEADROOM[bits])
-    gru_search            per-quantity headroom search on the calibration data (gru_quant.refine_headroom);
-                          default on for int8, off for int16
+    gru_headroom          bits of headroom above the calibrated [min, max] ranges where the search starts (default 0)
+    gru_search            the error-minimising range search (onnx_lowbit.gru_calib.search; default on): off
+                          takes every quantity's [min, max] over the calibration data with gru_headroom bits
+    gru_small             rewrite GRUs whose QuantGRU would not be smaller than the float GRU (default: skipped,
+                          "too small to gain")
 
 Calibration arrays whose names or shapes do not match the graph inputs raise ValueError before any change.
 Every rewrite reports the relative L2 error of Y (QuantGRU reference vs float GRU) on the calibration inputs.
@@ -33,7 +37,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from onnx_lowbit import domain, gru_float, gru_int, gru_quant
+from onnx_lowbit import domain, gru_calib, gru_float, gru_int
 
 from . import calibration as _calibration
 from .base import (Names, Pass, Report, constant_value, elem_type, is_constant, iter_graphs, node_label, producer,
@@ -54,7 +58,7 @@ class GRUPass(Pass):
             raise ValueError(f"gru_bits must be 8 or 16, got {bits!r}")
         headroom = options.get("gru_headroom")
         search = options.get("gru_search")
-        search = bits == 8 if search is None else bool(search)
+        search = True if search is None else bool(search)
         names = Names(graph)
         cands = []
         for g in iter_graphs(graph):
@@ -66,6 +70,7 @@ class GRUPass(Pass):
                                  "calibration covers the main graph only")
                     continue
                 spec, why = _check(node, int(graph.opset or 17))
+                why = why or (None if options.get("gru_small") else _too_small(spec, bits))
                 if why:
                     self.skipped(report, "GRU", [node_label(node)], why)
                 else:
@@ -77,52 +82,46 @@ class GRUPass(Pass):
             for node, _ in cands:
                 self.not_run(report, "GRU", [node_label(node)], NO_CALIBRATION)
             return
-        if not isinstance(cal, dict) or not cal:
-            raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
-        progress(options, f"calibration run: the model in onnxruntime on the calibration data, recording the input "
-                          f"of {len(cands)} GRU{'s' if len(cands) > 1 else ''}")
-        got = _calibration_run(graph, cands, cal, options.get("calibration_session"))
+        runs = _calibration.runs(cal)
+        progress(options, f"calibration run{'s' if len(runs) > 1 else ''}: the model in onnxruntime on the "
+                          f"calibration data, recording the input of {len(cands)} GRU{'s' if len(cands) > 1 else ''}")
+        seqs, how = _calibration_sequences(graph, cands, runs, options.get("calibration_session"))
         for i, (node, spec) in enumerate(cands):
             where = f"GRU {i + 1}/{len(cands)} {node_label(node)!r} (int{bits}, H={spec['H']})"
-            self.rewrite(graph, report, names, node, spec, got, bits, headroom, search,
+            self.rewrite(graph, report, names, node, spec, seqs[i], how, bits, headroom, search,
                          lambda what: progress(options, f"{where}: {what}"))
 
     def needs(self, options: dict) -> str | None:
         has = options.get("gru_calibration", options.get("calibration")) is not None
         return None if has else "--calibration DATA.npz"
 
-    def rewrite(self, graph, report, names, node, spec, got, bits, headroom, search, note=lambda what: None):
-        x = got.get(spec["X"].name)
-        if x is None:
+    def rewrite(self, graph, report, names, node, spec, seqs, how, bits, headroom, search, note=lambda what: None):
+        if not seqs:
             self.skipped(report, "GRU", [node_label(node)], "the calibration run did not produce its input X")
             return
-        lens = _value(spec["sequence_lens"], got)
-        h0 = _value(spec["initial_h"], got)
-        kw = dict(direction=spec["direction"], layout=spec["layout"])
-        W, R, B = spec["W"], spec["R"], spec["B"]
-        clip = spec["clip"]
+        W, R, B, clip, h = spec["W"], spec["R"], spec["B"], spec["clip"], spec["H"]
+        notes = [f"int{bits}", how]
+
+        def trial(i, n, e):
+            note(f"range search {i}/{n} (Y rel error {e:.2e})")
         note("ranges of the gate quantities from the calibration data")
-        ranges = gru_quant.calibrate(x, W, R, B, lens, h0, hidden_size=spec["H"], clip=clip, **kw)
-        notes = [f"int{bits}"]
+        res = gru_calib.search(W, R, B, seqs, bits=bits, hidden_size=h, direction=spec["direction"], clip=clip,
+                               rounds=2 if search else 0, headroom=headroom, on_trial=trial)
         if search:
-            base = gru_quant.HEADROOM[bits] if headroom is None else int(headroom)
-            def trial(i, n, e):
-                note(f"headroom search {i + 1}/{n} (Y rel error {e:.2e})")
-            headroom, before, after = gru_quant.refine_headroom(W, R, B, ranges, x, lens, h0, bits=bits, clip=clip,
-                                                                hidden_size=spec["H"], headroom=base,
-                                                                on_trial=trial, **kw)
-            moved = ", ".join(f"{n} {v - base:+d}" for n, v in headroom.items() if v != base)
-            notes.append(f"headroom search {before:.2e} -> {after:.2e}" + (f" ({moved})" if moved else ""))
-        note("integer parameters, and the error of the integer GRU against the float one")
-        p = gru_quant.quant_params(W, R, B, ranges, bits=bits, clip=clip, headroom=headroom)
+            moved = gru_calib.describe(res)
+            notes.append(f"range search {res.error_start:.2e} -> {res.error:.2e} in {res.trials} trials"
+                         + (f" ({moved})" if moved else ""))
+        note("the error of the integer GRU against the float one on all calibration data")
+        p = res.params
+        x, lens, h0 = gru_calib.gather(seqs, W.shape[0], h)
+        kw = dict(direction=spec["direction"], hidden_size=h)
         try:  # the parameters must pass the op's own checks
-            y_q, _ = gru_int.quant_gru(np.asarray(x, np.float32), p["W"], p["R"], p["B"], p["channel_exp"],
-                                       p["luts"], lens, h0, hidden_size=spec["H"], bits=bits,
-                                       exponents=p["exponents"], zero_points=p["zero_points"], **kw)
+            y_q, _ = gru_int.quant_gru(x, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], lens.astype(np.int32),
+                                       h0, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"], **kw)
         except ValueError as e:
             self.skipped(report, "GRU", [node_label(node)], f"no valid integer parameters: {e}")
             return
-        y_f, _ = gru_float.gru(x, W, R, B, lens, h0, hidden_size=spec["H"], linear_before_reset=1, clip=clip, **kw)
+        y_f, _ = gru_float.gru(x, W, R, B, lens, h0, linear_before_reset=1, clip=clip, **kw)
         den = float(np.linalg.norm(y_f))
         rel = float(np.linalg.norm(y_q - y_f) / den) if den > 0 else 0.0
         base = node.name or node.outputs[0].name
@@ -138,7 +137,7 @@ class GRUPass(Pass):
         outs = [o if o is not None and o.name else gs.Variable(names(f"{base}_{n}_unused"), dtype=np.float32)
                 for o, n in zip(outs, ("Y", "Y_h"))]
         new = gs.Node(op="QuantGRU", domain=domain.DOMAIN, name=names(f"{base}_quant"), inputs=inputs, outputs=outs,
-                      attrs=dict(hidden_size=spec["H"], direction=spec["direction"], layout=spec["layout"], bits=bits,
+                      attrs=dict(hidden_size=h, direction=spec["direction"], layout=spec["layout"], bits=bits,
                                  exponents=p["exponents"], zero_points=p["zero_points"]))
         node.inputs.clear()
         node.outputs.clear()
@@ -149,6 +148,25 @@ class GRUPass(Pass):
                          f"{', '.join(spec['folded'])}")
         self.rewritten(report, "GRU", [node_label(node)], "; ".join(notes), new_node=new.name, bits=bits,
                        rel_error=rel, exponents=p["exponents"], zero_points=p["zero_points"])
+
+
+def stored_bytes(d, h, c, bits=None) -> int:
+    """Bytes of a GRU's stored parameters: float32 W, R, B (bits None) or QuantGRU's W, R (bits wide), B int32,
+    channel_exp int32 and the three tables per direction (attributes not counted)."""
+    if bits is None:
+        return 4 * d * (3 * h * c + 3 * h * h + 6 * h)
+    q = bits // 8
+    return d * (q * (3 * h * c + 3 * h * h) + 4 * 6 * h + 4 * 4 * 3 * h + q * 3 * gru_int.lut_len(bits))
+
+
+def _too_small(spec, bits):
+    d, h, c = spec["W"].shape[0], spec["H"], spec["W"].shape[2]
+    fb, qb = stored_bytes(d, h, c), stored_bytes(d, h, c, bits)
+    if qb < fb:
+        return None
+    return (f"too small to gain: QuantGRU int{bits} would store {qb} bytes (its sigmoid/tanh tables alone "
+            f"{d * 3 * gru_int.lut_len(bits) * bits // 8}) against the float GRU's {fb} (H={h}, C={c}); "
+            "--gru-small (gru_small=True) rewrites it anyway")
 
 
 # ---------------------------------------------------------------------------------------------------- matching
@@ -219,6 +237,7 @@ def _check(node, opset):
     clip = node.attrs.get("clip")
     return dict(X=x, W=W, R=R, B=B, H=h, direction=direction, layout=layout, clip=None if clip is None else float(clip),
                 sequence_lens=ins[4] if present(ins[4]) else None, initial_h=ins[5] if present(ins[5]) else None,
+                Y_h=node.outputs[1] if len(node.outputs) > 1 and node.outputs[1].name else None,
                 folded=folded), None
 
 
@@ -287,21 +306,103 @@ def _value(t, got):
 
 
 # ---------------------------------------------------------------------------------------------------- calibration
-def _calibration_run(graph: gs.Graph, cands, calibration: dict, factory) -> dict:
-    """{tensor name: array} for the GRUs' X / sequence_lens / initial_h from one onnxruntime run of the graph on
-    the calibration inputs (GRUs with layout 1, which onnxruntime's CPU GRU rejects, run as Transpose + layout 0
-    in the copy)."""
-    feeds = _calibration.check_feeds(graph, calibration)
+SHAPE_ONLY = ("Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Cast")
+
+
+def state_pairs(graph: gs.Graph, cands) -> dict:
+    """{graph input: graph output} of GRU states a streaming model carries between calls: an input that reaches a
+    GRU's initial_h, and an output reached from that GRU's Y_h, through shape-only ops (SHAPE_ONLY)."""
+    ins = {t.name for t in graph.inputs}
+    outs = {t.name for t in graph.outputs}
+    pairs = {}
+    for node, spec in cands:
+        t = spec["initial_h"]
+        while t is not None and t.name not in ins:
+            p = producer(t)
+            t = p.inputs[0] if p is not None and p.op in SHAPE_ONLY and p.inputs else None
+        if t is None or len(node.outputs) < 2 or not node.outputs[1].name:
+            continue
+        o = node.outputs[1]
+        while o is not None and o.name not in outs:
+            nxt = [c for c in o.outputs if c.op in SHAPE_ONLY]
+            o = nxt[0].outputs[0] if len(nxt) == 1 and len(o.outputs) == 1 else None
+        if o is not None:
+            pairs[t.name] = o.name
+    return pairs
+
+
+def _calibration_sequences(graph: gs.Graph, cands, runs, factory):
+    """Per GRU, its calibration sequences (gru_calib.Sequence, layout 0) from every run, and a note on how they
+    were made. A run that gives no array for the state inputs of a streaming model (state_pairs) holds frames:
+    the model runs frame by frame, each frame's states are the last one's outputs (zeros at first)."""
     wanted = []
     for _, spec in cands:
         for k in ("X", "sequence_lens", "initial_h"):
             t = spec[k]
             if t is not None and not is_constant(t) and t.name not in wanted:
                 wanted.append(t.name)
-    got = _calibration.collect(graph, wanted, feeds, factory, transform=_layout0)
-    out = {n: feeds[n] for n in wanted if n in feeds}
-    out.update({n: got[n] for n in wanted if n in got})
-    return out
+    seqs = [[] for _ in cands]
+    frames_total = 0
+    for r in runs:
+        pairs = _streaming(graph, cands, r)
+        if not pairs:
+            feeds = _calibration.check_feeds(graph, r)
+            got = dict(feeds)
+            got.update(_calibration.collect(graph, wanted, feeds, factory, transform=_layout0))
+            for i, (_, spec) in enumerate(cands):
+                s = _sequence(spec, got)
+                if s is not None:
+                    seqs[i].append(s)
+            continue
+        yh = [spec["Y_h"].name for _, spec in cands if spec["Y_h"] is not None]
+        frames = _calibration.stream(graph, wanted + [n for n in yh if n not in wanted], r, pairs, factory,
+                                     transform=_layout0)
+        frames_total += len(frames)
+        for i, (_, spec) in enumerate(cands):
+            seqs[i] += _stream_sequences(spec, frames)
+    how = f"calibrated on {len(runs)} run{'s' if len(runs) > 1 else ''}"
+    if frames_total:
+        how += f" ({frames_total} streamed frames, states carried)"
+    return seqs, how
+
+
+def _streaming(graph, cands, run) -> dict:
+    """The state pairs when ``run`` gives every graph input but (some of) the states, else {}."""
+    pairs = state_pairs(graph, cands)
+    missing = {t.name for t in graph.inputs} - set(run)
+    if not missing or not pairs or not missing <= set(pairs):
+        return {}
+    return {k: v for k, v in pairs.items() if k in missing}
+
+
+def _sequence(spec, got):
+    x = got.get(spec["X"].name)
+    if x is None:
+        return None
+    lens = _value(spec["sequence_lens"], got)
+    h0 = _value(spec["initial_h"], got)
+    x = np.asarray(x, np.float32)
+    if spec["layout"] == 1:
+        x = x.transpose(1, 0, 2)
+        h0 = None if h0 is None else np.asarray(h0).transpose(1, 0, 2)
+    return gru_calib.Sequence(x, None if lens is None else np.asarray(lens), None if h0 is None else
+                              np.asarray(h0, np.float32))
+
+
+def _stream_sequences(spec, frames):
+    """One sequence of all frames when each frame's initial state is the previous frame's Y_h (the state carried
+    unchanged: the GRU sees one long sequence), else one sequence per frame."""
+    per = [_sequence(spec, f) for f in frames]
+    per = [p for p in per if p is not None]
+    if not per:
+        return []
+    yh = [f.get(spec["Y_h"].name) if spec["Y_h"] is not None else None for f in frames]
+    chained = all(p.lens is None for p in per) and all(v is not None for v in yh) and all(
+        b.h0 is not None and np.allclose(b.h0, np.asarray(y).transpose(1, 0, 2) if spec["layout"] == 1 else y,
+                                         rtol=1e-5, atol=1e-6) for b, y in zip(per[1:], yh[:-1]))
+    if chained:
+        return [gru_calib.Sequence(np.concatenate([p.x for p in per]), None, per[0].h0)]
+    return per
 
 
 def _layout0(g: onnx.GraphProto) -> None:

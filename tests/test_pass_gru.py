@@ -11,6 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnx_lowbit
 from onnx_lowbit import cli, domain, gru_float, gru_int
 from onnx_lowbit.passes import run_passes
+from onnx_lowbit.passes import gru
 from onnx_lowbit.passes.gru import GRUPass
 
 CPU = ["CPUExecutionProvider"]
@@ -98,7 +99,7 @@ def int_reference(out, feeds):
 
 def check_rewrite(m, wrb, *, direction, layout=0, clip=None, tol=1e-2, bits=16):
     cal, test = feeds_for(m, 1), feeds_for(m, 2)
-    out, rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=bits)
+    out, rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=bits, gru_small=True)
     assert [e.action for e in rep.entries] == ["rewritten"], rep.to_table()
     onnx.checker.check_model(out, full_check=True)
     assert [i.name for i in out.graph.input] == [i.name for i in m.graph.input]
@@ -159,7 +160,7 @@ def test_folded_weights():
 ])
 def test_skipped_with_reason(kw, needle):
     m, _ = gru_model("forward", **kw)
-    out, rep = run_passes(m, passes=["gru"], calibration=feeds_for(m, 1))
+    out, rep = run_passes(m, passes=["gru"], calibration=feeds_for(m, 1), gru_small=True)
     assert [e.action for e in rep.entries] == ["skipped"] and needle in rep.entries[0].reason
     assert [n.op_type for n in out.graph.node] == ["GRU"]
 
@@ -173,17 +174,17 @@ def test_runtime_weight_skipped():
     m, _ = gru_model("forward")
     m.graph.initializer.remove(next(i for i in m.graph.initializer if i.name == "R"))
     m.graph.input.append(helper.make_tensor_value_info("R", TensorProto.FLOAT, [1, 3 * H, H]))
-    rep = run_passes(m, passes=["gru"], calibration=feeds_for(m, 1))[1]
+    rep = run_passes(m, passes=["gru"], calibration=feeds_for(m, 1), gru_small=True)[1]
     assert rep.entries[0].action == "skipped"
     assert "R (R) is not a constant" in rep.entries[0].reason and "graph input 'R'" in rep.entries[0].reason
 
 
 def test_no_calibration_says_what_to_pass():
     m, _ = gru_model("forward")
-    out, rep = run_passes(m, passes=["gru"])
+    out, rep = run_passes(m, passes=["gru"], gru_small=True)
     assert rep.entries[0].action == "skipped" and "--calibration DATA.npz" in rep.entries[0].reason
     assert [n.op_type for n in out.graph.node] == ["GRU"]
-    assert run_passes(m)[1].not_run("gru")                     # the default pass list reports it too
+    assert run_passes(m, gru_small=True)[1].not_run("gru")                     # the default pass list reports it too
     assert not rep.skipped("gru") and rep.summary()["gru"] == {"rewritten": 0, "skipped": 0, "not_run": 1}
     assert GRUPass().needs({}) == "--calibration DATA.npz" and GRUPass().needs({"calibration": {}}) is None
 
@@ -195,7 +196,7 @@ def test_no_calibration_says_what_to_pass():
 def test_bad_calibration(cal, needle):
     m, _ = gru_model("forward")
     with pytest.raises(ValueError) as ei:
-        run_passes(m, passes=["gru"], calibration=cal)
+        run_passes(m, passes=["gru"], calibration=cal, gru_small=True)
     assert needle in str(ei.value)
 
 
@@ -203,28 +204,60 @@ def test_cli(tmp_path, capsys):
     m, _ = gru_model("bidirectional", h0=True)
     src, dst = tmp_path / "m.onnx", tmp_path / "q.onnx"
     onnx.save(m, src)
-    assert cli.main(["rewrite", str(src), str(tmp_path / "f.onnx")]) == 0          # no calibration: a note
+    assert cli.main(["rewrite", str(src), str(tmp_path / "f.onnx"), "--gru-small"]) == 0   # no calibration: a note
     assert "1 GRU left in float" in capsys.readouterr().err
     np.savez(tmp_path / "cal.npz", **feeds_for(m, 1))
     assert cli.main(["rewrite", str(src), str(dst), "--passes", "gru", "--calibration", str(tmp_path / "cal.npz"),
-                     "--gru-bits", "8"]) == 0
+                     "--gru-bits", "8", "--gru-small"]) == 0
     node = quant_node(onnx.load(dst))
     assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "bits")) == 8
     np.savez(tmp_path / "bad.npz", X=np.zeros((T, N, C), np.float32))       # H0 missing
     dst2 = tmp_path / "q2.onnx"
-    assert cli.main(["rewrite", str(src), str(dst2), "--calibration", str(tmp_path / "bad.npz")]) == 2
+    assert cli.main(["rewrite", str(src), str(dst2), "--calibration", str(tmp_path / "bad.npz"),
+                     "--gru-small"]) == 2
     assert not dst2.exists()
     domain.register_schemas()
 
 
-def test_int8_headroom_search():
-    """int8 searches per-quantity headroom on the calibration data by default (never worse there than none)."""
+@pytest.mark.parametrize("bits", [8, 16])
+def test_range_search(bits):
+    """Both widths search ranges on the calibration data by default (never worse there than the start)."""
     m, _ = gru_model("forward")
     cal = feeds_for(m, 1)
-    rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=8)[1]
+    rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=bits, gru_small=True)[1]
     reason = rep.entries[0].reason
-    assert "headroom search" in reason
-    before, after = (float(v) for v in reason.split("headroom search ")[1].split(" (")[0].split(";")[0].split(" -> "))
+    assert "range search" in reason
+    before, after = (float(v) for v in reason.split("range search ")[1].split(" in ")[0].split(" -> "))
     assert after <= before
-    rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=8, gru_search=False)[1]
-    assert "headroom search" not in rep.entries[0].reason
+    rep = run_passes(m, passes=["gru"], calibration=cal, gru_bits=bits, gru_search=False, gru_small=True)[1]
+    assert "range search" not in rep.entries[0].reason
+
+
+def test_small_gru_skipped_with_size_reason():
+    """A GRU whose QuantGRU (tables included) would not be smaller than its float weights stays float by default."""
+    m, _ = gru_model("forward")                                          # H=8, C=5: 480 float weights
+    rep = run_passes(m, passes=["gru"], calibration=feeds_for(m, 1), gru_bits=8)[1]
+    (e,) = rep.entries
+    assert e.action == "skipped" and "too small to gain" in e.reason and "bytes" in e.reason, rep.to_table()
+    assert gru.stored_bytes(1, 8, 5, 8) >= gru.stored_bytes(1, 8, 5)
+    assert gru.stored_bytes(1, 128, 257, 8) < gru.stored_bytes(1, 128, 257, 16) < gru.stored_bytes(1, 128, 257)
+
+
+def test_several_runs_cli_and_api(tmp_path):
+    """NAME#K arrays (CLI) and a list of dicts (API) are one calibration run each: the report counts them, and both
+    give the same parameters; a bad run number is a clear error."""
+    m, _ = gru_model("forward", h0=True)
+    a, b = feeds_for(m, 1), feeds_for(m, 2)
+    out, rep = run_passes(m, passes=["gru"], calibration=[a, b], gru_small=True)
+    assert "calibrated on 2 runs" in rep.entries[0].reason, rep.to_table()
+    src, dst = tmp_path / "m.onnx", tmp_path / "q.onnx"
+    onnx.save(m, src)
+    np.savez(tmp_path / "cal.npz", **{f"{k}#0": v for k, v in a.items()}, **{f"{k}#1": v for k, v in b.items()})
+    assert cli.main(["rewrite", str(src), str(dst), "--passes", "gru", "--calibration", str(tmp_path / "cal.npz"),
+                     "--gru-small"]) == 0
+    got, want = quant_node(onnx.load(dst)), quant_node(out)
+    assert [helper.get_attribute_value(x) for x in got.attribute] == [helper.get_attribute_value(x)
+                                                                       for x in want.attribute]
+    with pytest.raises(ValueError, match="followed by the run number"):
+        run_passes(m, passes=["gru"], calibration={f"{k}#x": v for k, v in a.items()}, gru_small=True)
+    domain.register_schemas()
