@@ -87,7 +87,7 @@ def run(out_dir: str | None = None) -> int:
     # fused SwiGLU FFN with 4-bit weights, and the integer GRU (calibrated on the shipped sample data)
     import numpy as np
 
-    from .cli import load_calibration
+    from .cli_options import load_calibration
     from .api import InferenceSession
     for name, what, options, tol in [
             ("llama_mlp.onnx", "LLaMA-style SwiGLU MLP stack: FusedFFNNF4 + MatMulNF4 (4-bit weights)",

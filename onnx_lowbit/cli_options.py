@@ -1,0 +1,138 @@
+"""What the ``rewrite`` / ``inspect`` flags mean for the passes: each pass's options from the parsed arguments, and
+the calibration file (``--calibration``: one array per model input, checked against the model), read once."""
+from __future__ import annotations
+
+import os
+
+from .errors import LowbitError
+
+
+def pass_options(a, model=None) -> dict:
+    options = {}
+    if getattr(a, "fplut_functions", None):
+        options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
+    options.update(weights_options(a, model))
+    if getattr(a, "ffn_weights", None) is not None:
+        options["ffn_weights"] = a.ffn_weights
+    if getattr(a, "merge_siblings", None) is not None:
+        options["merge_siblings"] = a.merge_siblings
+    if getattr(a, "kvattention_max_query", None) is not None:
+        options["kvattention_max_query"] = a.kvattention_max_query
+    options.update(gru_options(a, model, options.get("calibration")))
+    return options
+
+
+def gru_options(a, model, loaded=None) -> dict:
+    """Options of the gru pass: --gru-bits, and --calibration (shared with AWQ) for its ranges."""
+    options = {}
+    if getattr(a, "gru_bits", None) is not None:
+        options["gru_bits"] = a.gru_bits
+    if getattr(a, "gru_small", None):
+        options["gru_small"] = True
+    if getattr(a, "calibration", None):
+        has_gru = model is None or any(n.op_type == "GRU" for n in model.graph.node)
+        if loaded is None and not has_gru:
+            fmt = getattr(a, "weights", None)
+            raise LowbitError(f"--calibration is only used by --weights awq{f' (not {fmt})' if fmt else ''} and "
+                              "by the gru pass (the model has no GRU)")
+        if has_gru:
+            options["gru_calibration"] = loaded if loaded is not None else load_calibration(a.calibration, model)
+            options["calibration_session"] = calibration_session
+    return options
+
+
+def weights_options(a, model) -> dict:
+    """Options of the weights4 pass from --weights, --block-size, --group-size, --exclude, --calibration,
+    --target (LowbitError for flags given without --weights, or a bad calibration file)."""
+    fmt = getattr(a, "weights", None)
+    ckpt = getattr(a, "awq_checkpoint", None)
+    if ckpt and fmt is None:
+        fmt = "awq"  # the checkpoint's weights are AWQ
+    if fmt is None:
+        given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
+                                      ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head))
+                 if v]
+        if given:
+            raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
+        return {}
+    options = {"weights": fmt, "weights_target": a.target or "lowbit"}
+    if ckpt:
+        options["awq_checkpoint"] = ckpt
+    if a.block_size is not None:
+        options["block_size"] = a.block_size
+    if a.group_size is not None:
+        options["group_size"] = a.group_size
+    if a.exclude:
+        options["weights_exclude"] = list(a.exclude)
+    if getattr(a, "lm_head", None):
+        options["weights_lm_head"] = a.lm_head
+    if a.calibration and fmt == "awq":  # (the gru pass also reads --calibration: gru_options)
+        options["calibration"] = load_calibration(a.calibration, model)
+        options["calibration_session"] = calibration_session
+    return options
+
+
+def calibration_session(model):
+    """Sessions for the AWQ calibration run (``model``: bytes or a path): our ops registered when earlier passes
+    (fplut) emitted some; stock onnxruntime when the model has none (no shim build needed)."""
+    import onnx
+    import onnxruntime as ort
+    from .domain import DOMAIN
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model, load_external_data=False)
+    if any(n.domain == DOMAIN for n in proto.graph.node):
+        from .api import InferenceSession
+        return InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def load_calibration(path, model=None) -> dict:
+    """The arrays of a calibration .npz, one per graph input of ``model`` (checked: names, ranks, fixed dims)."""
+    import zipfile
+
+    import numpy as np
+    if not os.path.exists(path):
+        raise LowbitError(f"{path}: no such file (--calibration)")
+    if os.path.isdir(path):
+        raise LowbitError(f"{path}: is a directory, not an .npz file (--calibration)")
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise LowbitError(f"{path}: a single .npy array, not an .npz archive of named arrays "
+                              "(--calibration; save with numpy.savez(path, input_name=array))")
+        with z:
+            arrays = {k: z[k] for k in z.files}
+    except LowbitError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise LowbitError(f"{path}: not a readable .npz file (--calibration): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+    if not arrays:
+        raise LowbitError(f"{path}: the .npz holds no arrays (--calibration)")
+    if model is not None:
+        inits = {i.name for i in model.graph.initializer}
+        inputs = {vi.name: vi for vi in model.graph.input if vi.name not in inits}
+        # NAME#K: run K of several (the gru pass: utterances of different lengths)
+        base = {k: (k.rpartition("#")[0] if "#" in k and k.rpartition("#")[2].isdigit() else k) for k in arrays}
+        unknown = sorted(k for k in arrays if base[k] not in inputs)
+        if unknown:
+            raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                              f"name{'' if len(unknown) > 1 else 's'} no model input; inputs: "
+                              f"{', '.join(map(repr, inputs))} (--calibration)")
+        missing = [n for n in inputs if n not in base.values()]
+        has_gru = any(n.op_type == "GRU" for n in model.graph.node)
+        if missing and not has_gru:   # (a streaming GRU model's states may be left out: the gru pass checks)
+            raise LowbitError(f"{path}: no array for model input{'s' if len(missing) > 1 else ''} "
+                              f"{', '.join(map(repr, missing))} (--calibration)")
+        for key, v in arrays.items():
+            vi = inputs[base[key]]
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                    for d in vi.type.tensor_type.shape.dim]
+            if not missing and vi.type.tensor_type.HasField("shape") and (
+                    len(dims) != v.ndim or any(isinstance(d, int) and d > 0 and d != n for d, n in zip(dims, v.shape))):
+                raise LowbitError(f"{path}: array {key!r} has shape {list(v.shape)}, the model input {dims} "
+                                  "(--calibration)")
+            if not np.issubdtype(v.dtype, np.number) and v.dtype != np.bool_:
+                raise LowbitError(f"{path}: array {key!r} has dtype {v.dtype}, not numeric (--calibration)")
+    return arrays
