@@ -3,14 +3,13 @@
 shapes, or the arrays of an --inputs .npz checked against the signatures."""
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from .errors import LowbitError
+from .feeds import parse_dims as _parse_dims, read_npz, signature as _feeds_signature
 
 BATCH_NAMES = re.compile(r"^(n|b|bs|batch.*|.*_batch|.*batch_size.*)$", re.IGNORECASE)
 OTHER_DIM = 16          # symbolic dims that do not look like a batch dimension
@@ -19,30 +18,13 @@ IMAGE_DIM = 224         # symbolic height / width of an image input (NCHW / NHWC
 
 
 def _signature(model: onnx.ModelProto) -> dict:
-    """input name -> (numpy dtype, dims as int or str name or None)"""
-    inits = {i.name for i in model.graph.initializer}
-    sig = {}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        tt = vi.type.tensor_type
-        if not vi.type.HasField("tensor_type"):
-            raise LowbitError(f"input {vi.name!r} is not a tensor; bench feeds tensors only")
-        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
-                for d in tt.shape.dim]
-        sig[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
-    return sig
+    """input name -> (numpy dtype, dims: int, a dim name, or None): feeds.signature."""
+    return _feeds_signature(model)
 
 
 def parse_dims(specs) -> dict:
-    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec)."""
-    out = {}
-    for s in specs or []:
-        name, sep, value = s.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < 1:
-            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE a positive integer")
-        out[name.strip()] = int(value)
-    return out
+    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128}: feeds.parse_dims with values >= 1."""
+    return _parse_dims(specs, minimum=1)
 
 
 def resolve_dims(signatures, dims: dict, models=()) -> dict:
@@ -115,15 +97,7 @@ def random_inputs(sig: dict, values: dict, seed: int = 0) -> dict:
 
 def load_inputs(path: str, sig: dict) -> dict:
     """Arrays of an .npz, one per input of ``sig`` (names, ranks, fixed dims checked; cast to the input dtype)."""
-    import zipfile
-    if not os.path.isfile(path):
-        raise LowbitError(f"{path}: no such file (--inputs)")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, AttributeError, TypeError) as e:
-        raise LowbitError(f"{path}: not a readable .npz archive of named arrays (--inputs): "
-                          f"{type(e).__name__}") from None
+    arrays = read_npz(path, "--inputs")
     missing = [n for n in sig if n not in arrays]
     if missing:
         raise LowbitError(f"{path}: no array for input{'s' if len(missing) > 1 else ''} "

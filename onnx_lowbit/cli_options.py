@@ -2,9 +2,10 @@
 the calibration file (``--calibration``: one array per model input, checked against the model), read once."""
 from __future__ import annotations
 
-import os
+import numpy as np
 
 from .errors import LowbitError
+from .feeds import read_npz
 
 
 def pass_options(a, model=None) -> dict:
@@ -89,27 +90,7 @@ def calibration_session(model):
 
 def load_calibration(path, model=None) -> dict:
     """The arrays of a calibration .npz, one per graph input of ``model`` (checked: names, ranks, fixed dims)."""
-    import zipfile
-
-    import numpy as np
-    if not os.path.exists(path):
-        raise LowbitError(f"{path}: no such file (--calibration)")
-    if os.path.isdir(path):
-        raise LowbitError(f"{path}: is a directory, not an .npz file (--calibration)")
-    try:
-        z = np.load(path, allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise LowbitError(f"{path}: a single .npy array, not an .npz archive of named arrays "
-                              "(--calibration; save with numpy.savez(path, input_name=array))")
-        with z:
-            arrays = {k: z[k] for k in z.files}
-    except LowbitError:
-        raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise LowbitError(f"{path}: not a readable .npz file (--calibration): {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
-    if not arrays:
-        raise LowbitError(f"{path}: the .npz holds no arrays (--calibration)")
+    arrays = read_npz(path, "--calibration")
     if model is not None:
         inits = {i.name for i in model.graph.initializer}
         inputs = {vi.name: vi for vi in model.graph.input if vi.name not in inits}

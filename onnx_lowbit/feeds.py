@@ -37,7 +37,8 @@ PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"
 
 
 def signature(model: onnx.ModelProto) -> dict:
-    """input name -> (numpy dtype, dims: int, a dim name, or None for an unnamed free dim)."""
+    """input name -> (numpy dtype, dims: int, a dim name, or None for a free dim with no name; a dim_value of 0
+    counts as free, as exporters write it for unknown sizes)."""
     inits = {i.name for i in model.graph.initializer}
     sig = {}
     for vi in model.graph.input:
@@ -46,20 +47,46 @@ def signature(model: onnx.ModelProto) -> dict:
         if not vi.type.HasField("tensor_type"):
             raise LowbitError(f"input {vi.name!r} is not a tensor; only tensor inputs can be fed")
         tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
+                for d in tt.shape.dim]
         sig[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
     return sig
 
 
-def parse_dims(specs) -> dict:
-    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec; 0 is allowed)."""
+def parse_dims(specs, minimum: int = 0) -> dict:
+    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec or a value under
+    ``minimum``: --verify allows 0, an empty past; bench 1)."""
     out = {}
     for s in specs or []:
         name, sep, value = s.partition("=")
-        if not sep or not name.strip() or not value.strip().isdigit():
-            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE an integer >= 0")
+        if not sep or not name.strip() or not value.strip().isdigit() or int(value) < minimum:
+            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE an integer >= {minimum}")
         out[name.strip()] = int(value)
     return out
+
+
+def read_npz(path: str, flag: str) -> dict:
+    """The named arrays of an .npz file given with ``flag`` (--calibration, --verify-data, --inputs); a clear
+    LowbitError for a missing file, a folder, a single .npy array or an unreadable file."""
+    if not os.path.exists(path):
+        raise LowbitError(f"{path}: no such file ({flag})")
+    if os.path.isdir(path):
+        raise LowbitError(f"{path}: is a directory, not an .npz file ({flag})")
+    try:
+        z = np.load(path, allow_pickle=False)
+        if not isinstance(z, np.lib.npyio.NpzFile):
+            raise LowbitError(f"{path}: a single .npy array, not an .npz archive of named arrays ({flag}; save "
+                              "with numpy.savez(path, input_name=array))")
+        with z:
+            arrays = {k: z[k] for k in z.files}
+    except LowbitError:
+        raise
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
+        raise LowbitError(f"{path}: not a readable .npz file ({flag}): {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}"[:300]) from None
+    if not arrays:
+        raise LowbitError(f"{path}: the .npz holds no arrays ({flag})")
+    return arrays
 
 
 _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
@@ -237,21 +264,7 @@ def random_inputs(model: onnx.ModelProto, sig: dict, shp: dict, seed: int = 0, g
 def load_npz(path: str, sig: dict, flag: str) -> dict:
     """Arrays of an .npz named after inputs of ``sig`` (some may be missing: the caller fills them); checked:
     names, ranks, fixed dims, numeric dtypes; cast to the input's dtype."""
-    if not os.path.exists(path):
-        raise LowbitError(f"{path}: no such file ({flag})")
-    if os.path.isdir(path):
-        raise LowbitError(f"{path}: is a directory, not an .npz file ({flag})")
-    try:
-        z = np.load(path, allow_pickle=False)
-        if not isinstance(z, np.lib.npyio.NpzFile):
-            raise LowbitError(f"{path}: a single .npy array, not an .npz archive of named arrays ({flag}; save "
-                              "with numpy.savez(path, input_name=array))")
-        with z:
-            arrays = {k: z[k] for k in z.files}
-    except LowbitError:
-        raise
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as e:
-        raise LowbitError(f"{path}: not a readable .npz file ({flag}): {type(e).__name__}") from None
+    arrays = read_npz(path, flag)
     unknown = sorted(set(arrays) - set(sig))
     if unknown:
         raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
