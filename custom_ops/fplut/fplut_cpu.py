@@ -11,6 +11,8 @@ from numba import njit, prange
 from onnx_lowbit import fplut
 
 from ..device.half_cpu import f16_to_f32, f32_to_bf16, f32_to_f16
+from ..device import native
+from ..runtime import plans
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 17  # below this many elements a single thread is faster than waking the pool
@@ -55,8 +57,16 @@ class FPLUTKernel(Kernel):
         self.bf16 = self.in_types[0] == 16
         self.bits = np.uint16 if self.in_types[0] in (10, 16) else np.uint32
 
+    native_plans = True  # the native entries (below): recorded once per shape, replayed by the shim
+
     def compute(self, ctx, inputs):
         x = self.check_input(inputs, 0)
+        if ctx.native and x.size:
+            entry = native.compile_entry(NATIVE[self.in_types[0]])
+            if ctx.run_native(entry, x.size, GRAIN, [x.ptr, ctx.output(0, x.shape), self.table.ctypes.data], (0, 1)):
+                return
+        elif ctx.native:
+            plans.not_replayable()  # an empty tensor: nothing to run, the Python path serves it
         xa = x.numpy().reshape(-1)
         out = ctx.output_numpy(0, x.shape, xa.dtype).reshape(-1)
         if xa.size:
@@ -65,3 +75,29 @@ class FPLUTKernel(Kernel):
 
 
 KERNEL = FPLUTKernel
+
+
+# ---- native entry points (runtime/plans.py, "CPU kernels"): params = [X, Y, map], items = elements
+GRAIN = 1 << 15  # elements per task of onnxruntime's thread pool
+
+
+def _native16(p, begin, end):
+    x, y = native.vector(p[0], end, np.uint16), native.vector(p[1], end, np.uint16)
+    _SERIAL16(x[begin:end], native.vector(p[2], 65536, np.uint16), y[begin:end])
+    return 0
+
+
+def _native32(p, begin, end):
+    x, y = native.vector(p[0], end, np.uint32), native.vector(p[1], end, np.uint32)
+    _SERIAL32(x[begin:end], native.vector(p[2], 65536, np.uint16), y[begin:end])
+    return 0
+
+
+def _nativebf16(p, begin, end):
+    x, y = native.vector(p[0], end, np.uint16), native.vector(p[1], end, np.uint16)
+    _SERIALBF16(x[begin:end], native.vector(p[2], 65536, np.uint16), y[begin:end])
+    return 0
+
+
+_SERIAL16, _SERIAL32, _SERIALBF16 = (KERNELS[k][0] for k in (np.dtype(np.float16), np.dtype(np.float32), "bf16"))
+NATIVE = {10: _native16, 1: _native32, 16: _nativebf16}  # by ONNX element type

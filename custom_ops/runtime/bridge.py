@@ -106,6 +106,23 @@ class Context:
     def output_numpy(self, index, shape, dtype):
         return _view(self.output(index, shape), shape, dtype)
 
+    @property
+    def native(self):
+        """Whether this call records a native plan (CPU kernels then run their compiled entry, ``run_native``);
+        false when native CPU replay is off or the kernel's plan table is full: the Python path serves the call."""
+        return self.recorder is not None
+
+    def run_native(self, entry, items, grain, values, pointer_slots):
+        """Runs a CPU entry point now (``entry``: its address, ``values``: its uint64 parameters, pointers into
+        this call's inputs / outputs at ``pointer_slots``) over ``items`` work items in tasks of at least ``grain``
+        (onnxruntime's intra-op pool), and records it for replay. True when it ran; False when there is no recorder
+        or the entry declined the input values: the kernel then takes its Python path."""
+        if self.recorder is None:
+            return False
+        self.recorder.cpu(entry, items, grain, values, pointer_slots)
+        params = (ctypes.c_uint64 * max(len(values), 1))(*[v & 0xFFFFFFFFFFFFFFFF for v in values])
+        return _lib.lb_cpu_run(self._call, entry, items, grain, params) == 0
+
 
 def _view(ptr, shape, dtype):
     dt = np.dtype(dtype)
@@ -124,6 +141,7 @@ _kernels = {}           # kernel id -> kernel object
 _next_id = [0]
 _callbacks = None
 stats = {"python_computes": 0}  # compute calls served by Python (native plan replays are not counted)
+_native_cpu = [True, True]  # native CPU replay on, CPU steps on onnxruntime's pool (set_native_cpu)
 
 
 def _write_err(buf, errlen, msg):
@@ -183,6 +201,7 @@ def _create(op_index, info, err, errlen):
                 attrs[a.name] = v
         cls = kernels.kernel_class(spec.name, provider)
         kernel = cls(spec=spec, attrs=attrs, node_name=node, in_types=in_types, out_types=out_types)
+        kernel.on_cpu = provider == CPU
         with _lock:
             kid = _next_id[0]
             _next_id[0] += 1
@@ -258,10 +277,13 @@ def library_path() -> str:
         lib.lb_output_count.restype, lib.lb_output_count.argtypes = ctypes.c_int64, [ctypes.c_void_p]
         lib.lb_set_launch.restype, lib.lb_set_launch.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_set_launch_coop.restype, lib.lb_set_launch_coop.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        lib.lb_cpu_run.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.lb_set_domain(domain.DOMAIN.encode())
         if lib.lb_plan_size() != ctypes.sizeof(LbPlan):
             raise RuntimeError("onnx_lowbit: the C shim's plan layout does not match bridge.py (rebuild the shim)")
         lib.lb_set_plans(int(_plans_enabled_by_env()))
+        _native_cpu[0] = _env_on("ONNX_LOWBIT_NATIVE_CPU")
+        lib.lb_set_native_cpu(int(_native_cpu[0]), int(_native_cpu[1]))
         for spec in domain.OPS.values():
             for in_types, out_types in spec.variants():
                 for provider in (CPU, CUDA):
@@ -283,8 +305,22 @@ def library_path() -> str:
         return path
 
 
+def _env_on(name) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _plans_enabled_by_env() -> bool:
-    return os.environ.get("ONNX_LOWBIT_NATIVE_PLANS", "1") not in ("0", "false", "no", "off")
+    return _env_on("ONNX_LOWBIT_NATIVE_PLANS")
+
+
+def set_native_cpu(enabled: bool, pool: bool = True) -> None:
+    """Turns native replay of CPU ops on (default) or off (every CPU compute through Python, the kernels' Python
+    paths), for all sessions of this process; ``ONNX_LOWBIT_NATIVE_CPU=0`` sets the default off. ``pool=False``
+    runs CPU entry points as one task on onnxruntime's calling thread instead of splitting them over its
+    intra-op thread pool (comparisons). Plans recorded before stay, and are used again when switched back on."""
+    library_path()
+    _native_cpu[:] = [bool(enabled), bool(pool)]
+    _lib.lb_set_native_cpu(int(bool(enabled)), int(bool(pool)))
 
 
 def set_native_plans(enabled: bool) -> None:

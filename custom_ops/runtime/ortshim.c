@@ -58,6 +58,7 @@ enum {
   I_KernelContext_GetGPUComputeStream = 193,
   I_KernelInfo_GetNodeName = 244,
   I_KernelContext_GetAllocator = 253,          /* version 14 */
+  I_KernelContext_ParallelFor = 274,           /* version 17: onnxruntime's intra-op thread pool */
   I_KernelContext_GetScratchBuffer = 277,      /* version 18 */
   I_KernelInfoGetAllocator = 278,              /* version 18 */
 };
@@ -96,6 +97,8 @@ typedef OrtStatus* (*f_InfoGetAllocator)(const void* info, int mem_type, void** 
 typedef OrtStatus* (*f_CtxGetAllocator)(const void* ctx, const void* mem_info, void** out);
 typedef OrtStatus* (*f_CtxGetScratch)(const void* ctx, const void* mem_info, size_t bytes, void** out);
 typedef void (*f_ReleaseAllocator)(void*);
+typedef OrtStatus* (*f_CtxParallelFor)(const void* ctx, void (*fn)(void*, size_t), size_t total, size_t num_batch,
+                                       void* usr_data);
 
 /* OrtAllocator: its first members (later versions append). */
 typedef struct LbAllocator {
@@ -152,13 +155,20 @@ typedef struct {
  * the two host scalars alpha (6) and beta (13) are passed by pointer to their slots, so their bytes lie in the
  * slot as in memory). Pointer parameters into this call's inputs, outputs or scratch buffer are patched in either
  * kind. The scratch buffer (`scratch` bytes, none when 0) is taken from onnxruntime's allocator for every call and
- * given back right after the steps are issued. */
-enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_STEP_COOP = 2, LB_GEMM_ARGS = 19 };
+ * given back right after the steps are issued.
+ * CPU ops' plans hold LB_STEP_CPU steps only: func is a compiled entry point with the C signature
+ * int32_t entry(const uint64_t* params, int64_t begin, int64_t end) (Numba @cfunc), params its arguments (pointers
+ * patched as above, integers), grid the number of work items and block the fewest items per task: the items are
+ * split into tasks run on onnxruntime's intra-op thread pool (KernelContext_ParallelFor), each task calling the
+ * entry on its range [begin, end). An entry returns 0, or nonzero when it declines the call's input values (then
+ * the call is served by Python, which reports the problem). */
+enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_STEP_COOP = 2, LB_STEP_CPU = 3, LB_GEMM_ARGS = 19 };
+#define LB_MAX_TASKS 256   /* tasks per CPU step */
 enum { LB_PATCH_INPUT = 0, LB_PATCH_OUTPUT = 1, LB_PATCH_SCRATCH = 2 };
 
 typedef struct {
-  int64_t kind;                  /* LB_STEP_LAUNCH, LB_STEP_GEMM or LB_STEP_COOP */
-  uint64_t func;                 /* CUfunction, or the address of cublasGemmEx */
+  int64_t kind;                  /* LB_STEP_LAUNCH, LB_STEP_GEMM, LB_STEP_COOP or LB_STEP_CPU */
+  uint64_t func;                 /* CUfunction, the address of cublasGemmEx or of a CPU entry point */
   int64_t grid, block, shmem, n_params, n_patch;
   uint64_t params[LB_MAX_PARAMS]; /* each parameter's value in the low bytes of its 8-byte slot */
   int64_t patch_slot[LB_MAX_PATCH], patch_kind[LB_MAX_PATCH] /* LB_PATCH_* */,
@@ -203,6 +213,8 @@ static const char* g_domain = "onnx_lowbit";
 static f_cuLaunchKernel g_launch = NULL;
 static f_cuLaunchCooperativeKernel g_launch_coop = NULL; /* NULL: plans with cooperative steps are not kept */
 static int g_plans_enabled = 1;
+static int g_cpu_enabled = 1;  /* native replay of CPU ops' plans */
+static int g_cpu_pool = 1;     /* CPU steps split over onnxruntime's thread pool (0: one task on the calling thread) */
 static int64_t g_scratch_counts[3]; /* scratch buffers taken, given back, bytes taken (tests, diagnostics) */
 
 typedef struct {
@@ -339,14 +351,16 @@ static int make_key(int64_t* key, const LbTensor* ins, size_t n_in, void* stream
   return n;
 }
 
-static int plan_ok(const LbPlan* plan) {
+static int plan_ok(const LbPlan* plan, int is_cuda) {
   if (plan->n_steps < 0 || plan->n_steps > LB_MAX_STEPS || plan->n_out < 0 || plan->n_out > LB_MAX_IO ||
       plan->scratch < 0) return 0;
   for (int s = 0; s < plan->n_steps; ++s) {
     const LbStep* st = &plan->steps[s];
     if (st->n_params < 0 || st->n_params > LB_MAX_PARAMS || st->n_patch < 0 || st->n_patch > LB_MAX_PATCH) return 0;
-    if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS) &&
-        !(st->kind == LB_STEP_COOP && g_launch_coop)) return 0;
+    if (!is_cuda) {
+      if (st->kind != LB_STEP_CPU || !st->func || st->grid < 0 || st->block < 0) return 0;
+    } else if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS) &&
+               !(st->kind == LB_STEP_COOP && g_launch_coop)) return 0;
     for (int i = 0; i < st->n_patch; ++i) {
       int64_t kind = st->patch_kind[i];
       if (st->patch_slot[i] < 0 || st->patch_slot[i] >= st->n_params || st->patch_index[i] < 0 ||
@@ -359,7 +373,7 @@ static int plan_ok(const LbPlan* plan) {
 }
 
 static int add_plan(LbKernel* k, LbPlan* plan) {
-  if (!plan_ok(plan)) return 0;
+  if (!plan_ok(plan, k->op->is_cuda) || (!k->op->is_cuda && plan->n_steps == 0)) return 0;
   int added = 0;
   pthread_mutex_lock(&k->mu);
   int n = k->n_plans;
@@ -376,8 +390,42 @@ static int add_plan(LbKernel* k, LbPlan* plan) {
   return added;
 }
 
-/* One recorded step with this call's pointers patched in; returns the CUDA / cuBLAS status (0 = success). */
-static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, void* scratch, void* stream) {
+/* A CPU step: `items` work items in tasks of at least `grain` items (at most LB_MAX_TASKS tasks), run through
+ * onnxruntime's intra-op thread pool (KernelContext_ParallelFor: the caller's thread takes part; with one intra-op
+ * thread the tasks run one after another on it) when there is more than one task and a kernel context, else as one
+ * call on this thread. Returns 0, or the nonzero status an entry returned. */
+typedef int32_t (*f_cpu_entry)(const uint64_t* params, int64_t begin, int64_t end);
+typedef struct {
+  f_cpu_entry fn;
+  const uint64_t* params;
+  int64_t items, tasks;
+  int32_t rc;
+} LbTasks;
+
+static void run_task(void* user, size_t i) {
+  LbTasks* t = (LbTasks*)user;
+  int64_t begin = t->items * (int64_t)i / t->tasks, end = t->items * ((int64_t)i + 1) / t->tasks;
+  int32_t rc = t->fn(t->params, begin, end);
+  if (rc) __atomic_store_n(&t->rc, rc, __ATOMIC_RELAXED);
+}
+
+static int run_cpu(void* ctx, uint64_t func, int64_t items, int64_t grain, const uint64_t* params) {
+  f_cpu_entry fn = (f_cpu_entry)(uintptr_t)func;
+  int64_t tasks = grain > 0 ? items / grain : 1;
+  if (tasks > LB_MAX_TASKS) tasks = LB_MAX_TASKS;
+  if (tasks <= 1 || !ctx || !g_cpu_pool || g_api_version < 18) return fn(params, 0, items);
+  LbTasks t = {fn, params, items, tasks, 0};
+  OrtStatus* st = API(I_KernelContext_ParallelFor, f_CtxParallelFor)(ctx, run_task, (size_t)tasks, 0, &t);
+  if (st) { /* no pool: the whole range here */
+    API(I_ReleaseStatus, f_ReleaseStatus)(st);
+    return fn(params, 0, items);
+  }
+  return __atomic_load_n(&t.rc, __ATOMIC_RELAXED);
+}
+
+/* One recorded step with this call's pointers patched in; returns the CUDA / cuBLAS status or a CPU entry's
+ * (0 = success). ctx: the call's kernel context (CPU steps' thread pool; NULL: none). */
+static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, void* scratch, void* stream, void* ctx) {
   uint64_t pv[LB_MAX_PARAMS];
   memcpy(pv, sp->params, (size_t)sp->n_params * sizeof(uint64_t));
   for (int i = 0; i < sp->n_patch; ++i) {
@@ -386,6 +434,7 @@ static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, vo
                        : kind == LB_PATCH_OUTPUT ? (const char*)outs[sp->patch_index[i]] : (const char*)scratch;
     pv[sp->patch_slot[i]] = (uint64_t)(uintptr_t)(base + sp->patch_off[i]);
   }
+  if (sp->kind == LB_STEP_CPU) return run_cpu(ctx, sp->func, sp->grid, sp->block, pv);
   if (sp->kind == LB_STEP_GEMM) { /* the handle is bound to this plan's stream (part of the key) */
 #define P(i) ((void*)(uintptr_t)pv[i])
 #define I(i) ((int)(int64_t)pv[i])
@@ -407,16 +456,23 @@ static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, vo
 /* Issues a plan's steps with this call's input/output/scratch pointers patched in; returns 0, or the failing
  * step's CUDA / cuBLAS status and its index in *failed. Exported so that tests can run it on the CPU with
  * stand-in functions. */
-int lb_replay(const LbPlan* p, const LbTensor* ins, void* const* outs, void* scratch, void* stream, int* failed) {
+static int replay(const LbPlan* p, const LbTensor* ins, void* const* outs, void* scratch, void* stream, void* ctx,
+                  int* failed) {
   int rc = 0, s = 0;
-  for (; s < p->n_steps && rc == 0; ++s) rc = run_step(&p->steps[s], ins, outs, scratch, stream);
+  for (; s < p->n_steps && rc == 0; ++s) rc = run_step(&p->steps[s], ins, outs, scratch, stream, ctx);
   if (rc && failed) *failed = s - 1;
   return rc;
 }
 
+int lb_replay(const LbPlan* p, const LbTensor* ins, void* const* outs, void* scratch, void* stream, int* failed) {
+  return replay(p, ins, outs, scratch, stream, NULL, failed);
+}
+
 /* Replays a plan: allocates the outputs with the recorded shapes, takes the scratch buffer, issues the recorded
- * steps with this call's pointers patched in and gives the scratch back. No Python, no GIL. */
-static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const LbTensor* ins, void* stream) {
+ * steps with this call's pointers patched in and gives the scratch back. No Python, no GIL. A CPU entry that
+ * declines the call's values sets *declined (the caller then serves the call through Python). */
+static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const LbTensor* ins, void* stream,
+                           int* declined) {
   char err[256];
   void* outs[LB_MAX_IO] = {0};
   OrtStatus* st;
@@ -430,8 +486,12 @@ static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const 
   void* scratch = NULL;
   if ((st = scratch_get(k, ctx, p->scratch, &scratch))) return st;
   int failed = 0;
-  int rc = lb_replay(p, ins, outs, scratch, stream, &failed);
+  int rc = replay(p, ins, outs, scratch, stream, ctx, &failed);
   st = scratch_put(k, ctx, scratch);
+  if (rc && !k->op->is_cuda) {
+    *declined = 1;
+    return st;
+  }
   if (rc) {
     if (st) API(I_ReleaseStatus, f_ReleaseStatus)(st);
     int gemm = p->steps[failed].kind == LB_STEP_GEMM, coop = p->steps[failed].kind == LB_STEP_COOP;
@@ -483,15 +543,20 @@ static OrtStatus* op_compute(void* kernel, void* ctx) {
   LbPlan* plan = NULL;
   int64_t key[LB_KEY_MAX];
   int key_len = 0;
-  if (k->op->is_cuda && g_launch && g_plans_enabled && !k->no_plans) {
+  int declined = 0;
+  if ((k->op->is_cuda ? g_launch && g_plans_enabled : g_cpu_enabled) && !k->no_plans) {
     key_len = make_key(key, ins, n_in, stream);
     int n = __atomic_load_n(&k->n_plans, __ATOMIC_ACQUIRE);
     for (int i = 0; i < n; ++i) {
       const LbPlan* p = k->plans[i];
-      if (p->key_len == key_len && memcmp(p->key, key, (size_t)key_len * sizeof(int64_t)) == 0)
-        return run_plan(k, p, ctx, ins, stream);
+      if (p->key_len == key_len && memcmp(p->key, key, (size_t)key_len * sizeof(int64_t)) == 0) {
+        st = run_plan(k, p, ctx, ins, stream, &declined);
+        if (!declined) return st;
+        if (st) API(I_ReleaseStatus, f_ReleaseStatus)(st);
+        break;  /* the entry declined these values: Python serves the call (and names the problem) */
+      }
     }
-    if (n < LB_MAX_PLANS) {
+    if (n < LB_MAX_PLANS && !declined) {
       plan = (LbPlan*)calloc(1, sizeof(LbPlan));
       if (plan) {
         plan->key_len = key_len;
@@ -543,6 +608,14 @@ void* lb_set_launch_coop(void* fn) {
   return old;
 }
 void lb_set_plans(int enabled) { g_plans_enabled = enabled; }
+/* Native replay of CPU ops (on by default; off: every CPU call through Python) and whether CPU steps use
+ * onnxruntime's thread pool (on by default; off: one task on the calling thread). */
+void lb_set_native_cpu(int enabled, int pool) { g_cpu_enabled = enabled; g_cpu_pool = pool; }
+
+/* Runs a CPU step for Python (the call that records it): call may be NULL (no thread pool then). */
+int lb_cpu_run(const LbCall* call, uint64_t func, int64_t items, int64_t grain, const uint64_t* params) {
+  return run_cpu(call ? call->ctx : NULL, func, items, grain, params);
+}
 int lb_plan_size(void) { return (int)sizeof(LbPlan); }
 void lb_scratch_counts(int64_t* out) {
   for (int i = 0; i < 3; ++i) out[i] = __atomic_load_n(&g_scratch_counts[i], __ATOMIC_RELAXED);

@@ -18,6 +18,19 @@ device buffer it passes that is neither an input, an output nor the call's scrat
 long as the kernel (tables, weights' derived forms) or a cuBLAS handle with its workspace; and all its GPU work
 goes through ``device.launch.Launcher`` or ``cublas.Handle.gemm_rows`` -- or the call says ``not_replayable()``
 (then that key keeps going through Python). Kernels without the flag run through Python on every call.
+
+CPU kernels use the same plans with one kind of step, a compiled entry point (``CPU``): the kernel's compute,
+when a recorder is attached (``Context.native``), checks its inputs, allocates its outputs and, instead of its
+Python path, calls ``Context.run_native(entry, items, grain, values, pointer_slots)``: ``entry`` the address of a
+Numba ``@cfunc`` with the C signature ``int32 entry(const uint64* params, int64 begin, int64 end)`` (device/native.py)
+that calls the existing njit kernels, ``values`` its parameters (pointers into inputs / outputs, patched on replay
+like a launch's; kernel-owned tables; integers), ``items`` the work items the shim splits into tasks of at least
+``grain`` items over onnxruntime's intra-op thread pool. The call runs the entry at once (so the first call is
+native too) and records it; later calls with the key run it from C. A CPU kernel with ``native_plans = True``
+promises what a CUDA one does (steps and output shapes depend only on the key; other buffers are read-only kernel
+state) and that every key either records at least one entry or says ``not_replayable()``. An entry returns nonzero
+when it declines the call's input values (e.g. a sequence length out of range): that call then goes through
+Python, which raises the clear error.
 """
 from __future__ import annotations
 
@@ -30,7 +43,7 @@ from .abi import MAX_DIMS, MAX_PARAMS, MAX_PATCH, MAX_PLAN_STEPS, NP_DTYPES
 _tls = threading.local()
 
 INPUT, OUTPUT, SCRATCH = 0, 1, 2  # patch kinds (ortshim.c: LB_PATCH_*)
-LAUNCH, GEMM, COOP = 0, 1, 2   # step kinds (ortshim.c: LB_STEP_LAUNCH, LB_STEP_GEMM, LB_STEP_COOP)
+LAUNCH, GEMM, COOP, CPU = 0, 1, 2, 3  # step kinds (ortshim.c: LB_STEP_LAUNCH, _GEMM, _COOP, _CPU)
 GEMM_ARGS = 19                 # cublasGemmEx's arguments
 
 
@@ -79,6 +92,10 @@ class Recorder:
             raise ValueError(f"cublasGemmEx takes {GEMM_ARGS} arguments, got {len(values)}")
         self.steps.append((GEMM, func, 0, 0, 0, values, pointer_slots))
 
+    def cpu(self, entry, items, grain, values, pointer_slots):
+        """A CPU entry point's call (``entry`` its address) over ``items`` work items, tasks of >= ``grain``."""
+        self.steps.append((CPU, entry, items, grain, 0, values, pointer_slots))
+
     def patch_for(self, value):
         """(kind, index, offset) of the input/output/scratch ``value`` points into, or None (a kernel-owned
         buffer)."""
@@ -120,13 +137,16 @@ def compute_and_record(kernel, ctx, inputs, plan) -> None:
     finally:
         _tls.rec = None
         ctx.recorder = None
-    fill(plan, rec, len(kernel.out_types))
+    fill(plan, rec, len(kernel.out_types), cpu=getattr(kernel, "on_cpu", False))
 
 
-def fill(plan, rec, n_out) -> bool:
-    """Writes the recorded call into ``plan``; leaves plan.valid = 0 if it does not fit a plan."""
+def fill(plan, rec, n_out, cpu=False) -> bool:
+    """Writes the recorded call into ``plan``; leaves plan.valid = 0 if it does not fit a plan (a CPU kernel's: also
+    when it recorded no entry call, or anything but entry calls)."""
     plan.valid = 0
     if not rec.ok or len(rec.steps) > MAX_PLAN_STEPS or any(len(s) > MAX_DIMS for s in rec.outputs.values()):
+        return False
+    if cpu and (not rec.steps or any(s[0] != CPU for s in rec.steps)):
         return False
     plan.n_out = n_out
     plan.scratch = rec.scratch_bytes
