@@ -335,16 +335,16 @@ static OrtStatus* scratch_put(const LbKernel* k, void* ctx, void* p) {
   return NULL;
 }
 
-/* Plan key: per input its element type, rank, dims and pointer alignment (kernels may pick a code path by
- * alignment), then the stream (cuBLAS handles are bound to one). */
-static int make_key(int64_t* key, const LbTensor* ins, size_t n_in, void* stream) {
+/* Plan key: per input its element type, rank, dims and pointer alignment (CUDA kernels may pick a code path by
+ * alignment; CPU entry points take any address: 0 for CPU ops), then the stream (cuBLAS handles are bound to one). */
+static int make_key(int64_t* key, const LbTensor* ins, size_t n_in, void* stream, int is_cuda) {
   int n = 0;
   key[n++] = (int64_t)n_in;
   for (size_t i = 0; i < n_in; ++i) {
     const LbTensor* t = &ins[i];
     key[n++] = t->elem_type;
     key[n++] = t->elem_type ? t->ndim : -1;
-    key[n++] = t->elem_type ? (int64_t)((uintptr_t)t->data & 255) : 0;
+    key[n++] = t->elem_type && is_cuda ? (int64_t)((uintptr_t)t->data & 255) : 0;
     for (int d = 0; t->elem_type && d < t->ndim; ++d) key[n++] = t->dims[d];
   }
   key[n++] = (int64_t)(uintptr_t)stream;
@@ -545,7 +545,7 @@ static OrtStatus* op_compute(void* kernel, void* ctx) {
   int key_len = 0;
   int declined = 0;
   if ((k->op->is_cuda ? g_launch && g_plans_enabled : g_cpu_enabled) && !k->no_plans) {
-    key_len = make_key(key, ins, n_in, stream);
+    key_len = make_key(key, ins, n_in, stream, k->op->is_cuda);
     int n = __atomic_load_n(&k->n_plans, __ATOMIC_ACQUIRE);
     for (int i = 0; i < n; ++i) {
       const LbPlan* p = k->plans[i];

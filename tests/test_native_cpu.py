@@ -1,0 +1,125 @@
+"""Native CPU dispatch (runtime/plans.py, "CPU kernels"): after the first call for a key, a CPU op is served by the
+shim calling the kernel's compiled entry point, with no Python on the path. Per op: the native path gives the same
+bytes as the Python path (native replay off) and as the numpy reference, NaN / Inf included, at edge shapes; a
+shape change makes a new plan; replays never call the Python callback (bridge.stats["python_computes"])."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto
+
+import onnx_lowbit
+from onnx_lowbit import fplut, halfbits
+from onnx_lowbit.custom_ops.runtime import bridge
+
+from helpers import SEED, fplut_model, random_like, seed_table
+
+CPU = ["CPUExecutionProvider"]
+
+
+def session(model, threads=0):
+    so = ort.SessionOptions()
+    if threads:
+        so.intra_op_num_threads = threads
+    onnx_lowbit.register(so)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=CPU)
+
+
+def python_calls(sess, feeds, runs=3):
+    """(outputs of the first run, how many of ``runs`` runs reached the Python callback)."""
+    before = bridge.stats["python_computes"]
+    outs = [sess.run(None, feeds) for _ in range(runs)]
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return outs[0], bridge.stats["python_computes"] - before
+
+
+def native_and_python(model, feeds_list, threads=0):
+    """Runs every feed dict through one session with native replay on (3 runs each; checks that only the first run
+    of each new shape reaches Python), then through a fresh session with it off; returns both lists of outputs."""
+    sess = session(model, threads)
+    native, seen = [], set()
+    for feeds in feeds_list:
+        key = tuple((k, v.shape, v.dtype.str) for k, v in sorted(feeds.items()))
+        outs, calls = python_calls(sess, feeds)
+        assert calls == (0 if key in seen else 1), f"{calls} Python computes for {key}"
+        seen.add(key)
+        native.append(outs)
+    bridge.set_native_cpu(False)
+    try:
+        off = session(model, threads)
+        python = []
+        for feeds in feeds_list:
+            outs, calls = python_calls(off, feeds, runs=2)
+            assert calls == 2
+            python.append(outs)
+    finally:
+        bridge.set_native_cpu(True)
+    for n, p in zip(native, python):
+        for a, b in zip(n, p):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    return native, python
+
+
+# ---------------------------------------------------------------------------------------------------- FPLUT
+@pytest.mark.parametrize("threads", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_fplut(dtype, threads):
+    et = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    m = fplut_model(et, shape=["a", "b"])
+    shapes = [(3, 5), (1, 1), (3, 5), (0, 8), (70001, 3)]   # a repeat, an empty tensor, one split over the pool
+    feeds = [{"x": random_like(dtype, s, seed=i)} for i, s in enumerate(shapes)]
+    if dtype == np.float16:
+        feeds.append({"x": halfbits.all_fp16().reshape(256, 256).copy()})   # every fp16 value, NaNs included
+    native, _ = native_and_python(m, feeds, threads)
+    for f, (y,) in zip(feeds, native):
+        ref = fplut.apply(f["x"], SEED, seed_table().values)
+        assert np.array_equal(y.view(np.uint8), ref.view(np.uint8))
+
+
+def test_fplut_bf16_native():
+    m = fplut_model(TensorProto.BFLOAT16, shape=["n"])
+    sess = session(m)
+    xb = halfbits.f32_to_bf16_bits(random_like(np.float32, (40000,)))
+    want = fplut.apply(xb, SEED, seed_table().values, bf16=True)
+    before = bridge.stats["python_computes"]
+    for _ in range(3):
+        xv = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(xb, onnx_element_type=TensorProto.BFLOAT16)
+        io = sess.io_binding()
+        io.bind_ortvalue_input("x", xv)
+        io.bind_output("y")
+        sess.run_with_iobinding(io)
+        yv = io.get_outputs()[0]
+        y = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint16 * xb.size).from_address(yv.data_ptr())).copy()
+        assert np.array_equal(y, want)
+    assert bridge.stats["python_computes"] - before == 1
+
+
+def test_switch_off_sends_every_call_through_python_and_back_on_replays():
+    sess = session(fplut_model(TensorProto.FLOAT, shape=["n"]))
+    x = {"x": random_like(np.float32, (10,))}
+    y0, calls = python_calls(sess, x)
+    assert calls == 1
+    bridge.set_native_cpu(False)
+    try:
+        y1, calls = python_calls(sess, x)
+        assert calls == 3
+    finally:
+        bridge.set_native_cpu(True)
+    y2, calls = python_calls(sess, x)
+    assert calls == 0                                   # the plan recorded before is used again
+    assert np.array_equal(y0[0].view(np.uint32), y1[0].view(np.uint32))
+    assert np.array_equal(y0[0].view(np.uint32), y2[0].view(np.uint32))
+
+
+def test_pool_off_gives_the_same_bytes():
+    sess = session(fplut_model(TensorProto.FLOAT16, shape=["n"]))
+    x = {"x": random_like(np.float16, (200000,))}
+    y0, _ = python_calls(sess, x)
+    bridge.set_native_cpu(True, pool=False)
+    try:
+        y1, calls = python_calls(sess, x)
+    finally:
+        bridge.set_native_cpu(True)
+    assert calls == 0 and np.array_equal(y0[0].view(np.uint16), y1[0].view(np.uint16))
