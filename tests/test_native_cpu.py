@@ -34,15 +34,17 @@ def python_calls(sess, feeds, runs=3):
     return outs[0], bridge.stats["python_computes"] - before
 
 
-def native_and_python(model, feeds_list, threads=0):
+def native_and_python(model, feeds_list, threads=0, python_only=lambda feeds: False):
     """Runs every feed dict through one session with native replay on (3 runs each; checks that only the first run
-    of each new shape reaches Python), then through a fresh session with it off; returns both lists of outputs."""
+    of each new shape reaches Python, or every run where ``python_only(feeds)``: shapes without a native entry),
+    then through a fresh session with it off; returns both lists of outputs."""
     sess = session(model, threads)
     native, seen = [], set()
     for feeds in feeds_list:
         key = tuple((k, v.shape, v.dtype.str) for k, v in sorted(feeds.items()))
         outs, calls = python_calls(sess, feeds)
-        assert calls == (0 if key in seen else 1), f"{calls} Python computes for {key}"
+        want = 3 if python_only(feeds) else 0 if key in seen else 1
+        assert calls == want, f"{calls} Python computes for {key}, expected {want}"
         seen.add(key)
         native.append(outs)
     bridge.set_native_cpu(False)
@@ -123,3 +125,42 @@ def test_pool_off_gives_the_same_bytes():
     finally:
         bridge.set_native_cpu(True)
     assert calls == 0 and np.array_equal(y0[0].view(np.uint16), y1[0].view(np.uint16))
+
+
+# ------------------------------------------------------------------------------------------ MatMulNF4 / DequantNF4
+def _specials(a):
+    """NaN, +Inf, -Inf at the start of the first row (when there is one)."""
+    if a.size:
+        a.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+    return a
+
+
+@pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [
+    (64, 16, 32, "nf4", np.float32, True),
+    (688, 24, 64, "fp4", np.float16, False),   # K not a multiple of the block: tasks start on whole blocks
+    (65, 40, 32, "nf4", np.float16, True),     # odd K: blocks start on a byte's low nibble
+    (256, 520, 64, "nf4", np.float32, False),  # split over several tasks of the pool
+])
+def test_matmulnf4(k, n, bs, qt, dtype, bias):
+    from onnx_lowbit import nf4
+    from test_nf4_kernels import _quantized, matmul_model
+    q, am = _quantized(k, n, bs, qt)
+    b = np.random.default_rng(1).standard_normal(n).astype(dtype) if bias else None
+    model = matmul_model((1, 1), k, n, bs, qt, dtype, bias, q, am, b)
+    rng = np.random.default_rng(2)
+    feeds = [{"a": _specials(rng.standard_normal((1, m, k)).astype(dtype))} for m in (1, 3, 1, 16, 17, 0)]
+    for threads in (0, 1):
+        native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["a"].shape[1] > 16)
+    for f, (y,) in zip(feeds, native):
+        a = f["a"][0]
+        assert y.shape == (1, a.shape[0], n) and y.dtype == dtype
+        if a.shape[0] > 1:   # rows past the first (which holds NaN / Inf) against the reference
+            ref = nf4.matmul(a[1:], q, am, qt, bs, k, n, b)
+            assert _rel(y[0, 1:], ref) <= (1e-5 if dtype == np.float32 else 2.0 ** -10)
+        if a.shape[0]:
+            assert np.isnan(y[0, 0]).all()   # NaN and Inf of opposite signs meet in every column
+
+
+def _rel(y, ref):
+    ref = np.asarray(ref, np.float64)
+    return np.abs(np.asarray(y, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12)

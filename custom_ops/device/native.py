@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
+
+from .half_cpu import f2h, h2f
 
 SIGNATURE = types.int32(types.CPointer(types.uint64), types.int64, types.int64)
 DECLINED = 1
@@ -56,3 +60,56 @@ def array(addr, shape, dtype):
 def vector(addr, n, dtype):
     """A 1-D array of ``n`` elements at ``addr``."""
     return carray(pointer(addr), (n,), dtype)
+
+
+@njit(inline="always")
+def arg(params, i):
+    """Integer parameter slot ``i`` as int64 (slots are uint64: mixing them with int64 would give float64)."""
+    return np.int64(params[i])
+
+
+# ---- helpers the entries share: fp16 / fp32 operands and results (fp16 through half_cpu's bit code)
+@njit(cache=True, nogil=True)
+def load_f32(addr, rows, cols, f16):
+    """The [rows, cols] float32 (f16 = 0) or float16 (f16 = 1, widened exactly) array at ``addr`` as float32."""
+    if f16:
+        h = array(addr, (rows, cols), np.uint16)
+        out = np.empty((rows, cols), np.float32)
+        for i in range(rows):
+            for j in range(cols):
+                out[i, j] = h2f(h[i, j])
+        return out
+    return array(addr, (rows, cols), np.float32)
+
+
+@njit(cache=True, nogil=True)
+def add_bias(res, addr, c0, f16):
+    """res[i, j] += bias[c0 + j] (float32 or float16 bias at ``addr``, widened), in float32."""
+    cols = res.shape[1]
+    if f16:
+        b16 = vector(addr, c0 + cols, np.uint16)
+        for i in range(res.shape[0]):
+            for j in range(cols):
+                res[i, j] += h2f(b16[c0 + j])
+    else:
+        b32 = vector(addr, c0 + cols, np.float32)
+        for i in range(res.shape[0]):
+            for j in range(cols):
+                res[i, j] += b32[c0 + j]
+
+
+@njit(cache=True, nogil=True)
+def store_cols(res, addr, ld, c0, f16):
+    """dest[i, c0 + j] = res[i, j] for the [rows, ld] float32 or float16 (rounded to nearest even) array at
+    ``addr``."""
+    rows, cols = res.shape
+    if f16:
+        d16 = array(addr, (rows, ld), np.uint16)
+        for i in range(rows):
+            for j in range(cols):
+                d16[i, c0 + j] = f2h(res[i, j])
+    else:
+        d32 = array(addr, (rows, ld), np.float32)
+        for i in range(rows):
+            for j in range(cols):
+                d32[i, c0 + j] = res[i, j]

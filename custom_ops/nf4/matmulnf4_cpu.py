@@ -6,9 +6,13 @@ to fp32 once per call (serially: Numba's worker threads next to OpenBLAS's spinn
 at M = 17 take 8 ms instead of 0.45 ms on 2 cores) and use BLAS."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
+from ..device import native
+from ..runtime import plans
 from ..runtime.kernels import Kernel
 from . import common as nf4_common
 
@@ -101,11 +105,23 @@ class MatMulNF4Kernel(Kernel):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
 
+    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path (BLAS) every call
+
     def compute(self, ctx, inputs):
         a, q, absmax = inputs[0], inputs[1], inputs[2]
         bias = inputs[3] if len(inputs) > 3 else None
         nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs)
-        nf4_common.check_a(a, self.k, bias, self.n)
+        m = nf4_common.check_a(a, self.k, bias, self.n)
+        if ctx.native and m <= SMALL_M:
+            y = ctx.output(0, a.shape[:-1] + (self.n,))
+            unit = self.bs.size // math.gcd(self.k, self.bs.size)   # columns whose weights start a block
+            values = [a.ptr, q.ptr, absmax.ptr, bias.ptr if bias is not None else 0, y, self.code.ctypes.data, m,
+                      self.k, self.n, self.bs.size, int(a.elem_type == 10), int(bias is not None), unit]
+            grain = max(1, -(-max(1, TASK_MACS // max(1, m * self.k)) // unit))
+            if ctx.run_native(native.compile_entry(_native_matmul), -(-self.n // unit), grain, values, (0, 1, 2, 3, 4)):
+                return
+        elif ctx.native:
+            plans.not_replayable()
         y = matmul(a.numpy(), q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs.size,
                    None if bias is None else bias.numpy())
         out = ctx.output_numpy(0, a.shape[:-1] + (self.n,), y.dtype)
@@ -113,3 +129,27 @@ class MatMulNF4Kernel(Kernel):
 
 
 KERNEL = MatMulNF4Kernel
+
+
+# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M, the columns split into tasks of whole blocks.
+# params: A, Q, absmax, bias (0: none), Y, code, M, K, N, block size, A is fp16, has bias, columns per item
+TASK_MACS = 1 << 16                                       # multiply-adds per task, at least
+gemv_serial = njit(cache=True, nogil=True)(gemv.py_func)  # gemv's body, one thread (a task's columns)
+
+
+def _native_matmul(p, begin, end):
+    m, k, n, bs = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8), native.arg(p, 9)
+    f16, unit = native.arg(p, 10), native.arg(p, 12)
+    n0, n1 = begin * unit, min(end * unit, n)
+    if n1 <= n0 or m == 0:
+        return 0
+    total = k * n
+    a = native.load_f32(p[0], m, k, f16)
+    q = native.vector(p[1], (total + 1) // 2, np.uint8)
+    am = native.vector(p[2], (total + bs - 1) // bs, np.float32)
+    res = np.empty((m, n1 - n0), np.float32)
+    gemv_serial(a, q[(n0 * k) >> 1:], am[(n0 * k) // bs:], native.vector(p[5], 16, np.float32), k, n1 - n0, bs, res)
+    if p[11]:
+        native.add_bias(res, p[3], n0, f16)
+    native.store_cols(res, p[4], n, n0, f16)
+    return 0
