@@ -164,3 +164,27 @@ def test_matmulnf4(k, n, bs, qt, dtype, bias):
 def _rel(y, ref):
     ref = np.asarray(ref, np.float64)
     return np.abs(np.asarray(y, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12)
+
+
+@pytest.mark.parametrize("k,n,bs,adt", [(688, 24, 64, np.float32), (688, 24, 64, np.float16), (65, 40, 32, np.float16),
+                                        (512, 300, 128, np.float32)])
+@pytest.mark.parametrize("transposed", [0, 1])
+def test_dequantnf4(k, n, bs, adt, transposed):
+    from onnx import helper
+    from onnx_lowbit import domain, nf4
+    from test_nf4_kernels import _quantized
+    q, am = _quantized(k, n, bs, "nf4")
+    am = am.astype(adt)
+    am[1] = np.inf                                        # a block of Inf (and NaN where its code is 0)
+    et = TensorProto.FLOAT if adt == np.float32 else TensorProto.FLOAT16
+    node = helper.make_node("DequantNF4", ["q", "am"], ["w"], domain=domain.DOMAIN, quant_type="nf4", block_size=bs,
+                            K=k, N=n, transposed=transposed)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("q", TensorProto.UINT8, ["nq"]),
+                                        helper.make_tensor_value_info("am", et, ["nb"])],
+                          [helper.make_tensor_value_info("w", et, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), domain.opset_import()], ir_version=10)
+    native, _ = native_and_python(m, [{"q": q, "am": am}])
+    with np.errstate(invalid="ignore"):
+        ref = nf4.dequantize(q, am.astype(np.float32), "nf4", bs, k, n, np.float32).astype(adt)
+    ref = np.ascontiguousarray(ref.T if transposed else ref)
+    assert np.isinf(ref).any() and np.array_equal(native[0][0].view(np.uint8), ref.view(np.uint8))

@@ -83,6 +83,14 @@ def load_f32(addr, rows, cols, f16):
 
 
 @njit(cache=True, nogil=True)
+def slice_f32(addr, start, count, f16):
+    """Elements [start, start + count) of the float32 / float16 vector at ``addr``, as float32 (a view for float32,
+    a widened copy of just those elements for float16)."""
+    at = addr + np.uint64(start * (2 if f16 else 4))
+    return load_f32(at, 1, count, f16)[0]
+
+
+@njit(cache=True, nogil=True)
 def add_bias(res, addr, c0, f16):
     """res[i, j] += bias[c0 + j] (float32 or float16 bias at ``addr``, widened), in float32."""
     cols = res.shape[1]

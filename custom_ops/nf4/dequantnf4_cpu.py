@@ -1,9 +1,12 @@
 """DequantNF4, CPU face: W [K, N] (or W^T [N, K] with transposed=1) in absmax's dtype."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
+from ..device import native
 from ..runtime.kernels import Kernel
 from . import common as nf4_common
 from .matmulnf4_cpu import dequant_t
@@ -37,12 +40,59 @@ class DequantNF4Kernel(Kernel):
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
         self.transposed = nf4_common.parse_transposed(self.attrs)
 
+    native_plans = True  # the native entry (below)
+
     def compute(self, ctx, inputs):
         q, absmax = inputs[0], inputs[1]
         nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs, 0, 1)
+        if ctx.native:
+            k, n, bs = self.k, self.n, self.bs.size
+            w = ctx.output(0, (n, k) if self.transposed else (k, n))
+            unit = 1 if self.transposed else bs // math.gcd(k, bs)     # items: blocks, or columns starting a block
+            items = -(-k * n // bs) if self.transposed else -(-n // unit)
+            per_item = bs if self.transposed else unit * k
+            values = [q.ptr, absmax.ptr, w, self.code.ctypes.data, k, n, bs, int(absmax.elem_type == 10),
+                      int(self.transposed), unit]
+            if ctx.run_native(native.compile_entry(_native_dequant), items, max(1, TASK_ELEMENTS // per_item),
+                              values, (0, 1, 2)):
+                return
         w = dequantize(q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs.size, self.transposed)
         out = ctx.output_numpy(0, w.shape, w.dtype)
         out[...] = w
 
 
 KERNEL = DequantNF4Kernel
+
+
+# ---- native entry (runtime/plans.py, "CPU kernels"): items are absmax blocks (transposed) or columns in units that
+# start a block (W [K, N]); the kernels' bodies compiled once more single-threaded for a task's range.
+# params: Q, absmax, W, code, K, N, block size, absmax / W are fp16, transposed, columns per item
+TASK_ELEMENTS = 1 << 16
+rows_serial = njit(cache=True, nogil=True)(dequant_rows.py_func)
+cols_serial = njit(cache=True, nogil=True)(dequant_t.py_func)
+
+
+def _native_dequant(p, begin, end):
+    k, n, bs, f16, unit = native.arg(p, 4), native.arg(p, 5), native.arg(p, 6), native.arg(p, 7), native.arg(p, 9)
+    total = k * n
+    q = native.vector(p[0], (total + 1) // 2, np.uint8)
+    code = native.vector(p[3], 16, np.float32)
+    nb = (total + bs - 1) // bs
+    if native.arg(p, 8):                 # W^T, flat: blocks [begin, end)
+        e0, e1 = begin * bs, min(end * bs, total)
+        if e1 <= e0:
+            return 0
+        am = native.slice_f32(p[1], begin, min(end, nb) - begin, f16)
+        res = np.empty((1, e1 - e0), np.float32)
+        rows_serial(q[e0 >> 1:], am, code, e1 - e0, bs, res[0])
+        native.store_cols(res, p[2], total, e0, f16)
+        return 0
+    n0, n1 = begin * unit, min(end * unit, n)
+    if n1 <= n0:
+        return 0
+    b0 = (n0 * k) // bs
+    am = native.slice_f32(p[1], b0, (n1 * k + bs - 1) // bs - b0, f16)
+    res = np.empty((k, n1 - n0), np.float32)
+    cols_serial(q[(n0 * k) >> 1:], am, code, k, n1 - n0, bs, res)
+    native.store_cols(res, p[2], n, n0, f16)
+    return 0
