@@ -188,3 +188,36 @@ def test_dequantnf4(k, n, bs, adt, transposed):
         ref = nf4.dequantize(q, am.astype(np.float32), "nf4", bs, k, n, np.float32).astype(adt)
     ref = np.ascontiguousarray(ref.T if transposed else ref)
     assert np.isinf(ref).any() and np.array_equal(native[0][0].view(np.uint8), ref.view(np.uint8))
+
+
+# ------------------------------------------------------------------------------------------ MatMulAWQ / DequantAWQ
+@pytest.mark.parametrize("K,N,G,dtype,bias", [(128, 8, 128, np.float32, True), (688, 136, 128, np.float16, False),
+                                              (100, 16, 7, np.float16, True), (256, 4096, 32, np.float32, False)])
+def test_matmulawq(K, N, G, dtype, bias):  # noqa: N803
+    from test_awq_kernels import activations, awq_model, check_matmul, weights
+    qw, qz, sc = weights(K, N, G)
+    b = activations((N,), dtype, seed=5) if bias else None
+    model = awq_model("MatMulAWQ", K, N, G, a_dtype=dtype, bias=bias, lead=("B", "T"),
+                      initializers={"qweight": qw, "qzeros": qz, "scales": sc, **({"bias": b} if bias else {})})
+    feeds = [{"A": _specials(activations((1, m, K), dtype, seed=m))} for m in (1, 3, 1, 16, 17, 0)]
+    for threads in (0, 1):
+        native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["A"].shape[1] > 16)
+    for f, (y,) in zip(feeds, native):
+        a = f["A"]
+        assert y.shape == a.shape[:-1] + (N,) and y.dtype == dtype
+        check_matmul(y[:, 1:], a[:, 1:], qw, qz, sc, G, K, N, b)   # rows past the one with NaN / Inf
+        if a.shape[1]:
+            assert np.isnan(y[0, 0]).all()
+
+
+@pytest.mark.parametrize("K,N,G", [(128, 8, 128), (688, 136, 128), (100, 16, 7), (1024, 512, 32)])
+def test_dequantawq(K, N, G):  # noqa: N803
+    from onnx_lowbit import awq
+    from test_awq_kernels import awq_model, weights
+    qw, qz, sc = weights(K, N, G, seed=1)
+    sc = sc.copy()
+    sc[0, :3] = [np.inf, -np.inf, np.nan]
+    native, _ = native_and_python(awq_model("DequantAWQ", K, N, G), [{"qweight": qw, "qzeros": qz, "scales": sc}])
+    with np.errstate(invalid="ignore"):
+        ref = awq.dequantize(qw, qz, sc, G, K, N)
+    assert np.array_equal(native[0][0].view(np.uint16), ref.view(np.uint16))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ..device import native
 from ..device.half_cpu import f32_to_f16 as _f32_to_f16
 from ..runtime.kernels import Kernel, KernelError
 
@@ -174,14 +175,44 @@ class DequantAWQKernel(Kernel):
         super().__init__(**kw)
         self.sh = parse_attrs(self.attrs)
 
+    native_plans = True  # the native entry (below)
+
     def compute(self, ctx, inputs):
         qw, qz, sc = (inputs[i] if i < len(inputs) else None for i in range(3))
         check_weights(qw, qz, sc, self.sh)
+        sh = self.sh
+        if ctx.native:
+            values = [qw.ptr, qz.ptr, sc.ptr, ctx.output(0, (sh.K, sh.N)), sh.K, sh.N, sh.group_size]
+            grain = max(1, TASK_ELEMENTS // (sh.group_size * sh.N))
+            if ctx.run_native(native.compile_entry(_native_dequant), -(-sh.K // sh.group_size), grain, values,
+                              (0, 1, 2, 3)):
+                return
         out = ctx.output_numpy(0, (self.sh.K, self.sh.N), np.float16)
         _run(qw.numpy(), qz.numpy(), sc.numpy(), self.sh, out)
 
 
 KERNEL = DequantAWQKernel
+
+
+# ---- native entry (runtime/plans.py, "CPU kernels"): items are groups of rows; a task runs
+# dequant_rows_f16bits' body (compiled once more single-threaded) on its groups' rows.
+# params: qweight, qzeros, scales, W, K, N, group size
+TASK_ELEMENTS = 1 << 16
+rows_serial = njit(cache=True, nogil=True, boundscheck=False)(dequant_rows_f16bits.py_func)
+
+
+def _native_dequant(p, begin, end):
+    k, n, g = native.arg(p, 4), native.arg(p, 5), native.arg(p, 6)
+    k0, k1 = begin * g, min(end * g, k)
+    if k1 <= k0:
+        return 0
+    groups, ng = (k + g - 1) // g, n // 8
+    qw = native.array(p[0], (groups * g, ng), np.int32)
+    qz = native.array(p[1], (groups, ng), np.int32)
+    sc = native.load_f32(p[2] + np.uint64(begin * n * 2), end - begin, n, 1)
+    out = native.array(p[3], (k, n), np.uint16)
+    rows_serial(qw[k0:], qz[begin:], sc, ORDER_NP, g, k1 - k0, out[k0:k1])
+    return 0
 
 
 def check_both(w1, w3, sh):

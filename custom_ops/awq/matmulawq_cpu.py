@@ -14,6 +14,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..device import native
+from ..device.half_cpu import h2f
+from ..runtime import plans
 from ..runtime.kernels import Kernel
 from .dequantawq_cpu import ORDER_NP, check_a_bias, check_weights, dequant_rows_f32, parse_attrs
 
@@ -122,8 +125,21 @@ class MatMulAWQKernel(Kernel):
         super().__init__(**kw)
         self.sh = parse_attrs(self.attrs)
 
+    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path (BLAS) every call
+
     def compute(self, ctx, inputs):
         a, (qw, qz, sc), bias, m = operands(inputs, self.sh)
+        if ctx.native and m <= SMALL_M:
+            sh = self.sh
+            y = ctx.output(0, tuple(a.shape[:-1]) + (sh.N,))
+            values = [a.ptr, qw.ptr, qz.ptr, sc.ptr, bias.ptr if bias is not None else 0, y, m, sh.K, sh.N,
+                      sh.group_size, int(a.elem_type == 10), int(bias is not None)]
+            tiles = -(-sh.NG // TILE)
+            grain = max(1, TASK_MACS // max(1, m * sh.K * 8 * TILE))
+            if ctx.run_native(native.compile_entry(_native_matmul), tiles, grain, values, (0, 1, 2, 3, 4, 5)):
+                return
+        elif ctx.native:
+            plans.not_replayable()
         av = a.numpy()
         out = ctx.output_numpy(0, tuple(a.shape[:-1]) + (self.sh.N,), av.dtype)
         if m:
@@ -132,3 +148,34 @@ class MatMulAWQKernel(Kernel):
 
 
 KERNEL = MatMulAWQKernel
+
+
+# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M; items are gemv's tiles of TILE column groups,
+# a task runs gemv's body (compiled once more single-threaded) on its tiles' columns.
+# params: A, qweight, qzeros, scales, bias (0: none), Y, M, K, N, group size, A is fp16, has bias
+TASK_MACS = 1 << 16
+gemv_serial = njit(cache=True, nogil=True, boundscheck=False)(gemv.py_func)
+
+
+def _native_matmul(p, begin, end):
+    m, k, n, g = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8), native.arg(p, 9)
+    f16 = native.arg(p, 10)
+    ng = n // 8
+    c0, c1 = begin * TILE, min(end * TILE, ng)
+    if c1 <= c0 or m == 0:
+        return 0
+    groups = (k + g - 1) // g
+    a = native.load_f32(p[0], m, k, f16)
+    qw = native.array(p[1], (groups * g, ng), np.int32)
+    qz = native.array(p[2], (groups, ng), np.int32)
+    sc16 = native.array(p[3], (groups, n), np.uint16)
+    sc = np.empty((groups, 8 * (c1 - c0)), np.float32)
+    for r in range(groups):
+        for j in range(8 * (c1 - c0)):
+            sc[r, j] = h2f(sc16[r, 8 * c0 + j])
+    res = np.empty((m, 8 * (c1 - c0)), np.float32)
+    gemv_serial(a, qw[:, c0:c1], qz[:, c0:c1], sc, ORDER_NP, g, k, res)
+    if native.arg(p, 11):
+        native.add_bias(res, p[4], 8 * c0, f16)
+    native.store_cols(res, p[5], n, 8 * c0, f16)
+    return 0
