@@ -121,3 +121,14 @@ def store_cols(res, addr, ld, c0, f16):
         for i in range(rows):
             for j in range(cols):
                 d32[i, c0 + j] = res[i, j]
+
+
+@njit(cache=True, nogil=True)
+def fingerprint(addr, nbytes):
+    """FNV-1a hash of ``nbytes`` bytes at ``addr``: an entry compares input values it cannot check cheaply with the
+    values Python checked when the call was recorded (a mismatch: DECLINED, Python checks them again)."""
+    data = vector(addr, nbytes, np.uint8)
+    h = np.uint64(0xCBF29CE484222325)
+    for i in range(nbytes):
+        h = (h ^ np.uint64(data[i])) * np.uint64(0x100000001B3)
+    return h

@@ -13,8 +13,10 @@ import numpy as np
 from numba import njit, prange
 
 from onnx_lowbit import gru_int
-from onnx_lowbit.gru_int import Q
+from onnx_lowbit.gru_int import NQ, Q
 
+from ..device import native
+from ..runtime import plans
 from ..runtime.kernels import Kernel, KernelError
 
 # scalar quantity indices (numba sees plain ints)
@@ -205,6 +207,7 @@ def _run(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h, y_out=None,
 
 
 class QuantGRUKernel(Kernel):
+    native_plans = True  # inputs up to NATIVE_MACS: the native entry (below); longer ones: the Python path
     def __init__(self, **kw):
         super().__init__(**kw)
         at = self.attrs
@@ -222,8 +225,129 @@ class QuantGRUKernel(Kernel):
             raise KernelError(str(e)) from None
         d, h = self.a.num_directions, self.a.hidden_size
         shapes = ((t, d, n, h), (d, n, h)) if self.a.layout == 0 else ((n, t, d, h), (n, d, h))
+        if ctx.native and t * n * ins[0].shape[2] * 3 * h <= NATIVE_MACS:
+            outs = [ctx.output(i, shape) for i, shape in enumerate(shapes)]
+            if ctx.run_native(native.compile_entry(_native_gru), 1, 1, native_values(self.a, ins, outs, (t, n)),
+                              (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)):
+                return
+        elif ctx.native:
+            plans.not_replayable()   # a long input projection: the Python path's BLAS product serves it
         y, yh = (ctx.output_numpy(i, shape, np.float32) for i, shape in enumerate(shapes))
         _run(self.a, *v, y_out=y, yh_out=yh)
 
 
 KERNEL = QuantGRUKernel
+
+
+# ---- native entry (runtime/plans.py, "CPU kernels"): one task per call, the steps of _run / run_direction with the
+# input projection as a loop product instead of BLAS (exact either way: integer sums below 2^53), so only calls up to
+# NATIVE_MACS multiply-adds take it (a streaming GRU's frames); the recurrence's body single-threaded for one
+# batch row, the parallel kernel for more. channel_exp's values were checked by Python when the call was recorded:
+# a replay whose channel_exp differs (its fingerprint) or whose sequence_lens are out of range is declined and goes
+# through Python, which checks them.
+# params: X, W, R, B, channel_exp, luts, sequence_lens (0), initial_h (0), Y, Y_h, exponents, zero_points, T, N, C,
+# H, D, layout, bits, reverse (1: direction "reverse"), lo, hi, LUT shift, LUT length, channel_exp fingerprint
+NATIVE_MACS = 1 << 22
+recurrence_serial = njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})(recurrence.py_func)
+
+
+def native_values(a, ins, outs, tn):
+    lo, hi = gru_int.qrange(a.bits)
+    ce = ins[4]
+    return ([t.ptr if t is not None else 0 for t in ins[:8]] + list(outs)
+            + [a.exponents.ctypes.data, a.zero_points.ctypes.data, tn[0], tn[1], ins[0].shape[2], a.hidden_size,
+               a.num_directions, a.layout, a.bits, int(a.direction == "reverse"), lo, hi, gru_int.LUT_SHIFT[a.bits],
+               gru_int.lut_len(a.bits), int(native.fingerprint(np.uint64(ce.ptr), ce.size * 4))])
+
+
+def _native_gru(p, begin, end):
+    if native.arg(p, 18) == 8:
+        return _native_run(p, np.int8)
+    return _native_run(p, np.int16)
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _product(qx, w64, out):
+    """out = qx @ w64.T on float64 holding integers (exact in any order)."""
+    for m in range(qx.shape[0]):
+        for j in range(w64.shape[0]):
+            acc = 0.0
+            for k in range(qx.shape[1]):
+                acc += qx[m, k] * w64[j, k]
+            out[m, j] = acc
+
+
+@njit(cache=True, nogil=True)
+def _native_run(p, qdt):
+    t, n, c, h, d = native.arg(p, 12), native.arg(p, 13), native.arg(p, 14), native.arg(p, 15), native.arg(p, 16)
+    layout, rev, lo, hi = native.arg(p, 17), native.arg(p, 19), native.arg(p, 20), native.arg(p, 21)
+    sh, ll = native.arg(p, 22), native.arg(p, 23)
+    h3 = 3 * h
+    if native.fingerprint(p[4], d * 4 * h3 * 4) != p[24]:
+        return native.DECLINED
+    lens = np.full(n, t, np.int64)
+    if p[6]:
+        given = native.vector(p[6], n, np.int32)
+        for i in range(n):
+            if given[i] < 0 or given[i] > t:
+                return native.DECLINED
+            lens[i] = given[i]
+    xin = native.array(p[0], (t, n, c) if layout == 0 else (n, t, c), np.float32)
+    x = np.empty((t, n, c), np.float32)
+    for ti in range(t):
+        for ni in range(n):
+            x[ti, ni] = xin[ti, ni] if layout == 0 else xin[ni, ti]
+    w_all = native.array(p[1], (d, h3, c), qdt)
+    r_all = native.array(p[2], (d, h3, h), qdt)
+    b_all = native.array(p[3], (d, 2 * h3), np.int32)
+    ch_all = native.array(p[4], (d, 4, h3), np.int32)
+    lut_all = native.array(p[5], (d, 3, ll), qdt)
+    e_all = native.array(p[10], (d, NQ), np.int64)
+    z_all = native.array(p[11], (d, NQ), np.int64)
+    yout = native.array(p[8], (t, d, n, h) if layout == 0 else (n, t, d, h), np.float32)
+    yhout = native.array(p[9], (d, n, h) if layout == 0 else (n, d, h), np.float32)
+    for k in range(d):
+        w, r, ch, e, z = w_all[k], r_all[k], ch_all[k], e_all[k], z_all[k]
+        w64 = w.astype(np.float64)
+        wsum = np.zeros(h3, np.int64)
+        rsum = np.zeros(h3, np.int64)
+        for j in range(h3):
+            for i in range(c):
+                wsum[j] += np.int64(w[j, i])
+            for i in range(h):
+                rsum[j] += np.int64(r[j, i])
+        qx = np.empty((t * n, c), np.float64)
+        quantize_rows(x.reshape(t * n, c), e[IX], z[IX], lo, hi, qx)
+        acc = np.empty((t * n, h3), np.float64)
+        _product(qx, w64, acc)
+        qwx = np.empty((t * n, h3), np.int64)
+        rescale_gemm(acc, wsum, z[IX], ch[0].astype(np.int64) + e[IX] - e[IWX], z[IWX], lo, hi, qwx)
+        qh = np.full((n, h), z[IH], np.int64)
+        if p[7]:
+            h0in = native.array(p[7], (d, n, h) if layout == 0 else (n, d, h), np.float32)
+            h0 = np.empty((n, h), np.float32)
+            for ni in range(n):
+                h0[ni] = h0in[k, ni] if layout == 0 else h0in[ni, k]
+            h0q = np.empty((n, h), np.float64)
+            quantize_rows(h0, e[IH], z[IH], lo, hi, h0q)
+            qh = h0q.astype(np.int64)
+        y = np.zeros((t, n, h), np.float32)
+        yh = np.empty((n, h), np.float32)
+        args = (qwx.reshape(t, n, h3), r.astype(np.float64), rsum, ch[1].astype(np.int64) + e[IH] - e[IRH], qh, lens,
+                rev == 1 or k == 1, b_all[k], ch, lut_all[k].astype(np.int32), e, z, lo, hi, sh, y, yh)
+        if n == 1:
+            recurrence_serial(*args)
+        else:
+            recurrence(*args)
+        for ti in range(t):
+            for ni in range(n):
+                if layout == 0:
+                    yout[ti, k, ni] = y[ti, ni]
+                else:
+                    yout[ni, ti, k] = y[ti, ni]
+        for ni in range(n):
+            if layout == 0:
+                yhout[k, ni] = yh[ni]
+            else:
+                yhout[ni, k] = yh[ni]
+    return 0
