@@ -3,7 +3,8 @@
 Loads the C shim (ortshim.c) with ctypes, declares every op variant of the domain for the CPU and CUDA
 execution providers, and serves the shim's callbacks: kernel creation (attributes read through the shim) and
 compute (input pointers, shapes and onnxruntime's CUDA stream in; outputs and per-call scratch allocated through the
-shim, from onnxruntime's allocator).
+shim, from onnxruntime's allocator). Calls the shim replays from a native plan (plans.py: CUDA launches, CPU entry
+points) never reach Python; ``set_native_plans`` / ``set_native_cpu`` switch replay off for comparisons.
 Kernels are looked up by op name in ``onnx_lowbit.custom_ops.runtime.kernels``.
 """
 from __future__ import annotations
