@@ -272,3 +272,30 @@ def test_quantgru_long_inputs_and_bad_lengths_go_through_python():
     long = {"X": np.resize(X, (200, 2, 64)).astype(np.float32), "sequence_lens": np.array([200, 7], np.int32)}
     _, calls = python_calls(session(big), long)          # 200 * 2 * 64 * 192 multiply-adds: over NATIVE_MACS
     assert calls == 3
+
+
+# ---------------------------------------------------------------------------------------------------- FusedFFN
+@pytest.mark.parametrize("xdt,wdt,kn,bias", [(np.float32, np.float32, 0, True), (np.float16, np.float16, 0, False),
+                                             (np.float32, np.float16, 1, True), (np.float16, np.float16, 1, True)])
+def test_fusedffn(xdt, wdt, kn, bias):
+    from onnx_lowbit import ffn
+    from test_ffn_kernels import data, ffn_model
+    K, N = 72, 40  # noqa: N806
+    x, w1, w3, b1, b3 = data(K, N, xdt, wdt, (1,))
+    if kn:
+        w1, w3 = np.ascontiguousarray(w1.T), np.ascontiguousarray(w3.T)
+    init = {"W1": w1, "W3": w3, **({"B1": b1, "B3": b3} if bias else {})}
+    model = ffn_model(K, N, xdt, wdt, lead=("B", "T"), b1=bias, b3=bias, init=init, kn=kn)
+    rng = np.random.default_rng(3)
+    feeds = [{"X": _specials(rng.standard_normal((1, m, K)).astype(xdt))} for m in (1, 4, 1, 16, 17, 0)]
+    for threads in (0, 1):
+        native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["X"].shape[1] > 16)
+    for f, (s,) in zip(feeds, native):
+        xs = f["X"][0]
+        assert s.shape == (1, xs.shape[0], N) and s.dtype == xdt
+        if xs.shape[0] > 1:
+            ref = ffn.swiglu_ref(xs[1:], w1, w3, b1 if bias else None, b3 if bias else None, kn=bool(kn))
+            err = np.abs(s[0, 1:].astype(np.float64) - ref).max() / np.abs(ref).max()
+            assert err <= (1e-5 if xdt == np.float32 else 2.0 ** -10)
+        if xs.shape[0]:
+            assert np.isnan(s[0, 0]).all()

@@ -26,6 +26,8 @@ from numba import njit, prange
 
 from onnx_lowbit import ffn
 
+from ..device import native
+from ..runtime import plans
 from ..runtime.kernels import Kernel, KernelError
 
 SMALL_M = 16
@@ -317,6 +319,7 @@ def _compute_kn(xf, w1, w3, b1f, b3f, out2):
 
 
 class FusedFFNKernel(Kernel):
+    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path (BLAS) every call
     def __init__(self, **kw):
         super().__init__(**kw)
         self.kn = weights_kn(self.attrs)
@@ -331,9 +334,49 @@ class FusedFFNKernel(Kernel):
         b1v = None if b1 is None else b1.numpy()
         b3v = None if b3 is None else b3.numpy()
         m, k, n = check(xv, w1v, w3v, b1v, b3v, self.kn)
+        if ctx.native and m <= SMALL_M:
+            values = [x.ptr, w1.ptr, w3.ptr, b1.ptr if b1 is not None else 0, b3.ptr if b3 is not None else 0,
+                      ctx.output(0, tuple(x.shape[:-1]) + (n,)), m, k, n, int(x.elem_type == 10),
+                      int(w1.elem_type == 10), int(self.kn), int(b1 is not None), int(b3 is not None),
+                      kn_block(n) if self.kn else 0]
+            if ctx.run_native(native.compile_entry(_native_ffn), 1, 1, values, (0, 1, 2, 3, 4, 5)):
+                return
+        elif ctx.native:
+            plans.not_replayable()   # M > SMALL_M: BLAS on the Python path
         out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (n,), xv.dtype)
         if m:
             _compute(xv.reshape(m, k), w1v, w3v, b1v, b3v, out.reshape(m, n), self.kn)
 
 
 KERNEL = FusedFFNKernel
+
+
+# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M as one task calling the same decode kernels as
+# the Python path (Numba's pool inside them; the same compiled functions, so the same bytes).
+# params: X, W1, W3, B1 (0: none), B3 (0: none), S, M, K, N, X is fp16, W is fp16, weights_kn, has B1, has B3,
+# columns per task of the [K, N] kernels
+def _native_ffn(p, begin, end):
+    m, k, n = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8)
+    xf16, wf16, kn, bw = native.arg(p, 9), native.arg(p, 10), native.arg(p, 11), native.arg(p, 14)
+    if m == 0:
+        return 0
+    x = native.load_f32(p[0], m, k, xf16)
+    b1 = native.slice_f32(p[3], 0, n, xf16) if native.arg(p, 12) else np.zeros(n, np.float32)
+    b3 = native.slice_f32(p[4], 0, n, xf16) if native.arg(p, 13) else np.zeros(n, np.float32)
+    res = np.empty((m, n), np.float32) if xf16 else native.array(p[5], (m, n), np.float32)
+    shape = (k, n) if kn else (n, k)
+    if wf16:
+        w1, w3 = native.array(p[1], shape, np.uint16), native.array(p[2], shape, np.uint16)
+        if kn:
+            gemv_kn_f16(x, w1, w3, b1, b3, bw, res)
+        else:
+            gemv_f16(x, w1, w3, b1, b3, res)
+    else:
+        v1, v3 = native.array(p[1], shape, np.float32), native.array(p[2], shape, np.float32)
+        if kn:
+            gemv_kn_f32(x, v1, v3, b1, b3, bw, res)
+        else:
+            gemv_f32(x, v1, v3, b1, b3, res)
+    if xf16:
+        native.store_cols(res, p[5], n, 0, 1)
+    return 0
