@@ -6,6 +6,7 @@ link dependency beyond libc are needed.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import hashlib
 import os
@@ -13,6 +14,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
+from .abi import SHIM_ABI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "ortshim.c")
@@ -46,10 +49,21 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _current(path) -> bool:
+    """Whether the library at ``path`` speaks this Python code's interface (abi.SHIM_ABI): a shim built in place
+    from an older ortshim.c (an editable install before a pull) does not."""
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError:
+        return False
+    return hasattr(lib, "lb_abi") and lib.lb_abi() == SHIM_ABI
+
+
 def shim_path() -> str:
-    """Path of a built shim, building it into the user cache if the install did not ship one."""
+    """Path of a built shim: the one the install compiled, else (none, or a stale one) one built into the user
+    cache."""
     shipped = sorted(glob.glob(os.path.join(HERE, "_ortshim*.so")))
-    if shipped:
+    if shipped and _current(shipped[0]):
         return shipped[0]
     cache = os.environ.get("ONNX_LOWBIT_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "onnx_lowbit")
@@ -57,3 +71,7 @@ def shim_path() -> str:
     if not os.path.exists(path):
         compile_shim(path)
     return path
+
+
+if __name__ == "__main__":  # python -m onnx_lowbit.custom_ops.runtime.build: the shim sessions load (built if needed)
+    print(shim_path())

@@ -662,6 +662,9 @@ int lb_add_op(const char* name, int is_cuda, int n_in, const int* in_types, cons
 }
 
 int lb_op_struct_size(void) { return (int)offsetof(LbOp, index); }
+/* The interface version Python checks (abi.SHIM_ABI): bumped when an exported function or a struct changes, so a
+ * shim library built from an older source is never used with newer Python code. 2: native CPU steps. */
+int lb_abi(void) { return 2; }
 const char* lb_ort_version(void) { return g_ort_version; }
 
 /* Allocates output `index` of a compute call with the given shape; returns 0 and the data pointer. */
