@@ -313,3 +313,46 @@ def test_concurrent_runs_replay_without_the_gil():
     bad = same_in_threads(lambda x: sess.run(None, {"x": x})[0], inputs, want,
                           lambda a, b: np.array_equal(a.view(np.uint16), b.view(np.uint16)), repeats=10, threads=len(inputs))
     assert not bad and bridge.stats["python_computes"] == before
+
+
+def _thread_probe():
+    """An entry point writing the calling OS thread's id over its range of a float32 output (stands in for FPLUT's
+    entry: shows which threads ran which tasks)."""
+    import ctypes
+
+    from numba import cfunc
+
+    from onnx_lowbit.custom_ops.device import native
+    gettid = ctypes.CDLL(None).gettid
+    gettid.restype, gettid.argtypes = ctypes.c_int, []
+
+    @cfunc(native.SIGNATURE)
+    def probe(p, begin, end):
+        y = native.vector(p[1], end, np.uint32)
+        t = gettid()
+        for i in range(begin, end):
+            y[i] = t
+        return 0
+    return probe
+
+
+def test_entries_run_on_onnxruntimes_intra_op_threads(monkeypatch):
+    import threading
+
+    from onnx_lowbit.custom_ops.device import native
+    from onnx_lowbit.custom_ops.fplut import fplut_cpu
+    probe = _thread_probe()
+    monkeypatch.setattr(native, "compile_entry", lambda fn: probe.address)
+    x = {"x": np.zeros(32 * fplut_cpu.GRAIN, np.float32)}      # 32 tasks
+    one = session(fplut_model(TensorProto.FLOAT, shape=["n"]), threads=1)
+    for _ in range(3):    # one intra-op thread: every task on the thread that called run()
+        assert set(one.run(None, x)[0].view(np.uint32).tolist()) == {threading.get_native_id()}
+    two = session(fplut_model(TensorProto.FLOAT, shape=["n"]), threads=2)
+    seen = set()
+    for _ in range(200):   # onnxruntime's second thread takes tasks (not in every run on a busy machine)
+        ids = set(two.run(None, x)[0].view(np.uint32).tolist())
+        assert len(ids) <= 2
+        seen.add(len(ids))
+        if 2 in seen:
+            break
+    assert 2 in seen
