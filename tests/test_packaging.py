@@ -33,7 +33,8 @@ def test_sdist_and_wheel(tmp_path):
         entry_points = next(z.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
         metadata = next(z.read(n).decode() for n in names if n.endswith(".dist-info/METADATA"))
     # the C shim's source, wherever custom_ops keeps it (custom_ops/ may move into subpackages)
-    assert [n for n in names if n.startswith("onnx_lowbit/custom_ops/") and n.endswith("ortshim.c")], names
+    for part in ("ortshim.c", "ortplans.c"):   # ortshim.c includes ortplans.c
+        assert [n for n in names if n.startswith("onnx_lowbit/custom_ops/") and n.endswith(part)], names
     for sample in ("tiny_yolo.onnx", "gpt2_mlp.onnx", "llama_mlp.onnx", "gru_small.onnx", "gru_small_calib.npz"):
         assert f"onnx_lowbit/samples/{sample}" in names, sample
     assert "onnx_lowbit/fplut_tables.json" in names
@@ -48,4 +49,5 @@ def test_sdist_and_wheel(tmp_path):
     stem = os.path.basename(str(sdist))[:-len(".tar.gz")]
     for f in ("setup.py", "pyproject.toml", "README.md", "samples/tiny_yolo.onnx", "onnx_lowbit/fplut_tables.json"):
         assert f"{stem}/{f}" in members, f
-    assert [m for m in members if m.startswith(f"{stem}/custom_ops/") and m.endswith("ortshim.c")]
+    for part in ("ortshim.c", "ortplans.c"):
+        assert [m for m in members if m.startswith(f"{stem}/custom_ops/") and m.endswith(part)], part

@@ -19,6 +19,7 @@ from .abi import SHIM_ABI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, "ortshim.c")
+PARTS = [SOURCE, os.path.join(HERE, "ortplans.c")]   # ortshim.c includes ortplans.c: one translation unit
 
 
 class ShimBuildError(RuntimeError):
@@ -44,8 +45,9 @@ def compile_shim(out_path: str) -> str:
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for part in PARTS:
+        with open(part, "rb") as f:
+            h.update(f.read())
     return h.hexdigest()[:16]
 
 
