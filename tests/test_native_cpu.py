@@ -356,3 +356,26 @@ def test_entries_run_on_onnxruntimes_intra_op_threads(monkeypatch):
         if 2 in seen:
             break
     assert 2 in seen
+
+
+def test_cached_entries_calling_parallel_kernels_in_a_fresh_process():
+    """A fresh process whose first Numba work is an entry loaded from the disk cache that calls a parallel kernel
+    (FusedFFN's decode kernel, QuantGRU's batched recurrence): Numba's thread pool must be started first (it crashed
+    the process before)."""
+    import os
+    import subprocess
+    import sys
+    script = """
+import sys, numpy as np
+sys.path.insert(0, {tests!r})
+from test_ffn_kernels import data, ffn_model
+from test_native_cpu import session
+x, w1, w3, _, _ = data(72, 40, np.float32, np.float32, (1, 2))
+s = session(ffn_model(72, 40, np.float32, np.float32, lead=("B", "T"), init={{"W1": w1, "W3": w3}}))
+a, b = (s.run(None, {{"X": x}})[0] for _ in range(2))
+assert np.array_equal(a, b)
+print("ok")
+""".format(tests=os.path.dirname(os.path.abspath(__file__)))
+    for _ in range(2):   # the first may compile (a cold cache), the second loads from the cache
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

@@ -15,6 +15,7 @@ import threading
 
 import numpy as np
 
+import numba
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
@@ -46,6 +47,10 @@ def compile_entry(fn) -> int:
     with _lock:
         c = _compiled.get(fn)
         if c is None:
+            # Numba starts its thread pool when a parallel function is compiled or called from Python; an entry
+            # loaded from the disk cache that calls a parallel kernel (FusedFFN, QuantGRU) would find none and
+            # crash. get_num_threads() starts it (public API; a no-op once started).
+            numba.get_num_threads()
             c = _compiled[fn] = cfunc(SIGNATURE, nopython=True, cache=True)(fn)
     return c.address
 
