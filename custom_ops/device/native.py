@@ -55,6 +55,14 @@ def compile_entry(fn) -> int:
     return c.address
 
 
+def parallel_ok() -> bool:
+    """Whether an entry may call Numba's parallel kernels: replays run without the GIL, so concurrent session runs can
+    start parallel regions at once, which the OpenMP and TBB layers allow and the workqueue layer does not (it aborts
+    the process). With workqueue, such calls keep the Python path (the GIL serialises them)."""
+    numba.get_num_threads()   # starts the pool, so that the layer is known
+    return numba.threading_layer() != "workqueue"
+
+
 @njit(inline="always")
 def array(addr, shape, dtype):
     """A C-contiguous array of ``shape`` at the address ``addr`` (a uint64 parameter slot)."""

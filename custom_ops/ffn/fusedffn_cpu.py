@@ -334,7 +334,7 @@ class FusedFFNKernel(Kernel):
         b1v = None if b1 is None else b1.numpy()
         b3v = None if b3 is None else b3.numpy()
         m, k, n = check(xv, w1v, w3v, b1v, b3v, self.kn)
-        if ctx.native and m <= SMALL_M:
+        if ctx.native and m <= SMALL_M and native.parallel_ok():
             values = [x.ptr, w1.ptr, w3.ptr, b1.ptr if b1 is not None else 0, b3.ptr if b3 is not None else 0,
                       ctx.output(0, tuple(x.shape[:-1]) + (n,)), m, k, n, int(x.elem_type == 10),
                       int(w1.elem_type == 10), int(self.kn), int(b1 is not None), int(b3 is not None),
@@ -342,7 +342,7 @@ class FusedFFNKernel(Kernel):
             if ctx.run_native(native.compile_entry(_native_ffn), 1, 1, values, (0, 1, 2, 3, 4, 5)):
                 return
         elif ctx.native:
-            plans.not_replayable()   # M > SMALL_M: BLAS on the Python path
+            plans.not_replayable()   # M > SMALL_M (BLAS) or Numba's workqueue layer: the Python path
         out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (n,), xv.dtype)
         if m:
             _compute(xv.reshape(m, k), w1v, w3v, b1v, b3v, out.reshape(m, n), self.kn)

@@ -225,13 +225,13 @@ class QuantGRUKernel(Kernel):
             raise KernelError(str(e)) from None
         d, h = self.a.num_directions, self.a.hidden_size
         shapes = ((t, d, n, h), (d, n, h)) if self.a.layout == 0 else ((n, t, d, h), (n, d, h))
-        if ctx.native and t * n * ins[0].shape[2] * 3 * h <= NATIVE_MACS:
+        if ctx.native and t * n * ins[0].shape[2] * 3 * h <= NATIVE_MACS and (n == 1 or native.parallel_ok()):
             outs = [ctx.output(i, shape) for i, shape in enumerate(shapes)]
             if ctx.run_native(native.compile_entry(_native_gru), 1, 1, native_values(self.a, ins, outs, (t, n)),
                               (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)):
                 return
         elif ctx.native:
-            plans.not_replayable()   # a long input projection: the Python path's BLAS product serves it
+            plans.not_replayable()   # a long input projection (BLAS) or batches under Numba's workqueue layer
         y, yh = (ctx.output_numpy(i, shape, np.float32) for i, shape in enumerate(shapes))
         _run(self.a, *v, y_out=y, yh_out=yh)
 
