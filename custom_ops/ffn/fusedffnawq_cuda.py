@@ -28,25 +28,15 @@ weights; correct, not tuned.
 """
 from __future__ import annotations
 
-from ..awq.session_cuda import GEMV_WHEN, AWQDecodeKernel, decode, gemv1, gemv8
-from ..runtime.routing import Route, always
+from ..awq import session_cuda
+from ..awq.session_cuda import AWQDecodeKernel
 from .fusedffnawq_cpu import operands
 
-ROUTES = (
-    Route("gemv1", f"M = 1, {GEMV_WHEN}", gemv1,
-          "BENCHMARKS.md 'AWQ int4 (MatMulAWQ, FusedFFNAWQ)'; docs/lab-log.md session 23, later (2026-11-26)"),
-    Route("gemv8", f"M = 2 .. 16, {GEMV_WHEN}", gemv8,
-          "docs/lab-log.md session 24, later (M = 2 .. 8, commit cf5144f) and session 26 (M = 9 .. 16, commit "
-          "29c92e2: against the older tensor-core kernel)"),
-    Route("decode", "M = 1 .. 16 (fp32 X, or a shape / buffer the GEMV cannot take)", decode,
-          "docs/lab-log.md '2026-11-24: AWQ decode kernels with 32-bit decoding'"),
-    Route("generic", "M > 16", always, "none: the only kernel for any M"),
-)
+ROUTES = session_cuda.ROUTES  # one table for both AWQ decode ops (awq/session_cuda)
 
 
 class FusedFFNAWQCudaKernel(AWQDecodeKernel):
     NW = 2
-    ROUTES = ROUTES
 
     def operands(self, inputs):
         x, w1, w3, b1, b3, m = operands(inputs, self.sh)
