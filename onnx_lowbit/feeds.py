@@ -264,7 +264,11 @@ def random_inputs(model: onnx.ModelProto, sig: dict, shp: dict, seed: int = 0, g
 def load_npz(path: str, sig: dict, flag: str) -> dict:
     """Arrays of an .npz named after inputs of ``sig`` (some may be missing: the caller fills them); checked:
     names, ranks, fixed dims, numeric dtypes; cast to the input's dtype."""
-    arrays = read_npz(path, flag)
+    return check_arrays(path, read_npz(path, flag), sig, flag)
+
+
+def check_arrays(path: str, arrays: dict, sig: dict, flag: str) -> dict:
+    """load_npz's checks and casts on arrays already read from ``path``."""
     unknown = sorted(set(arrays) - set(sig))
     if unknown:
         raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
