@@ -367,7 +367,8 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         if any(how != "given" for _, how in chosen.values()):
             print("onnx-lowbit: note: symbolic input dims guessed: "
                   + ", ".join(f"{n}={v} ({how})" for n, (v, how) in chosen.items() if how != "given")
-                  + "; set them with --dim NAME=VALUE", file=sys.stderr)
+                  + "; set them with --dim NAME=VALUE" + (" (INPUT:AXIS=VALUE for unnamed ones)" if any(
+                      how.startswith("unnamed") for _, how in chosen.values()) else ""), file=sys.stderr)
         feeds = random_inputs(sig, {n: v for n, (v, _) in chosen.items()}, seed)
     if out_dir is not None:     # made once the models and inputs are good: bad input leaves no directory behind
         try:

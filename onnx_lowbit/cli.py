@@ -414,8 +414,9 @@ def _verify_arguments(p) -> None:
                         "--calibration file when given; inputs it lacks, and all without it, are made up "
                         "consistent with the graph); implies --verify")
     g.add_argument("--dim", action="append", metavar="NAME=VALUE",
-                   help="size of a symbolic input dim for made-up --verify inputs (repeatable; dims named like "
-                        "'past + seq' follow their parts); implies --verify")
+                   help="size of a symbolic input dim for made-up --verify (and --tune) inputs (repeatable; dims "
+                        "named like 'past + seq' follow their parts; an unnamed dim, shown as '?', by input name "
+                        "and axis: INPUT:AXIS=VALUE, e.g. x:0=2); implies --verify")
     g.add_argument("--verify-tol", "--tolerance", dest="tolerance", type=float, metavar="TOL",
                    help="largest rel-L2 error ||a - b|| / ||a|| per output (default 0.02; "
                         f"{_tol_4bit()} when 4-bit weights were written)")
@@ -473,8 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--inputs", metavar="DATA.npz", help="inputs, one array per model input named after it "
                                                         "(default: random, the same for all models)")
     b.add_argument("--dim", action="append", metavar="NAME=VALUE",
-                   help="value of a symbolic input dim for random inputs (repeatable; default 1 for batch-like "
-                        "names, else 16)")
+                   help="value of a symbolic input dim for random inputs (repeatable; an unnamed dim, shown as '?', "
+                        "by input name and axis: INPUT:AXIS=VALUE, e.g. x:0=2); unset dims are guessed as for "
+                        "rewrite --verify (1 for batch-like names and an image's first axis, 8 for past lengths, "
+                        "an image's height / width from imgsz metadata or 224, else 16) and the guesses printed")
     b.add_argument("--out", default=".", metavar="DIR", help="where bench-<mode>.png/.json go (default: .)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("eval-ppl", help="perplexity and greedy-token agreement of a causal LM (ORIGINAL) and its "

@@ -143,11 +143,22 @@ def test_weight_bytes_external_data_and_constants(tmp_path):
 def test_symbolic_dims():
     sig = {"ids": (np.dtype(np.int64), ["batch_size", "seq", 4, None])}
     values = bench.resolve_dims([sig], {})
-    assert values == {"batch_size": 1, "seq": bench.OTHER_DIM}
+    assert values == {"batch_size": 1, "seq": bench.OTHER_DIM, "ids:3": 16}
     assert bench.random_inputs(sig, values)["ids"].shape == (1, 16, 4, 16)
     assert bench.resolve_dims([sig], bench.parse_dims(["seq=5"]))["seq"] == 5
-    with pytest.raises(bench.LowbitError, match="symbolic dims: batch_size, seq"):
+    with pytest.raises(bench.LowbitError, match="symbolic dims: batch_size, seq; unnamed ones \\('\\?'\\) by "
+                                                "INPUT:AXIS: ids:3"):
         bench.resolve_dims([sig], {"past": 3})
+    # the unnamed axis is set by INPUT:AXIS; other axes of the input are named as what they are
+    values = bench.resolve_dims([sig], bench.parse_dims(["ids:3=7"]))
+    assert values["ids:3"] == 7 and bench.random_inputs(sig, values)["ids"].shape == (1, 16, 4, 7)
+    with pytest.raises(bench.LowbitError, match="axis 1 of input 'ids' is the symbolic dim 'seq': set it with --dim "
+                                                "seq=VALUE"):
+        bench.resolve_dims([sig], {"ids:1": 3})
+    with pytest.raises(bench.LowbitError, match="axis 2 of input 'ids' is fixed at 4"):
+        bench.resolve_dims([sig], {"ids:2": 3})
+    with pytest.raises(bench.LowbitError, match="input 'ids' has 4 axes"):
+        bench.resolve_dims([sig], {"ids:9": 3})
 
 
 def test_cuda_graph_without_gpu(rewritten, tmp_path, capsys):

@@ -16,7 +16,10 @@ import onnx
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
-from onnx_lowbit import bench
+import pytest
+
+from onnx_lowbit import bench, feeds
+from onnx_lowbit.errors import LowbitError
 from onnx_lowbit.progress import Status
 from test_cli import ROOT, SAMPLE, assert_bad, cli
 
@@ -181,3 +184,11 @@ def test_image_batch_axis_of_any_name_is_one():
                                            "p2o.DynamicDimension.2": (224, "image input, a multiple of 32")}
     seq = {"ids": (np.dtype(np.int64), ["batch_size", "seq"])}       # not an image: as before
     assert bench.resolve_dims([seq], {}) == {"batch_size": 1, "seq": bench.OTHER_DIM}
+    # one guesser: --verify's inputs (onnx_lowbit.feeds) take the same values as bench's, with the same reasons
+    assert feeds.guess_dims(sig) == bench.guess_dims([sig], {})
+    assert feeds.shapes(sig, feeds.resolve_dims(sig)) == {"x": [1, 3, 224, 224]}
+    with pytest.raises(LowbitError) as e1:
+        bench.guess_dims([sig], {"h": 3})
+    with pytest.raises(LowbitError) as e2:
+        feeds.resolve_dims(sig, {"h": 3})
+    assert str(e1.value) == str(e2.value) and str(e1.value).startswith("--dim h: no input has such a symbolic")
