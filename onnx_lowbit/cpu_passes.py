@@ -47,6 +47,12 @@ def cpu_selection(selected: list, explicit: bool, keep=(), quiet: bool = False) 
 def device_selection(a, selected: list) -> list:
     """The CLI's hook (``--device``): cpu_selection for --device cpu (with --tune every selected pass stays a
     candidate: tune measures them), else ``selected`` unchanged."""
+    from .errors import LowbitError
+    if getattr(a, "tune_runs", None) is not None and not getattr(a, "tune", False):
+        raise LowbitError("--tune-runs needs --tune (with --device cpu)")
+    if getattr(a, "tune", False) and getattr(a, "device", None) != "cpu":
+        raise LowbitError("--tune measures in onnxruntime CPU sessions: give --device cpu with it (tuning for "
+                          "CUDA is not built)")
     if getattr(a, "device", None) != "cpu" or getattr(a, "tune", False):
         return list(selected)
     return cpu_selection(selected, explicit=getattr(a, "passes", None) is not None)

@@ -185,7 +185,20 @@ def test_cli_device_cpu_defaults_and_bad_flags(tmp_path):
     assert rc == 0 and "FPLUT" in ops(onnx.load(tmp_path / "p.onnx"))
     for args, needle in ((["--tune"], "--tune measures in onnxruntime CPU sessions: give --device cpu"),
                          (["--device", "cpu", "--tune", "--tune-runs", "0"], "--tune-runs must be >= 1"),
+                         (["--device", "cpu", "--tune-runs", "3"], "--tune-runs needs --tune"),
                          (["--device", "cpu", "--tune", "--dim", "nope=3"], "--dim nope")):
         rc, _, err = cli("rewrite", str(src), str(tmp_path / "q.onnx"), *args)
         assert rc == 2 and needle in err and "Traceback" not in err, err
         assert not (tmp_path / "q.onnx").exists()
+
+
+def test_api_tune_real_sessions():
+    out, report = api.rewrite(qkv_silu(), device="cpu", tune=True, tune_runs=2, dims={"seq": 4})
+    d = report.to_dict()["tune"]
+    assert d["runs"] == 2 and d["inputs"].startswith("made-up inputs") and "seq=4" in d["inputs"]
+    fplut = next(p for p in d["passes"] if p["pass_name"] == "fplut")
+    assert fplut["rewrites"] == 3 and fplut["before_ms"] > 0 and fplut["after_ms"] > 0
+    assert ("FPLUT" in ops(out)) == ("fplut" in d["kept"])
+    x = {"x": np.ones((1, 5, 32), np.float32)}
+    _, report = api.rewrite(qkv_silu(), device="cpu", tune=True, tune_runs=2, feeds=x)
+    assert report.tune.inputs == "the given feeds"
