@@ -112,9 +112,9 @@ def cpu_session(model):
 
 
 class SessionTimer:
-    """``measure(model_a, model_b)`` for real: both in CPU sessions on ``feeds``, ``alternate``d. The last
-    session made is kept for the next comparison (the model before a pass is usually the one after the
-    previous)."""
+    """``measure(model_a, model_b)`` for real: both in CPU sessions on ``feeds``, ``alternate``d. The two sessions
+    of a comparison are kept for the next one (its "before" model is one of them); the cache holds the models
+    themselves, so an id is never reused while cached."""
 
     def __init__(self, feeds: dict, runs: int = DEFAULT_RUNS, warmup: int = WARMUP, clock=time.perf_counter,
                  session=cpu_session):
@@ -129,9 +129,7 @@ class SessionTimer:
             except Exception as e:  # noqa: BLE001 - onnxruntime raises its own types
                 raise LowbitError(f"--tune: onnxruntime could not create a session: {_first_line(e)}") from None
             names = {i.name for i in sess.get_inputs()}
-            feeds = {k: v for k, v in self.feeds.items() if k in names}
-            self._cache = {k: v for k, v in self._cache.items() if v[0] is model or k == key}
-            self._cache[key] = (model, sess, feeds)
+            self._cache[key] = (model, sess, {k: v for k, v in self.feeds.items() if k in names})
         _, sess, feeds = self._cache[key]
 
         def run():
@@ -146,7 +144,7 @@ class SessionTimer:
         run_a = self._runner(model_a)
         run_b = self._runner(model_b)
         out = alternate(run_a, run_b, self.runs, self.warmup, self.clock)
-        self._cache = {k: v for k, v in self._cache.items() if v[0] is model_b}   # model_b: the next "before"
+        self._cache = {k: v for k, v in self._cache.items() if v[0] is model_a or v[0] is model_b}
         return out
 
 
