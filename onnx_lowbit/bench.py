@@ -13,7 +13,9 @@ in plain ``onnxruntime.InferenceSession`` otherwise. On CUDA every input and out
 binding, buffers allocated once), so the timings hold no host<->device copies; ``cuda_graph`` adds
 onnxruntime's ``enable_cuda_graph`` provider option (the first runs capture, the timed ones replay).
 
-Memory (the method is printed with the figures):
+Memory (the method is printed with the figures). Before any figure, every model that uses our ops gets one
+untimed session and run (``_warm_library``): the library's one-time load (numba, our kernels' compilation, the
+shim) is then charged to no model, where it used to land on the first one listed.
   cpu   peak RSS of the process while the model's session is created and run, minus RSS before: the kernel's
         high-water mark is reset first (``/proc/self/clear_refs`` 5) where Linux allows it, else RSS is
         sampled every millisecond.

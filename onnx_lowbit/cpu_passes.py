@@ -63,7 +63,8 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("the device the rewrite is for")
     g.add_argument("--device", choices=["cpu", "cuda"],
                    help="cpu: by default only the passes known not to be slower on the CPU (onnx_lowbit/"
-                        "cpu_passes.py: merge today); cuda: every default pass (the default)")
+                        f"cpu_passes.py: {', '.join(n for n, (on, _) in CPU_DEFAULTS.items() if on) or 'none'} "
+                        "today; 4-bit weights with --weights); cuda: every default pass (the default)")
     g.add_argument("--tune", action="store_true",
                    help="with --device cpu: time each pass's rewrite against the model without it on this machine "
                         "(onnxruntime CPU sessions, the --verify-data / --calibration inputs or made-up ones, "
