@@ -396,7 +396,7 @@ def make_feeds(model: onnx.ModelProto, *, data: dict | None = None, dims: dict |
     dims from ``dims`` (--dim), the arrays' shapes and defaults."""
     sig = signature(model)
     data = dict(data or {})
-    values = resolve_dims(sig, dims, dims_of(sig, data))
+    values = resolve_dims(sig, dims, dims_of(sig, data), image_size([model]))
     shp = shapes(sig, values)
     shp.update({n: list(v.shape) for n, v in data.items()})
     missing = [n for n in sig if n not in data]

@@ -108,7 +108,9 @@ def test_long_steps_move_on_a_terminal(tmp_path):
     trials = [f for f in frames if re.search(r"pass 7/7 gru: GRU 1/1 '/gru/GRU' \(int8, H=128\): range search "
                                              r"\d+/\d+", f)]
     assert len({re.search(r"search (\d+)/", f).group(1) for f in trials}) >= 10, frames
-    assert all(re.match(r"\[\d+\.\ds\] pass \d/7 ", f) for f in frames), frames
+    # the step's clock: 9.9s, then 10s, then 1m05s (progress._clock): a loaded machine passes 10 s here
+    odd = [f for f in frames if not re.match(r"\[(\d\.\ds|\d+s|\d+m\d\ds)\] pass \d/7 ", f)]
+    assert not odd, odd
     assert "%|" not in screen.decode() and "86%" not in screen.decode()
 
 
@@ -173,6 +175,7 @@ def test_bench_guesses_image_dims_and_says_so(tmp_path):
     assert rc == 0, err
     assert "height=64 (the model's imgsz metadata), width=96 (the model's imgsz metadata)" in err
     assert "inputs images float32[1, 3, 64, 96]" in out
+    assert feeds.make_feeds(onnx.load(src))[0]["images"].shape == (1, 3, 64, 96)   # --verify's inputs: the same
 
 
 def test_image_batch_axis_of_any_name_is_one():
