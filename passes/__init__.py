@@ -1,7 +1,7 @@
 """Graph rewrites (onnx-graphsurgeon), one per file.
 
-    PASSES                          ordered registry: pass name -> Pass instance (fplut, weights4, ffn, merge,
-                                       rotary, rotarykv, kvattention, rmsnorm, gru)
+    PASSES                          ordered registry: pass name -> Pass instance (fplut, weights4, matmulnbits, ffn,
+                                       merge, rotary, rotarykv, kvattention, rmsnorm, gru)
     available()                     the pass names, in the order run_passes applies them
     run_passes(model, passes, **o)  -> (rewritten ModelProto, Report); the input model is not modified
                                        (passes=None: the default passes; kvattention and rmsnorm run only when named)
@@ -21,6 +21,7 @@ from onnx_lowbit import domain
 from onnx_lowbit.errors import INSTALL
 
 from .kvattention import KVAttentionPass
+from .matmulnbits import MatMulNBitsPass
 from .base import Entry, Pass, Report, module_paths  # noqa: F401 - re-exported
 from .ffn import FFNPass
 from .fplut import FPLUTPass
@@ -31,7 +32,8 @@ from .rotary import RotaryPass
 from .rotarykv import RotaryKVPass
 from .weights4 import WeightsPass
 
-# weights4 runs after fplut and changes nothing unless its option ``weights`` is given. ffn runs after weights4,
+# weights4 runs after fplut and changes nothing unless its option ``weights`` is given. matmulnbits (onnxruntime-
+# genai's int4 SwiGLU gate/up MatMulNBits -> MatMulAWQ, lossless) runs before ffn. ffn runs after weights4,
 # so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after both (it
 # merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotarykv runs after merge
 # and rotary (it needs both: it takes the merged q/k/v Split, their Rotary nodes and the KV-cache Concats into one
@@ -39,7 +41,8 @@ from .weights4 import WeightsPass
 # takes the K / V repeats, the scores' MatMul, scale, mask Add, Softmax and the MatMul with V into one KVAttention
 # node). kvattention and rmsnorm are not default passes (measured no faster / slower than onnxruntime's own kernels
 # in the decode step on the H100: docs/passes.md).
-PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), FFNPass(),
+PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), MatMulNBitsPass(),
+                                                                       FFNPass(),
                                                                        MergePass(), RotaryPass(), RotaryKVPass(),
                                                                        KVAttentionPass(), RMSNormPass(), GRUPass()])
 
