@@ -354,6 +354,10 @@ def _weights_arguments(p) -> None:
     g.add_argument("--target", choices=["lowbit", "ort"],
                    help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
+    g.add_argument("--ort-form", choices=["awq", "compact"],
+                   help="with --weights awq --target ort: awq (default: MatMulNBits with AWQ's zero points, group "
+                        "128) or compact (MatMulNBits' symmetric form onnxruntime runs fastest: block 32, no zero "
+                        "points, scales in the model's dtype)")
 
 
 def _non_negative(v: str) -> int:
