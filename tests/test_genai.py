@@ -160,3 +160,15 @@ def test_genai_loop_benchmark(built, tmp_path):
         assert len(r["prefill"]) == 2 and len(r["decode"]) == 2 * 5 and r["tokens_per_s"] > 0
         assert np.isfinite(r["decode_ms_p90"]) and r["decode_ms_p90"] >= r["decode_ms_median"]
     assert res[1]["same_tokens"] and res[1]["cuda_graph"] is False
+
+
+def test_cli_genai(built, tmp_path, capsys):
+    from onnx_lowbit import cli
+    dst = str(tmp_path / "ours")
+    assert cli.main(["genai", built["int4"], dst, "--provider", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "4 rewritten, 0 skipped by matmulnbits, ffn" in out and "prepare(folder)" in out
+    sess = genai_config.decoder(genai_config.read_config(dst))["session_options"]
+    assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME
+    assert cli.main(["genai", built["int4"], dst]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
