@@ -4,7 +4,8 @@
                                        merge, rotary, rotarykv, kvattention, rmsnorm, gru)
     available()                     the pass names, in the order run_passes applies them
     run_passes(model, passes, **o)  -> (rewritten ModelProto, Report); the input model is not modified
-                                       (passes=None: the default passes; kvattention and rmsnorm run only when named)
+                                       (passes=None: the default passes; matmulnbits, kvattention and rmsnorm
+                                       run only when named)
     inspect(model, passes, **o)     -> Report of what run_passes would rewrite / skip (changes nothing)
 
 See docs/passes.md for how a pass is written.
@@ -33,8 +34,9 @@ from .rotarykv import RotaryKVPass
 from .weights4 import WeightsPass
 
 # weights4 runs after fplut and changes nothing unless its option ``weights`` is given. matmulnbits (onnxruntime-
-# genai's int4 SwiGLU gate/up MatMulNBits -> MatMulAWQ, lossless) runs before ffn. ffn runs after weights4,
-# so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after both (it
+# genai's int4 SwiGLU gate/up MatMulNBits -> MatMulAWQ, lossless; not a default pass) runs before ffn. ffn runs after
+# weights4, so quantised gate/up projections become one FusedFFNNF4 / FusedFFNAWQ (docs/ffn.md). merge runs after
+# both (it
 # merges what they leave, e.g. q/k/v; on unless its option ``merge_siblings`` is False). rotarykv runs after merge
 # and rotary (it needs both: it takes the merged q/k/v Split, their Rotary nodes and the KV-cache Concats into one
 # RotaryKV node). kvattention runs after rotarykv (its Q is RotaryKV's output, its K and V the present tensors; it

@@ -17,6 +17,7 @@ Skipped with the reason: bits other than 4, g_idx, zero points in float form, N 
 weights, gate and up reading different inputs, an intermediate read elsewhere; float32 scales (fp32 models:
 rounding them to fp16 is not lossless) unless the option ``matmulnbits_lossy`` is True (the report gives each
 weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the pass changes nothing.
+Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes ...,matmulnbits,ffn`` names it.
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ def _read(node: gs.Node):
 
 class MatMulNBitsPass(Pass):
     name = "matmulnbits"
+    default = False  # runs when named: `onnx-lowbit genai` (genai_config.DEFAULT_PASSES), --passes ...,matmulnbits
     description = ("SwiGLU gate/up as onnxruntime's MatMulNBits (onnxruntime-genai int4) -> MatMulAWQ, lossless, "
                    "for the ffn pass to fuse")
 

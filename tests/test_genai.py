@@ -57,7 +57,8 @@ g.append_tokens(np.arange(5, 17, dtype=np.int32).reshape(1, -1))
 while not g.is_done():
     g.generate_next_token()
 from onnx_lowbit.custom_ops.runtime import bridge
-print(json.dumps(dict(tokens=[int(t) for t in g.get_sequence(0)], lib=lib, loaded=bridge._path)))
+maps = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "ortshim" in ln})  # shim files mapped
+print(json.dumps(dict(tokens=[int(t) for t in g.get_sequence(0)], lib=lib, loaded=bridge._path, maps=maps)))
 """
 
 
@@ -121,7 +122,8 @@ def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     want = json.loads(_run(GREEDY, src).strip().splitlines()[-1])
     got = json.loads(_run(GREEDY, dst).strip().splitlines()[-1])
     assert want["lib"] is None and got["lib"] == os.path.join(os.path.abspath(dst), genai_config.SHIM_NAME)
-    assert os.path.samefile(got["loaded"], got["lib"])          # genai dlopened the file our Python side loaded
+    assert os.path.samefile(got["loaded"], got["lib"])          # our Python side loaded the folder's shim ...
+    assert len(got["maps"]) == 1 and os.path.samefile(got["maps"][0], got["lib"])  # ... and nothing else was mapped
     assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
 
 

@@ -135,10 +135,14 @@ def test_genai_mlp_fused(up_first, sig_first, zero_points):
     assert rel < 2e-3, rel
 
 
-def test_genai_mlp_default_passes_fuse_it():
-    """The default pass list (lowbit target) fuses genai's int4 MLP too (fplut's SiLU is read by ffn)."""
+def test_named_with_default_passes():
+    """Not a default pass: the defaults leave MatMulNBits (ffn's skip names this pass); named with them, fplut's
+    SiLU is read by ffn and the block is fused."""
     out, rep = checked_rewrite(genai_mlp(), None, check=False)
-    assert ("onnx_lowbit", "FusedFFNAWQ") in ops(out)
+    assert ("onnx_lowbit", "FusedFFNAWQ") not in ops(out)
+    assert any("matmulnbits pass" in e.reason for e in rep.skipped("ffn"))
+    out, rep = checked_rewrite(genai_mlp(), ["fplut", "matmulnbits", "ffn"], check=False)
+    assert ("onnx_lowbit", "FusedFFNAWQ") in ops(out) and ("onnx_lowbit", "FPLUT") not in ops(out)
 
 
 def test_fp32_scales_skipped_unless_lossy():
