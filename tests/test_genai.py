@@ -40,7 +40,8 @@ PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                         pad_token="<pad>").save_pretrained(sys.argv[1])
 from onnxruntime_genai.models.builder import create_model, parse_extra_options
 for out, precision, ep in zip(sys.argv[2::3], sys.argv[3::3], sys.argv[4::3]):
-    opts = parse_extra_options(None, sys.argv[1], out, precision, ep, out + "_cache", None)
+    extra = ["is_symmetric=false"] if out.endswith("asym") else None
+    opts = parse_extra_options(None, sys.argv[1], out, precision, ep, out + "_cache", extra)
     create_model(None, sys.argv[1], out, precision, ep, out + "_cache", **opts)
 """
 
@@ -72,10 +73,12 @@ def _run(code_or_args, *args, timeout=300):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """{"int4": folder (builder -p int4 -e cuda: fp16 activations), "fp32": folder (-p fp32 -e cpu)}."""
+    """{"int4": folder (builder -p int4 -e cuda: fp16 activations), "asym": the same with zero points
+    (is_symmetric=false), "fp32": folder (-p fp32 -e cpu)}."""
     d = tmp_path_factory.mktemp("genai")
-    folders = {"int4": str(d / "int4_cuda"), "fp32": str(d / "fp32_cpu")}
-    _run(HF, str(d / "hf"), folders["int4"], "int4", "cuda", folders["fp32"], "fp32", "cpu")
+    folders = {"int4": str(d / "int4_cuda"), "asym": str(d / "int4_cuda_asym"), "fp32": str(d / "fp32_cpu")}
+    _run(HF, str(d / "hf"), folders["int4"], "int4", "cuda", folders["asym"], "int4", "cuda", folders["fp32"], "fp32",
+         "cpu")
     return folders
 
 
@@ -99,18 +102,21 @@ def test_builder_graphs(built):
         assert attrs["block_size"] == 32 and attrs["bits"] == 4
         assert len([i for i in n.input if i]) == 3            # A, B, scales: no zero points
         assert inits[n.input[2]].data_type == onnx.TensorProto.FLOAT16
+    m, _ = _ops(built["asym"])
+    assert all(len([i for i in n.input if i]) == 4 for n in m.graph.node if n.op_type == "MatMulNBits")
     _, ops = _ops(built["fp32"])
     assert ("", "MatMul") in ops and ("com.microsoft", "MatMulNBits") not in ops
 
 
-@pytest.mark.parametrize("kind,fused", [("int4", "FusedFFNAWQ"), ("fp32", "FusedFFN")])
+@pytest.mark.parametrize("kind,fused", [("int4", "FusedFFNAWQ"), ("asym", "FusedFFNAWQ"), ("fp32", "FusedFFN")])
 def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
     subprocess.run(["cp", "-r", built[kind], src], check=True)
     report = genai_config.rewrite_folder(src, dst)
     assert len(report.rewritten("ffn")) == LAYERS
-    if kind == "int4":
+    if kind != "fp32":
         assert all("lossless" in e.reason for e in report.rewritten("matmulnbits"))
+        assert {e.details["zero_points"] for e in report.rewritten("matmulnbits")} == {kind == "asym"}
     m, ops = _ops(dst)
     assert ("onnx_lowbit", fused) in ops and ("", "Sigmoid") not in ops
     config = genai_config.read_config(dst)
