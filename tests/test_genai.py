@@ -58,7 +58,9 @@ g.append_tokens(np.arange(5, 17, dtype=np.int32).reshape(1, -1))
 while not g.is_done():
     g.generate_next_token()
 from onnx_lowbit.custom_ops.runtime import bridge
-maps = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "ortshim" in ln})  # shim files mapped
+import os
+maps = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "ortshim" in ln}) \
+    if os.path.exists("/proc/self/maps") else None  # the shim files mapped into this process (Linux)
 print(json.dumps(dict(tokens=[int(t) for t in g.get_sequence(0)], lib=lib, loaded=bridge._path, maps=maps)))
 """
 
@@ -129,7 +131,8 @@ def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     got = json.loads(_run(GREEDY, dst).strip().splitlines()[-1])
     assert want["lib"] is None and got["lib"] == os.path.join(os.path.abspath(dst), genai_config.SHIM_NAME)
     assert os.path.samefile(got["loaded"], got["lib"])          # our Python side loaded the folder's shim ...
-    assert len(got["maps"]) == 1 and os.path.samefile(got["maps"][0], got["lib"])  # ... and nothing else was mapped
+    if got["maps"] is not None:                                 # ... and genai mapped no other copy
+        assert len(got["maps"]) == 1 and os.path.samefile(got["maps"][0], got["lib"])
     assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
 
 
