@@ -295,6 +295,22 @@ def cmd_eval_ppl(a) -> int:
     return evalppl.main(a, session_factory=session, progress=_progress)
 
 
+def cmd_genai(a) -> int:
+    from . import genai_config
+    opts = {"matmulnbits_lossy": True} if a.lossy else {}
+    passes = a.passes.split(",") if a.passes else genai_config.DEFAULT_PASSES
+    report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
+    if a.provider:
+        genai_config.set_provider(a.output, a.provider, cuda_graph=a.cuda_graph)
+    if a.report:
+        print(report.to_table(shutil.get_terminal_size().columns))
+    lib = genai_config.library_file(a.output)
+    print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped by {', '.join(passes)}"
+          f"\nwrote {a.output}" + (f" (custom_ops_library {os.path.basename(lib)}: call "
+          "onnx_lowbit.genai_config.prepare(folder) before og.Model(folder))" if lib else ""))
+    return 0
+
+
 def cmd_demo(a) -> int:
     from . import demo
     return demo.run(out_dir=a.out)
@@ -364,6 +380,10 @@ def _weights_arguments(p) -> None:
     g.add_argument("--target", choices=["lowbit", "ort"],
                    help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
+    g.add_argument("--ort-form", choices=["awq", "compact"],
+                   help="with --weights awq --target ort: awq (default: MatMulNBits with AWQ's zero points, group "
+                        "128) or compact (MatMulNBits' symmetric form onnxruntime runs fastest: block 32, no zero "
+                        "points, scales in the model's dtype)")
 
 
 def _non_negative(v: str) -> int:
@@ -492,6 +512,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, metavar="N", help="score only the first N tokens")
     e.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     e.set_defaults(fn=cmd_eval_ppl)
+    gn = sub.add_parser("genai", help="rewrite an onnxruntime-genai model folder IN into the new folder OUT "
+                                      "(SwiGLU blocks -> fused FFN ops; our library named in genai_config.json)")
+    gn.add_argument("input", metavar="IN")
+    gn.add_argument("output", metavar="OUT")
+    gn.add_argument("--passes", help="comma-separated passes (default: matmulnbits,ffn)")
+    gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
+    gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
+    gn.add_argument("--lossy", action="store_true",
+                    help="also convert MatMulNBits with float32 scales (fp32 int4 models; scales rounded to fp16)")
+    gn.add_argument("--report", action="store_true", help="print every candidate and why")
+    gn.set_defaults(fn=cmd_genai)
     lut = sub.add_parser("lut", help="FPLUT tables")
     lsub = lut.add_subparsers(dest="lut_cmd", required=True, parser_class=_Parser)
     lsub.add_parser("list", help="shipped tables and their exhaustive error figures")
