@@ -1,7 +1,6 @@
 """FPLUT CPU kernels (custom_ops/fplut/fplut_cpu.py) called directly, serial and split over threads, bit-exact
 with the numpy reference on every kind of input: random bit patterns (NaN payloads, +-Inf, subnormals, values
 past the fp16 range), the rounding boundaries of fp32 -> fp16, odd sizes around the chunk length."""
-import numba
 import numpy as np
 import pytest
 
@@ -68,7 +67,7 @@ def test_split_uses_the_threads_and_agrees(monkeypatch):
     run = fplut_cpu.split(lambda a, t, o: (calls.append(a.size), serial(a, t, o)))
     for threads in (1, 2):
         calls.clear()
-        monkeypatch.setattr(numba, "get_num_threads", lambda t=threads: t)
+        monkeypatch.setattr(fplut_cpu.threads, "threads", lambda t=threads: t)
         out = np.empty_like(x)
         run(x, _map(), out)
         assert np.array_equal(out, want)

@@ -14,12 +14,12 @@ From PARALLEL_MIN elements the tensor is split into one contiguous part per Numb
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 from numba import njit
 
 from onnx_lowbit import fplut
 
+from ..device import threads
 from ..device.half_cpu import f32_to_bf16
 from ..runtime.kernels import Kernel, KernelError
 
@@ -126,29 +126,13 @@ def _compile(fn):
     return njit(cache=True, nogil=True, boundscheck=False)(fn)
 
 
-_POOL = []
-
-
 def split(kernel):
-    """``kernel`` (x, table, out) run over one contiguous part per Numba thread (numba.get_num_threads()): the
-    first part on the calling thread, the others on a small pool of Python threads (the kernels release the GIL).
-    Numba's own parallel loops ran these kernels 2.5-3x slower per element even on one thread (their arrays
-    reach the parallel body without the contiguity LLVM needs to vectorise), so the parts are plain serial calls."""
+    """``kernel`` (x, table, out) over one contiguous part per Numba thread (device/threads.py: serial calls on a
+    small pool of Python threads; Numba's prange ran this body 2.5-3x slower per element)."""
     def run(x, table, out):
-        nt = min(numba.get_num_threads(), max(1, x.size // CHUNK))
-        if nt == 1:
-            kernel(x, table, out)
-            return
-        if not _POOL:
-            from concurrent.futures import ThreadPoolExecutor
-            _POOL.append(ThreadPoolExecutor(max_workers=max(1, numba.config.NUMBA_NUM_THREADS - 1),
-                                            thread_name_prefix="onnx_lowbit_fplut"))
-        per = (x.size + nt - 1) // nt
-        per = (per + CHUNK - 1) // CHUNK * CHUNK
-        futs = [_POOL[0].submit(kernel, x[i:i + per], table, out[i:i + per]) for i in range(per, x.size, per)]
-        kernel(x[:per], table, out[:per])
-        for f in futs:
-            f.result()
+        parts = min(threads.threads(), max(1, x.size // CHUNK))
+        rs = threads.ranges(x.size, parts, CHUNK)
+        threads.run_parts(kernel, lambda i: (x[rs[i][0]:rs[i][1]], table, out[rs[i][0]:rs[i][1]]), parts)
     return run
 
 
