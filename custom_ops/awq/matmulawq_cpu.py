@@ -18,7 +18,7 @@ from ..device import threads
 from ..runtime.kernels import Kernel
 from .dequantawq_cpu import ORDER_NP, check_a_bias, check_weights, parse_attrs
 
-MB = 16                   # rows of A per pass over the weight (accumulators of 256 KB at most)
+MB = 8                    # rows of A per pass over the weight (their accumulators stay in L1 and L2)
 PARALLEL_MIN_MACS = 1 << 21   # from here the columns are split over threads (a hand-off costs ~50 us)
 TW = 16                   # qweight words per thread part: a multiple of this
 CW = 256                  # qweight words per tile (2048 output columns; per row of A two 8 KB accumulators)
@@ -29,6 +29,12 @@ def _conv(wjj, row, sh, nc):
     """wjj[c] = nibble plane ``sh`` of row as float32 (``sh`` constant at the call site: 32-bit lanes)."""
     for c in range(nc):
         wjj[c] = np.float32((row[c] >> sh) & 15)
+
+
+@njit(inline="always")
+def _acc4(aqj, w0, w1, w2, w3, x0, x1, x2, x3, nc):
+    for c in range(nc):
+        aqj[c] += (x0 * w0[c] + x1 * w1[c]) + (x2 * w2[c] + x3 * w3[c])
 
 
 @njit(inline="always")
@@ -59,13 +65,14 @@ def gemv_cols(a, qw, qz, sc, order, g_size, k_dim, c0, c1, out):
             for k in range(g * g_size, min(k_dim, (g + 1) * g_size)):
                 t += a[m, k]
             sx[m, g] = t
-    wj = np.zeros((8, CW), np.float32)
+    wj = np.zeros((4, 8, CW), np.float32)
     st = np.zeros((8, CW), np.float32)
     zt = np.zeros((8, CW), np.float32)
     aq = np.zeros((m_dim, 8, CW), np.float32)
     acc = np.zeros((m_dim, 8, CW), np.float32)
-    for t0 in range(c0, c1, CW):
-        nc = min(CW, c1 - t0)
+    cw = CW if m_dim == 1 else CW // 4     # several rows of A: 4 converted rows of W stay in L1 (32 KB)
+    for t0 in range(c0, c1, cw):
+        nc = min(cw, c1 - t0)
         acc[:, :, :] = 0.0
         for g in range(groups):
             for j in range(8):
@@ -104,23 +111,32 @@ def gemv_cols(a, qw, qz, sc, order, g_size, k_dim, c0, c1, out):
                         for c in range(nc):
                             aqj[c] += xv * np.float32((row[c] >> sh) & 15)
                     k += 1
-            for k in range(k0, k1 if m_dim > 1 else k0):
-                row = qw[k, t0:t0 + nc]
-                _conv(wj[0], row, 0, nc)
-                _conv(wj[1], row, 4, nc)
-                _conv(wj[2], row, 8, nc)
-                _conv(wj[3], row, 12, nc)
-                _conv(wj[4], row, 16, nc)
-                _conv(wj[5], row, 20, nc)
-                _conv(wj[6], row, 24, nc)
-                _conv(wj[7], row, 28, nc)
-                for m in range(m_dim):
-                    xv = a[m, k]
-                    for j in range(8):
-                        aqj = aq[m, j]
-                        wjj = wj[j]
-                        for c in range(nc):
-                            aqj[c] += xv * wjj[c]
+            if m_dim > 1:                      # several rows of A: 4 rows of W converted once, then every row
+                k = k0                         # of A accumulates them per load / store of its accumulators
+                while k < k1:
+                    kr = min(4, k1 - k)
+                    for r in range(4):
+                        if r < kr:
+                            row = qw[k + r, t0:t0 + nc]
+                            _conv(wj[r, 0], row, 0, nc)
+                            _conv(wj[r, 1], row, 4, nc)
+                            _conv(wj[r, 2], row, 8, nc)
+                            _conv(wj[r, 3], row, 12, nc)
+                            _conv(wj[r, 4], row, 16, nc)
+                            _conv(wj[r, 5], row, 20, nc)
+                            _conv(wj[r, 6], row, 24, nc)
+                            _conv(wj[r, 7], row, 28, nc)
+                        else:
+                            wj[r, :, :] = 0.0
+                    for m in range(m_dim):
+                        x0 = a[m, k]
+                        x1 = a[m, k + 1] if kr > 1 else np.float32(0.0)
+                        x2 = a[m, k + 2] if kr > 2 else np.float32(0.0)
+                        x3 = a[m, k + 3] if kr > 3 else np.float32(0.0)
+                        am = aq[m]
+                        for j in range(8):
+                            _acc4(am[j], wj[0, j], wj[1, j], wj[2, j], wj[3, j], x0, x1, x2, x3, nc)
+                    k += kr
             for m in range(m_dim):
                 sxm = sx[m, g]
                 for j in range(8):
