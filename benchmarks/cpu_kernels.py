@@ -14,7 +14,8 @@ Sections:
          and the fp32 MatMul of the dequantised weight, at M = 1..64.
   idle   process CPU seconds burnt during 0.5 s of sleep right after each of our products (a spinning thread
          pool shows up here), and the time of a plain onnxruntime MatMul model run right after.
-Threads: Numba's pool gets numba.set_num_threads(t); onnxruntime sessions intra_op_num_threads = t.
+Threads: Numba's pool gets numba.set_num_threads(t) (our kernels split over that many threads); onnxruntime sessions
+intra_op_num_threads = t, allow_spinning as --ort-spin says (with 2 threads its spinning pool competes with ours).
 Timing: every contender runs ``--rounds`` rounds, alternating, each round the median of a batch of calls
 (batch sized to ~20 ms); the table shows the median of the round medians in us and the ratio in words (ours
 against the anchor: "1.8x faster" means the anchor takes 1.8x our time). The machine's other load shows up as
@@ -66,6 +67,9 @@ def words(ours, anchor):
     return f"{ours / anchor:.2f}x slower"
 
 
+SPIN = {"value": "1"}     # onnxruntime's session.intra_op.allow_spinning for every session (--ort-spin)
+
+
 def session(model, threads, ours=False):
     import onnxruntime as ort
 
@@ -73,6 +77,7 @@ def session(model, threads, ours=False):
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", SPIN["value"])
     data = model.SerializeToString()
     if ours:
         return onnx_lowbit.InferenceSession(data, so, providers=["CPUExecutionProvider"])
@@ -161,11 +166,15 @@ def main(argv=None):
     p.add_argument("--functions", default="sigmoid,silu,gelu,tanh")
     p.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048", help="4-bit K x N")
     p.add_argument("--ms", default="1,2,4,8,16,24,64", help="4-bit rows M")
+    p.add_argument("--ort-spin", default="1", choices=["0", "1"],
+                   help="onnxruntime sessions' session.intra_op.allow_spinning (default 1, onnxruntime's own default: "
+                        "its idle intra-op threads spin after a run, next to our kernels' threads)")
     a = p.parse_args(argv)
+    SPIN["value"] = a.ort_spin
     only = a.only or ["fplut", "4bit", "idle"]
     threads = [int(v) for v in a.threads.split(",")]
     print(f"cores: {os.cpu_count()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS')}")
+          f"NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS')}, onnxruntime allow_spinning={a.ort_spin}")
     import onnx_lowbit.custom_ops  # noqa: F401  (sets OMP_WAIT_POLICY before Numba's pool starts)
     if "fplut" in only:
         fplut_section(threads, [int(float(v)) for v in a.sizes.split(",")], a.functions.split(","), a.rounds)

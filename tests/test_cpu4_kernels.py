@@ -137,3 +137,35 @@ def test_nothing_spins_after_the_products(monkeypatch):
         matmulnf4_cpu.product(a, q, am, code, k, n, 64)
         matmulawq_cpu.product(a, qw, qz, sc, parse_attrs({"group_size": 64, "K": k, "N": n}))
     assert _cpu_while_idle() < 0.03
+
+
+def test_run_ranges_does_not_wait_for_a_busy_pool(monkeypatch):
+    """Every pool thread busy (as when the OS does not schedule them): the calling thread claims every range and
+    returns without waiting for them."""
+    import threading
+
+    from onnx_lowbit.custom_ops.device import threads
+    monkeypatch.setattr(threads, "threads", lambda: 2)
+    pool, gate = threads._pool(), threading.Event()
+    blockers = [pool.submit(gate.wait) for _ in range(pool._max_workers)]
+    try:
+        done = []
+        bounds = threads.split(1000, 8)
+        assert len(bounds) == 2 * threads.PER_THREAD
+        threads.run_ranges(lambda lo, hi: done.append((lo, hi)), lambda lo, hi: (lo, hi), bounds)
+        assert done == bounds and all(not b.done() for b in blockers)
+    finally:
+        gate.set()
+
+
+@pytest.mark.parametrize("k,n,bs", [(100, 3, 64), (256, 8, 128), (64, 1, 32)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_nf4_dequantize_bit_exact(k, n, bs, transposed):
+    """DequantNF4's host entry (the vector-permute flat decode on AVX-512 CPUs, the tail block by lookups):
+    bit-exact with the reference, a last partial block included (100 x 3 = 4 blocks of 64 + 44)."""
+    from onnx_lowbit.custom_ops.nf4 import dequantnf4_cpu
+    q, am, code = _nf4(k, n, bs, seed=11)
+    for adt in (np.float32, np.float16):
+        w = dequantnf4_cpu.dequantize(q, am.astype(adt), code, k, n, bs, transposed)
+        ref = nf4.dequantize(q, am.astype(adt).astype(np.float32), "nf4", bs, k, n, np.float32).astype(adt)
+        assert w.dtype == adt and np.array_equal(w, ref.T if transposed else ref)

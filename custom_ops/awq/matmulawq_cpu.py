@@ -181,12 +181,11 @@ def product(a2, qweight, qzeros, scales, sh):
     if m == 0:
         return out
     a2 = np.ascontiguousarray(a2, dtype=np.float32)
-    parts = 1 if m * k * n < PARALLEL_MIN_MACS else min(threads.threads(), max(1, sh.NG // TW))
-    rs = threads.ranges(sh.NG, parts, TW)
+    rs = [(0, sh.NG)] if m * k * n < PARALLEL_MIN_MACS else threads.split(sh.NG, TW)
     for m0 in range(0, m, MB):
         ab, ob = a2[m0:m0 + MB], out[m0:m0 + MB]
-        threads.run_parts(gemv_cols, lambda i, ab=ab, ob=ob: (ab, qw, qz, sc, ORDER_NP, sh.group_size, k, rs[i][0],
-                                                            rs[i][1], ob), parts)
+        threads.run_ranges(gemv_cols, lambda lo, hi, ab=ab, ob=ob: (ab, qw, qz, sc, ORDER_NP, sh.group_size, k, lo,
+                                                                  hi, ob), rs)
     return out
 
 

@@ -127,12 +127,11 @@ def _compile(fn):
 
 
 def split(kernel):
-    """``kernel`` (x, table, out) over one contiguous part per Numba thread (device/threads.py: serial calls on a
-    small pool of Python threads; Numba's prange ran this body 2.5-3x slower per element)."""
+    """``kernel`` (x, table, out) over contiguous ranges claimed by the Numba thread count's threads
+    (device/threads.py: serial calls on a small pool of Python threads; Numba's prange ran this body 2.5-3x slower
+    per element)."""
     def run(x, table, out):
-        parts = min(threads.threads(), max(1, x.size // CHUNK))
-        rs = threads.ranges(x.size, parts, CHUNK)
-        threads.run_parts(kernel, lambda i: (x[rs[i][0]:rs[i][1]], table, out[rs[i][0]:rs[i][1]]), parts)
+        threads.run_ranges(kernel, lambda lo, hi: (x[lo:hi], table, out[lo:hi]), threads.split(x.size, CHUNK))
     return run
 
 

@@ -155,14 +155,13 @@ def product(a2, q, absmax, code, k, n, bs):
     a2 = np.ascontiguousarray(a2, dtype=np.float32)
     q1 = np.ascontiguousarray(q).reshape(-1)
     am = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
-    parts = 1 if m * k * n < PARALLEL_MIN_MACS else min(threads.threads(), max(1, n // 4))
-    rs = threads.ranges(n, parts, 4)
+    rs = [(0, n)] if m * k * n < PARALLEL_MIN_MACS else threads.split(n, 4)
     if m == 1 and fast_path(k, bs):
         ae, ao = np.ascontiguousarray(a2[0, 0::2]), np.ascontiguousarray(a2[0, 1::2])
-        threads.run_parts(gemv1_fast_cols, lambda i: (ae, ao, q1, am, code, k, bs, rs[i][0], rs[i][1], out), parts)
+        threads.run_ranges(gemv1_fast_cols, lambda lo, hi: (ae, ao, q1, am, code, k, bs, lo, hi, out), rs)
         return out
     kern = gemv_fast_cols if fast_path(k, bs) else gemv_cols
-    threads.run_parts(kern, lambda i: (a2, q1, am, code, k, bs, rs[i][0], rs[i][1], out), parts)
+    threads.run_ranges(kern, lambda lo, hi: (a2, q1, am, code, k, bs, lo, hi, out), rs)
     return out
 
 
