@@ -15,6 +15,7 @@ import numpy as np
 from numba import njit
 
 from ..device import threads
+from ..device.half_cpu import widen_f16
 from ..runtime.kernels import Kernel
 from .dequantawq_cpu import ORDER_NP, check_a_bias, check_weights, parse_attrs
 
@@ -176,7 +177,8 @@ def product(a2, qweight, qzeros, scales, sh):
     PARALLEL_MIN_MACS multiply-adds. No BLAS (its pool kept spinning after the call and slowed what ran next)."""
     m, k, n = a2.shape[0], sh.K, sh.N
     qw, qz = np.ascontiguousarray(qweight), np.ascontiguousarray(qzeros)
-    sc = np.ascontiguousarray(scales, dtype=np.float32)
+    sc = np.empty(np.shape(scales), np.float32)
+    widen_f16(np.ascontiguousarray(scales, dtype=np.float16).view(np.uint16).reshape(-1), sc.view(np.uint32).reshape(-1))
     out = np.empty((m, n), np.float32)
     if m == 0:
         return out

@@ -4,10 +4,11 @@ fp16 inputs index the map directly; fp32 and bf16 inputs are rounded to fp16 fir
 widened / rounded back to the input dtype. Bit-exact with the reference by construction.
 
 The work goes in chunks of CHUNK elements, three passes per chunk so that two of them vectorise:
-  1. fp32 (or bf16 widened to fp32) -> fp16 bit pattern of the map's index, branch-free (``f16_index``: the
-     float-arithmetic RNE rounding of Maratyszcza's FP16 library, exact for every input; LLVM vectorises it);
+  1. fp32 (or bf16 widened to fp32) -> fp16 bit pattern of the map's index, branch-free (device/half_cpu's
+     ``f16_index``: the float-arithmetic RNE rounding of Maratyszcza's FP16 library, exact for every input; LLVM
+     vectorises it);
   2. the gather table[index] (scalar loads: LLVM does not emit gathers for AMD targets, and they are no faster);
-  3. fp16 result -> fp32 bits (``f32_bits``: shifts and one multiply by 2**112, vectorised) or -> bf16.
+  3. fp16 result -> fp32 bits (half_cpu's ``f32_bits``: shifts and one multiply by 2**112, vectorised) or bf16.
 The per-element branchy integer conversion of device/half_cpu (kept for other kernels) cost 4x more.
 From PARALLEL_MIN elements the tensor is split into one contiguous part per Numba thread (``split``;
 ``numba.get_num_threads()``: NUMBA_NUM_THREADS / numba.set_num_threads).
@@ -20,41 +21,11 @@ from numba import njit
 from onnx_lowbit import fplut
 
 from ..device import threads
-from ..device.half_cpu import f32_to_bf16
+from ..device.half_cpu import f16_index, f32_bits, f32_to_bf16
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 20  # from here the tensor is split over threads (a hand-off costs ~50 us; benchmarks/cpu_kernels.py)
 CHUNK = 512             # elements per three-pass chunk (index and result buffers stay in L1)
-_P112 = np.float32(2.0 ** 112)
-_M110 = np.float32(2.0 ** -110)
-
-
-@njit(inline="always")
-def f16_index(w, v):
-    """fp16 bit pattern (RNE) of the float32 ``v`` whose bits are ``w`` (uint32); NaN -> 0x7E00 | sign (the map
-    sends every NaN to the same NaN). Branch-free: the scaled sum rounds the mantissa in the FPU."""
-    base = (abs(v) * _P112) * _M110
-    shl1 = np.uint32(w + w)
-    bias = shl1 & np.uint32(0xFF000000)
-    if bias < np.uint32(0x71000000):
-        bias = np.uint32(0x71000000)
-    base = np.uint32((bias >> np.uint32(1)) + np.uint32(0x07800000)).view(np.float32) + base
-    bits = np.float32(base).view(np.uint32)
-    nonsign = ((bits >> np.uint32(13)) & np.uint32(0x7C00)) + (bits & np.uint32(0x0FFF))
-    if shl1 > np.uint32(0xFF000000):
-        nonsign = np.uint32(0x7E00)
-    return np.uint32(((w & np.uint32(0x80000000)) >> np.uint32(16)) | nonsign)
-
-
-@njit(inline="always")
-def f32_bits(h):
-    """float32 bit pattern of the fp16 pattern ``h`` (exact for all 65,536, NaN payloads kept), branch-free."""
-    h = np.uint32(h)
-    mag = np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13))
-    bits = np.float32(mag.view(np.float32) * _P112).view(np.uint32)
-    if (h & np.uint32(0x7C00)) == np.uint32(0x7C00):
-        bits = np.uint32(0x7F800000) | mag
-    return np.uint32(bits | ((h & np.uint32(0x8000)) << np.uint32(16)))
 
 
 @njit(inline="always")
