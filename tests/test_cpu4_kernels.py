@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from onnx_lowbit import awq, nf4
+from onnx_lowbit import nf4
 from onnx_lowbit.custom_ops.awq import matmulawq_cpu
 from onnx_lowbit.custom_ops.awq.dequantawq_cpu import parse_attrs
 from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu

@@ -39,6 +39,21 @@ def _acc4(aqj, w0, w1, w2, w3, x0, x1, x2, x3, nc):
 
 
 @njit(inline="always")
+def _acc4x2(aqj, bqj, w0, w1, w2, w3, x0, x1, x2, x3, y0, y1, y2, y3, nc):
+    for c in range(nc):
+        v0, v1, v2, v3 = w0[c], w1[c], w2[c], w3[c]
+        aqj[c] += (x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)
+        bqj[c] += (y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)
+
+
+@njit(inline="always")
+def _xs(a, m, k, kr):
+    """a[m, k..k+3], zeros past the kr rows there are."""
+    z = np.float32(0.0)
+    return (a[m, k], a[m, k + 1] if kr > 1 else z, a[m, k + 2] if kr > 2 else z, a[m, k + 3] if kr > 3 else z)
+
+
+@njit(inline="always")
 def _plane4(aqj, r0, r1, r2, r3, x0, x1, x2, x3, sh, nc):
     """aqj[c] += sum over 4 rows of x * nibble plane ``sh`` (a constant at each call site, so that LLVM keeps the
     shift, mask and conversion in 32-bit lanes: 16 per AVX-512 vector instead of 8)."""
@@ -92,7 +107,8 @@ def gemv_cols(a, qw, qz, sc, order, g_size, k_dim, c0, c1, out):
             if m_dim == 1:                     # one row of A: convert and accumulate in one pass, 4 rows of W
                 k = k0                         # per load / store of the accumulators
                 while k + 4 <= k1:
-                    r0, r1, r2, r3 = qw[k, t0:t0 + nc], qw[k + 1, t0:t0 + nc], qw[k + 2, t0:t0 + nc], qw[k + 3, t0:t0 + nc]
+                    r0, r1 = qw[k, t0:t0 + nc], qw[k + 1, t0:t0 + nc]
+                    r2, r3 = qw[k + 2, t0:t0 + nc], qw[k + 3, t0:t0 + nc]
                     x0, x1, x2, x3 = a[0, k], a[0, k + 1], a[0, k + 2], a[0, k + 3]
                     _plane4(aq[0, 0], r0, r1, r2, r3, x0, x1, x2, x3, 0, nc)
                     _plane4(aq[0, 1], r0, r1, r2, r3, x0, x1, x2, x3, 4, nc)
@@ -129,11 +145,17 @@ def gemv_cols(a, qw, qz, sc, order, g_size, k_dim, c0, c1, out):
                             _conv(wj[r, 7], row, 28, nc)
                         else:
                             wj[r, :, :] = 0.0
-                    for m in range(m_dim):
-                        x0 = a[m, k]
-                        x1 = a[m, k + 1] if kr > 1 else np.float32(0.0)
-                        x2 = a[m, k + 2] if kr > 2 else np.float32(0.0)
-                        x3 = a[m, k + 3] if kr > 3 else np.float32(0.0)
+                    m = 0
+                    while m + 1 < m_dim:       # two rows of A share the loads of the converted rows
+                        x0, x1, x2, x3 = _xs(a, m, k, kr)
+                        y0, y1, y2, y3 = _xs(a, m + 1, k, kr)
+                        am, bm = aq[m], aq[m + 1]
+                        for j in range(8):
+                            _acc4x2(am[j], bm[j], wj[0, j], wj[1, j], wj[2, j], wj[3, j], x0, x1, x2, x3, y0, y1, y2,
+                                    y3, nc)
+                        m += 2
+                    if m < m_dim:
+                        x0, x1, x2, x3 = _xs(a, m, k, kr)
                         am = aq[m]
                         for j in range(8):
                             _acc4(am[j], wj[0, j], wj[1, j], wj[2, j], wj[3, j], x0, x1, x2, x3, nc)
@@ -178,7 +200,8 @@ def product(a2, qweight, qzeros, scales, sh):
     m, k, n = a2.shape[0], sh.K, sh.N
     qw, qz = np.ascontiguousarray(qweight), np.ascontiguousarray(qzeros)
     sc = np.empty(np.shape(scales), np.float32)
-    widen_f16(np.ascontiguousarray(scales, dtype=np.float16).view(np.uint16).reshape(-1), sc.view(np.uint32).reshape(-1))
+    s16 = np.ascontiguousarray(scales, dtype=np.float16).view(np.uint16)
+    widen_f16(s16.reshape(-1), sc.view(np.uint32).reshape(-1))     # 15x numpy's cast
     out = np.empty((m, n), np.float32)
     if m == 0:
         return out

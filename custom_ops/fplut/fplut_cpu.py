@@ -24,7 +24,7 @@ from ..device import threads
 from ..device.half_cpu import f16_index, f32_bits, f32_to_bf16
 from ..runtime.kernels import Kernel, KernelError
 
-PARALLEL_MIN = 1 << 20  # from here the tensor is split over threads (a hand-off costs ~50 us; benchmarks/cpu_kernels.py)
+PARALLEL_MIN = 1 << 20  # from here the tensor is split over threads (a hand-off costs ~50 us)
 CHUNK = 512             # elements per three-pass chunk (index and result buffers stay in L1)
 
 
