@@ -57,7 +57,7 @@ def _wrapper(model):
                 present += [layer.keys, layer.values]
             return (out.logits, *present)
 
-    return Step(model)
+    return Step(model).eval()
 
 
 def io_names(layers: int):
