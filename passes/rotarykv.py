@@ -135,8 +135,14 @@ def _agree(what, found):
 
 
 def _feeds(g, node, memo) -> bool:
-    """Whether ``node``'s outputs reach a graph output; False for what an earlier pass left dead (rotary leaves the
-    Shape -> Gather -> Div chain that sized the Slices it replaced: cleanup removes it after the last pass)."""
+    """Whether ``node``'s outputs reach a graph output of ``g``; False for what an earlier pass left dead (rotary
+    leaves the Shape -> Gather -> Div chain that sized the Slices it replaced: cleanup removes it after the last
+    pass). A node of another graph (a subgraph reading the tensor from outside) or one holding subgraphs counts as
+    a live reader."""
+    if "nodes" not in memo:
+        memo["nodes"] = {id(n) for n in g.nodes}
+    if id(node) not in memo["nodes"] or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        return True
     if id(node) not in memo:
         memo[id(node)] = False
         memo[id(node)] = any(is_graph_output(g, t) or any(_feeds(g, c, memo) for c in t.outputs)

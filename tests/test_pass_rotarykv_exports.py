@@ -182,3 +182,19 @@ def test_dead_shape_readers_do_not_count(tensor):
     out, rep = onnx_lowbit.rewrite(m, "rotarykv")
     (e,) = rep.skipped("rotarykv")
     assert f"intermediate {tensor} (Transpose) is used elsewhere: {tensor}_shape" in e.reason
+
+
+def test_reader_inside_a_subgraph_counts():
+    """qt read from inside an If's branches (outer-scope reference), the If's output unused: the reader is in
+    another graph, so it counts (the branch would lose its input); skipped, nothing changed."""
+    m = kv_model()
+    m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), "cond"))
+    branches = [oh.make_graph([oh.make_node("Identity", ["qt"], [f"{b}_out"], name=f"{b}_id")], b, [],
+                              [oh.make_tensor_value_info(f"{b}_out", onnx.TensorProto.FLOAT, None)])
+                for b in ("then", "else")]
+    m.graph.node.append(oh.make_node("If", ["cond"], ["if_out"], name="if_qt", then_branch=branches[0],
+                                     else_branch=branches[1]))
+    out, rep = onnx_lowbit.rewrite(m, "rotarykv")
+    (e,) = rep.skipped("rotarykv")
+    assert "intermediate qt (Transpose) is used elsewhere: else_id, then_id" in e.reason, e.reason
+    assert not rep.rewritten("rotarykv")
