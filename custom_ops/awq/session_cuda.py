@@ -106,8 +106,9 @@ class AWQDecodeKernel(Kernel):
         checked (KernelError naming the input)."""
         raise NotImplementedError
 
-    def case(self, m, x, ws):
-        """The routing Case of a call at M = m with X and the weights ``ws`` (bridge Tensors)."""
+    def case(self, m, x, ws, scratch=True):
+        """The routing Case of a call at M = m with X and the weights ``ws`` (bridge Tensors); ``scratch``: the call
+        has onnxruntime's scratch (read by FusedFFNAWQ's prefill row)."""
         wpl = self.gemv[1].wpl if m == 1 and 1 in self.gemv else 1
         ptrs = x.ptr | ws[0][2].ptr | ws[-1][2].ptr
         words = 0
@@ -133,7 +134,7 @@ class AWQDecodeKernel(Kernel):
         if ptrs & (1 if self.a16 else 3) or words & 3 or scales & 1:
             raise KernelError("inputs and the output must be aligned device buffers (X, biases, output to their "
                               "element, qweight and qzeros to 4 bytes, scales to 2)")
-        kernel = route(self.ROUTES, self.case(m, x, ws)).kernel
+        kernel = route(self.ROUTES, self.case(m, x, ws, ctx.has_scratch)).kernel
         self.launch[kernel](kernel, ctx, m, x, ws, bs, out)
 
     def _gemv(self, kernel, ctx, m, x, ws, bs, out):
