@@ -15,8 +15,8 @@ is reused call after call, so part of it comes from L2: nf4shapes_gpu.py and nf4
 
     PYTHONPATH=/tmp/site:.:benchmarks python3 benchmarks/ffn4_gpu.py [--ms 1,4,16] [--profile]
 
-(--profile: only the fused kernels at M = 1, three launches each, for ncu. --variants is still accepted and does
-nothing: the FusedFFNAWQ variants it timed are gone, docs/lab-log.md, "Removed kernel variants (AWQ)".)
+(--profile: only the fused kernels at M = 1, three launches each, for ncu. The FusedFFNAWQ variants an older
+--variants flag timed are gone: docs/lab-log.md, "Removed kernel variants (AWQ)".)
 """
 from __future__ import annotations
 
@@ -53,7 +53,6 @@ def rel(y, ref):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--profile", action="store_true", help="only launch the fused kernels (M=1) 3 times each, for ncu")
     a = ap.parse_args()

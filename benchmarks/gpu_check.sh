@@ -12,6 +12,10 @@
 #                                          KVAttention kernel, benchmarks/decoder_ops_gpu.py --op kvattention
 #   bash benchmarks/gpu_check.sh llama     the end-to-end LLaMA-style decode step (samples/llama_decode.py)
 #   bash benchmarks/gpu_check.sh profile   where that step's time goes, per kernel (benchmarks/llama_profile.py)
+#   bash benchmarks/gpu_check.sh genai     onnxruntime-genai's generation loop: genai fp16 and int4 folders of the
+#                                          llama_decode config against `onnx-lowbit genai` rewrites of them
+#                                          (benchmarks/genai_models.py, genai_loop.py). Needs .whl/genai/ carried:
+#                                          onnxruntime-genai-cuda's wheel and onnxruntime-gpu's libonnxruntime.so.1.31.1.xz
 # Prints a short log; JSON / PNG under $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/ortgpu/site:/tmp/gs:.:tests PYTHONUNBUFFERED=1 ONNX_LOWBIT_REAL_GPU=1
@@ -157,5 +161,19 @@ profile)
     2>&1 | tail -3
   python3 benchmarks/llama_profile.py /tmp/llama/llama_decode.onnx /tmp/llama/llama_decode.nf4.onnx \
     --json "$OUT/profile.json" 2>&1 | grep -v -i warn | tail -60
+  ;;
+genai)
+  cap=/tmp/ortgpu/site/onnxruntime/capi
+  if [ ! -e $cap/libonnxruntime.so.1.31.1 ]; then
+    xz -dc .whl/genai/libonnxruntime.so.1.31.1.xz > $cap/libonnxruntime.so.1.31.1 || exit 1
+    ln -sf libonnxruntime.so.1.31.1 $cap/libonnxruntime.so.1; ln -sf libonnxruntime.so.1.31.1 $cap/libonnxruntime.so
+    python3 -m pip install -q --no-deps --no-index --target /tmp/genai .whl/genai/onnxruntime_genai_cuda-*.whl || exit 1
+  fi
+  export PYTHONPATH=/tmp/genai:$PYTHONPATH LD_LIBRARY_PATH=$cap:${LD_LIBRARY_PATH:-}
+  [ -d /tmp/gm/genai_int4.lowbit ] || timeout 400 python3 benchmarks/genai_models.py /tmp/gm ${GENAI_MODEL_ARGS:-} 2>&1 \
+    | grep -v -i -E "warn|it/s\]" | tail -20
+  timeout ${GENAI_TIMEOUT:-400} python3 benchmarks/genai_loop.py /tmp/gm/genai_fp16 /tmp/gm/genai_int4 /tmp/gm/genai_fp16.lowbit \
+    /tmp/gm/genai_int4.lowbit ${GENAI_LOOP_ARGS:---prompt 128 --new 128 --rounds 3} --json "$OUT/genai.json" 2>&1 \
+    | grep -v -i warn | tail -25
   ;;
 esac

@@ -149,7 +149,15 @@ for _n, _d in _D.items():
     _add(f"dequantnf4.vec.{_n}", "dequantnf4", f"_make_vec(*{_v}.kernel_key({_f16}))",
          f"[Array(_QTYPE[{_v}.epv]), Array(np.uint8), Array({_d}), Array(np.float32), Array({_ow}), Array({_oe}), "
          f"'int64', 'int64']")
-# DequantAWQ: its one kernel (the former Variant DEFAULT)
+# FusedFFNNF4's prefill route (ffn/fusedffn4_prefill_cuda): the transposed kernels with fp32 absmax, fp16 W^T
+# (dequantnf4_cuda._launcher(..., absmax=np.float32))
+_add("dequantnf4.vec.f16.am32", "dequantnf4", "_make_vec(*DEFAULT['float16'].kernel_key(True))",
+     "[Array(_QTYPE[DEFAULT['float16'].epv]), Array(np.uint8), Array(np.float32), Array(np.float32), "
+     "Array(np.uint32), Array(np.uint16), 'int64', 'int64']")
+_add("dequantnf4.rows.f16.am32", "dequantnf4", "dequant_rows",
+     "[Array(np.uint64), Array(np.uint8), Array(np.float32), Array(np.float32), Array(np.float16), 'int64', 'int64', "
+     "'int64']")
+# DequantAWQ: its one kernel (the former Variant DEFAULT; also FusedFFNAWQ's prefill route)
 _add("dequantawq.default", "dequantawq", "make()", "SIG")
 
 # MatMulNF4 (its ROUTES: python -m onnx_lowbit.custom_ops.runtime.routing): M=1 kernels m1.table16 / m1.pair (also

@@ -42,12 +42,23 @@ def InferenceSession(model, sess_options=None, providers=None, **kwargs) -> ort.
     return ort.InferenceSession(model, sess_options=opts, providers=providers, **kwargs)
 
 
-def rewrite(model, passes=None, **options):
+def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=None, tune_runs=None, **options):
     """Rewrites ``model`` (ModelProto or path) with the named passes (default: the default passes; kvattention and
-    rmsnorm only when named); returns (model, report)."""
+    rmsnorm only when named); returns (model, report).
+
+    ``device="cpu"``: by default only the passes known not to be slower on the CPU (onnx_lowbit/cpu_passes.py;
+    4-bit weights when ``weights`` asks for them). ``tune=True`` (with device="cpu"): each pass is kept only where
+    it measured faster on this machine (onnx_lowbit/tune.py) on ``feeds`` (default: made-up inputs, symbolic dims
+    from ``dims``); the report's ``tune`` holds the decisions and figures."""
     import onnx
 
     from onnx_lowbit.passes import run_passes
+
+    from .errors import LowbitError
+    if device not in (None, "cpu", "cuda"):
+        raise LowbitError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if tune and device != "cpu":
+        raise LowbitError("tune=True measures in onnxruntime CPU sessions: give device='cpu' with it")
 
     from . import model_io
     if isinstance(model, (str, os.PathLike)):  # bad files: one-line LowbitErrors (as the CLI gives them)
@@ -58,7 +69,30 @@ def rewrite(model, passes=None, **options):
         model_io.check_opset(model)
     elif isinstance(model, onnx.ModelProto):
         model_io.check_opset(model)
-    return run_passes(model, passes=passes, **options)
+    if device != "cpu":
+        return run_passes(model, passes=passes, **options)
+    from onnx_lowbit.passes import resolve
+
+    from . import cpu_passes, tune as tune_mod
+    size = {"weights4": f"weights={options['weights']!r}"} if options.get("weights") or \
+        options.get("awq_checkpoint") else {}
+    selected = resolve(passes)
+    if not tune:
+        selected = cpu_passes.cpu_selection(selected, explicit=passes is not None, keep=size, quiet=True)
+        from onnx_lowbit.passes import Report
+        out, report = model, Report()
+        for p in selected:
+            out, r = run_passes(out, passes=[p.name], **options)
+            report.extend(r)
+        return out, report
+    if feeds is None:
+        feeds, where = tune_mod.tune_feeds(model, None, "", dims)
+    else:
+        where = "the given feeds"
+    runs = tune_runs or tune_mod.DEFAULT_RUNS
+    out, report, _ = tune_mod.tuned_rewrite(model, selected, options, tune_mod.SessionTimer(feeds, runs), size,
+                                            where, runs)
+    return out, report
 
 
 # --------------------------------------------------------------------------------------------------------------

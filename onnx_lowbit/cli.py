@@ -13,6 +13,7 @@ import tempfile
 
 from . import __version__
 from .cli_options import pass_options
+from .cpu_passes import add_arguments as _device_arguments, device_selection
 from .errors import LowbitError
 from .progress import Status
 
@@ -60,6 +61,7 @@ def _selected_passes(a, passes_mod):
         if left:
             print(f"onnx-lowbit: --target ort: left out {', '.join(left)} (they emit onnx-lowbit ops, which stock "
                   "onnxruntime cannot run; name them in --passes to run them anyway)", file=sys.stderr)
+    selected = device_selection(a, selected)   # --device cpu: onnx_lowbit/cpu_passes.py
     if getattr(a, "weights", None) and "weights4" in passes_mod.PASSES and \
             not any(p.name == "weights4" for p in selected):
         order = list(passes_mod.PASSES)
@@ -135,9 +137,13 @@ def cmd_rewrite(a) -> int:
     if a.verify:
         model_io.check_output_spares_input(unverified_path(a.output), a.input, head)
     verify_feeds = _verify_feeds(a, head)
+    tuning = None
+    if getattr(a, "tune", False):   # --tune: onnx_lowbit/tune.py (checks its flags, reads its inputs now)
+        from .tune import cli_setup
+        tuning = cli_setup(a, head, verify_feeds)
     # Models with external data (all models over 2 GB) are streamed: weights are read one at a time and new ones
     # are written to OUT's data file as they are made. AWQ calibration runs the whole model: it loads it.
-    streamed = model_io.uses_external_data(head) and not getattr(a, "calibration", None)
+    streamed = model_io.uses_external_data(head) and not getattr(a, "calibration", None) and tuning is None
     model = head if streamed else model_io.load(a.input)
     options = pass_options(a, model)
     staged = None
@@ -145,7 +151,7 @@ def cmd_rewrite(a) -> int:
         staged = model_io.StagedOutput(a.output)
         options.update(external_data_dir=os.path.dirname(os.path.abspath(a.input)), spill=staged.spill)
     try:
-        return _rewrite(a, model, selected, options, staged, verify_feeds)
+        return _rewrite(a, model, selected, options, staged, verify_feeds, tuning)
     finally:
         if staged is not None:
             staged.abort()
@@ -179,7 +185,7 @@ def _verify(a, model, out, staged_path, report, verify_feeds) -> bool:
     return False
 
 
-def _rewrite(a, model, selected, options, staged, verify_feeds=None) -> int:
+def _rewrite(a, model, selected, options, staged, verify_feeds=None, tuning=None) -> int:
     """The passes, --verify and the write of cmd_rewrite; ``staged``: the streamed output (None: in memory)."""
     from . import model_io
     from onnx_lowbit import passes as passes_mod
@@ -187,7 +193,9 @@ def _rewrite(a, model, selected, options, staged, verify_feeds=None) -> int:
     current = model
     with Status() as status:
         options = dict(options, progress=status.note)
-        for i, p in enumerate(selected):
+        if tuning is not None:      # --tune: passes kept only where they measured faster (onnx_lowbit/tune.py)
+            current, report = tuning(current, selected, options, status.step)
+        for i, p in enumerate(selected if tuning is None else []):
             status.step(f"pass {i + 1}/{len(selected)} {p.name}")
             current, r = passes_mod.run_passes(current, passes=[p.name], **options)
             report.extend(r)
@@ -196,6 +204,8 @@ def _rewrite(a, model, selected, options, staged, verify_feeds=None) -> int:
             status.step("writing the rewritten weights")
         staged_path = staged.write(out, options["external_data_dir"]) if staged is not None else None
     print(_first_line(a.input, report, selected, options))
+    if tuning is not None:
+        print(report.tune.to_table())
     summary = _weights_summary(report)
     if summary:
         print(summary)
@@ -285,6 +295,22 @@ def cmd_eval_ppl(a) -> int:
     return evalppl.main(a, session_factory=session, progress=_progress)
 
 
+def cmd_genai(a) -> int:
+    from . import genai_config
+    opts = {"matmulnbits_lossy": True} if a.lossy else {}
+    passes = a.passes.split(",") if a.passes else genai_config.DEFAULT_PASSES
+    report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
+    if a.provider:
+        genai_config.set_provider(a.output, a.provider, cuda_graph=a.cuda_graph)
+    if a.report:
+        print(report.to_table(shutil.get_terminal_size().columns))
+    lib = genai_config.library_file(a.output)
+    print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped by {', '.join(passes)}"
+          f"\nwrote {a.output}" + (f" (custom_ops_library {os.path.basename(lib)}: call "
+          "onnx_lowbit.genai_config.prepare(folder) before og.Model(folder))" if lib else ""))
+    return 0
+
+
 def cmd_demo(a) -> int:
     from . import demo
     return demo.run(out_dir=a.out)
@@ -354,6 +380,10 @@ def _weights_arguments(p) -> None:
     g.add_argument("--target", choices=["lowbit", "ort"],
                    help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
+    g.add_argument("--ort-form", choices=["awq", "compact"],
+                   help="with --weights awq --target ort: awq (default: MatMulNBits with AWQ's zero points, group "
+                        "128) or compact (MatMulNBits' symmetric form onnxruntime runs fastest: block 32, no zero "
+                        "points, scales in the model's dtype)")
 
 
 def _non_negative(v: str) -> int:
@@ -404,8 +434,9 @@ def _verify_arguments(p) -> None:
                         "--calibration file when given; inputs it lacks, and all without it, are made up "
                         "consistent with the graph); implies --verify")
     g.add_argument("--dim", action="append", metavar="NAME=VALUE",
-                   help="size of a symbolic input dim for made-up --verify inputs (repeatable; dims named like "
-                        "'past + seq' follow their parts); implies --verify")
+                   help="size of a symbolic input dim for made-up --verify (and --tune) inputs (repeatable; dims "
+                        "named like 'past + seq' follow their parts; an unnamed dim, shown as '?', by input name "
+                        "and axis: INPUT:AXIS=VALUE, e.g. x:0=2); implies --verify")
     g.add_argument("--verify-tol", "--tolerance", dest="tolerance", type=float, metavar="TOL",
                    help="largest rel-L2 error ||a - b|| / ||a|| per output (default 0.02; "
                         f"{_tol_4bit()} when 4-bit weights were written)")
@@ -432,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     _weights_arguments(r)
     _merge_arguments(r)
     _gru_arguments(r)
+    _device_arguments(r)
     r.set_defaults(fn=cmd_rewrite)
     i = sub.add_parser("inspect", help="what would be rewritten, and which onnx-lowbit ops a model uses")
     i.add_argument("input", metavar="IN")
@@ -462,8 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--inputs", metavar="DATA.npz", help="inputs, one array per model input named after it "
                                                         "(default: random, the same for all models)")
     b.add_argument("--dim", action="append", metavar="NAME=VALUE",
-                   help="value of a symbolic input dim for random inputs (repeatable; default 1 for batch-like "
-                        "names, else 16)")
+                   help="value of a symbolic input dim for random inputs (repeatable; an unnamed dim, shown as '?', "
+                        "by input name and axis: INPUT:AXIS=VALUE, e.g. x:0=2); unset dims are guessed as for "
+                        "rewrite --verify (1 for batch-like names and an image's first axis, 8 for past lengths, "
+                        "an image's height / width from imgsz metadata or 224, else 16) and the guesses printed")
     b.add_argument("--out", default=".", metavar="DIR", help="where bench-<mode>.png/.json go (default: .)")
     b.set_defaults(fn=cmd_bench)
     e = sub.add_parser("eval-ppl", help="perplexity and greedy-token agreement of a causal LM (ORIGINAL) and its "
@@ -478,6 +512,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-tokens", type=int, metavar="N", help="score only the first N tokens")
     e.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     e.set_defaults(fn=cmd_eval_ppl)
+    gn = sub.add_parser("genai", help="rewrite an onnxruntime-genai model folder IN into the new folder OUT "
+                                      "(SwiGLU blocks -> fused FFN ops; our library named in genai_config.json)")
+    gn.add_argument("input", metavar="IN")
+    gn.add_argument("output", metavar="OUT")
+    gn.add_argument("--passes", help="comma-separated passes (default: matmulnbits,ffn)")
+    gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
+    gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
+    gn.add_argument("--lossy", action="store_true",
+                    help="also convert MatMulNBits with float32 scales (fp32 int4 models; scales rounded to fp16)")
+    gn.add_argument("--report", action="store_true", help="print every candidate and why")
+    gn.set_defaults(fn=cmd_genai)
     lut = sub.add_parser("lut", help="FPLUT tables")
     lsub = lut.add_subparsers(dest="lut_cmd", required=True, parser_class=_Parser)
     lsub.add_parser("list", help="shipped tables and their exhaustive error figures")

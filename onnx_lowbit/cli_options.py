@@ -51,7 +51,8 @@ def weights_options(a, model) -> dict:
         fmt = "awq"  # the checkpoint's weights are AWQ
     if fmt is None:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
-                                      ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head))
+                                      ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head),
+                                      ("--ort-form", getattr(a, "ort_form", None)))
                  if v]
         if given:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
@@ -65,6 +66,8 @@ def weights_options(a, model) -> dict:
         options["group_size"] = a.group_size
     if a.exclude:
         options["weights_exclude"] = list(a.exclude)
+    if getattr(a, "ort_form", None):
+        options["weights_ort_form"] = a.ort_form
     if getattr(a, "lm_head", None):
         options["weights_lm_head"] = a.lm_head
     if a.calibration and fmt == "awq":  # (the gru pass also reads --calibration: gru_options)

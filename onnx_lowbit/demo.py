@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+from .ratios import size, speed
+
 SAMPLES = [("tiny_yolo.onnx", "YOLO-style CNN, SiLU activations"), ("gpt2_mlp.onnx", "GPT-2 MLP stack, GELU (tanh)")]
 # also shown: llama_mlp.onnx (fused SwiGLU FFN, NF4 weights) and gru_small.onnx (integer GRU, calibrated)
 
@@ -22,9 +24,8 @@ def _providers():
 
 
 def _speed(timings) -> str:
-    """``x1.23 (faster)`` / ``x0.41 (slower)``: the original's time over the rewritten one's."""
-    r = timings["original"] / timings["rewritten"]
-    return f"x{r:.2f} ({'faster' if r >= 1 else 'slower'})"
+    """The rewritten model against the original, in words: "1.23x faster" / "2.41x slower" (onnx_lowbit.ratios)."""
+    return speed(timings["original"], timings["rewritten"])
 
 
 def _skipped(report) -> list:
@@ -79,7 +80,7 @@ def run(out_dir: str | None = None) -> int:
         errors, timings = verify.compare(model, out, providers=providers, timing_runs=50, tolerance=0.2)
         e = errors[0]
         print(f"   --target {target:6s}: file {os.path.getsize(src) / 1e3:.0f} kB -> {os.path.getsize(dst) / 1e3:.0f} kB "
-              f"(x{os.path.getsize(dst) / os.path.getsize(src):.2f}); output rel err {e.rel:.3f} (4-bit weights); "
+              f"({size(os.path.getsize(src), os.path.getsize(dst))}); output rel err {e.rel:.3f} (4-bit weights); "
               f"latency {timings['original']:.3f} -> {timings['rewritten']:.3f} ms: {_speed(timings)}")
         if kept:
             print(f"   written: {dst}")
@@ -108,7 +109,8 @@ def run(out_dir: str | None = None) -> int:
         errors, timings = verify.compare(model, out, providers=providers, timing_runs=50, tolerance=tol, feeds=feeds)
         print(f"== {name}: {what}")
         print(f"   nodes {len(model.graph.node)} -> {len(out.graph.node)}; our ops: {', '.join(ours)}; "
-              f"file {os.path.getsize(src) / 1e3:.0f} kB -> {os.path.getsize(dst) / 1e3:.0f} kB")
+              f"file {os.path.getsize(src) / 1e3:.0f} kB -> {os.path.getsize(dst) / 1e3:.0f} kB "
+              f"({size(os.path.getsize(src), os.path.getsize(dst))})")
         for line in _skipped(report):
             print(line)
         print("   " + verify.format_errors(errors, tol).replace("\n", "\n   ") +

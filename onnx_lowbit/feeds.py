@@ -4,8 +4,13 @@
 Symbolic dims get one value per name (inputs that share a name share the value). A dim whose name is an arithmetic
 expression of other names, as exporters write them (optimum: ``past_sequence_length + sequence_length``; dynamo:
 ``s0 + s1``), is computed from its parts, so an attention mask is as long as the past plus the current tokens.
-Values come from, in order: ``--dim NAME=VALUE``, the shapes of arrays the user gave, then defaults by role
-(batch-like names 1, past / cache lengths 8, height / width of an image input 224, anything else 16).
+Values come from, in order: ``--dim NAME=VALUE``, the shapes of arrays the user gave, then one default rule, the
+same for ``rewrite --verify`` / ``--tune`` and ``bench`` (``guess_dims``): 1 for batch-like names and for the first
+axis of an image input (rank 4, float, 1-4 channels in axis 1 or 3: NCHW / NHWC; PaddleOCR's
+``p2o.DynamicDimension.0`` too), 8 for past / cache lengths, an image input's height / width from the model's
+``imgsz`` metadata (ultralytics) or 224 (a multiple of 32, so strided CNNs line up), 16 for anything else.
+Free dims with no name (shown as '?') are addressed as ``INPUT:AXIS`` (``--dim x:0=2``); unset, they are 1 on the
+first axis, 224 in an image's spatial places, else 16.
 
 Random values: integer inputs that index a constant table (a Gather's indices: token ids, positions into an
 embedding) lie within that table; ``attention_mask``-like inputs are ones, ``position_ids`` count from the past
@@ -54,13 +59,15 @@ def signature(model: onnx.ModelProto) -> dict:
 
 
 def parse_dims(specs, minimum: int = 0) -> dict:
-    """``["batch=1", "past=128"]`` -> {"batch": 1, "past": 128} (LowbitError on a bad spec or a value under
-    ``minimum``: --verify allows 0, an empty past; bench 1)."""
+    """``["batch=1", "past=128", "x:0=2"]`` -> {"batch": 1, "past": 128, "x:0": 2} (NAME=VALUE for a symbolic dim,
+    INPUT:AXIS=VALUE for an unnamed one; LowbitError on a bad spec or a value under ``minimum``: --verify allows
+    0, an empty past; bench 1)."""
     out = {}
     for s in specs or []:
         name, sep, value = s.partition("=")
         if not sep or not name.strip() or not value.strip().isdigit() or int(value) < minimum:
-            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE with VALUE an integer >= {minimum}")
+            raise LowbitError(f"--dim {s!r}: expected NAME=VALUE (or INPUT:AXIS=VALUE for an unnamed dim) with VALUE "
+                              f"an integer >= {minimum}")
         out[name.strip()] = int(value)
     return out
 
@@ -121,33 +128,113 @@ def _evaluate(tree, values: dict) -> int:
     return int(_OPS[type(tree.op)](_evaluate(tree.left, values), _evaluate(tree.right, values)))
 
 
-def _image_dims(sig: dict) -> set:
-    """Symbolic dims in the spatial places of 4-D float inputs with a fixed channel count (NCHW or NHWC)."""
-    out = set()
-    for name, (dt, ds) in sig.items():
-        if len(ds) != 4 or not np.issubdtype(dt, np.floating) or PAST.search(name):  # a KV cache is no image
-            continue
-        if isinstance(ds[1], int) and 1 <= ds[1] <= 4:
-            out |= {d for d in ds[2:] if isinstance(d, str)}
-        elif isinstance(ds[3], int) and 1 <= ds[3] <= 4:
-            out |= {d for d in ds[1:3] if isinstance(d, str)}
-    return out
+def _image_axes(ds: list) -> tuple:
+    """The spatial axes of a 4-D input with a fixed channel count of 1-4 in axis 1 (NCHW: (2, 3)) or axis 3 (NHWC:
+    (1, 2)); () otherwise."""
+    if len(ds) != 4:
+        return ()
+    if isinstance(ds[1], int) and 1 <= ds[1] <= 4:
+        return (2, 3)
+    if isinstance(ds[3], int) and 1 <= ds[3] <= 4:
+        return (1, 2)
+    return ()
 
 
-def _default(name: str, image: set) -> int:
+def _images(sig: dict) -> dict:
+    """input name -> its spatial axes, for the image inputs of ``sig`` (float, NCHW / NHWC; a KV cache is none)."""
+    return {name: axes for name, (dt, ds) in sig.items()
+            if np.issubdtype(dt, np.floating) and not PAST.search(name) and (axes := _image_axes(ds))}
+
+
+def image_size(models) -> tuple | None:
+    """(height, width) a model says it was exported for: ultralytics' ``imgsz`` metadata ("[640, 640]")."""
+    for m in models:
+        for p in m.metadata_props:
+            if p.key == "imgsz":
+                v = [int(x) for x in re.findall(r"\d+", p.value)]
+                if len(v) in (1, 2) and all(x > 0 for x in v):
+                    return (v[0], v[-1])
+    return None
+
+
+def _roles(sig: dict) -> tuple:
+    """({dim name: 0 / 1, height / width of an image input}, {dim names on an image input's first axis})."""
+    spatial, batch = {}, set()
+    for name, axes in _images(sig).items():
+        ds = sig[name][1]
+        for k, i in enumerate(axes):
+            if isinstance(ds[i], str):
+                spatial.setdefault(ds[i], k)
+        if isinstance(ds[0], str):
+            batch.add(ds[0])
+    return spatial, batch
+
+
+def _default(name: str, spatial: dict, batch: set, size) -> tuple:
+    """(value, how it was chosen) of a symbolic dim nobody gave: THE one rule (verify and bench alike)."""
     if BATCH.match(name):
-        return 1
+        return 1, "batch-like name"
+    if name in batch and name not in spatial:
+        return 1, "batch axis of an image input"
     if PAST.search(name):
-        return DEFAULT_PAST
-    if name in image or SPATIAL.search(name):
-        return DEFAULT_IMAGE
-    return DEFAULT_OTHER
+        return DEFAULT_PAST, "past / cache length"
+    if name in spatial:
+        return (size[spatial[name]], "the model's imgsz metadata") if size else \
+            (DEFAULT_IMAGE, "image input, a multiple of 32")
+    if SPATIAL.search(name):
+        return DEFAULT_IMAGE, "height / width name"
+    return DEFAULT_OTHER, "default"
 
 
-def resolve_dims(sig: dict, given: dict | None = None, known: dict | None = None) -> dict:
-    """The value of every symbolic dim of ``sig``: ``given`` (--dim; may name expression parts too), ``known``
-    (learnt from arrays the user gave), expressions computed from their parts, else defaults. LowbitError for a
-    --dim that names nothing, or an expression whose computed value contradicts a given one."""
+def axis_key(name: str, axis: int) -> str:
+    """How --dim addresses an unnamed free dim: ``INPUT:AXIS`` (e.g. ``x:0``)."""
+    return f"{name}:{axis}"
+
+
+def _unnamed(sig: dict) -> dict:
+    """``INPUT:AXIS`` -> (input, axis) of every free dim with no name (shown as '?')."""
+    return {axis_key(n, i): (n, i) for n, (_, ds) in sig.items() for i, d in enumerate(ds) if d is None}
+
+
+def _unnamed_default(sig: dict, name: str, axis: int) -> tuple:
+    if axis == 0:
+        return 1, "unnamed, first axis"
+    if axis in _images(sig).get(name, ()):
+        return DEFAULT_IMAGE, "unnamed, image height / width"
+    return DEFAULT_OTHER, "unnamed"
+
+
+def _check_addresses(sig: dict, given: dict, names: list, leaves: list) -> None:
+    """LowbitError for a --dim that names nothing: no such symbolic dim, nor an INPUT:AXIS of an unnamed one."""
+    unnamed = _unnamed(sig)
+    bad = []
+    for key in given:
+        if key in names or key in leaves or key in unnamed:
+            continue
+        inp, sep, axis = key.rpartition(":")
+        if sep and inp in sig and axis.isdigit():
+            ds = sig[inp][1]
+            i = int(axis)
+            if i >= len(ds):
+                raise LowbitError(f"--dim {key}: input {inp!r} has {len(ds)} axes (0 to {len(ds) - 1})")
+            what = f"the symbolic dim {ds[i]!r}: set it with --dim {ds[i]}=VALUE" if isinstance(ds[i], str) \
+                else f"fixed at {ds[i]}"
+            raise LowbitError(f"--dim {key}: axis {i} of input {inp!r} is {what}")
+        bad.append(key)
+    if bad:
+        raise LowbitError(f"--dim {', '.join(bad)}: no input has such a symbolic dimension; symbolic dims: "
+                          f"{', '.join(names) or 'none'}" + (f"; unnamed ones ('?') by INPUT:AXIS: "
+                                                             f"{', '.join(unnamed)}" if unnamed else ""))
+
+
+def guess_dims(sig: dict, given: dict | None = None, known: dict | None = None, size=None) -> dict:
+    """{symbolic dim: (value, how it was chosen)} for every symbolic dim of ``sig``, and ``INPUT:AXIS`` for every
+    unnamed free one: ``given`` (--dim NAME=VALUE or INPUT:AXIS=VALUE; may name expression parts too), ``known``
+    (learnt from arrays the user gave), expressions computed from their parts, else the one default rule:
+    1 for batch-like names and an image input's first axis (NCHW / NHWC, 1-4 channels), 8 for past / cache
+    lengths, an image input's height / width from ``size`` (the model's imgsz metadata) or 224, 16 otherwise;
+    unnamed dims 1 on the first axis, 224 in an image's spatial places, else 16. LowbitError for a --dim that
+    names nothing, or an expression whose computed value contradicts a given one."""
     given, known = dict(given or {}), dict(known or {})
     names = []
     for _, ds in sig.values():
@@ -157,14 +244,13 @@ def resolve_dims(sig: dict, given: dict | None = None, known: dict | None = None
     for t in exprs.values():
         leaves += [x for x in _leaves(t) if x not in leaves and x not in exprs]
     plain = [n for n in names if n not in exprs] + [x for x in leaves if x not in names]
-    unknown = [n for n in given if n not in names and n not in leaves]
-    if unknown:
-        raise LowbitError(f"--dim {', '.join(unknown)}: no input has such a symbolic dimension; symbolic dims: "
-                          f"{', '.join(names) or 'none'}")
-    image = _image_dims(sig)
-    values = {}
+    _check_addresses(sig, given, names, leaves)
+    spatial, batch = _roles(sig)
+    out = {}
     for n in plain:
-        values[n] = given.get(n, known.get(n, _default(n, image)))
+        out[n] = (given[n], "given") if n in given else (known[n], "the data") if n in known else \
+            _default(n, spatial, batch, size)
+    values = {n: v for n, (v, _) in out.items()}
     for n, t in exprs.items():
         v = _evaluate(t, values)
         fixed = given.get(n, known.get(n))
@@ -175,20 +261,24 @@ def resolve_dims(sig: dict, given: dict | None = None, known: dict | None = None
                               f"with --dim instead")
         if v < 0:
             raise LowbitError(f"dim {n!r} comes out negative ({v}); set its parts with --dim")
-        values[n] = v
-    return values
+        out[n] = (v, "given" if n in given else "its parts")
+    for key, (inp, axis) in _unnamed(sig).items():
+        out[key] = (given[key], "given") if key in given else (known[key], "the data") if key in known else \
+            _unnamed_default(sig, inp, axis)
+    return out
+
+
+def resolve_dims(sig: dict, given: dict | None = None, known: dict | None = None, size=None) -> dict:
+    """The values of guess_dims: every symbolic dim of ``sig`` and every unnamed one (``INPUT:AXIS``)."""
+    return {n: v for n, (v, _) in guess_dims(sig, given, known, size).items()}
 
 
 def shapes(sig: dict, values: dict) -> dict:
-    """input name -> concrete shape (unnamed free dims: 1 first, 224 in an image's spatial places, else 16)."""
+    """input name -> concrete shape (unnamed free dims from ``values[INPUT:AXIS]``, else by guess_dims' rule)."""
     out = {}
-    for name, (dt, ds) in sig.items():
-        spatial = ()
-        if len(ds) == 4 and np.issubdtype(dt, np.floating) and not PAST.search(name):
-            spatial = (2, 3) if isinstance(ds[1], int) and 1 <= ds[1] <= 4 else \
-                (1, 2) if isinstance(ds[3], int) and 1 <= ds[3] <= 4 else ()
+    for name, (_, ds) in sig.items():
         out[name] = [d if isinstance(d, int) and d > 0 else values[d] if isinstance(d, str) else
-                     1 if i == 0 else DEFAULT_IMAGE if i in spatial else DEFAULT_OTHER for i, d in enumerate(ds)]
+                     values.get(axis_key(name, i), _unnamed_default(sig, name, i)[0]) for i, d in enumerate(ds)]
     return out
 
 
@@ -264,7 +354,11 @@ def random_inputs(model: onnx.ModelProto, sig: dict, shp: dict, seed: int = 0, g
 def load_npz(path: str, sig: dict, flag: str) -> dict:
     """Arrays of an .npz named after inputs of ``sig`` (some may be missing: the caller fills them); checked:
     names, ranks, fixed dims, numeric dtypes; cast to the input's dtype."""
-    arrays = read_npz(path, flag)
+    return check_arrays(path, read_npz(path, flag), sig, flag)
+
+
+def check_arrays(path: str, arrays: dict, sig: dict, flag: str) -> dict:
+    """load_npz's checks and casts on arrays already read from ``path``."""
     unknown = sorted(set(arrays) - set(sig))
     if unknown:
         raise LowbitError(f"{path}: array{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
@@ -286,7 +380,9 @@ def dims_of(sig: dict, arrays: dict) -> dict:
     """Symbolic dim values the given arrays fix (LowbitError when two arrays disagree on one name)."""
     found, where = {}, {}
     for name, v in arrays.items():
-        for d, n in zip(sig[name][1], v.shape):
+        for i, (d, n) in enumerate(zip(sig[name][1], v.shape)):
+            if d is None:
+                d = axis_key(name, i)
             if isinstance(d, str):
                 if d in found and found[d] != n:
                     raise LowbitError(f"dim {d!r} is {found[d]} in array {where[d]!r} but {n} in {name!r}")
@@ -300,7 +396,7 @@ def make_feeds(model: onnx.ModelProto, *, data: dict | None = None, dims: dict |
     dims from ``dims`` (--dim), the arrays' shapes and defaults."""
     sig = signature(model)
     data = dict(data or {})
-    values = resolve_dims(sig, dims, dims_of(sig, data))
+    values = resolve_dims(sig, dims, dims_of(sig, data), image_size([model]))
     shp = shapes(sig, values)
     shp.update({n: list(v.shape) for n, v in data.items()})
     missing = [n for n in sig if n not in data]

@@ -8,7 +8,16 @@ Figures per output (a: the original's, b: the rewritten model's):
   top-1    for logit / classifier-like outputs (a name with logit, prob, score, class, label, cls or pred in it, or
            the only output of its model, of rank >= 2 with a last axis of 2 or more): the fraction of rows whose
            arg-max along the last axis agrees
-NaN in one output but not the other, or a shape that differs, fails the output whatever the tolerance. When the
+NaN in one output but not the other, or a shape that differs, fails the output whatever the tolerance.
+
+Outputs near zero: rel-L2 divides by ||a||, which means nothing when the output is near zero everywhere (a text
+detector's probability map on random N(0, 1) images: values ~1e-5, where fp16 rounding upstream moves them by
+2.7e-5 and rel-L2 reads 0.029). So the checked figure is ||a - b|| / max(||a||, floor x sqrt(n)), the floor being
+FLOOR_SHARE (1 %) of the output's range per element: 1 for outputs of Sigmoid, Softmax, HardSigmoid, Tanh (through
+shape-only ops: their values lie in [0, 1] / [-1, 1]), else max |a|. An output whose RMS is below the floor is
+judged by its absolute error against the floor (an error RMS over tolerance x floor still fails: a 0.01 shift of a
+probability map fails at the default 0.02); any other output exactly as before. The table shows the floor where
+it applied. When the
 model has logit-like outputs, the tolerance is checked on those only: the other outputs (an LLM's KV cache, which
 4-bit weights move by 30-45 % rel-L2 in SmolLM2-135M's deeper layers while its logits move by 18 %) are shown but
 not checked; a KV computation gone wrong shows in the logits too."""
@@ -27,6 +36,10 @@ from .errors import LowbitError
 DEFAULT_TOLERANCE = 2e-2
 WEIGHTS4_TOLERANCE = 0.25   # default when 4-bit weights were written: they move an LLM's logits by ~10-20 % rel-L2
 LOGIT_NAMES = re.compile(r"logit|prob|score|class|label|cls|pred", re.IGNORECASE)
+FLOOR_SHARE = 1e-2      # near-zero floor: this share of an output's range, per element (module docstring)
+BOUNDED = {"Sigmoid": 1.0, "Softmax": 1.0, "HardSigmoid": 1.0, "Tanh": 1.0}   # op -> the bound of |its output|
+SHAPE_ONLY = {"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Slice", "Gather", "Concat",
+              "Split", "Cast", "Resize", "MaxPool"}
 
 
 @dataclass
@@ -42,6 +55,8 @@ class OutputError:
     shape: tuple = ()
     note: str = ""         # e.g. a shape mismatch
     checked: bool = True   # False: shown, not held to the tolerance (a state output beside logit-like ones)
+    floor: float | None = None   # the near-zero floor (per element), when it applied: rel-L2 was judged against it
+    judged: float | None = None  # the figure held to the tolerance when the floor applied
 
 
 def default_tolerance(weights_totals) -> float:
@@ -72,8 +87,28 @@ def _logit_like(name: str, shape: tuple, single: bool) -> bool:
     return len(shape) >= 2 and shape[-1] >= 2 and (bool(LOGIT_NAMES.search(name)) or (single and len(shape) == 2))
 
 
-def compare_arrays(name: str, a, b, tolerance: float, single_output: bool = False) -> OutputError:
-    """The figures of one output (module docstring)."""
+def output_ranges(model) -> dict:
+    """output name -> the bound of its values where the graph fixes one (the output of a Sigmoid, Softmax,
+    HardSigmoid or Tanh, through shape-only ops); other outputs are absent (their range is max |a|)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    out = {}
+    for vi in model.graph.output:
+        t, seen = vi.name, 0
+        while t in producer and seen < 64:
+            n = producer[t]
+            if n.op_type in BOUNDED and not n.domain:
+                out[vi.name] = BOUNDED[n.op_type]
+                break
+            if n.op_type not in SHAPE_ONLY or n.domain or not n.input:
+                break
+            t, seen = n.input[0], seen + 1
+    return out
+
+
+def compare_arrays(name: str, a, b, tolerance: float, single_output: bool = False,
+                   value_range: float | None = None) -> OutputError:
+    """The figures of one output (module docstring); ``value_range``: the bound of its values when the graph fixes
+    one (output_ranges), else max |a| is taken."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         return OutputError(name, float("inf"), float("inf"), 0, False, float("inf"), shape=a.shape,
@@ -101,7 +136,15 @@ def compare_arrays(name: str, a, b, tolerance: float, single_output: bool = Fals
         ib = np.argmax(np.where(np.isnan(b64), -np.inf, b64), axis=-1)
         rows = int(ia.size)
         top1 = float(np.mean(ia == ib))
-    return OutputError(name, max_abs, rel, mism, rel <= tolerance and mism == 0, max_rel, top1, rows, a.shape)
+    floor = FLOOR_SHARE * (value_range if value_range else scale)
+    floor_norm = floor * np.sqrt(ref.size)
+    judged = rel
+    if floor_norm > norm and floor_norm > 0:       # near zero: the error against the floor instead
+        judged = float(np.linalg.norm(d)) / floor_norm
+    e = OutputError(name, max_abs, rel, mism, judged <= tolerance and mism == 0, max_rel, top1, rows, a.shape)
+    if judged != rel:
+        e.floor, e.judged = floor, judged
+    return e
 
 
 def run_pair(original, rewritten, feeds: dict, providers=("CPUExecutionProvider",)):
@@ -132,7 +175,8 @@ def compare(original, rewritten, *, tolerance: float = DEFAULT_TOLERANCE, provid
         names, ref, got, (s0, s1) = run_pair(original, rewritten, feeds, providers)
     except LowbitError as e:
         raise LowbitError(f"--verify: {e}") from None
-    errors = [compare_arrays(n, a, b, tolerance, len(names) == 1) for n, a, b in zip(names, ref, got)]
+    ranges = output_ranges(original if not isinstance(original, str) else onnx.load(original, load_external_data=False))
+    errors = [compare_arrays(n, a, b, tolerance, len(names) == 1, ranges.get(n)) for n, a, b in zip(names, ref, got)]
     if any(e.top1 is not None for e in errors):
         for e in errors:
             if e.top1 is None and not e.note and e.mismatched_nan == 0:
@@ -160,11 +204,17 @@ def format_errors(errors, tolerance) -> str:
         extra += f", {e.note}" if e.note else ""
         top1 = f"{100 * e.top1:7.2f}%" if e.top1 is not None else f"{'-':>8s}"
         result = "not checked" if not e.checked else "ok" if e.ok else "FAIL"
+        if e.floor is not None and e.checked:
+            result += f" (near zero: {e.judged:.3g} against the floor {e.floor:.3g})"
         lines.append(f"{e.name:{width}s} {e.rel:10.3g} {e.max_abs:11.4g} {e.max_rel:10.3g} {top1}  {result}{extra}")
     tops = [e for e in errors if e.top1 is not None]
     if tops:
         lines.append("top-1: arg-max agreement along the last axis over " +
                      ", ".join(f"{e.rows} rows of {e.name}" for e in tops))
+    if any(e.floor is not None for e in errors):
+        lines.append(f"floor: an output whose RMS is under {FLOOR_SHARE:g} of its range (1 for Sigmoid / Softmax / "
+                     "Tanh outputs, else max |original|) is judged by ||a - b|| against that floor, not against "
+                     "its own near-zero values")
     if any(not e.checked for e in errors):
         lines.append("not checked: outputs beside the logit-like ones (e.g. a KV cache) are shown, the tolerance "
                      "applies to the logits")

@@ -267,7 +267,8 @@ def find_projection(g: gs.Graph, t) -> _Proj | None:
         proj = _four_bit_proj(p)
     elif p.domain == "com.microsoft" and p.op in _ORT_FOUR_BIT:
         raise _Skip(f"com.microsoft.{p.op}", "onnxruntime's 4-bit op (weights4 target 'ort') has no fused form; "
-                                            "use the lowbit target")
+                                            "use the lowbit target (MatMulNBits from onnxruntime-genai: the "
+                                            "matmulnbits pass converts them first, see its report entry)")
     else:
         return None
     if proj is None:

@@ -16,11 +16,14 @@ Candidates are Splits whose outputs lead (Reshape -> Transpose -> Rotary) to two
 rewritten is reported as skipped with the reason: not three outputs, parts in another order (outputs 0 and 1 must
 be rotated, output 0's result not concatenated), k and v of different sizes, another axis or perm, a Reshape
 whose target's last two entries are not known to be (H_i, D) (a constant, a Concat of one-element pieces ending
-in constants as TorchScript writes with dynamic axes, or the inferred output dims; H_i may be -1), head sizes D
+in constants as TorchScript writes with dynamic axes, or the inferred output dims; H_i may be -1; allowzero=1,
+as the dynamo exporter writes it, only when no entry of the target is 0), head sizes D
 that disagree (cos / sin, Reshape targets, past, inferred dims) or are odd, cos / sin that do not broadcast to
 [B, 1, S, D] (rank > 4, or an axis -3 not known to be 1), only one of the two cache Concats, a Concat on another
 axis or not of the form Concat(past, new), dtypes other than float / float16, or an intermediate (Split,
-Reshape, Transpose outputs, kr; vt too with a cache) read outside the pattern or a graph output.
+Reshape, Transpose outputs, kr; vt too with a cache) read outside the pattern or a graph output (a reader whose
+results reach no graph output, such as the Shape chain that sized the Slices rotary replaced in optimum's exports,
+does not count: cleanup removes it).
 """
 from __future__ import annotations
 
@@ -94,9 +97,12 @@ def _target(reshape):
 def _heads(reshape, ins):
     """(H entry, D entry) of a part's Reshape (ints, H possibly -1), or a reason. ``ins``: its input's dims."""
     label = f"Reshape {node_label(reshape)}"
-    if reshape.attrs.get("allowzero", 0):
-        return f"{label} has allowzero=1"
+    allowzero = bool(reshape.attrs.get("allowzero", 0))
     e = _target(reshape)
+    if allowzero and e is not None and 0 in e:
+        # allowzero=1 (the dynamo exporter writes it) reads a 0 entry as a zero-sized dim, not as a copy of the
+        # input's: the same Reshape as allowzero=0 only where no entry is 0
+        return f"{label} has allowzero=1 and a 0 entry in its target {e} (a zero-sized dim, not a copy)"
     if e is not None and len(e) != 4:
         return f"{label} reshapes to rank {len(e)}, not [B, S, H, D]"
     e = e or [None] * 4
@@ -126,6 +132,22 @@ def _agree(what, found):
     if len(vals) > 1:
         return f"{what} disagree: " + ", ".join(f"{k} {v}" for k, v in found.items())
     return next(iter(vals)) if vals else None
+
+
+def _feeds(g, node, memo) -> bool:
+    """Whether ``node``'s outputs reach a graph output of ``g``; False for what an earlier pass left dead (rotary
+    leaves the Shape -> Gather -> Div chain that sized the Slices it replaced: cleanup removes it after the last
+    pass). A node of another graph (a subgraph reading the tensor from outside) or one holding subgraphs counts as
+    a live reader."""
+    if "nodes" not in memo:
+        memo["nodes"] = {id(n) for n in g.nodes}
+    if id(node) not in memo["nodes"] or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        return True
+    if id(node) not in memo:
+        memo[id(node)] = False
+        memo[id(node)] = any(is_graph_output(g, t) or any(_feeds(g, c, memo) for c in t.outputs)
+                             for t in node.outputs)
+    return memo[id(node)]
 
 
 def _why_not(g, split, chains):
@@ -254,11 +276,12 @@ def _why_not(g, split, chains):
         if et is not None and et != dt:
             return f"{name} is {type_name(et)}, QKV is {type_name(dt)}"
 
-    # intermediates read only inside the pattern
+    # intermediates read only inside the pattern (readers left dead by an earlier pass do not count)
     inside = {id(n) for n in nodes}
+    memo = {}
     for n in [split, r0, r1, r2, t0, t1] + ([k_rot, t2] if cache else []):
         for t in n.outputs:
-            who = [node_label(c) for c in t.outputs if id(c) not in inside]
+            who = [node_label(c) for c in t.outputs if id(c) not in inside and _feeds(g, c, memo)]
             who += ["graph output"] if is_graph_output(g, t) else []
             if who:
                 return f"intermediate {t.name} ({n.op}) is used elsewhere: {', '.join(who)}"

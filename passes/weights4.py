@@ -25,6 +25,8 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
                           zero-padded up to a multiple of it, so any size divides); target "ort": 16, 32, 64, 128
                           or 256 (MatMulNBits)
     weights_target        "lowbit" (default) | "ort"
+    weights_ort_form      target "ort", weights "awq": "awq" (default: AWQ's zero points) | "compact" (MatMulNBits'
+                          symmetric form, block 32, no zero points, scales in A's dtype: passes/nbits_compact.py)
     weights_min_elements  weights with fewer than K*N elements stay in float (default 4096 = 64x64: smaller
                           matrices are < 8 KiB in fp16, irrelevant to the model size, and their per-block scales
                           would be a large overhead)
@@ -74,7 +76,7 @@ import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
 
-from . import calibration, external
+from . import calibration, external, nbits_compact
 from . import weights4_graph as w4g
 from .base import Names, Pass, Report, is_alive, is_graph_output, iter_graphs, node_label, producer, single_consumer
 from .linear import Linear, Skip, constant_weight, following_bias, match, rank
@@ -361,6 +363,11 @@ class _Run:
     # -- AWQ -----------------------------------------------------------------------------------------------
     def emit_awq(self, g: gs.Graph, cand: Linear, notes: list):
         awq, o = _awq(), self.o
+        if o.ort_form == "compact":  # MatMulNBits' compact symmetric form (passes/nbits_compact.py)
+            try:
+                return nbits_compact.emit(self, g, cand, notes, o.group_size)
+            except ValueError as e:
+                raise Skip(str(e)) from None
         group_size = o.group_size
         if o.checkpoint is not None:
             return self.emit_awq_tensors(g, cand, notes, *self.from_checkpoint(cand, notes))

@@ -44,6 +44,7 @@ class Options:
     lm_head: str = "fp16"  # LM_HEAD: how the output head over a vocabulary is stored
     awq_holdout: float = DEFAULT_AWQ_HOLDOUT
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
+    ort_form: str = "awq"  # target "ort", weights awq: "awq" (zero points, AWQ's RTN) or "compact" (nbits_compact.py)
 
 
 def _int_option(options: dict, key: str, default: int) -> int:
@@ -91,6 +92,7 @@ def parse_options(options: dict) -> Options | None:
         if o.target == "ort" and o.group_size not in ORT_BLOCK_SIZES:
             raise ValueError(f"group_size: {o.group_size} is not supported by onnxruntime's MatMulNBits "
                              f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
+    _ort_form(o, options, ckpt)
     o.min_elements = _int_option(options, "weights_min_elements", DEFAULT_MIN_ELEMENTS)
     if o.min_elements < 0:
         raise ValueError(f"weights_min_elements: {o.min_elements} must be >= 0")
@@ -129,6 +131,25 @@ def parse_options(options: dict) -> Options | None:
     o.calibration_session = options.get("calibration_session")
     o.spill = options.get("spill")
     return o
+
+
+def _ort_form(o: Options, options: dict, ckpt) -> None:
+    """The option ``weights_ort_form`` ("awq" default, or "compact": passes/nbits_compact.py), validated; compact
+    sets the group size to nbits_compact.COMPACT_BLOCK unless group_size / block_size is given."""
+    from .nbits_compact import COMPACT_BLOCK, FORMS  # noqa: PLC0415
+    form = options.get("weights_ort_form") or "awq"
+    if form not in FORMS:
+        raise ValueError(f"weights_ort_form: {form!r} is not one of {', '.join(FORMS)}")
+    if form == "compact":
+        if o.target != "ort" or o.fmt != "awq":
+            raise ValueError("weights_ort_form: 'compact' is a form of onnxruntime's MatMulNBits: it needs "
+                             "weights='awq' and weights_target='ort'")
+        if ckpt is not None or options.get("calibration") is not None:
+            raise ValueError("weights_ort_form: 'compact' quantises round-to-nearest, symmetric: not with an AWQ "
+                             "checkpoint or calibration")
+        if options.get("group_size") is None and options.get("block_size") is None:
+            o.group_size = COMPACT_BLOCK
+    o.ort_form = form
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ optimum:
              past_sequence_length + sequence_length, head_dim]
 
 TorchScript exporter (``torch.onnx.export(..., dynamo=False)``), eager attention, dynamic axes named as optimum
-names them. ``export(model, path)`` takes a loaded ``LlamaForCausalLM``-like model; ``tiny_llama(...)`` builds a
-small random one (tests). Command line: ``python samples/export_causal_lm.py MODEL_DIR_OR_GGUF OUT.onnx``
-(a transformers folder, or a .gguf file loaded through transformers' gguf support).
+names them; ``dynamo=True`` (``--dynamo``): torch's dynamo exporter (opset 18 or more) with the same inputs, outputs
+and dynamic dims. ``export(model, path)`` takes a loaded ``LlamaForCausalLM``-like model; ``tiny_llama(...)`` builds
+a small random one (tests; ``attn="sdpa"`` spells attention as optimum's exports do). Command line:
+``python samples/export_causal_lm.py MODEL_DIR_OR_GGUF OUT.onnx [--dynamo]`` (a transformers folder, or a .gguf
+file loaded through transformers' gguf support).
 """
 from __future__ import annotations
 
@@ -22,14 +24,15 @@ import sys
 import tempfile
 
 
-def tiny_llama(layers=2, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=1024, tie=True, seed=0):
-    """A small random LlamaForCausalLM (eager attention, fp32)."""
+def tiny_llama(layers=2, hidden=64, intermediate=176, heads=4, kv_heads=2, vocab=1024, tie=True, seed=0,
+               attn="eager"):
+    """A small random LlamaForCausalLM (fp32; ``attn``: "eager" or "sdpa", the attention optimum exports)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                       max_position_embeddings=512, tie_word_embeddings=tie)
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = attn
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
 
@@ -54,7 +57,7 @@ def _wrapper(model):
                 present += [layer.keys, layer.values]
             return (out.logits, *present)
 
-    return Step(model)
+    return Step(model).eval()
 
 
 def io_names(layers: int):
@@ -64,8 +67,17 @@ def io_names(layers: int):
     return ins, outs
 
 
-def export(model, path: str, opset: int = 17, external_data: bool | None = None) -> None:
-    """Exports ``model`` (a transformers causal LM with a DynamicCache-style forward) to ``path``."""
+def _dynamo_shapes(layers: int):
+    """torch.export's dynamic dims for (input_ids, attention_mask, position_ids, past): B, S, P + S (its own dim:
+    torch.export cannot add two dims) and P."""
+    from torch.export import Dim
+    b, s, total, p = Dim("batch_size"), Dim("sequence_length"), Dim("total_length"), Dim("past_sequence_length")
+    return ({0: b, 1: s}, {0: b, 1: total}, {0: b, 1: s}, tuple({0: b, 2: p} for _ in range(2 * layers)))
+
+
+def export(model, path: str, opset: int = 17, external_data: bool | None = None, dynamo: bool = False) -> None:
+    """Exports ``model`` (a transformers causal LM with a DynamicCache-style forward) to ``path``; ``dynamo``:
+    with torch's dynamo exporter (opset at least 18)."""
     import onnx
     import torch
     cfg = model.config
@@ -91,10 +103,16 @@ def export(model, path: str, opset: int = 17, external_data: bool | None = None)
     tmp = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with torch.no_grad():
-            torch.onnx.export(_wrapper(model), (ids, mask, pos, *past), os.path.join(tmp, "m.onnx"),
-                              input_names=ins, output_names=outs, dynamic_axes=axes, opset_version=opset,
-                              dynamo=False, do_constant_folding=True)
-        m = onnx.load(os.path.join(tmp, "m.onnx"))
+            if dynamo:
+                prog = torch.onnx.export(_wrapper(model), (ids, mask, pos, *past), input_names=ins,
+                                         output_names=outs, dynamic_shapes=_dynamo_shapes(layers),
+                                         opset_version=max(opset, 18), dynamo=True)
+                m = prog.model_proto
+            else:
+                torch.onnx.export(_wrapper(model), (ids, mask, pos, *past), os.path.join(tmp, "m.onnx"),
+                                  input_names=ins, output_names=outs, dynamic_axes=axes, opset_version=opset,
+                                  dynamo=False, do_constant_folding=True)
+                m = onnx.load(os.path.join(tmp, "m.onnx"))
         big = m.ByteSize() > (1 << 30) if external_data is None else external_data
         for f in (path, path + ".data"):
             if os.path.exists(f):
@@ -142,8 +160,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source", help="a transformers model folder, or a .gguf file")
     p.add_argument("output", help="the .onnx file to write")
+    p.add_argument("--dynamo", action="store_true", help="torch's dynamo exporter (opset 18) instead of TorchScript")
     a = p.parse_args(argv)
-    export(load(a.source), a.output)
+    export(load(a.source), a.output, opset=18 if a.dynamo else 17, dynamo=a.dynamo)
     print(f"wrote {a.output}")
     return 0
 

@@ -146,7 +146,7 @@ NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
     ((1,), 96, 45, 32, "nf4", np.float16, (True, False)),         # M=1 slices of several steps, a partial last step
     ((1,), 512, 19, 64, "fp4", np.float32, (False, True)),        # M=1, one full warp (every thread owns a word)
     ((1,), 40, 8, 32, "nf4", np.float32, (True, True)),           # K % 16 != 0: the generic kernel
-    ((17,), 64, 8, 32, "fp4", np.float16, (False, True)),         # M > 16: the generic kernel
+    ((17,), 64, 8, 32, "fp4", np.float16, (False, True)),         # M > 16: generic (prefill with cuBLAS)
     ((0,), 64, 8, 64, "nf4", np.float32, (True, True)),
 ]
 
@@ -157,8 +157,11 @@ NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
 def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases, monkeypatch):
     """The routed kernel, the generic one (forced), and with fp16 X the other decode kernels the routing switches
     reach at this shape (the fp32 decode; the wide one where K % 32 == 0, with and without thread groups), each
-    distinct kernel once."""
+    distinct kernel once. The prefill route (fp16 X from M = 17 where cuBLAS exists: on a GPU; its own tests:
+    test_ffn4_prefill_cuda) multiplies fp16-rounded weights: compared with the reference on those."""
+    from onnx_lowbit.custom_ops.device import cublas
     fc = _nf4_cuda()
+    blas = not SIM and cublas.load() is not None
     ws = nf4_weights(k, n, bs, qt, seed=2)
     x, b1, b3 = _data(lead, k, n, dtype, biases, 3)
     ref = ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3)
@@ -172,13 +175,14 @@ def test_nf4_cuda_kernel(lead, k, n, bs, qt, dtype, biases, monkeypatch):
             _nf4_setting(fc, mp, setting)
             a16 = np.dtype(dtype) == np.float16
             want = route(fc.ROUTES, fc.case(dtype, m, k, n, bs, False, "fp32" in setting, fc.grouped(a16, k),
-                                            path=path)).kernel
+                                            path=path, cublas_ok=blas, scratch=True)).kernel
             if want in seen:
                 continue
             seen.add(want)
             s, name = nf4_cuda_call(x, ws, qt, bs, k, n, b1, b3, path)
         assert name in (want, None) and s.shape == ref.shape and s.dtype == x.dtype, (setting, want)
-        assert _rel(s, ref) <= _tol(dtype), (setting, want)
+        w16 = [ffn.nf4_weight_t(ws[i], ws[i + 1], qt, bs, k, n).astype(np.float16) for i in (0, 2)]
+        assert _rel(s, ref if want != "prefill" else ffn.swiglu_ref(x, *w16, b1, b3)) <= _tol(dtype), (setting, want)
 
 
 def test_nf4_reduce_index_matches_kernel_layout():

@@ -8,7 +8,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOP = {"api.py", "cli.py", "cli_options.py", "demo.py", "verify.py", "evalppl.py", "__init__.py"}  # the application layer inside onnx_lowbit/
+TOP = {"api.py", "cli.py", "cli_options.py", "demo.py", "verify.py", "evalppl.py", "tune.py", "genai_config.py", "__init__.py"}  # the application layer inside onnx_lowbit/
 
 
 def _imports(path):

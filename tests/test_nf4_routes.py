@@ -94,12 +94,20 @@ def test_matmulnf4_routes_as_before():
 
 
 def test_fusedffnnf4_routes_as_before():
+    """As before the tables, and with cuBLAS and onnxruntime's scratch (``blas``) fp16 X from M = 17 takes the
+    prefill route (ffn/fusedffn4_prefill_cuda) that replaced the generic kernel there, whatever K and alignment."""
     _, fc, _, routing = _mods()
     aligns = ((16, 16), (8, 8), (16, 8), (8, 16), (4, 16))
-    for dt, m, k, nn, bs, tc, fp32, grouped, al in itertools.product(DTYPES, MS, KS, NS, BSS, (True, False),
-                                                                     (False, True), (False, True), aligns):
-        got = routing.route(fc.ROUTES, fc.case(dt, m, k, nn, bs, tc, fp32, grouped, al)).kernel
-        assert got == _old_ffn(dt, m, k, nn, bs, tc, fp32, grouped, *al), (dt, m, k, nn, bs, tc, fp32, grouped, al)
+    for dt, m, k, nn, bs, tc, fp32, grouped, al, blas in itertools.product(
+            DTYPES, MS, KS, NS, BSS, (True, False), (False, True), (False, True), aligns, (False, True)):
+        got = routing.route(fc.ROUTES, fc.case(dt, m, k, nn, bs, tc, fp32, grouped, al, cublas_ok=blas,
+                                               scratch=blas)).kernel
+        want = "prefill" if blas and dt == "float16" and m >= 17 else _old_ffn(dt, m, k, nn, bs, tc, fp32, grouped,
+                                                                                 *al)
+        assert got == want, (dt, m, k, nn, bs, tc, fp32, grouped, al, blas)
+    for blas, scratch in ((True, False), (False, True)):    # one of the two missing: the generic kernel
+        assert routing.route(fc.ROUTES, fc.case("float16", 17, 4096, 11008, 64, cublas_ok=blas,
+                                                scratch=scratch)).kernel == "generic"
 
 
 def test_forced_paths():
@@ -152,6 +160,11 @@ def test_every_routed_kernel_has_a_launcher():
             assert nf4warp_cuda.launcher(ch, fc.WARPCOLS[(m, ch)][1], m).dispatcher is not None
         elif name == "nf4mma":
             assert nf4mma_cuda.launcher().dispatcher is not None
+        elif name == "prefill":     # DequantNF4's transposed kernels (fp32 absmax, fp16 out), FusedFFN's SiLU * mul
+            from onnx_lowbit.custom_ops.ffn import fusedffn_prefill_cuda as pre
+            for var in (dq.DEFAULT["float16"], dq.LEGACY):
+                assert dq._launcher(True, np.float16, var, absmax=np.float32).dispatcher is not None
+            assert pre.launcher("act", True, False) is not None
         else:
             rc = {"nf4tc.rc1": 1, "nf4tc.rc2": 2}[name]
             assert nf4tc_cuda.launcher(2, nf4tc_cuda.warps_for(rc), rc).dispatcher is not None

@@ -171,3 +171,64 @@ def test_figures():
     e = verify.compare_arrays("y", a, a[:1], tolerance=10)
     assert not e.ok and "shape" in e.note
     assert "top-1" in verify.format_errors([verify.compare_arrays("logits", a, b, 0.5)], 0.5)
+
+
+def _sigmoid_model(shift, extra=0.0):
+    """y = Reshape(Sigmoid(x - shift)) (+ extra: a made-up rewrite's error of that size)."""
+    from onnx import TensorProto as TP, helper as h
+    nodes = [h.make_node("Sub", ["x", "s"], ["t"]), h.make_node("Sigmoid", ["t"], ["p"]),
+             h.make_node("Reshape", ["p", "shape"], ["y" if not extra else "q"])]
+    inits = [nh.from_array(np.array(shift, np.float32), "s"), nh.from_array(np.array([1, -1], np.int64), "shape")]
+    if extra:
+        nodes.append(h.make_node("Add", ["q", "e"], ["y"]))
+        inits.append(nh.from_array(np.array(extra, np.float32), "e"))
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.FLOAT, [1, 1, 32, 32])],
+                     [h.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=9)
+
+
+def test_near_zero_outputs_judged_against_a_floor_of_their_range():
+    """A probability map near zero everywhere (a detector on random images): an absolute error of 2.7e-5 is a
+    rel-L2 of several units, yet nothing is wrong; judged against 1% of the Sigmoid's range it passes, and the
+    table says so. An error that matters on that scale (1e-3 everywhere) still fails; outputs that are not near
+    zero are judged by rel-L2 as before."""
+    m = _sigmoid_model(12.0)
+    assert verify.output_ranges(m) == {"y": 1.0}
+    errors, _ = verify.compare(m, _sigmoid_model(12.0, 2.7e-5))
+    (e,) = errors
+    assert e.rel > 1 and e.ok and e.floor == pytest.approx(0.01)
+    assert e.judged == pytest.approx(2.7e-5 / 0.01, rel=1e-3)
+    text = verify.format_errors(errors, 0.02)
+    assert "ok (near zero: 0.0027 against the floor 0.01)" in text and "floor: an output whose RMS is under" in text
+    (e,) = verify.compare(m, _sigmoid_model(12.0, 1e-3))[0]
+    assert not e.ok and e.judged == pytest.approx(0.1, rel=1e-3)
+    # not near zero (Sigmoid(x) ~ 0.5): plain rel-L2, no floor
+    (e,) = verify.compare(_sigmoid_model(0.0), _sigmoid_model(0.0, 2.7e-5))[0]
+    assert e.ok and e.floor is None and e.judged is None
+    # no bound known (no Sigmoid): the floor is 1% of max |a|, which a near-constant output never goes under
+    a = np.full(100, 1e-5)
+    e = verify.compare_arrays("y", a, a + 2.7e-5, 0.02)
+    assert not e.ok and e.floor is None
+
+
+def test_unnamed_dims_set_by_input_and_axis(tmp_path):
+    """Free dims with no name ('?') are set with --dim INPUT:AXIS=VALUE, in rewrite --verify as in bench."""
+    from onnx import TensorProto as TP, helper as h
+    x = h.make_tensor_value_info("x", TP.FLOAT, [None, 8, None])
+    x.type.tensor_type.shape.dim[0].Clear()
+    x.type.tensor_type.shape.dim[2].Clear()
+    g = h.make_graph([h.make_node("Sigmoid", ["x"], ["s"]), h.make_node("Mul", ["x", "s"], ["y"])], "g", [x],
+                     [h.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=9)
+    got, values, _ = feeds.make_feeds(m, dims=feeds.parse_dims(["x:2=5", "x:0=3"]))
+    assert got["x"].shape == (3, 8, 5) and values == {"x:0": 3, "x:2": 5}
+    assert feeds.make_feeds(m)[0]["x"].shape == (1, 8, 16)
+    src = tmp_path / "m.onnx"
+    onnx.save(m, src)
+    rc, out, err = run_cli("rewrite", str(src), str(tmp_path / "o.onnx"), "--dim", "x:2=5")
+    assert rc == 0, err
+    assert "made-up inputs (--verify-data FILE.npz for real ones): x [1, 8, 5]; dims: x:0=1, x:2=5" in out
+    rc, out, err = run_cli("rewrite", str(src), str(tmp_path / "p.onnx"), "--dim", "x:1=5")
+    assert rc == 2 and "--dim x:1: axis 1 of input 'x' is fixed at 8" in err
+    rc, out, err = run_cli("rewrite", str(src), str(tmp_path / "p.onnx"), "--dim", "n=5")
+    assert rc == 2 and "symbolic dims: none; unnamed ones ('?') by INPUT:AXIS: x:0, x:2" in err

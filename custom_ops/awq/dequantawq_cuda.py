@@ -124,6 +124,14 @@ def plan(k_dim, n_dim, sms):
     return tiles * rblocks, rows
 
 
+def launch(lau, grid, rows, stream, qw, qz, sc, out, sh):
+    """One launch of the kernel ``lau`` (``launcher()``) with ``plan``'s grid and rows: the weight (qweight, qzeros,
+    scales: bridge Tensors) of shape ``sh`` into ``out`` (a device pointer to fp16 [K, N], 16-byte aligned).
+    DequantAWQ's compute and FusedFFNAWQ's prefill route (ffn/fusedffn4_prefill_cuda) launch through it."""
+    lau.launch(grid, BLOCK, stream, (qw.ptr, (qw.size,)), (qz.ptr, (qz.size,)), (sc.ptr, (sc.size,)),
+               (out, (sh.K * sh.N // 4,)), sh.K, sh.N, sh.group_size, rows)
+
+
 _launcher = []
 
 
@@ -155,9 +163,8 @@ class DequantAWQCudaKernel(Kernel):
         if out % OUT_ALIGN or qw.ptr & 3 or qz.ptr & 3 or sc.ptr & 1:
             raise KernelError(f"inputs and the output must be aligned device buffers (output to {OUT_ALIGN} "
                               "bytes)")
-        lau = self.launchers[route(ROUTES, self.case()).kernel]
-        lau.launch(self.grid, BLOCK, ctx.stream, (qw.ptr, (qw.size,)), (qz.ptr, (qz.size,)), (sc.ptr, (sc.size,)),
-                   (out, (sh.K * sh.N // 4,)), sh.K, sh.N, sh.group_size, self.rows)
+        launch(self.launchers[route(ROUTES, self.case()).kernel], self.grid, self.rows, ctx.stream, qw, qz, sc, out,
+               sh)
 
 
 KERNEL = DequantAWQCudaKernel

@@ -3,72 +3,187 @@
 A is float32 or float16 (Y has A's type); M = product of A's leading dimensions (M = 0 gives an empty Y).
 Accumulation is fp32 throughout.
 
-* M <= 16 (decode): Numba, parallel over tiles of 16 column groups (128 columns: one 64-byte line of each
-  qweight row), never materialising W; the inner loops run over the tile's 16 words with one shift amount
-  (SIMD). Per group of G rows it accumulates sum_k x*q and sum_k x and applies
-  the zero and the scale once: y += s * (sum x*q - z * sum x).
-* M > 16: W is dequantised to float32 in row chunks (<= CHUNK_BYTES) and multiplied with numpy's BLAS sgemm.
+Every M runs the Numba kernel ``gemv_cols`` (tiles of 16 qweight words = 128 columns; the nibbles of KB rows
+converted to float32 once per tile and block of MB rows of A, then FMAs over 128 lanes; per group of G rows it
+accumulates sum_k x*q and sum_k x and applies the zero and the scale once: y += s * (sum x*q - z * sum x)), the
+columns split over threads by device/threads.py. No BLAS: numpy's OpenBLAS pool kept spinning after the M > 16
+products of the former path and slowed the onnxruntime work that followed.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
-from ..device import native
-from ..device.half_cpu import h2f
+from ..device import native, threads
+from ..device.half_cpu import h2f, widen_f16
 from ..runtime import plans
 from ..runtime.kernels import Kernel
-from .dequantawq_cpu import ORDER_NP, check_a_bias, check_weights, dequant_rows_f32, parse_attrs
+from .dequantawq_cpu import ORDER_NP, check_a_bias, check_weights, parse_attrs
 
-SMALL_M = 16
-TILE = 16                 # column groups per parallel work item (128 output columns)
-CHUNK_BYTES = 32 << 20    # fp32 W chunk for the M > 16 path
+MB = 8                    # rows of A per pass over the weight (their accumulators stay in L1 and L2)
+PARALLEL_MIN_MACS = 1 << 21   # from here the columns are split over threads (a hand-off costs ~50 us)
+TW = 16                   # qweight words per thread part: a multiple of this
+CW = 256                  # qweight words per tile (2048 output columns; per row of A two 8 KB accumulators)
 
 
-@njit(parallel=True, cache=True, nogil=True, boundscheck=False)
-def gemv(a, qw, qz, sc, order, g_size, k_dim, out):
-    """out[m, n] = sum_k a[m, k] * W[k, n]; a float32 [M, K], sc float32 [Kp/G, N], out float32 [M, N].
+@njit(inline="always")
+def _conv(wjj, row, sh, nc):
+    """wjj[c] = nibble plane ``sh`` of row as float32 (``sh`` constant at the call site: 32-bit lanes)."""
+    for c in range(nc):
+        wjj[c] = np.float32((row[c] >> sh) & 15)
 
-    Accumulators are laid out [m][nibble j][word cc] so that the innermost loops run over TILE consecutive
-    qweight words with one shift amount (SIMD-friendly); the AutoAWQ column order is applied once at the end."""
+
+@njit(inline="always")
+def _acc4(aqj, w0, w1, w2, w3, x0, x1, x2, x3, nc):
+    for c in range(nc):
+        aqj[c] += (x0 * w0[c] + x1 * w1[c]) + (x2 * w2[c] + x3 * w3[c])
+
+
+@njit(inline="always")
+def _acc4x2(aqj, bqj, w0, w1, w2, w3, x0, x1, x2, x3, y0, y1, y2, y3, nc):
+    for c in range(nc):
+        v0, v1, v2, v3 = w0[c], w1[c], w2[c], w3[c]
+        aqj[c] += (x0 * v0 + x1 * v1) + (x2 * v2 + x3 * v3)
+        bqj[c] += (y0 * v0 + y1 * v1) + (y2 * v2 + y3 * v3)
+
+
+@njit(inline="always")
+def _xs(a, m, k, kr):
+    """a[m, k..k+3], zeros past the kr rows there are."""
+    z = np.float32(0.0)
+    return (a[m, k], a[m, k + 1] if kr > 1 else z, a[m, k + 2] if kr > 2 else z, a[m, k + 3] if kr > 3 else z)
+
+
+@njit(inline="always")
+def _plane4(aqj, r0, r1, r2, r3, x0, x1, x2, x3, sh, nc):
+    """aqj[c] += sum over 4 rows of x * nibble plane ``sh`` (a constant at each call site, so that LLVM keeps the
+    shift, mask and conversion in 32-bit lanes: 16 per AVX-512 vector instead of 8)."""
+    for c in range(nc):
+        aqj[c] += ((x0 * np.float32((r0[c] >> sh) & 15) + x1 * np.float32((r1[c] >> sh) & 15))
+                   + (x2 * np.float32((r2[c] >> sh) & 15) + x3 * np.float32((r3[c] >> sh) & 15)))
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath={"contract"})
+def gemv_cols(a, qw, qz, sc, order, g_size, k_dim, c0, c1, out):
+    """out[m, 8c:8c+8] for the qweight word columns c in [c0, c1): out[m, n] = sum_k a[m, k] * W[k, n]; a float32
+    [M, K], sc float32 [Kp/G, N], out float32 [M, N]. Serial (device/threads.py runs column parts at once).
+
+    Per tile of up to CW words (8 * CW columns, held nibble-major: [j][word], so every inner loop is a long 1-D
+    loop over consecutive words with one shift amount, which LLVM vectorises; 2-D indexing and 16-word loops
+    stayed scalar) and row k: the 8 nibble planes of the row are converted to float32 once (``wj``), then every
+    row of A adds x * q over them (``aq``); per group the zero and the scale are applied once:
+    y += s * (sum x*q - z * sum x)."""
     m_dim = a.shape[0]
-    ng = qw.shape[1]
-    ntiles = (ng + TILE - 1) // TILE
     groups = (k_dim + g_size - 1) // g_size
-    for t in prange(ntiles):
-        c0 = t * TILE
-        nc = min(TILE, ng - c0)
-        acc = np.zeros((m_dim, 8, TILE), np.float32)
-        aq = np.empty((m_dim, 8, TILE), np.float32)
-        qf = np.empty((8, TILE), np.float32)
-        sx = np.empty(m_dim, np.float32)
+    sx = np.zeros((m_dim, groups), np.float32)
+    for m in range(m_dim):
         for g in range(groups):
-            k0 = g * g_size
-            k1 = min(k0 + g_size, k_dim)
-            aq[:, :, :] = 0.0
-            sx[:] = 0.0
-            for k in range(k0, k1):
-                for j in range(8):
-                    sh = 4 * j
-                    for cc in range(nc):
-                        qf[j, cc] = np.float32((qw[k, c0 + cc] >> sh) & 15)
-                for m in range(m_dim):
-                    xv = a[m, k]
-                    sx[m] += xv
-                    for j in range(8):
-                        for cc in range(nc):
-                            aq[m, j, cc] += xv * qf[j, cc]
+            t = np.float32(0.0)
+            for k in range(g * g_size, min(k_dim, (g + 1) * g_size)):
+                t += a[m, k]
+            sx[m, g] = t
+    wj = np.zeros((4, 8, CW), np.float32)
+    st = np.zeros((8, CW), np.float32)
+    zt = np.zeros((8, CW), np.float32)
+    aq = np.zeros((m_dim, 8, CW), np.float32)
+    acc = np.zeros((m_dim, 8, CW), np.float32)
+    cw = CW if m_dim == 1 else CW // 4     # several rows of A: 4 converted rows of W stay in L1 (32 KB)
+    for t0 in range(c0, c1, cw):
+        nc = min(cw, c1 - t0)
+        acc[:, :, :] = 0.0
+        for g in range(groups):
             for j in range(8):
                 sh = 4 * j
-                for cc in range(nc):
-                    zj = np.float32((qz[g, c0 + cc] >> sh) & 15)
-                    s = sc[g, (c0 + cc) * 8 + order[j]]
-                    for m in range(m_dim):
-                        acc[m, j, cc] += s * (aq[m, j, cc] - zj * sx[m])
+                oj = order[j]
+                zrow = qz[g, t0:t0 + nc]
+                srow = sc[g]
+                stj = st[j]
+                ztj = zt[j]
+                for c in range(nc):
+                    stj[c] = srow[(t0 + c) * 8 + oj]
+                    ztj[c] = np.float32((zrow[c] >> sh) & 15)
+            aq[:, :, :] = 0.0
+            k0 = g * g_size
+            k1 = min(k_dim, k0 + g_size)
+            if m_dim == 1:                     # one row of A: convert and accumulate in one pass, 4 rows of W
+                k = k0                         # per load / store of the accumulators
+                while k + 4 <= k1:
+                    r0, r1 = qw[k, t0:t0 + nc], qw[k + 1, t0:t0 + nc]
+                    r2, r3 = qw[k + 2, t0:t0 + nc], qw[k + 3, t0:t0 + nc]
+                    x0, x1, x2, x3 = a[0, k], a[0, k + 1], a[0, k + 2], a[0, k + 3]
+                    _plane4(aq[0, 0], r0, r1, r2, r3, x0, x1, x2, x3, 0, nc)
+                    _plane4(aq[0, 1], r0, r1, r2, r3, x0, x1, x2, x3, 4, nc)
+                    _plane4(aq[0, 2], r0, r1, r2, r3, x0, x1, x2, x3, 8, nc)
+                    _plane4(aq[0, 3], r0, r1, r2, r3, x0, x1, x2, x3, 12, nc)
+                    _plane4(aq[0, 4], r0, r1, r2, r3, x0, x1, x2, x3, 16, nc)
+                    _plane4(aq[0, 5], r0, r1, r2, r3, x0, x1, x2, x3, 20, nc)
+                    _plane4(aq[0, 6], r0, r1, r2, r3, x0, x1, x2, x3, 24, nc)
+                    _plane4(aq[0, 7], r0, r1, r2, r3, x0, x1, x2, x3, 28, nc)
+                    k += 4
+                while k < k1:
+                    row = qw[k, t0:t0 + nc]
+                    xv = a[0, k]
+                    for j in range(8):
+                        sh = 4 * j
+                        aqj = aq[0, j]
+                        for c in range(nc):
+                            aqj[c] += xv * np.float32((row[c] >> sh) & 15)
+                    k += 1
+            if m_dim > 1:                      # several rows of A: 4 rows of W converted once, then every row
+                k = k0                         # of A accumulates them per load / store of its accumulators
+                while k < k1:
+                    kr = min(4, k1 - k)
+                    for r in range(4):
+                        if r < kr:
+                            row = qw[k + r, t0:t0 + nc]
+                            _conv(wj[r, 0], row, 0, nc)
+                            _conv(wj[r, 1], row, 4, nc)
+                            _conv(wj[r, 2], row, 8, nc)
+                            _conv(wj[r, 3], row, 12, nc)
+                            _conv(wj[r, 4], row, 16, nc)
+                            _conv(wj[r, 5], row, 20, nc)
+                            _conv(wj[r, 6], row, 24, nc)
+                            _conv(wj[r, 7], row, 28, nc)
+                        else:
+                            wj[r, :, :] = 0.0
+                    m = 0
+                    while m + 1 < m_dim:       # two rows of A share the loads of the converted rows
+                        x0, x1, x2, x3 = _xs(a, m, k, kr)
+                        y0, y1, y2, y3 = _xs(a, m + 1, k, kr)
+                        am, bm = aq[m], aq[m + 1]
+                        for j in range(8):
+                            _acc4x2(am[j], bm[j], wj[0, j], wj[1, j], wj[2, j], wj[3, j], x0, x1, x2, x3, y0, y1, y2,
+                                    y3, nc)
+                        m += 2
+                    if m < m_dim:
+                        x0, x1, x2, x3 = _xs(a, m, k, kr)
+                        am = aq[m]
+                        for j in range(8):
+                            _acc4(am[j], wj[0, j], wj[1, j], wj[2, j], wj[3, j], x0, x1, x2, x3, nc)
+                    k += kr
+            for m in range(m_dim):
+                sxm = sx[m, g]
+                for j in range(8):
+                    accj = acc[m, j]
+                    aqj = aq[m, j]
+                    stj = st[j]
+                    ztj = zt[j]
+                    for c in range(nc):
+                        accj[c] += stj[c] * (aqj[c] - ztj[c] * sxm)
         for m in range(m_dim):
+            orow = out[m]
             for j in range(8):
-                for cc in range(nc):
-                    out[m, (c0 + cc) * 8 + order[j]] = acc[m, j, cc]
+                oj = order[j]
+                accj = acc[m, j]
+                for c in range(nc):
+                    orow[(t0 + c) * 8 + oj] = accj[c]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def gemv(a, qw, qz, sc, order, g_size, k_dim, out):
+    """out[m, n] = sum_k a[m, k] * W[k, n] over all columns (one thread); a float32 [M, K], sc float32 [Kp/G, N],
+    out float32 [M, N]."""
+    gemv_cols(a, qw, qz, sc, order, g_size, k_dim, 0, qw.shape[1], out)
 
 
 def matmul(a, qweight, qzeros, scales, group_size, K, N, bias=None):  # noqa: N803 - the format's names
@@ -80,23 +195,23 @@ def matmul(a, qweight, qzeros, scales, group_size, K, N, bias=None):  # noqa: N8
 
 
 def product(a2, qweight, qzeros, scales, sh):
-    """a2 float32 [M, K] @ W -> float32 [M, N] with exact (q - z) * s weights: the Numba GEMV for M <= SMALL_M,
-    else fp32 dequantisation in row chunks (<= CHUNK_BYTES) + numpy's BLAS (also used by FusedFFNAWQ's CPU
-    face)."""
+    """a2 float32 [M, K] @ W -> float32 [M, N] with exact (q - z) * s weights (also used by FusedFFNAWQ's CPU
+    face): ``gemv_cols`` over rows in blocks of MB, columns split over threads (device/threads.py) from
+    PARALLEL_MIN_MACS multiply-adds. No BLAS (its pool kept spinning after the call and slowed what ran next)."""
     m, k, n = a2.shape[0], sh.K, sh.N
     qw, qz = np.ascontiguousarray(qweight), np.ascontiguousarray(qzeros)
-    sc = np.asarray(scales).astype(np.float32)
-    if m <= SMALL_M:
-        out = np.empty((m, n), np.float32)
-        gemv(a2, qw, qz, sc, ORDER_NP, sh.group_size, k, out)
+    sc = np.empty(np.shape(scales), np.float32)
+    s16 = np.ascontiguousarray(scales, dtype=np.float16).view(np.uint16)
+    widen_f16(s16.reshape(-1), sc.view(np.uint32).reshape(-1))     # 15x numpy's cast
+    out = np.empty((m, n), np.float32)
+    if m == 0:
         return out
-    rows = max(sh.group_size, (CHUNK_BYTES // (4 * n)) // sh.group_size * sh.group_size)
-    w = np.empty((min(rows, k), n), np.float32)
-    out = np.zeros((m, n), np.float32)
-    for k0 in range(0, k, rows):
-        k1 = min(k0 + rows, k)
-        dequant_rows_f32(qw, qz, sc, ORDER_NP, sh.group_size, k0, k1, w)
-        out += a2[:, k0:k1] @ w[: k1 - k0]
+    a2 = np.ascontiguousarray(a2, dtype=np.float32)
+    rs = [(0, sh.NG)] if m * k * n < PARALLEL_MIN_MACS else threads.split(sh.NG, TW)
+    for m0 in range(0, m, MB):
+        ab, ob = a2[m0:m0 + MB], out[m0:m0 + MB]
+        threads.run_ranges(gemv_cols, lambda lo, hi, ab=ab, ob=ob: (ab, qw, qz, sc, ORDER_NP, sh.group_size, k, lo,
+                                                                  hi, ob), rs)
     return out
 
 
@@ -125,7 +240,7 @@ class MatMulAWQKernel(Kernel):
         super().__init__(**kw)
         self.sh = parse_attrs(self.attrs)
 
-    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path (BLAS) every call
+    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path every call
 
     def compute(self, ctx, inputs):
         a, (qw, qz, sc), bias, m = operands(inputs, self.sh)
@@ -134,8 +249,8 @@ class MatMulAWQKernel(Kernel):
             y = ctx.output(0, tuple(a.shape[:-1]) + (sh.N,))
             values = [a.ptr, qw.ptr, qz.ptr, sc.ptr, bias.ptr if bias is not None else 0, y, m, sh.K, sh.N,
                       sh.group_size, int(a.elem_type == 10), int(bias is not None)]
-            tiles = -(-sh.NG // TILE)
-            grain = max(1, TASK_MACS // max(1, m * sh.K * 8 * TILE))
+            tiles = -(-sh.NG // TW)
+            grain = max(1, TASK_MACS // max(1, m * sh.K * 8 * TW))
             if ctx.run_native(native.compile_entry(_native_matmul), tiles, grain, values, (0, 1, 2, 3, 4, 5)):
                 return
         elif ctx.native:
@@ -150,18 +265,20 @@ class MatMulAWQKernel(Kernel):
 KERNEL = MatMulAWQKernel
 
 
-# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M; items are gemv's tiles of TILE column groups,
-# a task runs gemv's body (compiled once more single-threaded) on its tiles' columns.
+# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M; items are parts of TW qweight words (as
+# ``product``'s thread split); a task runs gemv_cols on its words' columns over the rows in blocks of MB, as
+# ``product`` does (the M = 1 and M > 1 paths round differently), with the full-width arrays ``product`` passes
+# (only its columns of the scales widened and of the result read): the same bytes as the Python path.
 # params: A, qweight, qzeros, scales, bias (0: none), Y, M, K, N, group size, A is fp16, has bias
+SMALL_M = 16        # larger M: the Python path every call (as before the merge)
 TASK_MACS = 1 << 16
-gemv_serial = njit(cache=True, nogil=True, boundscheck=False)(gemv.py_func)
 
 
 def _native_matmul(p, begin, end):
     m, k, n, g = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8), native.arg(p, 9)
     f16 = native.arg(p, 10)
     ng = n // 8
-    c0, c1 = begin * TILE, min(end * TILE, ng)
+    c0, c1 = begin * TW, min(end * TW, ng)
     if c1 <= c0 or m == 0:
         return 0
     groups = (k + g - 1) // g
@@ -169,12 +286,14 @@ def _native_matmul(p, begin, end):
     qw = native.array(p[1], (groups * g, ng), np.int32)
     qz = native.array(p[2], (groups, ng), np.int32)
     sc16 = native.array(p[3], (groups, n), np.uint16)
-    sc = np.empty((groups, 8 * (c1 - c0)), np.float32)
+    sc = np.empty((groups, n), np.float32)
     for r in range(groups):
-        for j in range(8 * (c1 - c0)):
-            sc[r, j] = h2f(sc16[r, 8 * c0 + j])
-    res = np.empty((m, 8 * (c1 - c0)), np.float32)
-    gemv_serial(a, qw[:, c0:c1], qz[:, c0:c1], sc, ORDER_NP, g, k, res)
+        for j in range(8 * c0, 8 * c1):
+            sc[r, j] = h2f(sc16[r, j])
+    out = np.empty((m, n), np.float32)
+    for m0 in range(0, m, MB):
+        gemv_cols(a[m0:m0 + MB], qw, qz, sc, ORDER_NP, g, k, c0, c1, out[m0:m0 + MB])
+    res = out[:, 8 * c0:8 * c1]
     if native.arg(p, 11):
         native.add_bias(res, p[4], 8 * c0, f16)
     native.store_cols(res, p[5], n, 8 * c0, f16)

@@ -17,25 +17,15 @@ onnxruntime's allocator, tile counters the node's own per stream (session_cuda).
 """
 from __future__ import annotations
 
-from ..runtime.routing import Route, always
 from .matmulawq_cpu import operands
-from .session_cuda import GEMV_WHEN, AWQDecodeKernel, decode, gemv1, gemv8
+from . import session_cuda
+from .session_cuda import AWQDecodeKernel
 
-ROUTES = (
-    Route("gemv1", f"M = 1, {GEMV_WHEN}", gemv1,
-          "BENCHMARKS.md 'AWQ int4 (MatMulAWQ, FusedFFNAWQ)'; docs/lab-log.md session 23 (2026-11-26)"),
-    Route("gemv8", f"M = 2 .. 16, {GEMV_WHEN}", gemv8,
-          "docs/lab-log.md session 24, later (M = 2 .. 8, commit cf5144f) and session 26 (M = 9 .. 16, commit "
-          "29c92e2: against the older tensor-core kernel)"),
-    Route("decode", "M = 1 .. 16 (fp32 A, or a shape / buffer the GEMV cannot take)", decode,
-          "docs/lab-log.md '2026-11-24: AWQ decode kernels with 32-bit decoding'"),
-    Route("generic", "M > 16", always, "none: the only kernel for any M (prefill is DequantAWQ + MatMul's)"),
-)
+ROUTES = session_cuda.ROUTES  # one table for both AWQ decode ops (awq/session_cuda)
 
 
 class MatMulAWQCudaKernel(AWQDecodeKernel):
     NW = 1
-    ROUTES = ROUTES
 
     def operands(self, inputs):
         a, w, bias, m = operands(inputs, self.sh)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..device.splitk import ScratchPool, partial_floats
 from ..runtime.kernels import Kernel, KernelError
-from ..runtime.routing import Case, route
+from ..runtime.routing import Case, Route, always, route
 from . import matmulawq1_cuda as m1
 from .dequantawq_cpu import parse_attrs
 from .gemv_cuda import BLOCK, CT, MAX_M_FAST, WARPS, blocks_per_sm, bucket, decode_plan, launcher
@@ -47,6 +47,20 @@ GEMV_WHEN = ("fp16 X, tensor cores (cc >= 8.0), K % 4 == 0, group_size % 16 == 0
              "(qweight / qzeros too where the M = 1 plan loads 8-byte words)")
 
 
+ROUTES = (
+    Route("gemv1", f"M = 1, {GEMV_WHEN}", gemv1,
+          "BENCHMARKS.md 'AWQ int4 (MatMulAWQ, FusedFFNAWQ)'; docs/lab-log.md session 23 (2026-11-26)"),
+    Route("gemv8", f"M = 2 .. 16, {GEMV_WHEN}", gemv8,
+          "docs/lab-log.md session 24, later (M = 2 .. 8, commit cf5144f) and session 26 (M = 9 .. 16, commit "
+          "29c92e2: against the older tensor-core kernel)"),
+    Route("decode", "M = 1 .. 16 (fp32 X, or a shape / buffer the GEMV cannot take)", decode,
+          "docs/lab-log.md '2026-11-24: AWQ decode kernels with 32-bit decoding'"),
+    Route("generic", "M > 16", always, "none: the only kernel for any M (prefill is DequantAWQ + MatMul's)"),
+)
+"""The routing table of both AWQ decode ops (MatMulAWQ with one weight, FusedFFNAWQ with two read in the same
+pass): the same kernels with ``nw`` 1 or 2, measured together."""
+
+
 def reachable(routes, dtype, k, n, g_size, tc):
     """The kernel names ``routes`` gives some call of a node (A's type ``dtype``, K, N, group size, tensor cores):
     every M up to MAX_M_FAST + 1, aligned or not."""
@@ -60,7 +74,7 @@ class AWQDecodeKernel(Kernel):
     ``operands`` checks a call's inputs."""
     native_plans = True  # launches depend only on shapes; partials per call, per-stream counters live as long as it
     NW = 1
-    ROUTES = ()
+    ROUTES = ROUTES
 
     def __init__(self, **kw):
         super().__init__(**kw)
@@ -92,8 +106,9 @@ class AWQDecodeKernel(Kernel):
         checked (KernelError naming the input)."""
         raise NotImplementedError
 
-    def case(self, m, x, ws):
-        """The routing Case of a call at M = m with X and the weights ``ws`` (bridge Tensors)."""
+    def case(self, m, x, ws, scratch=True):
+        """The routing Case of a call at M = m with X and the weights ``ws`` (bridge Tensors); ``scratch``: the call
+        has onnxruntime's scratch (read by FusedFFNAWQ's prefill row)."""
         wpl = self.gemv[1].wpl if m == 1 and 1 in self.gemv else 1
         ptrs = x.ptr | ws[0][2].ptr | ws[-1][2].ptr
         words = 0
@@ -119,7 +134,7 @@ class AWQDecodeKernel(Kernel):
         if ptrs & (1 if self.a16 else 3) or words & 3 or scales & 1:
             raise KernelError("inputs and the output must be aligned device buffers (X, biases, output to their "
                               "element, qweight and qzeros to 4 bytes, scales to 2)")
-        kernel = route(self.ROUTES, self.case(m, x, ws)).kernel
+        kernel = route(self.ROUTES, self.case(m, x, ws, ctx.has_scratch)).kernel
         self.launch[kernel](kernel, ctx, m, x, ws, bs, out)
 
     def _gemv(self, kernel, ctx, m, x, ws, bs, out):

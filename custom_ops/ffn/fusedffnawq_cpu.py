@@ -1,7 +1,7 @@
 """FusedFFNAWQ, CPU face: S = SiLU(X W1^T + B1) * (X W3^T + B3), W1 and W3 each stored as MatMulAWQ's weight
-(AutoAWQ GEMM layout; onnx_lowbit.awq). Both products come from MatMulAWQ's CPU code (matmulawq_cpu: the Numba
-GEMV for M <= 16, fp32 dequantisation in row chunks + BLAS above; exact (q - z) * s weights), in fp32; the SwiGLU
-epilogue is fp32; S has X's type."""
+(AutoAWQ GEMM layout; onnx_lowbit.awq). Both products come from MatMulAWQ's CPU code (matmulawq_cpu.product: one
+Numba kernel for every M, no BLAS; exact (q - z) * s weights), in fp32; the SwiGLU epilogue is fp32; S has X's
+type."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,7 +1,7 @@
 """FusedFFNNF4, CPU face: S = SiLU(X W1^T + B1) * (X W3^T + B3), W1 and W3 each stored as MatMulNF4's weight
 (bitsandbytes NF4/FP4 blocks of W^T; onnx_lowbit.nf4). Both products come from MatMulNF4's CPU code
-(matmulnf4_cpu: the Numba GEMV for M <= 16, dequantise-to-fp32 + BLAS above), in fp32; the SwiGLU epilogue is fp32;
-S has X's type."""
+(matmulnf4_cpu.product: Numba kernels for every M, the vector-permute decode on AVX-512 CPUs, no BLAS), in fp32;
+the SwiGLU epilogue is fp32; S has X's type."""
 from __future__ import annotations
 
 import numpy as np

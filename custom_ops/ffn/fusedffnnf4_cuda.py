@@ -1,6 +1,6 @@
 """FusedFFNNF4, CUDA face: S = SiLU(X W1^T + B1) * (X W3^T + B3), W1 / W3 stored as MatMulNF4's weights
-(bitsandbytes NF4/FP4 blocks of W^T [N, K]; onnx_lowbit.nf4). One launch; the fp16/fp32 weights are never
-written; SiLU * mul in the epilogue.
+(bitsandbytes NF4/FP4 blocks of W^T [N, K]; onnx_lowbit.nf4). Up to M = 16 one launch that never writes the
+fp16/fp32 weights, SiLU * mul in its epilogue; past it (fp16 X) the prefill route below.
 
 Decode kernel (M <= 16, K % 16 == 0, K <= 16384): thread t of a block owns word t (elements 16t .. 16t+15) of
 every row of W1^T and W3^T and keeps those 16 x values of its MT rows (MT = 1 or 2; larger M runs as row chunks
@@ -41,16 +41,20 @@ loop is written out twice with the word buffers' roles swapped (``pingpong``): 2
 are 3 thread groups sharing one table (``decode.mt1.wide.g3``): 20.64-21.49 against 21.08-21.83 us (three machines).
 With fp16 X at M = 1, 2 and K = 1024 .. 3072 (WARPCOLS) sessions take the warp-column kernel of nf4warp_cuda
 instead (a warp, or a pair of warps, owns whole columns: no barrier per step; 13-38% faster there, BENCHMARKS.md).
+Prefill (fp16 X, M >= 17, cuBLAS and onnxruntime's scratch; ffn/fusedffn4_prefill_cuda): W1^T and W3^T dequantised
+into fp16 [N, K] scratch by DequantNF4's transposed kernel, then FusedFFN's cuBLAS path (two GEMMs, SiLU * mul).
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 ``ROUTES`` (below) says which kernel serves a call; ``FusedFFNNF4CudaKernel`` builds the call's Case and launches
 the row's kernel.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from numba import cuda, float32, int64
 
-from ..device import half2
+from ..device import cublas, half2
 from ..device.inputs import check_x_biases
 from ..device.memory import ld16, ld32, st16, st32
 from ..device.mma import silu
@@ -58,11 +62,12 @@ from ..device.ptx import warp_sum
 from ..device.splitk import ScratchPool
 from ..device.target import SIM
 from ..device import host
-from ..nf4 import common as nf4_common, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
+from ..nf4 import common as nf4_common, dequantnf4_cuda as dq, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
 from ..nf4.common import case_align, case_f16, case_fp32_decode, check_weights
 from ..nf4.decode_cuda import COLS, TAB_BYTES, lut_for, make_decode, sig, threads
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
+from . import fusedffn4_prefill_cuda as p4
 from .common4 import opt
 
 MAX_M_FAST = 16           # the decode kernels' rows (row chunks of 1 or 2)
@@ -257,17 +262,24 @@ ROUTES = (
     Route("decode.mt2.pair", "M = 2 .. 16, K % 16 == 0, K <= 16384, where decode.mt2.wide does not apply; X "
           "16-byte, Q1, Q3 8-byte aligned", lambda c: _decode(c, "decode.mt2.pair"),
           "the decode.mt2.pair figures (3d1c1ab)"),
-    Route("generic", "any other call (M > 16: prefill; K % 16 != 0; unaligned)", always, "correctness fallback"),
+    Route("prefill", p4.WHEN.format(layout="DequantNF4's transposed kernel, W^T [N, K]", op="with op T"), p4.takes,
+          p4.MEASURED),
+    Route("generic", "any other call (M > 16 where the prefill row does not apply: fp32 X, no cuBLAS, no scratch "
+          "memory; K % 16 != 0; unaligned)", always, "correctness fallback"),
 )
 
 
-def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, grouped=False, align=(16, 16), path=None):
+def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, grouped=False, align=(16, 16), path=None, cublas_ok=False,
+         scratch=False):
     """The Case of a call: X's ``dtype``, M, K, N, the block size, whether the GPU has tensor cores, the
     ONNX_LOWBIT_FP32_DECODE switch, whether the wide M = 1 decode runs blocks of 3 thread groups here (``grouped``),
-    the alignments (X; Q1 and Q3; capped at 16) and a forced path (tests)."""
+    the alignments (X; Q1 and Q3; capped at 16), a forced path (tests), whether cuBLAS was found (``cublas_ok``) and
+    the call has onnxruntime's scratch (``scratch``): the prefill row's switches."""
     aligned = tuple(align) == (16, 16)
     opts = [("fp32_decode", True)] if fp32_decode else []
     opts += [("grouped", True)] if grouped else []
+    opts += [("cublas", True)] if cublas_ok else []
+    opts += [("scratch", True)] if scratch else []
     opts += [] if aligned else [("q_align", align[1]), ("x_align", align[0])]
     opts += [("path", path)] if path else []
     return Case(np.dtype(dtype).name, m, k, n, aligned=aligned, tc=tc, bs=bs, opts=tuple(sorted(opts)))
@@ -342,14 +354,19 @@ class FusedFFNNF4CudaKernel(Kernel):
         wide_k = self.a16 and not self.fp32_decode and self.k >= WIDE_MIN_K and self.k % 32 == 0 and \
             decode_ok(1, self.k)
         self.grouped = bool(wide_k) and grouped(self.a16, self.k)
+        self.blas = cublas.load() is not None       # else the generic kernel serves every M > 16
         self.prepared = {}
         for m in range(1, MAX_M_FAST + 1):          # compiled and planned now, never on the hot path
             self.prepare(route(ROUTES, self.case(m)).kernel)
         self.prepare("generic")
+        if route(ROUTES, self.case(p4.PREFILL_MIN_M)).kernel == "prefill":
+            self.prepare("prefill")
 
-    def case(self, m, align=(16, 16)):
+    def case(self, m, align=(16, 16), scratch=True):
+        """The routing Case of a call at M = m (``align``: X's, Q1 and Q3's; ``scratch``: the call has onnxruntime's
+        scratch, as sessions on onnxruntime >= 1.18 and runtime/direct calls do)."""
         return case("float16" if self.a16 else "float32", m, self.k, self.n, self.bs.size, self.tc, self.fp32_decode,
-                    self.grouped, align, self.path)
+                    self.grouped, align, self.path, self.blas, scratch)
 
     def lut(self, pair, h2):
         """(pointer, shape) of a decode table; one copy per table (the h2 one serves every chain length)."""
@@ -378,6 +395,14 @@ class FusedFFNNF4CudaKernel(Kernel):
                 prep = lau, 32 * warps, nf4warp_cuda.grid_for(lau, warps, self.sms), self.lut(False, True)
             elif name == "generic":
                 prep = launcher(self.a16, name), 32 * GEN_WARPS, -(-self.n // GEN_WARPS)
+            elif name == "prefill":     # DequantNF4's transposed kernels (fp32 absmax -> fp16 W^T), as it routes them
+                p4.prepare()
+                prep = {}
+                for v in ("vec", "rows"):
+                    var = dq.DEFAULT["float16"] if v == "vec" else dq.LEGACY
+                    if SIM and v == "vec":
+                        var = dataclasses.replace(var, block=32)    # fewer simulated threads (a launch setting)
+                    prep[v] = dq._launcher(True, np.float16, var, absmax=np.float32), var
             else:
                 mt, pair, _, _, h2, wide, _, groups = DECODE[name]
                 lau = launcher(self.a16, name)
@@ -400,7 +425,11 @@ class FusedFFNNF4CudaKernel(Kernel):
         if (x.ptr | s | (b1.ptr if b1 is not None else 0) | (b3.ptr if b3 is not None else 0)) & \
                 (1 if self.a16 else 3) or am1.ptr & 3 or am3.ptr & 3:
             raise KernelError("inputs and the output must be aligned device buffers")
-        name = route(ROUTES, self.case(m, (host.alignment(x.ptr), host.alignment(q1.ptr, q3.ptr)))).kernel
+        name = route(ROUTES, self.case(m, (host.alignment(x.ptr), host.alignment(q1.ptr, q3.ptr)),
+                                       ctx.has_scratch)).kernel
+        if name == "prefill":
+            self._prefill(ctx, m, x, ((q1, am1), (q3, am3)), b1, b3, s)
+            return
         hb1, hb3 = int(b1 is not None), int(b3 is not None)
         tail = [(b1.ptr, (n,)) if hb1 else (s, (n,)), (b3.ptr, (n,)) if hb3 else (s, (n,)), (s, (m * n,))]
         w8 = [(q1.ptr, (q1.size // 8,)), (am1.ptr, (am1.size,)), (q3.ptr, (q3.size // 8,)), (am3.ptr, (am3.size,))]
@@ -431,6 +460,20 @@ class FusedFFNNF4CudaKernel(Kernel):
             mt = DECODE[name][0]
             lau.launch(-(-m // mt) * parts[m] // groups, block, ctx.stream, (x.ptr, (m * k,)), *w8, lut, *tail, m, k,
                        n, self.bs.log2_words, parts[m], hb1, hb3)
+
+    def _prefill(self, ctx, m, x, ws, b1, b3, s):
+        """The prefill route (ffn/fusedffn4_prefill_cuda): W1^T, W3^T [N, K] dequantised to fp16 scratch by
+        DequantNF4's kernel (the one its ROUTES picks for Q's alignment), then FusedFFN's cuBLAS path."""
+        kind = route(dq.ROUTES, dq.case(np.float16, self.k, self.n, self.bs.size, True,
+                                        host.alignment(ws[0][0].ptr, ws[1][0].ptr))).kernel
+        lau, var = self.prepare("prefill")[kind]
+
+        def dequant(i, ptr):
+            dq.launch_transposed(lau, var, ctx.stream, True, *ws[i], self.code.ptr, ptr, self.k * self.n, self.bs,
+                                 self.sms)
+
+        p4.run(ctx, m, self.k, self.n, False, dequant, x.ptr, b1.ptr if b1 is not None else 0,
+               b3.ptr if b3 is not None else 0, s)
 
 
 KERNEL = FusedFFNNF4CudaKernel

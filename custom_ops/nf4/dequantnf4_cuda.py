@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import config, cuda, float32, uint16, uint32, uint64
 
-from ..device import launch as cuda_launch
+from ..device import host, launch as cuda_launch
 from ..device.fp16 import f2h, pack_h2
-from ..device.launch import Array, Launcher
+from ..device.launch import Array
 from ..device.memory import make_ld4, make_st
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
@@ -220,25 +220,29 @@ def _make_vec(epv, unroll, store, load, h2, f16):
 _launchers = {}
 
 
-def _launcher(transposed, dtype, variant=None):
+def _launcher(transposed, dtype, variant=None, absmax=None):
     """The compiled kernel: transposed=0 (dequant_kn), or the transposed=1 kernel of ``variant`` (default LEGACY,
-    which benchmarks/nf4_gpu.py times with ``_grid_rows`` and BLOCK) for output ``dtype``."""
+    which benchmarks/nf4_gpu.py times with ``_grid_rows`` and BLOCK) for output ``dtype``; ``absmax``: the absmax
+    type when it is not the output's (FusedFFNNF4's prefill route: fp32 absmax, fp16 W^T). Under the simulator a
+    SimLauncher (device/host)."""
     v = variant or LEGACY
     f16 = np.dtype(dtype) == np.float16
+    adt = np.dtype(absmax if absmax is not None else dtype)
     key = (transposed, np.dtype(dtype).str) + ((v.kernel_key(f16),) if transposed and v.epv > 2 else ())
+    key += (adt.str,) if adt != np.dtype(dtype) else ()
     if key not in _launchers:
         if transposed and v.epv > 2:
             ow, oe = (np.uint32, np.uint16) if f16 else (np.float32, np.float32)
-            sig = [Array(_QTYPE[v.epv]), Array(np.uint8), Array(dtype), Array(np.float32), Array(ow), Array(oe),
+            sig = [Array(_QTYPE[v.epv]), Array(np.uint8), Array(adt), Array(np.float32), Array(ow), Array(oe),
                    "int64", "int64"]
-            _launchers[key] = Launcher(_make_vec(*v.kernel_key(f16)), sig)
+            _launchers[key] = host.launcher(_make_vec(*v.kernel_key(f16)), sig)
         elif transposed:
-            sig = [Array(np.uint64), Array(np.uint8), Array(dtype), Array(np.float32), Array(dtype), "int64", "int64",
+            sig = [Array(np.uint64), Array(np.uint8), Array(adt), Array(np.float32), Array(dtype), "int64", "int64",
                    "int64"]
-            _launchers[key] = Launcher(dequant_rows, sig)
+            _launchers[key] = host.launcher(dequant_rows, sig)
         else:
-            sig = [Array(np.uint8), Array(dtype), Array(np.float32), Array(dtype), "int64", "int64", "int64"]
-            _launchers[key] = Launcher(dequant_kn, sig)
+            sig = [Array(np.uint8), Array(adt), Array(np.float32), Array(dtype), "int64", "int64", "int64"]
+            _launchers[key] = host.launcher(dequant_kn, sig)
     return _launchers[key]
 
 
@@ -264,6 +268,16 @@ def rows_args(variant, f16, q_ptr, q_size, am_ptr, am_size, code_ptr, out_ptr, t
     nwords = total // 2 if f16 else total
     return [(q_ptr, (qn,)), (q_ptr, (q_size,)), (am_ptr, (am_size,)), (code_ptr, (16,)), (out_ptr, (nwords,)),
             (out_ptr, (total,)), total, bs.log2]
+
+
+def launch_transposed(lau, variant, stream, f16, q, absmax, code_ptr, out, total, bs, sms):
+    """One launch of the transposed=1 kernel ``lau`` of ``variant`` (``_launcher(True, ...)``): W^T [N, K] of
+    ``total`` elements from Q and absmax (bridge Tensors) into ``out`` (a device pointer aligned to the variant's
+    ``out_align``), fp16 (``f16``) or fp32. DequantNF4's compute and FusedFFNNF4's prefill route
+    (ffn/fusedffn4_prefill_cuda) launch through it."""
+    grid, block = geometry(variant, total, sms)
+    lau.launch(grid, block, stream, *rows_args(variant, f16, q.ptr, q.size, absmax.ptr, absmax.size, code_ptr, out,
+                                               total, bs))
 
 
 def run_arrays(q, absmax, code, k, n, bs, transposed=False, variant=None, sms=None):
@@ -367,10 +381,8 @@ class DequantNF4CudaKernel(Kernel):
         v = self.variants[name]
         if out % v.out_align():
             raise KernelError(f"the output must be a device buffer aligned to {v.out_align()} bytes")
-        grid, block = geometry(v, total, self.sms)
-        args = rows_args(v, self.dtype == np.float16, q.ptr, q.size, absmax.ptr, absmax.size, self.code_ptr, out,
-                         total, self.bs)
-        lau.launch(grid, block, ctx.stream, *args)
+        launch_transposed(lau, v, ctx.stream, self.dtype == np.float16, q, absmax, self.code_ptr, out, total, self.bs,
+                          self.sms)
 
 
 KERNEL = DequantNF4CudaKernel

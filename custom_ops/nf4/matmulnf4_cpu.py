@@ -1,9 +1,15 @@
 """MatMulNF4, CPU face: Y = A x W (+ bias), W dequantised on the fly from bitsandbytes NF4/FP4 blocks.
 
-M <= 16 (decode): one pass over the packed weight per output column, parallel over N, per-block partial sums
-scaled by the block's absmax (fp32 accumulation), both nibbles of a byte from one load. Larger M: dequantise W^T
-to fp32 once per call (serially: Numba's worker threads next to OpenBLAS's spinning ones made a 256 x 512 product
-at M = 17 take 8 ms instead of 0.45 ms on 2 cores) and use BLAS."""
+Every M runs Numba kernels over the packed weight, the output columns split over threads (device/threads.py);
+no BLAS (numpy's OpenBLAS pool kept spinning after the former M > 16 path's product and slowed the onnxruntime
+work that followed). Accumulation in fp32.
+
+* ``gemv1_fast_cols`` (M = 1 where gemv_fast_cols applies): a fused decode and dot per column, no stores.
+* ``gemv_fast_cols`` (AVX-512 CPUs, K a multiple of the block size, block size a multiple of 32): four rows of
+  W^T at a time are decoded into fp32 with a vector permute (nf4decode_cpu), then every row of A takes four dot
+  products over them (vectorised sums: fastmath reassoc / contract, no nnan / ninf).
+* ``gemv_cols`` (any shape): per output column, per block partial sums scaled by the block's absmax, both
+  nibbles of a byte from one load (scalar table lookups)."""
 from __future__ import annotations
 
 import math
@@ -11,19 +17,21 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..device import native
+from ..device import native, threads
 from ..runtime import plans
 from ..runtime.kernels import Kernel
 from . import common as nf4_common
+from .nf4decode_cpu import FAST, decode_blocks, dot_blocks
 
-SMALL_M = 16
+PARALLEL_MIN_MACS = 1 << 21   # from here the columns are split over threads (a hand-off costs ~50 us)
+KC = 1024                     # elements of the four decoded rows per chunk (16 KB)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def gemv(a, q, absmax, code, k_dim, n_dim, bs, out):
-    """out[m, n] = sum_k a[m, k] * code[nib(n*K+k)] * absmax[(n*K+k) // bs]; a float32 [M, K]."""
+@njit(cache=True, nogil=True, boundscheck=False)
+def gemv_cols(a, q, absmax, code, k_dim, bs, n0, n1, out):
+    """out[m, n] = sum_k a[m, k] * code[nib(n*K+k)] * absmax[(n*K+k) // bs] for n in [n0, n1); a float32 [M, K]."""
     m_dim = a.shape[0]
-    for n in prange(n_dim):
+    for n in range(n0, n1):
         base = n * k_dim
         for m in range(m_dim):
             out[m, n] = 0.0
@@ -46,6 +54,98 @@ def gemv(a, q, absmax, code, k_dim, n_dim, bs, out):
                     part += code[np.int64(q[(base + kk) >> 1]) >> 4] * a[m, kk]
                 out[m, n] += part * s
             k = kend
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def gemv(a, q, absmax, code, k_dim, n_dim, bs, out):
+    """out[m, n] = sum_k a[m, k] * W[k, n] for every column (one thread, scalar path); a float32 [M, K]."""
+    gemv_cols(a, q, absmax, code, k_dim, bs, 0, n_dim, out)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, fastmath={"reassoc", "contract"})
+def gemv_fast_cols(a, q, absmax, code, k_dim, bs, n0, n1, out):
+    """gemv_cols for K % bs == 0, bs % 32 == 0 on AVX-512 CPUs (FAST): rows of W^T decoded four at a time, in
+    chunks of whole blocks (~KC elements, so that the four decoded rows stay in L1), into fp32 by the vector
+    permute; every row of A adds four partial dot products per chunk, sharing its loads."""
+    m_dim = a.shape[0]
+    half = k_dim // 2
+    nbr = k_dim // bs
+    kc = bs * max(1, KC // bs)
+    w = np.zeros((4, kc), np.float32)
+    w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
+    acc = np.zeros((m_dim, 4), np.float32)
+    for n in range(n0, n1, 4):
+        nr = min(4, n1 - n)
+        acc[:, :] = 0.0
+        for k0 in range(0, k_dim, kc):
+            kn = min(kc, k_dim - k0)
+            for r in range(nr):
+                nn = n + r
+                b0 = nn * nbr + k0 // bs
+                decode_blocks(q[nn * half + k0 // 2:nn * half + (k0 + kn) // 2], code, absmax[b0:b0 + kn // bs],
+                              w[r], bs // 2, kn // bs)
+            m = 0
+            while m + 1 < m_dim:           # two rows of A x four rows of W: 6 loads per 8 FMAs
+                x0s = a[m, k0:k0 + kn]
+                x1s = a[m + 1, k0:k0 + kn]
+                s0 = np.float32(0.0)
+                s1 = np.float32(0.0)
+                s2 = np.float32(0.0)
+                s3 = np.float32(0.0)
+                t0 = np.float32(0.0)
+                t1 = np.float32(0.0)
+                t2 = np.float32(0.0)
+                t3 = np.float32(0.0)
+                for k in range(kn):
+                    x = x0s[k]
+                    y = x1s[k]
+                    v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
+                    s0 += x * v0
+                    s1 += x * v1
+                    s2 += x * v2
+                    s3 += x * v3
+                    t0 += y * v0
+                    t1 += y * v1
+                    t2 += y * v2
+                    t3 += y * v3
+                acc[m, 0] += s0
+                acc[m, 1] += s1
+                acc[m, 2] += s2
+                acc[m, 3] += s3
+                acc[m + 1, 0] += t0
+                acc[m + 1, 1] += t1
+                acc[m + 1, 2] += t2
+                acc[m + 1, 3] += t3
+                m += 2
+            if m < m_dim:
+                am = a[m, k0:k0 + kn]
+                s0 = np.float32(0.0)
+                s1 = np.float32(0.0)
+                s2 = np.float32(0.0)
+                s3 = np.float32(0.0)
+                for k in range(kn):
+                    x = am[k]
+                    s0 += x * w0[k]
+                    s1 += x * w1[k]
+                    s2 += x * w2[k]
+                    s3 += x * w3[k]
+                acc[m, 0] += s0
+                acc[m, 1] += s1
+                acc[m, 2] += s2
+                acc[m, 3] += s3
+        for m in range(m_dim):
+            for r in range(nr):
+                out[m, n + r] = acc[m, r]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def gemv1_fast_cols(ae, ao, q, absmax, code, k_dim, bs, n0, n1, out):
+    """M = 1 on the fast path: out[0, n] = one fused decode-and-dot per column (nf4decode_cpu.dot_blocks), A split
+    into its even and odd elements (``ae``, ``ao``) once per call; nothing decoded is stored."""
+    half = k_dim // 2
+    nbr = k_dim // bs
+    for n in range(n0, n1):
+        out[0, n] = dot_blocks(q[n * half:(n + 1) * half], code, absmax[n * nbr:(n + 1) * nbr], ae, ao, bs // 2, nbr)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -76,18 +176,29 @@ def dequant_rows(q, absmax, code, n_dim, bs, out):
             i += 1
 
 
+def fast_path(k, bs):
+    """Whether gemv_fast_cols serves this weight (AVX-512, blocks aligned with the rows of W^T, 32 | bs)."""
+    return FAST and k % bs == 0 and bs % 32 == 0
+
+
 def product(a2, q, absmax, code, k, n, bs):
-    """a2 float32 [M, K] @ W -> float32 [M, N]: the Numba GEMV for M <= SMALL_M, else W dequantised to fp32 and
-    numpy's BLAS (also used by FusedFFNNF4's CPU face)."""
+    """a2 float32 [M, K] @ W -> float32 [M, N] (also used by FusedFFNNF4's CPU face): gemv_fast_cols where
+    ``fast_path`` holds, else gemv_cols; columns split over threads from PARALLEL_MIN_MACS multiply-adds."""
     m = a2.shape[0]
-    if m <= SMALL_M:
-        out = np.empty((m, n), np.float32)
-        if m:
-            gemv(a2, q.reshape(-1), absmax.reshape(-1), code, k, n, bs, out)
+    out = np.empty((m, n), np.float32)
+    if m == 0:
         return out
-    wt = np.empty(n * k, np.float32)
-    dequant_rows(q.reshape(-1), absmax.reshape(-1), code, n, bs, wt)
-    return a2 @ wt.reshape(n, k).T
+    a2 = np.ascontiguousarray(a2, dtype=np.float32)
+    q1 = np.ascontiguousarray(q).reshape(-1)
+    am = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
+    rs = [(0, n)] if m * k * n < PARALLEL_MIN_MACS else threads.split(n, 4)
+    if m == 1 and fast_path(k, bs):
+        ae, ao = np.ascontiguousarray(a2[0, 0::2]), np.ascontiguousarray(a2[0, 1::2])
+        threads.run_ranges(gemv1_fast_cols, lambda lo, hi: (ae, ao, q1, am, code, k, bs, lo, hi, out), rs)
+        return out
+    kern = gemv_fast_cols if fast_path(k, bs) else gemv_cols
+    threads.run_ranges(kern, lambda lo, hi: (a2, q1, am, code, k, bs, lo, hi, out), rs)
+    return out
 
 
 def matmul(a, q, absmax, code, k, n, bs, bias=None):
@@ -105,7 +216,7 @@ class MatMulNF4Kernel(Kernel):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
 
-    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path (BLAS) every call
+    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path every call
 
     def compute(self, ctx, inputs):
         a, q, absmax = inputs[0], inputs[1], inputs[2]
@@ -118,6 +229,8 @@ class MatMulNF4Kernel(Kernel):
             values = [a.ptr, q.ptr, absmax.ptr, bias.ptr if bias is not None else 0, y, self.code.ctypes.data, m,
                       self.k, self.n, self.bs.size, int(a.elem_type == 10), int(bias is not None), unit]
             grain = max(1, -(-max(1, TASK_MACS // max(1, m * self.k)) // unit))
+            if fast_path(self.k, self.bs.size):
+                grain = -(-grain // 4) * 4                      # gemv_fast_cols runs four columns at a time
             if ctx.run_native(native.compile_entry(_native_matmul), -(-self.n // unit), grain, values, (0, 1, 2, 3, 4)):
                 return
         elif ctx.native:
@@ -131,10 +244,12 @@ class MatMulNF4Kernel(Kernel):
 KERNEL = MatMulNF4Kernel
 
 
-# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M, the columns split into tasks of whole blocks.
+# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M, the columns split into tasks of whole blocks;
+# a task runs the kernel ``product`` would pick (gemv1_fast_cols / gemv_fast_cols where fast_path holds, else
+# gemv_cols) on its columns: per column the same operations as the Python path, so the same bytes.
 # params: A, Q, absmax, bias (0: none), Y, code, M, K, N, block size, A is fp16, has bias, columns per item
+SMALL_M = 16                                              # larger M: the Python path every call (as before the merge)
 TASK_MACS = 1 << 16                                       # multiply-adds per task, at least
-gemv_serial = njit(cache=True, nogil=True)(gemv.py_func)  # gemv's body, one thread (a task's columns)
 
 
 def _native_matmul(p, begin, end):
@@ -147,8 +262,17 @@ def _native_matmul(p, begin, end):
     a = native.load_f32(p[0], m, k, f16)
     q = native.vector(p[1], (total + 1) // 2, np.uint8)
     am = native.vector(p[2], (total + bs - 1) // bs, np.float32)
+    code = native.vector(p[5], 16, np.float32)
+    qs, ams = q[(n0 * k) >> 1:], am[(n0 * k) // bs:]
     res = np.empty((m, n1 - n0), np.float32)
-    gemv_serial(a, q[(n0 * k) >> 1:], am[(n0 * k) // bs:], native.vector(p[5], 16, np.float32), k, n1 - n0, bs, res)
+    if FAST and k % bs == 0 and bs % 32 == 0:              # fast_path(k, bs)
+        if m == 1:
+            ae, ao = np.ascontiguousarray(a[0, 0::2]), np.ascontiguousarray(a[0, 1::2])
+            gemv1_fast_cols(ae, ao, qs, ams, code, k, bs, 0, n1 - n0, res)
+        else:
+            gemv_fast_cols(a, qs, ams, code, k, bs, 0, n1 - n0, res)
+    else:
+        gemv_cols(a, qs, ams, code, k, bs, 0, n1 - n0, res)
     if p[11]:
         native.add_bias(res, p[3], n0, f16)
     native.store_cols(res, p[4], n, n0, f16)

@@ -253,13 +253,15 @@ def _destroy(kid):
             pass
 
 
-def library_path() -> str:
-    """Loads the shim (building it if needed), declares all ops, and returns its path."""
+def library_path(path: str | None = None) -> str:
+    """Loads the shim (building it if needed), declares all ops, and returns its path. ``path``: load this copy of
+    the shim instead (onnxruntime-genai only loads custom-op libraries from the model folder: the process's Python
+    side must be the very file onnxruntime dlopens); ignored once a shim is loaded (the loaded path is returned)."""
     global _lib, _path, _callbacks
     with _lock:
         if _lib is not None:
             return _path
-        path = build.shim_path()
+        path = os.path.abspath(path) if path else build.shim_path()
         lib = ctypes.PyDLL(path)  # PyDLL: calls keep the GIL, the callbacks run under it anyway
         lib.lb_add_op.restype = ctypes.c_int
         lib.lb_output.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int,

@@ -1,0 +1,154 @@
+"""Pass "matmulnbits": the SwiGLU gate/up projections of onnxruntime's com.microsoft.MatMulNBits (4-bit; what
+onnxruntime-genai's model builder writes with -p int4) -> our MatMulAWQ, converted without loss, so that the ffn
+pass after it fuses them into one FusedFFNAWQ reading the same 4-bit integers.
+
+genai's MLP (builder.make_mlp_proj), on MatMul or MatMulNBits:
+
+    gate = MatMulNBits(x, B1, scales1[, zero_points1])      up = MatMulNBits(x, B3, scales3[, zero_points3])
+    S = Mul(Mul(gate, Sigmoid(gate)), up)                   (the SiLU in any spelling the ffn pass knows)
+
+The float spelling (MatMul gate/up, -p fp16 / fp32) needs no conversion: the ffn pass fuses it as it is. This pass
+rewrites only the MatMulNBits pairs of such a block (the down projection, attention and lm_head MatMulNBits stay
+onnxruntime's). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size = block_size
+(onnx_lowbit/matmulnbits.py: same codes, same zero points, 8 where MatMulNBits has none, the fp16 scales as they
+are): the dequantised fp16 weights are bit for bit MatMulNBits' (T = float16).
+
+Skipped with the reason: bits other than 4, g_idx, zero points in float form, N not a multiple of 8, non-constant
+weights, gate and up reading different inputs, an intermediate read elsewhere; float32 scales (fp32 models:
+rounding them to fp16 is not lossless) unless the option ``matmulnbits_lossy`` is True (the report gives each
+weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the pass changes nothing.
+Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes ...,matmulnbits,ffn`` names it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from onnx_lowbit import domain
+
+from .base import (Names, Pass, Report, constant_value, consumers, is_alive, is_graph_output, iter_graphs,
+                   node_label, producer)
+from .ffn import find_silu
+
+MS_DOMAIN = "com.microsoft"
+
+
+class _Skip(Exception):
+    pass
+
+
+def _nbits(t) -> gs.Node | None:
+    p = producer(t)
+    if p is not None and is_alive(p) and p.op == "MatMulNBits" and p.domain == MS_DOMAIN and len(p.outputs) == 1:
+        return p
+    return None
+
+
+def _input(node: gs.Node, i: int):
+    return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
+
+
+def _read(node: gs.Node):
+    """(K, N, block_size, B, scales, zero_points or None, bias tensor or None) of a MatMulNBits node, or _Skip."""
+    a = node.attrs
+    bits = int(a.get("bits", 4))
+    if bits != 4:
+        raise _Skip(f"bits={bits} (only 4-bit weights convert to AWQ)")
+    K, N, bs = int(a.get("K", 0)), int(a.get("N", 0)), int(a.get("block_size", 0))
+    if K <= 0 or N <= 0 or bs <= 0:
+        raise _Skip("K, N or block_size missing")
+    if N % 8:
+        raise _Skip(f"N={N} is not a multiple of 8 (AWQ packs 8 columns per int32)")
+    if _input(node, 4) is not None:
+        raise _Skip("g_idx given (act-order weights)")
+    b = constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
+    s = constant_value(node.inputs[2]) if len(node.inputs) > 2 else None
+    if b is None or s is None:
+        raise _Skip("B or scales not a constant")
+    zp_t = _input(node, 3)
+    zp = None
+    if zp_t is not None:
+        zp = constant_value(zp_t)
+        if zp is None:
+            raise _Skip("zero_points not a constant")
+        if zp.dtype != np.uint8:
+            raise _Skip(f"zero_points in {zp.dtype} (float zero points are not AWQ's integer grid)")
+    return K, N, bs, b, s, zp, _input(node, 5)
+
+
+class MatMulNBitsPass(Pass):
+    name = "matmulnbits"
+    default = False  # runs when named: `onnx-lowbit genai` (genai_config.DEFAULT_PASSES), --passes ...,matmulnbits
+    description = ("SwiGLU gate/up as onnxruntime's MatMulNBits (onnxruntime-genai int4) -> MatMulAWQ, lossless, "
+                   "for the ffn pass to fuse")
+
+    def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
+        if str(options.get("weights_target") or "lowbit").lower() == "ort":
+            return  # a model for stock onnxruntime: its MatMulNBits stay
+        lossy = bool(options.get("matmulnbits_lossy", False))
+        names = Names(graph)
+        for g in list(iter_graphs(graph)):
+            for mul in list(g.nodes):
+                if is_alive(mul) and mul.op == "Mul" and not mul.domain and len(mul.inputs) == 2:
+                    self.one(g, mul, names, report, lossy)
+
+    def one(self, g, mul, names, report, lossy) -> None:
+        for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):
+            silu = find_silu(g, a)
+            if silu is None:
+                continue
+            gate, up = _nbits(silu.z), _nbits(b)
+            if gate is None or up is None:
+                continue
+            pattern = f"swiglu: MatMulNBits gate/up, {silu.spelling}"
+            labels = [node_label(n) for n in (gate, up, mul)]
+            try:
+                self.check(g, mul, silu, gate, up)
+                done = [self.convert(g, n, names, lossy) for n in (gate, up)]
+            except _Skip as e:
+                self.skipped(report, pattern, labels, str(e))
+                return
+            for node, new, details in done:
+                node.outputs.clear()
+                node.inputs.clear()
+                g.nodes.append(new)
+            rel = max(d["rel_error"] for _, _, d in done)
+            self.rewritten(report, pattern, labels,
+                           "MatMulNBits -> MatMulAWQ " + ("(lossless)" if rel == 0.0 else f"(lossy: scales rounded "
+                                                                                          f"to fp16, rel {rel:.2g})"),
+                           new_nodes=[n.name for _, n, _ in done], **done[0][2])
+            return
+
+    @staticmethod
+    def check(g, mul, silu, gate, up) -> None:
+        if gate.inputs[0] is not up.inputs[0]:
+            raise _Skip(f"gate reads {gate.inputs[0].name!r}, up reads {up.inputs[0].name!r}: not one input")
+        inside = {id(n) for n in silu.nodes} | {id(mul)}
+        for node in (gate, up):
+            y = node.outputs[0]
+            if is_graph_output(g, y) or any(id(c) not in inside for c in consumers(y)):
+                raise _Skip(f"{y.name!r} is also read outside the SwiGLU block")
+        for n in silu.nodes:
+            for y in n.outputs:
+                if is_graph_output(g, y) or any(id(c) not in inside for c in consumers(y)):
+                    raise _Skip(f"{y.name!r} is also read outside the SwiGLU block")
+
+    @staticmethod
+    def convert(g, node, names: Names, lossy: bool):
+        from onnx_lowbit import matmulnbits  # noqa: PLC0415 - the registry imports without numpy work
+        K, N, bs, b, s, zp, bias = _read(node)
+        try:
+            qweight, qzeros, scales, rel = matmulnbits.to_awq(b, s, zp, K, N, bs, lossy=lossy)
+        except ValueError as e:
+            raise _Skip(f"{e}{'' if lossy else '; the option matmulnbits_lossy=True converts anyway'}") from None
+        base = node.inputs[1].name
+        consts = [gs.Constant(names(f"{base}_qweight"), qweight), gs.Constant(names(f"{base}_qzeros"), qzeros),
+                  gs.Constant(names(f"{base}_scales"), scales)]
+        inputs = [node.inputs[0]] + consts + ([bias] if bias is not None else [])
+        new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=names(f"{node.name or base}_awq"),
+                      attrs=dict(group_size=bs, K=K, N=N), inputs=inputs, outputs=[node.outputs[0]])
+        details = dict(op="MatMulAWQ", K=K, N=N, group_size=bs, zero_points=zp is not None, rel_error=rel,
+                       scales=str(np.asarray(s).dtype), bytes_before=int(b.nbytes + s.nbytes +
+                                                                          (0 if zp is None else zp.nbytes)),
+                       bytes_after=int(qweight.nbytes + qzeros.nbytes + scales.nbytes))
+        return node, new, details

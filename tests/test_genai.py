@@ -1,0 +1,185 @@
+"""onnxruntime-genai model folders end to end on the CPU (skipped without onnxruntime-genai): genai's model builder on
+a tiny random LLaMA (int4 built for CUDA: fp16 with MatMulNBits; fp32 for the CPU), the graphs it writes, our
+rewrite of the folder (onnx_lowbit.genai_config), greedy generation in genai's og.Generator with our ops loaded
+through genai_config.json's custom_ops_library (tokens equal the original folder's), benchmarks/genai_loop.py.
+
+Generation runs in subprocesses: genai loads a second onnxruntime into the process (the package's
+libonnxruntime.so) and the shim keeps the OrtApi of the onnxruntime that registered it last
+(onnx_lowbit/genai_config.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from onnx_lowbit import genai_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAYERS = 2
+
+HF = f"""
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers={LAYERS},
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0)
+LlamaForCausalLM(cfg).eval().save_pretrained(sys.argv[1])
+vocab = {{"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{{f"w{{i}}": i for i in range(4, 256)}}}}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                        pad_token="<pad>").save_pretrained(sys.argv[1])
+from onnxruntime_genai.models.builder import create_model, parse_extra_options
+for out, precision, ep in zip(sys.argv[2::3], sys.argv[3::3], sys.argv[4::3]):
+    extra = ["is_symmetric=false"] if out.endswith("asym") else None
+    opts = parse_extra_options(None, sys.argv[1], out, precision, ep, out + "_cache", extra)
+    create_model(None, sys.argv[1], out, precision, ep, out + "_cache", **opts)
+"""
+
+GREEDY = """
+import json, sys, numpy as np
+from onnx_lowbit import genai_config
+lib = genai_config.prepare(sys.argv[1])
+import onnxruntime_genai as og
+m = og.Model(sys.argv[1])
+p = og.GeneratorParams(m)
+p.set_search_options(do_sample=False, max_length=36, min_length=36)
+g = og.Generator(m, p)
+g.append_tokens(np.arange(5, 17, dtype=np.int32).reshape(1, -1))
+while not g.is_done():
+    g.generate_next_token()
+from onnx_lowbit.custom_ops.runtime import bridge
+import os
+maps = sorted({ln.split()[-1] for ln in open("/proc/self/maps") if "ortshim" in ln}) \
+    if os.path.exists("/proc/self/maps") else None  # the shim files mapped into this process (Linux)
+print(json.dumps(dict(tokens=[int(t) for t in g.get_sequence(0)], lib=lib, loaded=bridge._path, maps=maps)))
+"""
+
+
+def _run(code_or_args, *args, timeout=300):
+    cmd = [sys.executable] + (["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args) + list(args)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """{"int4": folder (builder -p int4 -e cuda: fp16 activations), "asym": the same with zero points
+    (is_symmetric=false), "fp32": folder (-p fp32 -e cpu)}."""
+    d = tmp_path_factory.mktemp("genai")
+    folders = {"int4": str(d / "int4_cuda"), "asym": str(d / "int4_cuda_asym"), "fp32": str(d / "fp32_cpu")}
+    _run(HF, str(d / "hf"), folders["int4"], "int4", "cuda", folders["asym"], "int4", "cuda", folders["fp32"], "fp32",
+         "cpu")
+    return folders
+
+
+def _ops(folder):
+    m = onnx.load(os.path.join(folder, "model.onnx"), load_external_data=False)
+    return m, {(n.domain, n.op_type) for n in m.graph.node}
+
+
+def test_builder_graphs(built):
+    """What genai writes: GroupQueryAttention, SkipSimplifiedLayerNormalization, the MLP unfused (gate/up, Sigmoid,
+    Mul, Mul); int4: MatMulNBits block 32, symmetric (no zero points), fp16 scales."""
+    m, ops = _ops(built["int4"])
+    for op in [("com.microsoft", "GroupQueryAttention"), ("com.microsoft", "SkipSimplifiedLayerNormalization"),
+               ("com.microsoft", "MatMulNBits"), ("", "Sigmoid"), ("", "Mul")]:
+        assert op in ops, op
+    inits = {t.name: t for t in m.graph.initializer}
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 5 * LAYERS + 1                     # qkv, o, gate, up, down per layer, lm_head
+    for n in nbits:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert attrs["block_size"] == 32 and attrs["bits"] == 4
+        assert len([i for i in n.input if i]) == 3            # A, B, scales: no zero points
+        assert inits[n.input[2]].data_type == onnx.TensorProto.FLOAT16
+    m, _ = _ops(built["asym"])
+    assert all(len([i for i in n.input if i]) == 4 for n in m.graph.node if n.op_type == "MatMulNBits")
+    _, ops = _ops(built["fp32"])
+    assert ("", "MatMul") in ops and ("com.microsoft", "MatMulNBits") not in ops
+
+
+@pytest.mark.parametrize("kind,fused", [("int4", "FusedFFNAWQ"), ("asym", "FusedFFNAWQ"), ("fp32", "FusedFFN")])
+def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
+    src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
+    subprocess.run(["cp", "-r", built[kind], src], check=True)
+    report = genai_config.rewrite_folder(src, dst)
+    assert len(report.rewritten("ffn")) == LAYERS
+    if kind != "fp32":
+        assert all("lossless" in e.reason for e in report.rewritten("matmulnbits"))
+        assert {e.details["zero_points"] for e in report.rewritten("matmulnbits")} == {kind == "asym"}
+    m, ops = _ops(dst)
+    assert ("onnx_lowbit", fused) in ops and ("", "Sigmoid") not in ops
+    config = genai_config.read_config(dst)
+    assert config["model"]["decoder"]["session_options"]["custom_ops_library"] == genai_config.SHIM_NAME
+    assert os.path.exists(os.path.join(dst, genai_config.SHIM_NAME))
+    assert os.path.exists(os.path.join(dst, "tokenizer.json"))
+    for f in (src, dst):
+        genai_config.set_provider(f, "cpu")
+    want = json.loads(_run(GREEDY, src).strip().splitlines()[-1])
+    got = json.loads(_run(GREEDY, dst).strip().splitlines()[-1])
+    assert want["lib"] is None and got["lib"] == os.path.join(os.path.abspath(dst), genai_config.SHIM_NAME)
+    assert os.path.samefile(got["loaded"], got["lib"])          # our Python side loaded the folder's shim ...
+    if got["maps"] is not None:                                 # ... and genai mapped no other copy
+        assert len(got["maps"]) == 1 and os.path.samefile(got["maps"][0], got["lib"])
+    assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
+
+
+def test_prepare_same_file(built, tmp_path):
+    """prepare with a shim already loaded from elsewhere: the folder's copy becomes a hard link to it (same
+    inode), or, across file systems, a clear error."""
+    dst = str(tmp_path / "ours")
+    genai_config.rewrite_folder(built["int4"], dst)
+    code = ("import sys, os; from onnx_lowbit.custom_ops.runtime import bridge; from onnx_lowbit import "
+            "genai_config\nfirst = bridge.library_path()\ntry:\n    lib = genai_config.prepare(sys.argv[1])\n"
+            "    print('same', os.path.samefile(first, lib))\nexcept Exception as e:\n"
+            "    print('error', type(e).__name__, e)")
+    out = _run(code, dst).strip().splitlines()[-1]
+    from onnx_lowbit.custom_ops.runtime import build
+    if os.stat(build.shim_path()).st_dev == os.stat(dst).st_dev:
+        assert out == "same True"
+    else:
+        assert out.startswith("error LowbitError") and "before any other use" in out
+
+
+def test_genai_loop_benchmark(built, tmp_path):
+    dst = str(tmp_path / "ours")
+    genai_config.rewrite_folder(built["int4"], dst)
+    src = str(tmp_path / "orig")
+    subprocess.run(["cp", "-r", built["int4"], src], check=True)
+    for f in (src, dst):
+        genai_config.set_provider(f, "cpu")
+    js = str(tmp_path / "loop.json")
+    out = _run([os.path.join(ROOT, "benchmarks", "genai_loop.py"), src, dst, "--prompt", "8", "--new", "6",
+                "--rounds", "2", "--warmup", "1", "--json", js])
+    lines = [ln for ln in out.splitlines() if ln.startswith("|")]
+    assert "prefill ms" in lines[0] and "decode ms/tok median" in lines[0] and "tok/s" in lines[0]
+    assert len(lines) == 4 and lines[2].startswith("| orig") and lines[3].startswith("| ours")
+    res = json.load(open(js))
+    for r in res:
+        assert len(r["prefill"]) == 2 and len(r["decode"]) == 2 * 5 and r["tokens_per_s"] > 0
+        assert np.isfinite(r["decode_ms_p90"]) and r["decode_ms_p90"] >= r["decode_ms_median"]
+    assert res[1]["same_tokens"] and res[1]["cuda_graph"] is False
+
+
+def test_cli_genai(built, tmp_path, capsys):
+    from onnx_lowbit import cli
+    dst = str(tmp_path / "ours")
+    assert cli.main(["genai", built["int4"], dst, "--provider", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "4 rewritten, 0 skipped by matmulnbits, ffn" in out and "prepare(folder)" in out
+    sess = genai_config.decoder(genai_config.read_config(dst))["session_options"]
+    assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME
+    assert cli.main(["genai", built["int4"], dst]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err

@@ -1,0 +1,196 @@
+"""Pass matmulnbits (passes/matmulnbits.py) and the MatMulNBits -> AWQ conversion (onnx_lowbit/matmulnbits.py), on
+graphs spelled as onnxruntime-genai's model builder writes them (built here with onnx.helper: the builder itself is
+exercised in tests/test_genai.py when onnxruntime-genai is installed).
+
+genai's int4 MLP: gate = MatMulNBits(x), up = MatMulNBits(x), Mul(Mul(gate, Sigmoid(gate)), up), down =
+MatMulNBits; B uint8 [N, K/32, 16], scales [N, K/32] in A's dtype, no zero points (symmetric, zero point 8)."""
+import numpy as np
+import onnxruntime as ort
+import pytest
+from helpers import checked_rewrite, run_cpu
+from onnx import TensorProto, helper, numpy_helper
+
+from onnx_lowbit import awq, matmulnbits
+from onnx_lowbit.passes.weights4_quant import nbits_layout
+
+MS = "com.microsoft"
+
+
+def nbits_weight(K, N, bs, dtype, zero_points, seed):
+    """Random MatMulNBits tensors (B, scales, zero_points or None) of a [K, N] weight."""
+    rng = np.random.default_rng(seed)
+    nb = -(-K // bs)
+    q = rng.integers(0, 16, (nb * bs, N)).astype(np.uint8)
+    z = rng.integers(0, 16, (nb, N)).astype(np.uint8) if zero_points else np.full((nb, N), 8, np.uint8)
+    s = (rng.uniform(0.5, 2.0, (nb, N)) * 0.02).astype(dtype)
+    qweight, qzeros = awq.pack_int4(q), awq.pack_int4(z)
+    b, sc, zp = nbits_layout(qweight, qzeros, s.astype(np.float16), nb * bs, bs, dtype)
+    sc = s.T.reshape(-1)  # the scales in their own dtype (nbits_layout goes through fp16)
+    return b, sc.reshape(N, nb), (zp if zero_points else None)
+
+
+def nbits_node(name, x, y, K, N, bs, b, s, zp, inits, bits=4):
+    inits += [numpy_helper.from_array(b, f"{name}_B"), numpy_helper.from_array(s, f"{name}_s")]
+    ins = [x, f"{name}_B", f"{name}_s"]
+    if zp is not None:
+        inits.append(numpy_helper.from_array(zp, f"{name}_zp"))
+        ins.append(f"{name}_zp")
+    return helper.make_node("MatMulNBits", ins, [y], domain=MS, name=name, K=K, N=N, bits=bits, block_size=bs)
+
+
+def genai_mlp(K=64, N=128, bs=32, dtype=np.float16, zero_points=False, up_first=False, sig_first=False,
+              extra_reader=False, seed=0):
+    """x [B, S, K] -> genai's int4 SwiGLU MLP -> y [B, S, K] (and 'gate' as a second output with extra_reader)."""
+    et = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    inits, nodes = [], []
+    for i, (nm, k, n, out) in enumerate((("gate", K, N, "g"), ("up", K, N, "u"))):
+        b, s, zp = nbits_weight(k, n, bs, dtype, zero_points, seed + i)
+        nodes.append(nbits_node(nm, "x", out, k, n, bs, b, s, zp, inits))
+    nodes.append(helper.make_node("Sigmoid", ["g"], ["sg"], name="act_fn/Sigmoid"))
+    nodes.append(helper.make_node("Mul", ["sg", "g"] if sig_first else ["g", "sg"], ["a"], name="act_fn/Mul"))
+    nodes.append(helper.make_node("Mul", ["u", "a"] if up_first else ["a", "u"], ["m"], name="mlp/Mul"))
+    b, s, zp = nbits_weight(N, K, bs, dtype, zero_points, seed + 2)
+    nodes.append(nbits_node("down", "m", "y", N, K, bs, b, s, zp, inits))
+    outs = [helper.make_tensor_value_info("y", et, ["B", "S", K])]
+    if extra_reader:
+        outs.append(helper.make_tensor_value_info("g", et, ["B", "S", N]))
+    g = helper.make_graph(nodes, "genai_mlp", [helper.make_tensor_value_info("x", et, ["B", "S", K])], outs, inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             ir_version=10)
+
+
+def ops(model):
+    return sorted((n.domain, n.op_type) for n in model.graph.node)
+
+
+def ort_dequant(b, s, zp, K, N, bs):
+    """onnxruntime's own MatMulNBits on A = identity [K, K] (fp16): its dequantised weight, rounded to fp16."""
+    inits = []
+    node = nbits_node("w", "a", "y", K, N, bs, b, s, zp, inits)
+    g = helper.make_graph([node], "dq", [helper.make_tensor_value_info("a", TensorProto.FLOAT16, [K, K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [K, N])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)], ir_version=10)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"a": np.eye(K, dtype=np.float16)})[0]
+
+
+@pytest.mark.parametrize("K,N,bs,zero_points", [(64, 128, 32, False), (64, 24, 32, True), (80, 16, 32, True),
+                                                 (256, 32, 128, False), (96, 8, 16, True), (64, 16, 64, False)])
+def test_conversion_bit_exact(K, N, bs, zero_points):
+    """AWQ's dequantised fp16 weight of the converted tensors == onnxruntime's MatMulNBits weight (fp16), bit for
+    bit; and == the numpy reading of MatMulNBits (matmulnbits.dequantize)."""
+    b, s, zp = nbits_weight(K, N, bs, np.float16, zero_points, seed=K + N)
+    qweight, qzeros, scales, rel = matmulnbits.to_awq(b, s, zp, K, N, bs)
+    assert rel == 0.0
+    ours = awq.dequantize(qweight, qzeros, scales, bs, K, N)
+    ref = matmulnbits.dequantize(b, s, zp, K, N, bs, np.float16)
+    theirs = ort_dequant(b, s, zp, K, N, bs)
+    assert ours.dtype == theirs.dtype == np.float16
+    assert np.array_equal(ours.view(np.uint16), ref.view(np.uint16))
+    assert np.array_equal(ours.view(np.uint16), theirs.view(np.uint16))
+
+
+def test_conversion_round_trip_with_weights4_layout():
+    """to_awq inverts weights4's nbits_layout (the --target ort writer): the same packed AWQ tensors back."""
+    rng = np.random.default_rng(3)
+    K, N, bs = 64, 16, 32
+    q, z = rng.integers(0, 16, (K, N)), rng.integers(0, 16, (K // bs, N))
+    s = (rng.uniform(0.01, 0.05, (K // bs, N))).astype(np.float16)
+    qweight, qzeros, s16 = awq.pack(q, z, s)
+    b, sc, zp = nbits_layout(qweight, qzeros, s16, K, bs, np.float16)
+    back = matmulnbits.to_awq(b, sc, zp, K, N, bs)
+    assert np.array_equal(back[0], qweight) and np.array_equal(back[1], qzeros) and np.array_equal(back[2], s16)
+
+
+def test_fp32_scales_need_lossy():
+    K, N, bs = 64, 16, 32
+    b, s, zp = nbits_weight(K, N, bs, np.float32, False, seed=1)
+    with pytest.raises(ValueError, match="not lossless"):
+        matmulnbits.to_awq(b, s, zp, K, N, bs)
+    *_, rel = matmulnbits.to_awq(b, s, zp, K, N, bs, lossy=True)
+    assert 0.0 < rel < 1e-3                      # fp16 scales: about 2^-12 relative
+
+
+def test_bad_tensors_raise():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        matmulnbits.to_awq(np.zeros((12, 2, 16), np.uint8), np.ones(24, np.float16), None, 64, 12, 32)
+    with pytest.raises(ValueError, match="B must be uint8"):
+        matmulnbits.unpack(np.zeros((16, 2, 8), np.uint8), np.ones(32, np.float16), None, 64, 16, 32)
+
+
+@pytest.mark.parametrize("up_first,sig_first,zero_points", [(False, False, False), (True, True, True)])
+def test_genai_mlp_fused(up_first, sig_first, zero_points):
+    """matmulnbits + ffn: one FusedFFNAWQ on the same integers, the down projection stays MatMulNBits; the output
+    agrees with onnxruntime's unfused graph within fp16 summation order."""
+    m = genai_mlp(up_first=up_first, sig_first=sig_first, zero_points=zero_points)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False)
+    assert ops(out) == [("com.microsoft", "MatMulNBits"), ("onnx_lowbit", "FusedFFNAWQ")]
+    [conv] = rep.rewritten("matmulnbits")
+    assert "lossless" in conv.reason and conv.details["group_size"] == 32
+    assert len(rep.rewritten("ffn")) == 1
+    x = (np.random.default_rng(5).standard_normal((2, 3, 64))).astype(np.float16)
+    want = run_cpu(m, {"x": x}, ours=False)["y"].astype(np.float32)
+    got = run_cpu(out, {"x": x})["y"].astype(np.float32)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < 2e-3, rel
+
+
+def test_named_with_default_passes():
+    """Not a default pass: the defaults leave MatMulNBits (ffn's skip names this pass); named with them, fplut's
+    SiLU is read by ffn and the block is fused."""
+    out, rep = checked_rewrite(genai_mlp(), None, check=False)
+    assert ("onnx_lowbit", "FusedFFNAWQ") not in ops(out)
+    assert any("matmulnbits pass" in e.reason for e in rep.skipped("ffn"))
+    out, rep = checked_rewrite(genai_mlp(), ["fplut", "matmulnbits", "ffn"], check=False)
+    assert ("onnx_lowbit", "FusedFFNAWQ") in ops(out) and ("onnx_lowbit", "FPLUT") not in ops(out)
+
+
+def test_fp32_scales_skipped_unless_lossy():
+    m = genai_mlp(dtype=np.float32)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False)
+    assert ops(out) == ops(m)
+    [skip] = rep.skipped("matmulnbits")
+    assert "float32" in skip.reason and "matmulnbits_lossy" in skip.reason
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False, matmulnbits_lossy=True)
+    assert ("onnx_lowbit", "FusedFFNAWQ") in ops(out)
+    assert "lossy" in rep.rewritten("matmulnbits")[0].reason
+    x = (np.random.default_rng(6).standard_normal((1, 4, 64))).astype(np.float32)
+    want = run_cpu(m, {"x": x}, ours=False)["y"]
+    got = run_cpu(out, {"x": x})["y"]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_skips_and_target_ort():
+    m = genai_mlp(extra_reader=True)
+    out, rep = checked_rewrite(m, ["matmulnbits"], check=False)
+    assert ops(out) == ops(m)
+    assert "also read outside" in rep.skipped("matmulnbits")[0].reason
+    out, rep = checked_rewrite(genai_mlp(), ["matmulnbits", "ffn"], check=False, weights_target="ort")
+    assert ops(out) == ops(genai_mlp()) and not list(rep.rewritten("matmulnbits"))
+    m8 = genai_mlp()
+    for n in m8.graph.node:
+        if n.name == "gate":
+            for a in n.attribute:
+                if a.name == "bits":
+                    a.i = 8
+    out, rep = checked_rewrite(m8, ["matmulnbits"], check=False)
+    assert "bits=8" in rep.skipped("matmulnbits")[0].reason
+
+
+def test_float_genai_mlp_fused_by_ffn():
+    """genai's fp16 / fp32 MLP (MatMul gate/up, Sigmoid, Mul, Mul) needs no conversion: ffn fuses it."""
+    rng = np.random.default_rng(0)
+    K, N = 32, 64
+    inits = [numpy_helper.from_array((rng.standard_normal((K, N)) * 0.1).astype(np.float32), n) for n in "GU"]
+    inits.append(numpy_helper.from_array((rng.standard_normal((N, K)) * 0.1).astype(np.float32), "D"))
+    nodes = [helper.make_node("MatMul", ["x", "G"], ["g"]), helper.make_node("MatMul", ["x", "U"], ["u"]),
+             helper.make_node("Sigmoid", ["g"], ["sg"]), helper.make_node("Mul", ["g", "sg"], ["a"]),
+             helper.make_node("Mul", ["a", "u"], ["m"]), helper.make_node("MatMul", ["m", "D"], ["y"])]
+    g = helper.make_graph(nodes, "f", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", "S", K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", "S", K])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"])
+    assert ("onnx_lowbit", "FusedFFN") in ops(out) and not list(rep.rewritten("matmulnbits"))
+    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    np.testing.assert_allclose(run_cpu(out, {"x": x})["y"], run_cpu(m, {"x": x}, ours=False)["y"], rtol=1e-4,
+                               atol=1e-5)
