@@ -55,12 +55,6 @@ def _rs(v, s):
 
 
 @njit(cache=True, inline="always")
-def _rst(v, t):
-    """_rs(v, s) through s's triple t = (left, round, right) from shift_triples: branch-free."""
-    return ((v << t[0]) + t[1]) >> t[2]
-
-
-@njit(cache=True, inline="always")
 def _sat(v, lo, hi):
     return min(max(v, lo), hi)
 
@@ -204,31 +198,53 @@ def _lut(q, tab, lo, sh, rnd):
 
 
 @njit(cache=True, inline="always")
-def _cell(qwx, qrh, qh, bt, t, luts, e, z, lo, hi, sh):
+def _rs3(v, left, rnd, right):
+    return ((v << left) + rnd) >> right
+
+
+@njit(cache=True, inline="always")
+def _cell(qwx, qrh, qh, bt, t, luts, e, z, lo, hi, sh, pz, pr, pb, pg, qg):
     """One step's elementwise part of one batch row (gru_int.step after its R h GEMM): qwx [3H] int32, qrh [3H]
-    int64 (rescaled GEMM outputs), qh [H] int64 updated in place; bt = bias_terms, t = shift_triples."""
+    int64 (rescaled GEMM outputs), qh [H] int64 updated in place; bt = bias_terms, t = shift_triples; pz, pr,
+    pb, pg, qg [H] int64 scratch. In phases (the table lookups apart) so that LLVM vectorises the arithmetic."""
     h = qh.shape[0]
     rnd = (np.int64(1) << sh) >> 1
     one_z = np.int64(1) << e[IZO]
-    zwx, zrh, zh, zzo, zro, zrb, zrrh, zold, znew = z[IWX], z[IRH], z[IH], z[IZO], z[IRO], z[IRB], z[IRRH], \
-        z[IOLD], z[INEW]
+    zwx, zrh, zh, zzo, zro, zrb, zrrh, zold, znew, zgo = (z[IWX], z[IRH], z[IH], z[IZO], z[IRO], z[IRB], z[IRRH],
+                                                          z[IOLD], z[INEW], z[IGO])
+    wz0, wz1, wz2 = t[S_WZ, 0], t[S_WZ, 1], t[S_WZ, 2]
+    rz0, rz1, rz2 = t[S_RZ, 0], t[S_RZ, 1], t[S_RZ, 2]
+    wr0, wr1, wr2 = t[S_WR, 0], t[S_WR, 1], t[S_WR, 2]
+    rr0, rr1, rr2 = t[S_RR, 0], t[S_RR, 1], t[S_RR, 2]
+    rb0, rb1, rb2 = t[S_RB, 0], t[S_RB, 1], t[S_RB, 2]
+    rh0, rh1, rh2 = t[S_RRH, 0], t[S_RRH, 1], t[S_RRH, 2]
+    wg0, wg1, wg2 = t[S_WG, 0], t[S_WG, 1], t[S_WG, 2]
+    rg0, rg1, rg2 = t[S_RG, 0], t[S_RG, 1], t[S_RG, 2]
+    ol0, ol1, ol2 = t[S_OLD, 0], t[S_OLD, 1], t[S_OLD, 2]
+    nw0, nw1, nw2 = t[S_NEW, 0], t[S_NEW, 1], t[S_NEW, 2]
+    oh0, oh1, oh2 = t[S_OH, 0], t[S_OH, 1], t[S_OH, 2]
+    nh0, nh1, nh2 = t[S_NH, 0], t[S_NH, 1], t[S_NH, 2]
+    bz, br, brb, bg = bt[B_Z], bt[B_R], bt[B_RB], bt[B_G]
     tz, tr, tg = luts[0], luts[1], luts[2]
-    for j in range(h):
-        dwz = np.int64(qwx[j]) - zwx
-        dwr = np.int64(qwx[h + j]) - zwx
-        dwg = np.int64(qwx[2 * h + j]) - zwx
-        qzp = _sat(_rst(dwz, t[S_WZ]) + _rst(qrh[j] - zrh, t[S_RZ]) + bt[B_Z, j], lo, hi)
-        qz = _lut(qzp, tz, lo, sh, rnd)
-        qrp = _sat(_rst(dwr, t[S_WR]) + _rst(qrh[h + j] - zrh, t[S_RR]) + bt[B_R, j], lo, hi)
-        qr = _lut(qrp, tr, lo, sh, rnd)
-        qrb = _sat(_rst(qrh[2 * h + j] - zrh, t[S_RB]) + bt[B_RB, j], lo, hi)
-        qrrh = _sat(_rst((qr - zro) * (qrb - zrb), t[S_RRH]) + zrrh, lo, hi)
-        qgp = _sat(_rst(dwg, t[S_WG]) + _rst(qrrh - zrrh, t[S_RG]) + bt[B_G, j], lo, hi)
-        qg = _lut(qgp, tg, lo, sh, rnd)
-        dz = qz - zzo
-        qold = _sat(_rst(dz * (qh[j] - zh), t[S_OLD]) + zold, lo, hi)
-        qnew = _sat(_rst((one_z - dz) * (qg - z[IGO]), t[S_NEW]) + znew, lo, hi)
-        qh[j] = _sat(_rst(qold - zold, t[S_OH]) + _rst(qnew - znew, t[S_NH]) + zh, lo, hi)
+    for j in range(h):   # pre-activations of z and r, Rh_g + br_g
+        pz[j] = _sat(_rs3(np.int64(qwx[j]) - zwx, wz0, wz1, wz2) + _rs3(qrh[j] - zrh, rz0, rz1, rz2) + bz[j], lo, hi)
+        pr[j] = _sat(_rs3(np.int64(qwx[h + j]) - zwx, wr0, wr1, wr2) + _rs3(qrh[h + j] - zrh, rr0, rr1, rr2)
+                     + br[j], lo, hi)
+        pb[j] = _sat(_rs3(qrh[2 * h + j] - zrh, rb0, rb1, rb2) + brb[j], lo, hi)
+    for j in range(h):   # sigmoid tables: z into pz, r into pr
+        pz[j] = _lut(pz[j], tz, lo, sh, rnd)
+        pr[j] = _lut(pr[j], tr, lo, sh, rnd)
+    for j in range(h):   # r (Rh_g + br_g), g's pre-activation
+        qrrh = _sat(_rs3((pr[j] - zro) * (pb[j] - zrb), rh0, rh1, rh2) + zrrh, lo, hi)
+        pg[j] = _sat(_rs3(np.int64(qwx[2 * h + j]) - zwx, wg0, wg1, wg2) + _rs3(qrrh - zrrh, rg0, rg1, rg2) + bg[j],
+                     lo, hi)
+    for j in range(h):   # tanh table
+        qg[j] = _lut(pg[j], tg, lo, sh, rnd)
+    for j in range(h):   # z h + (1 - z) g
+        dz = pz[j] - zzo
+        qold = _sat(_rs3(dz * (qh[j] - zh), ol0, ol1, ol2) + zold, lo, hi)
+        qnew = _sat(_rs3((one_z - dz) * (qg[j] - zgo), nw0, nw1, nw2) + znew, lo, hi)
+        qh[j] = _sat(_rs3(qold - zold, oh0, oh1, oh2) + _rs3(qnew - znew, nh0, nh1, nh2) + zh, lo, hi)
 
 
 def _recurrence(qwx, R, r_shift, qh0, lens, reverse, bt, t, luts, e, z, lo, hi, sh, y, yh):
@@ -245,6 +261,7 @@ def _recurrence(qwx, R, r_shift, qh0, lens, reverse, bt, t, luts, e, z, lo, hi, 
         dh = np.empty(h, np.int16)
         dl = np.empty(h, np.int16)
         qrh = np.empty(h3, np.int64)
+        sc = np.empty((5, h), np.int64)
         ln = lens[n]
         for s in range(ln):
             ti = ln - 1 - s if reverse else s
@@ -257,7 +274,7 @@ def _recurrence(qwx, R, r_shift, qh0, lens, reverse, bt, t, luts, e, z, lo, hi, 
                     dh[k] = d
             for c in range(h3):
                 qrh[c] = _sat(_rs(_dot_exact(R[c], dh, dl), r_shift[c]) + zrh, lo, hi)
-            _cell(qwx[ti, n], qrh, qh, bt, t, luts, e, z, lo, hi, sh)
+            _cell(qwx[ti, n], qrh, qh, bt, t, luts, e, z, lo, hi, sh, sc[0], sc[1], sc[2], sc[3], sc[4])
             for j in range(h):
                 y[ti, n, j] = np.float32((qh[j] - zh) * scale)
         for ti in range(ln, t_dim):
@@ -299,28 +316,45 @@ def check_values(ch, e, lens, t):
     return True
 
 
-def run_direction(x, h0, W, R, b, ch, luts, e, z, bits, lens, reverse, y, yh):
-    """One direction: x [T, N, C] float32 (C-contiguous), h0 [N, H] float32 or None; writes y [T, N, H] and
-    yh [N, H] float32 (any strides). b [6H] int32, ch [4, 3H] int32, luts [3, L] int32, e, z [14] int64."""
+@njit(**_JIT)
+def direction(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh):
+    """One direction, everything after the host checks: x [T, N, C] float32 (C-contiguous), h0 [N, H] float32 (no
+    rows: zero state, i.e. zp_h), W [3H, C] / R [3H, H] int8 or int16, b [6H] int32, ch [4, 3H] int32, luts [3, L]
+    int32, e, z [14] int64, lens [N] int64; writes y [T, N, H] and yh [N, H] float32 (any strides)."""
     t_dim, n_dim, c_dim = x.shape
     h = R.shape[1]
-    lo, hi = gru_int.qrange(bits)
-    split = bits == 16
+    wide = _wide(W)
+    bits = 16 if wide else 8
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     m = t_dim * n_dim
     dh = np.empty((m, c_dim), np.int16)
-    dl = np.empty((m, c_dim), np.int16) if split else dh
-    quantize_split(x.reshape(m, c_dim), e[IX], z[IX], lo, hi, split, dh, dl)
+    dl = np.empty((m, c_dim) if wide else (0, c_dim), np.int16)
+    quantize_split(x.reshape(m, c_dim), e[IX], z[IX], lo, hi, wide, dh, dl if wide else dh)
     qwx = np.empty((m, 3 * h), np.int32)
-    proj = input_proj_parallel if m * 3 * h * c_dim >= PARALLEL_MACS and m >= 2 * MB else input_proj
-    proj(dh, dl, W, ch[0].astype(np.int64) + (e[IX] - e[IWX]), z[IWX], lo, hi, qwx)
+    shift = np.empty(3 * h, np.int64)
+    for c in range(3 * h):
+        shift[c] = np.int64(ch[0, c]) + e[IX] - e[IWX]
+    if m * 3 * h * c_dim >= PARALLEL_MACS and m >= 2 * MB:
+        input_proj_parallel(dh, dl if wide else dh, W, shift, z[IWX], lo, hi, qwx)
+    else:
+        input_proj(dh, dl if wide else dh, W, shift, z[IWX], lo, hi, qwx)
     qh = np.empty((n_dim, h), np.int64)
-    if h0 is None:
+    if h0.shape[0] == 0:
         qh[:] = z[IH]
     else:
-        quantize_rows(np.ascontiguousarray(h0, np.float32), e[IH], z[IH], lo, hi, qh)
-    rec = recurrence_parallel if n_dim > 1 else recurrence
-    rec(qwx.reshape(t_dim, n_dim, 3 * h), R, ch[1].astype(np.int64) + (e[IH] - e[IRH]), qh, lens, reverse,
-        bias_terms(b, ch, e, z, h), shift_triples(e), luts, e, z, lo, hi, gru_int.LUT_SHIFT[bits], y, yh)
+        quantize_rows(h0, e[IH], z[IH], lo, hi, qh)
+    r_shift = np.empty(3 * h, np.int64)
+    for c in range(3 * h):
+        r_shift[c] = np.int64(ch[1, c]) + e[IH] - e[IRH]
+    args = (qwx.reshape(t_dim, n_dim, 3 * h), R, r_shift, qh, lens, reverse, bias_terms(b, ch, e, z, h),
+            shift_triples(e), luts, e, z, lo, hi, 6 if wide else 0, y, yh)
+    if n_dim > 1:
+        recurrence_parallel(*args)
+    else:
+        recurrence(*args)
+
+
+_NO_H0 = np.zeros((0, 1), np.float32)
 
 
 def quant_gru(X, W, R, B, channel_exp, luts, sequence_lens=None, initial_h=None, *, hidden_size, bits,
@@ -358,9 +392,9 @@ def _run(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h, y_out=None,
     for k in range(d):
         reverse = a.direction == "reverse" or k == 1
         # int32 copies of the small int8/int16 tables: one compiled cell for both widths
-        run_direction(x, None if h0 is None else h0[k], W[k], R[k], np.ascontiguousarray(B[k], np.int32),
-                      np.ascontiguousarray(channel_exp[k], np.int32), np.ascontiguousarray(luts[k], np.int32),
-                      a.exponents[k], a.zero_points[k], a.bits, lens, reverse, ys[:, k], yhs[k])
+        direction(x, _NO_H0 if h0 is None else np.ascontiguousarray(h0[k], np.float32), W[k], R[k],
+                  np.ascontiguousarray(B[k], np.int32), np.ascontiguousarray(channel_exp[k], np.int32),
+                  luts[k].astype(np.int32), a.exponents[k], a.zero_points[k], lens, reverse, ys[:, k], yhs[k])
     return y_out, yh_out
 
 
@@ -376,14 +410,30 @@ class QuantGRUKernel(Kernel):
         for i in range(6):
             self.check_input(ins, i)
         v = [t.numpy() if t is not None else None for t in ins]
-        try:
-            t, n, _ = gru_int.check_inputs(self.a, *v)
-        except ValueError as e:
-            raise KernelError(str(e)) from None
+        t, n = self._check(v)
         d, h = self.a.num_directions, self.a.hidden_size
         shapes = ((t, d, n, h), (d, n, h)) if self.a.layout == 0 else ((n, t, d, h), (n, d, h))
         y, yh = (ctx.output_numpy(i, shape, np.float32) for i, shape in enumerate(shapes))
         _run(self.a, *v, y_out=y, yh_out=yh)
 
+    _signature = None  # the shapes and dtypes gru_int.check_inputs last accepted
 
+    def _check(self, v):
+        """gru_int.check_inputs, fast on repeated calls: the shapes and dtypes once per signature, the values
+        (channel_exp, sequence_lens) by check_values; on a failure gru_int.check_inputs names the problem."""
+        sig = tuple(None if x is None else (x.shape, x.dtype.num) for x in v)
+        x = v[0]
+        t, n = (x.shape[0], x.shape[1]) if self.a.layout == 0 else (x.shape[1], x.shape[0])
+        lens = v[6] if v[6] is not None else _NO_LENS
+        if sig == self._signature and check_values(v[4], self.a.exponents, lens, t):
+            return t, n
+        try:
+            gru_int.check_inputs(self.a, *v)
+        except ValueError as e:
+            raise KernelError(str(e)) from None
+        self._signature = sig
+        return t, n
+
+
+_NO_LENS = np.zeros(0, np.int32)
 KERNEL = QuantGRUKernel
