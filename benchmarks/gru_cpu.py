@@ -7,7 +7,8 @@ Per (H, C): a random float GRU (torch's init, uniform +-1/sqrt(H); linear_before
 X ~ N(0, 1) [T, 1, C]; QuantGRU parameters from gru_quant's calibration of that GRU (bits 8 and 16). Timed, all
 in one process, the implementations alternating run by run (medians; the first run of each is untimed):
 
-* `ort float GRU`: a one-node ONNX GRU model in a plain onnxruntime CPU session (default options);
+* `ort float GRU`: a one-node ONNX GRU model in a plain onnxruntime CPU session (default options: its intra-op
+  pool on all cores); `ort float GRU 1 thread`: the same with intra_op_num_threads = 1;
 * `session intN`: a one-node QuantGRU model in an onnxruntime CPU session with our library
   (onnx_lowbit.InferenceSession: the bridge's Python callback included);
 * `kernel intN`: quantgru_cpu.quant_gru_run on the host arrays (the kernel alone: no session, no input checks).
@@ -15,7 +16,7 @@ in one process, the implementations alternating run by run (medians; the first r
 Offline: one call runs all T steps. Streaming: T = 1 per run, the state carried (Y_h fed back as initial_h), one
 frame of each implementation after the other (`--stream-frames` frames each). Before timing, each QuantGRU
 session's Y and Y_h are checked bit for bit against the integer reference (onnx_lowbit.gru_int.quant_gru).
-Ratios: "1.8x faster" = the float GRU's median time / ours.
+Ratios: "1.8x faster" = the float GRU's (default options) median time / ours.
 """
 from __future__ import annotations
 
@@ -76,6 +77,9 @@ def params(H, C, T, bits, seed):  # noqa: N803
     return X, (W, R, B), qp
 
 
+CLOCK = time.perf_counter
+
+
 def alternate(fns, runs):
     """Median seconds per call of each of ``fns`` (name -> callable), calls alternating; one untimed call first."""
     for f in fns.values():
@@ -83,10 +87,17 @@ def alternate(fns, runs):
     ts = {n: [] for n in fns}
     for _ in range(runs):
         for n, f in fns.items():
-            t = time.perf_counter()
+            t = CLOCK()
             f()
-            ts[n].append(time.perf_counter() - t)
+            ts[n].append(CLOCK() - t)
     return {n: statistics.median(v) for n, v in ts.items()}
+
+
+def one_thread():
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    return so
 
 
 def ratio(base, ours):
@@ -117,7 +128,10 @@ def main():
         for H in a.hs:  # noqa: N806
             X, (W, R, B), qp = params(H, C, a.T, a.bits, seed=H + C)
             fsess = ort.InferenceSession(float_gru_model(W, R, B, H, False).SerializeToString(), providers=cpu)
-            fns = {"ort float GRU": lambda: fsess.run(None, {"X": X})}  # noqa: B023
+            fs1 = ort.InferenceSession(float_gru_model(W, R, B, H, False).SerializeToString(), one_thread(),
+                                       providers=cpu)
+            fns = {"ort float GRU": lambda: fsess.run(None, {"X": X}),  # noqa: B023
+                   "ort float GRU 1 thread": lambda: fs1.run(None, {"X": X})}  # noqa: B023
             for b in a.bits:
                 p = qp[b]
                 attrs = dict(hidden_size=H, bits=b, exponents=p["exponents"], zero_points=p["zero_points"])
@@ -133,7 +147,8 @@ def main():
             med = alternate(fns, a.runs)
             base = med["ort float GRU"]
             for n, t in med.items():
-                rows.append((f"C={C} H={H} T={a.T}", n, f"{t * 1e3:.2f}", "" if n.startswith("ort") else ratio(base, t)))
+                rows.append((f"C={C} H={H} T={a.T}", n, f"{t * 1e3:.2f}",
+                             "" if n == "ort float GRU" else ratio(base, t)))
                 out.append({"C": C, "H": H, "T": a.T, "mode": "offline", "impl": n, "ms": t * 1e3})
             print_table(["case", "implementation", "ms (median)", "vs ort float"], rows[-len(med):])
             if a.stream_frames:
@@ -151,7 +166,9 @@ def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
     from onnx_lowbit.custom_ops.gru import quantgru_cpu
     cpu = ["CPUExecutionProvider"]
     fs = ort.InferenceSession(float_gru_model(W, R, B, H, True).SerializeToString(), providers=cpu)
-    impls = {"ort float GRU": (lambda x, h: fs.run(None, {"X": x, "h0": h})[1])}
+    fs1 = ort.InferenceSession(float_gru_model(W, R, B, H, True).SerializeToString(), one_thread(), providers=cpu)
+    impls = {"ort float GRU": (lambda x, h: fs.run(None, {"X": x, "h0": h})[1]),
+             "ort float GRU 1 thread": (lambda x, h: fs1.run(None, {"X": x, "h0": h})[1])}
     for b in a.bits:
         p = qp[b]
         qs = onnx_lowbit.InferenceSession(quant_gru_model(p, H, b, True), providers=cpu)
@@ -165,14 +182,14 @@ def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
     for i in range(-1, n_frames):
         x = X[max(i, 0):max(i, 0) + 1]
         for n, f in impls.items():
-            t = time.perf_counter()
+            t = CLOCK()
             state[n] = f(x, state[n])
             if i >= 0:
-                ts[n].append(time.perf_counter() - t)
+                ts[n].append(CLOCK() - t)
     base = statistics.median(ts["ort float GRU"])
     for n, v in ts.items():
         t = statistics.median(v)
-        rows.append((f"C={C} H={H} streaming", n, f"{t * 1e3:.3f}", "" if n.startswith("ort") else ratio(base, t)))
+        rows.append((f"C={C} H={H} streaming", n, f"{t * 1e3:.3f}", "" if n == "ort float GRU" else ratio(base, t)))
         out.append({"C": C, "H": H, "T": 1, "mode": "streaming", "impl": n, "ms": t * 1e3})
     print_table(["case", "implementation", "ms per frame (median)", "vs ort float"], rows[-len(impls):])
 

@@ -36,6 +36,7 @@ IX, IH, IWX, IRH, IZP, IRP, IGP, IZO, IRO, IGO, IRB, IRRH, IOLD, INEW = (Q[n] fo
 CHUNK = 192            # int16: products per exact int32 partial sum (at most 255; 192: measured fastest of 64..240)
 MB = 4                 # input GEMM: rows per block (one W row read from L1 for MB dot products)
 PARALLEL_MACS = 1 << 22  # input GEMM: multiply-adds from which the parallel variant is used (2 threads ~2x)
+PIPE_BLOCK, PIPE_BLOCKS = 16, 16  # batch 1: steps per block of ``pipelined`` (>= 16; about 16 blocks)
 # scalar rescales of the cell (rows of shift_triples), gru_int.scalar_shifts' order
 S_WZ, S_RZ, S_WR, S_RR, S_RB, S_RRH, S_WG, S_RG, S_OLD, S_NEW, S_OH, S_NH = range(12)
 # per-channel constants of the cell (rows of bias_terms): the bias terms of z_pre, r_pre, Rh_add_br, g_pre with
@@ -247,45 +248,82 @@ def _cell(qwx, qrh, qh, bt, t, luts, e, z, lo, hi, sh, pz, pr, pb, pg, qg):
         qh[j] = _sat(_rs3(qold - zold, oh0, oh1, oh2) + _rs3(qnew - znew, nh0, nh1, nh2) + zh, lo, hi)
 
 
+@njit(cache=True, inline="always")
+def _steps(qwx, n, R, r_shift, qh, s0, s1, ln, reverse, bt, t, luts, e, z, lo, hi, sh, y, dh, dl, qrh, sc):
+    """Steps s0..s1-1 of batch row n (of ln; reverse: time index ln - 1 - s), state qh [H] int64 in place, y's
+    rows written; dh, dl [H] int16, qrh [3H] int64, sc [5, H] int64 scratch."""
+    h = qh.shape[0]
+    scale = 2.0 ** (-e[IH])
+    zh, zrh = z[IH], z[IRH]
+    for s in range(s0, s1):
+        ti = ln - 1 - s if reverse else s
+        for k in range(h):
+            d = qh[k] - zh
+            if _wide(R):
+                dh[k] = d >> 8
+                dl[k] = d & 255
+            else:
+                dh[k] = d
+        for c in range(3 * h):
+            qrh[c] = _sat(_rs(_dot_exact(R[c], dh, dl), r_shift[c]) + zrh, lo, hi)
+        _cell(qwx[ti, n], qrh, qh, bt, t, luts, e, z, lo, hi, sh, sc[0], sc[1], sc[2], sc[3], sc[4])
+        for j in range(h):
+            y[ti, n, j] = np.float32((qh[j] - zh) * scale)
+
+
+@njit(cache=True, inline="always")
+def _finish(qh, n, ln, e, z, y, yh):
+    """Row n's padded steps (>= ln) of y to 0, its Y_h from the state qh (0 when ln = 0)."""
+    scale = 2.0 ** (-e[IH])
+    for ti in range(ln, y.shape[0]):
+        for j in range(qh.shape[0]):
+            y[ti, n, j] = np.float32(0.0)
+    for j in range(qh.shape[0]):
+        yh[n, j] = np.float32((qh[j] - z[IH]) * scale) if ln > 0 else np.float32(0.0)
+
+
 def _recurrence(qwx, R, r_shift, qh0, lens, reverse, bt, t, luts, e, z, lo, hi, sh, y, yh):
     """All steps of one direction, batch rows in parallel with the parallel variant (a row's steps are
     sequential). qwx [T, N, 3H] int32, R [3H, H] int8/int16, r_shift [3H] int64 (eR + e_h - e_Rh), qh0 [N, H]
     int64; writes y [T, N, H] float32 (0 at a row's steps >= lens[n]) and yh [N, H]."""
-    t_dim = qwx.shape[0]
     n_dim, h = qh0.shape
-    h3 = 3 * h
-    scale = 2.0 ** (-e[IH])
-    zh, zrh = z[IH], z[IRH]
     for n in prange(n_dim):
         qh = qh0[n].copy()
-        dh = np.empty(h, np.int16)
-        dl = np.empty(h, np.int16)
-        qrh = np.empty(h3, np.int64)
-        sc = np.empty((5, h), np.int64)
-        ln = lens[n]
-        for s in range(ln):
-            ti = ln - 1 - s if reverse else s
-            for k in range(h):
-                d = qh[k] - zh
-                if _wide(R):
-                    dh[k] = d >> 8
-                    dl[k] = d & 255
-                else:
-                    dh[k] = d
-            for c in range(h3):
-                qrh[c] = _sat(_rs(_dot_exact(R[c], dh, dl), r_shift[c]) + zrh, lo, hi)
-            _cell(qwx[ti, n], qrh, qh, bt, t, luts, e, z, lo, hi, sh, sc[0], sc[1], sc[2], sc[3], sc[4])
-            for j in range(h):
-                y[ti, n, j] = np.float32((qh[j] - zh) * scale)
-        for ti in range(ln, t_dim):
-            for j in range(h):
-                y[ti, n, j] = np.float32(0.0)
-        for j in range(h):
-            yh[n, j] = np.float32((qh[j] - zh) * scale) if ln > 0 else np.float32(0.0)
+        dh, dl = np.empty(h, np.int16), np.empty(h, np.int16)
+        qrh, sc = np.empty(3 * h, np.int64), np.empty((5, h), np.int64)
+        _steps(qwx, n, R, r_shift, qh, 0, lens[n], lens[n], reverse, bt, t, luts, e, z, lo, hi, sh, y, dh, dl,
+               qrh, sc)
+        _finish(qh, n, lens[n], e, z, y, yh)
 
 
 recurrence = njit(**_JIT)(_recurrence)
 recurrence_parallel = njit(parallel=True, **_JIT)(_recurrence)
+
+
+@njit(parallel=True, **_JIT)
+def pipelined(dh, dl, W, shift, zwx, qwx, R, r_shift, qh, ln, block, reverse, bt, t, luts, e, z, lo, hi, sh, y,
+              yh):
+    """One batch row (N = 1) on two threads without synchronisation: the steps in blocks of ``block``; while one
+    thread runs block b's steps, the other projects the input rows of block b + 1 (disjoint rows of qwx
+    [T, 1, 3H]; dh, dl [T, C]); only block 0's rows are projected before (both threads). With one thread the two
+    tasks run one after the other: same result."""
+    nb = (ln + block - 1) // block
+    h = qh.shape[1]
+    r0, r1 = (0, min(block, ln)) if not reverse else (ln - min(block, ln), ln)
+    input_proj_parallel(dh[r0:r1], dl[r0:r1], W, shift, zwx, lo, hi, qwx[r0:r1, 0])
+    q = qh[0]
+    dh1, dl1 = np.empty(h, np.int16), np.empty(h, np.int16)
+    qrh, sc = np.empty(3 * h, np.int64), np.empty((5, h), np.int64)
+    for b in range(nb):
+        for task in prange(2):
+            if task == 0:
+                _steps(qwx, 0, R, r_shift, q, b * block, min((b + 1) * block, ln), ln, reverse, bt, t, luts, e, z,
+                       lo, hi, sh, y, dh1, dl1, qrh, sc)
+            elif b + 1 < nb:
+                s0, s1 = (b + 1) * block, min((b + 2) * block, ln)
+                p0, p1 = (s0, s1) if not reverse else (ln - s1, ln - s0)
+                input_proj(dh[p0:p1], dl[p0:p1], W, shift, zwx, lo, hi, qwx[p0:p1, 0])
+    _finish(q, 0, ln, e, z, y, yh)
 
 
 @njit(**_JIT)
@@ -334,7 +372,11 @@ def direction(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh):
     shift = np.empty(3 * h, np.int64)
     for c in range(3 * h):
         shift[c] = np.int64(ch[0, c]) + e[IX] - e[IWX]
-    if m * 3 * h * c_dim >= PARALLEL_MACS and m >= 2 * MB:
+    big = m * 3 * h * c_dim >= PARALLEL_MACS and m >= 2 * MB
+    pipe = big and n_dim == 1 and lens[0] >= 2 * PIPE_BLOCK
+    if pipe:
+        pass    # projected block by block below
+    elif big:
         input_proj_parallel(dh, dl if wide else dh, W, shift, z[IWX], lo, hi, qwx)
     else:
         input_proj(dh, dl if wide else dh, W, shift, z[IWX], lo, hi, qwx)
@@ -346,8 +388,13 @@ def direction(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh):
     r_shift = np.empty(3 * h, np.int64)
     for c in range(3 * h):
         r_shift[c] = np.int64(ch[1, c]) + e[IH] - e[IRH]
-    args = (qwx.reshape(t_dim, n_dim, 3 * h), R, r_shift, qh, lens, reverse, bias_terms(b, ch, e, z, h),
-            shift_triples(e), luts, e, z, lo, hi, 6 if wide else 0, y, yh)
+    bt, tr, sh = bias_terms(b, ch, e, z, h), shift_triples(e), 6 if wide else 0
+    if pipe:
+        block = max(PIPE_BLOCK, (lens[0] + PIPE_BLOCKS - 1) // PIPE_BLOCKS)
+        pipelined(dh, dl if wide else dh, W, shift, z[IWX], qwx.reshape(t_dim, 1, 3 * h), R, r_shift, qh, lens[0],
+                  block, reverse, bt, tr, luts, e, z, lo, hi, sh, y, yh)
+        return
+    args = (qwx.reshape(t_dim, n_dim, 3 * h), R, r_shift, qh, lens, reverse, bt, tr, luts, e, z, lo, hi, sh, y, yh)
     if n_dim > 1:
         recurrence_parallel(*args)
     else:
