@@ -1,6 +1,6 @@
 """QuantGRU, CPU face (Numba): the fixed-point GRU of onnx_lowbit.gru_int, bit-exact (spec: docs/gru.md).
 
-All integer; no BLAS, no float GEMM. Per direction (``run_direction``):
+All integer; no BLAS, no float GEMM. Per direction one Numba entry, ``run_direction`` (arrays and ints only):
 
 1. ``quantize_split``: X -> d = quantize(x) - zp_x, the zero point removed so the GEMM needs no row sums. int8:
    d in [-255, 255] is one int16 operand. int16: d in [-65535, 65535] is split into int16 bytes, d = 256 hi + lo
@@ -355,7 +355,7 @@ def check_values(ch, e, lens, t):
 
 
 @njit(**_JIT)
-def direction(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh):
+def run_direction(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh):
     """One direction, everything after the host checks: x [T, N, C] float32 (C-contiguous), h0 [N, H] float32 (no
     rows: zero state, i.e. zp_h), W [3H, C] / R [3H, H] int8 or int16, b [6H] int32, ch [4, 3H] int32, luts [3, L]
     int32, e, z [14] int64, lens [N] int64; writes y [T, N, H] and yh [N, H] float32 (any strides)."""
@@ -439,9 +439,9 @@ def _run(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h, y_out=None,
     for k in range(d):
         reverse = a.direction == "reverse" or k == 1
         # int32 copies of the small int8/int16 tables: one compiled cell for both widths
-        direction(x, _NO_H0 if h0 is None else np.ascontiguousarray(h0[k], np.float32), W[k], R[k],
-                  np.ascontiguousarray(B[k], np.int32), np.ascontiguousarray(channel_exp[k], np.int32),
-                  luts[k].astype(np.int32), a.exponents[k], a.zero_points[k], lens, reverse, ys[:, k], yhs[k])
+        run_direction(x, _NO_H0 if h0 is None else np.ascontiguousarray(h0[k], np.float32), W[k], R[k],
+                      np.ascontiguousarray(B[k], np.int32), np.ascontiguousarray(channel_exp[k], np.int32),
+                      luts[k].astype(np.int32), a.exponents[k], a.zero_points[k], lens, reverse, ys[:, k], yhs[k])
     return y_out, yh_out
 
 
