@@ -184,3 +184,45 @@ def test_empty_shapes():
         for g, r in zip(got, ref):
             assert g.shape == r.shape
             np.testing.assert_array_equal(g, r)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_cpu_kernel_long_rows_and_extremes(bits):
+    """Rows longer than the kernel's int32 chunk (quantgru_cpu.CHUNK), the parallel input GEMM, and the largest
+    products the format allows (every weight qmin, x and h at qmin with zero point qmax: |d| = 2^bits - 1), where
+    a wrong chunk bound would overflow int32: bit-exact with the reference."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T, N, C, H = 40, 2, 300, 200  # noqa: N806
+    assert C > quantgru_cpu.CHUNK and H > quantgru_cpu.CHUNK and T * N * 3 * H * C >= quantgru_cpu.PARALLEL_MACS
+    X, p, h0, lens, _ = random_gru(T, N, C, H, "bidirectional", bits, seed=7, stress=True)
+    kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"],
+              direction="bidirectional")
+    args = [X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], lens, h0]
+    for g, r in zip(quantgru_cpu.quant_gru(*args, **kw), gru_int.quant_gru(*args, **kw)):
+        np.testing.assert_array_equal(g, r)
+    lo, hi = gru_int.qrange(bits)
+    z = np.array(p["zero_points"]).reshape(2, gru_int.NQ)
+    z[:, gru_int.Q["x"]] = z[:, gru_int.Q["h"]] = hi
+    kw["zero_points"] = z.reshape(-1).tolist()
+    args[1], args[2] = np.full_like(p["W"], lo), np.full_like(p["R"], lo)
+    args[0], args[7] = np.full_like(X, -1e9), np.full_like(h0, -1e9)
+    got, ref = quantgru_cpu.quant_gru(*args, **kw), gru_int.quant_gru(*args, **kw)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g, r)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_cpu_kernel_batch_one_pipelined(bits):
+    """Batch 1, long enough for quantgru_cpu.pipelined (the steps in blocks, the next block's input rows projected
+    on the other thread), both directions, full and shorter sequence_lens (block boundaries not aligned with T):
+    bit-exact with the reference."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T, C, H = 70, 300, 200  # noqa: N806
+    assert T * 3 * H * C >= quantgru_cpu.PARALLEL_MACS and 53 >= 2 * quantgru_cpu.PIPE_BLOCK
+    X, p, h0, _, _ = random_gru(T, 1, C, H, "bidirectional", bits, seed=3, stress=True)
+    kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"],
+              direction="bidirectional")
+    for lens in (None, np.array([53], np.int32)):
+        args = (X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], lens, h0)
+        for g, r in zip(quantgru_cpu.quant_gru(*args, **kw), gru_int.quant_gru(*args, **kw)):
+            np.testing.assert_array_equal(g, r)
