@@ -168,7 +168,10 @@ def test_cli_tune_real_sessions_report_lines(tmp_path):
     for name, n in (("fplut", 3), ("merge", 1)):     # timed for real: the decision follows the figures
         _, rewrites, before, after, *why = lines[name].split()
         assert int(rewrites) == n and float(before) > 0 and float(after) > 0
-        assert " ".join(why).startswith("kept" if float(after) < float(before) else "left out")
+        if float(after) != float(before):   # equal as printed (rounded): either decision follows the exact medians
+            assert " ".join(why).startswith("kept" if float(after) < float(before) else "left out")
+        else:
+            assert " ".join(why).startswith(("kept", "left out"))
     d = json.loads(rep.read_text())["tune"]
     assert {p["pass_name"] for p in d["passes"]} >= {"fplut", "merge"} and d["runs"] == 3
     kept = onnx.load(dst)
