@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from . import __version__
-from .cli_options import pass_options
+from .cli_options import add_quality_arguments, pass_options
 from .errors import LowbitError
 from .progress import Status
 
@@ -354,6 +354,7 @@ def _weights_arguments(p) -> None:
     g.add_argument("--target", choices=["lowbit", "ort"],
                    help="lowbit: onnx-lowbit MatMulNF4/MatMulAWQ (default); ort: onnxruntime's com.microsoft "
                         "MatMulBnb4/MatMulNBits (stock onnxruntime)")
+    add_quality_arguments(g)
 
 
 def _non_negative(v: str) -> int:

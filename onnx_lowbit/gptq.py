@@ -57,13 +57,15 @@ def inverse_cholesky(h: np.ndarray, damp: float = DEFAULT_DAMP) -> np.ndarray:
     dead = diag <= 0
     h[dead, dead] = 1.0
     mean = float(np.mean(np.diag(h)))
+    rev = slice(None, None, -1)
     for attempt in range(5):
         hd = h + np.eye(k) * (damp * 10 ** attempt) * mean
         try:
-            lo = np.linalg.cholesky(hd)
-            inv = np.linalg.inv(lo)          # (L L^T)^-1 = L^-T L^-1
-            hinv = inv.T @ inv
-            return np.linalg.cholesky(hinv).T
+            # with J the reversal of the channel order and J H J = L L^T: H = R R^T with R = J L J upper, so
+            # H^-1 = R^-T R^-1 and U = R^-1 = J L^-1 J (one factorisation and one inverse)
+            lo = np.linalg.cholesky(hd[rev, rev])
+            u = np.linalg.inv(lo)[rev, rev]
+            return np.triu(u)
         except np.linalg.LinAlgError:
             if damp == 0:
                 damp = 1e-6
@@ -105,14 +107,16 @@ class AWQCodes(NamedTuple):
     w_hat: np.ndarray    # float32 [K, N]: the dequantised weight, exactly what MatMulAWQ computes with
 
 
-def gptq_awq(w: np.ndarray, h: np.ndarray, group_size: int = 128, damp: float = DEFAULT_DAMP) -> AWQCodes:
+def gptq_awq(w: np.ndarray, h: np.ndarray, group_size: int = 128, damp: float = DEFAULT_DAMP,
+             u: np.ndarray | None = None) -> AWQCodes:
     """GPTQ rounding of W [K, N] (N a multiple of 8) onto AWQ's asymmetric int4 groups; each group's scale and zero
     point as ``awq.rtn_codes`` computes them (float32 arithmetic, the scale rounded to fp16 first), from the
-    group's rows as they stand when it is reached. ``awq.pack(q, z, s)`` gives qweight, qzeros, scales."""
+    group's rows as they stand when it is reached. ``awq.pack(q, z, s)`` gives qweight, qzeros, scales. ``u``:
+    ``inverse_cholesky(h, damp)`` when already computed (products reading one input share it)."""
     w = awq._check_weight(w).astype(np.float32)
     k_rows, n = w.shape
     G = awq._positive_int("group_size", group_size)
-    u = inverse_cholesky(h, damp)
+    u = inverse_cholesky(h, damp) if u is None else u
     if u.shape[0] != k_rows:
         raise ValueError(f"H is [{u.shape[0]}, {u.shape[0]}], the weight has K = {k_rows}")
     groups = awq.padded_rows(k_rows, G) // G
@@ -142,7 +146,7 @@ class NF4Codes(NamedTuple):
 
 
 def gptq_nf4(w: np.ndarray, h: np.ndarray, quant_type: str = "nf4", block_size: int = 64,
-             damp: float = DEFAULT_DAMP) -> NF4Codes:
+             damp: float = DEFAULT_DAMP, u: np.ndarray | None = None) -> NF4Codes:
     """GPTQ rounding of W [K, N] onto bitsandbytes' NF4 / FP4 blocks (K a multiple of ``block_size``, so each block
     is ``block_size`` consecutive rows of one column): a block's absmax is the max |value| of its rows when its first
     row is reached; later values are scaled by it and clamped to [-1, 1] as ``nf4.quantize`` does."""
@@ -157,7 +161,7 @@ def gptq_nf4(w: np.ndarray, h: np.ndarray, quant_type: str = "nf4", block_size: 
                          "otherwise bitsandbytes' blocks run across columns")
     if not np.all(np.isfinite(w)):
         raise ValueError("weight holds NaN or Inf")
-    u = inverse_cholesky(h, damp)
+    u = inverse_cholesky(h, damp) if u is None else u
     if u.shape[0] != k_rows:
         raise ValueError(f"H is [{u.shape[0]}, {u.shape[0]}], the weight has K = {k_rows}")
     table = nf4.code(quant_type)

@@ -54,8 +54,19 @@ VARIANTS = {
     "awq": ["--weights", "awq", "--calibration", "{calib}"],
     "awq-g64": ["--weights", "awq", "--group-size", "64", "--calibration", "{calib}"],
     "nf4-b32": ["--weights", "nf4", "--block-size", "32"],
+    # GPTQ rounding (issue 33), and mixed precision within a byte budget (fraction of the fp32 weight bytes)
+    "nf4-gptq": ["--weights", "nf4", "--rounding", "gptq", "--calibration", "{calib}"],
+    "awq-gptq": ["--weights", "awq", "--rounding", "gptq", "--calibration", "{calib}"],
+    "awq-g64-gptq": ["--weights", "awq", "--group-size", "64", "--rounding", "gptq", "--calibration", "{calib}"],
+    "awq-gptq-b25": ["--weights", "awq", "--rounding", "gptq", "--budget", "0.25", "--calibration", "{calib}"],
+    "awq-gptq-b30": ["--weights", "awq", "--rounding", "gptq", "--budget", "0.30", "--calibration", "{calib}"],
+    "nf4-gptq-b30": ["--weights", "nf4", "--rounding", "gptq", "--budget", "0.30", "--calibration", "{calib}"],
 }
-DEFAULT_VARIANTS = "nf4,nf4-head4bit,awq-rtn,awq,awq-g64,nf4-b32"
+# anchors: the same fp32 export with its linear weights replaced by another library's 4-bit round trip (the tied
+# embedding / lm_head table rounded to fp16, as our rewrites keep it); scored on the same windows
+ANCHORS = ("bnb-nf4", "torch-rtn-g128")
+DEFAULT_VARIANTS = ("bnb-nf4,torch-rtn-g128,nf4,awq-rtn,awq,nf4-gptq,awq-gptq,awq-g64-gptq,awq-gptq-b25,awq-gptq-b30,"
+                    "nf4-gptq-b30")
 
 
 def cli(*args):
@@ -98,6 +109,70 @@ def calibration_npz(model_path, tokenizer, calib_text, path, tokens):
     return ids.shape[1]
 
 
+def anchor(model, kind: str):
+    """(the model with every nn.Linear but lm_head replaced by ``kind``'s 4-bit round trip and the tied table rounded
+    to fp16, the bytes that storage would take). bnb-nf4: bitsandbytes.functional.quantize_4bit / dequantize_4bit
+    (CPU, NF4, blocks of 64, fp32 absmax); torch-rtn-g128: symmetric int4 round to nearest, groups of 128 along K,
+    fp16 scale = max |w| / 7, codes -8..7."""
+    import torch
+    nbytes = 0
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if not isinstance(m, torch.nn.Linear) or name.endswith("lm_head"):
+                continue
+            w = m.weight.data.float()
+            if kind == "bnb-nf4":
+                import bitsandbytes.functional as bf
+                q, state = bf.quantize_4bit(w.contiguous(), blocksize=64, quant_type="nf4")
+                m.weight.data = bf.dequantize_4bit(q, state).float().reshape(w.shape)
+                nbytes += w.numel() // 2 + 4 * (w.numel() // 64)
+            else:
+                n, k = w.shape
+                g = w.reshape(n, k // 128, 128)
+                s = (g.abs().amax(dim=2, keepdim=True) / 7).half().float().clamp_min(1e-8)
+                m.weight.data = (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(n, k)
+                nbytes += w.numel() // 2 + 2 * (w.numel() // 128)
+        counted = {id(m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                   and not n.endswith("lm_head")}
+        for p in model.parameters():
+            if id(p) in counted:
+                continue
+            if p.dim() == 2:       # the embedding table (tied to lm_head): fp16, as our rewrites store it
+                p.data = p.data.half().float()
+                nbytes += 2 * p.numel()
+            else:
+                nbytes += 4 * p.numel()
+    return model, nbytes
+
+
+def layer_checks(report_path: str) -> str | None:
+    """The report's per-layer held-out checks: AWQ's scales against RTN, GPTQ against RTN, the budget's plan."""
+    if not os.path.exists(report_path):
+        return None
+    entries = [e for e in json.load(open(report_path))["entries"] if e["pass"] == "weights4"
+               and e["action"] == "rewritten"]
+    out = []
+    awq = [e["details"] for e in entries if e["details"].get("heldout_mse_awq") is not None]
+    if awq:
+        holds = sum(d["heldout_mse_awq"] <= d["heldout_mse_rtn"] for d in awq)
+        kept = sum(bool(d.get("awq_alpha")) for d in awq)
+        out.append(f"AWQ <= RTN on held-out rows (searched scales): {holds} of {len(awq)} layers; scales kept on {kept}"
+                   f" (the others RTN)")
+    gq = [e["details"] for e in entries if e["details"].get("gptq_mse_heldout") is not None]
+    if gq:
+        holds = sum(d["gptq_mse_heldout"] <= d["rtn_mse_heldout"] for d in gq)
+        out.append(f"GPTQ <= RTN on held-out rows: {holds} of {len(gq)} layers (RTN kept on the others)")
+    budget = next((e["details"]["budget"] for e in entries if "budget" in e["details"]), None)
+    if budget:
+        kept = [e for e in entries if e["details"].get("format") in ("int8", "fp16")]
+        names = sorted({(e["nodes"][0].split("/")[2] if e["nodes"][0].count("/") > 2 else e["nodes"][0]) + ":" +
+                        e["nodes"][0].rsplit("/", 2)[-2] for e in kept})
+        out.append(f"budget {budget['budget']}: {budget['planned_bytes'] / 2 ** 20:.1f} MiB planned of "
+                   f"{budget['limit_bytes'] / 2 ** 20:.1f} MiB allowed (fp32 {budget['fp32_bytes'] / 2 ** 20:.1f} MiB); "
+                   f"kept {budget['kept']}: {', '.join(names)}")
+    return "\n  ".join(out) if out else None
+
+
 def fp32_parameter_bytes(source) -> int:
     import numpy as np
     return int(sum(np.prod(p.shape) for p in source.parameters()) * 4)   # tied tables counted once
@@ -111,13 +186,13 @@ def main(argv=None) -> int:
     p.add_argument("--calib-text", help="calibration text for AWQ (default: other Python reference topics)")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--calib-tokens", type=int, default=512)
+    p.add_argument("--calib-tokens", type=int, default=2048)
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated of {', '.join(VARIANTS)}")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and v not in ANCHORS]
     if bad:
-        p.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {bad}; choose from {', '.join(list(ANCHORS) + list(VARIANTS))}")
     os.makedirs(a.out, exist_ok=True)
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
@@ -129,6 +204,14 @@ def main(argv=None) -> int:
         t = time.time()
         export_causal_lm.export(model, src)
         print(f"exported {src} in {time.time() - t:.1f} s", flush=True)
+    nominal = {}
+    for v in variants:
+        dst = os.path.join(a.out, f"smol.{v}.onnx")
+        if v in ANCHORS:
+            m, nominal[dst] = anchor(export_causal_lm.load(a.gguf), v)
+            if not os.path.exists(dst):
+                export_causal_lm.export(m, dst)
+                print(f"exported the {v} anchor {dst}", flush=True)
     del model
     ev, cal = texts(a)
     npz = os.path.join(a.out, "calib.npz")
@@ -137,6 +220,9 @@ def main(argv=None) -> int:
     outs = []
     for v in variants:
         dst = os.path.join(a.out, f"smol.{v}.onnx")
+        if v in ANCHORS:
+            outs.append(dst)
+            continue
         opts = [x.replace("{calib}", npz) for x in VARIANTS[v]]
         if cli("rewrite", src, dst, *opts, "--report-json", dst + ".report.json") not in (0, 4):
             return 1
@@ -155,8 +241,13 @@ def main(argv=None) -> int:
         d = f"{100 * (m['ppl'] / base['ppl'] - 1):+7.1f}%" if m is not base else f"{'-':>8s}"
         g = f"{100 * m['greedy_agree']:6.1f}%" if m["greedy_agree"] is not None else f"{'-':>7s}"
         w = f"{100 * m['worse_2nats']:7.2f}%" if m["worse_2nats"] is not None else f"{'-':>8s}"
-        print(f"{name:14s} {m['weight_bytes'] / 2 ** 20:8.1f}M {m['weight_bytes'] / params:7.3f} {m['ppl']:8.3f} "
-              f"{d} {g} {w}")
+        b = nominal.get(m["path"], m["weight_bytes"])   # anchors: the bytes of their 4-bit storage (the file is fp32)
+        print(f"{name:14s} {b / 2 ** 20:8.1f}M {b / params:7.3f} {m['ppl']:8.3f} {d} {g} {w}"
+              + ("  (fp32 file; bytes of its 4-bit storage)" if m["path"] in nominal else ""))
+    for v in variants:
+        checks = layer_checks(os.path.join(a.out, f"smol.{v}.onnx.report.json"))
+        if checks:
+            print(f"{v}: {checks}")
     return 0
 
 
