@@ -48,6 +48,10 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
                           its searched scales only when they beat RTN on those rows too (default 0.25; 0: off)
     weights_lm_head       "fp16" (default) | "float" | "4bit": the output head over a vocabulary (weights4_graph.
                           head_reason) stays in float, stored once (fp16 for float32 models), or is quantised
+    weights_rounding      "rtn" (default) | "gptq": GPTQ's error-compensating rounding on the calibration
+                          activations (onnx_lowbit.gptq; after AWQ's scales; RTN kept where it loses on held-out rows)
+    weights_budget        fraction of the model's fp32 weight bytes; the most sensitive products stay in
+                          weights_budget_form "int8" (DequantizeLinear) or "fp16" within it (weights4_mixed.py)
 
 AWQ activation scales: ``awq.search_scales`` (its grid includes s = 1, plain RTN; with held-out rows RTN is kept
 when the searched s loses there) gives s; W * s (rows) is quantised and act_scale = 1 / s is what A must be
@@ -93,9 +97,7 @@ BNB4_GRAPH_NOTE = ("onnxruntime's CUDA MatMulBnb4 is not safe in CUDA graphs (en
                    "use MatMulNBits (weights=awq) or our MatMulNF4 there")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # matching helpers (the matcher itself: passes/linear.py)
-# ---------------------------------------------------------------------------------------------------------------
 class _ByDesign(Skip):
     """A weight left in float by the options' design (e.g. a module an AWQ checkpoint does not hold), not a
     failure the user must be told about."""
@@ -120,9 +122,7 @@ def _excluded(cand: Linear, patterns, module_paths=None, names=None) -> str | No
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the pass
-# ---------------------------------------------------------------------------------------------------------------
 def unquantised(report: Report) -> list:
     """weights4 skips of float constant weights left in float for a reason other than the user's choice
     (--exclude, the size floor, the kept output head): the quantiser refused them, or the pattern around them is

@@ -28,7 +28,7 @@ from . import weights4_graph as w4g
 from .base import iter_graphs
 from .linear import match
 
-SENSITIVITY_ROWS = 2048   # calibration rows the sensitivity is measured on (evenly subsampled)
+SENSITIVITY_ROWS = 512    # calibration rows the sensitivity is measured on (evenly subsampled)
 
 
 def _opset(g: gs.Graph) -> int:
@@ -83,9 +83,9 @@ def _four_bit_hat(o, w: np.ndarray) -> np.ndarray:
 
 
 def _rel_out(x: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
-    y = x @ w.astype(np.float64)
+    y = (x @ w).astype(np.float64)
     ref = float(np.sum(y * y))
-    err = float(np.sum((x @ (w.astype(np.float64) - w_hat)) ** 2))
+    err = float(np.sum((x @ (w - w_hat.astype(np.float32))).astype(np.float64) ** 2))
     return err / ref if ref > 0 else err
 
 
@@ -149,7 +149,7 @@ def plan(run, cands) -> dict:
             continue
         if x.shape[0] > SENSITIVITY_ROWS:
             x = x[np.linspace(0, x.shape[0] - 1, SENSITIVITY_ROWS).astype(np.int64)]
-        x = x.astype(np.float64)
+        x = x.astype(np.float32)
         w = cand.w
         form = high_form(o, cand, opset)
         e4 = _rel_out(x, w, _four_bit_hat(o, w))

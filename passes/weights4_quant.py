@@ -115,7 +115,7 @@ def parse_options(options: dict) -> Options | None:
     cal = options.get("calibration")
     if cal is not None:
         if o.fmt != "awq" and o.rounding != "gptq" and o.budget is None:
-            raise ValueError(f"calibration: used by weights='awq', weights_rounding='gptq' and weights_budget "
+            raise ValueError(f"calibration: only used by weights='awq', weights_rounding='gptq' or weights_budget "
                              f"(weights={o.fmt!r})")
         if not isinstance(cal, dict) or not cal:
             raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")

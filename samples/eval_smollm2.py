@@ -149,7 +149,7 @@ def layer_checks(report_path: str) -> str | None:
     """The report's per-layer held-out checks: AWQ's scales against RTN, GPTQ against RTN, the budget's plan."""
     if not os.path.exists(report_path):
         return None
-    entries = [e for e in json.load(open(report_path))["entries"] if e["pass"] == "weights4"
+    entries = [e for e in json.load(open(report_path))["entries"] if e["pass_name"] == "weights4"
                and e["action"] == "rewritten"]
     out = []
     awq = [e["details"] for e in entries if e["details"].get("heldout_mse_awq") is not None]
@@ -164,12 +164,17 @@ def layer_checks(report_path: str) -> str | None:
         out.append(f"GPTQ <= RTN on held-out rows: {holds} of {len(gq)} layers (RTN kept on the others)")
     budget = next((e["details"]["budget"] for e in entries if "budget" in e["details"]), None)
     if budget:
-        kept = [e for e in entries if e["details"].get("format") in ("int8", "fp16")]
-        names = sorted({(e["nodes"][0].split("/")[2] if e["nodes"][0].count("/") > 2 else e["nodes"][0]) + ":" +
-                        e["nodes"][0].rsplit("/", 2)[-2] for e in kept})
+        import re
+        from collections import Counter
+        kept = Counter(re.sub(r".*?(\w+_proj).*", r"\1", e["nodes"][0]) for e in entries
+                       if e["details"].get("format") in ("int8", "fp16"))
+        four = [re.sub(r".*layers\.(\d+)/\w+/(\w+)/.*", r"\1.\2", e["nodes"][0]) for e in entries
+                if e["details"].get("format") not in ("int8", "fp16")]
         out.append(f"budget {budget['budget']}: {budget['planned_bytes'] / 2 ** 20:.1f} MiB planned of "
-                   f"{budget['limit_bytes'] / 2 ** 20:.1f} MiB allowed (fp32 {budget['fp32_bytes'] / 2 ** 20:.1f} MiB); "
-                   f"kept {budget['kept']}: {', '.join(names)}")
+                   f"{budget['limit_bytes'] / 2 ** 20:.1f} MiB allowed (fp32 {budget['fp32_bytes'] / 2 ** 20:.1f} "
+                   f"MiB, all 4-bit {budget['all_4bit_bytes'] / 2 ** 20:.1f} MiB); kept in {budget['kept']}: "
+                   f"{dict(sorted(kept.items()))}; 4-bit ({len(four)}): {' '.join(four[:40])}"
+                   + (" ..." if len(four) > 40 else ""))
     return "\n  ".join(out) if out else None
 
 

@@ -173,7 +173,7 @@ def test_budget_respected_and_sensitive_products_kept(data):
     (dict(weights="nf4", weights_budget=1.5, calibration={"x": np.ones((2, K), np.float32)}), "weights_budget: 1.5"),
     (dict(weights="nf4", weights_budget=0.3, weights_budget_form="int4", calibration={"x": np.ones((2, K))}),
      "weights_budget_form: 'int4'"),
-    (dict(weights="nf4", calibration={"x": np.ones((2, K), np.float32)}), "calibration: used by"),
+    (dict(weights="nf4", calibration={"x": np.ones((2, K), np.float32)}), "calibration: only used by"),
 ])
 def test_bad_options(options, needle):
     with pytest.raises(ValueError, match=needle):
@@ -199,7 +199,9 @@ def test_cli_flags(tmp_path, data):
     rc, text = cli("rewrite", str(src), str(out), "--weights", "nf4", "--budget", "2")
     assert rc == 2 and "expected a fraction in (0, 1]" in text
     rc, text = cli("rewrite", str(src), str(out), "--weights", "awq", "--rounding", "gptq", "--calibration", str(npz),
-                   "--budget", "0.3", "--report")
+                   "--budget", "0.2", "--report-json", str(tmp_path / "r.json"))
     assert rc == 0, text
-    assert "GPTQ rounding" in text and "kept in int8" in text
-    assert weight_bytes(onnx.load(str(out))) <= 0.3 * weight_bytes(model)
+    import json
+    reasons = [e["reason"] for e in json.load(open(tmp_path / "r.json"))["entries"] if e["pass_name"] == "weights4"]
+    assert any("GPTQ rounding" in r for r in reasons) and any("kept in int8" in r for r in reasons)
+    assert weight_bytes(onnx.load(str(out))) <= 0.2 * weight_bytes(model)
