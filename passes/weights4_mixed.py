@@ -96,7 +96,7 @@ def model_bytes(run, cands) -> tuple:
     o = run.o
     consts = {}
     for g in iter_graphs(run.root):
-        for t in g.tensors().values():
+        for t in list(g.tensors().values()) + [n.attrs.get("value") for n in g.nodes if n.op == "Constant"]:
             if isinstance(t, gs.Constant):
                 consts[id(t)] = t
     dropped, halved = set(), set()

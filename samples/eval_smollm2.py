@@ -112,8 +112,8 @@ def calibration_npz(model_path, tokenizer, calib_text, path, tokens):
 def anchor(model, kind: str):
     """(the model with every nn.Linear but lm_head replaced by ``kind``'s 4-bit round trip and the tied table rounded
     to fp16, the bytes that storage would take). bnb-nf4: bitsandbytes.functional.quantize_4bit / dequantize_4bit
-    (CPU, NF4, blocks of 64, fp32 absmax); torch-rtn-g128: symmetric int4 round to nearest, groups of 128 along K,
-    fp16 scale = max |w| / 7, codes -8..7."""
+    (CPU, NF4, blocks of 64, fp32 absmax); torch-rtn-g128: symmetric int4 round to nearest, groups of 128 along K
+    (K zero-padded to whole groups), fp16 scale = max |w| / 7, codes -8..7."""
     import torch
     nbytes = 0
     with torch.no_grad():
@@ -128,10 +128,11 @@ def anchor(model, kind: str):
                 nbytes += w.numel() // 2 + 4 * (w.numel() // 64)
             else:
                 n, k = w.shape
-                g = w.reshape(n, k // 128, 128)
+                kp = -(-k // 128) * 128            # K zero-padded to whole groups (576 = 4.5 x 128)
+                g = torch.nn.functional.pad(w, (0, kp - k)).reshape(n, kp // 128, 128)
                 s = (g.abs().amax(dim=2, keepdim=True) / 7).half().float().clamp_min(1e-8)
-                m.weight.data = (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(n, k)
-                nbytes += w.numel() // 2 + 2 * (w.numel() // 128)
+                m.weight.data = (torch.clamp(torch.round(g / s), -8, 7) * s).reshape(n, kp)[:, :k].contiguous()
+                nbytes += n * kp // 2 + 2 * (n * kp // 128)
         counted = {id(m.weight) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                    and not n.endswith("lm_head")}
         for p in model.parameters():

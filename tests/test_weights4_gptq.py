@@ -205,3 +205,56 @@ def test_cli_flags(tmp_path, data):
     reasons = [e["reason"] for e in json.load(open(tmp_path / "r.json"))["entries"] if e["pass_name"] == "weights4"]
     assert any("GPTQ rounding" in r for r in reasons) and any("kept in int8" in r for r in reasons)
     assert weight_bytes(onnx.load(str(out))) <= 0.2 * weight_bytes(model)
+
+
+def test_tiny_llama_export(tmp_path):
+    """A torch-exported tiny LLaMA (tied embedding / lm_head, past KV inputs): GPTQ and the budget through the
+    whole graph; the budget's fp32 bytes are the model's parameters with the tied table once."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from onnx_lowbit.samples import export_causal_lm
+    from onnx_lowbit.cli_options import calibration_session
+    model = export_causal_lm.tiny_llama(layers=2, hidden=64, intermediate=192, vocab=1024, tie=True)
+    path = tmp_path / "llm.onnx"
+    export_causal_lm.export(model, str(path))
+    params = 4 * sum(p.numel() for p in model.parameters())
+    src = onnx.load(str(path))
+    rng = np.random.default_rng(0)
+
+    def feeds(ids):
+        f = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+        for vi in src.graph.input:
+            if vi.name.startswith("past_key_values"):
+                d = [x.dim_value for x in vi.type.tensor_type.shape.dim]
+                f[vi.name] = np.zeros((1, d[1], 0, d[3]), np.float32)
+        return f
+
+    calib, held = feeds(rng.integers(0, 1024, (1, 512))), feeds(rng.integers(0, 1024, (1, 128)))
+
+    def logits(m, f):
+        from onnx_lowbit import InferenceSession
+        s = InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return s.run(["logits"], f)[0]
+
+    ref = logits(src, held)
+    common = dict(passes=["weights4"], weights="awq", group_size=64, calibration=calib,
+                  calibration_session=calibration_session)
+    rtn, _ = run_passes(src, **common)
+    out, report = run_passes(src, weights_rounding="gptq", **common)
+    done = report.rewritten("weights4")
+    assert len(done) == 10 and all("gptq_mse_fit" in e.details for e in done)
+    assert all(e.details["gptq_mse_fit"] < e.details["rtn_mse_fit"] for e in done)
+    assert rel(logits(out, held), ref) < rel(logits(rtn, held), ref)
+    all4 = weight_bytes(out)
+    budget = (all4 + 0.5 * (params / 4 - all4 + params / 8)) / params
+    mixed, report = run_passes(src, weights_rounding="gptq", weights_budget=budget, **common)
+    info = report.rewritten("weights4")[-1].details["budget"]
+    # the file's float constants at 4 bytes each, the transposed copy of the tied table (lm_head) once; the
+    # exporter stores the 5 RMSNorm weights (all ones here) as one initializer, and adds a few float scalars
+    consts = list(src.graph.initializer) + [n.attribute[0].t for n in src.graph.node if n.op_type == "Constant"]
+    floats = 4 * sum(int(np.prod(t.dims)) for t in consts if t.data_type == TP.FLOAT)
+    assert info["fp32_bytes"] == floats - 4 * 1024 * 64
+    assert 0 <= info["fp32_bytes"] - (params - 4 * 4 * 64) < 4 * 64
+    assert info["kept"]["int8"] >= 1 and info["met"]
+    assert weight_bytes(mixed) <= budget * params
+    assert rel(logits(mixed, held), ref) < rel(logits(out, held), ref)
