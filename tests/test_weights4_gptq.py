@@ -165,6 +165,27 @@ def test_budget_respected_and_sensitive_products_kept(data):
     assert not info["met"] and info["kept"] == {"int8": 0, "fp16": 0}
 
 
+def test_budget_int8_transposed_and_gemm_weights():
+    """int8's scale runs along the stored weight's N axis: MatMul(A, Transpose(Wt)) and Gemm(transB=1) store
+    [N, K]; with a budget of 1.0 every product is int8 and the outputs stay within int8's rounding."""
+    rng = np.random.default_rng(4)
+    wt = (rng.normal(size=(N, K)) * np.linspace(0.1, 2, N)[:, None]).astype(np.float32)   # column scales differ
+    wg = (rng.normal(size=(N, N)) * np.linspace(0.1, 2, N)[:, None]).astype(np.float32)
+    nodes = [oh.make_node("Transpose", ["wt"], ["w"], perm=[1, 0]), oh.make_node("MatMul", ["x", "w"], ["h"]),
+             oh.make_node("Gemm", ["h", "wg", "c"], ["y"], transB=1)]
+    g = oh.make_graph(nodes, "t", [oh.make_tensor_value_info("x", TP.FLOAT, [64, K])],
+                      [oh.make_tensor_value_info("y", TP.FLOAT, [64, N])],
+                      [nh.from_array(wt, "wt"), nh.from_array(wg, "wg"), nh.from_array(np.ones(N, np.float32), "c")])
+    model = oh.make_model(g, opset_imports=[oh.make_opsetid("", 17)], ir_version=9)
+    x = correlated(64, K, 7)
+    out, report = run_passes(model, passes=["weights4"], weights="awq", calibration={"x": x}, weights_budget=1.0)
+    assert [e.details["format"] for e in report.rewritten("weights4")] == ["int8", "int8"]
+    assert [n.op_type for n in out.graph.node].count("DequantizeLinear") == 2
+    y, ref = run(out, x).astype(np.float64), run(model, x).astype(np.float64)
+    col = np.linalg.norm(y - ref, axis=0) / np.linalg.norm(ref, axis=0)   # small columns: wrong axis gives ~10%
+    assert col.max() < 2e-2, col.max()
+
+
 @pytest.mark.parametrize("options, needle", [
     (dict(weights="nf4", weights_rounding="gptq"), "weights_rounding: needs calibration"),
     (dict(weights="awq", weights_budget=0.3), "weights_budget: needs calibration"),
