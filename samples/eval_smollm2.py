@@ -193,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--calib-tokens", type=int, default=2048)
+    p.add_argument("--reuse", action="store_true", help="keep rewrites already in --out (the model and its "
+                                                          ".report.json) instead of making them again")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated of {', '.join(VARIANTS)}")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
@@ -226,7 +228,7 @@ def main(argv=None) -> int:
     outs = []
     for v in variants:
         dst = os.path.join(a.out, f"smol.{v}.onnx")
-        if v in ANCHORS:
+        if v in ANCHORS or (a.reuse and os.path.exists(dst) and os.path.exists(dst + ".report.json")):
             outs.append(dst)
             continue
         opts = [x.replace("{calib}", npz) for x in VARIANTS[v]]
