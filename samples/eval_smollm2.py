@@ -179,6 +179,24 @@ def layer_checks(report_path: str) -> str | None:
     return "\n  ".join(out) if out else None
 
 
+def merged(paths) -> dict:
+    """One eval-ppl result from several runs that scored the same original on the same windows (checked: tokens,
+    windows and the original's perplexity agree); each rewrite listed once."""
+    runs = [json.load(open(p)) for p in paths]
+    first = runs[0]
+    for p, r in zip(paths, runs):
+        same = (r["tokens"], r["window"], r["windows"]) == (first["tokens"], first["window"], first["windows"])
+        if not same or abs(r["models"][0]["ppl"] - first["models"][0]["ppl"]) > 1e-6 * first["models"][0]["ppl"]:
+            raise SystemExit(f"{p}: not the same original / windows as {paths[0]}")
+    models, seen = [first["models"][0]], set()
+    for r in runs:
+        for m in r["models"][1:]:
+            if m["path"] not in seen:
+                seen.add(m["path"])
+                models.append(m)
+    return dict(first, models=models)
+
+
 def fp32_parameter_bytes(source) -> int:
     import numpy as np
     return int(sum(np.prod(p.shape) for p in source.parameters()) * 4)   # tied tables counted once
@@ -195,6 +213,9 @@ def main(argv=None) -> int:
     p.add_argument("--calib-tokens", type=int, default=2048)
     p.add_argument("--reuse", action="store_true", help="keep rewrites already in --out (the model and its "
                                                           ".report.json) instead of making them again")
+    p.add_argument("--eval-json", nargs="+", metavar="JSON",
+                   help="take the figures from these `eval-ppl --json` files (runs of the same original on the same "
+                        "text and windows, e.g. split over several processes on a busy machine) instead of one run")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated of {', '.join(VARIANTS)}")
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
@@ -236,10 +257,13 @@ def main(argv=None) -> int:
             return 1
         outs.append(dst)
     js = os.path.join(a.out, "ppl.json")
-    if cli("eval-ppl", src, *outs, "--text", ev, "--tokenizer", a.gguf, "--max-tokens", str(a.max_tokens),
-           "--window", str(a.window), "--json", js):
+    if a.eval_json:
+        res = merged(a.eval_json)
+    elif cli("eval-ppl", src, *outs, "--text", ev, "--tokenizer", a.gguf, "--max-tokens", str(a.max_tokens),
+             "--window", str(a.window), "--json", js):
         return 1
-    res = json.load(open(js))
+    else:
+        res = json.load(open(js))
     base = res["models"][0]
     print(f"\nfp32 parameters (tied table once): {params / 2 ** 20:.1f} MiB; {res['tokens']} tokens, windows of "
           f"{res['window']}")
