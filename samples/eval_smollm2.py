@@ -58,9 +58,14 @@ VARIANTS = {
     "nf4-gptq": ["--weights", "nf4", "--rounding", "gptq", "--calibration", "{calib}"],
     "awq-gptq": ["--weights", "awq", "--rounding", "gptq", "--calibration", "{calib}"],
     "awq-g64-gptq": ["--weights", "awq", "--group-size", "64", "--rounding", "gptq", "--calibration", "{calib}"],
-    "awq-gptq-b25": ["--weights", "awq", "--rounding", "gptq", "--budget", "0.25", "--calibration", "{calib}"],
-    "awq-gptq-b30": ["--weights", "awq", "--rounding", "gptq", "--budget", "0.30", "--calibration", "{calib}"],
-    "nf4-gptq-b30": ["--weights", "nf4", "--rounding", "gptq", "--budget", "0.30", "--calibration", "{calib}"],
+    # (int8 q/k/v are not merged, so rotary leaves standalone Rotary nodes, whose Numba CPU kernel failed to compile
+    # on this model (2026-11-28, "convert to parfors"): these variants run without rotary / rotarykv, which are exact)
+    "awq-gptq-b25": ["--weights", "awq", "--rounding", "gptq", "--budget", "0.25", "--calibration", "{calib}",
+                     "--passes", "fplut,weights4,ffn,merge"],
+    "awq-gptq-b30": ["--weights", "awq", "--rounding", "gptq", "--budget", "0.30", "--calibration", "{calib}",
+                     "--passes", "fplut,weights4,ffn,merge"],
+    "nf4-gptq-b30": ["--weights", "nf4", "--rounding", "gptq", "--budget", "0.30", "--calibration", "{calib}",
+                     "--passes", "fplut,weights4,ffn,merge"],
 }
 # anchors: the same fp32 export with its linear weights replaced by another library's 4-bit round trip (the tied
 # embedding / lm_head table rounded to fp16, as our rewrites keep it); scored on the same windows
