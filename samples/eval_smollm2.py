@@ -70,8 +70,7 @@ VARIANTS = {
 # anchors: the same fp32 export with its linear weights replaced by another library's 4-bit round trip (the tied
 # embedding / lm_head table rounded to fp16, as our rewrites keep it); scored on the same windows
 ANCHORS = ("bnb-nf4", "torch-rtn-g128")
-DEFAULT_VARIANTS = ("bnb-nf4,torch-rtn-g128,nf4,awq-rtn,awq,nf4-gptq,awq-gptq,awq-g64-gptq,awq-gptq-b25,awq-gptq-b30,"
-                    "nf4-gptq-b30")
+DEFAULT_VARIANTS = "bnb-nf4,torch-rtn-g128,nf4,awq,nf4-gptq,awq-gptq,awq-gptq-b30"   # the rows of BENCHMARKS.md
 
 
 def cli(*args):
