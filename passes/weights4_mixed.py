@@ -4,7 +4,8 @@ The budget is a fraction of the fp32 bytes of the model's float constants (every
 per value, a table an export stores twice, as a tied lm_head's transposed copy, counted once). The plan:
 
 1. bytes that do not depend on the choice: every constant that is not a candidate weight, as it will be stored
-   (the kept output head in fp16 and its dropped copy as weights4_graph.store_head does);
+   (the kept output head in fp16 and its dropped copy as weights4_graph.store_head does); for AWQ a [K] activation
+   scale per 4-bit product is reserved (it is a Mul's constant where it cannot be folded);
 2. per candidate (root graph, with calibration activations X): its 4-bit bytes and those of the higher form, and
    its sensitivity: the relative output error ||X (W - W_hat)||^2 / ||X W||^2 on the calibration rows of
    round-to-nearest in the chosen 4-bit grid, minus that of the higher form;
@@ -143,6 +144,8 @@ def plan(run, cands) -> dict:
     for key, group in readers.items():
         cand = group[0]
         b4 = four_bit_bytes(o, int(cand.K), int(cand.N))
+        if o.fmt == "awq":   # AWQ's activation scale: a [K] constant (a Mul) where it cannot be folded
+            b4 += int(cand.K) * cand.value.dtype.itemsize
         total += b4
         x = run.activations.get(cand.a.name)
         if x is None or len(group) > 1:
