@@ -12,7 +12,7 @@ import sys
 import tempfile
 
 from . import __version__
-from .cli_options import pass_options
+from .cli_options import add_quality_arguments, pass_options
 from .cpu_passes import add_arguments as _device_arguments, device_selection
 from .errors import LowbitError
 from .progress import Status
@@ -384,6 +384,7 @@ def _weights_arguments(p) -> None:
                    help="with --weights awq --target ort: awq (default: MatMulNBits with AWQ's zero points, group "
                         "128) or compact (MatMulNBits' symmetric form onnxruntime runs fastest: block 32, no zero "
                         "points, scales in the model's dtype)")
+    add_quality_arguments(g)
 
 
 def _non_negative(v: str) -> int:

@@ -34,8 +34,8 @@ def gru_options(a, model, loaded=None) -> dict:
         has_gru = model is None or any(n.op_type == "GRU" for n in model.graph.node)
         if loaded is None and not has_gru:
             fmt = getattr(a, "weights", None)
-            raise LowbitError(f"--calibration is only used by --weights awq{f' (not {fmt})' if fmt else ''} and "
-                              "by the gru pass (the model has no GRU)")
+            raise LowbitError(f"--calibration is only used by --weights awq{f' (not {fmt})' if fmt else ''}, "
+                              "--rounding gptq, --budget and by the gru pass (the model has no GRU)")
         if has_gru:
             options["gru_calibration"] = loaded if loaded is not None else load_calibration(a.calibration, model)
             options["calibration_session"] = calibration_session
@@ -52,7 +52,10 @@ def weights_options(a, model) -> dict:
     if fmt is None:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
                                       ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head),
-                                      ("--ort-form", getattr(a, "ort_form", None)))
+                                      ("--ort-form", getattr(a, "ort_form", None)),
+                                      ("--rounding", getattr(a, "rounding", None)),
+                                      ("--budget", getattr(a, "budget", None)),
+                                      ("--budget-form", getattr(a, "budget_form", None)))
                  if v]
         if given:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
@@ -70,9 +73,50 @@ def weights_options(a, model) -> dict:
         options["weights_ort_form"] = a.ort_form
     if getattr(a, "lm_head", None):
         options["weights_lm_head"] = a.lm_head
-    if a.calibration and fmt == "awq":  # (the gru pass also reads --calibration: gru_options)
+    options.update(quality_options(a))
+    needs = fmt == "awq" or "weights_rounding" in options or "weights_budget" in options
+    if not a.calibration and ("weights_rounding" in options or "weights_budget" in options):
+        raise LowbitError(f"{'--rounding gptq' if 'weights_rounding' in options else '--budget'} needs "
+                          "--calibration FILE.npz (the activations it is measured on)")
+    if a.calibration and needs:  # (the gru pass also reads --calibration: gru_options)
         options["calibration"] = load_calibration(a.calibration, model)
         options["calibration_session"] = calibration_session
+    return options
+
+
+def add_quality_arguments(g) -> None:
+    """--rounding, --budget, --budget-form (in the weights4 group of ``rewrite`` / ``inspect``)."""
+    g.add_argument("--rounding", choices=["rtn", "gptq"],
+                   help="rtn: round to nearest (default); gptq: GPTQ's error-compensating rounding on the calibration "
+                        "activations (needs --calibration; any grid: NF4/FP4 blocks, AWQ groups, after AWQ's scales)")
+    g.add_argument("--budget", type=_fraction, metavar="FRACTION",
+                   help="total weight bytes at most FRACTION of the model's fp32 weight bytes (e.g. 0.30): the "
+                        "products most sensitive on the calibration data (needs --calibration) stay in a higher "
+                        "precision (--budget-form) while the budget allows")
+    g.add_argument("--budget-form", choices=["int8", "fp16"],
+                   help="the higher precision --budget keeps products in: int8 (default; per-channel, standard "
+                        "DequantizeLinear + MatMul) or fp16")
+
+
+def _fraction(v: str) -> float:
+    import argparse
+    try:
+        f = float(v)
+    except ValueError:
+        f = -1.0
+    if not 0 < f <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {v!r}")
+    return f
+
+
+def quality_options(a) -> dict:
+    options = {}
+    if getattr(a, "rounding", None) == "gptq":
+        options["weights_rounding"] = "gptq"
+    if getattr(a, "budget", None) is not None:
+        options["weights_budget"] = a.budget
+    if getattr(a, "budget_form", None):
+        options["weights_budget_form"] = a.budget_form
     return options
 
 

@@ -150,10 +150,25 @@ def quantize_flat(flat: np.ndarray, quant_type: str, block_size: int = 64):
             am = np.maximum(np.max(np.abs(x[full:])), _TINY)
             absmax[nb_full] = am
             scaled[full:n] = np.clip(x[full:] / am, -1.0, 1.0)
-    bounds, order = _BOUNDS[quant_type]
-    q = order[np.searchsorted(bounds, scaled, side="left")]  # ties -> lower code value; NaN -> the largest
+    q = nearest_indices(scaled, quant_type)
     packed = ((q[0::2] << 4) | q[1::2]).astype(np.uint8)
     return packed, absmax
+
+
+def nearest_indices(scaled: np.ndarray, quant_type: str) -> np.ndarray:
+    """The 4-bit index (uint8) of the code value nearest to each scaled float32 value in [-1, 1], as
+    ``quantize_flat`` picks it: ties go to the lower code value, NaN to the largest."""
+    bounds, order = _BOUNDS[quant_type]
+    return order[np.searchsorted(bounds, np.asarray(scaled, np.float32), side="left")]
+
+
+def pack_indices(indices: np.ndarray, quant_type: str) -> np.ndarray:
+    """A flat sequence of 4-bit indices -> packed uint8[ceil(n/2)], the first of a pair in the high nibble; an odd
+    count is padded with the index of 0.0 (as bitsandbytes pads the scaled values with 0)."""
+    q = np.asarray(indices, np.uint8).reshape(-1)
+    if q.size & 1:
+        q = np.concatenate([q, nearest_indices(np.zeros(1, np.float32), quant_type)])
+    return ((q[0::2] << 4) | q[1::2]).astype(np.uint8)
 
 
 def quantize(w: np.ndarray, quant_type: str, block_size: int = 64):

@@ -50,6 +50,10 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
                           its searched scales only when they beat RTN on those rows too (default 0.25; 0: off)
     weights_lm_head       "fp16" (default) | "float" | "4bit": the output head over a vocabulary (weights4_graph.
                           head_reason) stays in float, stored once (fp16 for float32 models), or is quantised
+    weights_rounding      "rtn" (default) | "gptq": GPTQ's error-compensating rounding on the calibration
+                          activations (onnx_lowbit.gptq; after AWQ's scales; RTN kept where it loses on held-out rows)
+    weights_budget        fraction of the model's fp32 weight bytes; the most sensitive products stay in
+                          weights_budget_form "int8" (DequantizeLinear) or "fp16" within it (weights4_mixed.py)
 
 AWQ activation scales: ``awq.search_scales`` (its grid includes s = 1, plain RTN; with held-out rows RTN is kept
 when the searched s loses there) gives s; W * s (rows) is quantised and act_scale = 1 / s is what A must be
@@ -77,14 +81,15 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 
 from . import calibration, external, nbits_compact
+from . import weights4_mixed as mixed
 from . import weights4_graph as w4g
 from .base import Names, Pass, Report, is_alive, is_graph_output, iter_graphs, node_label, producer, single_consumer
 from .linear import Linear, Skip, constant_weight, following_bias, match, rank
 from .weights4_graph import apply_plan, fold_plan
 from .weights4_quant import (DEFAULT_MIN_ELEMENTS, FORMATS, LM_HEAD, MAX_CALIBRATION_ROWS, MS_DOMAIN,  # noqa: F401
                              ORT_BLOCK_SIZES, TARGETS, Options, _awq, _format_call, _int_option, _rel_fro,
-                             _search_details, _usable_act, nbits_layout, parse_options, quantize_nf4_chunked,
-                             quantize_rtn_chunked)
+                             _search_details, _usable_act, gptq_round, hessians, nbits_layout, parse_options,
+                             quantize_nf4_chunked, quantize_rtn_chunked)
 
 BNB4_QUANT_TYPE = {"fp4": 0, "nf4": 1}  # com.microsoft.MatMulBnb4's quant_type attribute
 # onnxruntime's CUDA MatMulBnb4 (1.31) copies its 16-entry code table from a host array on the stack in every run
@@ -94,9 +99,7 @@ BNB4_GRAPH_NOTE = ("onnxruntime's CUDA MatMulBnb4 is not safe in CUDA graphs (en
                    "use MatMulNBits (weights=awq) or our MatMulNF4 there")
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # matching helpers (the matcher itself: passes/linear.py)
-# ---------------------------------------------------------------------------------------------------------------
 class _ByDesign(Skip):
     """A weight left in float by the options' design (e.g. a module an AWQ checkpoint does not hold), not a
     failure the user must be told about."""
@@ -121,9 +124,7 @@ def _excluded(cand: Linear, patterns, module_paths=None, names=None) -> str | No
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # the pass
-# ---------------------------------------------------------------------------------------------------------------
 def unquantised(report: Report) -> list:
     """weights4 skips of float constant weights left in float for a reason other than the user's choice
     (--exclude, the size floor, the kept output head): the quantiser refused them, or the pattern around them is
@@ -180,6 +181,10 @@ class _Run:
         self.shared_act: dict = {}    # A's name -> (act_scale [K] float32 or None for RTN, the weight rows' scale,
                                       # ids of the candidate nodes sharing it, the search's figures for the report)
         self.applied: dict = {}       # A's name -> (tensor, note) once a shared act_scale has been applied
+        self.hessians: dict = {}      # A's name -> (H of the fitted rows, H of the held-out rows): GPTQ
+        self.promote: dict = {}       # id(node) -> what weights_budget keeps it in (weights4_mixed.plan)
+        self.sensitivity: dict = {}   # id(node) -> its relative output errors in 4-bit / the higher form
+        self.budget_info: dict = {}   # the budget's plan, for the report
 
     def const(self, base: str, array: np.ndarray) -> gs.Constant:
         """A new constant with a unique name; spilled to the output file at once when streaming."""
@@ -222,7 +227,7 @@ class _Run:
         return cand
 
     def run(self):
-        if self.o.fmt == "awq" and self.o.calibration is not None:
+        if self.o.calibration is not None:
             self.calibrate()
         for g in list(iter_graphs(self.root)):
             g.toposort()
@@ -239,6 +244,8 @@ class _Run:
         done = self.report.rewritten(self.owner.name)
         if done:
             done[-1].details["totals"] = totals(self.report)
+            if self.budget_info:
+                done[-1].details["budget"] = self.budget_info
 
     def pattern(self, spelling: str) -> str:
         return f"{self.o.fmt}: {spelling}"
@@ -283,6 +290,11 @@ class _Run:
                       "(weights_lm_head='4bit') quantises it", head_kept=True, float_bytes=stored, **details)
             return
         notes = []
+        if id(node) in self.promote:   # weights_budget: kept in higher precision, the node stays as it is
+            reason, info = mixed.emit(self, g, cand, details)
+            self.done(f"{self.promote[id(node)]}: {cand.spelling}", label, reason, **info)
+            return
+        details.update(self.sensitivity.get(id(node), {}))
         final = cand.out
         if cand.flat:  # A of unknown rank / rank 1: the op runs on A as [-1, K], reshaped back after
             cand.out = gs.Variable(self.names(f"{final.name}_2d"), dtype=final.dtype)
@@ -323,7 +335,11 @@ class _Run:
             notes.append(f"shares the quantised weight of {first!r}")
             bytes_after = bytes_before = 0  # counted once, on the first op
         else:
-            packed, absmax, rel = quantize_nf4_chunked(cand, o.fmt, o.block_size)
+            res, extra = self.gptq(g, cand, cand.w, None, notes)
+            if res is not None:
+                packed, absmax, rel = res.packed, res.absmax, _rel_fro(cand.w, res.w_hat)
+            else:
+                packed, absmax, rel = quantize_nf4_chunked(cand, o.fmt, o.block_size)
             if o.target == "ort":
                 absmax = absmax.astype(cand.dtype)  # MatMulBnb4: absmax has A's type
             q_t = self.const(f"{cand.weight_name}_{o.fmt}", packed)
@@ -358,7 +374,19 @@ class _Run:
         info = dict(target=o.target, op=new.op, new_node=new.name, block_size=o.block_size,
                     bytes_before=bytes_before, bytes_after=bytes_after, rel_error=rel,
                     bias=cand.bias is not None, new_nodes=[n.name for n in nodes])
+        info.update(extra if shared is None else {})
         return new, info
+
+    def gptq(self, g: gs.Graph, cand: Linear, w: np.ndarray, act, notes: list):
+        """(GPTQ's result for w, or None: round to nearest; details) with weights_rounding='gptq'."""
+        x = self.activations.get(cand.a.name) if g is self.root else None
+        if self.o.rounding != "gptq" or x is None:
+            if self.o.rounding == "gptq":
+                notes.append("no calibration activations for A (inside a subgraph or not reached): RTN")
+            return None, {}
+        res, details, note = gptq_round(self.o, w, hessians(self.hessians, cand.a.name, x, self.o.awq_holdout), act)
+        notes.append(note)
+        return res, details
 
     # -- AWQ -----------------------------------------------------------------------------------------------
     def emit_awq(self, g: gs.Graph, cand: Linear, notes: list):
@@ -393,20 +421,27 @@ class _Run:
         elif o.calibration is not None:
             notes.append("no calibration activations for A (inside a subgraph or not reached): RTN")
         a_in = cand.a
-        if act is None:
+        res, gdetails = self.gptq(g, cand, w4g.pad_columns(cand.w if act is None else cand.w * s_w[:, None], extra),
+                                  act, notes)
+        search = {**search, **gdetails}
+        if act is None and res is None:
             qweight, qzeros, scales, rel = quantize_rtn_chunked(cand, o.group_size)
         else:
             w32 = cand.w
-            qweight, qzeros, scales = _format_call(awq.quantize_rtn, w4g.pad_columns(w32 * s_w[:, None], extra),
-                                                   o.group_size)
+            if res is not None:
+                qweight, qzeros, scales = awq.pack(res.q, res.z, res.s)
+            else:
+                qweight, qzeros, scales = _format_call(awq.quantize_rtn, w4g.pad_columns(w32 * s_w[:, None], extra),
+                                                       o.group_size)
             qweight = np.ascontiguousarray(qweight, dtype=np.int32)
             qzeros = np.ascontiguousarray(qzeros, dtype=np.int32)
             scales = np.ascontiguousarray(scales, dtype=np.float16)
             w_hat = np.asarray(awq.dequantize(qweight, qzeros, scales, o.group_size, cand.K, cand.N + extra),
                                np.float64)[:, :cand.N]
-            w_hat = w_hat * act.astype(np.float64)[:, None]  # the effective weight: act_scale * dequantised
-            a_in, how = self.apply_act_scale(g, cand, act)
-            notes.append(how)
+            if act is not None:
+                w_hat = w_hat * act.astype(np.float64)[:, None]  # the effective weight: act_scale * dequantised
+                a_in, how = self.apply_act_scale(g, cand, act)
+                notes.append(how)
             rel = _rel_fro(w32, w_hat)
         new, info = self.emit_awq_tensors(g, cand, notes, qweight, qzeros, scales, group_size, rel, a_in)
         info["calibrated"] = act is not None
@@ -509,7 +544,10 @@ class _Run:
             if x.shape[0] > MAX_CALIBRATION_ROWS:
                 x = x[np.linspace(0, x.shape[0] - 1, MAX_CALIBRATION_ROWS).astype(np.int64)]
             self.activations[n] = x
-        self.group_scales(cands)
+        if self.o.budget is not None:
+            self.promote = mixed.plan(self, cands)
+        if self.o.fmt == "awq":
+            self.group_scales([c for c in cands if id(c.node) not in self.promote])
 
     def group_scales(self, cands_all: list):
         """Projections reading the same A (gate and up of a SwiGLU block, q/k/v) get one activation scale,

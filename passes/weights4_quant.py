@@ -13,6 +13,8 @@ from .linear import Linear, Skip
 
 
 FORMATS = ("nf4", "fp4", "awq")
+ROUNDINGS = ("rtn", "gptq")          # round to nearest; GPTQ's error-compensating rounding (onnx_lowbit.gptq)
+BUDGET_FORMS = ("int8", "fp16")      # the higher precision a budget keeps sensitive products in (weights4_mixed)
 LM_HEAD = ("fp16", "float", "4bit")  # the output head over a vocabulary: fp16 (float32 models), as is, quantised
 DEFAULT_AWQ_HOLDOUT = 0.25  # the last quarter of the calibration rows: AWQ's scales must beat RTN there too
 TARGETS = ("lowbit", "ort")
@@ -45,6 +47,10 @@ class Options:
     awq_holdout: float = DEFAULT_AWQ_HOLDOUT
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
     ort_form: str = "awq"  # target "ort", weights awq: "awq" (zero points, AWQ's RTN) or "compact" (nbits_compact.py)
+    rounding: str = "rtn"  # ROUNDINGS
+    gptq_damp: float = 0.01
+    budget: float | None = None   # total weight bytes <= budget x the fp32 bytes of the model's float constants
+    budget_form: str = "int8"     # BUDGET_FORMS
 
 
 def _int_option(options: dict, key: str, default: int) -> int:
@@ -107,13 +113,21 @@ def parse_options(options: dict) -> Options | None:
         except re.error as e:
             raise ValueError(f"weights_exclude: {pat!r} is not a valid regular expression ({e})") from None
         o.exclude.append((pat, rx))
+    _quality_options(o, options)
     cal = options.get("calibration")
     if cal is not None:
-        if o.fmt != "awq":
-            raise ValueError(f"calibration: only used by weights='awq' (weights={o.fmt!r})")
+        if o.fmt != "awq" and o.rounding != "gptq" and o.budget is None:
+            raise ValueError(f"calibration: only used by weights='awq', weights_rounding='gptq' or weights_budget "
+                             f"(weights={o.fmt!r})")
         if not isinstance(cal, dict) or not cal:
             raise ValueError("calibration: expected a non-empty dict {graph input name: numpy array}")
         o.calibration = {str(k): np.asarray(v) for k, v in cal.items()}
+    if cal is None and (o.rounding == "gptq" or o.budget is not None):
+        raise ValueError(f"{'weights_rounding' if o.rounding == 'gptq' else 'weights_budget'}: needs calibration "
+                         "activations (option calibration / --calibration FILE.npz)")
+    if ckpt is not None and (o.rounding == "gptq" or o.budget is not None):
+        raise ValueError("awq_checkpoint: its weights are taken as they are; weights_rounding='gptq' and "
+                         "weights_budget do not apply")
     if ckpt is not None:
         if o.fmt != "awq":
             raise ValueError(f"awq_checkpoint: an AutoAWQ checkpoint gives AWQ weights, not weights={o.fmt!r}")
@@ -150,6 +164,28 @@ def _ort_form(o: Options, options: dict, ckpt) -> None:
         if options.get("group_size") is None and options.get("block_size") is None:
             o.group_size = COMPACT_BLOCK
     o.ort_form = form
+
+
+def _quality_options(o: Options, options: dict) -> None:
+    """weights_rounding, gptq_damp, weights_budget, weights_budget_form (ValueError naming the option)."""
+    rounding = options.get("weights_rounding") or "rtn"
+    if not isinstance(rounding, str) or rounding.lower() not in ROUNDINGS:
+        raise ValueError(f"weights_rounding: {rounding!r} is not one of {', '.join(ROUNDINGS)}")
+    o.rounding = rounding.lower()
+    damp = options.get("gptq_damp", 0.01)
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp <= 1:
+        raise ValueError(f"gptq_damp: {damp!r} is not a fraction in [0, 1]")
+    o.gptq_damp = float(damp)
+    budget = options.get("weights_budget")
+    if budget is not None:
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+            raise ValueError(f"weights_budget: {budget!r} is not a fraction in (0, 1] of the model's fp32 weight "
+                             "bytes")
+        o.budget = float(budget)
+    form = options.get("weights_budget_form") or "int8"
+    if form not in BUDGET_FORMS:
+        raise ValueError(f"weights_budget_form: {form!r} is not one of {', '.join(BUDGET_FORMS)}")
+    o.budget_form = form
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,3 +333,62 @@ def _usable_act(found, k: int, dtype) -> tuple:
         return act, np.asarray(found.scales, np.float32).reshape(-1), None
     act = act_model.astype(np.float32)
     return act, np.float32(1.0) / act, None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPTQ rounding (weights_rounding="gptq"; onnx_lowbit.gptq)
+# ---------------------------------------------------------------------------------------------------------------
+def hessians(cache: dict, name: str, x: np.ndarray, holdout: float) -> tuple:
+    """(H of the rows GPTQ fits, H of the held-out rows or None) of the activations x of tensor ``name``, computed
+    once per tensor (q/k/v, gate/up share them). The held-out rows are the same as AWQ's (``awq_holdout``)."""
+    if name not in cache:
+        from onnx_lowbit import gptq  # noqa: PLC0415
+        fit, held = _awq().split_holdout(x, holdout) if holdout else (x, None)
+        cache[name] = (gptq.hessian(fit), gptq.hessian(held) if held is not None else None, {})
+    return cache[name]
+
+
+def _mse(h: np.ndarray, w: np.ndarray, w_hat: np.ndarray) -> float:
+    """mean((X (W - W_hat))^2) from H = X^T X / rows."""
+    d = np.asarray(w, np.float64) - np.asarray(w_hat, np.float64)
+    return float(np.sum(d * (h @ d)) / d.shape[1])
+
+
+def gptq_round(o: Options, w: np.ndarray, hs: tuple, act: np.ndarray | None = None):
+    """GPTQ rounding of w [K, N] (float32; AWQ: N a multiple of 8, already times AWQ's s rows when ``act`` = 1 / s
+    is given: the activations are then x * act) compared with round-to-nearest on the same grid. Returns (the
+    gptq result, or None when RTN is kept: GPTQ lost on the held-out rows, or the grid does not allow it;
+    details for the report; a note)."""
+    from onnx_lowbit import gptq  # noqa: PLC0415
+    h, hh, factors = hs
+    if act is not None:
+        a = np.asarray(act, np.float64)
+        h = h * a[:, None] * a[None, :]
+        hh = None if hh is None else hh * a[:, None] * a[None, :]
+    k = w.shape[0]
+    got = factors.get(id(act))       # products reading one input with one scale (q/k/v, gate/up) share U
+    if got is None or got[0] is not act:
+        got = factors[id(act)] = (act, _format_call(gptq.inverse_cholesky, h, o.gptq_damp))
+    u = got[1]
+    if o.fmt == "awq":
+        res = _format_call(gptq.gptq_awq, w, h, o.group_size, o.gptq_damp, u)
+        rtn = _awq().fake_quantize(w, o.group_size)
+    else:
+        if k % o.block_size:
+            return None, {}, (f"GPTQ not applied: K = {k} is not a multiple of block_size {o.block_size} "
+                              "(bitsandbytes' blocks would run across columns): RTN")
+        res = _format_call(gptq.gptq_nf4, w, h, o.fmt, o.block_size, o.gptq_damp, u)
+        packed, absmax = _nf4().quantize(w, o.fmt, o.block_size)
+        rtn = _nf4().dequantize(packed, absmax, o.fmt, o.block_size, k, w.shape[1])
+    d = dict(gptq_mse_fit=_mse(h, w, res.w_hat), rtn_mse_fit=_mse(h, w, rtn),
+             gptq_mse_heldout=None if hh is None else _mse(hh, w, res.w_hat),
+             rtn_mse_heldout=None if hh is None else _mse(hh, w, rtn))
+    fit = f"calibration output MSE {d['gptq_mse_fit']:.3g} vs RTN {d['rtn_mse_fit']:.3g}"
+    if hh is None:
+        return res, d, f"GPTQ rounding: {fit} (no held-out rows)"
+    held = f"held-out {d['gptq_mse_heldout']:.3g} vs RTN {d['rtn_mse_heldout']:.3g}"
+    if d["gptq_mse_heldout"] > d["rtn_mse_heldout"]:
+        d["gptq_kept"] = False
+        return None, d, f"RTN kept: GPTQ lost on the held-out rows ({fit}; {held})"
+    d["gptq_kept"] = True
+    return res, d, f"GPTQ rounding: {fit}; {held}"
