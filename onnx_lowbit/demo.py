@@ -121,9 +121,10 @@ def run(out_dir: str | None = None) -> int:
         worst = max(worst, 0 if all(e.ok for e in errors) else 1)
     print("FPLUT turns each activation (SiLU, GELU formulas, ...) into one table-lookup op: fewer nodes, one pass over "
           "memory (accuracy per function: `onnx-lowbit lut list`). 4-bit weights cut the file to about a quarter (fp16) "
-          "or a seventh (fp32). On the CPU each of our ops pays a Python callback (~15 us), so small models run slower "
-          "here (the CPU GRU kernel is a bit-exact reference implementation, not a fast one); the speed gains are on the "
-          "GPU: BENCHMARKS.md.")
+          "or a seventh (fp32). On the CPU most of our ops now run natively after their first call (no Python on the "
+          "path), but our CPU kernels are still slower than onnxruntime's own on most of these models (the fused "
+          "4-bit FFN still goes through Python): for CPU deployments `rewrite --device cpu --tune` keeps only what "
+          "measured faster on your machine. The speed gains are on the GPU: BENCHMARKS.md.")
     if tmp is not None:
         tmp.cleanup()
         print("\nThe rewritten models went to a temporary folder, deleted now; `onnx-lowbit demo --out DIR` keeps "
