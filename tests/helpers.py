@@ -29,6 +29,22 @@ def random_like(dtype, shape, seed=0, specials=True):
         return x.astype(dtype)
 
 
+def run_bf16(sess, bits, name_in="x", name_out="y"):
+    """Runs ``sess`` on bfloat16 input given as raw uint16 ``bits`` (onnxruntime's Python API has no bfloat16 numpy
+    type: an OrtValue of raw bits, output bound by I/O binding); returns (the output's raw uint16 bits, its
+    onnxruntime type string)."""
+    import onnxruntime as ort
+    xv = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(bits, onnx_element_type=TensorProto.BFLOAT16)
+    io = sess.io_binding()
+    io.bind_ortvalue_input(name_in, xv)
+    io.bind_output(name_out)
+    sess.run_with_iobinding(io)
+    yv = io.get_outputs()[0]
+    n = int(np.prod(yv.shape()))
+    y = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint16 * n).from_address(yv.data_ptr())).copy()
+    return y.reshape(yv.shape()), yv.data_type()
+
+
 def same_in_threads(run, inputs, want, equal, repeats=20, threads=8):
     """Calls ``run(inputs[i])`` ``repeats`` times in each of ``threads`` threads at once; returns the indices i
     whose result was ever not ``equal`` to ``want[i]`` (empty when every thread always agreed)."""

@@ -3,14 +3,13 @@ clear error statuses, and concurrent runs."""
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
 import onnx_lowbit
 from onnx_lowbit import fplut, halfbits
 
-from helpers import SEED, fplut_model, random_like, same_in_threads, seed_table
+from helpers import SEED, fplut_model, random_like, run_bf16, same_in_threads, seed_table
 
 CPU = ["CPUExecutionProvider"]
 
@@ -43,16 +42,8 @@ def test_fplut_bf16():
     sess = onnx_lowbit.InferenceSession(m, providers=CPU)
     x32 = random_like(np.float32, (1000,))
     xb = halfbits.f32_to_bf16_bits(x32)
-    # onnxruntime's Python API has no bfloat16 numpy type: feed through an OrtValue of raw bits
-    xv = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(xb, onnx_element_type=TensorProto.BFLOAT16)
-    io = sess.io_binding()
-    io.bind_ortvalue_input("x", xv)
-    io.bind_output("y")
-    sess.run_with_iobinding(io)
-    yv = io.get_outputs()[0]
-    assert yv.data_type() == "tensor(bfloat16)"
-    # read back the raw bits through a uint16 view of the output buffer
-    y = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint16 * 1000).from_address(yv.data_ptr())).copy()
+    y, ytype = run_bf16(sess, xb)   # raw bits in and out (no bfloat16 numpy type)
+    assert ytype == "tensor(bfloat16)"
     assert np.array_equal(y, fplut.apply(xb, SEED, seed_table().values, bf16=True))
 
 

@@ -11,7 +11,7 @@ import onnx_lowbit
 from onnx_lowbit import fplut, halfbits
 from onnx_lowbit.custom_ops.runtime import bridge
 
-from helpers import SEED, fplut_model, random_like, seed_table
+from helpers import SEED, fplut_model, random_like, run_bf16, seed_table
 
 CPU = ["CPUExecutionProvider"]
 
@@ -87,13 +87,7 @@ def test_fplut_bf16_native():
     want = fplut.apply(xb, SEED, seed_table().values, bf16=True)
     before = bridge.stats["python_computes"]
     for _ in range(3):
-        xv = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(xb, onnx_element_type=TensorProto.BFLOAT16)
-        io = sess.io_binding()
-        io.bind_ortvalue_input("x", xv)
-        io.bind_output("y")
-        sess.run_with_iobinding(io)
-        yv = io.get_outputs()[0]
-        y = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint16 * xb.size).from_address(yv.data_ptr())).copy()
+        y, _ = run_bf16(sess, xb)
         assert np.array_equal(y, want)
     assert bridge.stats["python_computes"] - before == 1
 
