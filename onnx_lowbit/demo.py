@@ -122,8 +122,8 @@ def run(out_dir: str | None = None) -> int:
     print("FPLUT turns each activation (SiLU, GELU formulas, ...) into one table-lookup op: fewer nodes, one pass over "
           "memory (accuracy per function: `onnx-lowbit lut list`). 4-bit weights cut the file to about a quarter (fp16) "
           "or a seventh (fp32). On the CPU most of our ops now run natively after their first call (no Python on the "
-          "path), but our CPU kernels are still slower than onnxruntime's own on most of these models (the fused "
-          "4-bit FFN still goes through Python): for CPU deployments `rewrite --device cpu --tune` keeps only what "
+          "path), but our CPU kernels are still slower than onnxruntime's own on most of these models: for CPU "
+          "deployments `rewrite --device cpu --tune` keeps only what "
           "measured faster on your machine. The speed gains are on the GPU: BENCHMARKS.md.")
     if tmp is not None:
         tmp.cleanup()

@@ -33,11 +33,13 @@ def _split(monkeypatch, parts):
     monkeypatch.setattr(matmulawq_cpu, "PARALLEL_MIN_MACS", 0)
 
 
-@pytest.mark.parametrize("k,n,bs", [(256, 36, 64), (2304, 20, 256), (64, 8, 32), (200, 12, 64), (80, 9, 32)])
+@pytest.mark.parametrize("k,n,bs", [(256, 36, 64), (2304, 20, 256), (64, 8, 32), (200, 12, 64), (80, 9, 32),
+                                    (352, 13, 64), (1120, 10, 256)])
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_nf4_product_vs_reference(k, n, bs, m):
     """(256, 64), (2304, 256: chunks of 1024 + 256), (64, 32): the permute kernels where AVX-512 is there;
-    K = 200 and 80 (blocks straddling rows of W^T): the scalar kernel."""
+    K = 200 and 80 (blocks straddling rows of W^T): the scalar kernel; K = 352, 1120 (straddling, 32 | K): the
+    permute kernels with one absmax per 32 elements (pieces_path)."""
     q, am, code = _nf4(k, n, bs)
     a = (np.random.default_rng(m).standard_normal((m, k)) + 0.3).astype(np.float32)
     y = matmulnf4_cpu.product(a, q, am, code, k, n, bs)
@@ -47,11 +49,12 @@ def test_nf4_product_vs_reference(k, n, bs, m):
 
 @pytest.mark.skipif(not matmulnf4_cpu.FAST, reason="the permute kernels need AVX-512")
 @pytest.mark.parametrize("m", [1, 5])
-def test_nf4_fast_and_scalar_paths_agree(m, monkeypatch):
-    k, n, bs = 512, 24, 64
+@pytest.mark.parametrize("k,pieces", [(512, False), (352, True)])
+def test_nf4_fast_and_scalar_paths_agree(m, k, pieces, monkeypatch):
+    n, bs = 24, 64
     q, am, code = _nf4(k, n, bs, seed=2)
     a = np.random.default_rng(9).standard_normal((m, k)).astype(np.float32)
-    assert matmulnf4_cpu.fast_path(k, bs)
+    assert matmulnf4_cpu.fast_path(k, bs) != pieces and matmulnf4_cpu.pieces_path(k, bs) == pieces
     fast = matmulnf4_cpu.product(a, q, am, code, k, n, bs)
     monkeypatch.setattr(matmulnf4_cpu, "FAST", False)
     scalar = matmulnf4_cpu.product(a, q, am, code, k, n, bs)

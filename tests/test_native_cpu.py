@@ -134,6 +134,7 @@ def _specials(a):
     (688, 24, 64, "fp4", np.float16, False),   # K not a multiple of the block: tasks start on whole blocks
     (65, 40, 32, "nf4", np.float16, True),     # odd K: blocks start on a byte's low nibble
     (256, 520, 64, "nf4", np.float32, False),  # split over several tasks of the pool
+    (352, 36, 64, "nf4", np.float32, True),    # blocks straddle rows, 32 | K: the fast kernels per 32 elements
 ])
 def test_matmulnf4(k, n, bs, qt, dtype, bias):
     from onnx_lowbit import nf4
@@ -293,6 +294,95 @@ def test_fusedffn(xdt, wdt, kn, bias):
             assert err <= (1e-5 if xdt == np.float32 else 2.0 ** -10)
         if xs.shape[0]:
             assert np.isnan(s[0, 0]).all()
+
+
+# ------------------------------------------------------------------------------------ FusedFFNNF4 / FusedFFNAWQ
+FFN4_MS = (1, 3, 1, 16, 17, 0)     # a repeat (replayed), M = 16 (the last native M), 17 (the Python path), empty
+
+
+def _ffn4_feeds(k, dtype, seed):
+    rng = np.random.default_rng(seed)
+    return [{"x": _specials((rng.standard_normal((1, m, k)) + 0.2).astype(dtype))} for m in FFN4_MS]
+
+
+@pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [
+    (64, 16, 32, "nf4", np.float32, True),
+    (688, 24, 64, "fp4", np.float16, False),   # K not a multiple of the block: tasks start on whole blocks
+    (65, 41, 32, "nf4", np.float16, True),     # odd K (blocks start on low nibbles), odd N
+    (96, 27, 64, "fp4", np.float32, False),    # blocks straddle rows, 32 | K: absmax per 32 elements
+    (256, 520, 64, "nf4", np.float32, True),   # several tasks of the pool
+])
+def test_fusedffnnf4(k, n, bs, qt, dtype, bias):
+    from onnx_lowbit import ffn
+    from test_ffn4_kernels import _rel as rel, _tol, nf4_model, nf4_weights
+    ws = nf4_weights(k, n, bs, qt, seed=k + n)
+    rng = np.random.default_rng(4)
+    b1, b3 = ((rng.standard_normal(n).astype(dtype) for _ in range(2)) if bias else (None, None))
+    model = nf4_model((1, 1), k, n, bs, qt, dtype, ws, b1, b3)
+    feeds = _ffn4_feeds(k, dtype, seed=5)
+    for threads in (0, 1):
+        native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["x"].shape[1] > 16)
+    for f, (s,) in zip(feeds, native):
+        x = f["x"][0]
+        assert s.shape == (1, x.shape[0], n) and s.dtype == dtype
+        if x.shape[0] > 1:   # rows past the first (NaN, +Inf, -Inf) against the float64 reference
+            ref = ffn.swiglu_nf4_ref(x[1:], *ws, qt, bs, k, n, b1, b3)
+            assert np.isfinite(ref).all() and rel(s[0, 1:], ref) <= _tol(dtype)
+        if x.shape[0]:
+            assert np.isnan(s[0, 0]).all()
+
+
+@pytest.mark.parametrize("k,n,g,dtype,bias", [(128, 8, 128, np.float32, True), (688, 136, 128, np.float16, False),
+                                              (100, 16, 7, np.float16, True), (256, 4096, 32, np.float32, True)])
+def test_fusedffnawq(k, n, g, dtype, bias):
+    from test_ffn4_kernels import awq_model, awq_weights, check_awq
+    w1, w3 = awq_weights(k, n, g, seed=3)
+    rng = np.random.default_rng(6)
+    b1, b3 = ((rng.standard_normal(n).astype(dtype) for _ in range(2)) if bias else (None, None))
+    model = awq_model((1, 1), k, n, g, dtype, w1, w3, b1, b3)
+    feeds = _ffn4_feeds(k, dtype, seed=7)
+    for threads in (0, 1):
+        native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["x"].shape[1] > 16)
+    for f, (s,) in zip(feeds, native):
+        x = f["x"][0]
+        assert s.shape == (1, x.shape[0], n) and s.dtype == dtype
+        check_awq(s[0, 1:], x[1:], w1, w3, g, k, n, b1, b3)
+        if x.shape[0]:
+            assert np.isnan(s[0, 0]).all()
+
+
+def test_awq_scales_changed_at_the_same_address_are_widened_again():
+    """MatMulAWQ's entry takes the float32 scales it widened when the plan was recorded only where the call's fp16
+    scales still widen to them (scales_f32 checks the task's columns): scales given as a graph input and changed
+    in place between runs give the new product, native and replayed; unchanged ones return the cached copy."""
+    from onnx_lowbit.custom_ops.awq import matmulawq_cpu as mc
+    from test_awq_kernels import activations, awq_model, check_matmul, weights
+    K, N, G = 256, 1024, 64  # noqa: N806
+    qw, qz, sc = weights(K, N, G)
+    sc = sc.copy()
+    sess = session(awq_model("MatMulAWQ", K, N, G, lead=("B", "T"), initializers={"qweight": qw, "qzeros": qz}))
+    a = activations((1, 2, K), np.float32, seed=1)
+    feeds = {"A": a, "scales": sc}
+    before = bridge.stats["python_computes"]
+    for step in range(3):
+        y = sess.run(None, feeds)[0]
+        check_matmul(y, a, qw, qz, sc, G, K, N)
+        sc[:, 7 + 300 * step] *= np.float16(-2.0)   # the columns of one task, then another's
+    assert bridge.stats["python_computes"] - before == 1
+    # the check itself: the cached copy while the task's columns agree, a fresh widening where one differs
+    groups, c0, c1 = K // G, 8, 24
+    cached = np.empty(sc.size, np.float32)
+    from onnx_lowbit.custom_ops.device.half_cpu import widen_f16
+    widen_f16(sc.view(np.uint16).reshape(-1), cached.view(np.uint32))
+    got = mc.scales_f32(np.uint64(sc.ctypes.data), np.uint64(cached.ctypes.data), groups, N, c0, c1)
+    assert got.ctypes.data == cached.ctypes.data
+    sc[1, 8 * c1] = np.float16(5.0)                 # outside the task's columns: still the cached copy
+    got = mc.scales_f32(np.uint64(sc.ctypes.data), np.uint64(cached.ctypes.data), groups, N, c0, c1)
+    assert got.ctypes.data == cached.ctypes.data
+    sc[1, 8 * c1 - 1] = np.float16(5.0)             # inside: widened again, its columns exact
+    got = mc.scales_f32(np.uint64(sc.ctypes.data), np.uint64(cached.ctypes.data), groups, N, c0, c1)
+    assert got.ctypes.data != cached.ctypes.data
+    assert np.array_equal(got[:, 8 * c0:8 * c1], sc[:, 8 * c0:8 * c1].astype(np.float32))
 
 
 def test_concurrent_runs_replay_without_the_gil():

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from ..device import native, threads
-from ..device.half_cpu import h2f, widen_f16
+from ..device.half_cpu import f32_bits, widen_f16
 from ..runtime import plans
 from ..runtime.kernels import Kernel
 from .dequantawq_cpu import ORDER_NP, check_a_bias, check_weights, parse_attrs
@@ -235,10 +235,36 @@ def operands(inputs, sh):
     return a, (qw, qz, sc), bias, check_a_bias(a, bias, sh)
 
 
+class ScalesCache:
+    """The float32 scales a kernel widened when it recorded a native plan, by the address of the fp16 scales they
+    came from (the scales are constant initializers in the models the weights4 pass writes, so one address per
+    weight). Entries check per call, on their columns, that the fp16 scales there still widen to the cached values
+    (``scales_f32``), so a scales input that changes at the same address is still served right (widened per call).
+    At most CACHED addresses per kernel; others are widened per call."""
+    CACHED = 4
+
+    def __init__(self):
+        self._by_ptr = {}
+
+    def get(self, sc) -> int:
+        """The address of the widened copy of the bridge tensor ``sc`` (fp16 scales), made on the first request
+        for its address; 0 past CACHED addresses."""
+        f32 = self._by_ptr.get(sc.ptr)
+        if f32 is None:
+            if len(self._by_ptr) >= self.CACHED:
+                return 0
+            h = np.ascontiguousarray(sc.numpy()).view(np.uint16).reshape(-1)
+            f32 = np.empty(h.size, np.float32)
+            widen_f16(h, f32.view(np.uint32))
+            self._by_ptr[sc.ptr] = f32
+        return f32.ctypes.data if f32.size else 0
+
+
 class MatMulAWQKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.sh = parse_attrs(self.attrs)
+        self.scales = ScalesCache()
 
     native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path every call
 
@@ -248,10 +274,9 @@ class MatMulAWQKernel(Kernel):
             sh = self.sh
             y = ctx.output(0, tuple(a.shape[:-1]) + (sh.N,))
             values = [a.ptr, qw.ptr, qz.ptr, sc.ptr, bias.ptr if bias is not None else 0, y, m, sh.K, sh.N,
-                      sh.group_size, int(a.elem_type == 10), int(bias is not None)]
-            tiles = -(-sh.NG // TW)
-            grain = max(1, TASK_MACS // max(1, m * sh.K * 8 * TW))
-            if ctx.run_native(native.compile_entry(_native_matmul), tiles, grain, values, (0, 1, 2, 3, 4, 5)):
+                      sh.group_size, int(a.elem_type == 10), int(bias is not None), self.scales.get(sc)]
+            items, grain = task_items(sh)
+            if ctx.run_native(native.compile_entry(_native_matmul), items, grain, values, (0, 1, 2, 3, 4, 5)):
                 return
         elif ctx.native:
             plans.not_replayable()
@@ -265,36 +290,73 @@ class MatMulAWQKernel(Kernel):
 KERNEL = MatMulAWQKernel
 
 
-# ---- native entry (runtime/plans.py, "CPU kernels"): M <= SMALL_M; items are parts of TW qweight words (as
-# ``product``'s thread split); a task runs gemv_cols on its words' columns over the rows in blocks of MB, as
-# ``product`` does (the M = 1 and M > 1 paths round differently), with the full-width arrays ``product`` passes
-# (only its columns of the scales widened and of the result read): the same bytes as the Python path.
-# params: A, qweight, qzeros, scales, bias (0: none), Y, M, K, N, group size, A is fp16, has bias
+# ---- native entries (runtime/plans.py, "CPU kernels"; MatMulAWQ's below, FusedFFNAWQ's in ffn/): M <= SMALL_M;
+# items are parts of ITEM_WORDS qweight words, tasks at least MIN_TASK_WORDS (gemv_cols' inner loops run over a
+# part's words: parts of 16 words, the former items, left LLVM's vector loops of 64 lanes unused and took 2x the
+# kernel's time at 2048 x 2048, M = 1); a task runs gemv_cols on its words' columns over the rows in blocks of MB,
+# as ``product`` does (the M = 1 and M > 1 paths round differently), with the full-width arrays ``product`` passes:
+# the same bytes as the Python path. The scales come widened from the kernel's ScalesCache (checked per call).
 SMALL_M = 16        # larger M: the Python path every call (as before the merge)
-TASK_MACS = 1 << 16
+ITEM_WORDS = 64     # qweight words (512 columns) per item
+MIN_TASK_WORDS = 128
 
 
+def task_items(sh):
+    """(items, grain) of a native AWQ call: parts of ITEM_WORDS words, tasks of at least MIN_TASK_WORDS."""
+    return -(-sh.NG // ITEM_WORDS), max(1, MIN_TASK_WORDS // ITEM_WORDS)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def scales_f32(sc_addr, cached_addr, groups, n, c0, c1):
+    """The scales of qweight words [c0, c1) as float32 [groups, N]: the cached widened scales at ``cached_addr``
+    when every fp16 scale of those columns at ``sc_addr`` widens to the cached bits (one vectorised pass, no
+    stores), else a new array with just those columns widened (other columns unset)."""
+    sc16 = native.array(sc_addr, (groups, n), np.uint16)
+    if cached_addr:
+        bits = native.array(cached_addr, (groups, n), np.uint32)
+        diff = np.uint32(0)
+        for r in range(groups):
+            hr, br = sc16[r], bits[r]
+            for j in range(8 * c0, 8 * c1):
+                diff |= br[j] ^ f32_bits(hr[j])
+        if diff == 0:
+            return native.array(cached_addr, (groups, n), np.float32)
+    sc = np.empty((groups, n), np.float32)
+    sb = sc.view(np.uint32)
+    for r in range(groups):
+        hr, br = sc16[r], sb[r]
+        for j in range(8 * c0, 8 * c1):
+            br[j] = f32_bits(hr[j])
+    return sc
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def cols_product(a, qw, qz, sc, g_size, k_dim, c0, c1, out):
+    """out[:, 8 c0:8 c1] = a @ W for qweight words [c0, c1) (full-width out), rows of a in blocks of MB as
+    ``product`` runs them."""
+    for m0 in range(0, a.shape[0], MB):
+        gemv_cols(a[m0:m0 + MB], qw, qz, sc, ORDER_NP, g_size, k_dim, c0, c1, out[m0:m0 + MB])
+
+
+# MatMulAWQ's params: A, qweight, qzeros, scales, bias (0: none), Y, M, K, N, group size, A is fp16, has bias,
+# the cached float32 scales (0: none)
 def _native_matmul(p, begin, end):
     m, k, n, g = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8), native.arg(p, 9)
     f16 = native.arg(p, 10)
     ng = n // 8
-    c0, c1 = begin * TW, min(end * TW, ng)
+    c0, c1 = begin * ITEM_WORDS, min(end * ITEM_WORDS, ng)
     if c1 <= c0 or m == 0:
         return 0
     groups = (k + g - 1) // g
     a = native.load_f32(p[0], m, k, f16)
     qw = native.array(p[1], (groups * g, ng), np.int32)
     qz = native.array(p[2], (groups, ng), np.int32)
-    sc16 = native.array(p[3], (groups, n), np.uint16)
-    sc = np.empty((groups, n), np.float32)
-    for r in range(groups):
-        for j in range(8 * c0, 8 * c1):
-            sc[r, j] = h2f(sc16[r, j])
-    out = np.empty((m, n), np.float32)
-    for m0 in range(0, m, MB):
-        gemv_cols(a[m0:m0 + MB], qw, qz, sc, ORDER_NP, g, k, c0, c1, out[m0:m0 + MB])
+    sc = scales_f32(p[3], p[12], groups, n, c0, c1)
+    out = np.empty((m, n), np.float32) if f16 else native.array(p[5], (m, n), np.float32)  # fp32 Y: in place
+    cols_product(a, qw, qz, sc, g, k, c0, c1, out)
     res = out[:, 8 * c0:8 * c1]
     if native.arg(p, 11):
         native.add_bias(res, p[4], 8 * c0, f16)
-    native.store_cols(res, p[5], n, 8 * c0, f16)
+    if f16:
+        native.store_cols(res, p[5], n, 8 * c0, f16)
     return 0

@@ -1,17 +1,29 @@
 """FusedFFNNF4, CPU face: S = SiLU(X W1^T + B1) * (X W3^T + B3), W1 and W3 each stored as MatMulNF4's weight
 (bitsandbytes NF4/FP4 blocks of W^T; onnx_lowbit.nf4). Both products come from MatMulNF4's CPU code
 (matmulnf4_cpu.product: Numba kernels for every M, the vector-permute decode on AVX-512 CPUs, no BLAS), in fp32;
-the SwiGLU epilogue is fp32; S has X's type."""
+the SwiGLU epilogue is common4's (SiLU in float64, one rounding to fp32); S has X's type.
+
+At M <= SMALL_M the call runs natively (runtime/plans.py, "CPU kernels"): the output columns split into tasks of
+whole absmax blocks on onnxruntime's intra-op pool, each task computing its columns of both products with the
+kernels ``product`` picks (matmulnf4_cpu.cols_product), the biases, SiLU * up and the store: the same bytes as the
+Python path."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
+from ..device import native
 from ..device.inputs import check_x_biases
 from ..nf4 import common as nf4_common
 from ..nf4.common import check_weights
-from ..nf4.matmulnf4_cpu import product
+from ..nf4.matmulnf4_cpu import cols_product, even_odd, fast_path, pieces_path, product
+from ..runtime import plans
 from ..runtime.kernels import Kernel
-from .common4 import opt, swiglu_f32
+from .common4 import opt, silu_mul, swiglu_f32
+
+SMALL_M = 16              # larger M: the Python path every call
+TASK_MACS = 1 << 16       # multiply-adds per task (both products), at least
 
 
 def swiglu(x, q1, am1, q3, am3, code, k, n, bs, b1=None, b3=None):
@@ -28,6 +40,8 @@ def swiglu(x, q1, am1, q3, am3, code, k, n, bs, b1=None, b3=None):
 
 
 class FusedFFNNF4Kernel(Kernel):
+    native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path every call
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
@@ -36,6 +50,20 @@ class FusedFFNNF4Kernel(Kernel):
         x, q1, am1, q3, am3, b1, b3 = (opt(inputs, i) for i in range(7))
         check_weights(q1, am1, q3, am3, self.k, self.n, self.bs)
         m = check_x_biases(x, b1, b3, self.k, self.n, 5, 6)
+        if ctx.native and m <= SMALL_M:
+            k, n, bs = self.k, self.n, self.bs.size
+            s = ctx.output(0, tuple(x.shape[:-1]) + (n,))
+            unit = bs // math.gcd(k, bs)                      # columns whose weights start a block
+            values = [x.ptr, q1.ptr, am1.ptr, q3.ptr, am3.ptr, b1.ptr if b1 is not None else 0,
+                      b3.ptr if b3 is not None else 0, s, self.code.ctypes.data, m, k, n, bs, int(x.elem_type == 10),
+                      int(b1 is not None), int(b3 is not None), unit]
+            grain = max(1, -(-max(1, TASK_MACS // max(1, 2 * m * k)) // unit))
+            if fast_path(k, bs) or pieces_path(k, bs):
+                grain = -(-grain // 4) * 4                      # gemv_fast_cols runs four columns at a time
+            if ctx.run_native(native.compile_entry(_native_ffn), -(-n // unit), grain, values, (0, 1, 2, 3, 4, 5, 6, 7)):
+                return
+        elif ctx.native:
+            plans.not_replayable()
         xv = x.numpy()
         out = ctx.output_numpy(0, tuple(x.shape[:-1]) + (self.n,), xv.dtype)
         if m:
@@ -44,3 +72,31 @@ class FusedFFNNF4Kernel(Kernel):
 
 
 KERNEL = FusedFFNNF4Kernel
+
+
+# ---- native entry: params X, Q1, absmax1, Q3, absmax3, B1 (0: none), B3 (0: none), S, code, M, K, N, block size,
+# X is fp16, has B1, has B3, columns per item (whole absmax blocks)
+def _native_ffn(p, begin, end):
+    m, k, n, bs = native.arg(p, 9), native.arg(p, 10), native.arg(p, 11), native.arg(p, 12)
+    f16, unit = native.arg(p, 13), native.arg(p, 16)
+    n0, n1 = begin * unit, min(end * unit, n)
+    if n1 <= n0 or m == 0:
+        return 0
+    total = k * n
+    nq, nb = (total + 1) // 2, (total + bs - 1) // bs
+    a = native.load_f32(p[0], m, k, f16)
+    code = native.vector(p[8], 16, np.float32)
+    ae, ao = even_odd(a)
+    g = np.empty((m, n1 - n0), np.float32)
+    u = np.empty((m, n1 - n0), np.float32)
+    cols_product(a, ae, ao, native.vector(p[1], nq, np.uint8), native.vector(p[2], nb, np.float32), code, k, bs,
+                 n0, n1, g)
+    cols_product(a, ae, ao, native.vector(p[3], nq, np.uint8), native.vector(p[4], nb, np.float32), code, k, bs,
+                 n0, n1, u)
+    if native.arg(p, 14):
+        native.add_bias(g, p[5], n0, f16)
+    if native.arg(p, 15):
+        native.add_bias(u, p[6], n0, f16)
+    silu_mul(g, u)
+    native.store_cols(g, p[7], n, n0, f16)
+    return 0

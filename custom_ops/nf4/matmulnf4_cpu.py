@@ -181,9 +181,27 @@ def fast_path(k, bs):
     return FAST and k % bs == 0 and bs % 32 == 0
 
 
+def pieces_path(k, bs):
+    """Whether the fast kernels serve this weight with one absmax per 32-element piece (``absmax32``): AVX-512,
+    blocks straddling the rows of W^T (K % bs != 0) but 32 | K and 32 | bs, so that no piece straddles a block
+    (e.g. K = 352 with blocks of 64: the scalar gemv_cols took 5x the time of K = 384)."""
+    return FAST and k % bs != 0 and k % 32 == 0 and bs % 32 == 0
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def absmax32(absmax, start, count, bs):
+    """out[i] = absmax[(start + 32 i) // bs] for i < count: the block scale of each 32-element piece of W^T from
+    element ``start`` (a multiple of 32), the absmax of the fast kernels run with a block size of 32."""
+    out = np.empty(count, np.float32)
+    for i in range(count):
+        out[i] = absmax[(start + 32 * i) // bs]
+    return out
+
+
 def product(a2, q, absmax, code, k, n, bs):
     """a2 float32 [M, K] @ W -> float32 [M, N] (also used by FusedFFNNF4's CPU face): gemv_fast_cols where
-    ``fast_path`` holds, else gemv_cols; columns split over threads from PARALLEL_MIN_MACS multiply-adds."""
+    ``fast_path`` holds (or ``pieces_path``: with one absmax per 32 elements), else gemv_cols; columns split over
+    threads from PARALLEL_MIN_MACS multiply-adds."""
     m = a2.shape[0]
     out = np.empty((m, n), np.float32)
     if m == 0:
@@ -192,6 +210,8 @@ def product(a2, q, absmax, code, k, n, bs):
     q1 = np.ascontiguousarray(q).reshape(-1)
     am = np.ascontiguousarray(absmax, dtype=np.float32).reshape(-1)
     rs = [(0, n)] if m * k * n < PARALLEL_MIN_MACS else threads.split(n, 4)
+    if pieces_path(k, bs):
+        am, bs = absmax32(am, 0, n * k // 32, bs), 32
     if m == 1 and fast_path(k, bs):
         ae, ao = np.ascontiguousarray(a2[0, 0::2]), np.ascontiguousarray(a2[0, 1::2])
         threads.run_ranges(gemv1_fast_cols, lambda lo, hi: (ae, ao, q1, am, code, k, bs, lo, hi, out), rs)
@@ -229,7 +249,7 @@ class MatMulNF4Kernel(Kernel):
             values = [a.ptr, q.ptr, absmax.ptr, bias.ptr if bias is not None else 0, y, self.code.ctypes.data, m,
                       self.k, self.n, self.bs.size, int(a.elem_type == 10), int(bias is not None), unit]
             grain = max(1, -(-max(1, TASK_MACS // max(1, m * self.k)) // unit))
-            if fast_path(self.k, self.bs.size):
+            if fast_path(self.k, self.bs.size) or pieces_path(self.k, self.bs.size):
                 grain = -(-grain // 4) * 4                      # gemv_fast_cols runs four columns at a time
             if ctx.run_native(native.compile_entry(_native_matmul), -(-self.n // unit), grain, values, (0, 1, 2, 3, 4)):
                 return
@@ -252,6 +272,38 @@ SMALL_M = 16                                              # larger M: the Python
 TASK_MACS = 1 << 16                                       # multiply-adds per task, at least
 
 
+@njit(cache=True, nogil=True)
+def even_odd(a):
+    """(a[0]'s even elements, its odd ones) as C arrays at M = 1 (gemv1_fast_cols' operands), empty otherwise."""
+    if a.shape[0] == 1:
+        return np.ascontiguousarray(a[0, 0::2]), np.ascontiguousarray(a[0, 1::2])
+    return np.empty(0, np.float32), np.empty(0, np.float32)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def cols_product(a, ae, ao, q, absmax, code, k_dim, bs, n0, n1, res):
+    """res[:, :n1 - n0] = a @ W[:, n0:n1] (a float32 [M, K]; n0 * K a multiple of bs: the columns start a block) by
+    the kernel ``product`` picks for this shape, on views of the weight starting at column n0: per column the
+    operations of ``product``, so the same bytes. ``ae``, ``ao``: a[0]'s even and odd elements (read at M = 1 on
+    the fast path only). The native entries' product (MatMulNF4's, FusedFFNNF4's)."""
+    qs = q[(n0 * k_dim) >> 1:]
+    if FAST and k_dim % bs != 0 and k_dim % 32 == 0 and bs % 32 == 0:     # pieces_path(k, bs)
+        ams = absmax32(absmax, n0 * k_dim, (n1 - n0) * (k_dim // 32), bs)
+        if a.shape[0] == 1:
+            gemv1_fast_cols(ae, ao, qs, ams, code, k_dim, 32, 0, n1 - n0, res)
+        else:
+            gemv_fast_cols(a, qs, ams, code, k_dim, 32, 0, n1 - n0, res)
+        return
+    ams = absmax[(n0 * k_dim) // bs:]
+    if FAST and k_dim % bs == 0 and bs % 32 == 0:          # fast_path(k, bs)
+        if a.shape[0] == 1:
+            gemv1_fast_cols(ae, ao, qs, ams, code, k_dim, bs, 0, n1 - n0, res)
+        else:
+            gemv_fast_cols(a, qs, ams, code, k_dim, bs, 0, n1 - n0, res)
+    else:
+        gemv_cols(a, qs, ams, code, k_dim, bs, 0, n1 - n0, res)
+
+
 def _native_matmul(p, begin, end):
     m, k, n, bs = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8), native.arg(p, 9)
     f16, unit = native.arg(p, 10), native.arg(p, 12)
@@ -263,16 +315,9 @@ def _native_matmul(p, begin, end):
     q = native.vector(p[1], (total + 1) // 2, np.uint8)
     am = native.vector(p[2], (total + bs - 1) // bs, np.float32)
     code = native.vector(p[5], 16, np.float32)
-    qs, ams = q[(n0 * k) >> 1:], am[(n0 * k) // bs:]
+    ae, ao = even_odd(a)
     res = np.empty((m, n1 - n0), np.float32)
-    if FAST and k % bs == 0 and bs % 32 == 0:              # fast_path(k, bs)
-        if m == 1:
-            ae, ao = np.ascontiguousarray(a[0, 0::2]), np.ascontiguousarray(a[0, 1::2])
-            gemv1_fast_cols(ae, ao, qs, ams, code, k, bs, 0, n1 - n0, res)
-        else:
-            gemv_fast_cols(a, qs, ams, code, k, bs, 0, n1 - n0, res)
-    else:
-        gemv_cols(a, qs, ams, code, k, bs, 0, n1 - n0, res)
+    cols_product(a, ae, ao, q, am, code, k, bs, n0, n1, res)
     if p[11]:
         native.add_bias(res, p[3], n0, f16)
     native.store_cols(res, p[4], n, n0, f16)
