@@ -420,6 +420,9 @@ def _merge_arguments(p) -> None:
 def _gru_arguments(p) -> None:
     g = p.add_argument_group("integer GRU (the gru pass; needs --calibration)")
     g.add_argument("--gru-bits", type=int, choices=[8, 16], help="width of QuantGRU's integers (default 16)")
+    g.add_argument("--gru-weight-bits", type=int, choices=[8, 16],
+                   help="8 with --gru-bits 16: int8 weights (int8's file size), int16 arithmetic (near int16's "
+                        "accuracy); default: --gru-bits")
     g.add_argument("--gru-small", action="store_true", default=None,
                    help="rewrite GRUs too small to gain (QuantGRU not smaller than the float GRU: its tables "
                         "outweigh tiny weights; skipped by default)")

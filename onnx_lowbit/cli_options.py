@@ -24,10 +24,16 @@ def pass_options(a, model=None) -> dict:
 
 
 def gru_options(a, model, loaded=None) -> dict:
-    """Options of the gru pass: --gru-bits, and --calibration (shared with AWQ) for its ranges."""
+    """Options of the gru pass: --gru-bits, --gru-weight-bits, --gru-small, and --calibration (shared with AWQ) for its ranges."""
     options = {}
     if getattr(a, "gru_bits", None) is not None:
         options["gru_bits"] = a.gru_bits
+    if getattr(a, "gru_weight_bits", None) is not None:
+        bits = options.get("gru_bits", 16)
+        if a.gru_weight_bits > bits:
+            raise LowbitError(f"--gru-weight-bits {a.gru_weight_bits} is wider than --gru-bits {bits}: the weights "
+                              "can be narrower than the arithmetic, not wider")
+        options["gru_weight_bits"] = a.gru_weight_bits
     if getattr(a, "gru_small", None):
         options["gru_small"] = True
     if getattr(a, "calibration", None):

@@ -138,9 +138,10 @@ class Result:
 
 
 def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=None, rounds=2, headroom=None,
-           chunk=96, max_chunks=48, on_trial=None) -> Result:
+           chunk=96, max_chunks=48, on_trial=None, weight_bits=None) -> Result:
     """Quantisation parameters minimising the integer GRU's Y error on the calibration sequences (docstring).
-    ``rounds`` 0: no search, the start ([min, max] with ``headroom`` bits, default 0, for every quantity)."""
+    ``rounds`` 0: no search, the start ([min, max] with ``headroom`` bits, default 0, for every quantity).
+    ``weight_bits``: gru_quant.quant_params' (8 with bits 16: int8 weights, int16 arithmetic)."""
     W, R = np.asarray(W, np.float64), np.asarray(R, np.float64)
     d, h = W.shape[0], R.shape[-1]
     if not seqs:
@@ -155,7 +156,8 @@ def search(W, R, B, seqs, *, bits, hidden_size=None, direction="forward", clip=N
 
     def params(levels, headroom, wmse):
         rg = [stats.ranges(k, levels[k]) for k in range(d)]
-        return gru_quant.quant_params(W, R, B, rg, bits=bits, clip=clip, headroom=headroom, weight_mse=wmse)
+        return gru_quant.quant_params(W, R, B, rg, bits=bits, clip=clip, headroom=headroom, weight_mse=wmse,
+                                        weight_bits=weight_bits)
 
     def err(p):
         try:

@@ -119,7 +119,7 @@ def row_exp(rows, bits: int, hi_cap: int, mse: bool = False):
     return np.where(errs[1] < errs[0], np.minimum(e + 1, hi_cap), e)
 
 
-def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom, weight_mse=False):
+def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom, weight_mse=False, weight_bits=None):
     emin, emax = exp_limits(bits)
     e = {}
     for name in QUANTITIES:
@@ -131,8 +131,9 @@ def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom, weight_mse
         e[name] -= headroom if isinstance(headroom, int) else int(headroom.get(name, 0))
     for name in ("z_out", "r_out", "g_out"):              # table outputs: at most 2^-bits resolution, e >= 0
         e[name] = min(max(e[name], 0), bits)
-    eW = row_exp(W, bits, emax + 8, weight_mse)
-    eR = row_exp(R, bits, emax + 8, weight_mse)
+    wb = bits if weight_bits is None else weight_bits     # W, R on a weight_bits grid, stored in the bits type
+    eW = row_exp(W, wb, emax + 8, weight_mse)
+    eR = row_exp(R, wb, emax + 8, weight_mse)
     # lower targets until every scalar rescale is a left shift of at most MAX_LEFT_SHIFT and the GEMM rescales
     # are right shifts (lowering e coarsens a quantity's scale; its range still fits)
     lim = gru_int.MAX_LEFT_SHIFT
@@ -154,8 +155,8 @@ def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom, weight_mse
     ebx, ebr = np.clip(ebx, -62, 62), np.clip(ebr, -62, 62)
     zp = {name: (0 if name in SYMMETRIC else zero_point(*rg.get(name), e[name], bits)) for name in QUANTITIES}
     qt = gru_int.QTYPES[bits]
-    qW = np.stack([quantize(W[i], eW[i], 0, bits) for i in range(W.shape[0])]).astype(qt)
-    qR = np.stack([quantize(R[i], eR[i], 0, bits) for i in range(R.shape[0])]).astype(qt)
+    qW = np.stack([quantize(W[i], eW[i], 0, wb) for i in range(W.shape[0])]).astype(qt)
+    qR = np.stack([quantize(R[i], eR[i], 0, wb) for i in range(R.shape[0])]).astype(qt)
     i32 = lambda v, ee: np.clip(np.rint(np.ldexp(v, ee.astype(np.int32))), -2 ** 31, 2 ** 31 - 1)  # noqa: E731
     b = np.concatenate([i32(bx, ebx), i32(br, ebr)]).astype(np.int32)
     ch = np.stack([eW, eR, ebx, ebr]).astype(np.int32)
@@ -165,12 +166,16 @@ def _direction_params(W, R, bx, br, rg: Ranges, bits, clip, headroom, weight_mse
     return qW, qR, b, ch, luts, [e[n] for n in QUANTITIES], [zp[n] for n in QUANTITIES]
 
 
-def quant_params(W, R, B, ranges, *, bits=16, clip=None, headroom=None, weight_mse=False) -> dict:
+def quant_params(W, R, B, ranges, *, bits=16, clip=None, headroom=None, weight_mse=False, weight_bits=None) -> dict:
     """QuantGRU inputs and attributes from float weights W [D, 3H, C], R [D, 3H, H], B [D, 6H] (or None) and
     the per-direction calibration ranges. ``headroom``: bits (int), {quantity: bits}, or a list of either per
-    direction; ``weight_mse``: per-row weight exponents by squared error (row_exp) instead of max|row|."""
+    direction; ``weight_mse``: per-row weight exponents by squared error (row_exp) instead of max|row|;
+    ``weight_bits`` (default ``bits``): 8 with bits 16 puts W and R on the int8 grid (values in -128..127, still
+    int16 arrays: the pass stores them int8 and widens them with a Cast), everything else int16."""
     if bits not in gru_int.LUT_SHIFT:
         raise ValueError(f"bits must be 8 or 16, got {bits}")
+    if weight_bits not in (None, 8, bits):
+        raise ValueError(f"weight_bits must be 8 or bits ({bits}), got {weight_bits}")
     W, R = np.asarray(W, np.float64), np.asarray(R, np.float64)
     d, h3 = W.shape[0], W.shape[1]
     B = np.zeros((d, 2 * h3)) if B is None else np.asarray(B, np.float64)
@@ -180,7 +185,8 @@ def quant_params(W, R, B, ranges, *, bits=16, clip=None, headroom=None, weight_m
     if len(hd) != d:
         raise ValueError(f"expected {d} per-direction headrooms, got {len(hd)}")
     hd = [HEADROOM[bits] if v is None else (v if isinstance(v, dict) else int(v)) for v in hd]
-    out = [_direction_params(W[k], R[k], B[k, :h3], B[k, h3:], ranges[k], bits, clip, hd[k], weight_mse)
+    out = [_direction_params(W[k], R[k], B[k, :h3], B[k, h3:], ranges[k], bits, clip, hd[k], weight_mse,
+                             weight_bits)
            for k in range(d)]
     assert all(len(o[5]) == NQ for o in out)
     return {"W": np.stack([o[0] for o in out]), "R": np.stack([o[1] for o in out]),

@@ -234,8 +234,9 @@ def asked_for_size(a) -> dict:
     named = [n.strip() for n in (getattr(a, "passes", None) or "").split(",") if n.strip()]
     if getattr(a, "weights", None) or getattr(a, "awq_checkpoint", None):
         out["weights4"] = f"--weights {a.weights}" if getattr(a, "weights", None) else "--awq-checkpoint"
-    if getattr(a, "gru_bits", None) is not None:
-        out["gru"] = f"--gru-bits {a.gru_bits}"
+    if getattr(a, "gru_bits", None) is not None or getattr(a, "gru_weight_bits", None) is not None:
+        out["gru"] = " ".join(f"--{k.replace('_', '-')} {getattr(a, k)}" for k in ("gru_bits", "gru_weight_bits")
+                              if getattr(a, k, None) is not None)
     for n in named:
         if n in SIZE_PASSES and n not in out:
             out[n] = f"--passes {n}"

@@ -22,6 +22,9 @@ Options:
                           ("pass calibration data: --calibration DATA.npz ...").
     calibration_session   optional session factory (as weights4): needed when the graph already holds onnx_lowbit ops
     gru_bits              8 or 16 (default 16)
+    gru_weight_bits       8 with gru_bits 16: int8 weights, int16 arithmetic (W and R on the int8 grid, stored int8
+                          and widened by a Cast to int16 that onnxruntime folds at load: int8's file size with
+                          int16's accuracy; default: gru_bits)
     gru_headroom          bits of headroom above the calibrated [min, max] ranges where the search starts (default 0)
     gru_search            the error-minimising range search (onnx_lowbit.gru_calib.search; default on): off
                           takes every quantity's [min, max] over the calibration data with gru_headroom bits
@@ -44,6 +47,7 @@ from .base import (Names, Pass, Report, constant_value, elem_type, is_constant, 
                    progress)
 
 MAX_FOLD_NODES = 64
+INT8_HINT_ERROR = 2e-2   # int8 rewrites above this calibration error suggest int8 weights with int16 arithmetic
 NO_CALIBRATION = ("no calibration data: QuantGRU's scales come from calibration; pass --calibration DATA.npz "
                   "(numpy.savez with one array per model input, named after it) or calibration={input: array}")
 
@@ -56,6 +60,9 @@ class GRUPass(Pass):
         bits = options.get("gru_bits", 16)
         if bits not in (8, 16):
             raise ValueError(f"gru_bits must be 8 or 16, got {bits!r}")
+        wbits = options.get("gru_weight_bits") or bits
+        if wbits not in (8, bits):
+            raise ValueError(f"gru_weight_bits must be 8 (with gru_bits 16) or equal gru_bits, got {wbits!r}")
         headroom = options.get("gru_headroom")
         search = options.get("gru_search")
         search = True if search is None else bool(search)
@@ -70,7 +77,7 @@ class GRUPass(Pass):
                                  "calibration covers the main graph only")
                     continue
                 spec, why = _check(node, int(graph.opset or 17))
-                why = why or (None if options.get("gru_small") else _too_small(spec, bits))
+                why = why or (None if options.get("gru_small") else _too_small(spec, bits, wbits))
                 if why:
                     self.skipped(report, "GRU", [node_label(node)], why)
                 else:
@@ -87,26 +94,28 @@ class GRUPass(Pass):
                           f"calibration data, recording the input of {len(cands)} GRU{'s' if len(cands) > 1 else ''}")
         seqs, how = _calibration_sequences(graph, cands, runs, options.get("calibration_session"))
         for i, (node, spec) in enumerate(cands):
-            where = f"GRU {i + 1}/{len(cands)} {node_label(node)!r} (int{bits}, H={spec['H']})"
+            where = f"GRU {i + 1}/{len(cands)} {node_label(node)!r} ({mode_name(bits, wbits)}, H={spec['H']})"
             self.rewrite(graph, report, names, node, spec, seqs[i], how, bits, headroom, search,
-                         lambda what: progress(options, f"{where}: {what}"))
+                         lambda what: progress(options, f"{where}: {what}"), wbits)
 
     def needs(self, options: dict) -> str | None:
         has = options.get("gru_calibration", options.get("calibration")) is not None
         return None if has else "--calibration DATA.npz"
 
-    def rewrite(self, graph, report, names, node, spec, seqs, how, bits, headroom, search, note=lambda what: None):
+    def rewrite(self, graph, report, names, node, spec, seqs, how, bits, headroom, search, note=lambda what: None,
+                wbits=None):
         if not seqs:
             self.skipped(report, "GRU", [node_label(node)], "the calibration run did not produce its input X")
             return
         W, R, B, clip, h = spec["W"], spec["R"], spec["B"], spec["clip"], spec["H"]
-        notes = [f"int{bits}", how]
+        wbits = wbits or bits
+        notes = [mode_name(bits, wbits), how]
 
         def trial(i, n, e):
             note(f"range search {i}/{n} (Y rel error {e:.2e})")
         note("ranges of the gate quantities from the calibration data")
         res = gru_calib.search(W, R, B, seqs, bits=bits, hidden_size=h, direction=spec["direction"], clip=clip,
-                               rounds=2 if search else 0, headroom=headroom, on_trial=trial)
+                               rounds=2 if search else 0, headroom=headroom, on_trial=trial, weight_bits=wbits)
         if search:
             moved = gru_calib.describe(res)
             notes.append(f"range search {res.error_start:.2e} -> {res.error:.2e} in {res.trials} trials"
@@ -127,6 +136,13 @@ class GRUPass(Pass):
         base = node.name or node.outputs[0].name
         consts = [gs.Constant(names(f"{base}_q{k}"), np.ascontiguousarray(p[k]))
                   for k in ("W", "R", "B", "channel_exp", "luts")]
+        if wbits != bits:   # int8 weights in the file, widened for the op by a Cast onnxruntime folds at load
+            for j, k in ((0, "W"), (1, "R")):
+                small = gs.Constant(names(f"{base}_q{k}8"), np.ascontiguousarray(p[k].astype(np.int8)))
+                wide = gs.Variable(names(f"{base}_q{k}"), dtype=p[k].dtype, shape=list(p[k].shape))
+                graph.nodes.append(gs.Node(op="Cast", name=names(f"{base}_q{k}_widen"), inputs=[small],
+                                           outputs=[wide], attrs=dict(to=onnx.TensorProto.INT16)))
+                consts[j] = wide
         inputs = [spec["X"], *consts]
         opt = [spec["sequence_lens"], spec["initial_h"]]
         if opt[1] is not None:
@@ -143,28 +159,36 @@ class GRUPass(Pass):
         node.outputs.clear()
         graph.nodes.append(new)
         notes.append(f"Y rel L2 error on the calibration data {rel:.2e}")
+        if bits == 8 and rel > INT8_HINT_ERROR:
+            notes.append("int8 arithmetic is coarse here: --gru-bits 16 --gru-weight-bits 8 keeps int8 weights "
+                         "(the same file size) with int16 arithmetic")
         if spec["folded"]:
             notes.append(f"folded constant subgraph{'s' if len(spec['folded']) > 1 else ''} of "
                          f"{', '.join(spec['folded'])}")
         self.rewritten(report, "GRU", [node_label(node)], "; ".join(notes), new_node=new.name, bits=bits,
-                       rel_error=rel, exponents=p["exponents"], zero_points=p["zero_points"])
+                       weight_bits=wbits, rel_error=rel, exponents=p["exponents"], zero_points=p["zero_points"])
 
 
-def stored_bytes(d, h, c, bits=None) -> int:
-    """Bytes of a GRU's stored parameters: float32 W, R, B (bits None) or QuantGRU's W, R (bits wide), B int32,
-    channel_exp int32 and the three tables per direction (attributes not counted)."""
+def mode_name(bits, wbits=None) -> str:
+    """'int16', 'int8', or 'int8 weights, int16 arithmetic' (the report's words for a QuantGRU's mode)."""
+    return f"int{bits}" if (wbits or bits) == bits else f"int{wbits} weights, int{bits} arithmetic"
+
+
+def stored_bytes(d, h, c, bits=None, wbits=None) -> int:
+    """Bytes of a GRU's stored parameters: float32 W, R, B (bits None) or QuantGRU's W, R (wbits wide, default
+    bits), B int32, channel_exp int32 and the three tables per direction (attributes not counted)."""
     if bits is None:
         return 4 * d * (3 * h * c + 3 * h * h + 6 * h)
-    q = bits // 8
-    return d * (q * (3 * h * c + 3 * h * h) + 4 * 6 * h + 4 * 4 * 3 * h + q * 3 * gru_int.lut_len(bits))
+    q, qw = bits // 8, (wbits or bits) // 8
+    return d * (qw * (3 * h * c + 3 * h * h) + 4 * 6 * h + 4 * 4 * 3 * h + q * 3 * gru_int.lut_len(bits))
 
 
-def _too_small(spec, bits):
+def _too_small(spec, bits, wbits=None):
     d, h, c = spec["W"].shape[0], spec["H"], spec["W"].shape[2]
-    fb, qb = stored_bytes(d, h, c), stored_bytes(d, h, c, bits)
+    fb, qb = stored_bytes(d, h, c), stored_bytes(d, h, c, bits, wbits)
     if qb < fb:
         return None
-    return (f"too small to gain: QuantGRU int{bits} would store {qb} bytes (its sigmoid/tanh tables alone "
+    return (f"too small to gain: QuantGRU {mode_name(bits, wbits)} would store {qb} bytes (its sigmoid/tanh tables alone "
             f"{d * 3 * gru_int.lut_len(bits) * bits // 8}) against the float GRU's {fb} (H={h}, C={c}); "
             "--gru-small (gru_small=True) rewrites it anyway")
 

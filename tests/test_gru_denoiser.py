@@ -30,7 +30,8 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 CPU = ["CPUExecutionProvider"]
 # bounds (Y rel-L2 of each GRU, |SNR change| dB) over the measured figures (docs/gru.md): int16 6.0e-4 / 4.7e-4,
 # 0.000 dB; int8 2.8e-2 / 2.8e-2, +0.016 dB. The SNR bounds are the issue's goals.
-BOUNDS = {16: (1.5e-3, 0.1), 8: (4e-2, 0.5)}
+# int8 weights with int16 arithmetic (gru_weight_bits 8): 6.5e-3 / 6.2e-3, +0.001 dB.
+BOUNDS = {16: (1.5e-3, 0.1), 8: (4e-2, 0.5), (16, 8): (1.2e-2, 0.5)}
 
 
 @functools.lru_cache(None)
@@ -83,7 +84,7 @@ def streaming_model():
 
 
 @functools.lru_cache(None)
-def rewritten(bits, streaming=False):
+def rewritten(bits, streaming=False, wbits=None):
     cal = audio()["cal"]
     if streaming:
         m = streaming_model()
@@ -91,7 +92,7 @@ def rewritten(bits, streaming=False):
     else:
         m = model_with_gru_outputs()
         calibration = {f"x#{k}": f[None] for k, (_, _, f) in enumerate(cal)}
-    out, rep = api.rewrite(m, passes=["gru"], calibration=calibration, gru_bits=bits)
+    out, rep = api.rewrite(m, passes=["gru"], calibration=calibration, gru_bits=bits, gru_weight_bits=wbits)
     return m, out, rep
 
 
@@ -106,9 +107,9 @@ def run_stream(sess, feats, n_gru=2, h=128):
     return np.stack(masks), [np.stack([y[i] for y in ys]) for i in range(n_gru)]   # mask, each GRU's Y
 
 
-def measure(bits, streaming=False):
+def measure(bits, streaming=False, wbits=None):
     """{"y": [per GRU held-out Y rel-L2], "snr": (float dB, quant dB) mean over held-out utterances, ...}."""
-    m, out, rep = rewritten(bits, streaming)
+    m, out, rep = rewritten(bits, streaming, wbits)
     f_s = ort.InferenceSession(m.SerializeToString(), providers=CPU)
     q_s = onnx_lowbit.InferenceSession(out, providers=CPU)
     num, den, snr_f, snr_q = np.zeros(3), np.zeros(3), [], []
@@ -131,11 +132,11 @@ def measure(bits, streaming=False):
             "cal": [e.details["rel_error"] for e in rep.rewritten("gru")], "report": rep}
 
 
-@pytest.mark.parametrize("bits", [16, 8])
-def test_held_out_error_and_snr(bits):
-    r = measure(bits)
+@pytest.mark.parametrize("bits,wbits", [(16, None), (8, None), (16, 8)])
+def test_held_out_error_and_snr(bits, wbits):
+    r = measure(bits, wbits=wbits)
     assert len(r["report"].rewritten("gru")) == 2, r["report"].to_table()
-    ybound, snr_bound = BOUNDS[bits]
+    ybound, snr_bound = BOUNDS[bits if wbits is None else (bits, wbits)]
     assert max(r["rel"][:2]) <= ybound, r["rel"]
     assert abs(r["snr"][0] - r["snr"][1]) <= snr_bound, r["snr"]
 
@@ -151,6 +152,23 @@ def test_streaming_calibration_sees_every_frame():
     assert abs(r["snr"][0] - r["snr"][1]) <= BOUNDS[16][1], r["snr"]
 
 
+def test_int8_weights_int16_arithmetic_file():
+    """gru_weight_bits 8: W and R are int8 initializers widened by Cast nodes (int8's weight bytes), the report
+    names the mode, and onnxruntime folds the Casts (the session runs; the held-out figures are checked above)."""
+    _, out, rep = rewritten(16, False, 8)
+    _, out8, _ = rewritten(8)
+    reasons = [e.reason for e in rep.rewritten("gru")]
+    assert all(s.startswith("int8 weights, int16 arithmetic") for s in reasons), reasons
+    casts = [n for n in out.graph.node if n.op_type == "Cast"]
+    assert len(casts) == 4 and all(a.i == onnx.TensorProto.INT16 for n in casts for a in n.attribute)
+    inits = {i.name: i for i in out.graph.initializer}
+    int8 = [i for i in inits.values() if i.data_type == onnx.TensorProto.INT8]
+    assert len(int8) == 4 and {i.name for i in int8} == {n.input[0] for n in casts}
+    wr8 = sorted((tuple(i.dims), len(i.raw_data)) for i in out8.graph.initializer
+                 if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 3 and i.dims[1] == 3 * 128)
+    assert sorted((tuple(i.dims), len(i.raw_data)) for i in int8) == wr8     # int8 mode's weight bytes
+
+
 def test_state_pairs_found():
     m = gs.import_onnx(streaming_model())
     cands = [(n, gru_pass._check(n, 17)[0]) for n in m.nodes if n.op == "GRU"]
@@ -158,10 +176,10 @@ def test_state_pairs_found():
 
 
 if __name__ == "__main__":
-    for bits in (16, 8):
+    for bits, wbits in ((16, None), (8, None), (16, 8)):
         for streaming in (False, True):
-            r = measure(bits, streaming)
-            print(f"int{bits} {'streaming' if streaming else 'offline  '}: held-out Y rel-L2 GRU1 {r['rel'][0]:.2e} "
+            r = measure(bits, streaming, wbits)
+            print(f"{gru_pass.mode_name(bits, wbits)} {'streaming' if streaming else 'offline  '}: held-out Y rel-L2 GRU1 {r['rel'][0]:.2e} "
                   f"GRU2 {r['rel'][1]:.2e} mask {r['rel'][2]:.2e}; SNR float {r['snr'][0]:.3f} dB quant "
                   f"{r['snr'][1]:.3f} dB (diff {r['snr'][1] - r['snr'][0]:+.3f}); calibration-data Y "
                   + ", ".join(f"{v:.2e}" for v in r["cal"]))

@@ -211,6 +211,19 @@ def test_cli(tmp_path, capsys):
                      "--gru-bits", "8", "--gru-small"]) == 0
     node = quant_node(onnx.load(dst))
     assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "bits")) == 8
+    dst8 = tmp_path / "q8.onnx"                     # int8 weights, int16 arithmetic: int8 initializers + Cast
+    assert cli.main(["rewrite", str(src), str(dst8), "--passes", "gru", "--calibration", str(tmp_path / "cal.npz"),
+                     "--gru-weight-bits", "8", "--gru-small"]) == 0
+    m8 = onnx.load(dst8)
+    node = quant_node(m8)
+    assert helper.get_attribute_value(next(a for a in node.attribute if a.name == "bits")) == 16
+    casts = {n.output[0]: n.input[0] for n in m8.graph.node if n.op_type == "Cast"}
+    inits = {i.name: i for i in m8.graph.initializer}
+    assert [inits[casts[x]].data_type for x in node.input[1:3]] == [onnx.TensorProto.INT8] * 2
+    assert cli.main(["rewrite", str(src), str(tmp_path / "q9.onnx"), "--passes", "gru", "--calibration",
+                     str(tmp_path / "cal.npz"), "--gru-bits", "8", "--gru-weight-bits", "16"]) == 2
+    assert "--gru-weight-bits 16 is wider than --gru-bits 8" in capsys.readouterr().err
+    assert not (tmp_path / "q9.onnx").exists()
     np.savez(tmp_path / "bad.npz", X=np.zeros((T, N, C), np.float32))       # H0 missing
     dst2 = tmp_path / "q2.onnx"
     assert cli.main(["rewrite", str(src), str(dst2), "--calibration", str(tmp_path / "bad.npz"),
