@@ -117,9 +117,12 @@ def _verify_feeds(a, model):
     data_path = a.verify_data or a.calibration
     flag = "--verify-data" if a.verify_data else "--calibration"
     sig = feeds.signature(model)
-    data = feeds.load_npz(data_path, sig, flag) if data_path else {}
+    data, runs = feeds.first_run(feeds.read_npz(data_path, flag)) if data_path else ({}, 1)
+    data = feeds.check_arrays(data_path, data, sig, flag) if data_path else {}
     got, values, made_up = feeds.make_feeds(model, data=data, dims=feeds.parse_dims(a.dim))
     where = f"{data_path} ({flag})" if data_path else "made-up inputs (--verify-data FILE.npz for real ones)"
+    if runs > 1:   # NAME#K: several calibration runs (docs/gru.md); verify runs the first
+        where = f"{data_path} ({flag}, its first run of {runs})"
     return got, values, made_up, where
 
 

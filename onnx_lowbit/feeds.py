@@ -43,7 +43,8 @@ PASS_THROUGH = {"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"
 
 def signature(model: onnx.ModelProto) -> dict:
     """input name -> (numpy dtype, dims: int, a dim name, or None for a free dim with no name; a dim_value of 0
-    counts as free, as exporters write it for unknown sizes)."""
+    counts as free, as exporters write it for unknown sizes, and so does a dim named '?': Paddle exports write that
+    name for every unknown size, e.g. [-1, 3, '?', '?'], and two free dims are not one dim)."""
     inits = {i.name for i in model.graph.initializer}
     sig = {}
     for vi in model.graph.input:
@@ -52,8 +53,8 @@ def signature(model: onnx.ModelProto) -> dict:
         if not vi.type.HasField("tensor_type"):
             raise LowbitError(f"input {vi.name!r} is not a tensor; only tensor inputs can be fed")
         tt = vi.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or None)
-                for d in tt.shape.dim]
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else
+                (d.dim_param if d.dim_param not in ("", "?") else None) for d in tt.shape.dim]
         sig[vi.name] = (np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims)
     return sig
 
@@ -349,6 +350,21 @@ def random_inputs(model: onnx.ModelProto, sig: dict, shp: dict, seed: int = 0, g
             v = rng.integers(0, 2, size=shape).astype(dt)
         feeds[name] = np.ascontiguousarray(v)
     return feeds
+
+
+def first_run(arrays: dict) -> tuple:
+    """(arrays, number of runs): a file of several runs (``NAME#K`` keys, the --calibration format of docs/gru.md:
+    one run per number, plain keys shared) gives its first run under the inputs' own names, with the shared keys;
+    any other file is returned as it is (1 run)."""
+    def run_of(key):
+        base, sep, k = key.rpartition("#")
+        return (base, int(k)) if sep and base and k.isdigit() else (key, None)
+    runs = sorted({run_of(k)[1] for k in arrays} - {None})
+    if not runs:
+        return arrays, 1
+    out = {k: v for k, v in arrays.items() if run_of(k)[1] is None}
+    out.update({run_of(k)[0]: v for k, v in arrays.items() if run_of(k)[1] == runs[0]})
+    return out, len(runs)
 
 
 def load_npz(path: str, sig: dict, flag: str) -> dict:

@@ -18,7 +18,8 @@ import time
 
 def _clock(seconds: float) -> str:
     s = int(seconds)
-    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{seconds:.1f}s" if seconds < 10 else f"{s}s"
+    # under 10 s tenths, truncated as the whole seconds are (rounded, 9.96 s read "10.0s")
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{int(seconds * 10) / 10:.1f}s" if seconds < 10 else f"{s}s"
 
 
 class Status:

@@ -266,10 +266,7 @@ def tune_feeds(model, data_path: str | None, flag: str, dims=None) -> tuple:
     sig = feeds_mod.signature(model)
     data = {}
     if data_path:
-        arrays = feeds_mod.read_npz(data_path, flag)
-        runs = {k.rpartition("#")[0]: k for k in arrays if k.endswith("#0")}
-        if runs:   # several calibration runs (the gru pass): time on the first
-            arrays = {base: arrays[k] for base, k in runs.items()}
+        arrays, _ = feeds_mod.first_run(feeds_mod.read_npz(data_path, flag))  # several runs: time on the first
         data = feeds_mod.check_arrays(data_path, arrays, sig, flag)
     got, values, made_up = feeds_mod.make_feeds(model, data=data, dims=dims)
     where = f"{data_path} ({flag})" if data_path else "made-up inputs"

@@ -6,8 +6,9 @@ Figures per output (a: the original's, b: the rewritten model's):
   rel-L2   ||a - b|| / ||a|| over the elements finite in both: the checked figure (``ok`` when <= the tolerance)
   max abs  max |a - b|;  max rel: max |a - b| / max |a| (the figure --verify checked before)
   top-1    for logit / classifier-like outputs (a name with logit, prob, score, class, label, cls or pred in it, or
-           the only output of its model, of rank >= 2 with a last axis of 2 or more): the fraction of rows whose
-           arg-max along the last axis agrees
+           the only output of its model, of rank >= 2 with a last axis of 2 or more; or whatever its name, a
+           Softmax over its last axis, e.g. a text recogniser's per-step character probabilities): the fraction of
+           rows whose arg-max along the last axis agrees
 NaN in one output but not the other, or a shape that differs, fails the output whatever the tolerance.
 
 Outputs near zero: rel-L2 divides by ||a||, which means nothing when the output is near zero everywhere (a text
@@ -105,10 +106,30 @@ def output_ranges(model) -> dict:
     return out
 
 
+def softmax_outputs(model) -> set:
+    """Names of the outputs that are a Softmax over their last axis (directly or through Identity / Cast): class
+    probabilities per row, for which top-1 means something whatever the output's name."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    out = set()
+    for vi in model.graph.output:
+        n = producer.get(vi.name)
+        while n is not None and n.op_type in ("Identity", "Cast") and not n.domain and n.input:
+            n = producer.get(n.input[0])
+        rank = len(vi.type.tensor_type.shape.dim)
+        if n is None or n.op_type != "Softmax" or n.domain or rank < 2:
+            continue
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+        axis = next((a.i for a in n.attribute if a.name == "axis"), -1 if opset >= 13 else 1)
+        if axis % rank == rank - 1:
+            out.add(vi.name)
+    return out
+
+
 def compare_arrays(name: str, a, b, tolerance: float, single_output: bool = False,
-                   value_range: float | None = None) -> OutputError:
+                   value_range: float | None = None, softmax: bool = False) -> OutputError:
     """The figures of one output (module docstring); ``value_range``: the bound of its values when the graph fixes
-    one (output_ranges), else max |a| is taken."""
+    one (output_ranges), else max |a| is taken; ``softmax``: the output is a Softmax over its last axis
+    (softmax_outputs): top-1 is given whatever its name."""
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape:
         return OutputError(name, float("inf"), float("inf"), 0, False, float("inf"), shape=a.shape,
@@ -131,7 +152,8 @@ def compare_arrays(name: str, a, b, tolerance: float, single_output: bool = Fals
     mism = int(np.sum(nan_a != nan_b)) + inf_mismatch
     top1 = None
     rows = 0
-    if a.dtype.kind == "f" and a.size and _logit_like(name, a.shape, single_output):
+    if a.dtype.kind == "f" and a.size and (_logit_like(name, a.shape, single_output) or
+                                           (softmax and a.ndim >= 2 and a.shape[-1] >= 2)):
         ia = np.argmax(np.where(np.isnan(a64), -np.inf, a64), axis=-1)
         ib = np.argmax(np.where(np.isnan(b64), -np.inf, b64), axis=-1)
         rows = int(ia.size)
@@ -175,9 +197,13 @@ def compare(original, rewritten, *, tolerance: float = DEFAULT_TOLERANCE, provid
         names, ref, got, (s0, s1) = run_pair(original, rewritten, feeds, providers)
     except LowbitError as e:
         raise LowbitError(f"--verify: {e}") from None
-    ranges = output_ranges(original if not isinstance(original, str) else onnx.load(original, load_external_data=False))
-    errors = [compare_arrays(n, a, b, tolerance, len(names) == 1, ranges.get(n)) for n, a, b in zip(names, ref, got)]
-    if any(e.top1 is not None for e in errors):
+    graph = original if not isinstance(original, str) else onnx.load(original, load_external_data=False)
+    ranges, probs = output_ranges(graph), softmax_outputs(graph)
+    errors = [compare_arrays(n, a, b, tolerance, len(names) == 1, ranges.get(n), n in probs)
+              for n, a, b in zip(names, ref, got)]
+    # logit-like by name (an LLM's logits beside its KV cache): the tolerance applies to those only; a Softmax
+    # output that has top-1 for its axis alone leaves the other outputs checked (a detector's boxes)
+    if any(e.top1 is not None and _logit_like(e.name, e.shape, len(names) == 1) for e in errors):
         for e in errors:
             if e.top1 is None and not e.note and e.mismatched_nan == 0:
                 e.checked, e.ok = False, True

@@ -519,7 +519,8 @@ class _Run:
 
     # -- AWQ calibration -----------------------------------------------------------------------------------
     def calibrate(self):
-        """Runs the graph once on the calibration inputs; keeps every candidate's A as [rows, K] float32."""
+        """Runs the graph once per calibration run (one dict, or NAME#K keys: one run per K); keeps every
+        candidate's A as [rows, K] float32, the runs' rows in order."""
         g = self.root
         wanted, cands = [], []
         for node in g.nodes:
@@ -530,17 +531,21 @@ class _Run:
                     wanted.append(cand.a.name)
         if not wanted:
             return
-        feeds = calibration.check_feeds(g, self.o.calibration)
-        got = calibration.collect(g, wanted, feeds, self.o.calibration_session,
-                                  hint=" or run weights4 before fplut")
         tensors = g.tensors()
-        for n in wanted:
-            v = feeds.get(n) if n in feeds else got.get(n)
-            if v is None and isinstance(tensors.get(n), gs.Constant):
-                v = np.asarray(tensors[n].values)
-            if v is None or np.ndim(v) < 1:
-                continue
-            x = np.asarray(v, np.float32).reshape(-1, np.shape(v)[-1])
+        rows = {}
+        # several runs (NAME#K keys: the gru pass's format, utterances of different lengths): their rows in order
+        for run in calibration.runs(self.o.calibration):
+            feeds = calibration.check_feeds(g, run)
+            got = calibration.collect(g, wanted, feeds, self.o.calibration_session,
+                                      hint=" or run weights4 before fplut")
+            for n in wanted:
+                v = feeds.get(n) if n in feeds else got.get(n)
+                if v is None and isinstance(tensors.get(n), gs.Constant):
+                    v = np.asarray(tensors[n].values)
+                if v is not None and np.ndim(v) >= 1:
+                    rows.setdefault(n, []).append(np.asarray(v, np.float32).reshape(-1, np.shape(v)[-1]))
+        for n, parts in rows.items():
+            x = np.concatenate(parts) if len(parts) > 1 else parts[0]
             if x.shape[0] > MAX_CALIBRATION_ROWS:
                 x = x[np.linspace(0, x.shape[0] - 1, MAX_CALIBRATION_ROWS).astype(np.int64)]
             self.activations[n] = x

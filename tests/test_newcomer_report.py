@@ -114,6 +114,14 @@ def test_long_steps_move_on_a_terminal(tmp_path):
     assert "%|" not in screen.decode() and "86%" not in screen.decode()
 
 
+def test_clock_never_reads_ten_point_zero():
+    """Under 10 s the clock shows tenths truncated, like the whole seconds above: 9.96 s read "10.0s" (rounded),
+    a frame test_long_steps_move_on_a_terminal rejected on a loaded machine."""
+    from onnx_lowbit.progress import _clock
+    assert [_clock(t) for t in (0.04, 9.94, 9.96, 9.999, 10.0, 59.99, 60.0, 65.5)] == \
+        ["0.0s", "9.9s", "9.9s", "9.9s", "10s", "59s", "1m00s", "1m05s"]
+
+
 def test_status_line_clock_moves_during_one_long_call():
     """While one call runs (no notes), the redrawn line's clock advances."""
     class Tty(io.StringIO):

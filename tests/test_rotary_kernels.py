@@ -116,8 +116,9 @@ def test_cpu_kernel_bit_exact(xs, cs, dt):
     assert _same(rotary_cpu.run(x, c, s), rotary.apply(x, c, s))
 
 
-def test_cpu_kernel_parallel_path():
-    x, c, s = _data((1, 16, 64, 128), (1, 1, 64, 128), F16)
+@pytest.mark.parametrize("dt", [F16, F32])
+def test_cpu_kernel_parallel_path(dt):
+    x, c, s = _data((1, 16, 64, 128), (1, 1, 64, 128), dt)
     assert x.size >= rotary_cpu.PARALLEL_MIN
     assert _same(rotary_cpu.run(x, c, s), rotary.apply(x, c, s))
 
@@ -218,7 +219,8 @@ def _session(model, providers):
     return onnx_lowbit.InferenceSession(model.SerializeToString(), providers=providers)
 
 
-@pytest.mark.parametrize("xs,cs", [((2, 3, 5, 8), (1, 1, 5, 8)), ((1, 4, 1, 16), (16,)), ((3, 8), (3, 8))])
+@pytest.mark.parametrize("xs,cs", [((2, 3, 5, 8), (1, 1, 5, 8)), ((1, 4, 1, 16), (16,)), ((3, 8), (3, 8)),
+                                   ((1, 9, 128, 64), (1, 1, 128, 64))])   # SmolLM2's q: the parallel path
 def test_cpu_session_equals_the_unfused_graph(xs, cs):
     """fp32 on the CPU EP: the Rotary node gives onnxruntime's unfused result bit for bit. fp16: onnxruntime's CPU
     EP runs the unfused fp16 ops in fp32 (it inserts Casts around them), so its result is the formula rounded once;
@@ -248,6 +250,45 @@ def test_cpu_session_bad_shapes_name_the_problem():
     x = np.ones((2, 8), F32)
     with pytest.raises(Fail, match=r"Rotary node 'rot0'.*does not broadcast"):
         sess.run(None, {"X": x, "cos": np.ones((3, 8), F32), "sin": np.ones((3, 8), F32)})
+
+
+FRESH_PROCESS = r"""
+import sys
+import numpy as np
+import onnx_lowbit
+from onnx_lowbit import rotary
+from onnx_lowbit.custom_ops.attention import rotary_cpu
+sys.path.insert(0, sys.argv[1])
+from test_rotary_kernels import F16, F32, _data, _same, fused_model, unfused_model
+xs, cs = (1, 3, 512, 64), (1, 1, 512, 64)          # SmolLM2's k at 512 tokens: the first call already parallel
+assert np.prod(xs) >= rotary_cpu.PARALLEL_MIN
+x, c, s = _data(xs, cs, F32)
+feeds = {"X": x, "cos": c, "sin": s}
+got = onnx_lowbit.InferenceSession(fused_model(xs, cs, F32).SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+import onnxruntime as ort
+want = ort.InferenceSession(unfused_model(xs, cs, F32).SerializeToString(),
+                            providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+assert _same(got, want), "fp32 session differs from the unfused graph"
+x, c, s = _data(xs, cs, F16)
+assert _same(rotary_cpu.run(x, c, s), rotary.apply(x, c, s)), "fp16 parallel kernel differs from the reference"
+print("fresh-process rotary ok")
+"""
+
+
+def test_cpu_parallel_variant_compiled_first_in_a_fresh_process(tmp_path):
+    """The prange variant compiled before any serial one (a fresh process, an empty Numba cache): a Rotary node whose
+    every call has PARALLEL_MIN elements or more, as SmolLM2's unmerged q and k at 512 tokens. It failed to compile
+    ("convert to parfors: Overwrite of parallel loop index": the inlined row-offset helper reassigned the loop index)
+    unless the serial variant of that type had been compiled earlier in the process, as a short first call (tiny
+    LLaMAs, this file's earlier tests) does."""
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    p = subprocess.run([sys.executable, "-c", FRESH_PROCESS, os.path.dirname(os.path.abspath(__file__))],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0 and "fresh-process rotary ok" in p.stdout, (p.stdout + p.stderr)[-3000:]
 
 
 def _ort_cuda():

@@ -232,3 +232,82 @@ def test_unnamed_dims_set_by_input_and_axis(tmp_path):
     assert rc == 2 and "--dim x:1: axis 1 of input 'x' is fixed at 8" in err
     rc, out, err = run_cli("rewrite", str(src), str(tmp_path / "p.onnx"), "--dim", "n=5")
     assert rc == 2 and "symbolic dims: none; unnamed ones ('?') by INPUT:AXIS: x:0, x:2" in err
+
+
+def test_verify_on_a_calibration_file_of_several_runs(tmp_path):
+    """--calibration FILE with NAME#K keys (one run per utterance, the gru pass's format: docs/gru.md) is also
+    --verify's data when no --verify-data is given; verify runs its first run (it stopped before the rewrite with
+    "arrays 'x#0', 'x#1' name no model input", as on the speech denoiser of tests/data). --verify-data with such a
+    file does the same."""
+    from onnx import TensorProto as TP, helper as h
+    rng = np.random.default_rng(0)
+    w = [nh.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+         for n, s in (("W", (1, 48, 8)), ("R", (1, 48, 16)), ("B", (1, 96)))]
+    nodes = [h.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2]),
+             h.make_node("GRU", ["xt", "W", "R", "B"], ["Y"], hidden_size=16),
+             h.make_node("Sigmoid", ["Y"], ["y"])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.FLOAT, [1, "t", 8])],
+                     [h.make_tensor_value_info("y", TP.FLOAT, ["t", 1, 1, 16])], w)
+    src = tmp_path / "m.onnx"
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=9), src)
+    np.savez(tmp_path / "cal.npz", **{"x#0": rng.standard_normal((1, 5, 8)).astype(np.float32),
+                                      "x#1": rng.standard_normal((1, 7, 8)).astype(np.float32)})
+    for flag in ("--calibration", "--verify-data"):
+        rc, out, err = run_cli("rewrite", str(src), str(tmp_path / "o.onnx"), "--verify", flag,
+                               str(tmp_path / "cal.npz"))
+        assert rc == 0, out + err
+        assert f"cal.npz ({flag}, its first run of 2): x [1, 5, 8]; dims: t=5" in out and "ok" in out, out
+    arrays = {"x#1": np.ones(2), "x#0": np.zeros(3), "mask": np.ones(4), "plain": np.ones(1)}
+    got, runs = feeds.first_run(arrays)
+    assert runs == 2 and set(got) == {"x", "mask", "plain"} and got["x"].shape == (3,)
+    one = {"x": np.ones(2), "y#z": np.ones(1)}       # no run numbers: as it is
+    got, runs = feeds.first_run(one)
+    assert runs == 1 and got is one
+
+
+def _softmax_model(axis, opset, rank=3, name="out"):
+    """out = Softmax(x @ w, axis) (+ a second output, feat = x @ w): a recogniser's per-step probabilities."""
+    from onnx import TensorProto as TP, helper as h
+    shape = [2, 6, 5][3 - rank:]
+    w = nh.from_array(np.random.default_rng(1).standard_normal((5, 5)).astype(np.float32), "w")
+    nodes = [h.make_node("MatMul", ["x", "w"], ["feat"]), h.make_node("Softmax", ["feat"], ["sm"], axis=axis),
+             h.make_node("Identity", ["sm"], [name])]
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.FLOAT, shape)],
+                     [h.make_tensor_value_info(name, TP.FLOAT, shape),
+                      h.make_tensor_value_info("feat", TP.FLOAT, shape)], [w])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", opset)], ir_version=8)
+
+
+def test_softmax_outputs_get_top1_whatever_their_name():
+    """A Softmax over the last axis (PaddleOCR's recogniser: 'softmax_11.tmp_0', [N, T, 6625], opset 12, axis 2) is
+    per-row class probabilities: top-1 is given though no name pattern matches; a Softmax over another axis is
+    not; the model's other outputs stay checked (only logit-like names make them 'not checked')."""
+    assert verify.softmax_outputs(_softmax_model(2, 12)) == {"out"}
+    assert verify.softmax_outputs(_softmax_model(-1, 17)) == {"out"}
+    assert verify.softmax_outputs(_softmax_model(1, 12)) == set()          # axis 1 of a rank-3 output
+    assert verify.softmax_outputs(_softmax_model(1, 11, rank=2)) == {"out"}  # the classifier's [N, 2]
+    m = _softmax_model(2, 12)
+    x = np.random.default_rng(2).standard_normal((2, 6, 5)).astype(np.float32)
+    errors, _ = verify.compare(m, m, feeds={"x": x})
+    out, feat = errors
+    assert out.top1 == 1.0 and out.rows == 12 and feat.top1 is None and feat.checked and out.checked
+    assert "12 rows of out" in verify.format_errors(errors, 0.02)
+    (out, _), _ = verify.compare(_softmax_model(1, 12), _softmax_model(1, 12), feeds={"x": x})
+    assert out.top1 is None
+
+
+def test_dims_named_question_mark_are_free_dims(tmp_path):
+    """Paddle exports name every unknown size '?' (PP-OCR's text-direction classifier: x [-1, 3, '?', '?']); two
+    such dims are two free dims, not one: --verify-data with a 48 x 192 image stopped with "dim '?' is 48 in array
+    'x' but 192 in 'x'". They are addressed as INPUT:AXIS, like dims with no name."""
+    from onnx import TensorProto as TP, helper as h
+    g = h.make_graph([h.make_node("Sigmoid", ["x"], ["s"]), h.make_node("Mul", ["x", "s"], ["y"])], "g",
+                     [h.make_tensor_value_info("x", TP.FLOAT, [-1, 3, "?", "?"])],
+                     [h.make_tensor_value_info("y", TP.FLOAT, [-1, 3, "?", "?"])])
+    src = tmp_path / "m.onnx"
+    onnx.save(h.make_model(g, opset_imports=[h.make_opsetid("", 17)], ir_version=9), src)
+    assert feeds.signature(onnx.load(src))["x"][1] == [None, 3, None, None]
+    np.savez(tmp_path / "img.npz", x=np.random.default_rng(0).standard_normal((2, 3, 48, 192)).astype(np.float32))
+    rc, out, err = run_cli("rewrite", str(src), str(tmp_path / "o.onnx"), "--verify-data", str(tmp_path / "img.npz"))
+    assert rc == 0, out + err
+    assert "x [2, 3, 48, 192]; dims: x:0=2, x:2=48, x:3=192" in out and "ok" in out, out

@@ -27,11 +27,13 @@ def r16(v):
 
 @njit(inline="always")
 def _bases(r, dims, cst, sst):
-    """Offsets of row r of X in cos and sin."""
+    """Offsets of row r of X in cos and sin. Nothing derived from r by assignment is reassigned: inlined into a
+    prange body r is the loop index, and Numba's parfor pass refuses an overwritten index (and its copies)."""
     cb = sb = 0
+    step = 1
     for a in range(3, -1, -1):
-        i = r % dims[a]
-        r //= dims[a]
+        i = (r // step) % dims[a]
+        step *= dims[a]
         cb += i * cst[a]
         sb += i * sst[a]
     return cb, sb
