@@ -26,8 +26,8 @@ reused):
                   quantisation, which our kernels do not do
     int8          -p int8 -e cpu (MatMulNBits bits=8)                  left as is (reported: bits=8)
 
-Prompts: three English instructions in the model's chat template (transformers' apply_chat_template), --new new
-tokens each (greedy, stops at EOS). Each folder runs in its own process (genai loads a second onnxruntime; our shim
+Prompts: three English instructions in the model's chat template (transformers' apply_chat_template; the plain
+text for a tokenizer without one), --new new tokens each (greedy, stops at EOS). Each folder runs in its own process (genai loads a second onnxruntime; our shim
 serves one per process, onnx_lowbit/genai_config.py). Reported per variant:
     free        the rewritten folder's own greedy tokens against the original's: prompts with identical tokens,
                 tokens equal before the first difference (summed over prompts)
@@ -246,8 +246,11 @@ def main(argv=None):
 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(hf)
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS]
+    if getattr(tok, "chat_template", None):
+        prompts = [list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]) for p in PROMPTS]
+    else:  # a tokenizer without a chat template (e.g. the tests' random-weight model): the plain text
+        prompts = [list(tok(p)["input_ids"]) for p in PROMPTS]
     pj = os.path.join(a.out, "prompts.json")
     with open(pj, "w") as f:
         json.dump(prompts, f)

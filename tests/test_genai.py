@@ -222,3 +222,18 @@ def test_cli_genai(built, tmp_path, capsys):
     assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME
     assert cli.main(["genai", built["int4"], dst]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_sample_genai_smollm2_on_the_tiny_model(built, tmp_path):
+    """samples/genai_smollm2.py (the real-model comparison) end to end on the tiny random HF folder: it builds the
+    fused-MLP variants with genai's builder, rewrites them, generates in og.Generator and prints the table; the
+    float folder's greedy tokens equal the original's."""
+    hf = os.path.join(os.path.dirname(built["int4"]), "hf")
+    js = str(tmp_path / "res.json")
+    out = _run([os.path.join(ROOT, "samples", "genai_smollm2.py"), hf, "--out", str(tmp_path / "w"), "--variants",
+                "fp32-fused,int4-cuda-fused", "--new", "6", "--json", js], timeout=600)
+    assert "| fp32-fused | fp32_cpu_fused | %d | 3/3 |" % LAYERS in out
+    res = {r["variant"]: r for r in json.load(open(js))}
+    assert res["fp32-fused"]["forced_top1"] == res["fp32-fused"]["forced_steps"] > 0
+    assert res["int4-cuda-fused"]["rewrite"]["summary"]["matmulnbits"] == {"rewritten": LAYERS, "skipped": 0}
+    assert res["int4-cuda-fused"]["logits_rel_l2"] < 0.05
