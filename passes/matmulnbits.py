@@ -16,17 +16,18 @@ This pass then cuts the columns of B, scales, zero points (and a constant bias) 
 column by column: exact) and writes two MatMulAWQ nodes in place of the product and the Split.
 
 The float spelling (MatMul gate/up, -p fp16 / fp32, also MatMul + Split) needs no conversion: the ffn pass fuses it
-as it is. This pass rewrites only the MatMulNBits pairs of such a block (the down projection, attention and lm_head MatMulNBits stay
-onnxruntime's). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size = block_size
-(onnx_lowbit/matmulnbits.py: same codes, same zero points, 8 where MatMulNBits has none, the fp16 scales as they
-are): the dequantised fp16 weights are bit for bit MatMulNBits' (T = float16).
+as it is. This pass rewrites only the MatMulNBits pairs of such a block (the down projection, attention and lm_head
+MatMulNBits stay onnxruntime's). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size =
+block_size (onnx_lowbit/matmulnbits.py: same codes, same zero points, 8 where MatMulNBits has none, the fp16 scales
+as they are): the dequantised fp16 weights are bit for bit MatMulNBits' (T = float16).
 
-Skipped with the reason: bits other than 4 (the builder's -p int8 writes bits=8), g_idx, zero points in float form, N not a multiple of 8, non-constant
-weights, gate and up reading different inputs, an intermediate read elsewhere, a Split that is not
-two equal halves of the last axis, a non-constant bias on a fused gate_up product; float32 scales (fp32 models:
-rounding them to fp16 is not lossless) unless the option ``matmulnbits_lossy`` is True (the report gives each
-weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the pass changes nothing.
-Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes ...,matmulnbits,ffn`` names it.
+Skipped with the reason: bits other than 4 (the builder's -p int8 writes bits=8), g_idx, zero points in float
+form, N not a multiple of 8, non-constant weights, gate and up reading different inputs, an intermediate read
+elsewhere, a Split that is not two equal halves of the last axis, a non-constant bias on a fused gate_up product;
+float32 scales (fp32 models: rounding them to fp16 is not lossless) unless the option ``matmulnbits_lossy`` is True
+(the report gives each weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the
+pass changes nothing. Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes
+...,matmulnbits,ffn`` names it.
 """
 from __future__ import annotations
 
@@ -134,6 +135,7 @@ class MatMulNBitsPass(Pass):
             for node in ([gate, up] if split is None else [gu, split]):
                 node.outputs.clear()
                 node.inputs.clear()
+            done = [(node, spec(), details) for node, spec, details in done]  # the nodes, now that all converted
             for _, new, _ in done:
                 g.nodes.append(new)
             rel = max(d["rel_error"] for _, _, d in done)
@@ -177,7 +179,7 @@ class MatMulNBitsPass(Pass):
     @staticmethod
     def convert_split(g, gu, split, which, names: Names, lossy: bool):
         """The gate_up MatMulNBits cut into its two halves of columns (gate = the Split's output ``which``): two
-        (node, MatMulAWQ, details), gate first, writing the Split's outputs."""
+        (node, MatMulAWQ maker, details), gate first, writing the Split's outputs."""
         K, N, bs, b, s, zp, bias = _read(gu)
         if N % 2:
             raise _Skip(f"N={N} is odd: no two equal halves")
@@ -206,7 +208,8 @@ class MatMulNBitsPass(Pass):
 
 
 def _awq_node(names: Names, x, y, K, N, bs, b, s, zp, bias, base: str, name: str, lossy: bool):
-    """MatMulAWQ(x) -> y on the MatMulNBits tensors (b, s, zp) of a [K, N] weight, and the report details."""
+    """MatMulAWQ(x) -> y on the MatMulNBits tensors (b, s, zp) of a [K, N] weight: (a function making the node,
+    the report details); raises _Skip when the tensors do not convert."""
     from onnx_lowbit import matmulnbits  # noqa: PLC0415 - the registry imports without numpy work
     try:
         qweight, qzeros, scales, rel = matmulnbits.to_awq(b, s, zp, K, N, bs, lossy=lossy)
@@ -215,8 +218,11 @@ def _awq_node(names: Names, x, y, K, N, bs, b, s, zp, bias, base: str, name: str
     consts = [gs.Constant(names(f"{base}_qweight"), qweight), gs.Constant(names(f"{base}_qzeros"), qzeros),
               gs.Constant(names(f"{base}_scales"), scales)]
     inputs = [x] + consts + ([bias] if bias is not None else [])
-    new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=names(f"{name or base}_awq"),
-                  attrs=dict(group_size=bs, K=K, N=N), inputs=inputs, outputs=[y])
+    node_name = names(f"{name or base}_awq")
+
+    def new():  # created only when every product of the block converted (a node attaches to its tensors)
+        return gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=node_name, attrs=dict(group_size=bs, K=K, N=N),
+                       inputs=inputs, outputs=[y])
     details = dict(op="MatMulAWQ", K=K, N=N, group_size=bs, zero_points=zp is not None, rel_error=rel,
                    scales=str(np.asarray(s).dtype), bytes_before=int(b.nbytes + s.nbytes +
                                                                       (0 if zp is None else zp.nbytes)),

@@ -27,8 +27,9 @@ reused):
     int8          -p int8 -e cpu (MatMulNBits bits=8)                  left as is (reported: bits=8)
 
 Prompts: three English instructions in the model's chat template (transformers' apply_chat_template; the plain
-text for a tokenizer without one), --new new tokens each (greedy, stops at EOS). Each folder runs in its own process (genai loads a second onnxruntime; our shim
-serves one per process, onnx_lowbit/genai_config.py). Reported per variant:
+text for a tokenizer without one), --new new tokens each (greedy, stops at EOS). Each folder runs in its own
+process (genai loads a second onnxruntime; our shim serves one per process, onnx_lowbit/genai_config.py).
+Reported per variant:
     free        the rewritten folder's own greedy tokens against the original's: prompts with identical tokens,
                 tokens equal before the first difference (summed over prompts)
     forced      teacher forcing on the original's tokens: the rewritten folder's top-1 at each step against the
@@ -283,7 +284,8 @@ def main(argv=None):
     first = origs.get(VARIANTS[variants[0]][0]) if variants else None
     if first is not None:
         for i, p in enumerate(PROMPTS):
-            _say(f"\n[{VARIANTS[variants[0]][0]}] {p}\n  -> {tok.decode(first[f'free{i}'], skip_special_tokens=True)!r}")
+            text = tok.decode(first[f"free{i}"], skip_special_tokens=True)
+            _say(f"\n[{VARIANTS[variants[0]][0]}] {p}\n  -> {text!r}")
 
     _say("\n| variant | build | gate/up rewritten | identical prompts | equal before 1st diff | forced top-1 | "
          "logits rel L2 |")

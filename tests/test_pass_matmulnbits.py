@@ -266,3 +266,18 @@ def test_genai_fused_gate_up_skips():
     x = (np.random.default_rng(8).standard_normal((1, 4, 64))).astype(np.float32)
     want, got = run_cpu(m32, {"x": x}, ours=False)["y"], run_cpu(out, {"x": x})["y"]
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_half_failing_leaves_the_block_untouched():
+    """The up half of an fp32 gate_up fails to convert (a scale past fp16's range) after the gate half converted:
+    the block is skipped with the reason and the graph keeps no node of the gate half (same ops, same output)."""
+    m, _ = genai_fused_mlp(dtype=np.float32)
+    init = next(t for t in m.graph.initializer if t.name == "gate_up_s")
+    s = numpy_helper.to_array(init).copy()
+    s[-1, 0] = 1e6                                                # the last column: up's half
+    init.CopyFrom(numpy_helper.from_array(s, "gate_up_s"))
+    out, rep = checked_rewrite(m, ["matmulnbits"], matmulnbits_lossy=True)
+    assert ops(out) == ops(m) and "overflows fp16" in rep.skipped("matmulnbits")[0].reason
+    assert not list(rep.rewritten("matmulnbits"))
+    x = (np.random.default_rng(9).standard_normal((1, 2, 64))).astype(np.float32)
+    np.testing.assert_array_equal(run_cpu(out, {"x": x}, ours=False)["y"], run_cpu(m, {"x": x}, ours=False)["y"])
