@@ -82,7 +82,8 @@ def to_awq(b, scales, zero_points, K: int, N: int, block_size: int, lossy: bool 
     q, z, s = unpack(b, scales, zero_points, K, N, bs)
     if s.dtype != np.float16 and not lossy:
         raise ValueError(f"scales are {s.dtype}: rounding them to fp16 (AWQ's scales) is not lossless")
-    s16 = s.astype(np.float16)
+    with np.errstate(over="ignore"):                                     # reported just below
+        s16 = s.astype(np.float16)
     if not np.all(np.isfinite(s16)):
         raise ValueError("a scale overflows fp16")
     if q.shape[0] > K:

@@ -157,6 +157,29 @@ def find_silu(g: gs.Graph, s) -> _Silu | None:
     return None
 
 
+def halves_split(gate_t, up_t):
+    """(Split node, gate's output index, reason) when ``gate_t`` and ``up_t`` are the two outputs of one Split
+    (onnxruntime-genai's ``fuse_mlp_gate_up=true``: one gate_up product, then Split(axis=-1, num_outputs=2));
+    reason is None for two equal halves of the last axis, else why not. None when they are no such pair."""
+    p, q = producer(gate_t), producer(up_t)
+    if p is None or p is not q or not is_alive(p) or p.op != "Split" or p.domain or len(p.outputs) != 2 or \
+            gate_t is up_t:
+        return None
+    idx = 0 if p.outputs[0] is gate_t else 1
+    axis = int(p.attrs.get("axis", 0))
+    r = rank(p.inputs[0]) if p.inputs else None
+    if axis != -1 and (r is None or axis != r - 1):
+        return p, idx, f"Split on axis {axis}, not the last axis"
+    sizes = constant_value(p.inputs[1]) if len(p.inputs) > 1 and p.inputs[1].name else p.attrs.get("split")
+    if len(p.inputs) > 1 and p.inputs[1].name and sizes is None:
+        return p, idx, "Split sizes not a constant"
+    if sizes is not None:
+        sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
+        if len(sizes) != 2 or sizes[0] != sizes[1]:
+            return p, idx, f"Split sizes {sizes}, not two equal halves"
+    return p, idx, None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # projections
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,10 +264,40 @@ def _four_bit_proj(node: gs.Node) -> _Proj:
                  tensors=tensors, attrs=attrs)
 
 
+def _split_proj(g: gs.Graph, split: gs.Node, t) -> _Proj | None:
+    """t = one half of Split(x W (+ b), axis=-1) (genai's fuse_mlp_gate_up; x W any float projection spelling):
+    the projection onto that half of W's columns (a new weight; the Split's halves are checked by the caller,
+    halves_split)."""
+    if not split.inputs:
+        return None
+    y = split.inputs[0]
+    src = producer(y)
+    if src is None or src.op == "Split":
+        return None
+    proj = find_projection(g, y)
+    if proj is None:
+        return None
+    if proj.kind != "float":
+        raise _Skip(proj.spelling + " -> Split", f"a {proj.kind} gate_up product is not cut in halves (float only)")
+    if len(y.outputs) != 1 or is_graph_output(g, y):
+        raise _Skip(proj.spelling + " -> Split", f"gate_up output {y.name!r} is also read elsewhere")
+    if proj.N % 2:
+        raise _Skip(proj.spelling + " -> Split", f"N={proj.N} is odd: no two equal halves")
+    n, which = proj.N // 2, list(split.outputs).index(t)
+    cols = slice(which * n, (which + 1) * n)
+    w = proj.w[cols] if proj.w_nk else proj.w[:, cols]
+    bias = proj.bias[cols] if isinstance(proj.bias, np.ndarray) else proj.bias
+    return _Proj("float", proj.x, t, proj.nodes + [split], proj.spelling + " -> Split", proj.K, n,
+                 w=np.ascontiguousarray(w), w_nk=proj.w_nk, alpha=proj.alpha, stored=None,
+                 w_name=f"{proj.w_name}_half{which}", bias=bias)
+
+
 def find_projection(g: gs.Graph, t) -> _Proj | None:
     """t = x W (+ b) for a constant W (see the module doc): the match; None when t is no projection at all.
     Raises _Skip for a projection that cannot be fused (e.g. a non-constant weight)."""
     p = producer(t)
+    if p is not None and is_alive(p) and p.op == "Split" and not p.domain and len(p.outputs) == 2:
+        return _split_proj(g, p, t)
     if p is None or not is_alive(p) or len(p.outputs) != 1:
         return None
     add, bias_vec = None, None
@@ -266,6 +319,10 @@ def find_projection(g: gs.Graph, t) -> _Proj | None:
     elif p.domain == domain.DOMAIN and p.op in _FOUR_BIT:
         proj = _four_bit_proj(p)
     elif p.domain == "com.microsoft" and p.op in _ORT_FOUR_BIT:
+        bits = int(p.attrs.get("bits", 4)) if p.op == "MatMulNBits" else 4
+        if bits != 4:
+            raise _Skip(f"com.microsoft.{p.op}", f"onnxruntime's MatMulNBits with bits={bits} (e.g. genai's -p int8) "
+                                                "has no fused form: our fused ops read 4-bit weights")
         raise _Skip(f"com.microsoft.{p.op}", "onnxruntime's 4-bit op (weights4 target 'ort') has no fused form; "
                                             "use the lowbit target (MatMulNBits from onnxruntime-genai: the "
                                             "matmulnbits pass converts them first, see its report entry)")
@@ -299,6 +356,8 @@ def _x_type(proj: _Proj):
 
 def _how(w, proj: _Proj) -> str:
     """How a [K, N] weight of the kn layout was made (for the report)."""
+    if proj.stored is None:
+        return "half of the gate_up weight"
     return "as stored" if w is proj.stored else "transposed" if proj.w_nk else "alpha folded"
 
 
@@ -355,6 +414,12 @@ class _Run:
                 return (f"gate reads {gate.x.name!r}, up reads {up.x.name!r}: the same input scaled by two different "
                         "Muls (e.g. AWQ activation scales from weights4's calibration, one per projection)")
             return f"gate reads {gate.x.name!r}, up reads {up.x.name!r}: not one input"
+        if gate.spelling.endswith("-> Split") or up.spelling.endswith("-> Split"):
+            found = halves_split(gate.out, up.out)
+            if found is None:
+                return "gate and up are not the two outputs of one Split"
+            if found[2] is not None:
+                return found[2]
         if gate.kind != up.kind:
             return f"gate is {gate.kind}, up is {up.kind} (weights of different formats)"
         if (gate.K, gate.N) != (up.K, up.N):
@@ -427,10 +492,11 @@ class _Run:
         """The W1/W3 tensor of a float projection: [K, N] with ``kn``, else [N, K]. With ``kn`` the stored tensor
         itself when it is [K, N] and no alpha is folded in (no copy); otherwise one new constant per stored weight
         and layout."""
-        if kn and not proj.w_nk and proj.alpha == 1.0:
+        if kn and not proj.w_nk and proj.alpha == 1.0 and proj.stored is not None:
             proj.w = None
             return proj.stored
-        key = (id(proj.stored), proj.w_nk, proj.alpha, kn)
+        owner = proj.stored if proj.stored is not None else proj  # a Split's half: its own new weight
+        key = (id(owner), proj.w_nk, proj.alpha, kn)
         hit = self.shared.get(key)
         if hit is None:
             w = proj.w.T if proj.w_nk == kn else proj.w
@@ -439,7 +505,7 @@ class _Run:
             # streaming (option spill): written to OUT's data file now, so memory stays bounded
             t = external.constant(self.names(f"{proj.w_name}_{'kn' if kn else 't'}"), np.ascontiguousarray(w),
                                   self.spill)
-            hit = self.shared[key] = (proj.stored, t)  # (stored kept alive: its id stays unique)
+            hit = self.shared[key] = (owner, t)  # (owner kept alive: its id stays unique)
         proj.w = None
         return hit[1]
 

@@ -7,17 +7,27 @@ genai's MLP (builder.make_mlp_proj), on MatMul or MatMulNBits:
     gate = MatMulNBits(x, B1, scales1[, zero_points1])      up = MatMulNBits(x, B3, scales3[, zero_points3])
     S = Mul(Mul(gate, Sigmoid(gate)), up)                   (the SiLU in any spelling the ffn pass knows)
 
-The float spelling (MatMul gate/up, -p fp16 / fp32) needs no conversion: the ffn pass fuses it as it is. This pass
-rewrites only the MatMulNBits pairs of such a block (the down projection, attention and lm_head MatMulNBits stay
-onnxruntime's). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size = block_size
-(onnx_lowbit/matmulnbits.py: same codes, same zero points, 8 where MatMulNBits has none, the fp16 scales as they
-are): the dequantised fp16 weights are bit for bit MatMulNBits' (T = float16).
+With the builder's ``--extra_options fuse_mlp_gate_up=true`` gate and up are one product and a Split:
 
-Skipped with the reason: bits other than 4, g_idx, zero points in float form, N not a multiple of 8, non-constant
-weights, gate and up reading different inputs, an intermediate read elsewhere; float32 scales (fp32 models:
-rounding them to fp16 is not lossless) unless the option ``matmulnbits_lossy`` is True (the report gives each
-weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the pass changes nothing.
-Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes ...,matmulnbits,ffn`` names it.
+    gu = MatMulNBits(x, B, scales[, zero_points])   (N = 2 n: gate's n columns, then up's)
+    gate, up = Split(gu, axis=-1, num_outputs=2)    (or split = [n, n]; gate and up may be either output)
+
+This pass then cuts the columns of B, scales, zero points (and a constant bias) in two (MatMulNBits stores them
+column by column: exact) and writes two MatMulAWQ nodes in place of the product and the Split.
+
+The float spelling (MatMul gate/up, -p fp16 / fp32, also MatMul + Split) needs no conversion: the ffn pass fuses it
+as it is. This pass rewrites only the MatMulNBits pairs of such a block (the down projection, attention and lm_head
+MatMulNBits stay onnxruntime's). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size =
+block_size (onnx_lowbit/matmulnbits.py: same codes, same zero points, 8 where MatMulNBits has none, the fp16 scales
+as they are): the dequantised fp16 weights are bit for bit MatMulNBits' (T = float16).
+
+Skipped with the reason: bits other than 4 (the builder's -p int8 writes bits=8), g_idx, zero points in float
+form, N not a multiple of 8, non-constant weights, gate and up reading different inputs, an intermediate read
+elsewhere, a Split that is not two equal halves of the last axis, a non-constant bias on a fused gate_up product;
+float32 scales (fp32 models: rounding them to fp16 is not lossless) unless the option ``matmulnbits_lossy`` is True
+(the report gives each weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the
+pass changes nothing. Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes
+...,matmulnbits,ffn`` names it.
 """
 from __future__ import annotations
 
@@ -28,7 +38,7 @@ from onnx_lowbit import domain
 
 from .base import (Names, Pass, Report, constant_value, consumers, is_alive, is_graph_output, iter_graphs,
                    node_label, producer)
-from .ffn import find_silu
+from .ffn import find_silu, halves_split
 
 MS_DOMAIN = "com.microsoft"
 
@@ -98,19 +108,35 @@ class MatMulNBitsPass(Pass):
             if silu is None:
                 continue
             gate, up = _nbits(silu.z), _nbits(b)
+            split = None
             if gate is None or up is None:
-                continue
-            pattern = f"swiglu: MatMulNBits gate/up, {silu.spelling}"
-            labels = [node_label(n) for n in (gate, up, mul)]
+                found = halves_split(silu.z, b)
+                gu = _nbits(found[0].inputs[0]) if found is not None and found[0].inputs else None
+                if gu is None:
+                    continue
+                split, which, why = found
+                pattern = f"swiglu: MatMulNBits gate_up -> Split, {silu.spelling}"
+                labels = [node_label(n) for n in (gu, split, mul)]
+            else:
+                pattern = f"swiglu: MatMulNBits gate/up, {silu.spelling}"
+                labels = [node_label(n) for n in (gate, up, mul)]
             try:
-                self.check(g, mul, silu, gate, up)
-                done = [self.convert(g, n, names, lossy) for n in (gate, up)]
+                if split is None:
+                    self.check(g, mul, silu, gate, up)
+                    done = [self.convert(g, n, names, lossy) for n in (gate, up)]
+                else:
+                    if why is not None:
+                        raise _Skip(why)
+                    self.check_split(g, mul, silu, gu, split)
+                    done = self.convert_split(g, gu, split, which, names, lossy)
             except _Skip as e:
                 self.skipped(report, pattern, labels, str(e))
                 return
-            for node, new, details in done:
+            for node in ([gate, up] if split is None else [gu, split]):
                 node.outputs.clear()
                 node.inputs.clear()
+            done = [(node, spec(), details) for node, spec, details in done]  # the nodes, now that all converted
+            for _, new, _ in done:
                 g.nodes.append(new)
             rel = max(d["rel_error"] for _, _, d in done)
             self.rewritten(report, pattern, labels,
@@ -134,21 +160,71 @@ class MatMulNBitsPass(Pass):
                     raise _Skip(f"{y.name!r} is also read outside the SwiGLU block")
 
     @staticmethod
+    def check_split(g, mul, silu, gu, split) -> None:
+        y = gu.outputs[0]
+        if is_graph_output(g, y) or len(consumers(y)) != 1:
+            raise _Skip(f"{y.name!r} (gate_up) is also read outside the SwiGLU block")
+        inside = {id(n) for n in silu.nodes} | {id(mul)}
+        for t in list(split.outputs) + [o for n in silu.nodes for o in n.outputs]:
+            if is_graph_output(g, t) or any(id(c) not in inside for c in consumers(t)):
+                raise _Skip(f"{t.name!r} is also read outside the SwiGLU block")
+
+    @staticmethod
     def convert(g, node, names: Names, lossy: bool):
-        from onnx_lowbit import matmulnbits  # noqa: PLC0415 - the registry imports without numpy work
         K, N, bs, b, s, zp, bias = _read(node)
-        try:
-            qweight, qzeros, scales, rel = matmulnbits.to_awq(b, s, zp, K, N, bs, lossy=lossy)
-        except ValueError as e:
-            raise _Skip(f"{e}{'' if lossy else '; the option matmulnbits_lossy=True converts anyway'}") from None
-        base = node.inputs[1].name
-        consts = [gs.Constant(names(f"{base}_qweight"), qweight), gs.Constant(names(f"{base}_qzeros"), qzeros),
-                  gs.Constant(names(f"{base}_scales"), scales)]
-        inputs = [node.inputs[0]] + consts + ([bias] if bias is not None else [])
-        new = gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=names(f"{node.name or base}_awq"),
-                      attrs=dict(group_size=bs, K=K, N=N), inputs=inputs, outputs=[node.outputs[0]])
-        details = dict(op="MatMulAWQ", K=K, N=N, group_size=bs, zero_points=zp is not None, rel_error=rel,
-                       scales=str(np.asarray(s).dtype), bytes_before=int(b.nbytes + s.nbytes +
-                                                                          (0 if zp is None else zp.nbytes)),
-                       bytes_after=int(qweight.nbytes + qzeros.nbytes + scales.nbytes))
+        new, details = _awq_node(names, node.inputs[0], node.outputs[0], K, N, bs, b, s, zp, bias,
+                                 node.inputs[1].name, node.name, lossy)
         return node, new, details
+
+    @staticmethod
+    def convert_split(g, gu, split, which, names: Names, lossy: bool):
+        """The gate_up MatMulNBits cut into its two halves of columns (gate = the Split's output ``which``): two
+        (node, MatMulAWQ maker, details), gate first, writing the Split's outputs."""
+        K, N, bs, b, s, zp, bias = _read(gu)
+        if N % 2:
+            raise _Skip(f"N={N} is odd: no two equal halves")
+        n, nb = N // 2, -(-K // bs)
+        if bias is not None:
+            bias = constant_value(bias)
+            if bias is None:
+                raise _Skip("bias of the gate_up product not a constant")
+        if np.asarray(b).size != N * nb * (bs // 2) or np.asarray(s).size != N * nb or \
+                (zp is not None and np.asarray(zp).size != N * ((nb + 1) // 2)):
+            raise _Skip(f"B / scales / zero_points do not hold N={N} columns of {nb} blocks")
+        b2, s2 = np.asarray(b).reshape(N, -1), np.asarray(s).reshape(N, -1)
+        zp2 = None if zp is None else np.asarray(zp).reshape(N, -1)
+        done = []
+        for half, out in ((which, split.outputs[which]), (1 - which, split.outputs[1 - which])):
+            cols = slice(half * n, (half + 1) * n)
+            hb = None if bias is None else gs.Constant(names(f"{gu.inputs[1].name}_bias{half}"),
+                                                        np.ascontiguousarray(np.asarray(bias).reshape(N)[cols]))
+            new, details = _awq_node(names, gu.inputs[0], out, K, n, bs, np.ascontiguousarray(b2[cols]),
+                                     np.ascontiguousarray(s2[cols]),
+                                     None if zp2 is None else np.ascontiguousarray(zp2[cols]), hb,
+                                     f"{gu.inputs[1].name}_half{half}", f"{gu.name}_half{half}", lossy)
+            details["gate_up_half"] = half
+            done.append((gu, new, details))
+        return done
+
+
+def _awq_node(names: Names, x, y, K, N, bs, b, s, zp, bias, base: str, name: str, lossy: bool):
+    """MatMulAWQ(x) -> y on the MatMulNBits tensors (b, s, zp) of a [K, N] weight: (a function making the node,
+    the report details); raises _Skip when the tensors do not convert."""
+    from onnx_lowbit import matmulnbits  # noqa: PLC0415 - the registry imports without numpy work
+    try:
+        qweight, qzeros, scales, rel = matmulnbits.to_awq(b, s, zp, K, N, bs, lossy=lossy)
+    except ValueError as e:
+        raise _Skip(f"{e}{'' if lossy else '; the option matmulnbits_lossy=True converts anyway'}") from None
+    consts = [gs.Constant(names(f"{base}_qweight"), qweight), gs.Constant(names(f"{base}_qzeros"), qzeros),
+              gs.Constant(names(f"{base}_scales"), scales)]
+    inputs = [x] + consts + ([bias] if bias is not None else [])
+    node_name = names(f"{name or base}_awq")
+
+    def new():  # created only when every product of the block converted (a node attaches to its tensors)
+        return gs.Node(op="MatMulAWQ", domain=domain.DOMAIN, name=node_name, attrs=dict(group_size=bs, K=K, N=N),
+                       inputs=inputs, outputs=[y])
+    details = dict(op="MatMulAWQ", K=K, N=N, group_size=bs, zero_points=zp is not None, rel_error=rel,
+                   scales=str(np.asarray(s).dtype), bytes_before=int(b.nbytes + s.nbytes +
+                                                                      (0 if zp is None else zp.nbytes)),
+                   bytes_after=int(qweight.nbytes + qzeros.nbytes + scales.nbytes))
+    return new, details

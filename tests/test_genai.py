@@ -40,7 +40,8 @@ PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                         pad_token="<pad>").save_pretrained(sys.argv[1])
 from onnxruntime_genai.models.builder import create_model, parse_extra_options
 for out, precision, ep in zip(sys.argv[2::3], sys.argv[3::3], sys.argv[4::3]):
-    extra = ["is_symmetric=false"] if out.endswith("asym") else None
+    extra = ["is_symmetric=false"] if out.endswith("asym") else ["fuse_mlp_gate_up=true"] if out.endswith("fused") \
+        else None
     opts = parse_extra_options(None, sys.argv[1], out, precision, ep, out + "_cache", extra)
     create_model(None, sys.argv[1], out, precision, ep, out + "_cache", **opts)
 """
@@ -76,11 +77,13 @@ def _run(code_or_args, *args, timeout=300):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """{"int4": folder (builder -p int4 -e cuda: fp16 activations), "asym": the same with zero points
-    (is_symmetric=false), "fp32": folder (-p fp32 -e cpu)}."""
+    (is_symmetric=false), "fp32": folder (-p fp32 -e cpu), "fused" / "fp32fused": int4 -e cuda / fp32 -e cpu with
+    fuse_mlp_gate_up=true (one gate_up product + Split), "int8": -p int8 -e cpu (MatMulNBits bits=8)}."""
     d = tmp_path_factory.mktemp("genai")
-    folders = {"int4": str(d / "int4_cuda"), "asym": str(d / "int4_cuda_asym"), "fp32": str(d / "fp32_cpu")}
+    folders = {"int4": str(d / "int4_cuda"), "asym": str(d / "int4_cuda_asym"), "fp32": str(d / "fp32_cpu"),
+               "fused": str(d / "int4_cuda_fused"), "fp32fused": str(d / "fp32_cpu_fused"), "int8": str(d / "int8_cpu")}
     _run(HF, str(d / "hf"), folders["int4"], "int4", "cuda", folders["asym"], "int4", "cuda", folders["fp32"], "fp32",
-         "cpu")
+         "cpu", folders["fused"], "int4", "cuda", folders["fp32fused"], "fp32", "cpu", folders["int8"], "int8", "cpu")
     return folders
 
 
@@ -110,17 +113,53 @@ def test_builder_graphs(built):
     assert ("", "MatMul") in ops and ("com.microsoft", "MatMulNBits") not in ops
 
 
-@pytest.mark.parametrize("kind,fused", [("int4", "FusedFFNAWQ"), ("asym", "FusedFFNAWQ"), ("fp32", "FusedFFN")])
+def test_builder_graphs_fused_gate_up_and_int8(built):
+    """fuse_mlp_gate_up=true: one gate_up product of N = 2 x intermediate (MatMulNBits for int4, MatMul for fp32)
+    and Split(axis=-1, num_outputs=2) into gate and up; -p int8: MatMulNBits bits=8 everywhere (block 32)."""
+    for kind, op in (("fused", "MatMulNBits"), ("fp32fused", "MatMul")):
+        m, _ = _ops(built[kind])
+        splits = [n for n in m.graph.node if n.op_type == "Split"]
+        assert len(splits) == LAYERS
+        producers = {o: n for n in m.graph.node for o in n.output}
+        for sp in splits:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in sp.attribute}
+            assert attrs == {"axis": -1, "num_outputs": 2} and len(sp.input) == 1
+            gu = producers[sp.input[0]]
+            assert gu.op_type == op and "gate_up" in gu.name
+            if op == "MatMulNBits":
+                assert {a.name: a.i for a in gu.attribute}["N"] == 2 * 128
+    m, _ = _ops(built["int8"])
+    nbits = [n for n in m.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 5 * LAYERS + 1
+    assert all({a.name: a.i for a in n.attribute if a.name in ("bits", "block_size")} == {"bits": 8, "block_size": 32}
+               for n in nbits)
+
+
+def test_int8_folder_left_with_reasons(built, tmp_path):
+    """-p int8: nothing converted (our fused ops read 4-bit weights), each SwiGLU block reported with bits=8, no
+    library named; the model's ops unchanged."""
+    dst = str(tmp_path / "ours")
+    report = genai_config.rewrite_folder(built["int8"], dst)
+    assert not report.rewritten() and len(report.skipped("matmulnbits")) == LAYERS
+    assert all("bits=8" in e.reason for e in report.skipped())
+    assert genai_config.library_file(dst) is None
+    assert _ops(dst)[1] == _ops(built["int8"])[1]
+
+
+@pytest.mark.parametrize("kind,fused", [("int4", "FusedFFNAWQ"), ("asym", "FusedFFNAWQ"), ("fp32", "FusedFFN"),
+                                        ("fused", "FusedFFNAWQ"), ("fp32fused", "FusedFFN")])
 def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
     subprocess.run(["cp", "-r", built[kind], src], check=True)
     report = genai_config.rewrite_folder(src, dst)
-    assert len(report.rewritten("ffn")) == LAYERS
-    if kind != "fp32":
-        assert all("lossless" in e.reason for e in report.rewritten("matmulnbits"))
-        assert {e.details["zero_points"] for e in report.rewritten("matmulnbits")} == {kind == "asym"}
+    assert len(report.rewritten("ffn")) == LAYERS and not report.skipped()
+    if fused == "FusedFFNAWQ":
+        conv = report.rewritten("matmulnbits")
+        assert len(conv) == LAYERS and all("lossless" in e.reason for e in conv)
+        assert {e.details["zero_points"] for e in conv} == {kind == "asym"}
+        assert all(("gate_up -> Split" in e.pattern) == (kind == "fused") for e in conv)
     m, ops = _ops(dst)
-    assert ("onnx_lowbit", fused) in ops and ("", "Sigmoid") not in ops
+    assert ("onnx_lowbit", fused) in ops and ("", "Sigmoid") not in ops and ("", "Split") not in ops
     config = genai_config.read_config(dst)
     assert config["model"]["decoder"]["session_options"]["custom_ops_library"] == genai_config.SHIM_NAME
     assert os.path.exists(os.path.join(dst, genai_config.SHIM_NAME))
@@ -183,3 +222,18 @@ def test_cli_genai(built, tmp_path, capsys):
     assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME
     assert cli.main(["genai", built["int4"], dst]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+
+
+def test_sample_genai_smollm2_on_the_tiny_model(built, tmp_path):
+    """samples/genai_smollm2.py (the real-model comparison) end to end on the tiny random HF folder: it builds the
+    fused-MLP variants with genai's builder, rewrites them, generates in og.Generator and prints the table; the
+    float folder's greedy tokens equal the original's."""
+    hf = os.path.join(os.path.dirname(built["int4"]), "hf")
+    js = str(tmp_path / "res.json")
+    out = _run([os.path.join(ROOT, "samples", "genai_smollm2.py"), hf, "--out", str(tmp_path / "w"), "--variants",
+                "fp32-fused,int4-cuda-fused", "--new", "6", "--json", js], timeout=600)
+    assert "| fp32-fused | fp32_cpu_fused | %d | 3/3 |" % LAYERS in out
+    res = {r["variant"]: r for r in json.load(open(js))}
+    assert res["fp32-fused"]["forced_top1"] == res["fp32-fused"]["forced_steps"] > 0
+    assert res["int4-cuda-fused"]["rewrite"]["summary"]["matmulnbits"] == {"rewritten": LAYERS, "skipped": 0}
+    assert res["int4-cuda-fused"]["logits_rel_l2"] < 0.05

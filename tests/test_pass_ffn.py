@@ -468,3 +468,71 @@ def test_awq_shared_scale_folds_into_the_norm():
     assert any("folded into" in e.reason for e in report.rewritten("weights4"))
     feeds = {"x": rng.standard_normal((5, K)).astype(np.float32)}
     assert rel_fro(run(out, feeds)[0], run(m, feeds, ours=False)[0]) <= 0.2
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one gate_up product + Split (onnxruntime-genai's builder with --extra_options fuse_mlp_gate_up=true)
+# ----------------------------------------------------------------------------------------------------------------
+def swiglu_split(dtype=np.float32, spelling="matmul", split="num_outputs", gate_second=False, sizes=None, axis=-1,
+                 x_shape=("B", "T", K), extra_reader=False, bias=False, down=True):
+    """S = SiLU(gate) * up with gate, up = Split(x [W1 | W3] (+ [b1 | b3]), axis) (W3 first when gate_second):
+    genai's spelling MatMul(x, W_gate_up) -> Split(axis=-1, num_outputs=2) and look-alikes."""
+    w1, w3, w2, b1, b3 = weights(dtype)
+    b = Builder(dtype)
+    first, second = (w3, w1) if gate_second else (w1, w3)
+    bb = np.concatenate([b3, b1] if gate_second else [b1, b3]) if bias else None
+    gu = proj(b, "x", np.ascontiguousarray(np.concatenate([first, second], axis=1)), "gate_up", spelling, bb)
+    outs = ["gu_0", "gu_1"]
+    if split == "num_outputs":
+        b.nodes.append(oh.make_node("Split", [gu], outs, name="split", axis=axis, num_outputs=2))
+    else:
+        b.nodes.append(oh.make_node("Split", [gu, b.const("sizes", np.array(sizes or [N, N], np.int64))], outs,
+                                    name="split", axis=axis))
+    g, u = (outs[1], outs[0]) if gate_second else outs
+    s = b.node("Mul", [silu(b, g), u], name="mul")
+    y = b.node("MatMul", [s, b.const("down_w", w2)], name="down") if down else s
+    if extra_reader:
+        b.extra_out.append(gu)
+    return b.model(y, x_shape, opset=18), (w1, w3)
+
+
+@pytest.mark.parametrize("spelling,x_shape", [("matmul", ("B", "T", K)), ("transpose", ("B", "T", K)),
+                                              ("gemm_tb", ("M", K))])
+@pytest.mark.parametrize("split,gate_second", [("num_outputs", False), ("sizes", True)])
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_gate_up_split_fused(spelling, x_shape, split, gate_second, layout):
+    """The gate_up product and its Split -> one FusedFFN with W1, W3 the two halves of the columns (gate's half
+    whichever output of the Split gate is)."""
+    m, (w1, w3) = swiglu_split(spelling=spelling, split=split, gate_second=gate_second, x_shape=x_shape)
+    out, report = rewrite_and_compare(m, ffn_weights=layout)
+    assert ops(out) == ["FusedFFN", "MatMul"], ops(out)
+    (e,) = report.rewritten("ffn")
+    assert e.details["K"] == K and e.details["N"] == N and "-> Split" in e.pattern
+    node = out.graph.node[0]
+    inits = {i.name: nh.to_array(i) for i in out.graph.initializer}
+    got1, got3 = inits[node.input[1]], inits[node.input[2]]
+    if layout == "nk":
+        got1, got3 = got1.T, got3.T
+    np.testing.assert_array_equal(got1, w1)
+    np.testing.assert_array_equal(got3, w3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gate_up_split_with_bias_and_dtypes(dtype):
+    m, _ = swiglu_split(dtype=dtype, bias=True)
+    out, report = rewrite_and_compare(m, tol=1e-5 if dtype == np.float32 else 2e-3)
+    assert report.rewritten("ffn")[0].details["bias"]
+
+
+@pytest.mark.parametrize("case,expect", [("sizes", "not two equal halves"), ("axis", "not the last axis"),
+                                         ("reader", "also read elsewhere")])
+def test_gate_up_split_skips(case, expect):
+    # unequal sizes: up [.., 1] broadcasts in the Mul; axis 0: halves of the rows (no down projection: S's width
+    # is not N there)
+    kw = {"sizes": dict(split="sizes", sizes=[2 * N - 1, 1], down=False),
+          "axis": dict(axis=0, x_shape=("M", K), down=False),
+          "reader": dict(extra_reader=True)}[case]
+    m, _ = swiglu_split(**kw)
+    reason, out = skipped_reason(m)
+    assert expect in reason, reason
+    assert ops(out) == ops(m)

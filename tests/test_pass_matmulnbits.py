@@ -194,3 +194,90 @@ def test_float_genai_mlp_fused_by_ffn():
     x = rng.standard_normal((1, 3, K)).astype(np.float32)
     np.testing.assert_allclose(run_cpu(out, {"x": x})["y"], run_cpu(m, {"x": x}, ours=False)["y"], rtol=1e-4,
                                atol=1e-5)
+
+
+def genai_fused_mlp(K=64, N=128, bs=32, dtype=np.float16, zero_points=False, gate_second=False, sizes=False,
+                    bits=4, seed=0):
+    """genai's int4 MLP built with --extra_options fuse_mlp_gate_up=true: gu = MatMulNBits(x) of N = 2 n columns
+    (gate's, then up's; up's first with gate_second), gate, up = Split(gu, axis=-1, num_outputs=2) (or split =
+    [n, n] with sizes), Mul(Mul(gate, Sigmoid(gate)), up), down = MatMulNBits. Returns (model, the gate_up
+    tensors (b, s, zp))."""
+    et = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    inits, nodes = [], []
+    b, s, zp = nbits_weight(K, 2 * N, bs, dtype, zero_points, seed)
+    nodes.append(nbits_node("gate_up", "x", "gu", K, 2 * N, bs, b, s, zp, inits, bits=bits))
+    if sizes:
+        inits.append(numpy_helper.from_array(np.array([N, N], np.int64), "sizes"))
+        nodes.append(helper.make_node("Split", ["gu", "sizes"], ["h0", "h1"], name="split", axis=-1))
+    else:
+        nodes.append(helper.make_node("Split", ["gu"], ["h0", "h1"], name="split", axis=-1, num_outputs=2))
+    g, u = ("h1", "h0") if gate_second else ("h0", "h1")
+    nodes.append(helper.make_node("Sigmoid", [g], ["sg"], name="act_fn/Sigmoid"))
+    nodes.append(helper.make_node("Mul", [g, "sg"], ["a"], name="act_fn/Mul"))
+    nodes.append(helper.make_node("Mul", ["a", u], ["m"], name="mlp/Mul"))
+    db, ds, dz = nbits_weight(N, K, bs, dtype, zero_points, seed + 2)
+    nodes.append(nbits_node("down", "m", "y", N, K, bs, db, ds, dz, inits))
+    graph = helper.make_graph(nodes, "genai_fused_mlp", [helper.make_tensor_value_info("x", et, ["B", "S", K])],
+                              [helper.make_tensor_value_info("y", et, ["B", "S", K])], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                          ir_version=10)
+    return m, (b, s, zp)
+
+
+@pytest.mark.parametrize("K,N,bs,zero_points,gate_second,sizes", [(64, 128, 32, False, False, False),
+                                                                  (64, 64, 32, True, True, True),
+                                                                  (96, 32, 64, True, False, False)])
+def test_genai_fused_gate_up_mlp(K, N, bs, zero_points, gate_second, sizes):
+    """The fused gate_up MatMulNBits + Split: cut into its two halves of columns, one FusedFFNAWQ whose W1 / W3
+    dequantise bit for bit to onnxruntime's own gate_up weight's gate / up columns; the output agrees with
+    onnxruntime's unfused graph within fp16 summation order."""
+    m, (b, s, zp) = genai_fused_mlp(K, N, bs, zero_points=zero_points, gate_second=gate_second, sizes=sizes)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False)
+    assert ops(out) == [("com.microsoft", "MatMulNBits"), ("onnx_lowbit", "FusedFFNAWQ")]
+    [conv] = rep.rewritten("matmulnbits")
+    assert "lossless" in conv.reason and "gate_up -> Split" in conv.pattern
+    assert conv.details["N"] == N and conv.details["zero_points"] == zero_points
+    [fused] = [n for n in out.graph.node if n.op_type == "FusedFFNAWQ"]
+    inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    w1, w3 = (awq.dequantize(*(inits[n] for n in fused.input[i:i + 3]), bs, K, N) for i in (1, 4))
+    both = ort_dequant(b, s, zp, K, 2 * N, bs)
+    gate_cols, up_cols = (both[:, N:], both[:, :N]) if gate_second else (both[:, :N], both[:, N:])
+    assert np.array_equal(w1.view(np.uint16), gate_cols.view(np.uint16))
+    assert np.array_equal(w3.view(np.uint16), up_cols.view(np.uint16))
+    x = (np.random.default_rng(7).standard_normal((2, 3, K))).astype(np.float16)
+    want = run_cpu(m, {"x": x}, ours=False)["y"].astype(np.float32)
+    got = run_cpu(out, {"x": x})["y"].astype(np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_genai_fused_gate_up_skips():
+    """bits=8 (genai's -p int8), fp32 scales (-e cpu) without the lossy option: skipped with the reason, the graph
+    unchanged; with matmulnbits_lossy the fp32 one converts and runs close to onnxruntime's."""
+    m8, _ = genai_fused_mlp(bits=8)
+    out, rep = checked_rewrite(m8, ["matmulnbits", "ffn"], check=False)
+    assert ops(out) == ops(m8)
+    assert "bits=8" in rep.skipped("matmulnbits")[0].reason and "gate_up" in rep.skipped("matmulnbits")[0].pattern
+    assert "bits=8" in rep.skipped("ffn")[0].reason
+    m32, _ = genai_fused_mlp(dtype=np.float32)
+    out, rep = checked_rewrite(m32, ["matmulnbits", "ffn"], check=False)
+    assert ops(out) == ops(m32) and "float32" in rep.skipped("matmulnbits")[0].reason
+    out, rep = checked_rewrite(m32, ["matmulnbits", "ffn"], check=False, matmulnbits_lossy=True)
+    assert ("onnx_lowbit", "FusedFFNAWQ") in ops(out) and ("", "Split") not in ops(out)
+    x = (np.random.default_rng(8).standard_normal((1, 4, 64))).astype(np.float32)
+    want, got = run_cpu(m32, {"x": x}, ours=False)["y"], run_cpu(out, {"x": x})["y"]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+def test_half_failing_leaves_the_block_untouched():
+    """The up half of an fp32 gate_up fails to convert (a scale past fp16's range) after the gate half converted:
+    the block is skipped with the reason and the graph keeps no node of the gate half (same ops, same output)."""
+    m, _ = genai_fused_mlp(dtype=np.float32)
+    init = next(t for t in m.graph.initializer if t.name == "gate_up_s")
+    s = numpy_helper.to_array(init).copy()
+    s[-1, 0] = 1e6                                                # the last column: up's half
+    init.CopyFrom(numpy_helper.from_array(s, "gate_up_s"))
+    out, rep = checked_rewrite(m, ["matmulnbits"], matmulnbits_lossy=True)
+    assert ops(out) == ops(m) and "overflows fp16" in rep.skipped("matmulnbits")[0].reason
+    assert not list(rep.rewritten("matmulnbits"))
+    x = (np.random.default_rng(9).standard_normal((1, 2, 64))).astype(np.float32)
+    np.testing.assert_array_equal(run_cpu(out, {"x": x}, ours=False)["y"], run_cpu(m, {"x": x}, ours=False)["y"])
