@@ -25,6 +25,55 @@ CPU_DEFAULTS = {
 }
 
 
+# --weights FORMAT -> (target, MatMulNBits accuracy_level or None, why): what ``--device cpu`` emits when no --target
+# is given; the faster of our op and onnxruntime's own on this table's measurement (1 intra-op thread, thread CPU
+# time, 2-core AMD EPYC Zen 4 with AVX512-VNNI, onnxruntime 1.32, 2026-11-28: benchmarks/cpu_ort_target.py;
+# BENCHMARKS.md, CPU). NF4 / FP4 codes are not on a uniform grid: they are never converted to int4 (lossy), they
+# stay NF4 / FP4 in our MatMulNF4 or onnxruntime's MatMulBnb4, whichever measured faster.
+CPU_WEIGHTS = {
+    # format: (target, accuracy_level, why (stderr and the report), the figures behind it (stderr))
+    "awq": ("ort", 4, "int8 activations: onnxruntime's fastest CPU 4-bit kernel; --target lowbit keeps our MatMulAWQ",
+            "FIGURES_AWQ"),
+    "nf4": ("lowbit", None, "onnxruntime's MatMulBnb4 (--target ort) measured slower; NF4 codes are not on int4's "
+                            "uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
+            "FIGURES_NF4"),
+    "fp4": ("lowbit", None, "as for nf4: the same op pair (MatMulNF4 / MatMulBnb4, quant_type fp4)", "FIGURES_NF4"),
+}
+
+
+def cpu_weights_options(options: dict) -> tuple:
+    """``options`` (the weights4 pass's) with the CPU_WEIGHTS target when they ask for 4-bit weights and name no
+    ``weights_target``; (options, the note saying what was picked, why and the figures; '' when nothing changed).
+    The option weights_target_why puts the note, less its figures, on every rewrite in the report. An AWQ
+    checkpoint, or a group size onnxruntime's MatMulNBits does not take, keeps our MatMulAWQ (said in the note)."""
+    fmt = options.get("weights") or ("awq" if options.get("awq_checkpoint") else None)
+    if not fmt or options.get("weights_target") or fmt not in CPU_WEIGHTS:
+        return options, ""
+    target, level, why, figures = CPU_WEIGHTS[fmt]
+    out = dict(options, weights_target=target)
+    group = options.get("group_size", options.get("block_size"))
+    if target == "ort" and fmt == "awq" and options.get("awq_checkpoint"):
+        out["weights_target"], why, figures = "lowbit", ("--awq-checkpoint keeps our MatMulAWQ: the checkpoint's group "
+                                                         "sizes may be ones MatMulNBits does not take; --target ort "
+                                                         "names it"), ""
+    elif target == "ort" and fmt == "awq" and group is not None and str(group).lstrip("-").isdigit():
+        from onnx_lowbit.passes.weights4_quant import ORT_BLOCK_SIZES  # noqa: PLC0415
+        if int(group) not in ORT_BLOCK_SIZES:
+            out["weights_target"], why, figures = "lowbit", (f"group size {group} is not one onnxruntime's "
+                                                             "MatMulNBits takes: "
+                                                             f"{', '.join(map(str, ORT_BLOCK_SIZES))}"), ""
+    if out["weights_target"] == "ort" and level is not None and out.get("weights_ort_accuracy") is None:
+        out["weights_ort_accuracy"] = level
+    lvl = out.get("weights_ort_accuracy") if out["weights_target"] == "ort" else None
+    if lvl is not None and lvl != level:
+        why, figures = f"accuracy_level {lvl} as asked; {level} is the CPU default", ""
+    op = {"awq": ("our MatMulAWQ", "onnxruntime's MatMulNBits")}.get(fmt, ("our MatMulNF4", "onnxruntime's MatMulBnb4"))
+    note = (f"--device cpu --weights {fmt}: {op[out['weights_target'] == 'ort']}"
+            + (f" at accuracy_level {lvl}" if lvl is not None else "") + f" ({why})")
+    out["weights_target_why"] = note
+    return out, note + (f"; measured: {figures} (onnx_lowbit/cpu_passes.py)" if figures else "")
+
+
 def cpu_default(name: str) -> bool:
     return CPU_DEFAULTS.get(name, (False, ""))[0]
 
