@@ -3,7 +3,9 @@ than onnxruntime alone. ``CPU_DEFAULTS`` is the one table to update when a kerne
 (BENCHMARKS.md, "CPU"); ``--tune`` measures instead of trusting the table (onnx_lowbit/tune.py).
 
 Passes named in ``--passes`` run whatever the table says (the user chose them); ``--weights`` still adds weights4
-(4-bit weights are asked for their size, kept even when slower)."""
+(4-bit weights are asked for their size, kept even when slower). ``CPU_WEIGHTS`` says which op the 4-bit weights
+run on when no ``--target`` is given: onnxruntime's MatMulNBits at accuracy_level 4 for AWQ, our MatMulNF4 for
+NF4 / FP4 (each the faster measured here)."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +15,7 @@ import sys
 CPU_DEFAULTS = {
     "fplut": (False, "FPLUT made every real model tried 1.05-1.7x slower on the CPU (a Python callback per op per "
                      "run; BENCHMARKS.md, CPU)"),
-    "weights4": (False, "4-bit weights are for size: 1.1-3.2x slower on the CPU; they run when --weights asks"),
+    "weights4": (False, "4-bit weights run when --weights asks (for size); on which op: CPU_WEIGHTS below"),
     "ffn": (False, "the float FusedFFN is 1.05-3.5x slower than onnxruntime's MLAS graph on the CPU (BENCHMARKS.md)"),
     "merge": (True, "one MatMul + Split instead of sibling MatMuls, stock onnxruntime ops only: measured not slower "
                     "on the CPU (docs/tune.md)"),
@@ -33,11 +35,16 @@ CPU_DEFAULTS = {
 CPU_WEIGHTS = {
     # format: (target, accuracy_level, why (stderr and the report), the figures behind it (stderr))
     "awq": ("ort", 4, "int8 activations: onnxruntime's fastest CPU 4-bit kernel; --target lowbit keeps our MatMulAWQ",
-            "FIGURES_AWQ"),
+            "MatMulNBits at accuracy_level 4 against our MatMulAWQ 5.3-9.7x faster at M = 1, 3.6-7.5x at M = 16 "
+            "(K x N 2048 x 2048, 2048 x 5632, 5632 x 2048); the demo's LLaMA MLP 2.5x / 2.7x faster (M = 1 / 16): "
+            "1.46x faster / 1.03x slower than its fp32 original; accuracy_level 0 only 1.1-2.7x faster than "
+            "MatMulAWQ"),
     "nf4": ("lowbit", None, "onnxruntime's MatMulBnb4 (--target ort) measured slower; NF4 codes are not on int4's "
                             "uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
-            "FIGURES_NF4"),
-    "fp4": ("lowbit", None, "as for nf4: the same op pair (MatMulNF4 / MatMulBnb4, quant_type fp4)", "FIGURES_NF4"),
+            "MatMulBnb4 against our MatMulNF4 8.9-12.3x slower at M = 1, 2.3-2.5x at M = 16 (the same shapes); "
+            "the demo's LLaMA MLP 4.0x / 1.17x slower (M = 1 / 16)"),
+    "fp4": ("lowbit", None, "as for nf4: the same op pair (MatMulNF4 / MatMulBnb4, quant_type fp4)",
+            "not measured apart from nf4 (the same kernels, another 16-value table)"),
 }
 
 
