@@ -6,10 +6,11 @@ original and its rewrites side by side (issue 34).
 With ``--tokens FILE.npy`` (token ids) the past is real: the original runs the first ``--past`` tokens (an empty
 past), its present.* become every model's past and the next token is the step's input. Without it the inputs are
 made up as ``--verify`` makes them (onnx_lowbit/feeds.py: random past values, whose logits say little about
-accuracy). Models holding onnx_lowbit ops run with our library registered. All sessions in one process, alternating rounds; each figure is the median over rounds of the per-call
-median of a batch. Clock: one intra-op thread runs every node on the calling thread, so time.thread_time (thread
-CPU time, which other jobs on a shared machine do not disturb); more threads: time.perf_counter (wall).
-The last column: relative L2 distance of the step's logits from the original's.
+accuracy). Models holding onnx_lowbit ops run with our library registered. All sessions in one process, alternating
+rounds; each figure is the median over rounds of the per-call median of a batch. Clock: one intra-op thread runs
+every node on the calling thread, so time.thread_time (thread CPU time, which other jobs on a shared machine do not
+disturb); more threads: time.perf_counter (wall). The last column: relative L2 distance of the step's logits from
+the original's.
 """
 from __future__ import annotations
 

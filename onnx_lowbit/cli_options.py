@@ -2,6 +2,8 @@
 the calibration file (``--calibration``: one array per model input, checked against the model), read once."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .errors import LowbitError
@@ -92,7 +94,6 @@ def _target_options(a, options: dict) -> dict:
     """--ort-accuracy-level (only where the target is onnxruntime's MatMulNBits: --target ort with --weights awq, or
     --device cpu's default for awq) and --device cpu's default target when --target is not given
     (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS, said on stderr)."""
-    import sys
     level = getattr(a, "ort_accuracy_level", None)
     if level is not None:
         options["weights_ort_accuracy"] = level

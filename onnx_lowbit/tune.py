@@ -1,15 +1,15 @@
 """``rewrite --device cpu --tune``: keep only the rewrites that measured faster on this machine.
 
-The passes run one at a time, in their usual order. After each pass that rewrote something, the model before it
-and the model after it run in onnxruntime CPU sessions (our ops registered) on the same inputs, alternately
-(A B, B A, A B, ...: slow drifts of a shared machine hit both), and the medians of their run times are compared:
-the pass is kept only when its model's median is lower (``faster``), else its rewrites are undone and the next
-pass starts from the model before it. A pass that rewrote nothing is not timed. weights4 on --device cpu's
-default 4-bit target (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS; no --target given) is also run on the other target
-(our MatMulAWQ / MatMulNF4 <-> onnxruntime's MatMulNBits at accuracy_level 4 / MatMulBnb4) when quantising twice
-is cheap (round to nearest: not with --calibration, --rounding, --budget, --awq-checkpoint or --ort-form), the two
-rewrites timed against each other and the faster kept (both figures in the decision, ``targets``). Passes the user asked for
-their size (4-bit weights: ``--weights`` / ``--awq-checkpoint``, or weights4 / gru named in ``--passes``, or
+The passes run one at a time, in their usual order. After each pass that rewrote something, the model before it and
+the model after it run in onnxruntime CPU sessions (our ops registered) on the same inputs, alternately (A B, B A, A
+B, ...: slow drifts of a shared machine hit both), and the medians of their run times are compared: the pass is kept
+only when its model's median is lower (``faster``), else its rewrites are undone and the next pass starts from the
+model before it. A pass that rewrote nothing is not timed. weights4 on --device cpu's default 4-bit target
+(onnx_lowbit/cpu_passes.py's CPU_WEIGHTS; no --target given) is also run on the other target (our MatMulAWQ /
+MatMulNF4 <-> onnxruntime's MatMulNBits at accuracy_level 4 / MatMulBnb4) when quantising twice is cheap (round to
+nearest: not with --calibration, --rounding, --budget, --awq-checkpoint or --ort-form), the two rewrites timed
+against each other and the faster kept (both figures in the decision, ``targets``). Passes the user asked for their
+size (4-bit weights: ``--weights`` / ``--awq-checkpoint``, or weights4 / gru named in ``--passes``, or
 ``--gru-bits``) are kept even when slower, and the decision says by how much. At the end the original and the
 kept model are timed against each other once more (the figure for the whole model).
 
