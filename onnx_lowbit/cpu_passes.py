@@ -27,23 +27,24 @@ CPU_DEFAULTS = {
 }
 
 
-# --weights FORMAT -> (target, MatMulNBits accuracy_level or None, why): what ``--device cpu`` emits when no --target
-# is given; the faster of our op and onnxruntime's own on this table's measurement (1 intra-op thread, thread CPU
-# time, 2-core AMD EPYC Zen 4 with AVX512-VNNI, onnxruntime 1.32, 2026-11-28: benchmarks/cpu_ort_target.py;
-# BENCHMARKS.md, CPU). NF4 / FP4 codes are not on a uniform grid: they are never converted to int4 (lossy), they
-# stay NF4 / FP4 in our MatMulNF4 or onnxruntime's MatMulBnb4, whichever measured faster.
+# --weights FORMAT -> (target, MatMulNBits accuracy_level or None, why, figures): what ``--device cpu`` emits when no
+# --target is given; the faster of our op and onnxruntime's own on this table's measurement (1 intra-op thread,
+# thread CPU time, 2-core AMD EPYC Zen 4 with AVX512-VNNI, onnxruntime 1.32, 2026-11-28, two runs:
+# benchmarks/cpu_ort_target.py; BENCHMARKS.md, CPU). NF4 / FP4 codes are not on a uniform grid: they are never
+# converted to int4 (lossy), they stay NF4 / FP4 in our MatMulNF4 or onnxruntime's MatMulBnb4, whichever measured
+# faster.
 CPU_WEIGHTS = {
     # format: (target, accuracy_level, why (stderr and the report), the figures behind it (stderr))
     "awq": ("ort", 4, "int8 activations: onnxruntime's fastest CPU 4-bit kernel; --target lowbit keeps our MatMulAWQ",
-            "MatMulNBits at accuracy_level 4 against our MatMulAWQ 5.3-9.7x faster at M = 1, 3.6-7.5x at M = 16 "
+            "MatMulNBits at accuracy_level 4 against our MatMulAWQ 5.3-9.7x faster at M = 1, 3.6-7.9x at M = 16 "
             "(K x N 2048 x 2048, 2048 x 5632, 5632 x 2048); the demo's LLaMA MLP 2.4-2.5x / 2.7-3.4x faster (M = 1 / "
             "16, two runs): 1.37-1.46x faster / 1.03-1.13x slower than its fp32 original; accuracy_level 0 only "
-            "1.1-2.7x faster than "
+            "1.0-2.9x faster than "
             "MatMulAWQ. SmolLM2-135M (AWQ calibrated): decode step 2.4x faster than fp32 (1.5x at level 0), "
             "perplexity 17.009 against 16.994 at level 0 (fp32 14.792)"),
     "nf4": ("lowbit", None, "onnxruntime's MatMulBnb4 (--target ort) measured slower; NF4 codes are not on int4's "
                             "uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
-            "MatMulBnb4 against our MatMulNF4 8.9-12.3x slower at M = 1, 2.3-2.5x at M = 16 (the same shapes); "
+            "MatMulBnb4 against our MatMulNF4 8.6-12.5x slower at M = 1, 2.3-2.6x at M = 16 (the same shapes); "
             "the demo's LLaMA MLP 4.0-4.3x / 1.17-1.21x slower (M = 1 / 16, two runs)"),
     "fp4": ("lowbit", None, "as for nf4: the same op pair (MatMulNF4 / MatMulBnb4, quant_type fp4)",
             "not measured apart from nf4 (the same kernels, another 16-value table)"),
