@@ -46,10 +46,11 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
     """Rewrites ``model`` (ModelProto or path) with the named passes (default: the default passes; kvattention and
     rmsnorm only when named); returns (model, report).
 
-    ``device="cpu"``: by default only the passes known not to be slower on the CPU (onnx_lowbit/cpu_passes.py;
-    4-bit weights when ``weights`` asks for them). ``tune=True`` (with device="cpu"): each pass is kept only where
-    it measured faster on this machine (onnx_lowbit/tune.py) on ``feeds`` (default: made-up inputs, symbolic dims
-    from ``dims``); the report's ``tune`` holds the decisions and figures."""
+    ``device="cpu"``: by default only the passes known not to be slower on the CPU (onnx_lowbit/cpu_passes.py; 4-bit
+    weights when ``weights`` asks for them, with the target CPU_WEIGHTS names when ``weights_target`` is not given:
+    onnxruntime's MatMulNBits at accuracy_level 4 for awq). ``tune=True`` (with device="cpu"): each pass is kept
+    only where it measured faster on this machine (onnx_lowbit/tune.py) on ``feeds`` (default: made-up inputs,
+    symbolic dims from ``dims``); the report's ``tune`` holds the decisions and figures."""
     import onnx
 
     from onnx_lowbit.passes import run_passes
@@ -76,6 +77,7 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
     from . import cpu_passes, tune as tune_mod
     size = {"weights4": f"weights={options['weights']!r}"} if options.get("weights") or \
         options.get("awq_checkpoint") else {}
+    options, _ = cpu_passes.cpu_weights_options(options)   # weights=... without weights_target: the CPU's faster
     selected = resolve(passes)
     if not tune:
         selected = cpu_passes.cpu_selection(selected, explicit=passes is not None, keep=size, quiet=True)

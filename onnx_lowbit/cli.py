@@ -83,9 +83,11 @@ def _weights_summary(report) -> str | None:
     mib = 1024.0 * 1024.0
     head = (f"; output head kept in float ({t['head_kept_bytes'] / mib:.2f} MiB; --lm-head 4bit quantises it)"
             if t.get("head_kept") else "")
+    levels = t.get("accuracy_levels")
+    ort = f"; onnxruntime's MatMulNBits, accuracy_level {', '.join(map(str, levels))}" if levels else ""
     return (f"weights4: {t['weights']} weights, {t['bytes_before'] / mib:.2f} MiB -> {t['bytes_after'] / mib:.2f} "
             f"MiB ({t['ratio']:.3f}x), relative reconstruction error max {t['max_rel_error']:.4f} "
-            f"mean {t['mean_rel_error']:.4f}{head}")
+            f"mean {t['mean_rel_error']:.4f}{ort}{head}")
 
 
 def _loud_skips(report) -> str | None:
@@ -387,6 +389,10 @@ def _weights_arguments(p) -> None:
                    help="with --weights awq --target ort: awq (default: MatMulNBits with AWQ's zero points, group "
                         "128) or compact (MatMulNBits' symmetric form onnxruntime runs fastest: block 32, no zero "
                         "points, scales in the model's dtype)")
+    g.add_argument("--ort-accuracy-level", type=int, choices=range(5), metavar="{0..4}",
+                   help="with --weights awq --target ort (or --device cpu's default for awq): MatMulNBits' "
+                        "accuracy_level on every node; 4 = int8 activations, onnxruntime's fastest CPU 4-bit kernel "
+                        "(--device cpu's default), 0 = fp32 activations (onnxruntime's default)")
     add_quality_arguments(g)
 
 

@@ -2,6 +2,8 @@
 the calibration file (``--calibration``: one array per model input, checked against the model), read once."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from .errors import LowbitError
@@ -59,6 +61,7 @@ def weights_options(a, model) -> dict:
         given = [flag for flag, v in (("--block-size", a.block_size), ("--group-size", a.group_size),
                                       ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head),
                                       ("--ort-form", getattr(a, "ort_form", None)),
+                                      ("--ort-accuracy-level", getattr(a, "ort_accuracy_level", None) is not None),
                                       ("--rounding", getattr(a, "rounding", None)),
                                       ("--budget", getattr(a, "budget", None)),
                                       ("--budget-form", getattr(a, "budget_form", None)))
@@ -66,7 +69,9 @@ def weights_options(a, model) -> dict:
         if given:
             raise LowbitError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} --weights nf4|fp4|awq")
         return {}
-    options = {"weights": fmt, "weights_target": a.target or "lowbit"}
+    options = {"weights": fmt}
+    if a.target:        # (none given: lowbit, or --device cpu's default: _target_options)
+        options["weights_target"] = a.target
     if ckpt:
         options["awq_checkpoint"] = ckpt
     if a.block_size is not None:
@@ -80,6 +85,7 @@ def weights_options(a, model) -> dict:
     if getattr(a, "lm_head", None):
         options["weights_lm_head"] = a.lm_head
     options.update(quality_options(a))
+    options = _target_options(a, options)
     needs = fmt == "awq" or "weights_rounding" in options or "weights_budget" in options
     if not a.calibration and ("weights_rounding" in options or "weights_budget" in options):
         raise LowbitError(f"{'--rounding gptq' if 'weights_rounding' in options else '--budget'} needs "
@@ -87,6 +93,26 @@ def weights_options(a, model) -> dict:
     if a.calibration and needs:  # (the gru pass also reads --calibration: gru_options)
         options["calibration"] = load_calibration(a.calibration, model)
         options["calibration_session"] = calibration_session
+    return options
+
+
+def _target_options(a, options: dict) -> dict:
+    """--ort-accuracy-level (only where the target is onnxruntime's MatMulNBits: --target ort with --weights awq, or
+    --device cpu's default for awq) and --device cpu's default target when --target is not given
+    (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS, said on stderr)."""
+    level = getattr(a, "ort_accuracy_level", None)
+    if level is not None:
+        options["weights_ort_accuracy"] = level
+    if getattr(a, "device", None) == "cpu" and not a.target:
+        from .cpu_passes import cpu_weights_options
+        options, note = cpu_weights_options(options)
+        if note:
+            print(f"onnx-lowbit: {note}", file=sys.stderr)
+    if level is not None and (options.get("weights_target") != "ort" or options.get("weights") != "awq"):
+        why = (f"not --weights {options.get('weights')}: MatMulBnb4, the ort target of nf4 / fp4, has none"
+               if options.get("weights") != "awq" else "--target ort names it")
+        raise LowbitError(f"--ort-accuracy-level is MatMulNBits' accuracy_level: it needs --weights awq --target ort "
+                          f"({why})")
     return options
 
 

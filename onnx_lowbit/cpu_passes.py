@@ -3,7 +3,9 @@ than onnxruntime alone. ``CPU_DEFAULTS`` is the one table to update when a kerne
 (BENCHMARKS.md, "CPU"); ``--tune`` measures instead of trusting the table (onnx_lowbit/tune.py).
 
 Passes named in ``--passes`` run whatever the table says (the user chose them); ``--weights`` still adds weights4
-(4-bit weights are asked for their size, kept even when slower)."""
+(4-bit weights are asked for their size, kept even when slower). ``CPU_WEIGHTS`` says which op the 4-bit weights
+run on when no ``--target`` is given: onnxruntime's MatMulNBits at accuracy_level 4 for AWQ, our MatMulNF4 for
+NF4 / FP4 (each the faster measured here)."""
 from __future__ import annotations
 
 import sys
@@ -13,7 +15,7 @@ import sys
 CPU_DEFAULTS = {
     "fplut": (False, "FPLUT made every real model tried 1.05-1.7x slower on the CPU (a Python callback per op per "
                      "run; BENCHMARKS.md, CPU)"),
-    "weights4": (False, "4-bit weights are for size: 1.1-3.2x slower on the CPU; they run when --weights asks"),
+    "weights4": (False, "4-bit weights run when --weights asks (for size); on which op: CPU_WEIGHTS below"),
     "ffn": (False, "the float FusedFFN is 1.05-3.5x slower than onnxruntime's MLAS graph on the CPU (BENCHMARKS.md)"),
     "merge": (True, "one MatMul + Split instead of sibling MatMuls, stock onnxruntime ops only: measured not slower "
                     "on the CPU (docs/tune.md)"),
@@ -23,6 +25,63 @@ CPU_DEFAULTS = {
     "kvattention": (False, "opt-in on every device"),
     "rmsnorm": (False, "opt-in on every device"),
 }
+
+
+# --weights FORMAT -> (target, MatMulNBits accuracy_level or None, why, figures): what ``--device cpu`` emits when no
+# --target is given; the faster of our op and onnxruntime's own on this table's measurement (1 intra-op thread,
+# thread CPU time, 2-core AMD EPYC Zen 4 with AVX512-VNNI, onnxruntime 1.32, 2026-11-28, two runs:
+# benchmarks/cpu_ort_target.py; BENCHMARKS.md, CPU). NF4 / FP4 codes are not on a uniform grid: they are never
+# converted to int4 (lossy), they stay NF4 / FP4 in our MatMulNF4 or onnxruntime's MatMulBnb4, whichever measured
+# faster.
+CPU_WEIGHTS = {
+    # format: (target, accuracy_level, why (stderr and the report), the figures behind it (stderr))
+    "awq": ("ort", 4, "int8 activations: onnxruntime's fastest CPU 4-bit kernel; --target lowbit keeps our MatMulAWQ",
+            "MatMulNBits at accuracy_level 4 against our MatMulAWQ 5.3-9.7x faster at M = 1, 3.6-7.9x at M = 16 "
+            "(K x N 2048 x 2048, 2048 x 5632, 5632 x 2048); the demo's LLaMA MLP 2.4-2.5x / 2.7-3.4x faster (M = 1 / "
+            "16, two runs): 1.37-1.46x faster / 1.03-1.13x slower than its fp32 original; accuracy_level 0 only "
+            "1.0-2.9x faster than "
+            "MatMulAWQ. SmolLM2-135M (AWQ calibrated): decode step 2.4x faster than fp32 (1.5x at level 0), "
+            "perplexity 17.009 against 16.994 at level 0 (fp32 14.792)"),
+    "nf4": ("lowbit", None, "onnxruntime's MatMulBnb4 (--target ort) measured slower; NF4 codes are not on int4's "
+                            "uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
+            "MatMulBnb4 against our MatMulNF4 8.6-12.5x slower at M = 1, 2.3-2.6x at M = 16 (the same shapes); "
+            "the demo's LLaMA MLP 4.0-4.3x / 1.17-1.21x slower (M = 1 / 16, two runs)"),
+    "fp4": ("lowbit", None, "as for nf4: the same op pair (MatMulNF4 / MatMulBnb4, quant_type fp4)",
+            "not measured apart from nf4 (the same kernels, another 16-value table)"),
+}
+
+
+def cpu_weights_options(options: dict) -> tuple:
+    """``options`` (the weights4 pass's) with the CPU_WEIGHTS target when they ask for 4-bit weights and name no
+    ``weights_target``; (options, the note saying what was picked, why and the figures; '' when nothing changed).
+    The option weights_target_why puts the note, less its figures, on every rewrite in the report. An AWQ
+    checkpoint, or a group size onnxruntime's MatMulNBits does not take, keeps our MatMulAWQ (said in the note)."""
+    fmt = options.get("weights") or ("awq" if options.get("awq_checkpoint") else None)
+    if not fmt or options.get("weights_target") or fmt not in CPU_WEIGHTS:
+        return options, ""
+    target, level, why, figures = CPU_WEIGHTS[fmt]
+    out = dict(options, weights_target=target)
+    group = options.get("group_size", options.get("block_size"))
+    if target == "ort" and fmt == "awq" and options.get("awq_checkpoint"):
+        out["weights_target"], why, figures = "lowbit", ("--awq-checkpoint keeps our MatMulAWQ: the checkpoint's group "
+                                                         "sizes may be ones MatMulNBits does not take; --target ort "
+                                                         "names it"), ""
+    elif target == "ort" and fmt == "awq" and group is not None and str(group).lstrip("-").isdigit():
+        from onnx_lowbit.passes.weights4_quant import ORT_BLOCK_SIZES  # noqa: PLC0415
+        if int(group) not in ORT_BLOCK_SIZES:
+            out["weights_target"], why, figures = "lowbit", (f"group size {group} is not one onnxruntime's "
+                                                             "MatMulNBits takes: "
+                                                             f"{', '.join(map(str, ORT_BLOCK_SIZES))}"), ""
+    if out["weights_target"] == "ort" and level is not None and out.get("weights_ort_accuracy") is None:
+        out["weights_ort_accuracy"] = level
+    lvl = out.get("weights_ort_accuracy") if out["weights_target"] == "ort" else None
+    if lvl is not None and lvl != level:
+        why, figures = f"accuracy_level {lvl} as asked; {level} is the CPU default", ""
+    op = {"awq": ("our MatMulAWQ", "onnxruntime's MatMulNBits")}.get(fmt, ("our MatMulNF4", "onnxruntime's MatMulBnb4"))
+    note = (f"--device cpu --weights {fmt}: {op[out['weights_target'] == 'ort']}"
+            + (f" at accuracy_level {lvl}" if lvl is not None else "") + f" ({why})")
+    out["weights_target_why"] = note
+    return out, note + (f"; measured: {figures} (onnx_lowbit/cpu_passes.py)" if figures else "")
 
 
 def cpu_default(name: str) -> bool:

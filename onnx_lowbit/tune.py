@@ -1,11 +1,15 @@
 """``rewrite --device cpu --tune``: keep only the rewrites that measured faster on this machine.
 
-The passes run one at a time, in their usual order. After each pass that rewrote something, the model before it
-and the model after it run in onnxruntime CPU sessions (our ops registered) on the same inputs, alternately
-(A B, B A, A B, ...: slow drifts of a shared machine hit both), and the medians of their run times are compared:
-the pass is kept only when its model's median is lower (``faster``), else its rewrites are undone and the next
-pass starts from the model before it. A pass that rewrote nothing is not timed. Passes the user asked for
-their size (4-bit weights: ``--weights`` / ``--awq-checkpoint``, or weights4 / gru named in ``--passes``, or
+The passes run one at a time, in their usual order. After each pass that rewrote something, the model before it and
+the model after it run in onnxruntime CPU sessions (our ops registered) on the same inputs, alternately (A B, B A, A
+B, ...: slow drifts of a shared machine hit both), and the medians of their run times are compared: the pass is kept
+only when its model's median is lower (``faster``), else its rewrites are undone and the next pass starts from the
+model before it. A pass that rewrote nothing is not timed. weights4 on --device cpu's default 4-bit target
+(onnx_lowbit/cpu_passes.py's CPU_WEIGHTS; no --target given) is also run on the other target (our MatMulAWQ /
+MatMulNF4 <-> onnxruntime's MatMulNBits at accuracy_level 4 / MatMulBnb4) when quantising twice is cheap (round to
+nearest: not with --calibration, --rounding, --budget, --awq-checkpoint or --ort-form), the two rewrites timed
+against each other and the faster kept (both figures in the decision, ``targets``). Passes the user asked for their
+size (4-bit weights: ``--weights`` / ``--awq-checkpoint``, or weights4 / gru named in ``--passes``, or
 ``--gru-bits``) are kept even when slower, and the decision says by how much. At the end the original and the
 kept model are timed against each other once more (the figure for the whole model).
 
@@ -39,6 +43,7 @@ class Decision:
     after_ms: float | None = None   # median of the model with it
     asked: str = ""                 # the flag that asked for it (kept whatever it measures), else ""
     why: str = ""
+    targets: dict | None = None     # weights4 on --device cpu's default target: {target: median ms} of both
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -177,16 +182,34 @@ def tuned_rewrite(model, selected: list, options: dict, measure, asked: dict | N
             continue
         if progress:
             progress(f"tune: pass {i + 1}/{len(selected)} {p.name}: timing the model without and with it")
+        targets, picked = None, ""
+        alt_options = other_target(options) if p.name == "weights4" else None
+        if alt_options is not None:   # weights4 on the CPU's default target: the other one timed too, faster kept
+            if progress:
+                progress(f"tune: pass {i + 1}/{len(selected)} {p.name}: the other 4-bit target")
+            try:
+                alt, r_alt = run_passes(current, passes=[p.name], **alt_options)
+            except ValueError:   # an option the other target does not take (e.g. an NF4 block size): not compared
+                alt, r_alt = None, Report()
+            if alt is not None and len(r_alt.rewritten()) == n:
+                names = (target_name(options), target_name(alt_options))
+                t_default, t_alt = measure(candidate, alt)
+                targets = {names[0]: t_default, names[1]: t_alt}
+                if t_alt < t_default:
+                    candidate, r, options = alt, r_alt, alt_options
+                picked = (f"{names[0]} {t_default:.3f} ms, {names[1]} {t_alt:.3f} ms: "
+                          f"{names[1] if t_alt < t_default else names[0]}; ")
         before, after = measure(current, candidate)
         faster = after < before
         flag = asked.get(p.name, "")
-        d = Decision(p.name, faster or bool(flag), n, before, after, flag)
+        d = Decision(p.name, faster or bool(flag), n, before, after, flag, targets=targets)
         if faster:
             d.why = f"kept: {speed(before, after)}"
         elif flag:
             d.why = f"kept as asked ({flag}, for size) though {speed(before, after)}"
         else:
             d.why = f"left out: {speed(before, after)}"
+        d.why = picked + d.why
         decisions.append(d)
         if d.kept:
             current = candidate
@@ -215,6 +238,33 @@ def tuned_rewrite(model, selected: list, options: dict, measure, asked: dict | N
             report = TunedReport(_undone(report.entries), result)
             current = model
     return current, report, result
+
+
+def other_target(options: dict) -> dict | None:
+    """weights4's options on the other 4-bit target (our ops <-> onnxruntime's), for --tune to time both, when the
+    target is --device cpu's default (onnx_lowbit/cpu_passes.py: option weights_target_why), not the user's, and
+    quantising twice is cheap: round to nearest, no calibration (the AWQ / GPTQ search would run twice), no
+    checkpoint, no --ort-form. None otherwise."""
+    if not options.get("weights_target_why") or options.get("weights_target") not in ("ort", "lowbit"):
+        return None
+    if any(options.get(k) is not None for k in ("calibration", "awq_checkpoint", "weights_ort_form",
+                                                "weights_rounding", "weights_budget")):
+        return None
+    out = {k: v for k, v in options.items() if k not in ("weights_ort_accuracy", "weights_target_why")}
+    if options["weights_target"] == "ort":
+        out["weights_target"] = "lowbit"
+    else:
+        out["weights_target"] = "ort"
+        if out.get("weights") == "awq":
+            out["weights_ort_accuracy"] = 4
+    return out
+
+
+def target_name(options: dict) -> str:
+    """How the tune table names a 4-bit target: "lowbit", "ort", "ort lvl4"."""
+    lvl = options.get("weights_ort_accuracy")
+    return options.get("weights_target", "lowbit") + (f" lvl{lvl}" if options.get("weights_target") == "ort"
+                                                      and lvl is not None else "")
 
 
 def _undone(entries) -> list:

@@ -67,13 +67,24 @@ def emit(run, g: gs.Graph, cand, notes: list, block: int):
     if cand.bias is not None:
         bias_t = gs.Constant(run.names(f"{base_name}_bias"), cand.bias.astype(dtype))
         inputs += [gs.Variable.empty(), gs.Variable.empty(), bias_t]   # zero_points, g_idx absent; bias (input 5)
+    level = getattr(run.o, "ort_accuracy", None)
     new = gs.Node(op="MatMulNBits", domain=MS_DOMAIN, name=run.names(f"{base_name}_nbits"),
-                  attrs=dict(bits=4, block_size=int(block), K=int(cand.K), N=int(cand.N)), inputs=inputs,
+                  attrs=dict(bits=4, block_size=int(block), K=int(cand.K), N=int(cand.N),
+                             **accuracy_attrs(level, notes)), inputs=inputs,
                   outputs=[cand.out])
     g.nodes.append(new)
     notes.append(f"MatMulNBits compact form: symmetric, block {block}, no zero points, "
                  f"{np.dtype(dtype).name} scales")
     info = dict(target="ort", op=new.op, new_node=new.name, group_size=int(block), ort_form="compact",
                 bytes_before=cand.bytes_before, bytes_after=int(b.nbytes + sc.nbytes), rel_error=rel,
-                bias=cand.bias is not None, calibrated=False, new_nodes=[new.name])
+                bias=cand.bias is not None, calibrated=False, new_nodes=[new.name], accuracy_level=int(level or 0))
     return new, info
+
+
+def accuracy_attrs(level, notes: list) -> dict:
+    """MatMulNBits' ``accuracy_level`` attribute for weights4's option weights_ort_accuracy (None: not written,
+    onnxruntime's default 0); a note for the report when written."""
+    if level is None:
+        return {}
+    notes.append(f"MatMulNBits accuracy_level {level}" + (" (int8 activations)" if level == 4 else ""))
+    return {"accuracy_level": int(level)}

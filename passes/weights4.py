@@ -27,6 +27,11 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
     weights_target        "lowbit" (default) | "ort"
     weights_ort_form      target "ort", weights "awq": "awq" (default: AWQ's zero points) | "compact" (MatMulNBits'
                           symmetric form, block 32, no zero points, scales in A's dtype: passes/nbits_compact.py)
+    weights_ort_accuracy  target "ort", weights "awq": MatMulNBits' accuracy_level 0..4 written on every node (both
+                          forms; default: not written, onnxruntime's 0); 4 = int8 activations, onnxruntime's fastest
+                          CPU kernel (VNNI / AVX2), at the cost of rounding A to int8 per block
+    weights_target_why    a note on every rewrite saying why this target (rewrite --device cpu's default:
+                          onnx_lowbit/cpu_passes.py's CPU_WEIGHTS)
     weights_min_elements  weights with fewer than K*N elements stay in float (default 4096 = 64x64: smaller
                           matrices are < 8 KiB in fp16, irrelevant to the model size, and their per-block scales
                           would be a large overhead)
@@ -145,7 +150,8 @@ def totals(report: Report) -> dict:
             "ratio": (after / before) if before else None,
             "max_rel_error": max(errs) if errs else None,
             "mean_rel_error": float(np.mean(errs)) if errs else None,
-            "skipped": len(report.skipped(WeightsPass.name))}
+            "skipped": len(report.skipped(WeightsPass.name)),
+            "accuracy_levels": sorted({e.details["accuracy_level"] for e in entries if "accuracy_level" in e.details})}
 
 
 class WeightsPass(Pass):
@@ -289,7 +295,7 @@ class _Run:
                       f"{how}): 4-bit rounding of it costs more accuracy than any other weight; --lm-head 4bit "
                       "(weights_lm_head='4bit') quantises it", head_kept=True, float_bytes=stored, **details)
             return
-        notes = []
+        notes = [self.o.target_why] if self.o.target_why else []
         if id(node) in self.promote:   # weights_budget: kept in higher precision, the node stays as it is
             reason, info = mixed.emit(self, g, cand, details)
             self.done(f"{self.promote[id(node)]}: {cand.spelling}", label, reason, **info)
@@ -507,6 +513,7 @@ class _Run:
             inputs = [a_in] + consts
             if bias_t is not None:
                 inputs += [gs.Variable.empty(), bias_t]  # g_idx absent, bias (input 5)
+            attrs.update(nbits_compact.accuracy_attrs(o.ort_accuracy, notes))
             new = gs.Node(op="MatMulNBits", domain=MS_DOMAIN, name=self.names(f"{base_name}_nbits"),
                           attrs=dict(bits=4, block_size=int(group_size), **attrs), inputs=inputs,
                           outputs=[cand.out])
@@ -515,6 +522,8 @@ class _Run:
         info = dict(target=o.target, op=new.op, new_node=new.name, group_size=group_size,
                     bytes_before=cand.bytes_before, bytes_after=bytes_after, rel_error=rel,
                     bias=cand.bias is not None, calibrated=False, new_nodes=[new.name] + [n.name for n in made])
+        if o.target == "ort":
+            info["accuracy_level"] = int(o.ort_accuracy or 0)
         return new, info
 
     # -- AWQ calibration -----------------------------------------------------------------------------------

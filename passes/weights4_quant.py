@@ -47,6 +47,8 @@ class Options:
     awq_holdout: float = DEFAULT_AWQ_HOLDOUT
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
     ort_form: str = "awq"  # target "ort", weights awq: "awq" (zero points, AWQ's RTN) or "compact" (nbits_compact.py)
+    ort_accuracy: int | None = None  # target "ort", weights awq: MatMulNBits' accuracy_level (None: not written, 0)
+    target_why: str = ""   # why this target (e.g. the --device cpu default: onnx_lowbit/cpu_passes.py), for the report
     rounding: str = "rtn"  # ROUNDINGS
     gptq_damp: float = 0.01
     budget: float | None = None   # total weight bytes <= budget x the fp32 bytes of the model's float constants
@@ -99,6 +101,8 @@ def parse_options(options: dict) -> Options | None:
             raise ValueError(f"group_size: {o.group_size} is not supported by onnxruntime's MatMulNBits "
                              f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
     _ort_form(o, options, ckpt)
+    o.ort_accuracy = _ort_accuracy(o, options)
+    o.target_why = str(options.get("weights_target_why") or "")
     o.min_elements = _int_option(options, "weights_min_elements", DEFAULT_MIN_ELEMENTS)
     if o.min_elements < 0:
         raise ValueError(f"weights_min_elements: {o.min_elements} must be >= 0")
@@ -164,6 +168,26 @@ def _ort_form(o: Options, options: dict, ckpt) -> None:
         if options.get("group_size") is None and options.get("block_size") is None:
             o.group_size = COMPACT_BLOCK
     o.ort_form = form
+
+
+ORT_ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 4 = int8 activations (MLAS' VNNI / AVX2 kernels)
+
+
+def _ort_accuracy(o: Options, options: dict) -> int | None:
+    """The option ``weights_ort_accuracy`` (MatMulNBits' ``accuracy_level``, 0..4), validated: only with
+    weights='awq' and weights_target='ort' (MatMulBnb4, the ort target of nf4 / fp4, has no such attribute)."""
+    v = options.get("weights_ort_accuracy")
+    if v is None:
+        return None
+    level = _int_option(options, "weights_ort_accuracy", 0)
+    if level not in ORT_ACCURACY_LEVELS:
+        raise ValueError(f"weights_ort_accuracy: {level} is not one of {', '.join(map(str, ORT_ACCURACY_LEVELS))} "
+                         "(MatMulNBits' accuracy_level)")
+    if o.target != "ort" or o.fmt != "awq":
+        raise ValueError("weights_ort_accuracy: MatMulNBits' accuracy_level needs weights='awq' and "
+                         f"weights_target='ort' (got weights={o.fmt!r}, weights_target={o.target!r}; MatMulBnb4, "
+                         "the ort target of nf4 / fp4, has no accuracy level)")
+    return level
 
 
 def _quality_options(o: Options, options: dict) -> None:

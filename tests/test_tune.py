@@ -205,3 +205,27 @@ def test_api_tune_real_sessions():
     x = {"x": np.ones((1, 5, 32), np.float32)}
     _, report = api.rewrite(qkv_silu(), device="cpu", tune=True, tune_runs=2, feeds=x)
     assert report.tune.inputs == "the given feeds"
+
+
+def test_weights4_on_the_cpu_default_target_times_the_other_target_too():
+    from onnx_lowbit.cpu_passes import cpu_weights_options
+    m = qkv_silu(d=64)
+    options, _ = cpu_weights_options({"weights": "awq"})      # --device cpu's default: MatMulNBits, level 4
+    for table, kept_op in (({"MatMulNBits": 1.0, "MatMulAWQ": 5.0}, "MatMulNBits"),
+                           ({"MatMulNBits": 5.0, "MatMulAWQ": 1.0}, "MatMulAWQ")):
+        calls = []
+        out, report, res = tune.tuned_rewrite(m, resolve(["weights4"]), options, measuring(table, calls),
+                                              asked={"weights4": "--weights awq"})
+        assert kept_op in ops(out) and ({"MatMulNBits", "MatMulAWQ"} - {kept_op}).isdisjoint(ops(out))
+        d = res.decisions[0]
+        assert set(d.targets) == {"ort lvl4", "lowbit"} and d.targets["ort lvl4"] == cost(calls[0][0], table)
+        winner = "ort lvl4" if kept_op == "MatMulNBits" else "lowbit"
+        assert d.why.startswith(f"ort lvl4 {d.targets['ort lvl4']:.3f} ms, lowbit {d.targets['lowbit']:.3f} ms: "
+                                f"{winner}; ")
+        assert report.to_dict()["tune"]["passes"][0]["targets"] == d.targets
+    # the user's own target, or a calibrated AWQ (its search would run twice): one target, not compared
+    for opts in ({"weights": "awq", "weights_target": "ort"}, dict(options, calibration={"x": np.ones((1, 4, 64))})):
+        assert tune.other_target(opts) is None
+    _, _, res = tune.tuned_rewrite(m, resolve(["weights4"]), {"weights": "awq", "weights_target": "ort"},
+                                   measuring({}), asked={"weights4": "--weights awq"})
+    assert res.decisions[0].targets is None
