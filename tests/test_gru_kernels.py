@@ -268,6 +268,12 @@ def test_cpu_paths_edges(bits, case):
             np.testing.assert_array_equal(g, r, err_msg=path)
 
 
+def _in_int8_range(w):
+    """quantgru_cpu.narrow_range of every direction of w [D, rows, K]."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    return all(quantgru_cpu.narrow_range(np.ascontiguousarray(m)) for m in w)
+
+
 def _narrow(p, rng):
     """p with W and R replaced by random int16 values in [-128, 127] (int8 weights widened), none all-zero."""
     q = dict(p)
@@ -288,15 +294,15 @@ def test_cpu_int16_narrow_weights(case):
     p = _narrow(p, rng)
     if with_lens and N > 1:
         lens[0], lens[-1] = 0, T
-    assert quantgru_cpu.narrow_range(p["W"]) and quantgru_cpu.narrow_range(p["R"])
+    assert _in_int8_range(p["W"]) and _in_int8_range(p["R"])
     kw = dict(hidden_size=H, bits=16, exponents=p["exponents"], zero_points=p["zero_points"], direction=direction)
     for W, R in ((p["W"], p["R"]), (p["W"], p["R"].copy()), (p["W"].copy(), p["R"])):  # noqa: N806
         if R is not p["R"]:
             R[0, -1, -1] = 128
-            assert not quantgru_cpu.narrow_range(R)
+            assert not _in_int8_range(R)
         if W is not p["W"]:
             W[0, 0, 0] = -129
-            assert not quantgru_cpu.narrow_range(W)
+            assert not _in_int8_range(W)
         args = (X, W, R, p["B"], p["channel_exp"], p["luts"], lens if with_lens else None, h0 if with_h0 else None)
         ref = gru_int.quant_gru(*args, **kw)
         assert np.abs(ref[0]).max() > 0
@@ -323,7 +329,7 @@ def test_cpu_packed_extremes(bits, narrow):
     for wv, xv in ((wlo, -1e9), (whi, -1e9), (wlo, 1e9)):
         W, R = np.full_like(p["W"], wv), np.full_like(p["R"], wv)  # noqa: N806
         if bits == 16:
-            assert quantgru_cpu.narrow_range(R) == narrow
+            assert _in_int8_range(R) == narrow
         args = (np.full_like(X, xv), W, R, p["B"], p["channel_exp"], p["luts"], lens, np.full_like(h0, xv))
         ref = gru_int.quant_gru(*args, **kw)
         for path in _paths():
@@ -409,7 +415,7 @@ def test_cpu_table_lookups(bits):
     tab = rng.integers(lo, hi + 1, gru_int.lut_len(bits)).astype(np.int32)
     allq = np.arange(lo, hi + 1, dtype=np.int64)
     want = gru_int.lut(allq, tab, bits)
-    for n in (allq.size, 1, 7, 13, 400):
+    for n in (allq.size, 1, 7, 13, 200):
         qv = rng.permutation(allq)[:n].copy()
         out = np.full(n, 12345, np.int64)
         run(tab, qv, out, lo, sh, (1 << sh) >> 1)
