@@ -13,6 +13,13 @@ in one process, the implementations alternating run by run (medians; the first r
   (onnx_lowbit.InferenceSession: the bridge's Python callback included);
 * `kernel intN`: quantgru_cpu.quant_gru_run on the host arrays (the kernel alone: no session, no input checks).
 
+`--narrow` adds `int16n`: the int16 parameters with W and R replaced by their top bytes (W >> 8, R >> 8: every
+weight in [-128, 127], int16 storage: the "int8 weights, int16 arithmetic" form, which the kernel detects and
+runs with int8 weights); timing inputs (the outputs are checked bit for bit, not for accuracy).
+`--clock thread`: single-thread comparison by the calling thread's CPU time (time.thread_time; Numba's pool set
+to 1 thread, onnxruntime sessions with intra_op_num_threads = 1 only), steadier than wall time on a shared
+machine.
+
 Offline: one call runs all T steps. Streaming: T = 1 per run, the state carried (Y_h fed back as initial_h), one
 frame of each implementation after the other (`--stream-frames` frames each). Before timing, each QuantGRU
 session's Y and Y_h are checked bit for bit against the integer reference (onnx_lowbit.gru_int.quant_gru).
@@ -117,7 +124,15 @@ def main():
     ap.add_argument("--runs", type=int, default=15, help="timed offline runs of each implementation")
     ap.add_argument("--stream-frames", type=int, default=200, help="timed streamed frames of each (0: skip)")
     ap.add_argument("--json")
+    ap.add_argument("--narrow", action="store_true", help="add int16 with weights in the int8 range (int16n)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="thread: 1 thread everywhere, timed by time.thread_time")
     a = ap.parse_args()
+    global CLOCK
+    if a.clock == "thread":
+        import numba
+        numba.set_num_threads(1)
+        CLOCK = time.thread_time
     import onnxruntime as ort
 
     import onnx_lowbit
@@ -135,10 +150,13 @@ def main():
                                        providers=cpu)
             fns = {"ort float GRU": lambda: fsess.run(None, {"X": X}),  # noqa: B023
                    "ort float GRU 1 thread": lambda: fs1.run(None, {"X": X})}  # noqa: B023
-            for b in a.bits:
+            if a.clock == "thread":
+                fns = {"ort float GRU": fns["ort float GRU 1 thread"]}
+            for b in variants(a, qp):
                 p = qp[b]
-                attrs = dict(hidden_size=H, bits=b, exponents=p["exponents"], zero_points=p["zero_points"])
-                qs = onnx_lowbit.InferenceSession(quant_gru_model(p, H, b, False), providers=cpu)
+                attrs = dict(hidden_size=H, bits=nbits(b), exponents=p["exponents"], zero_points=p["zero_points"])
+                qs = onnx_lowbit.InferenceSession(quant_gru_model(p, H, nbits(b), False), providers=cpu,
+                                                  sess_options=one_thread() if a.clock == "thread" else None)
                 y, yh = qs.run(None, {"X": X})
                 want = gru_int.quant_gru(X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], **attrs)
                 ok = np.array_equal(y, want[0]) and np.array_equal(yh, want[1])
@@ -163,6 +181,19 @@ def main():
     write_json(a.json, out)
 
 
+def nbits(b):
+    return 16 if b == "16n" else b
+
+
+def variants(a, qp):
+    """The QuantGRU variants to time: a.bits, plus "16n" (int16, weights in the int8 range) with --narrow."""
+    if a.narrow and 16 in qp and "16n" not in qp:
+        p = dict(qp[16])
+        p["W"], p["R"] = p["W"] >> 8, p["R"] >> 8
+        qp["16n"] = p
+    return list(a.bits) + (["16n"] if a.narrow and 16 in qp else [])
+
+
 def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
     """Frame by frame (T = 1 per run, the state carried): median time per frame."""
     import onnxruntime as ort
@@ -174,10 +205,13 @@ def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
     fs1 = ort.InferenceSession(float_gru_model(W, R, B, H, True).SerializeToString(), one_thread(), providers=cpu)
     impls = {"ort float GRU": (lambda x, h: fs.run(None, {"X": x, "h0": h})[1]),
              "ort float GRU 1 thread": (lambda x, h: fs1.run(None, {"X": x, "h0": h})[1])}
-    for b in a.bits:
+    if a.clock == "thread":
+        impls = {"ort float GRU": impls["ort float GRU 1 thread"]}
+    for b in variants(a, qp):
         p = qp[b]
-        qs = onnx_lowbit.InferenceSession(quant_gru_model(p, H, b, True), providers=cpu)
-        attrs = dict(hidden_size=H, bits=b, exponents=p["exponents"], zero_points=p["zero_points"])
+        qs = onnx_lowbit.InferenceSession(quant_gru_model(p, H, nbits(b), True), providers=cpu,
+                                          sess_options=one_thread() if a.clock == "thread" else None)
+        attrs = dict(hidden_size=H, bits=nbits(b), exponents=p["exponents"], zero_points=p["zero_points"])
         impls[f"session int{b}"] = lambda x, h, qs=qs: qs.run(None, {"X": x, "h0": h})[1]
         impls[f"kernel int{b}"] = (lambda x, h, p=p, attrs=attrs: quantgru_cpu.quant_gru_run(
             x, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], None, h, **attrs)[1])

@@ -226,3 +226,199 @@ def test_cpu_kernel_batch_one_pipelined(bits):
         args = (X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], lens, h0)
         for g, r in zip(quantgru_cpu.quant_gru(*args, **kw), gru_int.quant_gru(*args, **kw)):
             np.testing.assert_array_equal(g, r)
+
+
+def _paths():
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    return ["portable", "packed"] if quantgru_cpu.VNNI else ["portable"]
+
+
+PACKED_CASES = [  # T, N, C, H, direction, layout, lens, h0, stress
+    (1, 1, 3, 1, "forward", 0, False, False, False),
+    (5, 3, 7, 1, "bidirectional", 1, True, True, True),
+    (6, 1, 19, 17, "reverse", 0, False, True, False),
+    (9, 4, 33, 33, "bidirectional", 0, True, True, True),
+    (4, 2, 64, 48, "forward", 1, True, False, True),
+    (21, 1, 257, 70, "forward", 0, False, True, False),
+    (3, 5, 11, 100, "reverse", 0, True, True, True),
+]
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_cpu_paths_edges(bits, case):
+    """The packed VNNI path (quantgru_cpu.run_direction_path, forced for every length) and the portable path,
+    bit-exact with the reference: H = 1 and H not a multiple of 16, T = 1, batch > 1 with sequence_lens (0
+    included), reverse and bidirectional, both layouts, initial_h, stressed parameters (saturation)."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T, N, C, H, direction, layout, with_lens, with_h0, stress = case  # noqa: N806
+    X, p, h0, lens, _ = random_gru(T, N, C, H, direction, bits, seed=T + 7 * H, stress=stress)
+    if with_lens and N > 1:
+        lens[0], lens[-1] = 0, T
+    if layout == 1:
+        X, h0 = X.transpose(1, 0, 2).copy(), h0.transpose(1, 0, 2).copy()
+    kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"], direction=direction,
+              layout=layout)
+    args = (X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], lens if with_lens else None,
+            h0 if with_h0 else None)
+    ref = gru_int.quant_gru(*args, **kw)
+    assert np.abs(ref[0]).max() > 0
+    for path in _paths():
+        for g, r in zip(quantgru_cpu.quant_gru(*args, **kw, path=path), ref):
+            np.testing.assert_array_equal(g, r, err_msg=path)
+
+
+def _in_int8_range(w):
+    """quantgru_cpu.narrow_range of every direction of w [D, rows, K]."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    return all(quantgru_cpu.narrow_range(np.ascontiguousarray(m)) for m in w)
+
+
+def _narrow(p, rng):
+    """p with W and R replaced by random int16 values in [-128, 127] (int8 weights widened), none all-zero."""
+    q = dict(p)
+    for k in ("W", "R"):
+        q[k] = rng.integers(-128, 128, p[k].shape).astype(np.int16)
+    return q
+
+
+@pytest.mark.parametrize("case", PACKED_CASES)
+def test_cpu_int16_narrow_weights(case):
+    """int16 with every weight in [-128, 127] (the packed path's int8 weights, activations split into two
+    bytes): bit-exact with the reference; one weight outside the range (128 or -129) takes the int16 products,
+    also bit-exact."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T, N, C, H, direction, layout, with_lens, with_h0, stress = case  # noqa: N806
+    rng = np.random.default_rng(T * 31 + H)
+    X, p, h0, lens, _ = random_gru(T, N, C, H, direction, 16, seed=T + 5 * H, stress=stress)
+    p = _narrow(p, rng)
+    if with_lens and N > 1:
+        lens[0], lens[-1] = 0, T
+    assert _in_int8_range(p["W"]) and _in_int8_range(p["R"])
+    kw = dict(hidden_size=H, bits=16, exponents=p["exponents"], zero_points=p["zero_points"], direction=direction)
+    for W, R in ((p["W"], p["R"]), (p["W"], p["R"].copy()), (p["W"].copy(), p["R"])):  # noqa: N806
+        if R is not p["R"]:
+            R[0, -1, -1] = 128
+            assert not _in_int8_range(R)
+        if W is not p["W"]:
+            W[0, 0, 0] = -129
+            assert not _in_int8_range(W)
+        args = (X, W, R, p["B"], p["channel_exp"], p["luts"], lens if with_lens else None, h0 if with_h0 else None)
+        ref = gru_int.quant_gru(*args, **kw)
+        assert np.abs(ref[0]).max() > 0
+        for path in _paths():
+            for g, r in zip(quantgru_cpu.quant_gru(*args, **kw, path=path), ref):
+                np.testing.assert_array_equal(g, r, err_msg=path)
+
+
+@pytest.mark.parametrize("bits,narrow", [(8, False), (16, False), (16, True)])
+def test_cpu_packed_extremes(bits, narrow):
+    """The largest products each packed form allows, in rows longer than its exact int32 chunks (int16: 256
+    products; C = 600 and H = 300 need several): every weight at the bottom of its range, x and h at qmin with
+    zero point qmax (|d| = 2^bits - 1), then every weight at the top; bit-exact with the reference on both
+    paths."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T, N, C, H = 5, 2, 600, 300  # noqa: N806
+    X, p, h0, lens, _ = random_gru(T, N, C, H, "bidirectional", bits, seed=11, stress=True)
+    lo, hi = gru_int.qrange(bits)
+    wlo, whi = (-128, 127) if narrow else (lo, hi)
+    z = np.array(p["zero_points"]).reshape(2, gru_int.NQ)
+    z[:, gru_int.Q["x"]] = z[:, gru_int.Q["h"]] = hi
+    kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=z.reshape(-1).tolist(),
+              direction="bidirectional")
+    for wv, xv in ((wlo, -1e9), (whi, -1e9), (wlo, 1e9)):
+        W, R = np.full_like(p["W"], wv), np.full_like(p["R"], wv)  # noqa: N806
+        if bits == 16:
+            assert _in_int8_range(R) == narrow
+        args = (np.full_like(X, xv), W, R, p["B"], p["channel_exp"], p["luts"], lens, np.full_like(h0, xv))
+        ref = gru_int.quant_gru(*args, **kw)
+        for path in _paths():
+            for g, r in zip(quantgru_cpu.quant_gru(*args, **kw, path=path), ref):
+                np.testing.assert_array_equal(g, r, err_msg=path)
+    # random weights over the full range in the same long rows
+    rng = np.random.default_rng(3)
+    W = rng.integers(wlo, whi + 1, p["W"].shape).astype(p["W"].dtype)  # noqa: N806
+    R = rng.integers(wlo, whi + 1, p["R"].shape).astype(p["R"].dtype)  # noqa: N806
+    args = (X, W, R, p["B"], p["channel_exp"], p["luts"], lens, h0)
+    ref = gru_int.quant_gru(*args, **kw)
+    for path in _paths():
+        for g, r in zip(quantgru_cpu.quant_gru(*args, **kw, path=path), ref):
+            np.testing.assert_array_equal(g, r, err_msg=path)
+
+
+def test_cpu_packed_products():
+    """The VNNI product intrinsics against numpy on random packed operands (every variant the kernel uses;
+    rows / blocks / k not multiples of the tile, int16 rows longer than one exact chunk) and the weight packing
+    against a numpy transpose."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+    if not q.VNNI:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    rng = np.random.default_rng(0)
+    for rows, K in ((1, 1), (17, 5), (75, 37), (1200, 400), (40, 257)):
+        for dt, g in ((np.int8, 4), (np.int16, 2)):
+            W = rng.integers(np.iinfo(dt).min, np.iinfo(dt).max + 1, (rows, K)).astype(dt)  # noqa: N806
+            kg = -(-K // g)
+            nbp = -(-(-(-rows // 16)) // q.NB_REC) * q.NB_REC
+            wp = np.full(nbp * kg * 64 // W.itemsize, 99, dt)
+            rs = np.empty(rows, np.int64)
+            q.pack_weights(W, nbp, wp, rs)
+            Wp = np.zeros((nbp * 16, kg * g), dt)  # noqa: N806
+            Wp[:rows, :K] = W
+            np.testing.assert_array_equal(wp, Wp.reshape(nbp, 16, kg, g).transpose(0, 2, 1, 3).ravel())
+            np.testing.assert_array_equal(rs, W.astype(np.int64).sum(1))
+            for rec in (True, False):
+                m = 1 if rec else 2 * q.MR_GEMM
+                adt = np.uint8 if dt == np.int8 else np.int16
+                for split in ((False, True) if dt == np.int8 else (True,)):
+                    a0 = rng.integers(0, 256, (m, kg * g)).astype(adt)
+                    a1 = rng.integers(0, 256, (m, kg * g)).astype(adt)
+                    if dt == np.int16:
+                        a0 = (a0.astype(np.int16) - 128).astype(adt)      # the high byte of a signed int16
+                    acc = np.empty(m * nbp * 16, np.int64)
+                    o0, o1 = np.empty(m * nbp * 16, np.int32), np.empty(m * nbp * 16, np.int32)
+                    _products_py(rec, wp, a0.ravel(), a1.ravel(), kg * g, m // (1 if rec else q.MR_GEMM), nbp, kg,
+                                 o0, o1, acc, nbp * 16, split)
+                    w64 = W.astype(np.int64)
+                    want = a0[:, :K].astype(np.int64) @ w64.T
+                    if split:
+                        want = want * 256 + a1[:, :K].astype(np.int64) @ w64.T
+                    np.testing.assert_array_equal(acc.reshape(m, nbp * 16)[:, :rows], want)
+
+
+def _products_py(*args):
+    from numba import njit
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+    global _PRODUCTS
+    if "_PRODUCTS" not in globals():
+        @njit
+        def run(rec, wp, a0, a1, a_stride, m_groups, nbp, kg, o0, o1, acc, n_out, split):
+            q._products(rec, wp, a0, a1, a_stride, m_groups, nbp, kg, o0, o1, acc, n_out, split)
+        _PRODUCTS = run
+    return _PRODUCTS(*args)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_cpu_table_lookups(bits):
+    """The cell's table lookups (quantgru_cpu._luts: vector gathers on AVX-512 hosts, eight at a time, the rest
+    one by one) against gru_int.lut for every value of the width, in place and not, lengths not a multiple of
+    8, on a random table."""
+    from numba import njit
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+
+    @njit
+    def run(tab, qv, out, lo, sh, rnd):
+        q._luts(tab, qv, out, lo, sh, rnd)
+
+    rng = np.random.default_rng(bits)
+    lo, hi = gru_int.qrange(bits)
+    sh = gru_int.LUT_SHIFT[bits]
+    tab = rng.integers(lo, hi + 1, gru_int.lut_len(bits)).astype(np.int32)
+    allq = np.arange(lo, hi + 1, dtype=np.int64)
+    want = gru_int.lut(allq, tab, bits)
+    for n in (allq.size, 1, 7, 13, 200):
+        qv = rng.permutation(allq)[:n].copy()
+        out = np.full(n, 12345, np.int64)
+        run(tab, qv, out, lo, sh, (1 << sh) >> 1)
+        np.testing.assert_array_equal(out, want[qv - lo])
+        run(tab, qv, qv, lo, sh, (1 << sh) >> 1)      # in place
+        np.testing.assert_array_equal(qv, out)
