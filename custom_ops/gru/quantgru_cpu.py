@@ -56,6 +56,9 @@ CHUNK = 192            # int16: products per exact int32 partial sum (at most 25
 MB = 4                 # input GEMM: rows per block (one W row read from L1 for MB dot products)
 PARALLEL_MACS = 1 << 22  # input GEMM: multiply-adds from which the parallel variant is used (2 threads ~2x)
 PIPE_BLOCK, PIPE_BLOCKS = 16, 16  # batch 1: steps per block of ``pipelined`` (>= 16; about 16 blocks)
+# (the packed path does not pipeline batch 1 over two threads as ``pipelined`` does: in an onnxruntime session its
+# 16 parallel regions per call met onnxruntime's spinning intra-op pool: H = 400, T = 500, int8, 2 threads, session
+# median 25 ms with it, 5.7 ms without (onnxruntime's float GRU 9.0-11.7 ms); the kernel alone gained < 1 ms)
 # scalar rescales of the cell (rows of shift_triples), gru_int.scalar_shifts' order
 S_WZ, S_RZ, S_WR, S_RR, S_RB, S_RRH, S_WG, S_RG, S_OLD, S_NEW, S_OH, S_NH = range(12)
 # per-channel constants of the cell (rows of bias_terms): the bias terms of z_pre, r_pre, Rh_add_br, g_pre with
@@ -772,31 +775,6 @@ recurrence_packed = njit(**_JIT)(_recurrence_packed)
 recurrence_packed_parallel = njit(parallel=True, **_JIT)(_recurrence_packed)
 
 
-@njit(parallel=True, **_JIT)
-def pipelined_packed(xa0, xa1, wp, kpw, kgw, ctw, zwx, qwx, rp, kpr, kgr, nbp, ctr, bias, split, qh, ln, block,
-                     reverse, bt, t, luts, e, z, lo, hi, sh, y, yh):
-    """pipelined on the packed weights: one batch row on two threads, block b's steps while the other thread
-    projects block b + 1's input rows (disjoint rows of qwx [T, 1, 3H]); block 0's rows first (both threads)."""
-    nb = (ln + block - 1) // block
-    h = qh.shape[1]
-    q2 = qwx.reshape(qwx.shape[0], qwx.shape[2])
-    r0, r1 = (0, min(block, ln)) if not reverse else (ln - min(block, ln), ln)
-    proj_packed_parallel(wp, xa0, xa1, kpw, kgw, nbp, ctw, zwx, lo, hi, split, r0, r1, q2)
-    q = qh[0]
-    a0, a1, o0, o1, acc, qrh, sc = _rec_scratch(h, kpr, nbp, split, xa0[0, :0])
-    for b in range(nb):
-        for task in prange(2):
-            if task == 0:
-                _steps_packed(qwx, 0, rp, kpr, kgr, nbp, ctr, bias, split, q, b * block, min((b + 1) * block, ln), ln,
-                              reverse, bt, t, luts, e, z, lo, hi, sh, y, a0, a1, o0, o1 if split else o0, acc, qrh,
-                              sc)
-            elif b + 1 < nb:
-                s0, s1 = (b + 1) * block, min((b + 2) * block, ln)
-                p0, p1 = (s0, s1) if not reverse else (ln - s1, ln - s0)
-                proj_packed(wp, xa0, xa1, kpw, kgw, nbp, ctw, zwx, lo, hi, split, p0, p1, q2)
-    _finish(q, 0, ln, e, z, y, yh)
-
-
 @njit(**_JIT)
 def _run_packed(x, qh, w, r, b, ch, luts, e, z, lens, reverse, y, yh, bias, split, proto):
     """run_direction's packed (VNNI) path for weights w [3H, C], r [3H, H] of the packed dtype (int8: unsigned-byte
@@ -831,11 +809,6 @@ def _run_packed(x, qh, w, r, b, ch, luts, e, z, lens, reverse, y, yh, bias, spli
     qwx = np.empty((m, 3 * h), np.int32)
     bt, tr, sh = bias_terms(b, ch, e, z, h), shift_triples(e), 6 if split else 0
     big = m * 3 * h * c_dim >= PARALLEL_MACS and m >= 2 * MT
-    if big and n_dim == 1 and lens[0] >= 2 * PIPE_BLOCK:
-        block = max(PIPE_BLOCK, (lens[0] + PIPE_BLOCKS - 1) // PIPE_BLOCKS)
-        pipelined_packed(xa0, xa1, wp, kpw, kgw, ctw, z[IWX], qwx.reshape(t_dim, 1, 3 * h), rp, kpr, kgr, nbp, ctr,
-                         bias, split, qh, lens[0], block, reverse, bt, tr, luts, e, z, lo, hi, sh, y, yh)
-        return
     if big:
         proj_packed_parallel(wp, xa0, xa1, kpw, kgw, nbp, ctw, z[IWX], lo, hi, split, 0, m, qwx)
     else:
