@@ -16,6 +16,8 @@
 #                                          llama_decode config against `onnx-lowbit genai` rewrites of them
 #                                          (benchmarks/genai_models.py, genai_loop.py). Needs .whl/genai/ carried:
 #                                          onnxruntime-genai-cuda's wheel and onnxruntime-gpu's libonnxruntime.so.1.31.1.xz
+#   bash benchmarks/gpu_check.sh genai-profile   the same folders (int4, int4 rewritten, fp16): per-kernel GPU time of
+#                                          a decode token under torch's profiler (benchmarks/genai_profile.py)
 # Prints a short log; JSON / PNG under $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/ortgpu/site:/tmp/gs:.:tests PYTHONUNBUFFERED=1 ONNX_LOWBIT_REAL_GPU=1
@@ -162,7 +164,7 @@ profile)
   python3 benchmarks/llama_profile.py /tmp/llama/llama_decode.onnx /tmp/llama/llama_decode.nf4.onnx \
     --json "$OUT/profile.json" 2>&1 | grep -v -i warn | tail -60
   ;;
-genai)
+genai|genai-profile)
   cap=/tmp/ortgpu/site/onnxruntime/capi
   if [ ! -e $cap/libonnxruntime.so.1.31.1 ]; then
     xz -dc .whl/genai/libonnxruntime.so.1.31.1.xz > $cap/libonnxruntime.so.1.31.1 || exit 1
@@ -172,6 +174,11 @@ genai)
   export PYTHONPATH=/tmp/genai:$PYTHONPATH LD_LIBRARY_PATH=$cap:${LD_LIBRARY_PATH:-}
   [ -d /tmp/gm/genai_int4.lowbit ] || timeout 400 python3 benchmarks/genai_models.py /tmp/gm ${GENAI_MODEL_ARGS:-} 2>&1 \
     | grep -v -i -E "warn|it/s\]" | tail -20
+  if [ "$1" = genai-profile ]; then
+    timeout ${GENAI_TIMEOUT:-400} python3 benchmarks/genai_profile.py /tmp/gm/genai_int4 /tmp/gm/genai_int4.lowbit \
+      /tmp/gm/genai_fp16 ${GENAI_PROFILE_ARGS:-} --json "$OUT/genai_profile.json" 2>&1 | grep -v -i warn | tail -80
+    exit 0
+  fi
   timeout ${GENAI_TIMEOUT:-400} python3 benchmarks/genai_loop.py /tmp/gm/genai_fp16 /tmp/gm/genai_int4 /tmp/gm/genai_fp16.lowbit \
     /tmp/gm/genai_int4.lowbit ${GENAI_LOOP_ARGS:---prompt 128 --new 128 --rounds 3} --json "$OUT/genai.json" 2>&1 \
     | grep -v -i warn | tail -25
