@@ -21,7 +21,8 @@ CPU_DEFAULTS = {
                     "on the CPU (docs/tune.md)"),
     "rotary": (False, "not measured on the CPU: a Python callback per call, where onnxruntime runs its own ops"),
     "rotarykv": (False, "not measured on the CPU: a Python callback per call, where onnxruntime runs its own ops"),
-    "gru": (False, "QuantGRU made the GRU models tried 1.5-4.7x slower on the CPU (a bit-exact reference kernel)"),
+    "gru": (False, "needs --calibration; int8 2.0-3.1x faster than onnxruntime's GRU at H = 400, T = 500, full int16 "
+                   "about level, streaming frames 1.4-2x slower (BENCHMARKS.md); runs when --gru-bits asks"),
     "kvattention": (False, "opt-in on every device"),
     "rmsnorm": (False, "opt-in on every device"),
 }
