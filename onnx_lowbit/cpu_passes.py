@@ -68,7 +68,7 @@ def cpu_weights_options(options: dict) -> tuple:
                                                          "sizes may be ones MatMulNBits does not take; --target ort "
                                                          "names it"), ""
     elif target == "ort" and fmt == "awq" and group is not None and str(group).lstrip("-").isdigit():
-        from onnx_lowbit.passes.weights4_quant import ORT_BLOCK_SIZES  # noqa: PLC0415
+        from .matmulnbits import ORT_BLOCK_SIZES  # noqa: PLC0415
         if int(group) not in ORT_BLOCK_SIZES:
             out["weights_target"], why, figures = "lowbit", (f"group size {group} is not one onnxruntime's "
                                                              "MatMulNBits takes: "

@@ -22,6 +22,8 @@ import numpy as np
 
 from . import awq
 
+ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatMulNBits kernels accept (1.31)
+
 
 def _nb(K: int, block_size: int) -> int:
     return -(-int(K) // int(block_size))

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from onnx_lowbit.matmulnbits import ORT_BLOCK_SIZES
+
 from . import weights4_graph as w4g
 from .linear import Linear, Skip
 
@@ -23,7 +25,6 @@ DEFAULT_BLOCK_SIZE = 64
 DEFAULT_GROUP_SIZE = 128
 DEFAULT_MIN_ELEMENTS = 4096
 MAX_GROUP_SIZE = 1 << 16             # the MatMulAWQ kernels' limit
-ORT_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what onnxruntime's MatMulBnb4 / MatMulNBits kernels accept (1.31)
 MAX_CALIBRATION_ROWS = 8192          # activation rows per MatMul handed to the AWQ search (evenly subsampled)
 CHUNK_ELEMENTS = 1 << 22             # weight elements quantised at a time (column chunks; bounds the temporaries)
 
