@@ -29,8 +29,8 @@ from cpu_kernels import bound_run, session, words  # noqa: E402
 from ffn4_cpu import _clock, timed  # noqa: E402
 from timing import print_table  # noqa: E402
 
-# name -> weights4 options (passes/weights4.py); None: the fp32 model as it is
-PRODUCT_VARIANTS = {
+# name -> weights4 options (passes/weights4.py); None: the fp32 model as it is (the products and the MLP alike)
+VARIANTS = {
     "fp32": None,
     "awq lowbit": dict(weights="awq"),
     "awq ort lvl0": dict(weights="awq", weights_target="ort", weights_ort_accuracy=0),
@@ -89,7 +89,7 @@ def products_section(threads, shapes, ms, rounds, batch):
         numba.set_num_threads(t)
         clock, cname = _clock(t)
         for K, N in shapes:  # noqa: N806
-            models = _variants(_matmul_model(K, N), PRODUCT_VARIANTS, ["weights4"])
+            models = _variants(_matmul_model(K, N), VARIANTS, ["weights4"])
             for m in ms:
                 a = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
                 runs, outs = {}, {}
@@ -101,24 +101,12 @@ def products_section(threads, shapes, ms, rounds, batch):
     return rows
 
 
-MLP_VARIANTS = {
-    "fp32": None,
-    "awq lowbit": dict(weights="awq"),
-    "awq ort lvl0": dict(weights="awq", weights_target="ort", weights_ort_accuracy=0),
-    "awq ort lvl4": dict(weights="awq", weights_target="ort", weights_ort_accuracy=4),
-    "compact ort lvl4": dict(weights="awq", weights_target="ort", weights_ort_form="compact",
-                             weights_ort_accuracy=4),
-    "nf4 lowbit": dict(weights="nf4"),
-    "nf4 ort (Bnb4)": dict(weights="nf4", weights_target="ort"),
-}
-
-
 def mlp_section(threads, seqs, rounds, batch):
     import numba
 
     from onnx_lowbit import model_io, samples
     model = model_io.load(samples.path("llama_mlp.onnx"))
-    models = _variants(model, MLP_VARIANTS, ["weights4", "merge"])   # what rewrite --device cpu selects
+    models = _variants(model, VARIANTS, ["weights4", "merge"])   # what rewrite --device cpu selects
     for name, mod in models.items():
         print(f"{name}: {', '.join(sorted({n.op_type for n in mod.graph.node}))}", file=sys.stderr)
     rows = []

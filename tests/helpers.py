@@ -1,4 +1,8 @@
 """Small model builders shared by the tests."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 from onnx import TensorProto, helper
 
@@ -328,3 +332,14 @@ def direct_run(op, attrs, inputs, outputs, *, misalign=(), setup=None):
     run()
     cuda.synchronize()
     return [o.copy_to_host() for o in outs]
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, cwd=None, timeout=600):
+    """``onnx-lowbit ARGS`` in a fresh process (the checkout first on PYTHONPATH): (returncode, stdout, stderr)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", *args], capture_output=True, text=True, env=env,
+                       cwd=cwd, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr

@@ -1,7 +1,5 @@
 """The command line: bad input gives one line and exit 2 with no traceback and no OUT file; the good paths work."""
 import os
-import subprocess
-import sys
 
 import onnx
 from onnx import TensorProto, helper
@@ -10,11 +8,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "samples", "tiny_yolo.onnx")
 
 
-def cli(*args, cwd=None):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", *args], capture_output=True, text=True, env=env,
-                       cwd=cwd, timeout=600)
-    return p.returncode, p.stdout, p.stderr
+from helpers import cli  # noqa: E402  (the CLI in a fresh process)
 
 
 def assert_bad(rc, err, needle):

@@ -2,9 +2,6 @@
 4-bit target (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS): onnxruntime's MatMulNBits at accuracy_level 4 for AWQ,
 our MatMulNF4 for NF4 / FP4 (never converted to int4)."""
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -15,7 +12,6 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_lowbit import api, cpu_passes
 from onnx_lowbit.passes import run_passes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K, N = 256, 96
 
 
@@ -113,11 +109,7 @@ def test_api_device_cpu_awq_is_matmulnbits_level_4():
     assert "MatMulAWQ" in ops(out) and "MatMulNBits" not in ops(out)
 
 
-def cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=600)
-    return p.returncode, p.stdout, p.stderr
+from helpers import cli  # noqa: E402  (the CLI in a fresh process)
 
 
 def test_cli_device_cpu_picks_ort_level_4_and_says_so(tmp_path):

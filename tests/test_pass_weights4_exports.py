@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -16,7 +14,7 @@ from onnx import helper as oh
 
 from onnx_lowbit import domain
 from onnx_lowbit.passes import weights4 as w4
-from test_pass_weights4 import (DTYPES, FORMATS, K1, REF_TOL16, REF_TOL32, REF_TOL_AWQ32, ROOT, _options, bound,
+from test_pass_weights4 import (DTYPES, FORMATS, K1, REF_TOL16, REF_TOL32, REF_TOL_AWQ32, _options, bound,
                                 chain, ops, rel_fro, rewrite, run_ort, run_reference, zoo, zoo_feeds)
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -134,11 +132,7 @@ def test_lowbit_target_runs_like_ort_target(fmt, dtype):
 # ----------------------------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------------------------
-def cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=600)
-    return p.returncode, p.stdout, p.stderr
+from helpers import cli  # noqa: E402  (the CLI in a fresh process)
 
 
 def assert_bad(rc, err, needle):

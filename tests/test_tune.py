@@ -2,9 +2,6 @@
 (decided here with injected costs, so the tests are deterministic; one real run checks the sessions path and the
 CLI's report lines)."""
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnx
@@ -13,7 +10,6 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_lowbit import api, cpu_passes, tune
 from onnx_lowbit.passes import resolve
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def qkv_silu(d=32, seq="seq"):
@@ -149,11 +145,7 @@ def test_cpu_defaults_table_and_selection(capsys):
     assert "MatMulNF4" in ops(out) and "FPLUT" not in ops(out)
 
 
-def cli(*args):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "onnx_lowbit.cli", *args], capture_output=True, text=True, env=env,
-                       timeout=600)
-    return p.returncode, p.stdout, p.stderr
+from helpers import cli  # noqa: E402  (the CLI in a fresh process)
 
 
 def test_cli_tune_real_sessions_report_lines(tmp_path):
