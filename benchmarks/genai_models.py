@@ -7,8 +7,7 @@ MatMulNBits converted without loss).
         [--layers 16] [--inter 8192] [--heads 16] [--vocab 4096]
 
 Defaults are samples/llama_decode.py's config (the one ../shared/device/genai_anchor.py measured genai on).
-Writes OUT_DIR/hf, OUT_DIR/genai_<prec>, OUT_DIR/genai_<prec>.lowbit and, for int4, OUT_DIR/genai_int4.lowbit_all
-(`onnx-lowbit genai --all-products`: every 4-bit product ours, not only gate/up); prints each step's time and the op counts.
+Writes OUT_DIR/hf, OUT_DIR/genai_<prec> and OUT_DIR/genai_<prec>.lowbit; prints each step's time and the op counts.
 """
 from __future__ import annotations
 
@@ -70,16 +69,14 @@ def main(argv=None):
             print(f"build {prec} failed (rc {r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}")
             return 1
         print(f"build {prec}: {time.time() - t0:.0f} s; ops {ops(out)}", flush=True)
-        variants = [(".lowbit", [])] + ([(".lowbit_all", ["--all-products"])] if prec == "int4" else [])
-        for suffix, extra in variants:
-            t0 = time.time()
-            cmd = [sys.executable, "-m", "onnx_lowbit.cli", "genai", out, out + suffix, "--provider", a.provider]
-            r = subprocess.run(cmd + extra, capture_output=True, text=True)
-            print(r.stdout[-1500:], r.stderr[-1500:])
-            if r.returncode:
-                print(f"onnx-lowbit genai {prec} {' '.join(extra)} failed (rc {r.returncode})")
-                return 1
-            print(f"rewrite {prec}{suffix}: {time.time() - t0:.0f} s; ops {ops(out + suffix)}", flush=True)
+        t0 = time.time()
+        cmd = [sys.executable, "-m", "onnx_lowbit.cli", "genai", out, out + ".lowbit", "--provider", a.provider]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        print(r.stdout[-1500:], r.stderr[-1500:])
+        if r.returncode:
+            print(f"onnx-lowbit genai {prec} failed (rc {r.returncode})")
+            return 1
+        print(f"rewrite {prec}: {time.time() - t0:.0f} s; ops {ops(out + '.lowbit')}", flush=True)
     return 0
 
 

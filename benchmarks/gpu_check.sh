@@ -172,15 +172,15 @@ genai|genai-profile)
     python3 -m pip install -q --no-deps --no-index --target /tmp/genai .whl/genai/onnxruntime_genai_cuda-*.whl || exit 1
   fi
   export PYTHONPATH=/tmp/genai:$PYTHONPATH LD_LIBRARY_PATH=$cap:${LD_LIBRARY_PATH:-}
-  [ -d /tmp/gm/genai_int4.lowbit_all ] || timeout 400 python3 benchmarks/genai_models.py /tmp/gm ${GENAI_MODEL_ARGS:-} 2>&1 \
+  [ -d /tmp/gm/genai_int4.lowbit ] || timeout 400 python3 benchmarks/genai_models.py /tmp/gm ${GENAI_MODEL_ARGS:-} 2>&1 \
     | grep -v -i -E "warn|it/s\]" | tail -20
   if [ "$1" = genai-profile ]; then
     timeout ${GENAI_TIMEOUT:-400} python3 benchmarks/genai_profile.py /tmp/gm/genai_int4 /tmp/gm/genai_int4.lowbit \
-      /tmp/gm/genai_int4.lowbit_all /tmp/gm/genai_fp16 ${GENAI_PROFILE_ARGS:-} --json "$OUT/genai_profile.json" 2>&1 | grep -v -i warn | tail -80
+      /tmp/gm/genai_fp16 ${GENAI_PROFILE_ARGS:-} --json "$OUT/genai_profile.json" 2>&1 | grep -v -i warn | tail -80
     exit 0
   fi
   timeout ${GENAI_TIMEOUT:-400} python3 benchmarks/genai_loop.py /tmp/gm/genai_fp16 /tmp/gm/genai_int4 /tmp/gm/genai_fp16.lowbit \
-    /tmp/gm/genai_int4.lowbit /tmp/gm/genai_int4.lowbit_all ${GENAI_LOOP_ARGS:---prompt 128 --new 128 --rounds 3} --json "$OUT/genai.json" 2>&1 \
+    /tmp/gm/genai_int4.lowbit ${GENAI_LOOP_ARGS:---prompt 128 --new 128 --rounds 3} --json "$OUT/genai.json" 2>&1 \
     | grep -v -i warn | tail -25
   ;;
 esac

@@ -303,8 +303,6 @@ def cmd_eval_ppl(a) -> int:
 def cmd_genai(a) -> int:
     from . import genai_config
     opts = {"matmulnbits_lossy": True} if a.lossy else {}
-    if a.all_products:
-        opts["matmulnbits_products"] = True
     passes = a.passes.split(",") if a.passes else genai_config.DEFAULT_PASSES
     report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
     if a.provider:
@@ -536,9 +534,6 @@ def build_parser() -> argparse.ArgumentParser:
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
     gn.add_argument("--lossy", action="store_true",
                     help="also convert MatMulNBits with float32 scales (fp32 int4 models; scales rounded to fp16)")
-    gn.add_argument("--all-products", action="store_true",
-                    help="also convert the other 4-bit MatMulNBits (q/k/v, o, down, lm_head) into our MatMulAWQ "
-                         "(default: only the SwiGLU gate/up pairs, fused)")
     gn.add_argument("--report", action="store_true", help="print every candidate and why")
     gn.set_defaults(fn=cmd_genai)
     lut = sub.add_parser("lut", help="FPLUT tables")

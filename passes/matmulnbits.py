@@ -17,8 +17,7 @@ column by column: exact) and writes two MatMulAWQ nodes in place of the product 
 
 The float spelling (MatMul gate/up, -p fp16 / fp32, also MatMul + Split) needs no conversion: the ffn pass fuses it
 as it is. This pass rewrites only the MatMulNBits pairs of such a block (the down projection, attention and lm_head
-MatMulNBits stay onnxruntime's, unless the option ``matmulnbits_products`` is True: then every other 4-bit
-MatMulNBits that converts is rewritten too, each into one MatMulAWQ). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size =
+MatMulNBits stay onnxruntime's). Each of the two becomes MatMulAWQ(x, qweight, qzeros, scales) with group_size =
 block_size (onnx_lowbit/matmulnbits.py: same codes, same zero points, 8 where MatMulNBits has none, the fp16 scales
 as they are): the dequantised fp16 weights are bit for bit MatMulNBits' (T = float16).
 
@@ -102,30 +101,6 @@ class MatMulNBitsPass(Pass):
             for mul in list(g.nodes):
                 if is_alive(mul) and mul.op == "Mul" and not mul.domain and len(mul.inputs) == 2:
                     self.one(g, mul, names, report, lossy)
-        if options.get("matmulnbits_products", False):
-            for g in list(iter_graphs(graph)):
-                for node in list(g.nodes):
-                    if is_alive(node) and node.op == "MatMulNBits" and node.domain == MS_DOMAIN \
-                            and len(node.outputs) == 1:
-                        self.product(g, node, names, report, lossy)
-
-    def product(self, g, node, names, report, lossy) -> None:
-        """One MatMulNBits outside a SwiGLU block (q/k/v, o, down, lm_head) -> MatMulAWQ (option
-        ``matmulnbits_products``)."""
-        pattern, labels = "product: MatMulNBits", [node_label(node)]
-        try:
-            _, new, details = self.convert(g, node, names, lossy)
-        except _Skip as e:
-            self.skipped(report, pattern, labels, str(e))
-            return
-        node.outputs.clear()
-        node.inputs.clear()
-        new = new()
-        g.nodes.append(new)
-        rel = details["rel_error"]
-        self.rewritten(report, pattern, labels, "MatMulNBits -> MatMulAWQ " + (
-            "(lossless)" if rel == 0.0 else f"(lossy: scales rounded to fp16, rel {rel:.2g})"),
-            new_nodes=[new.name], **details)
 
     def one(self, g, mul, names, report, lossy) -> None:
         for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):

@@ -175,24 +175,6 @@ def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
 
 
-def test_all_products_same_greedy_tokens(built, tmp_path):
-    """``--all-products``: every 4-bit product of genai's int4 model is ours (FusedFFNAWQ for gate/up, MatMulAWQ for
-    q/k/v, o, down and lm_head), converted without loss; greedy tokens equal the original's in og.Generator."""
-    from onnx_lowbit import cli
-    src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
-    subprocess.run(["cp", "-r", built["int4"], src], check=True)
-    assert cli.main(["genai", src, dst, "--provider", "cpu", "--all-products"]) == 0
-    m, ops = _ops(dst)
-    assert ("com.microsoft", "MatMulNBits") not in ops and ("onnx_lowbit", "MatMulAWQ") in ops
-    n_awq = sum(1 for n in m.graph.node if n.op_type == "MatMulAWQ")
-    assert n_awq == sum(1 for n in onnx.load(os.path.join(src, "model.onnx"), load_external_data=False).graph.node
-                        if n.op_type == "MatMulNBits") - 2 * LAYERS
-    genai_config.set_provider(src, "cpu")
-    want = json.loads(_run(GREEDY, src).strip().splitlines()[-1])
-    got = json.loads(_run(GREEDY, dst).strip().splitlines()[-1])
-    assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
-
-
 def test_prepare_same_file(built, tmp_path):
     """prepare with a shim already loaded from elsewhere: the folder's copy becomes a hard link to it (same
     inode), or, across file systems, a clear error."""

@@ -135,28 +135,6 @@ def test_genai_mlp_fused(up_first, sig_first, zero_points):
     assert rel < 2e-3, rel
 
 
-@pytest.mark.parametrize("zero_points", [False, True])
-def test_all_products(zero_points):
-    """matmulnbits_products: the down projection becomes a MatMulAWQ too (lossless); the output agrees with
-    onnxruntime's unfused graph within fp16 summation order. An 8-bit product is skipped with its reason."""
-    m = genai_mlp(zero_points=zero_points)
-    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False, matmulnbits_products=True)
-    assert ops(out) == [("onnx_lowbit", "FusedFFNAWQ"), ("onnx_lowbit", "MatMulAWQ")]
-    down = [r for r in rep.rewritten("matmulnbits") if r.pattern.startswith("product")]
-    assert len(down) == 1 and "lossless" in down[0].reason and down[0].details["K"] == 128
-    x = (np.random.default_rng(6).standard_normal((2, 3, 64))).astype(np.float16)
-    want = run_cpu(m, {"x": x}, ours=False)["y"].astype(np.float32)
-    got = run_cpu(out, {"x": x})["y"].astype(np.float32)
-    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert rel < 2e-3, rel
-    m8 = genai_mlp()
-    [bits] = [a for a in m8.graph.node[-1].attribute if a.name == "bits"]
-    bits.i = 8
-    out, rep = checked_rewrite(m8, ["matmulnbits"], check=False, matmulnbits_products=True)
-    assert ("com.microsoft", "MatMulNBits") in ops(out)
-    assert any("bits=8" in s.reason for s in rep.skipped("matmulnbits"))
-
-
 def test_named_with_default_passes():
     """Not a default pass: the defaults leave MatMulNBits (ffn's skip names this pass); named with them, fplut's
     SiLU is read by ffn and the block is fused."""
