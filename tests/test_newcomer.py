@@ -140,6 +140,8 @@ def test_demo_says_what_it_does():
     for b in blocks:                                   # each block gives a speed ratio, said as faster / slower
         assert re.search(r"ms: \d+\.\d\dx (faster|slower)$", b, re.M), b
         assert not re.search(r"\bx\d", b), b             # one direction, in words: no "x0.41" ratios left
+        # on the CPU (as in CI) every block also says what `--device cpu --tune` keeps, each pass with its figure
+        assert re.search(r"^   --device cpu --tune: .*(\d\.\d\dx (faster|slower)\)|nothing kept)", b, re.M), b
         m = re.search(r"skipped (\d+)", b)             # a count of skips comes with what was skipped
         if m:
             assert b.count("   skipped: ") == int(m.group(1)), b
