@@ -145,7 +145,7 @@ def fplut_section(threads, sizes, functions, rounds):
                     lut = fplut_cpu.kernel_table(fplut.expand_table(tab.cut_points, tab.values), np.dtype(dt))
                     serial, parallel, bits = fplut_cpu.KERNELS[np.dtype(dt)]
                     kern = parallel if n >= fplut_cpu.PARALLEL_MIN else serial
-                    stream = fplut_cpu.streams(x.nbytes)        # as FPLUTKernel.compute decides
+                    stream = fplut_cpu.streams(np.dtype(dt), x.nbytes)      # as FPLUTKernel.compute decides
                     yk = np.empty_like(x)
                     run_ours, ys = bound_run(session(_fplut_model(fn, et, n), t, ours=True), {"x": x}, (n,), dt)
                     run_ort, yo = bound_run(session(_elementwise_model(ORT_OPS[fn], et, n), t), {"x": x}, (n,), dt)

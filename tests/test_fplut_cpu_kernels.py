@@ -173,5 +173,7 @@ def test_wrong_table_raises():
         fplut_cpu.KERNELS[np.dtype(np.float32)][0](x, _map(), np.empty_like(x))   # the fp16 map, not the fp32 table
 
 
-def test_streams_threshold():
-    assert not fplut_cpu.streams(fplut_cpu.STREAM_MIN_BYTES - 1) and fplut_cpu.streams(fplut_cpu.STREAM_MIN_BYTES)
+def test_streams_fp32_outputs_from_the_threshold():
+    f32, big = np.dtype(np.float32), fplut_cpu.STREAM_MIN_BYTES
+    assert fplut_cpu.streams(f32, big) and not fplut_cpu.streams(f32, big - 1)
+    assert not fplut_cpu.streams(np.dtype(np.float16), big) and not fplut_cpu.streams("bf16", big)

@@ -16,10 +16,10 @@ The work goes in chunks of CHUNK elements, two passes per chunk (fp16 inputs ski
      like quantgru_cpu's ``_lut_gather``) were measured and not kept: on Zen 4 they fetch about one element per
      cycle, no faster than scalar loads, and a one-pass kernel gathering from the fp32 table was 10-20% slower than
      these two passes.
-Calls writing STREAM_MIN_BYTES or more (outputs larger than the caches, e.g. 1e7 fp32 elements) pass ``stream``: the
-AVX512 kernels then prefetch their input and write the results through a buffer copied out with non-temporal
-64-byte stores (``_stream``; 1.7x faster at 1e7 elements, where plain stores read every output line from memory
-first and push the table out of the caches).
+Calls writing STREAM_MIN_BYTES or more of fp32 (outputs larger than the caches, e.g. 1e7 elements) pass ``stream``
+(``streams``): the AVX512 kernels then prefetch their input and write the results through a buffer copied out with
+non-temporal 64-byte stores (``_stream``; 1.8x faster at 1e7 elements, where plain stores read every output line
+from memory first and push the table out of the caches).
 From PARALLEL_MIN elements the tensor is split into one contiguous part per Numba thread (``split``;
 ``numba.get_num_threads()``: NUMBA_NUM_THREADS / numba.set_num_threads).
 """
@@ -41,7 +41,7 @@ PARALLEL_MIN = 1 << 20       # from here the tensor is split over threads (a han
 CHUNK = 128                  # elements per chunk (a multiple of 32): buffers in L1; 128 and 256 run alike, 512
                              # is 1.4x slower when streaming (the non-temporal stores come in bursts)
 PREFETCH = 2048              # elements: how far ahead the streaming pass 1 prefetches its input
-STREAM_MIN_BYTES = 1 << 24   # outputs from this size are written with non-temporal stores (half this CPU's L3)
+STREAM_MIN_BYTES = 1 << 24   # fp32 outputs from this size are written with non-temporal stores (half this CPU's L3)
 
 
 def _has_avx512():
@@ -313,9 +313,11 @@ _SERIAL = AVX512 if FAST else PORTABLE
 KERNELS = {k: (s, split(s), np.uint32 if k == _F32 else np.uint16) for k, s in _SERIAL.items()}
 
 
-def streams(nbytes: int) -> bool:
-    """Whether a call writing ``nbytes`` should write them non-temporally."""
-    return nbytes >= STREAM_MIN_BYTES
+def streams(key, nbytes: int) -> bool:
+    """Whether a call for inputs ``key`` writing ``nbytes`` passes ``stream``: fp32 outputs from STREAM_MIN_BYTES
+    (1.8x faster at 1e7 elements). The 16-bit kernels gained nothing from it at 2e7 elements (their lookups, not
+    memory, set their pace), so they keep plain stores."""
+    return key == _F32 and nbytes >= STREAM_MIN_BYTES
 
 
 class FPLUTKernel(Kernel):
@@ -335,7 +337,7 @@ class FPLUTKernel(Kernel):
     def compute(self, ctx, inputs):
         x = self.check_input(inputs, 0)
         serial, parallel, bits = KERNELS[self.key]
-        stream = streams(x.size * np.dtype(bits).itemsize)
+        stream = streams(self.key, x.size * np.dtype(bits).itemsize)
         if ctx.native:
             entry = native.compile_entry(NATIVE[self.in_types[0]])
             if ctx.run_native(entry, x.size, GRAIN, [x.ptr, ctx.output(0, x.shape), self.table.ctypes.data,
