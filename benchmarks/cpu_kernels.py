@@ -19,7 +19,9 @@ intra_op_num_threads = t, allow_spinning as --ort-spin says (with 2 threads its 
 Timing: every contender runs ``--rounds`` rounds, alternating, each round the median of a batch of calls
 (batch sized to ~20 ms); the table shows the median of the round medians in us and the ratio in words (ours
 against the anchor: "1.8x faster" means the anchor takes 1.8x our time). The machine's other load shows up as
-noise: compare ratios from one run.
+noise: compare ratios from one run. ``--clock``: wall (time.perf_counter, default), thread (time.thread_time: the
+calling thread's CPU time, steadier on a shared machine; only meaningful with --threads 1, where every contender
+runs on the calling thread) or process (time.process_time: all threads' CPU time, counts spinning pools too).
 """
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ from timing import print_table  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------ timing helpers
+CLOCK = {"now": time.perf_counter}   # --clock
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
+
+
 def _batch(fn):
     t = time.perf_counter()
     fn()
@@ -52,10 +58,11 @@ def compare(fns: dict, rounds: int) -> dict:
     for _ in range(rounds):
         for k, f in fns.items():
             ts = []
+            now = CLOCK["now"]
             for _ in range(batches[k]):
-                t = time.perf_counter()
+                t = now()
                 f()
-                ts.append(time.perf_counter() - t)
+                ts.append(now() - t)
             got[k].append(statistics.median(ts) * 1e6)
     return {k: statistics.median(v) for k, v in got.items()}
 
@@ -135,13 +142,14 @@ def fplut_section(threads, sizes, functions, rounds):
                 x = (np.random.default_rng(n).standard_normal(n) * 3).astype(dt)
                 for fn in functions:
                     tab = fplut_tables.get_table(fn)
-                    lut = fplut.expand_table(tab.cut_points, tab.values)
+                    lut = fplut_cpu.kernel_table(fplut.expand_table(tab.cut_points, tab.values), np.dtype(dt))
                     serial, parallel, bits = fplut_cpu.KERNELS[np.dtype(dt)]
                     kern = parallel if n >= fplut_cpu.PARALLEL_MIN else serial
+                    stream = fplut_cpu.streams(np.dtype(dt), x.nbytes)      # as FPLUTKernel.compute decides
                     yk = np.empty_like(x)
                     run_ours, ys = bound_run(session(_fplut_model(fn, et, n), t, ours=True), {"x": x}, (n,), dt)
                     run_ort, yo = bound_run(session(_elementwise_model(ORT_OPS[fn], et, n), t), {"x": x}, (n,), dt)
-                    got = compare({"kernel": lambda: kern(x.view(bits), lut, yk.view(bits)),  # noqa: B023
+                    got = compare({"kernel": lambda: kern(x.view(bits), lut, yk.view(bits), stream),  # noqa: B023
                                    "session": run_ours, "ort": run_ort}, rounds)
                     ref = tab(x)
                     rb = ref.view(bits)
@@ -170,12 +178,17 @@ def main(argv=None):
     p.add_argument("--ort-spin", default="1", choices=["0", "1"],
                    help="onnxruntime sessions' session.intra_op.allow_spinning (default 1, onnxruntime's own default: "
                         "its idle intra-op threads spin after a run, next to our kernels' threads)")
+    p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                   help="timer: wall (perf_counter), thread (thread_time: steady on a shared machine, 1 thread "
+                        "only) or process (process_time)")
     a = p.parse_args(argv)
     SPIN["value"] = a.ort_spin
+    CLOCK["now"] = CLOCKS[a.clock]
     only = a.only or ["fplut", "4bit", "idle"]
     threads = [int(v) for v in a.threads.split(",")]
     print(f"cores: {os.cpu_count()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-          f"NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS')}, onnxruntime allow_spinning={a.ort_spin}")
+          f"NUMBA_NUM_THREADS={os.environ.get('NUMBA_NUM_THREADS')}, onnxruntime allow_spinning={a.ort_spin}, "
+          f"clock={a.clock}")
     import onnx_lowbit.custom_ops  # noqa: F401  (sets OMP_WAIT_POLICY before Numba's pool starts)
     if "fplut" in only:
         fplut_section(threads, [int(float(v)) for v in a.sizes.split(",")], a.functions.split(","), a.rounds)

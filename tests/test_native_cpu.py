@@ -80,6 +80,18 @@ def test_fplut(dtype, threads):
         assert np.array_equal(y.view(np.uint8), ref.view(np.uint8))
 
 
+def test_fplut_streaming_size():
+    """fp32 outputs of fplut_cpu.STREAM_MIN_BYTES and more take the non-temporal stores (the split path in Python,
+    the native entry's stream parameter in onnxruntime's pool): the same bytes as the reference."""
+    from onnx_lowbit.custom_ops.fplut import fplut_cpu
+    n = fplut_cpu.STREAM_MIN_BYTES // 4 + 1001
+    assert fplut_cpu.streams(np.dtype(np.float32), 4 * n)
+    feeds = [{"x": random_like(np.float32, (n,), seed=5)}]
+    native, _ = native_and_python(fplut_model(TensorProto.FLOAT, shape=["n"]), feeds)
+    ref = fplut.apply(feeds[0]["x"], SEED, seed_table().values)
+    assert np.array_equal(native[0][0].view(np.uint8), ref.view(np.uint8))
+
+
 def test_fplut_bf16_native():
     m = fplut_model(TensorProto.BFLOAT16, shape=["n"])
     sess = session(m)
