@@ -80,6 +80,8 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
     options, _ = cpu_passes.cpu_weights_options(options)   # weights=... without weights_target: the CPU's faster
     selected = resolve(passes)
     if not tune:
+        if passes is None:                                  # FPLUT for the activations it beats onnxruntime on
+            options = cpu_passes.cpu_fplut_options(options)
         selected = cpu_passes.cpu_selection(selected, explicit=passes is not None, keep=size, quiet=True)
         from onnx_lowbit.passes import Report
         out, report = model, Report()

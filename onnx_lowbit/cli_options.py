@@ -14,6 +14,9 @@ def pass_options(a, model=None) -> dict:
     options = {}
     if getattr(a, "fplut_functions", None):
         options["fplut_functions"] = set(f.strip() for f in a.fplut_functions.split(",") if f.strip())
+    if getattr(a, "device", None) == "cpu" and not getattr(a, "tune", False) and not getattr(a, "passes", None):
+        from .cpu_passes import cpu_fplut_options  # the CPU's FPLUT functions (--tune measures every function,
+        options = cpu_fplut_options(options)       # --passes fplut asks for every one)
     options.update(weights_options(a, model))
     if getattr(a, "ffn_weights", None) is not None:
         options["ffn_weights"] = a.ffn_weights

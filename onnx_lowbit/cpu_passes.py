@@ -13,8 +13,10 @@ import sys
 # pass name -> (run by default on the CPU, why). A pass is True here only with a CPU measurement behind it that
 # shows it not slower than onnxruntime's own graph; a pass missing from the table is not a CPU default.
 CPU_DEFAULTS = {
-    "fplut": (False, "FPLUT made every real model tried 1.05-1.7x slower on the CPU (a Python callback per op per "
-                     "run; BENCHMARKS.md, CPU)"),
+    "fplut": (True, "only GELU (erf and tanh spellings, CPU_FPLUT_FUNCTIONS): FPLUT fp32 1.35-1.75x faster than "
+                    "onnxruntime's fused Gelu, a BERT-style encoder 1.10x and the demo's GPT-2 MLP 1.13x faster; SiLU, "
+                    "Sigmoid and Tanh stay onnxruntime's (1.2-1.7x faster than the table at 1e5+ elements: BENCHMARKS.md, "
+                    "CPU)"),
     "weights4": (False, "4-bit weights run when --weights asks (for size); on which op: CPU_WEIGHTS below"),
     "ffn": (False, "the float FusedFFN is 1.05-3.5x slower than onnxruntime's MLAS graph on the CPU (BENCHMARKS.md)"),
     "merge": (True, "one MatMul + Split instead of sibling MatMuls, stock onnxruntime ops only: measured not slower "
@@ -26,6 +28,19 @@ CPU_DEFAULTS = {
     "kvattention": (False, "opt-in on every device"),
     "rmsnorm": (False, "opt-in on every device"),
 }
+
+
+# The activations FPLUT replaces by default on the CPU (the fplut pass's fplut_functions; a user's fplut_functions
+# wins): those whose table beats onnxruntime's own kernels in fp32 (GELU: onnxruntime fuses its spellings into Gelu /
+# FastGelu, 1.35-1.75x slower than the table, 1 thread, 2026-11-29). onnxruntime computes SiLU (fused QuickGelu),
+# Sigmoid and Tanh at about a cycle per element, which a table lookup does not beat on Zen 4.
+CPU_FPLUT_FUNCTIONS = ("gelu", "gelu_tanh")
+
+
+def cpu_fplut_options(options: dict) -> dict:
+    """``options`` with fplut_functions = CPU_FPLUT_FUNCTIONS unless they name their own (``--device cpu`` without
+    ``--tune``; with it every function is a candidate and the measurement decides)."""
+    return options if options.get("fplut_functions") else dict(options, fplut_functions=set(CPU_FPLUT_FUNCTIONS))
 
 
 # --weights FORMAT -> (target, MatMulNBits accuracy_level or None, why, figures): what ``--device cpu`` emits when no

@@ -27,6 +27,20 @@ def qkv_silu(d=32, seq="seq"):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
+def gelu_erf(d=32):
+    """x @ w -> GELU spelled with Erf (0.5 y (1 + erf(y / sqrt 2)), as torch exports nn.GELU)."""
+    rng = np.random.default_rng(1)
+    c = [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+         (("sqrt2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+    c.append(numpy_helper.from_array((rng.standard_normal((d, d)) * 0.1).astype(np.float32), "w"))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Div", ["y", "sqrt2"], ["d"]),
+             helper.make_node("Erf", ["d"], ["e"]), helper.make_node("Add", ["e", "one"], ["a"]),
+             helper.make_node("Mul", ["y", "a"], ["m"]), helper.make_node("Mul", ["m", "half"], ["z"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", d])],
+                          [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, "seq", d])], c)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
 def cost(model, table):
     """Made-up run time of a model: the sum of its nodes' costs (1 for ops not in ``table``)."""
     return float(sum(table.get(n.op_type, 1.0) for n in model.graph.node))
@@ -134,13 +148,17 @@ def test_cpu_defaults_table_and_selection(capsys):
     sel = resolve(None)
     kept = cpu_passes.cpu_selection(sel, explicit=False)
     assert [p.name for p in kept] == [n for n in [p.name for p in sel] if cpu_passes.CPU_DEFAULTS[n][0]]
-    assert "fplut" not in [p.name for p in kept] and "ffn" not in [p.name for p in kept]
-    assert "--device cpu: left out fplut" in capsys.readouterr().err
+    assert "fplut" in [p.name for p in kept] and "ffn" not in [p.name for p in kept]
+    assert "--device cpu: left out weights4, ffn" in capsys.readouterr().err
     assert cpu_passes.cpu_selection(resolve(["fplut"]), explicit=True) == resolve(["fplut"])
     assert [p.name for p in cpu_passes.cpu_selection(sel, False, keep={"weights4": "w"}, quiet=True)] == \
         [p.name for p in sel if cpu_passes.cpu_default(p.name) or p.name == "weights4"]
-    out, _ = api.rewrite(qkv_silu(), device="cpu")
-    assert "FPLUT" not in ops(out)
+    out, rep = api.rewrite(qkv_silu(), device="cpu")      # SiLU: not one of the CPU's FPLUT functions
+    assert "FPLUT" not in ops(out) and any("not enabled" in e.reason for e in rep.skipped("fplut"))
+    out, _ = api.rewrite(gelu_erf(), device="cpu")         # GELU: FPLUT beats onnxruntime's Gelu on the CPU
+    assert "FPLUT" in ops(out)
+    out, _ = api.rewrite(qkv_silu(), ["fplut"], device="cpu")   # named: every function
+    assert "FPLUT" in ops(out)
     out, _ = api.rewrite(qkv_silu(d=64), device="cpu", weights="nf4")
     assert "MatMulNF4" in ops(out) and "FPLUT" not in ops(out)
 
@@ -174,7 +192,7 @@ def test_cli_device_cpu_defaults_and_bad_flags(tmp_path):
     src = tmp_path / "m.onnx"
     onnx.save(qkv_silu(), src)
     rc, out, err = cli("rewrite", str(src), str(tmp_path / "o.onnx"), "--device", "cpu")
-    assert rc == 0 and "--device cpu: left out fplut" in err
+    assert rc == 0 and "--device cpu: left out weights4, ffn" in err
     assert "FPLUT" not in ops(onnx.load(tmp_path / "o.onnx"))
     rc, out, err = cli("rewrite", str(src), str(tmp_path / "p.onnx"), "--device", "cpu", "--passes", "fplut")
     assert rc == 0 and "FPLUT" in ops(onnx.load(tmp_path / "p.onnx"))
