@@ -9,9 +9,9 @@ Sections:
   fplut  FPLUT (kernel alone, and as a node in an onnx_lowbit session with IOBinding) on fp32 / fp16 tensors of
          1e4..1e7 elements, against onnxruntime's Sigmoid, Sigmoid+Mul (SiLU), Gelu (opset 20) and Tanh one-node
          models of the same tensor (each with its shipped table: fplut_tables).
-  4bit   MatMulNF4 and MatMulAWQ (kernel alone: the CPU face's ``product``, and as a session node) against
-         onnxruntime's MatMulNBits (accuracy_level 0 and 4, the AWQ weights in its layout: passes.weights4_quant)
-         and the fp32 MatMul of the dequantised weight, at M = 1..64.
+  4bit   MatMulNF4 (accuracy_level 0 and 4) and MatMulAWQ (kernel alone: the CPU face's ``product``, and as a
+         session node) against onnxruntime's MatMulNBits (accuracy_level 0 and 4, the AWQ weights in its layout:
+         passes.weights4_quant) and the fp32 MatMul of the dequantised weight, at M = 1..64.
   idle   process CPU seconds burnt during 0.5 s of sleep right after each of our products (a spinning thread
          pool shows up here), and the time of a plain onnxruntime MatMul model run right after.
 Threads: Numba's pool gets numba.set_num_threads(t) (our kernels split over that many threads); onnxruntime sessions
@@ -19,7 +19,8 @@ intra_op_num_threads = t, allow_spinning as --ort-spin says (with 2 threads its 
 Timing: every contender runs ``--rounds`` rounds, alternating, each round the median of a batch of calls
 (batch sized to ~20 ms); the table shows the median of the round medians in us and the ratio in words (ours
 against the anchor: "1.8x faster" means the anchor takes 1.8x our time). The machine's other load shows up as
-noise: compare ratios from one run.
+noise: compare ratios from one run. Clock: with one thread the thread's CPU time (time.thread_time: onnxruntime runs
+a one-thread session's nodes on the calling thread), else the wall clock.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def _batch(fn):
     return max(1, min(200, int(0.02 / max(one, 1e-7))))
 
 
-def compare(fns: dict, rounds: int) -> dict:
-    """name -> median over ``rounds`` alternating rounds of the per-call median of a batch (us)."""
+def compare(fns: dict, rounds: int, clock=time.perf_counter) -> dict:
+    """name -> median over ``rounds`` alternating rounds of the per-call median of a batch (us), timed by ``clock``
+    (time.thread_time for one thread: other jobs on a shared machine do not count)."""
     for f in fns.values():
         f()
     batches = {k: _batch(f) for k, f in fns.items()}
@@ -53,9 +55,9 @@ def compare(fns: dict, rounds: int) -> dict:
         for k, f in fns.items():
             ts = []
             for _ in range(batches[k]):
-                t = time.perf_counter()
+                t = clock()
                 f()
-                ts.append(time.perf_counter() - t)
+                ts.append(clock() - t)
             got[k].append(statistics.median(ts) * 1e6)
     return {k: statistics.median(v) for k, v in got.items()}
 
