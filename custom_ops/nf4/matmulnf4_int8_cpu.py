@@ -1,12 +1,15 @@
 """MatMulNF4 (and FusedFFNNF4) at accuracy_level 4 on the CPU: A quantised to int8 per group, integer dot products
 with the NF4 / FP4 codes as int8 levels, per group one fp32 scale (reference and definition: onnx_lowbit.nf4_int8).
 
-* ``quantize``: A (float32 [M, K]) -> ``QuantA`` (int8 rows, per 8-element lane the -128 x sum correction and the
-  scale s_a / 127), once per call (per task in the native entries: a fraction of a column block's work).
+* ``quantize``: A (float32 [M, K]) -> ``QuantA`` (int8 rows; on VNNI CPUs per 8-element lane the -128 x sum
+  correction and the scale amax / 127^2), once per call (per task in the native entries: about 16 columns' work).
 * ``cols``: out[:, n0:n1] from a QuantA on AVX-512 VNNI CPUs (nf4vnni_cpu's tiles: 4, 2 or 1 rows x 4 or 1
-  columns), else ``cols_scalar`` (Numba scalar loops, the same integer sums; fp32 scales applied per group).
-* ``product``: the host-array product (the Python path; FusedFFNNF4's too) over threads (device/threads.py).
-Level 4 needs K % 32 == 0 (``group``); the kernels fall back to level 0 otherwise (matmulnf4_cpu)."""
+  columns; one row: the prescaled tiles, absmax x scale formed once per call by ``prescale``), else
+  ``cols_scalar`` (Numba scalar loops, the same integer sums; fp32 scales applied per group).
+* ``product``: the host-array product (the Python path; FusedFFNNF4's too) over threads (device/threads.py);
+  ``native_matmul``: MatMulNF4's native entry (runtime/plans.py), ``Level4``: a node's setup and task grain.
+Level 4 needs K % 32 == 0 (``group``); the kernels compute level 0 otherwise (matmulnf4_cpu). Every column is
+computed by the same operations whatever the tile, the range or the task, so all paths give the same bytes."""
 from __future__ import annotations
 
 import math
@@ -110,37 +113,49 @@ def quantize(a2, g) -> QuantA:
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def prescale(am, sal, k_dim, lbs, n_cols):
-    """absmax x sal (row 0's lane scales) per block of the first n_cols columns (blocks of 2^lbs <= K elements, K a
-    multiple of it): the one-row tiles' ``prescaled`` scales, the same fp32 products as the other tiles' per span."""
+def prescale(absmax, start, sal, k_dim, lg, lbs, n_cols):
+    """absmax x sal per kernel block (2^lbs elements, <= K, dividing K) of the n_cols columns whose first element is
+    ``start`` (a multiple of 2^lbs): absmax[(element) >> lg] (blocks of 2^lg in ``absmax``: the weight's own, so a
+    32-element piece needs no absmax32 first) times row 0's scale of that block. The prescaled one-row tiles' scales:
+    the same fp32 products as the other tiles form per span."""
     nbr = k_dim >> lbs
     per = np.empty(nbr, np.float32)
     for b in range(nbr):
         per[b] = sal[0, (b << lbs) >> 3]
     out = np.empty(n_cols * nbr, np.float32)
     for n in range(n_cols):
+        base = start + n * k_dim
         for b in range(nbr):
-            out[n * nbr + b] = am[n * nbr + b] * per[b]
+            out[n * nbr + b] = absmax[(base + (b << lbs)) >> lg] * per[b]
     return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def cols_one_row(aq, corr, sal, q, sc, tbl, k_dim, lbs, n_cols, out):
+    """out[0, n] for n < n_cols with the prescaled one-row tiles (q from the first column's bytes, sc: ``prescale``;
+    out's row 0 any view)."""
+    kp = aq.shape[1]
+    ld = out.strides[0] // 4
+    n = 0
+    while n + 4 <= n_cols:
+        vnni.tile_1_4p(q, sc, tbl, aq, corr, sal, kp, k_dim, lbs, n, 0, out, ld)
+        n += 4
+    while n < n_cols:
+        vnni.tile_1_1p(q, sc, tbl, aq, corr, sal, kp, k_dim, lbs, n, 0, out, ld)
+        n += 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def cols_vnni(aq, corr, sal, q, am, tbl, k_dim, lbs, n0, n1, out):
     """out[m, n] (float32 [M, >= n1], rows any stride) for n in [n0, n1): tiles of 4 / 2 / 1 rows x 4 / 1
-    columns; one row with blocks no longer than K: the prescaled one-row tiles (absmax x sal formed once here)."""
+    columns; one row: the prescaled one-row tiles (absmax x scale formed once here)."""
     kp = aq.shape[1]
     ld = out.strides[0] // 4
     m_dim = aq.shape[0]
-    if m_dim == 1 and (k_dim >> lbs) > 0 and n1 > n0:
-        qs = q[(n0 * k_dim) >> 1:]
-        sc = prescale(am[(n0 * k_dim) >> lbs:], sal, k_dim, lbs, n1 - n0)
-        n = 0
-        while n + 4 <= n1 - n0:
-            vnni.tile_1_4p(qs, sc, tbl, aq, corr, sal, kp, k_dim, lbs, n, 0, out[:, n0:], ld)
-            n += 4
-        while n < n1 - n0:
-            vnni.tile_1_1p(qs, sc, tbl, aq, corr, sal, kp, k_dim, lbs, n, 0, out[:, n0:], ld)
-            n += 1
+    if m_dim == 1:
+        if n1 > n0:
+            sc = prescale(am, (n0 * k_dim), sal, k_dim, lbs, lbs, n1 - n0)
+            cols_one_row(aq, corr, sal, q[(n0 * k_dim) >> 1:], sc, tbl, k_dim, lbs, n1 - n0, out[:, n0:])
         return
     n = n0
     while n < n1:
@@ -202,6 +217,11 @@ def cols_product(aq, corr, sal, q, absmax, tbl, k_dim, bs, g, n0, n1, res):
     ``cols`` on views from column n0, with one absmax per 32-element piece where K % bs != 0. The native entries'
     product (MatMulNF4's, FusedFFNNF4's) and ``product``'s."""
     qs = q[(n0 * k_dim) >> 1:]
+    if VNNI and aq.shape[0] == 1:      # one row: absmax x scale straight from the weight's absmax (no absmax32)
+        lbs = 5 if k_dim % bs != 0 else _log2(bs)
+        sc = prescale(absmax, n0 * k_dim, sal, k_dim, _log2(bs), lbs, n1 - n0)
+        cols_one_row(aq, corr, sal, qs, sc, tbl, k_dim, lbs, n1 - n0, res)
+        return
     if k_dim % bs != 0:
         ams = absmax32(absmax, n0 * k_dim, (n1 - n0) * (k_dim // 32), bs)
         cols(aq, corr, sal, qs, ams, tbl, k_dim, 32, g, 0, n1 - n0, res)

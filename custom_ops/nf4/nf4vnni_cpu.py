@@ -187,17 +187,29 @@ def _lookup(builder, tbl, idx):
     return builder.bitcast(v, V16I)
 
 
-def _lane_sum(builder, v):
-    """The sum of the 16 lanes of ``v`` as a pairwise tree (lane i + lane i + 8, then + 4, + 2, + 1): one order for
-    every tile shape, so a column's bytes do not depend on which tile computed it."""
-    n = 16
-    while n > 1:
-        n //= 2
-        mask = ir.VectorType(I32, n)
-        lo = builder.shuffle_vector(v, v, _c(mask, list(range(n))))
-        hi = builder.shuffle_vector(v, v, _c(mask, list(range(n, 2 * n))))
-        v = builder.fadd(lo, hi)
-    return builder.extract_element(v, _c(I32, 0))
+def _lane_sums(builder, vecs):
+    """The lane sums of the 16-lane vectors ``vecs`` (a power of two of them), as one vector with one sum per input
+    in order: a pairwise tree per input (lane i + lane i + 8, then + 4, + 2, + 1), the inputs packed together as
+    they narrow (a transposing reduction: about 3 operations per input instead of 8). Every input gets the same
+    additions in the same order however many are reduced together, so a column's bytes do not depend on the tile."""
+    width, per = 16, 1          # lanes per input, inputs per vector
+    while width > 1:
+        h = width // 2
+        lo = [k * width + i for k in range(per) for i in range(h)]
+        hi = [k * width + h + i for k in range(per) for i in range(h)]
+        n = vecs[0].type.count
+        if len(vecs) > 1:       # two vectors into one: [v's inputs, u's inputs], each on h lanes
+            mask = ir.VectorType(I32, 2 * len(lo))
+            vecs = [builder.fadd(builder.shuffle_vector(v, u, _c(mask, lo + [n + x for x in lo])),
+                                 builder.shuffle_vector(v, u, _c(mask, hi + [n + x for x in hi])))
+                    for v, u in zip(vecs[0::2], vecs[1::2])]
+            per *= 2
+        else:                   # one vector: narrowed in place
+            mask = ir.VectorType(I32, len(lo))
+            v = vecs[0]
+            vecs = [builder.fadd(builder.shuffle_vector(v, v, _c(mask, lo)), builder.shuffle_vector(v, v, _c(mask, hi)))]
+        width = h
+    return vecs[0]
 
 
 def _make_tile(R, C, prescaled=False):  # noqa: N803
@@ -280,10 +292,15 @@ def _make_tile(R, C, prescaled=False):  # noqa: N803
                             spans(2)
                         with b128:
                             spans(1)
+            sums = _lane_sums(builder, [builder.load(acc[r][c]) for r in range(R) for c in range(C)])
             for r in range(R):
-                for c in range(C):
-                    o = builder.add(builder.mul(rows[r], ld), builder.add(col0, _c(I64, c)))
-                    builder.store(_lane_sum(builder, builder.load(acc[r][c])), builder.gep(op, [o]))
+                o = builder.gep(op, [builder.add(builder.mul(rows[r], ld), col0)])
+                if C == 1:
+                    builder.store(builder.extract_element(sums, _c(I32, r)), o)
+                else:
+                    vt = ir.VectorType(F32, C)
+                    row = builder.shuffle_vector(sums, sums, _c(ir.VectorType(I32, C), [r * C + c for c in range(C)]))
+                    builder.store(row, builder.bitcast(o, vt.as_pointer()), align=4)
             return context.get_dummy_value()
         return sig, codegen
     tile.__name__ = f"tile_{R}_{C}" + ("p" if prescaled else "")
