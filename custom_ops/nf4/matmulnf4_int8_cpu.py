@@ -123,7 +123,13 @@ def prescale(absmax, start, sal, k_dim, lg, lbs, n_cols):
     for b in range(nbr):
         per[b] = sal[0, (b << lbs) >> 3]
     out = np.empty(n_cols * nbr, np.float32)
-    for n in range(n_cols):
+    if lg == lbs:                   # the kernel's blocks are the weight's: contiguous, vectorised
+        am = absmax[start >> lg:]
+        for n in range(n_cols):
+            for b in range(nbr):
+                out[n * nbr + b] = am[n * nbr + b] * per[b]
+        return out
+    for n in range(n_cols):         # 32-element pieces of larger blocks
         base = start + n * k_dim
         for b in range(nbr):
             out[n * nbr + b] = absmax[(base + (b << lbs)) >> lg] * per[b]
