@@ -9,9 +9,9 @@ Sections:
   fplut  FPLUT (kernel alone, and as a node in an onnx_lowbit session with IOBinding) on fp32 / fp16 tensors of
          1e4..1e7 elements, against onnxruntime's Sigmoid, Sigmoid+Mul (SiLU), Gelu (opset 20) and Tanh one-node
          models of the same tensor (each with its shipped table: fplut_tables).
-  4bit   MatMulNF4 and MatMulAWQ (kernel alone: the CPU face's ``product``, and as a session node) against
-         onnxruntime's MatMulNBits (accuracy_level 0 and 4, the AWQ weights in its layout: passes.weights4_quant)
-         and the fp32 MatMul of the dequantised weight, at M = 1..64.
+  4bit   MatMulNF4 (accuracy_level 0 and 4) and MatMulAWQ (kernel alone: the CPU face's ``product``, and as a
+         session node) against onnxruntime's MatMulNBits (accuracy_level 0 and 4, the AWQ weights in its layout:
+         passes.weights4_quant) and the fp32 MatMul of the dequantised weight, at M = 1..64.
   idle   process CPU seconds burnt during 0.5 s of sleep right after each of our products (a spinning thread
          pool shows up here), and the time of a plain onnxruntime MatMul model run right after.
 Threads: Numba's pool gets numba.set_num_threads(t) (our kernels split over that many threads); onnxruntime sessions
@@ -49,8 +49,10 @@ def _batch(fn):
     return max(1, min(200, int(0.02 / max(one, 1e-7))))
 
 
-def compare(fns: dict, rounds: int) -> dict:
-    """name -> median over ``rounds`` alternating rounds of the per-call median of a batch (us)."""
+def compare(fns: dict, rounds: int, clock=None) -> dict:
+    """name -> median over ``rounds`` alternating rounds of the per-call median of a batch (us), timed by ``clock``
+    (the 4bit section: time.thread_time for one thread, where other jobs on a shared machine do not count), else by
+    --clock."""
     for f in fns.values():
         f()
     batches = {k: _batch(f) for k, f in fns.items()}
@@ -58,7 +60,7 @@ def compare(fns: dict, rounds: int) -> dict:
     for _ in range(rounds):
         for k, f in fns.items():
             ts = []
-            now = CLOCK["now"]
+            now = clock or CLOCK["now"]
             for _ in range(batches[k]):
                 t = now()
                 f()

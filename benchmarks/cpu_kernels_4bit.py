@@ -1,7 +1,8 @@
 """The 4-bit and idle sections of benchmarks/cpu_kernels.py (run that script; this module holds its helpers).
 
-4bit: MatMulNF4 (block 64) and MatMulAWQ (group 128) of one random weight per K x N, each as the kernel alone (the
-CPU face's ``product``, what compute calls) and as a node of an onnx_lowbit session (IOBinding, fp32 A), against
+4bit: MatMulNF4 (block 64; accuracy_level 0, and 4: int8 activations) and MatMulAWQ (group 128) of one random weight
+per K x N, each as the kernel alone (the CPU face's ``product``, what compute calls; level 4: A quantised, then the
+product) and as a node of an onnx_lowbit session (IOBinding, fp32 A), against
 onnxruntime's MatMulNBits (the AWQ weights in its layout, accuracy_level 0 and 4) and the fp32 MatMul of the
 dequantised AWQ weight, all in one onnxruntime version and process.
 idle: CPU seconds the process burns while sleeping 0.5 s right after each product (our paths, then numpy's BLAS
@@ -40,8 +41,10 @@ def _models(K, N, w32, qw, qz, sc, q, am, m):  # noqa: N803
                                                     bits=4, block_size=128, K=K, N=N, accuracy_level=lvl),
                                    {"b": b, "s": s, "z": zp})
     out["fp32"] = model(helper.make_node("MatMul", ["a", "w"], ["y"]), {"w": w32})
-    out["nf4"] = model(helper.make_node("MatMulNF4", ["a", "q", "am"], ["y"], domain=domain.DOMAIN, quant_type="nf4",
-                                        block_size=64, K=K, N=N), {"q": q, "am": am}, ours=True)
+    for name, lvl in (("nf4", 0), ("nf4 lvl4", 4)):
+        out[name] = model(helper.make_node("MatMulNF4", ["a", "q", "am"], ["y"], domain=domain.DOMAIN,
+                                           quant_type="nf4", block_size=64, K=K, N=N, accuracy_level=lvl),
+                          {"q": q, "am": am}, ours=True)
     out["awq"] = model(helper.make_node("MatMulAWQ", ["a", "qweight", "qzeros", "scales"], ["y"],
                                         domain=domain.DOMAIN, group_size=128, K=K, N=N),
                        {"qweight": qw, "qzeros": qz, "scales": sc}, ours=True)
@@ -62,11 +65,13 @@ def fourbit_section(threads, shapes, ms, rounds):
     from onnx_lowbit import awq, nf4
     from onnx_lowbit.custom_ops.awq import matmulawq_cpu
     from onnx_lowbit.custom_ops.awq.dequantawq_cpu import parse_attrs
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu
-    print(f"NF4 permute kernels (AVX-512): {matmulnf4_cpu.FAST}")
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu, matmulnf4_int8_cpu as int8
+    print(f"NF4 permute kernels (AVX-512): {matmulnf4_cpu.FAST}, int8 (accuracy_level 4) VNNI kernels: {int8.VNNI}")
+    tbl = int8.table("nf4")
     rows = []
     for t in threads:
         numba.set_num_threads(t)
+        clock = time.thread_time if t == 1 else time.perf_counter
         for K, N in shapes:  # noqa: N806
             w, qw, qz, sc, q, am = _weights(K, N)
             w32 = awq.dequantize(qw, qz, sc, 128, K, N).astype(np.float32)
@@ -76,12 +81,14 @@ def fourbit_section(threads, shapes, ms, rounds):
                 a = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
                 runs = {}
                 for name, mod in _models(K, N, w32, qw, qz, sc, q, am, m).items():
-                    runs[name], _ = bound_run(session(mod, t, ours=name in ("nf4", "awq")), {"a": a}, (m, N),
-                                              np.float32)
+                    runs[name], _ = bound_run(session(mod, t, ours=name in ("nf4", "nf4 lvl4", "awq")), {"a": a},
+                                              (m, N), np.float32)
                 runs["nf4 kernel"] = lambda: matmulnf4_cpu.product(a, q, am, code, K, N, 64)  # noqa: B023
+                runs["nf4 lvl4 kernel"] = (lambda: int8.product(int8.quantize(a, 64), q, am, tbl,  # noqa: B023
+                                                                K, N, 64, 64))
                 runs["awq kernel"] = lambda: matmulawq_cpu.product(a, qw, qz, sc, sh)  # noqa: B023
-                got = compare(runs, rounds)
-                for ours in ("nf4", "awq"):
+                got = compare(runs, rounds, clock)
+                for ours in ("nf4", "nf4 lvl4", "awq"):
                     k_us, s_us = got[f"{ours} kernel"], got[ours]
                     rows.append([t, f"{K}x{N}", m, ours, f"{k_us:.0f}", f"{s_us:.0f}", f"{got['nbits0']:.0f}",
                                  words(s_us, got["nbits0"]), f"{got['nbits4']:.0f}", words(s_us, got["nbits4"]),

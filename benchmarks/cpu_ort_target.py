@@ -7,7 +7,8 @@ the figures behind onnx_lowbit/cpu_passes.py's CPU_WEIGHTS table (issue 34).
 * ``products``: one MatMul [M, K] x [K, N] rewritten by the weights4 pass with each target, as the pass emits it:
   AWQ (RTN, group 128) as our MatMulAWQ, as onnxruntime's MatMulNBits with accuracy_level 0 and 4 (AWQ's zero
   points; ``--ort-form awq``) and in MatMulNBits' compact form at level 4 (block 32); NF4 (block 64) as our
-  MatMulNF4 and as onnxruntime's MatMulBnb4; and the fp32 MatMul.
+  MatMulNF4 at accuracy_level 0 and 4 (int8 activations: what ``--device cpu --weights nf4`` emits) and as
+  onnxruntime's MatMulBnb4; and the fp32 MatMul.
 * ``mlp``: the demo's LLaMA MLP (samples/llama_mlp.onnx: 2 blocks, d = 128, 352 hidden), x [1, seq, 128], fp32 and
   rewritten as ``rewrite --device cpu`` selects the passes (weights4 + merge) with each target.
 
@@ -38,11 +39,14 @@ VARIANTS = {
     "compact ort lvl4": dict(weights="awq", weights_target="ort", weights_ort_form="compact",
                              weights_ort_accuracy=4),
     "nf4 lowbit": dict(weights="nf4"),
+    "nf4 lowbit lvl4": dict(weights="nf4", weights_nf4_accuracy=4),   # what --device cpu --weights nf4 emits
     "nf4 ort (Bnb4)": dict(weights="nf4", weights_target="ort"),
 }
 # the rows of the table: (contender, its anchor)
 PAIRS = [("awq ort lvl4", "awq lowbit"), ("awq ort lvl0", "awq lowbit"), ("compact ort lvl4", "awq lowbit"),
-         ("nf4 ort (Bnb4)", "nf4 lowbit"), ("awq lowbit", "fp32"), ("awq ort lvl4", "fp32"), ("nf4 lowbit", "fp32")]
+         ("nf4 ort (Bnb4)", "nf4 lowbit"), ("awq lowbit", "fp32"), ("awq ort lvl4", "fp32"), ("nf4 lowbit", "fp32"),
+         ("nf4 lowbit lvl4", "nf4 lowbit"), ("nf4 lowbit lvl4", "awq ort lvl4"),
+         ("nf4 lowbit lvl4", "compact ort lvl4"), ("nf4 lowbit lvl4", "awq ort lvl0"), ("nf4 lowbit lvl4", "fp32")]
 
 
 def _matmul_model(K, N, seed=0):  # noqa: N803
@@ -133,11 +137,16 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=20, help="calls per round and contender")
     p.add_argument("--shapes", default="2048x2048,2048x5632,5632x2048", help="products' K x N")
     p.add_argument("--ms", default="1,16", help="products' rows M")
+    p.add_argument("--variants", help="comma-separated VARIANTS names to time (default all)")
     p.add_argument("--seqs", default="1,16", help="the MLP's x [1, seq, 128]")
     args = p.parse_args(argv)
     import onnx_lowbit.custom_ops  # noqa: F401  (sets OMP_WAIT_POLICY before Numba's pool starts)
     threads = [int(v) for v in args.threads.split(",")]
     only = args.only or ["products", "mlp"]
+    if args.variants:
+        keep = args.variants.split(",")
+        for name in [v for v in VARIANTS if v not in keep]:
+            del VARIANTS[name]
     if "mlp" in only:
         mlp_section(threads, [int(v) for v in args.seqs.split(",")], args.rounds, args.batch)
     if "products" in only:

@@ -83,8 +83,9 @@ def _weights_summary(report) -> str | None:
     mib = 1024.0 * 1024.0
     head = (f"; output head kept in float ({t['head_kept_bytes'] / mib:.2f} MiB; --lm-head 4bit quantises it)"
             if t.get("head_kept") else "")
-    levels = t.get("accuracy_levels")
-    ort = f"; onnxruntime's MatMulNBits, accuracy_level {', '.join(map(str, levels))}" if levels else ""
+    by_op = t.get("accuracy_levels_by_op") or {}
+    names = {"MatMulNBits": "onnxruntime's MatMulNBits", "MatMulNF4": "MatMulNF4"}
+    ort = "".join(f"; {names.get(op, op)}, accuracy_level {', '.join(map(str, lv))}" for op, lv in by_op.items())
     return (f"weights4: {t['weights']} weights, {t['bytes_before'] / mib:.2f} MiB -> {t['bytes_after'] / mib:.2f} "
             f"MiB ({t['ratio']:.3f}x), relative reconstruction error max {t['max_rel_error']:.4f} "
             f"mean {t['mean_rel_error']:.4f}{ort}{head}")
@@ -393,6 +394,11 @@ def _weights_arguments(p) -> None:
                    help="with --weights awq --target ort (or --device cpu's default for awq): MatMulNBits' "
                         "accuracy_level on every node; 4 = int8 activations, onnxruntime's fastest CPU 4-bit kernel "
                         "(--device cpu's default), 0 = fp32 activations (onnxruntime's default)")
+    g.add_argument("--nf4-accuracy-level", type=int, choices=range(5), metavar="{0..4}",
+                   help="with --weights nf4|fp4 and our MatMulNF4 (--target lowbit, the default): its accuracy_level "
+                        "on every node; 4 = activations rounded to int8 per block and integer (VNNI) products on "
+                        "the CPU (--device cpu's default), 0 = fp32 activations (the op's default; 1..3 alike); the "
+                        "CUDA kernels compute in float at every level. --ort-accuracy-level is MatMulNBits'")
     add_quality_arguments(g)
 
 

@@ -65,6 +65,7 @@ def weights_options(a, model) -> dict:
                                       ("--exclude", a.exclude), ("--target", a.target), ("--lm-head", a.lm_head),
                                       ("--ort-form", getattr(a, "ort_form", None)),
                                       ("--ort-accuracy-level", getattr(a, "ort_accuracy_level", None) is not None),
+                                      ("--nf4-accuracy-level", getattr(a, "nf4_accuracy_level", None) is not None),
                                       ("--rounding", getattr(a, "rounding", None)),
                                       ("--budget", getattr(a, "budget", None)),
                                       ("--budget-form", getattr(a, "budget_form", None)))
@@ -101,11 +102,20 @@ def weights_options(a, model) -> dict:
 
 def _target_options(a, options: dict) -> dict:
     """--ort-accuracy-level (only where the target is onnxruntime's MatMulNBits: --target ort with --weights awq, or
-    --device cpu's default for awq) and --device cpu's default target when --target is not given
-    (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS, said on stderr)."""
+    --device cpu's default for awq), --nf4-accuracy-level (our MatMulNF4's: --weights nf4|fp4, target lowbit) and
+    --device cpu's default target when --target is not given (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS, said on
+    stderr)."""
     level = getattr(a, "ort_accuracy_level", None)
     if level is not None:
         options["weights_ort_accuracy"] = level
+    nf4_level = getattr(a, "nf4_accuracy_level", None)
+    if nf4_level is not None:
+        if options.get("weights") not in ("nf4", "fp4") or a.target == "ort":
+            why = ("--target ort emits onnxruntime's MatMulBnb4, which has none" if a.target == "ort"
+                   else f"not --weights {options.get('weights')}: --ort-accuracy-level is MatMulNBits'")
+            raise LowbitError(f"--nf4-accuracy-level is our MatMulNF4's accuracy_level: it needs --weights nf4|fp4 "
+                              f"and the lowbit target ({why})")
+        options["weights_nf4_accuracy"] = nf4_level
     if getattr(a, "device", None) == "cpu" and not a.target:
         from .cpu_passes import cpu_weights_options
         options, note = cpu_weights_options(options)

@@ -4,8 +4,8 @@ than onnxruntime alone. ``CPU_DEFAULTS`` is the one table to update when a kerne
 
 Passes named in ``--passes`` run whatever the table says (the user chose them); ``--weights`` still adds weights4
 (4-bit weights are asked for their size, kept even when slower). ``CPU_WEIGHTS`` says which op the 4-bit weights
-run on when no ``--target`` is given: onnxruntime's MatMulNBits at accuracy_level 4 for AWQ, our MatMulNF4 for
-NF4 / FP4 (each the faster measured here)."""
+run on when no ``--target`` is given: onnxruntime's MatMulNBits at accuracy_level 4 for AWQ, our MatMulNF4 at
+accuracy_level 4 for NF4 / FP4 (each the faster measured here)."""
 from __future__ import annotations
 
 import sys
@@ -43,12 +43,13 @@ def cpu_fplut_options(options: dict) -> dict:
     return options if options.get("fplut_functions") else dict(options, fplut_functions=set(CPU_FPLUT_FUNCTIONS))
 
 
-# --weights FORMAT -> (target, MatMulNBits accuracy_level or None, why, figures): what ``--device cpu`` emits when no
-# --target is given; the faster of our op and onnxruntime's own on this table's measurement (1 intra-op thread,
-# thread CPU time, 2-core AMD EPYC Zen 4 with AVX512-VNNI, onnxruntime 1.32, 2026-11-28, two runs:
-# benchmarks/cpu_ort_target.py; BENCHMARKS.md, CPU). NF4 / FP4 codes are not on a uniform grid: they are never
-# converted to int4 (lossy), they stay NF4 / FP4 in our MatMulNF4 or onnxruntime's MatMulBnb4, whichever measured
-# faster.
+# --weights FORMAT -> (target, accuracy_level or None: MatMulNBits' for target ort, MatMulNF4's for nf4 / fp4 on
+# lowbit, why, figures): what ``--device cpu`` emits when no --target is given; the faster of our op and
+# onnxruntime's own on this table's measurement (1 intra-op thread, thread CPU time, 2-core AMD EPYC Zen 4 with
+# AVX512-VNNI, onnxruntime 1.32, 2026-11-28, two runs: benchmarks/cpu_ort_target.py; BENCHMARKS.md, CPU). NF4 / FP4
+# codes are not on a uniform grid: they are never converted to int4 (lossy), they stay NF4 / FP4 in our MatMulNF4 or
+# onnxruntime's MatMulBnb4, whichever measured faster; MatMulNF4 at accuracy_level 4 (int8 activations,
+# onnx_lowbit/nf4_int8.py) measured faster than at 0 (2026-11-29, benchmarks/cpu_kernels.py --only 4bit).
 CPU_WEIGHTS = {
     # format: (target, accuracy_level, why (stderr and the report), the figures behind it (stderr))
     "awq": ("ort", 4, "int8 activations: onnxruntime's fastest CPU 4-bit kernel; --target lowbit keeps our MatMulAWQ",
@@ -58,11 +59,17 @@ CPU_WEIGHTS = {
             "1.0-2.9x faster than "
             "MatMulAWQ. SmolLM2-135M (AWQ calibrated): decode step 2.4x faster than fp32 (1.5x at level 0), "
             "perplexity 17.009 against 16.994 at level 0 (fp32 14.792)"),
-    "nf4": ("lowbit", None, "onnxruntime's MatMulBnb4 (--target ort) measured slower; NF4 codes are not on int4's "
-                            "uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
-            "MatMulBnb4 against our MatMulNF4 8.6-12.5x slower at M = 1, 2.3-2.6x at M = 16 (the same shapes); "
-            "the demo's LLaMA MLP 4.0-4.3x / 1.17-1.21x slower (M = 1 / 16, two runs)"),
-    "fp4": ("lowbit", None, "as for nf4: the same op pair (MatMulNF4 / MatMulBnb4, quant_type fp4)",
+    "nf4": ("lowbit", 4, "int8 activations, VNNI integer products (--nf4-accuracy-level 0 keeps fp32 activations); "
+                         "onnxruntime's MatMulBnb4 (--target ort) measured slower; NF4 codes are not on "
+                         "int4's uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
+            "MatMulNF4 at accuracy_level 4 against level 0 (session, 2026-11-29, two runs): 3.3-5.2x faster at M = 1, "
+            "3.4-4.3x at M = 4, 2.0-2.6x at M = 16, 1.4-1.7x at M = 64 (K x N 2048 x 2048, 2048 x 5632, 5632 x 2048; "
+            "1.2-1.5x slower than MatMulNBits at level 4 at M = 1, 3.5-4.3x faster than it at level 0); the demo's "
+            "LLaMA MLP 1.6-1.8x faster (M = 1 / 16): 1.11-1.13x faster / 1.25-1.44x slower than its fp32 original. "
+            "MatMulBnb4 against level 0 8.6-12.5x slower at M = 1, 2.3-2.6x at M = 16 (the MLP 4.0-4.3x / "
+            "1.17-1.21x). SmolLM2-135M (RTN NF4): perplexity 19.812 at level 4 against 19.449 at level 0 (fp32 "
+            "14.928, its HF tokenizer)"),
+    "fp4": ("lowbit", 4, "as for nf4: the same kernels (MatMulNF4 / MatMulBnb4, quant_type fp4)",
             "not measured apart from nf4 (the same kernels, another 16-value table)"),
 }
 
@@ -88,9 +95,11 @@ def cpu_weights_options(options: dict) -> tuple:
             out["weights_target"], why, figures = "lowbit", (f"group size {group} is not one onnxruntime's "
                                                              "MatMulNBits takes: "
                                                              f"{', '.join(map(str, ORT_BLOCK_SIZES))}"), ""
-    if out["weights_target"] == "ort" and level is not None and out.get("weights_ort_accuracy") is None:
-        out["weights_ort_accuracy"] = level
-    lvl = out.get("weights_ort_accuracy") if out["weights_target"] == "ort" else None
+    ours = out["weights_target"] == "lowbit" and fmt in ("nf4", "fp4")     # our MatMulNF4: its own accuracy_level
+    key = "weights_ort_accuracy" if out["weights_target"] == "ort" else "weights_nf4_accuracy" if ours else None
+    if key and level is not None and out.get(key) is None:
+        out[key] = level
+    lvl = out.get(key) if key else None
     if lvl is not None and lvl != level:
         why, figures = f"accuracy_level {lvl} as asked; {level} is the CPU default", ""
     op = {"awq": ("our MatMulAWQ", "onnxruntime's MatMulNBits")}.get(fmt, ("our MatMulNF4", "onnxruntime's MatMulBnb4"))

@@ -119,6 +119,10 @@ _NF4_ATTRS = [
     Attr("K", "int", "input features (rows of the MatMul weight)"),
     Attr("N", "int", "output features (columns of the MatMul weight)"),
 ]
+_NF4_LEVEL = Attr("accuracy_level", "int", "0 (default; 1..3 alike): fp32 activations; 4: activations quantised to "
+                  "int8 per group of block_size elements (32 where block_size does not divide K; K % 32 != 0: as 0), "
+                  "int8 code levels, exact integer sums (reference: onnx_lowbit.nf4_int8; the CUDA kernels compute "
+                  "in float at every level, as onnxruntime's MatMulNBits takes it as a minimum)", required=False)
 _NF4_DOC = ("Weight W[K, N] stored as bitsandbytes 4-bit blockwise quantisation of W^T ([N, K] row-major, flat, "
             "blocks of block_size consecutive elements, the last block may be partial): packed uint8 with the first "
             "element of each pair in the high nibble, one fp32 absmax per block (reference: onnx_lowbit.nf4).")
@@ -130,7 +134,7 @@ MATMUL_NF4 = OpSpec(
             Param("bias", "T", optional=True)],
     outputs=[Param("Y", "T")],
     type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
-    attributes=_NF4_ATTRS,
+    attributes=_NF4_ATTRS + [_NF4_LEVEL],
     infer=_matmul4_infer,
 )
 
@@ -232,7 +236,7 @@ FUSED_FFN_NF4 = OpSpec(
             Param("Q3", "tensor(uint8)"), Param("absmax3", "tensor(float)"), *_FFN_BIASES],
     outputs=[Param("S", "T")],
     type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
-    attributes=_NF4_ATTRS,
+    attributes=_NF4_ATTRS + [_NF4_LEVEL],
     infer=_ffn_infer,
 )
 

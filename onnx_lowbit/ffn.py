@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import awq, nf4
+from . import awq, matmul_ref, nf4, nf4_int8
 
 FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
@@ -106,10 +106,16 @@ def awq_weight_t(qweight, qzeros, scales, group_size: int, K: int, N: int) -> np
 
 
 def swiglu_nf4_ref(x, q1, absmax1, q3, absmax3, quant_type: str, block_size: int, K: int, N: int,
-                   b1=None, b3=None) -> np.ndarray:
-    """FusedFFNNF4 reference (float64): W1, W3 dequantised to float32 as nf4.dequantize does."""
-    return swiglu_ref(x, nf4_weight_t(q1, absmax1, quant_type, block_size, K, N),
-                      nf4_weight_t(q3, absmax3, quant_type, block_size, K, N), b1, b3)
+                   b1=None, b3=None, accuracy_level: int = 0) -> np.ndarray:
+    """FusedFFNNF4 reference (float64): W1, W3 dequantised to float32 as nf4.dequantize does; with
+    ``accuracy_level`` 4 (and K % 32 == 0) both products are nf4_int8's (X quantised to int8), unrounded."""
+    if nf4_int8.check_level(accuracy_level) != nf4_int8.INT8 or nf4_int8.int8_group(K, block_size) is None:
+        return swiglu_ref(x, nf4_weight_t(q1, absmax1, quant_type, block_size, K, N),
+                          nf4_weight_t(q3, absmax3, quant_type, block_size, K, N), b1, b3)
+    g = nf4_int8.product64(x, q1, absmax1, quant_type, block_size, K, N)
+    u = nf4_int8.product64(x, q3, absmax3, quant_type, block_size, K, N)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return silu(matmul_ref.add_bias(g, N, b1)) * matmul_ref.add_bias(u, N, b3)
 
 
 def swiglu_awq_ref(x, qweight1, qzeros1, scales1, qweight3, qzeros3, scales3, group_size: int, K: int, N: int,

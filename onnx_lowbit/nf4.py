@@ -30,7 +30,8 @@ quantised with bitsandbytes' 8-bit blockwise "dynamic" code (256 values, blocks 
 absmax = code8[q] * absmax2[block] + offset.
 
 ``matmul`` (the MatMulNF4 reference): W is dequantised to float32, Y = A @ W (+ bias) is accumulated in float64 and
-rounded once to A's dtype. Kernels accumulate in float32 and are compared to this with a tolerance.
+rounded once to A's dtype. Kernels accumulate in float32 and are compared to this with a tolerance. With the op's
+attribute accuracy_level = 4, A is quantised to int8 first: onnx_lowbit.nf4_int8 defines that product.
 """
 from __future__ import annotations
 
@@ -241,9 +242,15 @@ def dequantize(packed, absmax, quant_type: str, block_size: int, K: int, N: int,
     return np.ascontiguousarray(flat.reshape(int(N), int(K)).T)
 
 
-def matmul(a: np.ndarray, packed, absmax, quant_type: str, block_size: int, K: int, N: int, bias=None) -> np.ndarray:
+def matmul(a: np.ndarray, packed, absmax, quant_type: str, block_size: int, K: int, N: int, bias=None,
+           accuracy_level: int = 0) -> np.ndarray:
     """MatMulNF4 reference: Y[..., N] = A[..., K] @ W (+ bias), W dequantised to float32, products and sums in
-    float64, one rounding to A's dtype (float32 or float16)."""
+    float64, one rounding to A's dtype (float32 or float16). ``accuracy_level`` 4: int8 activations, as
+    onnx_lowbit.nf4_int8 defines them (0..3: this float product)."""
+    if accuracy_level:
+        from . import nf4_int8  # noqa: PLC0415 (nf4_int8 imports this module)
+        if nf4_int8.check_level(accuracy_level) == nf4_int8.INT8:
+            return nf4_int8.matmul(a, packed, absmax, quant_type, block_size, K, N, bias)
     return matmul_ref.matmul(a, K, N, bias, lambda: dequantize(packed, absmax, quant_type, block_size, K, N, np.float32))
 
 

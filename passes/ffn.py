@@ -255,6 +255,8 @@ def _four_bit_proj(node: gs.Node) -> _Proj:
     if any(v is None for v in attrs.values()):
         raise _Skip(spelling, f"{node.op} lacks attribute(s) {[a for a, v in attrs.items() if v is None]}")
     attrs = {a: (_attr_str(v) if isinstance(v, (str, bytes)) else int(v)) for a, v in attrs.items()}
+    if node.op == "MatMulNF4" and node.attrs.get("accuracy_level") is not None:   # optional: FusedFFNNF4 takes it too
+        attrs["accuracy_level"] = int(node.attrs["accuracy_level"])
     tensors = list(ins[1:1 + n_weights])
     for t in tensors:
         if constant_value(t) is None:

@@ -8,7 +8,7 @@ LLaMA-style model runs 32 fewer product launches and 16 Splits). Runs after weig
 they leave:
 
 - ``MatMul`` with a constant 2-D weight [K, N_i] (same dtype): weights concatenated along axis 1;
-- our ``MatMulNF4`` (same quant_type, block_size, K; every weight but the last holds whole absmax blocks and whole
+- our ``MatMulNF4`` (same quant_type, block_size, accuracy_level, K; every weight but the last holds whole absmax blocks and whole
   bytes, N_i * K % block_size == 0): packed bytes and absmax concatenated (W^T is N-major, so the blocks of the
   merged weight are exactly the blocks of the parts: the same bits as quantising the concatenated weight);
 - our ``MatMulAWQ`` (same group_size, K): qweight, qzeros and scales concatenated along axis 1 (per-column groups);
@@ -35,7 +35,7 @@ MS_DOMAIN = "com.microsoft"
 # packed products: (domain, op) -> (packed inputs from input 1, bias input index or None, concat axis, absmax blocks
 # along the flat N-major weight (parts but the last must hold whole blocks), attributes that must agree)
 PACKED = {
-    (domain.DOMAIN, "MatMulNF4"): (2, 3, 0, True, ("quant_type", "block_size")),
+    (domain.DOMAIN, "MatMulNF4"): (2, 3, 0, True, ("quant_type", "block_size", "accuracy_level")),
     (domain.DOMAIN, "MatMulAWQ"): (3, 4, 1, False, ("group_size",)),
     (MS_DOMAIN, "MatMulBnb4"): (2, None, 0, True, ("quant_type", "block_size")),
     (MS_DOMAIN, "MatMulNBits"): (3, 5, 0, False, ("bits", "block_size", "accuracy_level")),

@@ -30,6 +30,9 @@ Options (``block_size``, ``group_size`` and ``calibration`` are shared names, th
     weights_ort_accuracy  target "ort", weights "awq": MatMulNBits' accuracy_level 0..4 written on every node (both
                           forms; default: not written, onnxruntime's 0); 4 = int8 activations, onnxruntime's fastest
                           CPU kernel (VNNI / AVX2), at the cost of rounding A to int8 per block
+    weights_nf4_accuracy  target "lowbit", weights "nf4" / "fp4": our MatMulNF4's accuracy_level 0..4 written on every
+                          node (default: not written, the op's 0); 4 = A rounded to int8 per block on the CPU (VNNI
+                          integer products, onnx_lowbit.nf4_int8; the CUDA face computes in float at every level)
     weights_target_why    a note on every rewrite saying why this target (rewrite --device cpu's default:
                           onnx_lowbit/cpu_passes.py's CPU_WEIGHTS)
     weights_min_elements  weights with fewer than K*N elements stay in float (default 4096 = 64x64: smaller
@@ -129,6 +132,19 @@ def _excluded(cand: Linear, patterns, module_paths=None, names=None) -> str | No
     return None
 
 
+def nf4_accuracy_attrs(level, k: int, notes: list) -> dict:
+    """MatMulNF4's ``accuracy_level`` for the option weights_nf4_accuracy (None: not written, the op's 0); a note for
+    the report when written (level 4 on a K that is not a multiple of 32 computes as level 0: said)."""
+    if level is None:
+        return {}
+    note = f"MatMulNF4 accuracy_level {level}"
+    if level == 4:
+        note += " (int8 activations on the CPU" + (")" if k % 32 == 0 else f"; K={k} is not a multiple of 32: "
+                                                                           "computed as level 0)")
+    notes.append(note)
+    return {"accuracy_level": int(level)}
+
+
 # the pass
 def unquantised(report: Report) -> list:
     """weights4 skips of float constant weights left in float for a reason other than the user's choice
@@ -151,7 +167,11 @@ def totals(report: Report) -> dict:
             "max_rel_error": max(errs) if errs else None,
             "mean_rel_error": float(np.mean(errs)) if errs else None,
             "skipped": len(report.skipped(WeightsPass.name)),
-            "accuracy_levels": sorted({e.details["accuracy_level"] for e in entries if "accuracy_level" in e.details})}
+            "accuracy_levels": sorted({e.details["accuracy_level"] for e in entries if "accuracy_level" in e.details}),
+            "accuracy_levels_by_op": {op: sorted({e.details["accuracy_level"] for e in entries
+                                                  if e.details.get("op") == op and "accuracy_level" in e.details})
+                                      for op in sorted({e.details.get("op") for e in entries
+                                                        if "accuracy_level" in e.details})}}
 
 
 class WeightsPass(Pass):
@@ -358,6 +378,7 @@ class _Run:
             inputs = [cand.a, q_t, absmax_t]
             if cand.bias is not None:
                 inputs.append(gs.Constant(self.names(f"{base_name}_bias"), cand.bias.astype(cand.dtype)))
+            attrs.update(nf4_accuracy_attrs(o.nf4_accuracy, int(cand.K), notes))
             new = gs.Node(op="MatMulNF4", domain=domain.DOMAIN, name=self.names(f"{base_name}_{o.fmt}"),
                           attrs=dict(quant_type=o.fmt, **attrs), inputs=inputs, outputs=[cand.out])
             g.nodes.append(new)
@@ -381,6 +402,8 @@ class _Run:
                     bytes_before=bytes_before, bytes_after=bytes_after, rel_error=rel,
                     bias=cand.bias is not None, new_nodes=[n.name for n in nodes])
         info.update(extra if shared is None else {})
+        if "accuracy_level" in attrs:
+            info["accuracy_level"] = attrs["accuracy_level"]
         return new, info
 
     def gptq(self, g: gs.Graph, cand: Linear, w: np.ndarray, act, notes: list):

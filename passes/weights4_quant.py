@@ -49,6 +49,7 @@ class Options:
     spill: object = None   # callable(name, array) -> external TensorProto (streaming, see passes/external.py)
     ort_form: str = "awq"  # target "ort", weights awq: "awq" (zero points, AWQ's RTN) or "compact" (nbits_compact.py)
     ort_accuracy: int | None = None  # target "ort", weights awq: MatMulNBits' accuracy_level (None: not written, 0)
+    nf4_accuracy: int | None = None  # target "lowbit", weights nf4/fp4: MatMulNF4's accuracy_level (None: not written)
     target_why: str = ""   # why this target (e.g. the --device cpu default: onnx_lowbit/cpu_passes.py), for the report
     rounding: str = "rtn"  # ROUNDINGS
     gptq_damp: float = 0.01
@@ -103,6 +104,7 @@ def parse_options(options: dict) -> Options | None:
                              f"(weights_target='ort'): one of {', '.join(map(str, ORT_BLOCK_SIZES))}")
     _ort_form(o, options, ckpt)
     o.ort_accuracy = _ort_accuracy(o, options)
+    o.nf4_accuracy = _nf4_accuracy(o, options)
     o.target_why = str(options.get("weights_target_why") or "")
     o.min_elements = _int_option(options, "weights_min_elements", DEFAULT_MIN_ELEMENTS)
     if o.min_elements < 0:
@@ -172,6 +174,23 @@ def _ort_form(o: Options, options: dict, ckpt) -> None:
 
 
 ORT_ACCURACY_LEVELS = (0, 1, 2, 3, 4)  # MatMulNBits' accuracy_level: 4 = int8 activations (MLAS' VNNI / AVX2 kernels)
+
+
+def _nf4_accuracy(o: Options, options: dict) -> int | None:
+    """The option ``weights_nf4_accuracy`` (our MatMulNF4's ``accuracy_level``, 0..4: 4 = int8 activations on the CPU,
+    onnx_lowbit.nf4_int8), validated: only with weights nf4 / fp4 and weights_target 'lowbit'."""
+    if options.get("weights_nf4_accuracy") is None:
+        return None
+    from onnx_lowbit import nf4_int8  # noqa: PLC0415
+    level = _int_option(options, "weights_nf4_accuracy", 0)
+    if level not in nf4_int8.LEVELS:
+        raise ValueError(f"weights_nf4_accuracy: {level} is not one of {', '.join(map(str, nf4_int8.LEVELS))} "
+                         "(MatMulNF4's accuracy_level)")
+    if o.target != "lowbit" or o.fmt not in ("nf4", "fp4"):
+        raise ValueError("weights_nf4_accuracy: MatMulNF4's accuracy_level needs weights='nf4' or 'fp4' and "
+                         f"weights_target='lowbit' (got weights={o.fmt!r}, weights_target={o.target!r}; "
+                         "weights_ort_accuracy is MatMulNBits')")
+    return level
 
 
 def _ort_accuracy(o: Options, options: dict) -> int | None:

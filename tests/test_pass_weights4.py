@@ -85,9 +85,10 @@ def _reference_ops():
     class MatMulNF4(OpRun):
         op_domain = domain.DOMAIN
 
-        def _run(self, A, Q, absmax, bias=None, quant_type=None, block_size=None, K=None, N=None):  # noqa: N803
+        def _run(self, A, Q, absmax, bias=None, quant_type=None, block_size=None, K=None, N=None,  # noqa: N803
+                 accuracy_level=None):
             qt = quant_type.decode() if isinstance(quant_type, bytes) else quant_type
-            return (nf4.matmul(A, Q, absmax, qt, block_size, K, N, bias=bias),)
+            return (nf4.matmul(A, Q, absmax, qt, block_size, K, N, bias=bias, accuracy_level=accuracy_level or 0),)
 
     class MatMulAWQ(OpRun):
         op_domain = domain.DOMAIN

@@ -344,6 +344,7 @@ class FusedFFNNF4CudaKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
+        self.level = nf4_common.parse_level(self.attrs)   # checked; every level computes in float here (a minimum)
         self.a16 = self.in_types[0] == 10
         self.code_host, self.code = code, host.Table(code)
         self.tc_lut = host.Table(nf4tc_cuda.lut(code))

@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from onnx_lowbit import nf4
+from onnx_lowbit import nf4, nf4_int8
 
 from ..runtime.kernels import KernelError
 
@@ -47,6 +47,15 @@ def parse_attrs(attrs: dict):
     if k <= 0 or n <= 0:
         raise KernelError(f"attributes 'K' and 'N' must be positive, got K={k}, N={n}")
     return qt, bs, k, n, np.ascontiguousarray(nf4.code(qt), dtype=np.float32)
+
+
+def parse_level(attrs: dict) -> int:
+    """MatMulNF4's / FusedFFNNF4's optional 'accuracy_level' (onnx_lowbit.nf4_int8): 0 (default) .. 4; 4 quantises
+    the activations to int8 (the CPU faces; the CUDA faces compute in float at every level)."""
+    try:
+        return nf4_int8.check_level(attrs.get("accuracy_level", 0))
+    except ValueError as e:
+        raise KernelError(f"attribute {e}") from None
 
 
 def parse_transposed(attrs: dict) -> bool:

@@ -9,7 +9,10 @@ work that followed). Accumulation in fp32.
   W^T at a time are decoded into fp32 with a vector permute (nf4decode_cpu), then every row of A takes four dot
   products over them (vectorised sums: fastmath reassoc / contract, no nnan / ninf).
 * ``gemv_cols`` (any shape): per output column, per block partial sums scaled by the block's absmax, both
-  nibbles of a byte from one load (scalar table lookups)."""
+  nibbles of a byte from one load (scalar table lookups).
+
+With the attribute accuracy_level = 4 (and K % 32 == 0) the node runs matmulnf4_int8_cpu instead: A quantised to
+int8, VNNI integer dot products (onnx_lowbit.nf4_int8 defines the result)."""
 from __future__ import annotations
 
 import math
@@ -21,7 +24,8 @@ from ..device import native, threads
 from ..runtime import plans
 from ..runtime.kernels import Kernel
 from . import common as nf4_common
-from .nf4decode_cpu import FAST, decode_blocks, dot_blocks
+from . import matmulnf4_int8_cpu as int8
+from .nf4decode_cpu import FAST, absmax32, decode_blocks, dot_blocks
 
 PARALLEL_MIN_MACS = 1 << 21   # from here the columns are split over threads (a hand-off costs ~50 us)
 KC = 1024                     # elements of the four decoded rows per chunk (16 KB)
@@ -188,16 +192,6 @@ def pieces_path(k, bs):
     return FAST and k % bs != 0 and k % 32 == 0 and bs % 32 == 0
 
 
-@njit(cache=True, nogil=True, boundscheck=False)
-def absmax32(absmax, start, count, bs):
-    """out[i] = absmax[(start + 32 i) // bs] for i < count: the block scale of each 32-element piece of W^T from
-    element ``start`` (a multiple of 32), the absmax of the fast kernels run with a block size of 32."""
-    out = np.empty(count, np.float32)
-    for i in range(count):
-        out[i] = absmax[(start + 32 * i) // bs]
-    return out
-
-
 def product(a2, q, absmax, code, k, n, bs):
     """a2 float32 [M, K] @ W -> float32 [M, N] (also used by FusedFFNNF4's CPU face): gemv_fast_cols where
     ``fast_path`` holds (or ``pieces_path``: with one absmax per 32 elements), else gemv_cols; columns split over
@@ -232,9 +226,12 @@ def matmul(a, q, absmax, code, k, n, bs, bias=None):
 
 
 class MatMulNF4Kernel(Kernel):
+    """accuracy_level 4 (where K % 32 == 0): matmulnf4_int8_cpu (int8 activations); else the float kernels here."""
+
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
+        self.l4 = int8.Level4.make(nf4_common.parse_level(self.attrs), self.qt, self.k, self.bs.size)
 
     native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path every call
 
@@ -243,6 +240,8 @@ class MatMulNF4Kernel(Kernel):
         bias = inputs[3] if len(inputs) > 3 else None
         nf4_common.check_q_absmax(q, absmax, self.k, self.n, self.bs)
         m = nf4_common.check_a(a, self.k, bias, self.n)
+        if self.l4 is not None:
+            return self.compute8(ctx, a, q, absmax, bias, m)
         if ctx.native and m <= SMALL_M:
             y = ctx.output(0, a.shape[:-1] + (self.n,))
             unit = self.bs.size // math.gcd(self.k, self.bs.size)   # columns whose weights start a block
@@ -258,6 +257,24 @@ class MatMulNF4Kernel(Kernel):
         y = matmul(a.numpy(), q.numpy(), absmax.numpy(), self.code, self.k, self.n, self.bs.size,
                    None if bias is None else bias.numpy())
         out = ctx.output_numpy(0, a.shape[:-1] + (self.n,), y.dtype)
+        out[...] = y
+
+    def compute8(self, ctx, a, q, absmax, bias, m):
+        """accuracy_level 4: matmulnf4_int8_cpu's native entry at M <= its SMALL_M, else its Python path."""
+        k, n, bs = self.k, self.n, self.bs.size
+        if ctx.native and m <= int8.SMALL_M:
+            y = ctx.output(0, a.shape[:-1] + (n,))
+            unit = bs // math.gcd(k, bs)
+            values = [a.ptr, q.ptr, absmax.ptr, bias.ptr if bias is not None else 0, y, self.l4.tbl.ctypes.data, m, k,
+                      n, bs, int(a.elem_type == 10), int(bias is not None), unit, self.l4.g]
+            if ctx.run_native(native.compile_entry(int8.native_matmul), -(-n // unit), self.l4.grain(m, k, unit),
+                              values, (0, 1, 2, 3, 4)):
+                return
+        elif ctx.native:
+            plans.not_replayable()
+        y = int8.matmul(a.numpy(), q.numpy(), absmax.numpy(), self.l4.tbl, k, n, bs,
+                        None if bias is None else bias.numpy())
+        out = ctx.output_numpy(0, a.shape[:-1] + (n,), y.dtype)
         out[...] = y
 
 

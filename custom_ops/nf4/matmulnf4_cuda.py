@@ -18,6 +18,9 @@ row's kernel. The kernels:
 * ``nf4tc.*`` (fp16 A, M = 2..16 on GPUs with mma.sync): nf4tc_cuda's tensor-core decode, from M = 8 through its
   two-weight kernel on the weight's two halves of rows (``halves``), from M = 9 with both row chunks in one block.
 * ``fast`` / ``generic``: gemv_cuda's warp-per-column kernels (M <= 16 with x in shared memory; anything else).
+
+The attribute accuracy_level is checked and otherwise ignored: every level computes with float activations here (at
+least the accuracy asked for; level 4's int8 activations are the CPU face's, onnx_lowbit.nf4_int8).
 """
 from __future__ import annotations
 
@@ -211,6 +214,7 @@ class MatMulNF4CudaKernel(Kernel):
     def __init__(self, **kw):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, code = nf4_common.parse_attrs(self.attrs)
+        self.level = nf4_common.parse_level(self.attrs)   # checked; every level computes in float here (a minimum)
         self.dtype = np.dtype(np.float32 if self.in_types[0] == 1 else np.float16)
         self.code = host.Table(half2.code_with_scale(code))  # the h2 kernels read entries 16, 17 (its scale)
         self.tc_lut = host.Table(nf4tc_cuda.lut(code))

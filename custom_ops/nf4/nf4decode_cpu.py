@@ -4,11 +4,14 @@ into element order, 32 elements per 16 bytes. LLVM does not vectorise a 16-entry
 (it would need gathers, which it does not emit for AMD targets), so ``decode_blocks`` is a Numba intrinsic that
 writes the vector code itself. The products are bit-identical with ``code[nib] * absmax`` in fp32 (the reference).
 
-``FAST``: whether this CPU has AVX-512F (else the kernels take their scalar path). Used by matmulnf4_cpu."""
+``FAST``: whether this CPU has AVX-512F (else the kernels take their scalar path). ``absmax32``: one absmax per
+32-element piece (the kernels' form of weights whose blocks straddle the rows of W^T). Used by matmulnf4_cpu and
+matmulnf4_int8_cpu."""
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import binding as llb, ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -117,3 +120,16 @@ def dot_blocks(typingctx, q, code, absmax, ae, ao, bpb, nblocks):
             out = builder.fadd(out, builder.extract_element(vec, ir.Constant(i32, i)))
         return out
     return sig, codegen
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def absmax32(absmax, start, count, bs):
+    """out[i] = absmax[(start + 32 i) // bs] for i < count: the block scale of each 32-element piece of W^T from
+    element ``start`` (a multiple of 32), the absmax of the fast kernels run with a block size of 32."""
+    out = np.empty(count, np.float32)
+    lg = 0
+    while (1 << lg) < bs:       # bs is a power of two: a shift, not a division per piece
+        lg += 1
+    for i in range(count):
+        out[i] = absmax[(start + 32 * i) >> lg]
+    return out

@@ -1,0 +1,226 @@
+"""MatMulNF4 / FusedFFNNF4 with accuracy_level 4 (int8 activations): the reference's definition
+(onnx_lowbit.nf4_int8) and the CPU kernels (custom_ops/nf4/matmulnf4_int8_cpu.py: the VNNI tiles where the CPU has
+them, the scalar path everywhere) against it. The activations are quantised bit-identically and the integer sums
+are exact, so kernels differ from the float64 reference only by fp32 rounding of the scaled sums: a few fp32 ulps of
+the sum of |terms| (``_bound``)."""
+import numpy as np
+import pytest
+
+from onnx_lowbit import ffn, nf4, nf4_int8
+from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
+from onnx_lowbit.custom_ops.nf4.nf4decode_cpu import absmax32
+
+EPS32 = 2.0 ** -24
+
+
+def weights(k, n, bs, qt, seed=0):
+    w = np.random.default_rng(seed).standard_normal((k, n)).astype(np.float32)
+    return nf4.quantize(w, qt, bs)
+
+
+def loop_reference(a, q, am, qt, bs, k, n):
+    """The definition written out with Python loops (float64 sums), for small shapes: (y, sum of |terms|)."""
+    g = nf4_int8.int8_group(k, bs)
+    lev = [int(np.rint(float(c) * 127.0)) for c in nf4.code(qt)]     # (the values: test_code_levels)
+    idx = nf4.unpack_indices(q, k * n)
+    y, mag = np.zeros((a.shape[0], n)), np.zeros((a.shape[0], n))
+    for m in range(a.shape[0]):
+        for j in range(k // g):
+            blk = a[m, j * g:(j + 1) * g].astype(np.float32)
+            amax = np.float32(np.max(np.abs(blk)))
+            s_a = np.float32(amax / np.float32(127))
+            inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+            aq = [int(np.rint(np.float32(x * inv))) for x in blk]
+            for c in range(n):
+                first = c * k + j * g
+                isum = sum(aq[i] * lev[idx[first + i]] for i in range(g))
+                term = float(am[first // bs]) / 127.0 * float(s_a) * isum
+                y[m, c] += term
+                mag[m, c] += abs(term)
+    return y, mag
+
+
+def _bound(a, q, am, qt, bs, k, n):
+    """Sum of |terms| of each output (the scale the kernels' fp32 rounding is measured against)."""
+    g = nf4_int8.int8_group(k, bs)
+    aq, s_a = nf4_int8.quantize_activations(a, g)
+    w8 = nf4_int8.code_levels(qt)[nf4.unpack_indices(q, k * n)].reshape(n, k).astype(np.int64)
+    aq3 = aq.reshape(a.shape[0], k // g, g).astype(np.int64)
+    isum = np.abs(np.einsum("mjk,njk->mnj", aq3, w8.reshape(n, k // g, g)))
+    first = np.arange(n)[:, None] * k + np.arange(k // g)[None, :] * g
+    with np.errstate(invalid="ignore"):
+        return np.einsum("mnj,nj,mj->mn", isum.astype(np.float64), am[first // bs] / 127.0, np.abs(s_a))
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+def test_code_levels():
+    assert nf4_int8.code_levels("nf4").tolist() == [-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71,
+                                                     92, 127]
+    # FP4: 0.5 * 127 = 63.5 rounds half to even (64); 0.0625 / 12 * 127 = 0.66 -> 1; index 8 (-0) is +0
+    assert nf4_int8.code_levels("fp4").tolist() == [0, 1, 85, 127, 42, 64, 21, 32, 0, -1, -85, -127, -42, -64, -21,
+                                                     -32]
+
+
+def test_groups_and_levels():
+    assert nf4_int8.int8_group(2048, 64) == 64 and nf4_int8.int8_group(4096, 4096) == 4096
+    assert nf4_int8.int8_group(352, 64) == 32 and nf4_int8.int8_group(64, 4096) == 32   # pieces of 32
+    assert nf4_int8.int8_group(100, 64) is None and nf4_int8.int8_group(65, 32) is None  # level 4 = level 0 there
+    for bad in (5, -1, "4", 4.0, True):
+        with pytest.raises(ValueError, match="accuracy_level must be one of 0, 1, 2, 3, 4"):
+            nf4_int8.check_level(bad)
+
+
+def test_quantize_activations_rounding_and_specials():
+    a = np.zeros((4, 64), np.float32)
+    a[0, :4] = [127.0, 2.5, 3.5, -2.5]           # amax 127: inv = 1, halves to even
+    a[1, :3] = [1.0, np.nan, 2.0]                # a NaN: the group's scale is NaN, its values 0
+    a[2, :2] = [np.inf, 1.0]
+    a[3, :2] = [1e-30, -3e-30]                   # tiny but not zero
+    aq, s_a = nf4_int8.quantize_activations(a, 32)
+    assert aq[0, :4].tolist() == [127, 2, 4, -2] and s_a[0, 0] == np.float32(1.0)
+    assert s_a[0, 1] == 0 and not aq[0, 32:].any()           # an all-zero group: scale 0, values 0
+    assert np.isnan(s_a[1, 0]) and not aq[1, :32].any() and s_a[1, 1] == 0
+    assert np.isnan(s_a[2, 0]) and not aq[2, :32].any()
+    assert aq[3, :2].tolist() == [42, -127] and s_a[3, 0] == np.float32(np.float32(3e-30) / np.float32(127))
+
+
+@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+@pytest.mark.parametrize("k,n,bs", [(64, 5, 32), (96, 3, 64), (128, 4, 128)])
+def test_reference_is_the_definition(qt, k, n, bs):
+    q, am = weights(k, n, bs, qt, seed=k)
+    a = np.random.default_rng(k + 1).standard_normal((3, k)).astype(np.float32)
+    y = nf4_int8.matmul(a, q, am, qt, bs, k, n)
+    want, mag = loop_reference(a, q, am, qt, bs, k, n)
+    assert np.all(np.abs(y - want) <= 4 * EPS32 * mag + 1e-30)      # the float64 sums, rounded once to fp32
+    np.testing.assert_array_equal(nf4.matmul(a, q, am, qt, bs, k, n, accuracy_level=4), y)
+
+
+def test_levels_0_to_3_and_unsupported_k_are_the_float_product():
+    q, am = weights(100, 6, 64, "nf4")
+    a = np.random.default_rng(0).standard_normal((2, 100)).astype(np.float32)
+    ref = nf4.matmul(a, q, am, "nf4", 64, 100, 6)
+    np.testing.assert_array_equal(nf4_int8.matmul(a, q, am, "nf4", 64, 100, 6), ref)   # K % 32 != 0: level 0
+    q, am = weights(128, 6, 64, "nf4")
+    a = np.random.default_rng(0).standard_normal((2, 128)).astype(np.float32)
+    ref = nf4.matmul(a, q, am, "nf4", 64, 128, 6)
+    for lvl in (0, 1, 2, 3):
+        np.testing.assert_array_equal(nf4_int8.matmul(a, q, am, "nf4", 64, 128, 6, accuracy_level=lvl), ref)
+    y4 = nf4_int8.matmul(a, q, am, "nf4", 64, 128, 6)
+    rel = np.linalg.norm(y4 - ref) / np.linalg.norm(ref)
+    assert 0 < rel < 0.02, rel
+
+
+def test_reference_nan_rows_bias_and_fp16():
+    k, n = 128, 7
+    q, am = weights(k, n, 64, "fp4", seed=3)
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((2, 3, k)).astype(np.float16)
+    a[0, 1, 70] = np.inf
+    b = rng.standard_normal(n).astype(np.float16)
+    y = nf4_int8.matmul(a, q, am, "fp4", 64, k, n, b)
+    assert y.dtype == np.float16 and y.shape == (2, 3, n)
+    assert np.isnan(y[0, 1]).all() and np.isfinite(np.delete(y.reshape(6, n), 1, axis=0)).all()
+    y32 = nf4_int8.matmul(a.astype(np.float32), q, am, "fp4", 64, k, n, b.astype(np.float32))
+    np.testing.assert_array_equal(y, y32.astype(np.float16))       # fp16 A widens exactly; one rounding at the end
+
+
+# ---------------------------------------------------------------------------------------------- the CPU kernels
+SHAPES = [  # K, N, block size, M
+    (256, 40, 64, 3),
+    (2048, 37, 64, 1),       # N odd: the 4-column tiles and the single-column tail
+    (384, 9, 128, 17),       # a span is one block; M past the 4-row tiles
+    (192, 5, 64, 5),         # K % 128 == 64: the last span holds one block
+    (352, 11, 64, 2),        # K % bs != 0: one absmax per 32-element piece, K % 128 == 96
+    (96, 7, 32, 4),          # K < 128: only the partial span
+    (1024, 6, 512, 1),       # one block over several spans
+    (64, 5, 4096, 2),        # a block far larger than K (pieces)
+    (512, 4, 64, 0),         # no rows
+]
+
+
+def kernel_outputs(a, q, am, qt, bs, k, n):
+    """{path: y} for the VNNI path (where the CPU has it, through ``product``) and the scalar path."""
+    g, kbs = int8.group(k, bs)
+    tbl = int8.table(qt)
+    out = {}
+    if int8.VNNI:
+        out["vnni"] = int8.product(int8.quantize(a, g), q, am, tbl, k, n, bs, g)
+    aq = np.empty((a.shape[0], k), np.int8)
+    sal = np.empty((a.shape[0], k // g), np.float32)
+    int8.quantize_scalar(a, g, aq, sal)
+    np.testing.assert_array_equal(aq, nf4_int8.quantize_activations(a, g)[0])
+    am2 = am if kbs == bs else absmax32(am, 0, n * k // 32, bs)
+    ys = np.empty((a.shape[0], n), np.float32)
+    int8.cols_scalar(aq, sal, q, am2, tbl, k, kbs, g, 0, n, ys)
+    out["scalar"] = ys
+    return out
+
+
+@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+@pytest.mark.parametrize("k,n,bs,m", SHAPES)
+def test_kernels_against_reference(qt, k, n, bs, m):
+    q, am = weights(k, n, bs, qt, seed=k + n)
+    a = (np.random.default_rng(m + k).standard_normal((m, k)) * 3 + 0.5).astype(np.float32)
+    ref = nf4_int8.matmul(a, q, am, qt, bs, k, n).astype(np.float64)
+    bound = _bound(a, q, am, qt, bs, k, n)
+    for path, y in kernel_outputs(a, q, am, qt, bs, k, n).items():
+        assert y.shape == (m, n) and y.dtype == np.float32
+        err = np.abs(y - ref)
+        assert np.all(err <= 48 * EPS32 * bound + 1e-30), (path, float((err / np.maximum(bound, 1e-30)).max()))
+
+
+def test_vnni_activation_layout_matches_the_reference():
+    if not int8.VNNI:
+        pytest.skip("no AVX-512 VNNI")
+    k, g = 352, 32
+    a = np.random.default_rng(0).standard_normal((3, k)).astype(np.float32)
+    a[1, 40] = np.nan
+    qa = int8.quantize(a, g)
+    aq, s_a = nf4_int8.quantize_activations(a, g)
+    kp = qa.aq.shape[1]
+    nat = np.zeros((3, kp), np.int8)
+    nat[:, :k] = aq
+    spans = nat.reshape(3, kp // 128, 64, 2).transpose(0, 1, 3, 2).reshape(3, kp)   # per span: evens, then odds
+    np.testing.assert_array_equal(qa.aq, spans)
+    np.testing.assert_array_equal(qa.corr, -128 * nat.reshape(3, -1, 8).astype(np.int32).sum(-1))
+    lanes = np.repeat(s_a, g // 8, axis=1)
+    assert np.array_equal(np.isnan(qa.sal[:, :k // 8]), np.isnan(lanes)) and not qa.sal[:, k // 8:].any()
+    fin = ~np.isnan(lanes)
+    np.testing.assert_allclose(qa.sal[:, :k // 8][fin], lanes[fin] / 127, rtol=4 * EPS32)
+
+
+@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+def test_kernels_nan_inf_rows(qt):
+    k, n, bs = 384, 13, 64
+    q, am = weights(k, n, bs, qt, seed=9)
+    a = np.random.default_rng(10).standard_normal((5, k)).astype(np.float32)
+    a[1, 7], a[3, 300], a[4, 0] = np.nan, np.inf, -np.inf
+    ref = nf4_int8.matmul(a, q, am, qt, bs, k, n)
+    for path, y in kernel_outputs(a, q, am, qt, bs, k, n).items():
+        assert np.array_equal(np.isnan(y), np.isnan(ref)) and np.isnan(y[[1, 3, 4]]).all(), path
+        assert np.isfinite(y[[0, 2]]).all(), path
+
+
+def test_threads_split_gives_the_same_bytes(monkeypatch):
+    k, n, bs = 352, 203, 64       # columns split on whole blocks (here: pairs of columns)
+    q, am = weights(k, n, bs, "nf4", seed=1)
+    a = np.random.default_rng(2).standard_normal((6, k)).astype(np.float32)
+    one = int8.matmul(a, q, am, int8.table("nf4"), k, n, bs)
+    monkeypatch.setattr(int8, "PARALLEL_MIN_MACS", 0)
+    monkeypatch.setattr(int8.threads, "threads", lambda: 3)
+    np.testing.assert_array_equal(int8.matmul(a, q, am, int8.table("nf4"), k, n, bs), one)
+
+
+def test_fused_ffn_host_entry():
+    from onnx_lowbit.custom_ops.ffn import fusedffnnf4_cpu
+    k, n, bs = 256, 19, 64
+    q1, am1 = weights(k, n, bs, "nf4", seed=5)
+    q3, am3 = weights(k, n, bs, "nf4", seed=6)
+    x = np.random.default_rng(7).standard_normal((3, k)).astype(np.float32)
+    l4 = int8.Level4.make(4, "nf4", k, bs)
+    s = fusedffnnf4_cpu.swiglu(x, q1, am1, q3, am3, nf4.code("nf4"), k, n, bs, l4=l4)
+    ref = ffn.swiglu_nf4_ref(x, q1, am1, q3, am3, "nf4", bs, k, n, accuracy_level=4)
+    assert np.abs(s - ref).max() <= 1e-5 * np.abs(ref).max()
+    float_ref = ffn.swiglu_nf4_ref(x, q1, am1, q3, am3, "nf4", bs, k, n)
+    assert 0 < np.linalg.norm(s - float_ref) / np.linalg.norm(float_ref) < 0.03
+    assert int8.Level4.make(0, "nf4", k, bs) is None and int8.Level4.make(4, "nf4", 100, bs) is None
