@@ -199,9 +199,9 @@ class _P:
 def test_routes_pick_what_the_old_dispatch_picked(op, monkeypatch):
     """Over dtype, M, K, group size, tensor cores and pointer alignments, ROUTES names the kernel the dispatch it
     replaced launched; that dispatch never reached its tensor-core kernel (the small-M GEMV took every call it
-    could take, with the same alignment), which is why that kernel is gone. FusedFFNAWQ with cuBLAS (``blas``) and
-    scratch: fp16 X from M = 17 takes the prefill route added since (ffn/fusedffn4_prefill_cuda) instead of the
-    generic kernel; without scratch the generic kernel again."""
+    could take, with the same alignment), which is why that kernel is gone. With cuBLAS (``blas``) and scratch, fp16
+    X from M = 17 takes the prefill routes added since (FusedFFNAWQ: ffn/fusedffn4_prefill_cuda; MatMulAWQ:
+    awq/prefill_cuda) instead of the generic kernel; without scratch the generic kernel again."""
     from onnx_lowbit.custom_ops.awq import session_cuda
     from onnx_lowbit.custom_ops.runtime.routing import route
     base = 1 << 20
@@ -215,10 +215,7 @@ def test_routes_pick_what_the_old_dispatch_picked(op, monkeypatch):
                 wpl1 = kern.gemv[1].wpl if 1 in kern.gemv else 1
                 mod = __import__(type(kern).__module__, fromlist=["ROUTES"])
                 for m, (ox, osc, ow), blas in itertools.product((1, 2, 5, 8, 9, 16, 17, 40), offs, (False, True)):
-                    if op == "FusedFFNAWQ":
-                        kern.blas = blas
-                    elif blas:
-                        continue
+                    kern.blas = blas
                     ws = [(_P(base + ow), _P(base + ow), _P(base + osc))] * kern.NW
                     got = route(mod.ROUTES, kern.case(m, _P(base + ox), ws)).kernel
                     want = _old_pick(op, a16, m, k, g, tc, base + ox, base + osc, base + ow, base + ow, wpl1)
@@ -227,7 +224,7 @@ def test_routes_pick_what_the_old_dispatch_picked(op, monkeypatch):
                         assert route(mod.ROUTES, kern.case(m, _P(base + ox), ws, scratch=False)).kernel == "generic"
                     assert got == want, (op, tc, a16, k, g, m, ox, osc, ow, blas)
                     seen.add(got)
-    assert seen == {"gemv1", "gemv8", "decode", "generic"} | ({"prefill"} if op == "FusedFFNAWQ" else set())
+    assert seen == {"gemv1", "gemv8", "decode", "generic", "prefill"}
 
 
 @pytest.mark.skipif(not SIM, reason="kernel objects built under the simulator (no compilation)")
