@@ -10,8 +10,10 @@ in one process, the implementations alternating run by run (medians; the first r
 * `ort float GRU`: a one-node ONNX GRU model in a plain onnxruntime CPU session (default options: its intra-op
   pool on all cores); `ort float GRU 1 thread`: the same with intra_op_num_threads = 1;
 * `session intN`: a one-node QuantGRU model in an onnxruntime CPU session with our library
-  (onnx_lowbit.InferenceSession: the bridge's Python callback included);
-* `kernel intN`: quantgru_cpu.quant_gru_run on the host arrays (the kernel alone: no session, no input checks).
+  (onnx_lowbit.InferenceSession; W and R are initializers, so on VNNI hosts the kernel packs them once when the
+  session is created; short calls are served by the native entry, long ones through the bridge's Python callback);
+* `kernel intN`: quantgru_cpu.quant_gru_run on the host arrays (no session, no input checks, but Python's per-call
+  work; W and R packed per call from PACK_MIN_STEPS steps, the direct path below).
 
 `--narrow` adds `int16n`: the int16 parameters with W and R replaced by their top bytes (W >> 8, R >> 8: every
 weight in [-128, 127], int16 storage: the "int8 weights, int16 arithmetic" form, which the kernel detects and

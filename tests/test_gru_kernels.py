@@ -230,7 +230,7 @@ def test_cpu_kernel_batch_one_pipelined(bits):
 
 def _paths():
     from onnx_lowbit.custom_ops.gru import quantgru_cpu
-    return ["portable", "packed"] if quantgru_cpu.VNNI else ["portable"]
+    return ["portable", "packed", "direct"] if quantgru_cpu.VNNI else ["portable"]
 
 
 PACKED_CASES = [  # T, N, C, H, direction, layout, lens, h0, stress
@@ -247,9 +247,10 @@ PACKED_CASES = [  # T, N, C, H, direction, layout, lens, h0, stress
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("case", PACKED_CASES)
 def test_cpu_paths_edges(bits, case):
-    """The packed VNNI path (quantgru_cpu.run_direction_path, forced for every length) and the portable path,
-    bit-exact with the reference: H = 1 and H not a multiple of 16, T = 1, batch > 1 with sequence_lens (0
-    included), reverse and bidirectional, both layouts, initial_h, stressed parameters (saturation)."""
+    """The packed and the direct VNNI paths (quantgru_cpu.run_direction_path, each forced for every length) and the
+    portable path, bit-exact with the reference: H = 1 and H not a multiple of 16, T = 1, batch > 1 with
+    sequence_lens (0 included), reverse and bidirectional, both layouts, initial_h, stressed parameters
+    (saturation)."""
     from onnx_lowbit.custom_ops.gru import quantgru_cpu
     T, N, C, H, direction, layout, with_lens, with_h0, stress = case  # noqa: N806
     X, p, h0, lens, _ = random_gru(T, N, C, H, direction, bits, seed=T + 7 * H, stress=stress)
@@ -422,3 +423,98 @@ def test_cpu_table_lookups(bits):
         np.testing.assert_array_equal(out, want[qv - lo])
         run(tab, qv, qv, lo, sh, (1 << sh) >> 1)      # in place
         np.testing.assert_array_equal(qv, out)
+
+
+def test_cpu_rowdot_products():
+    """The direct path's row-dot intrinsics (quantgru_vnni.rowdot: the weights as stored) against numpy: rows not
+    a multiple of ROWDOT_MR, k below, at and past one 64-byte vector up to ROWDOT_MAX_K, activations exactly k
+    long (the last vector's loads masked), random over each form's full range, then its largest products."""
+    from numba import njit
+    from onnx_lowbit.custom_ops.gru import quantgru_vnni as q
+    if not q.VNNI:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+
+    @njit
+    def run(w, a0, a1, c, out):
+        q.rowdot(w, a0, a1, c, out)
+
+    def check(w, d, c=0):
+        out = np.full(w.shape[0], -7, np.int64)
+        if w.dtype == np.int8:   # d = a0 - c, a0 unsigned bytes
+            run(w, (d + c).astype(np.uint8), np.zeros(0, np.uint8), c, out)
+        else:                    # d = 256 a0 + a1
+            run(w, (d >> 8).astype(np.int16), (d & 255).astype(np.int16), 0, out)
+        np.testing.assert_array_equal(out, w.astype(np.int64) @ d)
+
+    rng = np.random.default_rng(5)
+    kmax = q.ROWDOT_MAX_K
+    for rows, K in ((1, 1), (3, 5), (5, 32), (6, 64), (7, 65), (13, 100), (1203, 257), (9, kmax)):  # noqa: N806
+        for dt in (np.int8, np.int16):
+            info = np.iinfo(dt)
+            w = rng.integers(info.min, info.max + 1, (rows, K)).astype(dt)
+            c = int(rng.integers(0, 256))          # int8: d = a0 - c in [-c, 255 - c]
+            check(w, rng.integers(-c, 256 - c, K) if dt == np.int8 else rng.integers(-65535, 65536, K), c)
+    for dt, dext in ((np.int8, 255), (np.int16, 65535)):   # |d| at its largest: c = 255 or 0 for int8
+        info = np.iinfo(dt)
+        for wv, dv in ((info.min, -dext), (info.min, dext), (info.max, dext)):
+            check(np.full((5, kmax), wv, dt), np.full(kmax, dv), max(-dv, 0))
+
+
+def _stream_calls():
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    k = quantgru_cpu.PACK_MIN_STEPS
+    return tuple(sorted({1, 2, 7, 8, 9, k - 1, k, k + 1})) + (1,)
+
+
+STREAM_CALLS = _stream_calls()   # steps per call: 1, 2, 7, 8, 9 and either side of PACK_MIN_STEPS
+
+
+def stream(run, X, h0, sizes, rev):  # noqa: N803
+    """Runs X [T, N, C] in calls of ``sizes`` steps (from the sequence's end when rev), each call's Y_h fed back as
+    the next one's initial_h; run(x, h) -> (Y, Y_h) in layout 0. Returns Y [T, D, N, H] put together from the
+    calls' and the last Y_h."""
+    t_all, y, state, t0 = X.shape[0], None, h0, 0
+    for size in sizes:
+        sl = slice(t_all - t0 - size, t_all - t0) if rev else slice(t0, t0 + size)
+        ys, state = run(X[sl], state)
+        if y is None:
+            y = np.zeros((t_all,) + ys.shape[1:], ys.dtype)
+        y[sl] = ys
+        t0 += size
+    assert t0 == t_all
+    return y, state
+
+
+def stream_passes(direction):
+    """(direction index, frames from the end) of each streaming pass: forward in order, reverse from the end;
+    bidirectional both, one pass each (each pass checks its own direction)."""
+    return {"forward": [(0, False)], "reverse": [(0, True)], "bidirectional": [(0, False), (1, True)]}[direction]
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("N,C,H", [(1, 70, 37), (3, 5, 70)])
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_cpu_streaming_equals_whole_sequence(bits, N, C, H, direction):  # noqa: N803
+    """A sequence run frame by frame (T = 1) and in calls of 1, 2, 7, 8, 9 steps and around PACK_MIN_STEPS (on VNNI
+    hosts the direct path below it, the packed one from it), each call's Y_h fed back as the next initial_h, gives the
+    whole-sequence run's Y and Y_h bit for bit, and every call equals the reference. Reverse: the calls from the
+    sequence's end; bidirectional: a pass in order for the forward direction, one from the end for the reverse."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T = sum(STREAM_CALLS)  # noqa: N806
+    X, p, h0, _, _ = random_gru(T, N, C, H, direction, bits, seed=4000 + 100 * N + bits + len(direction))
+    kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"], direction=direction)
+    weights = (p["W"], p["R"], p["B"], p["channel_exp"], p["luts"])
+    whole = gru_int.quant_gru(X, *weights, None, h0, **kw)
+    assert np.abs(whole[0]).max() > 0
+
+    def run(x, h):
+        got = quantgru_cpu.quant_gru(x, *weights, None, h, **kw)
+        for g, r in zip(got, gru_int.quant_gru(x, *weights, None, h, **kw)):
+            np.testing.assert_array_equal(g, r)
+        return got
+
+    for sizes in (STREAM_CALLS, (1,) * T):
+        for k, rev in stream_passes(direction):
+            y, yh = stream(run, X, h0, sizes, rev)
+            np.testing.assert_array_equal(y[:, k], whole[0][:, k])
+            np.testing.assert_array_equal(yh[k], whole[1][k])

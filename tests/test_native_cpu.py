@@ -281,6 +281,98 @@ def test_quantgru_long_inputs_and_bad_lengths_go_through_python():
     assert calls == 3
 
 
+
+def weights_as_inputs(model):
+    """The model with W and R turned from constant initializers into graph inputs; returns it and their values."""
+    from onnx import helper, numpy_helper
+    g = model.graph
+    moved = [t for t in g.initializer if t.name in ("W", "R")]
+    keep = [t for t in g.initializer if t.name not in ("W", "R")]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    for t in moved:
+        g.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return model, {t.name: numpy_helper.to_array(t).copy() for t in moved}
+
+
+def new_kernels(make):
+    """(what make() returns, the kernel objects created meanwhile)."""
+    before = set(bridge._kernels)
+    out = make()
+    return out, [k for kid, k in bridge._kernels.items() if kid not in before]
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_quantgru_packs_constant_weights_once(bits):
+    """W and R as constant initializers reach the kernel as constants (bridge: KernelInfoGetConstantInput_tensor)
+    and, on VNNI hosts, are packed once (QuantGRUKernel.packs); as graph inputs they are neither, and W and R
+    changed in place between runs (same addresses, the plan replayed) give the new values' results."""
+    from onnx_lowbit import gru_int
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    from test_gru_kernels import gru_node_model, random_gru
+    X, p, h0, _, _ = random_gru(1, 2, 24, 18, "forward", bits, seed=77 + bits)
+    m = gru_node_model(p, 18, "forward", bits, 0, with_lens=False, with_h0=True)
+    sess, (k,) = new_kernels(lambda: session(m))
+    assert sorted(k.constants) == [1, 2, 3, 4, 5]
+    assert np.array_equal(k.constants[1].numpy(), p["W"]) and np.array_equal(k.constants[2].numpy(), p["R"])
+    assert (k.packs is not None) == quantgru_cpu.VNNI
+    sess_in, (ki,) = new_kernels(lambda: session(weights_as_inputs(gru_node_model(p, 18, "forward", bits, 0,
+                                                                                  with_lens=False, with_h0=True))[0]))
+    assert sorted(ki.constants) == [3, 4, 5] and ki.packs is None
+    w, r = p["W"].copy(), p["R"].copy()
+    rng = np.random.default_rng(bits)
+    for run in range(3):
+        before = bridge.stats["python_computes"]
+        y, yh = sess_in.run(None, {"X": X, "h0": h0, "W": w, "R": r})
+        assert bridge.stats["python_computes"] - before == (run == 0)
+        ref = gru_int.quant_gru(X, w, r, p["B"], p["channel_exp"], p["luts"], None, h0, hidden_size=18, bits=bits,
+                                exponents=p["exponents"], zero_points=p["zero_points"])
+        assert np.array_equal(y, ref[0]) and np.array_equal(yh, ref[1])
+        if run == 0:
+            assert np.array_equal(y, sess.run(None, {"X": X, "h0": h0})[0])
+        lo, hi = gru_int.qrange(bits)
+        w[...] = rng.integers(lo, hi + 1, w.shape)
+        r[...] = rng.integers(lo, hi + 1, r.shape)
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("N,layout,direction,const", [(1, 0, "forward", True), (3, 1, "forward", True),
+                                                      (1, 1, "reverse", True), (3, 0, "bidirectional", True),
+                                                      (1, 0, "forward", False), (3, 1, "bidirectional", False)])
+def test_quantgru_streaming_frames(bits, N, layout, direction, const):  # noqa: N803
+    """A streaming GRU in a session: one frame per run (T = 1) with Y_h fed back as initial_h, then calls of 1, 2,
+    7, 8, 9 steps and around PACK_MIN_STEPS: only each new shape's first run reaches Python (the native entry
+    serves the rest), and the calls give the whole-sequence reference bit for bit (reverse: from the sequence's
+    end; bidirectional: a pass per direction, as test_gru_kernels' streaming test). W and R as constant
+    initializers (packed once on VNNI hosts) and as graph inputs (the per-call paths)."""
+    from onnx_lowbit import gru_int
+    from test_gru_kernels import STREAM_CALLS, gru_node_model, random_gru, stream, stream_passes
+    T, C, H = sum(STREAM_CALLS), 33, 20  # noqa: N806
+    X, p, h0, _, _ = random_gru(T, N, C, H, direction, bits, seed=5000 + 10 * N + bits + layout)
+    whole = gru_int.quant_gru(X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], None, h0, hidden_size=H,
+                              bits=bits, exponents=p["exponents"], zero_points=p["zero_points"], direction=direction)
+    m, feeds = gru_node_model(p, H, direction, bits, layout, with_lens=False, with_h0=True), {}
+    if not const:
+        m, feeds = weights_as_inputs(m)
+    sess = session(m)
+    seen = set()
+
+    def run(x, h):
+        if layout == 1:
+            x, h = x.transpose(1, 0, 2).copy(), h.transpose(1, 0, 2).copy()
+        before = bridge.stats["python_computes"]
+        y, yh = sess.run(None, {"X": x, "h0": h, **feeds})
+        assert bridge.stats["python_computes"] - before == (0 if x.shape in seen else 1)
+        seen.add(x.shape)
+        return (y, yh) if layout == 0 else (y.transpose(1, 2, 0, 3), yh.transpose(1, 0, 2))
+
+    for sizes in ((1,) * T, STREAM_CALLS):
+        for k, rev in stream_passes(direction):
+            y, yh = stream(run, X, h0, sizes, rev)
+            assert np.array_equal(y[:, k].view(np.uint32), whole[0][:, k].view(np.uint32))
+            assert np.array_equal(yh[k].view(np.uint32), whole[1][k].view(np.uint32))
+
+
 # ---------------------------------------------------------------------------------------------------- FusedFFN
 @pytest.mark.parametrize("xdt,wdt,kn,bias", [(np.float32, np.float32, 0, True), (np.float16, np.float16, 0, False),
                                              (np.float32, np.float16, 1, True), (np.float16, np.float16, 1, True)])

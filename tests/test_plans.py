@@ -328,7 +328,7 @@ _V, _P, _Z, _I64 = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_si
 _SLOTS = {
     0: (_V, ctypes.c_int, ctypes.c_char_p), 2: (_V, _V), 93: (None, _V),
     26: (_V, ctypes.c_char_p, _P), 27: (_V, _V, _V), 28: (_V, _V, _V),
-    244: (_V, _V, ctypes.c_char_p, ctypes.POINTER(_Z)),
+    244: (_V, _V, ctypes.c_char_p, ctypes.POINTER(_Z)), 249: (_V, _V, _Z, ctypes.POINTER(ctypes.c_int), _P),
     88: (_V, _V, ctypes.POINTER(_Z)), 90: (_V, _V, _Z, _P), 65: (_V, _V, _P), 60: (_V, _V, ctypes.POINTER(ctypes.c_int)),
     61: (_V, _V, ctypes.POINTER(_Z)), 62: (_V, _V, ctypes.POINTER(_I64), _Z), 99: (None, _V), 51: (_V, _V, _P),
     193: (_V, _V, _P), 91: (_V, _V, _Z, ctypes.POINTER(_I64), _Z, _P),
@@ -404,6 +404,11 @@ class _StandInOrt:
         if out:
             ctypes.memmove(out, name + b"\0", len(name) + 1)
         size[0] = len(name) + 1
+
+    def s249(self, info, index, is_constant, out):   # KernelInfoGetConstantInput_tensor: no constant inputs
+        self.log.append(["constant_input", index])
+        is_constant[0] = 0
+        return None
 
     def s88(self, ctx, out):
         out[0] = 2

@@ -6,7 +6,7 @@ import ctypes
 
 import numpy as np
 
-SHIM_ABI = 2   # ortshim.c's lb_abi(): the interface this Python code speaks
+SHIM_ABI = 3   # ortshim.c's lb_abi(): the interface this Python code speaks
 MAX_IO = 16
 MAX_DIMS = 8
 

@@ -186,6 +186,16 @@ class AttrReader:
             return bytes(buf[: size.value]).split(b"\0", 1)[0].decode("utf-8", "replace")
         return list(buf[: size.value])
 
+    def constants(self, n_in):
+        """{input index: Tensor} of the node's inputs fed by constant initializers (their data lives as long as the
+        session; compute calls get the same tensors)."""
+        out = {}
+        for i in range(n_in):
+            t = LbTensor()
+            if _lib.lb_const_input(self.info, i, ctypes.byref(t), self._err, 512) == 0 and t.data:
+                out[i] = Tensor(t.data, t.elem_type, tuple(t.dims[: t.ndim]))
+        return out
+
 
 def _create(op_index, info, err, errlen):
     spec, provider, in_types, out_types = _variants[op_index]
@@ -201,7 +211,8 @@ def _create(op_index, info, err, errlen):
             if v is not None:
                 attrs[a.name] = v
         cls = kernels.kernel_class(spec.name, provider)
-        kernel = cls(spec=spec, attrs=attrs, node_name=node, in_types=in_types, out_types=out_types)
+        kernel = cls(spec=spec, attrs=attrs, node_name=node, in_types=in_types, out_types=out_types,
+                     constants=reader.constants(len(in_types)))
         kernel.on_cpu = provider == CPU
         with _lock:
             kid = _next_id[0]
@@ -276,6 +287,7 @@ def library_path(path: str | None = None) -> str:
             getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_char_p,
                                            ctypes.c_int]
         lib.lb_node_name.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        lib.lb_const_input.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         lib.lb_ort_version.restype = ctypes.c_char_p
         lib.lb_output_count.restype, lib.lb_output_count.argtypes = ctypes.c_int64, [ctypes.c_void_p]
         lib.lb_set_launch.restype, lib.lb_set_launch.argtypes = ctypes.c_void_p, [ctypes.c_void_p]

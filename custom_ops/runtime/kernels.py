@@ -23,13 +23,18 @@ class Kernel:
     """Base class: keeps the node's identity for error messages.
 
     ``native_plans = True`` (CUDA kernels): compute may be recorded once per input signature and replayed by the
-    C shim without Python; see plans.py for what a kernel promises by setting it."""
+    C shim without Python; see plans.py for what a kernel promises by setting it.
+
+    ``constants``: {input index: bridge Tensor} of the inputs fed by constant initializers (onnxruntime's
+    KernelInfoGetConstantInput_tensor at kernel creation): every compute call gets these same tensors at those
+    indices, so a kernel may derive state from them once (e.g. packed weights)."""
 
     native_plans = False
 
-    def __init__(self, *, spec, attrs, node_name, in_types, out_types):
+    def __init__(self, *, spec, attrs, node_name, in_types, out_types, constants=None):
         self.spec, self.attrs, self.node_name = spec, attrs, node_name
         self.in_types, self.out_types = in_types, out_types
+        self.constants = constants or {}
 
     def describe(self):
         return f"{domain.DOMAIN}.{self.spec.name} node '{self.node_name}'"

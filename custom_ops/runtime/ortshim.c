@@ -58,6 +58,7 @@ enum {
   I_KernelInfoGetAttributeArray_int64 = 163,
   I_KernelContext_GetGPUComputeStream = 193,
   I_KernelInfo_GetNodeName = 244,
+  I_KernelInfoGetConstantInput_tensor = 249,   /* version 15 */
   I_KernelContext_GetAllocator = 253,          /* version 14 */
   I_KernelContext_ParallelFor = 274,           /* version 17: onnxruntime's intra-op thread pool */
   I_KernelContext_GetScratchBuffer = 277,      /* version 18 */
@@ -90,6 +91,7 @@ typedef OrtStatus* (*f_AttrString)(const void*, const char*, char*, size_t*);
 typedef OrtStatus* (*f_AttrArrayFloat)(const void*, const char*, float*, size_t*);
 typedef OrtStatus* (*f_AttrArrayInt)(const void*, const char*, int64_t*, size_t*);
 typedef OrtStatus* (*f_NodeName)(const void*, char*, size_t*);
+typedef OrtStatus* (*f_InfoConstInput)(const void*, size_t, int*, const void**);
 typedef OrtStatus* (*f_CtxCount)(const void*, size_t*);
 typedef OrtStatus* (*f_CtxGetInput)(const void*, size_t, const void**);
 typedef OrtStatus* (*f_CtxGetOutput)(void*, size_t, const int64_t*, size_t, void**);
@@ -303,6 +305,25 @@ static OrtStatus* op_create(const LbOp* op, const void* api, const void* info, v
 
 #include "ortplans.c" /* scratch memory and native plans */
 
+/* Fills t (data, element type, dims) from the tensor OrtValue v, and *rank; a rank over LB_MAX_DIMS leaves t
+ * unset (the caller decides). */
+static OrtStatus* read_tensor(const void* v, LbTensor* t, size_t* rank) {
+  void* info = NULL;
+  int et = 0;
+  *rank = 0;
+  OrtStatus* st = API(I_GetTensorTypeAndShape, f_GetTensorTypeAndShape)(v, &info);
+  if (st) return st;
+  st = API(I_GetTensorElementType, f_GetTensorElementType)(info, &et);
+  if (!st) st = API(I_GetDimensionsCount, f_GetDimensionsCount)(info, rank);
+  if (!st && *rank <= LB_MAX_DIMS) st = API(I_GetDimensions, f_GetDimensions)(info, t->dims, *rank);
+  API(I_ReleaseTensorTypeAndShapeInfo, f_ReleaseTensorTypeAndShapeInfo)(info);
+  if (st || *rank > LB_MAX_DIMS) return st;
+  if ((st = API(I_GetTensorMutableData, f_GetTensorMutableData)((void*)v, &t->data))) return st;
+  t->elem_type = et;
+  t->ndim = (int32_t)*rank;
+  return NULL;
+}
+
 static OrtStatus* op_compute(void* kernel, void* ctx) {
   LbKernel* k = (LbKernel*)kernel;
   char err[LB_ERRLEN];
@@ -317,24 +338,13 @@ static OrtStatus* op_compute(void* kernel, void* ctx) {
     memset(t, 0, sizeof(*t));
     if ((st = API(I_KernelContext_GetInput, f_CtxGetInput)(ctx, i, &v))) return st;
     if (!v) continue; /* optional input left out */
-    void* info = NULL;
     size_t nd = 0;
-    int et = 0;
-    if ((st = API(I_GetTensorTypeAndShape, f_GetTensorTypeAndShape)(v, &info))) return st;
-    st = API(I_GetTensorElementType, f_GetTensorElementType)(info, &et);
-    if (!st) st = API(I_GetDimensionsCount, f_GetDimensionsCount)(info, &nd);
-    if (!st && nd > LB_MAX_DIMS) {
-      API(I_ReleaseTensorTypeAndShapeInfo, f_ReleaseTensorTypeAndShapeInfo)(info);
+    if ((st = read_tensor(v, t, &nd))) return st;
+    if (nd > LB_MAX_DIMS) {
       snprintf(err, sizeof err, "onnx_lowbit %s: input %zu has rank %zu, more than the supported %d",
                k->op->name, i, nd, LB_MAX_DIMS);
       return fail(err);
     }
-    if (!st) st = API(I_GetDimensions, f_GetDimensions)(info, t->dims, nd);
-    API(I_ReleaseTensorTypeAndShapeInfo, f_ReleaseTensorTypeAndShapeInfo)(info);
-    if (st) return st;
-    if ((st = API(I_GetTensorMutableData, f_GetTensorMutableData)((void*)v, &t->data))) return st;
-    t->elem_type = et;
-    t->ndim = (int32_t)nd;
   }
   void* stream = NULL;
   if (k->op->is_cuda) {
@@ -463,8 +473,9 @@ int lb_add_op(const char* name, int is_cuda, int n_in, const int* in_types, cons
 
 int lb_op_struct_size(void) { return (int)offsetof(LbOp, index); }
 /* The interface version Python checks (abi.SHIM_ABI): bumped when an exported function or a struct changes, so a
- * shim library built from an older source is never used with newer Python code. 2: native CPU steps. */
-int lb_abi(void) { return 2; }
+ * shim library built from an older source is never used with newer Python code. 2: native CPU steps; 3:
+ * lb_const_input. */
+int lb_abi(void) { return 3; }
 const char* lb_ort_version(void) { return g_ort_version; }
 
 /* Allocates output `index` of a compute call with the given shape; returns 0 and the data pointer. */
@@ -528,6 +539,23 @@ int lb_attr_ints(const void* info, const char* name, int64_t* buf, size_t* size,
 }
 int lb_node_name(const void* info, char* buf, size_t* size, char* err, int errlen) {
   return take_status(API(I_KernelInfo_GetNodeName, f_NodeName)(info, buf, size), err, errlen);
+}
+/* During kernel creation: the constant initializer feeding input `index` of the node
+ * (KernelInfoGetConstantInput_tensor), into *t as compute calls see inputs; t->data stays NULL when the input is
+ * none (a graph input, a computed value, an optional input left out). Its data lives as long as the session, and
+ * compute calls get the same tensor. Returns 0, or 1 with a message in err. */
+int lb_const_input(const void* info, int index, LbTensor* t, char* err, int errlen) {
+  int is_const = 0;
+  size_t rank = 0;
+  const void* v = NULL;
+  memset(t, 0, sizeof(*t));
+  if (take_status(API(I_KernelInfoGetConstantInput_tensor, f_InfoConstInput)(info, (size_t)index, &is_const, &v), err,
+                  errlen))
+    return 1;
+  if (!is_const || !v) return 0;
+  if (take_status(read_tensor(v, t, &rank), err, errlen)) return 1;
+  if (rank > LB_MAX_DIMS) memset(t, 0, sizeof(*t));   /* too deep to describe: treated as not constant */
+  return 0;
 }
 
 /* The entry point onnxruntime calls from register_custom_ops_library. */
