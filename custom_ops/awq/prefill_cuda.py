@@ -32,8 +32,9 @@ BLOCK = 256
 WHEN = (f"fp16 X, M >= {PREFILL_MIN_M}, cuBLAS and scratch memory (onnxruntime >= 1.18): W dequantised into fp16 "
         "[K, N] scratch by DequantAWQ's kernel, then one cublasGemmEx (fp32 accumulation; a bias added in fp32 by "
         "an elementwise kernel)")
-MEASURED = ("H200, 2026-11-29, onnxruntime-genai's int4 LLaMA d = 2048 with every product MatMulAWQ: 128-token "
-            "prefill 52.0 ms on the generic kernel (genai's own 4.2 ms); this route: BENCHMARKS.md 'genai'")
+MEASURED = ("the route not timed yet (correct on the H200, 2026-11-29); what it replaces: H200, onnxruntime-genai's "
+            "int4 LLaMA d = 2048 with every product MatMulAWQ, 128-token prefill 52.0 ms on the generic kernel "
+            "(genai's own 4.2 ms)")
 
 
 def takes(c):
