@@ -141,6 +141,20 @@ def _specials(a):
     return a
 
 
+def check_native_rows(native, feeds, key, n, dtype, ref, rel, tol, finite_ref=False):
+    """The outputs of ``native`` (one [1, M, n] array per feeds, input ``key``): shape and dtype; rows past the first
+    (which holds NaN / Inf) within ``tol`` of ``ref(rows)`` by ``rel`` (``finite_ref``: the reference finite there);
+    the first row all NaN (NaN and Inf of opposite signs meet in every column)."""
+    for f, (y,) in zip(feeds, native):
+        a = f[key][0]
+        assert y.shape == (1, a.shape[0], n) and y.dtype == dtype
+        if a.shape[0] > 1:
+            r = ref(a[1:])
+            assert (not finite_ref or np.isfinite(r).all()) and rel(y[0, 1:], r) <= tol
+        if a.shape[0]:
+            assert np.isnan(y[0, 0]).all()
+
+
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [
     (64, 16, 32, "nf4", np.float32, True),
     (688, 24, 64, "fp4", np.float16, False),   # K not a multiple of the block: tasks start on whole blocks
@@ -158,14 +172,8 @@ def test_matmulnf4(k, n, bs, qt, dtype, bias):
     feeds = [{"a": _specials(rng.standard_normal((1, m, k)).astype(dtype))} for m in (1, 3, 1, 16, 17, 0)]
     for threads in (0, 1):
         native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["a"].shape[1] > 16)
-    for f, (y,) in zip(feeds, native):
-        a = f["a"][0]
-        assert y.shape == (1, a.shape[0], n) and y.dtype == dtype
-        if a.shape[0] > 1:   # rows past the first (which holds NaN / Inf) against the reference
-            ref = nf4.matmul(a[1:], q, am, qt, bs, k, n, b)
-            assert _rel(y[0, 1:], ref) <= (1e-5 if dtype == np.float32 else 2.0 ** -10)
-        if a.shape[0]:
-            assert np.isnan(y[0, 0]).all()   # NaN and Inf of opposite signs meet in every column
+    check_native_rows(native, feeds, "a", n, dtype, lambda a: nf4.matmul(a, q, am, qt, bs, k, n, b), _rel,
+                      1e-5 if dtype == np.float32 else 2.0 ** -10)
 
 
 def _rel(y, ref):
@@ -426,14 +434,8 @@ def test_fusedffnnf4(k, n, bs, qt, dtype, bias):
     feeds = _ffn4_feeds(k, dtype, seed=5)
     for threads in (0, 1):
         native, _ = native_and_python(model, feeds, threads, python_only=lambda f: f["x"].shape[1] > 16)
-    for f, (s,) in zip(feeds, native):
-        x = f["x"][0]
-        assert s.shape == (1, x.shape[0], n) and s.dtype == dtype
-        if x.shape[0] > 1:   # rows past the first (NaN, +Inf, -Inf) against the float64 reference
-            ref = ffn.swiglu_nf4_ref(x[1:], *ws, qt, bs, k, n, b1, b3)
-            assert np.isfinite(ref).all() and rel(s[0, 1:], ref) <= _tol(dtype)
-        if x.shape[0]:
-            assert np.isnan(s[0, 0]).all()
+    check_native_rows(native, feeds, "x", n, dtype, lambda x: ffn.swiglu_nf4_ref(x, *ws, qt, bs, k, n, b1, b3), rel,
+                      _tol(dtype), finite_ref=True)
 
 
 @pytest.mark.parametrize("k,n,g,dtype,bias", [(128, 8, 128, np.float32, True), (688, 136, 128, np.float16, False),

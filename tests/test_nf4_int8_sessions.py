@@ -7,19 +7,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnx_lowbit import domain, ffn, nf4, nf4_int8
 
-from test_native_cpu import _specials, native_and_python
+from test_ffn4_kernels import _rel, _tol
+from test_native_cpu import _specials, check_native_rows, native_and_python
 from test_nf4_kernels import _cuda_ok, _quantized, call_op
 
 ET = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
-
-
-def _tol(dtype):
-    return 1e-5 if dtype == np.float32 else 2.0 ** -10
-
-
-def _rel(y, ref):
-    ref = np.asarray(ref, np.float64)
-    return np.abs(np.asarray(y, np.float64) - ref).max() / max(np.abs(ref).max(), 1e-12)
 
 
 def model(op, inits, ins, k, n, dtype, attrs):
@@ -51,18 +43,16 @@ def test_matmulnf4_level4_native(k, n, bs, qt, dtype, bias):
     feeds = [{"a": _specials(rng.standard_normal((1, mm, k)).astype(dtype))} for mm in (1, 3, 1, 16, 17, 0)]
     for threads in (0, 1):
         native, _ = native_and_python(m, feeds, threads, python_only=lambda f: f["a"].shape[1] > 16)
-    for f, (y,) in zip(feeds, native):
-        a = f["a"][0]
-        assert y.shape == (1, a.shape[0], n) and y.dtype == dtype
-        if a.shape[0] > 1:   # rows past the first (which holds NaN / Inf) against the reference
-            ref = nf4.matmul(a[1:], q, am, qt, bs, k, n, b, accuracy_level=4)
-            assert _rel(y[0, 1:], ref) <= _tol(dtype)
-            if nf4_int8.int8_group(k, bs) is None:
-                np.testing.assert_array_equal(ref, nf4.matmul(a[1:], q, am, qt, bs, k, n, b))
-            else:            # not the float product
-                assert _rel(nf4.matmul(a[1:], q, am, qt, bs, k, n, b), ref) > 1e-4
+    check_native_rows(native, feeds, "a", n, dtype,
+                      lambda a: nf4.matmul(a, q, am, qt, bs, k, n, b, accuracy_level=4), _rel, _tol(dtype))
+    for f in feeds:          # level 4 is not the float product, except where it computes as level 0 (K % 32 != 0)
+        a = f["a"][0, 1:]
         if a.shape[0]:
-            assert np.isnan(y[0, 0]).all()
+            ref = nf4.matmul(a, q, am, qt, bs, k, n, b, accuracy_level=4)
+            if nf4_int8.int8_group(k, bs) is None:
+                np.testing.assert_array_equal(ref, nf4.matmul(a, q, am, qt, bs, k, n, b))
+            else:
+                assert _rel(nf4.matmul(a, q, am, qt, bs, k, n, b), ref) > 1e-4
 
 
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(256, 40, 64, "nf4", np.float32, True),
@@ -78,14 +68,9 @@ def test_fusedffnnf4_level4_native(k, n, bs, qt, dtype, bias):
               dict(quant_type=qt, block_size=bs, K=k, N=n, accuracy_level=4))
     feeds = [{"x": _specials((rng.standard_normal((1, mm, k)) + 0.2).astype(dtype))} for mm in (1, 3, 1, 16, 17, 0)]
     native, _ = native_and_python(m, feeds, 0, python_only=lambda f: f["x"].shape[1] > 16)
-    for f, (s,) in zip(feeds, native):
-        x = f["x"][0]
-        assert s.shape == (1, x.shape[0], n) and s.dtype == dtype
-        if x.shape[0] > 1:
-            ref = ffn.swiglu_nf4_ref(x[1:], q1, a1, q3, a3, qt, bs, k, n, b1, b3, accuracy_level=4)
-            assert np.isfinite(ref).all() and _rel(s[0, 1:], ref) <= _tol(dtype)
-        if x.shape[0]:
-            assert np.isnan(s[0, 0]).all()
+    check_native_rows(native, feeds, "x", n, dtype,
+                      lambda x: ffn.swiglu_nf4_ref(x, q1, a1, q3, a3, qt, bs, k, n, b1, b3, accuracy_level=4), _rel,
+                      _tol(dtype), finite_ref=True)
 
 
 def test_bad_accuracy_level_is_refused():
