@@ -21,6 +21,7 @@ from numba import config
 from test_ffn4_kernels import _check_nonfinite, _data, _rel, _specials, _tol, awq_exact_t, awq_weights, nf4_weights
 
 from onnx_lowbit import ffn, nf4
+from onnx_lowbit.custom_ops.runtime import plans
 
 SIM = bool(config.ENABLE_CUDASIM)
 F16 = np.float16
@@ -134,8 +135,8 @@ def test_awq_prefill_route(blas, M, K, N, G, biases):  # noqa: N803
     x, w1, w3, b1, b3 = _awq(M, K, N, G, biases)
     s, launched = _run("FusedFFNAWQ", {"group_size": G, "K": K, "N": N}, [x, *w1, *w3, b1, b3], M, N)
     assert launched == ["prefill"]
-    if blas is not None:            # two GEMMs op N on the [K, N] weights, fp16 in, fp32 G [M, 2N] out
-        assert blas.calls == [(0, 0, N, M, K, N, K, 2 * N, 2, 2, 0)] * 2
+    if blas is not None:            # two GEMMs op N on the [K, N] weights, fp16 in, fp16 G [M, 2N] out
+        assert blas.calls == [(0, 0, N, M, K, N, K, 2 * N, 2, 2, 2)] * 2
     want, exact = _awq_refs(x, w1, w3, G, K, N, b1, b3)
     assert _rel(s, want) <= _tol(F16) and _rel(s, exact) <= 1e-3
 
@@ -153,7 +154,7 @@ def test_nf4_prefill_route(blas, M, K, N, bs, qt, biases):  # noqa: N803
     s, launched = _run("FusedFFNNF4", {"quant_type": qt, "block_size": bs, "K": K, "N": N}, [x, *ws, b1, b3], M, N)
     assert launched == ["prefill"]
     if blas is not None:            # two GEMMs op T on the [N, K] weights
-        assert blas.calls == [(1, 0, N, M, K, K, K, 2 * N, 2, 2, 0)] * 2
+        assert blas.calls == [(1, 0, N, M, K, K, K, 2 * N, 2, 2, 2)] * 2
     want, ref = _nf4_refs(x, ws, qt, bs, K, N, b1, b3)
     assert _rel(s, want) <= _tol(F16) and _rel(s, ref) <= 1e-3
 
@@ -254,48 +255,85 @@ def _tensor(a):
     return Tensor(a.ctypes.data, et, a.shape)
 
 
-@pytest.mark.skipif(not SIM, reason="kernel objects over host memory: simulator only (GPU: the session tests)")
-@pytest.mark.parametrize("op", ["FusedFFNAWQ", "FusedFFNNF4"])
-def test_prefill_plan_records_every_step(blas, op):
-    """A recorded call (runtime/plans.compute_and_record): one scratch buffer of the route's size, taken once; the
-    steps dequant, dequant, GEMM, GEMM, SiLU * mul in that order; the dequant outputs and the GEMMs' weights and G
-    patched as offsets into the call's scratch, X as input 0, S as output 0 (so a replay runs on its own buffers);
-    the result meets the reference on NaN-filled scratch."""
-    from onnx_lowbit import domain
-    from onnx_lowbit.custom_ops.ffn import fusedffn4_prefill_cuda as p4
-    from onnx_lowbit.custom_ops.runtime import plans
-    from onnx_lowbit.custom_ops.runtime.abi import LbPlan
-    from onnx_lowbit.custom_ops.runtime.kernels import kernel_class
-    m, k, n = 20, 64, 16
+def _plan_case(op, m, k, n):
+    """(arrays, attrs, the reference on the route's fp16 weights) of a recorded-plan case (biases on, group 32)."""
     if op == "FusedFFNAWQ":
         x, w1, w3, b1, b3 = _awq(m, k, n, 32, (True, True), seed=3)
-        arrays, attrs = [x, *w1, *w3, b1, b3], {"group_size": 32, "K": k, "N": n}
-        want = _awq_refs(x, w1, w3, 32, k, n, b1, b3)[0]
-    else:
-        x, ws, b1, b3 = _nf4(m, k, n, 32, (True, True), seed=3)
-        arrays, attrs = [x, *ws, b1, b3], {"quant_type": "nf4", "block_size": 32, "K": k, "N": n}
-        want = _nf4_refs(x, ws, "nf4", 32, k, n, b1, b3)[0]
+        return [x, *w1, *w3, b1, b3], {"group_size": 32, "K": k, "N": n}, _awq_refs(x, w1, w3, 32, k, n, b1, b3)[0]
+    x, ws, b1, b3 = _nf4(m, k, n, 32, (True, True), seed=3)
+    return ([x, *ws, b1, b3], {"quant_type": "nf4", "block_size": 32, "K": k, "N": n},
+            _nf4_refs(x, ws, "nf4", 32, k, n, b1, b3)[0])
+
+
+def _record(op, arrays, attrs):
+    """(plan, ctx) of one call of a fresh kernel object recorded by runtime/plans.compute_and_record."""
+    from onnx_lowbit import domain
+    from onnx_lowbit.custom_ops.runtime.abi import LbPlan
+    from onnx_lowbit.custom_ops.runtime.kernels import kernel_class
     kern = kernel_class(op, "CUDAExecutionProvider")(spec=domain.OPS[op], attrs=attrs, node_name="t",
                                                      in_types=(10,), out_types=(10,))
     ctx, plan = _Ctx(), LbPlan()
     plans.compute_and_record(kern, ctx, [_tensor(a) for a in arrays], plan)
-    w3off, goff, total = p4.scratch_layout(m, k, n)
-    assert plan.valid and ctx.asked == [total] and plan.scratch == total
-    assert [plan.steps[i].kind for i in range(plan.n_steps)] == [plans.LAUNCH, plans.LAUNCH, plans.GEMM, plans.GEMM,
-                                                                  plans.LAUNCH]
+    return plan, ctx
 
-    def patches(i):
-        st = plan.steps[i]
-        return {(st.patch_kind[j], st.patch_index[j], st.patch_off[j]) for j in range(st.n_patch)}
-    for i, off in ((0, 0), (1, w3off)):                     # each dequant writes its weight into the scratch
-        assert (plans.SCRATCH, 0, off) in patches(i)
-        assert not any(kind == plans.OUTPUT for kind, _, _ in patches(i))
-    for i, (woff, goff_i) in ((2, (0, goff)), (3, (w3off, goff + 4 * n))):
-        assert patches(i) == {(plans.SCRATCH, 0, woff), (plans.INPUT, 0, 0), (plans.SCRATCH, 0, goff_i)}
-    assert (plans.SCRATCH, 0, goff) in patches(4) and (plans.OUTPUT, 0, 0) in patches(4)
+
+def _kinds(plan):
+    return [plan.steps[i].kind for i in range(plan.n_steps)]
+
+
+def _patches(plan, i):
+    st = plan.steps[i]
+    return {(st.patch_kind[j], st.patch_index[j], st.patch_off[j]) for j in range(st.n_patch)}
+
+
+def _output(ctx):
     ptr, shape = ctx.out
-    s = np.frombuffer((ctypes.c_char * (m * n * 2)).from_address(ptr), F16).reshape(shape)
-    assert _rel(s, want) <= _tol(F16)
+    return np.frombuffer((ctypes.c_char * (int(np.prod(shape)) * 2)).from_address(ptr), F16).reshape(shape)
+
+
+@pytest.mark.skipif(not SIM, reason="kernel objects over host memory: simulator only (GPU: the session tests)")
+@pytest.mark.parametrize("op", ["FusedFFNAWQ", "FusedFFNNF4"])
+def test_prefill_plan_records_every_step(blas, op):
+    """A recorded call (runtime/plans.compute_and_record): one scratch buffer of the route's size, taken once; the
+    steps dequant W1, GEMM, dequant W3, GEMM, SiLU * mul in that order (all rows in one chunk: both weights
+    dequantised into the one weight buffer at offset 0, each right before its GEMM); the dequant outputs and the
+    GEMMs' weights and G patched as offsets into the call's scratch, X as input 0, S as output 0 (so a replay runs
+    on its own buffers); the result meets the reference on NaN-filled scratch."""
+    from onnx_lowbit.custom_ops.ffn import fusedffn4_prefill_cuda as p4
+    m, k, n = 20, 64, 16
+    arrays, attrs, want = _plan_case(op, m, k, n)
+    plan, ctx = _record(op, arrays, attrs)
+    w3off, goff, total = p4.scratch_layout(m, k, n)
+    assert w3off == 0 and plan.valid and ctx.asked == [total] and plan.scratch == total
+    assert _kinds(plan) == [plans.LAUNCH, plans.GEMM, plans.LAUNCH, plans.GEMM, plans.LAUNCH]
+    for i in (0, 2):                                        # each dequant writes its weight into the one buffer
+        assert (plans.SCRATCH, 0, 0) in _patches(plan, i)
+        assert not any(kind == plans.OUTPUT for kind, _, _ in _patches(plan, i))
+    for i, goff_i in ((1, goff), (3, goff + 2 * n)):        # fp16 G [M, 2N]: W3's GEMM writes from column N
+        assert _patches(plan, i) == {(plans.SCRATCH, 0, 0), (plans.INPUT, 0, 0), (plans.SCRATCH, 0, goff_i)}
+    assert (plans.SCRATCH, 0, goff) in _patches(plan, 4) and (plans.OUTPUT, 0, 0) in _patches(plan, 4)
+    assert _rel(_output(ctx), want) <= _tol(F16)
+
+
+@pytest.mark.skipif(not SIM, reason="kernel objects over host memory: simulator only (GPU: the session tests)")
+@pytest.mark.parametrize("op", ["FusedFFNAWQ", "FusedFFNNF4"])
+def test_prefill_plan_several_chunks(blas, op, monkeypatch):
+    """Rows past one chunk (SCRATCH_MAX made small: 3 chunks of 7 rows): W1 and W3 dequantised first into two
+    buffers, then per chunk GEMM, GEMM, SiLU * mul reading both; the result meets the reference."""
+    from onnx_lowbit.custom_ops.ffn import fusedffn4_prefill_cuda as p4
+    from onnx_lowbit.custom_ops.ffn import fusedffn_prefill_cuda as pre
+    m, k, n = 21, 64, 16
+    monkeypatch.setattr(pre, "SCRATCH_MAX", 7 * 4 * n)             # fp16 G: 4N bytes per row
+    arrays, attrs, want = _plan_case(op, m, k, n)
+    plan, ctx = _record(op, arrays, attrs)
+    w3off, goff, total = p4.scratch_layout(m, k, n)
+    assert w3off > 0 and plan.valid and ctx.asked == [total]
+    assert _kinds(plan) == [plans.LAUNCH, plans.LAUNCH] + [plans.GEMM, plans.GEMM, plans.LAUNCH] * 3
+    assert (plans.SCRATCH, 0, 0) in _patches(plan, 0) and (plans.SCRATCH, 0, w3off) in _patches(plan, 1)
+    for c in range(3):
+        assert (plans.SCRATCH, 0, 0) in _patches(plan, 2 + 3 * c)
+        assert (plans.SCRATCH, 0, w3off) in _patches(plan, 3 + 3 * c)
+    assert _rel(_output(ctx), want) <= _tol(F16)
 
 
 @pytest.mark.skipif(not SIM, reason="simulator only (GPU: test_gpu_nf4_unaligned_q)")

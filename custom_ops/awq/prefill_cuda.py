@@ -32,9 +32,11 @@ BLOCK = 256
 WHEN = (f"fp16 X, M >= {PREFILL_MIN_M}, cuBLAS and scratch memory (onnxruntime >= 1.18): W dequantised into fp16 "
         "[K, N] scratch by DequantAWQ's kernel, then one cublasGemmEx (fp32 accumulation; a bias added in fp32 by "
         "an elementwise kernel)")
-MEASURED = ("the route not timed yet (correct on the H200, 2026-11-29); what it replaces: H200, onnxruntime-genai's "
-            "int4 LLaMA d = 2048 with every product MatMulAWQ, 128-token prefill 52.0 ms on the generic kernel "
-            "(genai's own 4.2 ms)")
+MEASURED = ("H200, 2026-11-29, x[M, 2048] fp16, gate + up 2048 x 8192 int4 group 128, CUDA graphs "
+            "(benchmarks/session_gpu.py): MatMulAWQ x2 56.2 / 57.1 / 133.5 us at M = 17 / 128 / 1024 against "
+            "onnxruntime's MatMulNBits x2 56.0 / 58.3 / 135.0 (level); what it replaces: onnxruntime-genai's int4 "
+            "LLaMA d = 2048 with every product MatMulAWQ, 128-token prefill 52.0 ms on the generic kernel (genai's "
+            "own 4.2 ms)")
 
 
 def takes(c):

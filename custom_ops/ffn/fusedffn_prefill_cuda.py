@@ -270,11 +270,13 @@ def _r256(b):
     return -(-b // 256) * 256
 
 
-def prefill_plan(m, k, n, x16, w16, g16=False, scratch_max=SCRATCH_MAX):
+def prefill_plan(m, k, n, x16, w16, g16=False, scratch_max=None):
     """(rows per chunk, x conversion: None | 'widen' | 'split', GEMM x type, GEMM w type, scratch layout
     (offset of the converted x, offset of the row scales, total bytes)). Scratch: G [splits*rows, 2N] (fp32, or
     fp16 with ``g16``), then the converted x (fp32 [rows, K] or fp16 hi/lo [2*rows, K]), then fp32 [rows] row
-    scales (split). Rows: all M in one chunk if the scratch stays within ``scratch_max``, else M split evenly."""
+    scales (split). Rows: all M in one chunk if the scratch stays within ``scratch_max`` (default SCRATCH_MAX, read
+    at the call), else M split evenly."""
+    scratch_max = SCRATCH_MAX if scratch_max is None else scratch_max
     if w16 and not x16:
         conv, xt, wt = "split", cublas.R_16F, cublas.R_16F
     elif x16 and not w16:
@@ -291,9 +293,11 @@ def prefill_plan(m, k, n, x16, w16, g16=False, scratch_max=SCRATCH_MAX):
     return rows, conv, xt, wt, (xoff, soff, soff + (rows * 4 if conv == "split" else 0))
 
 
-def launch_gemm(stream, m, k, n, x16, w16, kn, g16, tf32, xp, w1p, w3p, b1p, b3p, yp, scratch):
+def launch_gemm(stream, m, k, n, x16, w16, kn, g16, tf32, xp, w1p, w3p, b1p, b3p, yp, scratch, weight=None):
     """The cuBLAS path on device pointers: ``kn``: W1, W3 [K, N] (op N), else [N, K] (op T); ``g16``: fp16 G;
-    ``tf32``: fp32-input GEMMs in TF32; ``scratch``: nbytes -> device pointer of this call's scratch."""
+    ``tf32``: fp32-input GEMMs in TF32; ``scratch``: nbytes -> device pointer of this call's scratch; ``weight``
+    (optional; then w1p / w3p are unused): i -> device pointer of W1 (i = 0) / W3 (1), called right before each
+    chunk's GEMM with that weight (the 4-bit route dequantises there)."""
     rows, conv, xt, wt, (xoff, soff, nbytes) = prefill_plan(m, k, n, x16, w16, g16)
     xsize = 2 if x16 else 4
     splits = 2 if conv == "split" else 1
@@ -315,7 +319,8 @@ def launch_gemm(stream, m, k, n, x16, w16, kn, g16, tf32, xp, w1p, w3p, b1p, b3p
         elif conv == "split":
             launcher(conv).launch(r, ACT_BLOCK, stream, (xr, (r * k,)), (xc, (2 * r * k,)), (sc, (r,)), r, k)
             xr = xc
-        for w, off in ((w1p, 0), (w3p, n)):
+        for i, off in ((0, 0), (1, n)):
+            w = weight(i) if weight is not None else (w1p, w3p)[i]
             blas.gemm_rows(xr, xt, w, wt, gp + off * gsize, splits * r, n, k, 2 * n, gt, w_kn=kn, compute=compute)
         cnt = r * n
         act.launch(act_grid(r, n), ACT_BLOCK, stream, (gp, (splits * r * 2 * n,)),
