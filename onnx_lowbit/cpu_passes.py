@@ -137,9 +137,26 @@ def device_selection(a, selected: list) -> list:
     if getattr(a, "tune", False) and getattr(a, "device", None) != "cpu":
         raise LowbitError("--tune measures in onnxruntime CPU sessions: give --device cpu with it (tuning for "
                           "CUDA is not built)")
+    if getattr(a, "device", None) is None and getattr(a, "passes", None) is None and \
+            getattr(a, "target", None) != "ort" and not ort_has_cuda():
+        print(f"onnx-lowbit: {GPU_DEFAULT_HINT}", file=sys.stderr)
     if getattr(a, "device", None) != "cpu" or getattr(a, "tune", False):
         return list(selected)
     return cpu_selection(selected, explicit=getattr(a, "passes", None) is not None)
+
+
+GPU_DEFAULT_HINT = ("no --device: every default pass, as for a GPU; this onnxruntime runs on the CPU only. For a "
+                    "CPU deployment add --device cpu (only the passes measured not slower there) or --device cpu "
+                    "--tune (each pass timed on this model, this machine)")
+
+
+def ort_has_cuda() -> bool:
+    """Whether the installed onnxruntime offers the CUDA execution provider (False when it cannot be imported)."""
+    try:
+        import onnxruntime as ort
+        return "CUDAExecutionProvider" in ort.get_available_providers()
+    except Exception:  # noqa: BLE001 - no usable onnxruntime: no GPU either
+        return False
 
 
 def add_arguments(p) -> None:

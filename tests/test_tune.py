@@ -163,6 +163,27 @@ def test_cpu_defaults_table_and_selection(capsys):
     assert "MatMulNF4" in ops(out) and "FPLUT" not in ops(out)
 
 
+def test_no_device_on_a_cpu_only_onnxruntime_says_how_to_rewrite_for_the_cpu(capsys, monkeypatch):
+    """No --device on an onnxruntime without CUDA: every default pass still runs (as for a GPU) and stderr names
+    --device cpu / --tune; not with --device, --passes, --target ort, nor where onnxruntime has CUDA."""
+    import argparse
+    sel = resolve(None)
+
+    def args(**kw):
+        return argparse.Namespace(**{"device": None, "passes": None, "target": None, "tune": False, **kw})
+    monkeypatch.setattr(cpu_passes, "ort_has_cuda", lambda: False)
+    assert cpu_passes.device_selection(args(), sel) == list(sel)
+    assert cpu_passes.GPU_DEFAULT_HINT in capsys.readouterr().err
+    for kw in ({"device": "cuda"}, {"passes": ["fplut"]}, {"target": "ort"}):
+        cpu_passes.device_selection(args(**kw), sel)
+        assert "no --device" not in capsys.readouterr().err, kw
+    cpu_passes.device_selection(args(device="cpu"), sel)
+    assert "no --device" not in capsys.readouterr().err
+    monkeypatch.setattr(cpu_passes, "ort_has_cuda", lambda: True)
+    cpu_passes.device_selection(args(), sel)
+    assert "no --device" not in capsys.readouterr().err
+
+
 from helpers import cli  # noqa: E402  (the CLI in a fresh process)
 
 
