@@ -173,9 +173,10 @@ def _run_error(path, e):
 
 
 def _time_cpu(sess, feeds, warmup, runs, path):
+    out = None
     try:
         for _ in range(warmup):
-            sess.run(None, feeds)
+            out = sess.run(None, feeds)
         ts = []
         for _ in range(runs):
             t = time.perf_counter()
@@ -308,6 +309,7 @@ class BenchResult:
     models: list            # [ModelResult original, ModelResult rewritten, ...]
     agreement: list         # [Agreement] per rewritten model and output
     written: list = field(default_factory=list)   # files written into out_dir
+    timing_method: str = ""                        # how the timed runs were ordered (printed with the figures)
 
     def to_dict(self):
         d = asdict(self)
@@ -323,9 +325,9 @@ def labels_for(count: int) -> list:
 
 def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=False, warmup=10, runs=100,
         inputs=None, dims=None, out_dir=".", seed=0) -> BenchResult:
-    """Times the original and the rewritten model(s) (``rewritten``: a path or a list of paths), one after the
-    other in this process; returns a BenchResult and writes ``bench-<mode>.png`` / ``.json`` into ``out_dir``
-    (None: nothing written). ``session_factory(path, sess_options, providers=...)`` makes sessions with our ops
+    """Times the original and the rewritten model(s) (``rewritten``: a path or a list of paths) in this process
+    (CPU: their runs alternating, ``_time_all``); returns a BenchResult and writes ``bench-<mode>.png`` /
+    ``.json`` into ``out_dir`` (None: nothing written). ``session_factory(path, sess_options, providers=...)`` makes sessions with our ops
     registered. LowbitError for every bad input."""
     rewritten = [rewritten] if isinstance(rewritten, (str, os.PathLike)) else list(rewritten)
     if not rewritten:
@@ -386,8 +388,8 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
             mem.method += (f"; measured after the library (numba, our kernels, the shim) was loaded and the "
                            f"kernels of {warmed} compiled by one untimed run each, so no model is charged "
                            "for that one-time load")
-        results, outs = _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, warmup, runs,
-                                  session_factory, mem)
+        results, outs, timing = _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, warmup,
+                                          runs, session_factory, mem)
     except LowbitError as e:
         if not chosen:
             raise
@@ -402,7 +404,8 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
             ag.model = label
             agreement.append(ag)
     res = BenchResult(provider, cuda_graph, warmup, runs, mem.method,
-                      {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement)
+                      {k: [list(v.shape), str(v.dtype)] for k, v in feeds.items()}, results, agreement,
+                      timing_method=timing)
     if out_dir is not None:
         stem = os.path.join(out_dir, f"bench-{mode_name(res)}")
         try:
@@ -437,8 +440,16 @@ def _warm_library(paths, sigs, ours, feeds, provider, session_factory) -> str:
     return ", ".join(names)
 
 
+ALTERNATE_MAX_BYTES = 4 << 30  # CPU: models whose weights sum to this at most are timed alternately (sessions held
+                               # together); larger ones one after another, each session freed before the next
+
+
 def _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, warmup, runs, session_factory, mem):
-    """ModelResults and outputs of each model in turn (LowbitError when onnxruntime fails)."""
+    """(ModelResults, outputs of each model, the timing method line); LowbitError when onnxruntime fails. CPU:
+    the models' runs alternate (``_time_cpu_alternating``) where their sessions fit together, else each model is
+    timed in turn, as on CUDA."""
+    if provider == "cpu" and sum(weight_bytes(m) for m in models) <= ALTERNATE_MAX_BYTES:
+        return _time_cpu_alternating(labels, paths, models, sigs, ours, feeds, warmup, runs, session_factory, mem)
     results, outs = [], []
     for label, path, m, s, o in zip(labels, paths, models, sigs, ours):
         r = ModelResult(label, os.fspath(path), weight_bytes(m))
@@ -456,7 +467,53 @@ def _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, wa
         results.append(r)
         outs.append(out)
         release_host_memory()
-    return results, outs
+    how = ("each model timed in turn (the models' weights exceed " f"{ALTERNATE_MAX_BYTES >> 30} GiB together: "
+           "one session at a time)") if provider == "cpu" else "each model timed in turn"
+    return results, outs, how
+
+
+ROUND_RUNS = 5      # CPU: timed runs of one model in a row per round (after one untimed run); at most MAX_ROUNDS
+MAX_ROUNDS = 10     # rounds, each model's --runs spread over them
+
+
+def rounds_of(runs: int) -> list:
+    """Timed runs per round: ``runs`` spread over min(MAX_ROUNDS, runs // ROUND_RUNS) rounds (at least one)."""
+    n = max(1, min(MAX_ROUNDS, runs // ROUND_RUNS))
+    return [runs // n + (r < runs % n) for r in range(n)]
+
+
+def _time_cpu_alternating(labels, paths, models, sigs, ours, feeds, warmup, runs, session_factory, mem):
+    """CPU: every model's session made (its peak memory measured over its creation and warm-up runs) and kept;
+    then rounds (``rounds_of``) in which each model runs once untimed (its weights back in cache, the previous
+    model's threads gone idle) and then its share of the timed runs in a row, round r starting with model r mod n
+    (A B C, B C A, C A B, ...: each model in each place in turn): a slow drift of the machine (other jobs, clocks)
+    reaches every model alike, where timing them one after another charged it to whichever came last. The outputs
+    compared are each model's last run's."""
+    results, sessions, fs = [], [], []
+    try:
+        for label, path, m, s, o in zip(labels, paths, models, sigs, ours):
+            r = ModelResult(label, os.fspath(path), weight_bytes(m))
+            f = {k: feeds[k] for k in s}
+            with mem.measure() as meas:
+                sess = _make_session(path, o, "cpu", False, session_factory)
+                r.providers = sess.get_providers()
+                _time_cpu(sess, f, max(warmup, 1), 0, path)
+            r.peak_memory_bytes = int(meas.peak)
+            results.append(r)
+            sessions.append(sess)
+            fs.append(f)
+        n = len(sessions)
+        outs = [None] * n
+        for i, k in enumerate(rounds_of(runs)):
+            for j in ((i + q) % n for q in range(n)):
+                ts, outs[j] = _time_cpu(sessions[j], fs[j], 1, k, results[j].path)
+                results[j].latency_ms += ts
+    finally:
+        sessions.clear()
+        release_host_memory()
+    return results, outs, (f"rounds alternating between the models ({len(rounds_of(runs))} rounds, round r "
+                           "starting with model r mod n; per round and model one untimed run, then its timed runs "
+                           "in a row), wall clock around each run")
 
 
 def mode_name(res) -> str:
@@ -506,7 +563,7 @@ def table(res: BenchResult) -> str:
              row("latency p90 (ms)", lambda v: f"{v:.3f}", lambda m: m.p90_ms, _time_words),
              row("peak memory", _fmt_bytes, lambda m: m.peak_memory_bytes, _size_words),
              row("weight bytes", lambda v: f"{v:,}", lambda m: m.weight_bytes, _size_words),
-             "", f"memory: {res.memory_method}", ""]
+             "", f"memory: {res.memory_method}"] + ([f"timing: {res.timing_method}"] if res.timing_method else []) + [""]
     several = len(rs) > 1
     lines += (["| model | output | max abs diff | max rel diff |", "|---|---|---|---|"] if several else
               ["| output | max abs diff | max rel diff |", "|---|---|---|"])

@@ -153,5 +153,7 @@ def run(out_dir: str | None = None) -> int:
     if tmp is not None:
         tmp.cleanup()
         print("\nThe rewritten models went to a temporary folder, deleted now; `onnx-lowbit demo --out DIR` keeps "
-              "them. Your own model: onnx-lowbit rewrite model.onnx model.lowbit.onnx --report --verify")
+              "them. Your own model: onnx-lowbit rewrite model.onnx model.lowbit.onnx --report --verify"
+              + (" (for a GPU; for this CPU: onnx-lowbit rewrite model.onnx model.cpu.onnx --device cpu --tune "
+                 "--report --verify)" if cpu else ""))
     return worst

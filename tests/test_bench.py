@@ -228,3 +228,50 @@ def test_library_load_not_charged_to_the_first_model(rewritten, tmp_path):
     assert p.returncode == 0, p.stderr
     first, second = [m["peak_memory_bytes"] for m in json.loads((out / "bench-cpu.json").read_text())["models"][1:]]
     assert abs(first - second) < 16 * 2 ** 20 + 0.5 * min(first, second), (first, second)
+
+
+def _recording_sessions(monkeypatch):
+    """bench._make_session wrapped: every run of every session appends its model's file name to the list returned."""
+    calls = []
+    make = bench._make_session
+
+    class Rec:
+        def __init__(self, sess, name):
+            self.sess, self.name = sess, name
+
+        def run(self, *a, **k):
+            calls.append(self.name)
+            return self.sess.run(*a, **k)
+
+        def __getattr__(self, attr):
+            return getattr(self.sess, attr)
+    monkeypatch.setattr(bench, "_make_session",
+                        lambda path, *a: Rec(make(path, *a), os.path.basename(os.fspath(path))))
+    return calls
+
+
+def test_cpu_runs_alternate_between_the_models(rewritten, monkeypatch):
+    """CPU: after each session's warm-up, rounds: per model one untimed run and its timed runs in a row, round r
+    starting with model r mod n (a drift reaches every model alike, each in each place); each model gets --runs
+    timings, the outputs compared are real; the method line says so."""
+    calls = _recording_sessions(monkeypatch)
+    res = bench.run(YOLO, [rewritten["yolo_fplut.onnx"], rewritten["yolo_fplut.onnx"]],
+                    session_factory=api.InferenceSession, warmup=2, runs=11, out_dir=None)
+    assert bench.rounds_of(11) == [6, 5] and bench.rounds_of(3) == [3] and len(bench.rounds_of(500)) == 10
+    a, b = "tiny_yolo.onnx", "yolo_fplut.onnx"
+    timed = calls[-(3 * 13):]                       # 2 rounds: per model 1 untimed + its timed runs
+    assert timed == [a] * 7 + [b] * 7 + [b] * 7 + [b] * 6 + [b] * 6 + [a] * 6     # A B C, then B C A
+    assert calls[:-(3 * 13)].count(a) == 2          # its warm-up runs, before any round
+    assert [len(m.latency_ms) for m in res.models] == [11, 11, 11] and all(m.peak_memory_bytes for m in res.models)
+    assert res.timing_method.startswith("rounds alternating between the models (2 rounds")
+    assert all(a.max_rel < 1e-2 for a in res.agreement)
+    assert "\ntiming: rounds alternating between the models" in bench.table(res)
+
+
+def test_cpu_models_too_large_together_are_timed_in_turn(rewritten, monkeypatch):
+    calls = _recording_sessions(monkeypatch)
+    monkeypatch.setattr(bench, "ALTERNATE_MAX_BYTES", 0)
+    res = bench.run(YOLO, rewritten["yolo_fplut.onnx"], session_factory=api.InferenceSession, warmup=1, runs=3,
+                    out_dir=None)
+    assert calls[-8:] == ["tiny_yolo.onnx"] * 4 + ["yolo_fplut.onnx"] * 4
+    assert res.timing_method.startswith("each model timed in turn (the models' weights exceed")

@@ -147,5 +147,6 @@ def test_demo_says_what_it_does():
             assert b.count("   skipped: ") == int(m.group(1)), b
     assert "written:" not in out                       # the files go to a temporary folder deleted at the end
     assert "deleted now; `onnx-lowbit demo --out DIR` keeps them" in out
+    assert "for this CPU: onnx-lowbit rewrite model.onnx model.cpu.onnx --device cpu --tune" in out  # CI: the CPU
     assert "tiny_yolo" in out and "FPLUT ops" in out
     assert "FusedFFNNF4" in out and "QuantGRU" in out and "FAIL" not in out
