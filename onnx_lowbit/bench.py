@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from . import model_io
+from . import model_io, rounds
 from .bench_inputs import (BATCH_NAMES, IMAGE_DIM, OTHER_DIM, _signature, guess_dims, load_inputs,  # noqa: F401
                            parse_dims, random_inputs, resolve_dims)                               # re-exported
 from .errors import LowbitError
@@ -472,23 +472,11 @@ def _time_all(labels, paths, models, sigs, ours, feeds, provider, cuda_graph, wa
     return results, outs, how
 
 
-ROUND_RUNS = 5      # CPU: timed runs of one model in a row per round (after one untimed run); at most MAX_ROUNDS
-MAX_ROUNDS = 10     # rounds, each model's --runs spread over them
-
-
-def rounds_of(runs: int) -> list:
-    """Timed runs per round: ``runs`` spread over min(MAX_ROUNDS, runs // ROUND_RUNS) rounds (at least one)."""
-    n = max(1, min(MAX_ROUNDS, runs // ROUND_RUNS))
-    return [runs // n + (r < runs % n) for r in range(n)]
-
-
 def _time_cpu_alternating(labels, paths, models, sigs, ours, feeds, warmup, runs, session_factory, mem):
     """CPU: every model's session made (its peak memory measured over its creation and warm-up runs) and kept;
-    then rounds (``rounds_of``) in which each model runs once untimed (its weights back in cache, the previous
-    model's threads gone idle) and then its share of the timed runs in a row, round r starting with model r mod n
-    (A B C, B C A, C A B, ...: each model in each place in turn): a slow drift of the machine (other jobs, clocks)
-    reaches every model alike, where timing them one after another charged it to whichever came last. The outputs
-    compared are each model's last run's."""
+    then the timed runs in rounds (onnx_lowbit/rounds.py: per round and model one untimed run, then its share of
+    the timed runs in a row, round r starting with model r mod n), so a slow drift of the machine reaches every
+    model alike. The outputs compared are each model's last run's."""
     results, sessions, fs = [], [], []
     try:
         for label, path, m, s, o in zip(labels, paths, models, sigs, ours):
@@ -502,16 +490,21 @@ def _time_cpu_alternating(labels, paths, models, sigs, ours, feeds, warmup, runs
             results.append(r)
             sessions.append(sess)
             fs.append(f)
-        n = len(sessions)
-        outs = [None] * n
-        for i, k in enumerate(rounds_of(runs)):
-            for j in ((i + q) % n for q in range(n)):
-                ts, outs[j] = _time_cpu(sessions[j], fs[j], 1, k, results[j].path)
-                results[j].latency_ms += ts
+        outs = [None] * len(sessions)
+
+        def runner(j):
+            def run():
+                try:
+                    outs[j] = sessions[j].run(None, fs[j])
+                except Exception as e:  # noqa: BLE001
+                    raise _run_error(results[j].path, e) from None
+            return run
+        for r, ts in zip(results, rounds.timed_rounds([runner(j) for j in range(len(sessions))], runs)):
+            r.latency_ms = ts
     finally:
         sessions.clear()
         release_host_memory()
-    return results, outs, (f"rounds alternating between the models ({len(rounds_of(runs))} rounds, round r "
+    return results, outs, (f"rounds alternating between the models ({len(rounds.rounds_of(runs))} rounds, round r "
                            "starting with model r mod n; per round and model one untimed run, then its timed runs "
                            "in a row), wall clock around each run")
 

@@ -2,7 +2,8 @@
 
 The passes run one at a time, in their usual order. After each pass that rewrote something, the model before it and
 the model after it run in onnxruntime CPU sessions (our ops registered) on the same inputs, alternately (A B, B A, A
-B, ...: slow drifts of a shared machine hit both), and the medians of their run times are compared: the pass is kept
+B, ... in rounds of several runs, each round after an untimed run: onnx_lowbit/rounds.py; slow drifts of a shared
+machine hit both), and the medians of their run times are compared: the pass is kept
 only when its model's median is lower (``faster``), else its rewrites are undone and the next pass starts from the
 model before it. A pass that rewrote nothing is not timed. weights4 on --device cpu's default 4-bit target
 (onnx_lowbit/cpu_passes.py's CPU_WEIGHTS; no --target given) is also run on the other target (our MatMulAWQ /
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass
 from onnx_lowbit.passes import Report, run_passes
 from onnx_lowbit.passes.base import REWRITTEN, SKIPPED
 
+from . import rounds
 from .errors import LowbitError
 from .ratios import speed
 
@@ -91,18 +93,13 @@ class TuneResult:
 # ---------------------------------------------------------------------------------------------- timing
 
 def alternate(run_a, run_b, runs: int = DEFAULT_RUNS, warmup: int = WARMUP, clock=time.perf_counter) -> tuple:
-    """(median ms of run_a, median ms of run_b) over ``runs`` calls each, alternating A B, B A, ... after
-    ``warmup`` untimed calls of each."""
+    """(median ms of run_a, median ms of run_b) over ``runs`` calls each, after ``warmup`` untimed calls of each,
+    in rounds alternating between the two (onnx_lowbit/rounds.py: per round one untimed call, then a run of timed
+    ones; A B, B A, ...)."""
     for _ in range(warmup):
         run_a()
         run_b()
-    ta, tb = [], []
-    for i in range(runs):
-        order = ((run_a, ta), (run_b, tb)) if i % 2 == 0 else ((run_b, tb), (run_a, ta))
-        for run, ts in order:
-            t = clock()
-            run()
-            ts.append((clock() - t) * 1e3)
+    ta, tb = rounds.timed_rounds([run_a, run_b], runs, clock)
     return statistics.median(ta), statistics.median(tb)
 
 

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from onnx_lowbit import api, bench, cli, model_io, passes
+from onnx_lowbit import api, bench, cli, model_io, passes, rounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = os.path.join(ROOT, "samples", "gpt2_mlp.onnx")
@@ -257,7 +257,7 @@ def test_cpu_runs_alternate_between_the_models(rewritten, monkeypatch):
     calls = _recording_sessions(monkeypatch)
     res = bench.run(YOLO, [rewritten["yolo_fplut.onnx"], rewritten["yolo_fplut.onnx"]],
                     session_factory=api.InferenceSession, warmup=2, runs=11, out_dir=None)
-    assert bench.rounds_of(11) == [6, 5] and bench.rounds_of(3) == [3] and len(bench.rounds_of(500)) == 10
+    assert rounds.rounds_of(11) == [6, 5] and rounds.rounds_of(3) == [3] and len(rounds.rounds_of(500)) == 10
     a, b = "tiny_yolo.onnx", "yolo_fplut.onnx"
     timed = calls[-(3 * 13):]                       # 2 rounds: per model 1 untimed + its timed runs
     assert timed == [a] * 7 + [b] * 7 + [b] * 7 + [b] * 6 + [b] * 6 + [a] * 6     # A B C, then B C A

@@ -139,9 +139,10 @@ def test_alternate_takes_medians_of_alternating_runs():
             order.append(name)
             now[0] += seconds
         return f
-    a_ms, b_ms = tune.alternate(run("a", 0.002), run("b", 0.001), runs=4, warmup=1, clock=clock)
+    a_ms, b_ms = tune.alternate(run("a", 0.002), run("b", 0.001), runs=10, warmup=1, clock=clock)
     assert (round(a_ms, 6), round(b_ms, 6)) == (2.0, 1.0)
-    assert order == ["a", "b", "a", "b", "b", "a", "a", "b", "b", "a"]
+    # warm-up a b; 2 rounds of 5: per round and model one untimed call, then 5 timed ones; A B, then B A
+    assert order == ["a", "b"] + ["a"] * 6 + ["b"] * 6 + ["b"] * 6 + ["a"] * 6
 
 
 def test_cpu_defaults_table_and_selection(capsys):

@@ -1,0 +1,36 @@
+"""Timing several models against each other on a shared CPU (``bench`` and ``rewrite --tune``): the runs go in
+rounds. Per round each model runs once untimed (its weights back in cache, the previous model's threads idle
+again), then its share of the timed runs in a row; round r starts with model r mod n (A B C, B C A, C A B, ...:
+each model in each place in turn), so a slow drift of the machine (other jobs, clocks) reaches every model alike.
+
+Why not single runs A B, B A: each run then starts on caches the other model filled and next to its threads, and on
+the 2-core development machine two sessions of the same YOLOv8 graph measured up to 1.16x apart, and ``--tune``
+kept FPLUT on that detector as 1.05x faster while rounds measured the kept model 1.18x slower (2026-11-29,
+benchmarks/field_cpu.sh). Why not one model after the other: a drift lands on whichever came last (the same FPLUT
+model of a PP-OCRv4 recogniser measured 1.22x slower listed first, 1.21x faster listed third)."""
+from __future__ import annotations
+
+import time
+
+ROUND_RUNS = 5      # timed runs of one model in a row per round (after one untimed run)
+MAX_ROUNDS = 10     # rounds at most; each model's runs spread over them
+
+
+def rounds_of(runs: int) -> list:
+    """Timed runs per round: ``runs`` spread over min(MAX_ROUNDS, runs // ROUND_RUNS) rounds (at least one)."""
+    n = max(1, min(MAX_ROUNDS, runs // ROUND_RUNS))
+    return [runs // n + (r < runs % n) for r in range(n)]
+
+
+def timed_rounds(runners, runs: int, clock=time.perf_counter) -> list:
+    """Per runner (a callable running one model once) its ``runs`` timings in ms, in rounds (module doc)."""
+    n = len(runners)
+    times = [[] for _ in range(n)]
+    for r, k in enumerate(rounds_of(runs)):
+        for j in ((r + q) % n for q in range(n)):
+            runners[j]()
+            for _ in range(k):
+                t = clock()
+                runners[j]()
+                times[j].append((clock() - t) * 1e3)
+    return times
