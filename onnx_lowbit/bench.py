@@ -16,7 +16,8 @@ onnxruntime's ``enable_cuda_graph`` provider option (the first runs capture, the
 Memory (the method is printed with the figures). Before any figure, every model that uses our ops gets one
 untimed session and run (``_warm_library``): the library's one-time load (numba, our kernels' compilation, the
 shim) is then charged to no model, where it used to land on the first one listed.
-  cpu   peak RSS of the process while the model's session is created and run, minus RSS before: the kernel's
+  cpu   peak RSS of the process while the model's session is created and run (timed in rounds: its creation and
+        warm-up runs), minus RSS before: the kernel's
         high-water mark is reset first (``/proc/self/clear_refs`` 5) where Linux allows it, else RSS is
         sampled every millisecond.
   cuda  device memory in use (NVML through pynvml, else cupy's cudaMemGetInfo, else ``nvidia-smi

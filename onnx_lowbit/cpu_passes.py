@@ -23,8 +23,10 @@ CPU_DEFAULTS = {
                     "on the CPU (docs/tune.md)"),
     "rotary": (False, "not measured on the CPU: a Python callback per call, where onnxruntime runs its own ops"),
     "rotarykv": (False, "not measured on the CPU: a Python callback per call, where onnxruntime runs its own ops"),
-    "gru": (False, "needs --calibration; int8 2.0-3.1x faster than onnxruntime's GRU at H = 400, T = 500, full int16 "
-                   "about level, streaming frames 1.4-2x slower (BENCHMARKS.md); runs when --gru-bits asks"),
+    "gru": (False, "needs --calibration; int8 2.0-3.1x faster than onnxruntime's GRU at H = 400, T = 500, full-range "
+                   "int16 1.25x faster on one thread and 1.08x slower on two, streaming frames faster on one thread "
+                   "and slower on two except int8 at H = 600 (BENCHMARKS.md); runs when --gru-bits asks, --tune "
+                   "measures it"),
     "kvattention": (False, "opt-in on every device"),
     "rmsnorm": (False, "opt-in on every device"),
 }
@@ -173,4 +175,5 @@ def add_arguments(p) -> None:
                         "gru with --gru-bits) are kept even when slower; the decisions and figures are printed "
                         "(and in --report-json under 'tune')")
     g.add_argument("--tune-runs", type=int, metavar="N",
-                   help="timed runs of each model per comparison with --tune (default 20, alternating)")
+                   help="timed runs of each model per comparison with --tune (default 20, in rounds alternating "
+                        "between the two models)")

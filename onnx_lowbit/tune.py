@@ -31,7 +31,7 @@ from .errors import LowbitError
 from .ratios import speed
 
 SIZE_PASSES = ("weights4", "gru")   # rewrites asked for their size: kept even when measured slower
-DEFAULT_RUNS = 20                   # timed runs of each model per comparison (alternating)
+DEFAULT_RUNS = 20                   # timed runs of each model per comparison (in rounds: onnx_lowbit/rounds.py)
 WARMUP = 3
 
 
@@ -76,7 +76,7 @@ class TuneResult:
                 "passes": [d.to_dict() for d in self.decisions]}
 
     def to_table(self) -> str:
-        lines = [f"tune: each pass timed against the model without it, medians of {self.runs} alternating runs "
+        lines = [f"tune: each pass timed against the model without it, medians of {self.runs} runs in alternating rounds "
                  f"per model in onnxruntime CPU sessions, on {self.inputs}",
                  f"{'pass':12s} {'rewrites':>8s} {'without ms':>11s} {'with ms':>9s}  decision"]
         for d in self.decisions:

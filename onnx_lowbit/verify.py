@@ -25,13 +25,12 @@ not checked; a KV computation gone wrong shows in the logits too."""
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 
-from . import feeds as feeds_mod
+from . import feeds as feeds_mod, rounds
 from .errors import LowbitError
 
 DEFAULT_TOLERANCE = 2e-2
@@ -208,16 +207,13 @@ def compare(original, rewritten, *, tolerance: float = DEFAULT_TOLERANCE, provid
             if e.top1 is None and not e.note and e.mismatched_nan == 0:
                 e.checked, e.ok = False, True
     timings = {}
-    if timing_runs:
-        for key, s in (("original", s0), ("rewritten", s1)):
+    if timing_runs:     # both sessions warmed, then timed in rounds (onnx_lowbit/rounds.py): a drift hits both
+        runners = [lambda s=s: s.run(None, feeds) for s in (s0, s1)]
+        for run in runners:
             for _ in range(3):
-                s.run(None, feeds)
-            ts = []
-            for _ in range(timing_runs):
-                t = time.perf_counter()
-                s.run(None, feeds)
-                ts.append(time.perf_counter() - t)
-            timings[key] = float(np.median(ts) * 1e3)
+                run()
+        for key, ts in zip(("original", "rewritten"), rounds.timed_rounds(runners, timing_runs)):
+            timings[key] = float(np.median(ts))
     return errors, timings
 
 

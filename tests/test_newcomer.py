@@ -40,12 +40,16 @@ def test_readme_first_screen_from_install_to_a_running_model(tmp_path):
     assert "not on PyPI" in screen and '".[gpu]"' in screen
     assert not re.search(r"pip install onnx-lowbit\[", open(README).read())   # nowhere in the README
     # the rewrite command exactly as written there, on a model of ours standing in for "your model"
-    (rewrite,) = [ln for ln in lines if ln.startswith("onnx-lowbit rewrite")]
+    rewrite, rewrite_cpu = [ln for ln in lines if ln.startswith("onnx-lowbit rewrite")]   # for a GPU, for the CPU
     shutil.copy(SAMPLE, tmp_path / "model.onnx")
     rc, out, err = cli(*rewrite.split()[1:], cwd=tmp_path)
     assert rc == 0, err
     assert out.splitlines()[0].startswith("model.onnx: 12 rewritten, 0 skipped by fplut")
     assert "result (tolerance 0.02 rel-L2)" in out and " ok" in out and "wrote model.lowbit.onnx" in out
+    assert "--device cpu" not in rewrite and "--device cpu --tune" in rewrite_cpu
+    rc, out, err = cli(*rewrite_cpu.split()[1:], cwd=tmp_path)
+    assert rc == 0, err
+    assert "tune: each pass timed against the model without it" in out and "wrote model.cpu.onnx" in out
     # then the snippet: a plain onnxruntime session with register(so)
     (snippet,) = _blocks(screen, "python")
     assert "onnx_lowbit.register(so)" in snippet and "ort.InferenceSession(" in snippet

@@ -194,7 +194,7 @@ def test_cli_tune_real_sessions_report_lines(tmp_path):
     rc, out, err = cli("rewrite", str(src), str(dst), "--device", "cpu", "--tune", "--tune-runs", "3",
                        "--dim", "seq=4", "--report-json", str(rep))
     assert rc == 0, err
-    assert "tune: each pass timed against the model without it, medians of 3 alternating runs per model in " \
+    assert "tune: each pass timed against the model without it, medians of 3 runs in alternating rounds per model in " \
            "onnxruntime CPU sessions, on made-up inputs" in out
     lines = {ln.split()[0]: ln for ln in out.splitlines() if ln.split() and ln.split()[0] in ("fplut", "merge")}
     for name, n in (("fplut", 3), ("merge", 1)):     # timed for real: the decision follows the figures

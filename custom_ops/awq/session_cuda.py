@@ -55,7 +55,8 @@ ROUTES = (
           "29c92e2: against the older tensor-core kernel)"),
     Route("decode", "M = 1 .. 16 (fp32 X, or a shape / buffer the GEMV cannot take)", decode,
           "docs/lab-log.md '2026-11-24: AWQ decode kernels with 32-bit decoding'"),
-    Route("generic", "M > 16", always, "none: the only kernel for any M (prefill is DequantAWQ + MatMul's)"),
+    Route("generic", "M > 16", always, "none: correctness route past M = 16 where the ops' prefill routes (placed "
+          "before it in MatMulAWQ's and FusedFFNAWQ's tables) do not take the call: fp32 X, no cuBLAS, no scratch"),
 )
 """The routing table of both AWQ decode ops (MatMulAWQ with one weight, FusedFFNAWQ with two read in the same
 pass): the same kernels with ``nw`` 1 or 2, measured together."""

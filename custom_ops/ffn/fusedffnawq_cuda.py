@@ -24,8 +24,9 @@ the kernel's own per-stream buffer only with onnxruntime < 1.18), the tile count
 CUDA stream (``ScratchPool``). With a single split (K <= 8R) the block writes S directly (no partials). M runs
 in row buckets MT in {1, 2, 4} (2 x 4 x 8 accumulators per thread at most); M = 5..16 as row chunks of 4 in
 neighbouring blocks (the weight reads are shared through L2).
-Prefill (fp16 X, M >= 17, cuBLAS and onnxruntime's scratch; ffn/fusedffn4_prefill_cuda): W1 and W3 dequantised
-into fp16 [K, N] scratch by DequantAWQ's kernel, then FusedFFN's cuBLAS path (two GEMMs, SiLU * mul kernel).
+Prefill (fp16 X, M >= 17, cuBLAS and onnxruntime's scratch; ffn/fusedffn4_prefill_cuda): W1, then W3 dequantised
+into fp16 [K, N] scratch by DequantAWQ's kernel, each right before its GEMM (FusedFFN's cuBLAS path, fp16 G), then
+the SiLU * mul kernel.
 Generic kernel (any M; awq/gemv_cuda.make_generic, nw=2): thread = (row, column group), walks all of K for both
 weights; correct, not tuned: the calls past M = 16 the prefill route does not take (fp32 X, no cuBLAS, no scratch).
 """

@@ -41,8 +41,9 @@ loop is written out twice with the word buffers' roles swapped (``pingpong``): 2
 are 3 thread groups sharing one table (``decode.mt1.wide.g3``): 20.64-21.49 against 21.08-21.83 us (three machines).
 With fp16 X at M = 1, 2 and K = 1024 .. 3072 (WARPCOLS) sessions take the warp-column kernel of nf4warp_cuda
 instead (a warp, or a pair of warps, owns whole columns: no barrier per step; 13-38% faster there, BENCHMARKS.md).
-Prefill (fp16 X, M >= 17, cuBLAS and onnxruntime's scratch; ffn/fusedffn4_prefill_cuda): W1^T and W3^T dequantised
-into fp16 [N, K] scratch by DequantNF4's transposed kernel, then FusedFFN's cuBLAS path (two GEMMs, SiLU * mul).
+Prefill (fp16 X, M >= 17, cuBLAS and onnxruntime's scratch; ffn/fusedffn4_prefill_cuda): W1^T, then W3^T
+dequantised into fp16 [N, K] scratch by DequantNF4's transposed kernel, each right before its GEMM (FusedFFN's
+cuBLAS path, fp16 G), then the SiLU * mul kernel.
 Generic kernel (any K, any M): one warp per column, element by element, both weights; correct, not tuned.
 ``ROUTES`` (below) says which kernel serves a call; ``FusedFFNNF4CudaKernel`` builds the call's Case and launches
 the row's kernel.
