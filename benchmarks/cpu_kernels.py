@@ -105,17 +105,26 @@ def bound_run(sess, feeds, out_shape, out_dtype):
 
 
 # ------------------------------------------------------------------------------------------------------- FPLUT
-ORT_OPS = {"sigmoid": ["Sigmoid"], "silu": ["Sigmoid", "Mul"], "gelu": ["Gelu"], "tanh": ["Tanh"]}
+ORT_OPS = {"sigmoid": ["Sigmoid"], "silu": ["Sigmoid", "Mul"], "gelu": ["Gelu"], "tanh": ["Tanh"],
+           "hardswish": ["HardSwish"],
+           "hardswish_spelled": ["Add", "Clip", "Mul", "Div"]}    # x * Clip(x + 3, 0, 6) / 6, as paddle2onnx writes it
+TABLE_OF = {"hardswish_spelled": "hardswish"}                   # --functions name -> FPLUT table, where they differ
 
 
 def _elementwise_model(ops, et, n):
-    from onnx import helper
+    from onnx import helper, numpy_helper
+    inits = []
     if ops == ["Sigmoid", "Mul"]:
         nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["y"])]
+    elif ops == ["Add", "Clip", "Mul", "Div"]:
+        dt = np.float16 if et == 10 else np.float32
+        inits = [numpy_helper.from_array(np.array(v, dt), k) for k, v in (("three", 3), ("zero", 0), ("six", 6))]
+        nodes = [helper.make_node("Add", ["x", "three"], ["a"]), helper.make_node("Clip", ["a", "zero", "six"], ["c"]),
+                 helper.make_node("Mul", ["x", "c"], ["m"]), helper.make_node("Div", ["m", "six"], ["y"])]
     else:
         nodes = [helper.make_node(ops[0], ["x"], ["y"])]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", et, [n])],
-                          [helper.make_tensor_value_info("y", et, [n])])
+                          [helper.make_tensor_value_info("y", et, [n])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
 
 
@@ -143,13 +152,14 @@ def fplut_section(threads, sizes, functions, rounds):
             for n in sizes:
                 x = (np.random.default_rng(n).standard_normal(n) * 3).astype(dt)
                 for fn in functions:
-                    tab = fplut_tables.get_table(fn)
+                    tab = fplut_tables.get_table(TABLE_OF.get(fn, fn))
                     lut = fplut_cpu.kernel_table(fplut.expand_table(tab.cut_points, tab.values), np.dtype(dt))
                     serial, parallel, bits = fplut_cpu.KERNELS[np.dtype(dt)]
                     kern = parallel if n >= fplut_cpu.PARALLEL_MIN else serial
                     stream = fplut_cpu.streams(np.dtype(dt), x.nbytes)      # as FPLUTKernel.compute decides
                     yk = np.empty_like(x)
-                    run_ours, ys = bound_run(session(_fplut_model(fn, et, n), t, ours=True), {"x": x}, (n,), dt)
+                    run_ours, ys = bound_run(session(_fplut_model(TABLE_OF.get(fn, fn), et, n), t, ours=True),
+                                             {"x": x}, (n,), dt)
                     run_ort, yo = bound_run(session(_elementwise_model(ORT_OPS[fn], et, n), t), {"x": x}, (n,), dt)
                     got = compare({"kernel": lambda: kern(x.view(bits), lut, yk.view(bits), stream),  # noqa: B023
                                    "session": run_ours, "ort": run_ort}, rounds)

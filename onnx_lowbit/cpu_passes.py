@@ -13,9 +13,10 @@ import sys
 # pass name -> (run by default on the CPU, why). A pass is True here only with a CPU measurement behind it that
 # shows it not slower than onnxruntime's own graph; a pass missing from the table is not a CPU default.
 CPU_DEFAULTS = {
-    "fplut": (True, "only GELU (erf and tanh spellings, CPU_FPLUT_FUNCTIONS): FPLUT fp32 1.35-1.75x faster than "
-                    "onnxruntime's fused Gelu, a BERT-style encoder 1.10x and the demo's GPT-2 MLP 1.13x faster; SiLU, "
-                    "Sigmoid and Tanh stay onnxruntime's (1.2-1.7x faster than the table at 1e5+ elements: BENCHMARKS.md, "
+    "fplut": (True, "GELU (erf and tanh spellings) and spelled-out HardSwish only (CPU_FPLUT_FUNCTIONS): FPLUT fp32 "
+                    "1.35-1.75x faster than onnxruntime's fused Gelu (a BERT-style encoder 1.10x and the demo's GPT-2 "
+                    "MLP 1.13x faster), 1.33-1.46x faster than a 4-op HardSwish; SiLU, Sigmoid, Tanh and the "
+                    "HardSwish op stay onnxruntime's (1.1-1.7x faster than the table at 1e5+ elements: BENCHMARKS.md, "
                     "CPU)"),
     "weights4": (False, "4-bit weights run when --weights asks (for size); on which op: CPU_WEIGHTS below"),
     "ffn": (False, "the float FusedFFN is 1.05-3.5x slower than onnxruntime's MLAS graph on the CPU (BENCHMARKS.md)"),
@@ -34,9 +35,13 @@ CPU_DEFAULTS = {
 
 # The activations FPLUT replaces by default on the CPU (the fplut pass's fplut_functions; a user's fplut_functions
 # wins): those whose table beats onnxruntime's own kernels in fp32 (GELU: onnxruntime fuses its spellings into Gelu /
-# FastGelu, 1.35-1.75x slower than the table, 1 thread, 2026-11-29). onnxruntime computes SiLU (fused QuickGelu),
+# FastGelu, 1.35-1.75x slower than the table, 1 thread, 2026-11-29), and HardSwish where an exporter spelled it out
+# (paddle2onnx's x * Clip(x + 3, 0, 6) / 6: four onnxruntime ops, 1.33-1.46x slower than the table in fp32 sessions
+# at 1e4-1e6 elements; onnxruntime's own HardSwish op is 1.10-1.37x faster than the table, so it stays:
+# "hardswish/decomposed"; 1 thread, thread time, 2026-11-29, `python benchmarks/cpu_kernels.py --only fplut
+# --threads 1 --clock thread --functions hardswish,hardswish_spelled`). onnxruntime computes SiLU (fused QuickGelu),
 # Sigmoid and Tanh at about a cycle per element, which a table lookup does not beat on Zen 4.
-CPU_FPLUT_FUNCTIONS = ("gelu", "gelu_tanh")
+CPU_FPLUT_FUNCTIONS = ("gelu", "gelu_tanh", "hardswish/decomposed")
 
 
 def cpu_fplut_options(options: dict) -> dict:

@@ -22,6 +22,9 @@ Intermediates other nodes still read are kept (and reported); a kept Sigmoid/Tan
 Only float / float16 / bfloat16 tensors are rewritten (when the dtype is known).
 
 Options: ``fplut_functions``: an iterable (or comma-separated string) of function names to rewrite; default all.
+``NAME/decomposed`` enables NAME only where it is spelled out in several ops (kind 1 above), not as its single op:
+``--device cpu`` takes ``hardswish/decomposed`` (FPLUT fp32 beats onnxruntime's 4-op x * Clip(x + 3, 0, 6) / 6 by
+1.33-1.46x, but not its own HardSwish kernel: onnx_lowbit/cpu_passes.py).
 """
 from __future__ import annotations
 
@@ -263,16 +266,20 @@ def _tables():
     return get_table
 
 
+DECOMPOSED = "/decomposed"   # fplut_functions suffix: the function's multi-op spellings only
+
+
 def _parse_functions(value) -> set:
     if value is None:
         return set(FUNCTIONS)
     if isinstance(value, str):
         value = [v.strip() for v in value.split(",") if v.strip()]
     chosen = set(value)
-    unknown = sorted(chosen - set(FUNCTIONS))
+    unknown = sorted(f for f in chosen if f.removesuffix(DECOMPOSED) not in FUNCTIONS)
     if unknown:
         raise ValueError(f"fplut_functions: unknown function(s) {', '.join(map(repr, unknown))}; "
-                         f"the fplut pass rewrites: {', '.join(FUNCTIONS)}")
+                         f"the fplut pass rewrites: {', '.join(FUNCTIONS)} (NAME{DECOMPOSED}: only where NAME is "
+                         "spelled out in several ops)")
     return chosen
 
 
@@ -306,11 +313,14 @@ class _Run:
                 self.attrs[function] = (None, f"no FPLUT table for {function!r}: {type(e).__name__}: {e}")
         return self.attrs[function]
 
-    def check(self, function: str | None, x, y) -> str | None:
-        """Why this candidate cannot be rewritten, or None."""
+    def check(self, function: str | None, x, y, decomposed: bool = False) -> str | None:
+        """Why this candidate cannot be rewritten, or None (``decomposed``: a multi-op spelling)."""
         if function is None:
             return "no table"
-        if function not in self.functions:
+        if function not in self.functions and not (decomposed and function + DECOMPOSED in self.functions):
+            if function + DECOMPOSED in self.functions:
+                return (f"function {function!r} enabled only where spelled out in several ops (fplut_functions: "
+                        f"{function}{DECOMPOSED})")
             return f"function {function!r} not enabled (fplut_functions)"
         ets = {et for et in (elem_type(x), elem_type(y)) if et is not None}
         bad = [et for et in ets if not is_float_type(et)]
@@ -350,7 +360,7 @@ class _Run:
             if m is None:
                 break
             labels = [node_label(n) for n in m.nodes]
-            reason = m.form.reason if m.form.function is None else self.check(m.form.function, m.x, m.y)
+            reason = m.form.reason if m.form.function is None else self.check(m.form.function, m.x, m.y, True)
             if reason:
                 self.owner.skipped(self.report, m.form.pattern, labels, reason, function=m.form.function)
                 rejected.add(id(m.final))

@@ -327,6 +327,22 @@ def test_fplut_functions_option():
         run_passes(make_model(silu), fplut_functions={"swishy"})
 
 
+def test_fplut_functions_decomposed_only():
+    """``hardswish/decomposed`` (--device cpu's choice): the spelled-out x * Clip(x + 3, 0, 6) / 6 and x *
+    HardSigmoid(x) become FPLUT, the HardSwish op stays (skipped with the reason); a bad suffix is an unknown name."""
+    for name in ("hardswish x*Clip(x+3,0,6)/6", "hardswish x*HardSigmoid"):
+        nodes, consts, opset, _ = SPELLINGS[name]
+        out, _ = rewrite_and_check(make_model(nodes, consts, opset), fplut_functions={"hardswish/decomposed"})
+        assert functions(out) == ["hardswish"], name
+    nodes, consts, opset, _ = SPELLINGS["hardswish op"]
+    out, report = rewrite_and_check(make_model(nodes, consts, opset), fplut_functions="gelu,hardswish/decomposed")
+    assert not fplut_nodes(out) and ops(out) == ["HardSwish"]
+    assert [e.reason for e in report.skipped()] == \
+        ["function 'hardswish' enabled only where spelled out in several ops (fplut_functions: hardswish/decomposed)"]
+    with pytest.raises(ValueError, match="unknown function.*'hardswish/fused'"):
+        run_passes(make_model(nodes, consts, opset), fplut_functions={"hardswish/fused"})
+
+
 def test_subgraph_rewritten():
     body = lambda name: oh.make_graph(  # noqa: E731 - reads the outer x
         [oh.make_node("Sigmoid", ["x"], [f"s_{name}"]), oh.make_node("Mul", ["x", f"s_{name}"], [f"o_{name}"])],

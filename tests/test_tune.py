@@ -41,6 +41,19 @@ def gelu_erf(d=32):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
 
 
+def hardswish(spelled, d=32):
+    """x [2, d] -> HardSwish, as paddle2onnx spells it (x * Clip(x + 3, 0, 6) / 6) or as the op."""
+    if spelled:
+        nodes = [helper.make_node("Add", ["x", "three"], ["a"]), helper.make_node("Clip", ["a", "zero", "six"], ["c"]),
+                 helper.make_node("Mul", ["x", "c"], ["m"]), helper.make_node("Div", ["m", "six"], ["y"])]
+        inits = [numpy_helper.from_array(np.array(v, np.float32), k) for k, v in (("three", 3), ("zero", 0), ("six", 6))]
+    else:
+        nodes, inits = [helper.make_node("HardSwish", ["x"], ["y"])], []
+    g = helper.make_graph(nodes, "hs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, d])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, d])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
 def cost(model, table):
     """Made-up run time of a model: the sum of its nodes' costs (1 for ops not in ``table``)."""
     return float(sum(table.get(n.op_type, 1.0) for n in model.graph.node))
@@ -158,6 +171,10 @@ def test_cpu_defaults_table_and_selection(capsys):
     assert "FPLUT" not in ops(out) and any("not enabled" in e.reason for e in rep.skipped("fplut"))
     out, _ = api.rewrite(gelu_erf(), device="cpu")         # GELU: FPLUT beats onnxruntime's Gelu on the CPU
     assert "FPLUT" in ops(out)
+    out, _ = api.rewrite(hardswish(spelled=True), device="cpu")     # 4 onnxruntime ops: the table is faster
+    assert ops(out) == ["FPLUT"]
+    out, rep = api.rewrite(hardswish(spelled=False), device="cpu")  # onnxruntime's HardSwish op: faster, kept
+    assert ops(out) == ["HardSwish"] and any("spelled out" in e.reason for e in rep.skipped("fplut"))
     out, _ = api.rewrite(qkv_silu(), ["fplut"], device="cpu")   # named: every function
     assert "FPLUT" in ops(out)
     out, _ = api.rewrite(qkv_silu(d=64), device="cpu", weights="nf4")
