@@ -52,7 +52,8 @@ def main():
     sg.K, sg.N = (int(v) for v in a.shape.lower().split("x"))
     w1, w3 = sg._weights(1), sg._weights(3)
     sw = sg.swiglu_model(w1, w3)
-    cases = [("onnxruntime unfused with MatMulNBits", sg.rewrite(sw, "weights4", weights="awq", weights_target="ort")[0]),
+    cases = [("onnxruntime unfused with MatMulNBits",
+              sg.rewrite(sw, "weights4", weights="awq", weights_target="ort")[0]),
              ("ours FusedFFNAWQ", sg.rewrite(sw, "weights4,ffn", weights="awq")[0]),
              ("ours FusedFFNNF4", sg.rewrite(sw, "weights4,ffn", weights="nf4")[0]),
              ("ours MatMulAWQ x2 (gate + up only)", sg.rewrite(sg.pair_model(w1, w3), "weights4", weights="awq")[0])]

@@ -328,8 +328,8 @@ def run(original, rewritten, *, session_factory, provider="cpu", cuda_graph=Fals
         inputs=None, dims=None, out_dir=".", seed=0) -> BenchResult:
     """Times the original and the rewritten model(s) (``rewritten``: a path or a list of paths) in this process
     (CPU: their runs alternating, ``_time_all``); returns a BenchResult and writes ``bench-<mode>.png`` /
-    ``.json`` into ``out_dir`` (None: nothing written). ``session_factory(path, sess_options, providers=...)`` makes sessions with our ops
-    registered. LowbitError for every bad input."""
+    ``.json`` into ``out_dir`` (None: nothing written). ``session_factory(path, sess_options, providers=...)``
+    makes sessions with our ops registered. LowbitError for every bad input."""
     rewritten = [rewritten] if isinstance(rewritten, (str, os.PathLike)) else list(rewritten)
     if not rewritten:
         raise LowbitError("no rewritten model to compare with the original")
@@ -557,7 +557,8 @@ def table(res: BenchResult) -> str:
              row("latency p90 (ms)", lambda v: f"{v:.3f}", lambda m: m.p90_ms, _time_words),
              row("peak memory", _fmt_bytes, lambda m: m.peak_memory_bytes, _size_words),
              row("weight bytes", lambda v: f"{v:,}", lambda m: m.weight_bytes, _size_words),
-             "", f"memory: {res.memory_method}"] + ([f"timing: {res.timing_method}"] if res.timing_method else []) + [""]
+             "", f"memory: {res.memory_method}"]
+    lines += ([f"timing: {res.timing_method}"] if res.timing_method else []) + [""]
     several = len(rs) > 1
     lines += (["| model | output | max abs diff | max rel diff |", "|---|---|---|---|"] if several else
               ["| output | max abs diff | max rel diff |", "|---|---|---|"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from .cpu_passes import ort_has_cuda
 from .ratios import size, speed
 
 SAMPLES = [("tiny_yolo.onnx", "YOLO-style CNN, SiLU activations"), ("gpt2_mlp.onnx", "GPT-2 MLP stack, GELU (tanh)")]
@@ -12,8 +13,7 @@ SAMPLES = [("tiny_yolo.onnx", "YOLO-style CNN, SiLU activations"), ("gpt2_mlp.on
 
 
 def _providers():
-    import onnxruntime as ort
-    if "CUDAExecutionProvider" in ort.get_available_providers():
+    if ort_has_cuda():
         try:
             from numba import cuda
             if cuda.is_available():

@@ -22,9 +22,13 @@ def rounds_of(runs: int) -> list:
     return [runs // n + (r < runs % n) for r in range(n)]
 
 
-def timed_rounds(runners, runs: int, clock=time.perf_counter) -> list:
-    """Per runner (a callable running one model once) its ``runs`` timings in ms, in rounds (module doc)."""
+def timed_rounds(runners, runs: int, clock=time.perf_counter, warmup: int = 0) -> list:
+    """Per runner (a callable running one model once) its ``runs`` timings in ms, in rounds (module doc), after
+    ``warmup`` untimed calls of each (A B, A B, ...)."""
     n = len(runners)
+    for _ in range(warmup):
+        for run in runners:
+            run()
     times = [[] for _ in range(n)]
     for r, k in enumerate(rounds_of(runs)):
         for j in ((r + q) % n for q in range(n)):

@@ -76,8 +76,8 @@ class TuneResult:
                 "passes": [d.to_dict() for d in self.decisions]}
 
     def to_table(self) -> str:
-        lines = [f"tune: each pass timed against the model without it, medians of {self.runs} runs in alternating rounds "
-                 f"per model in onnxruntime CPU sessions, on {self.inputs}",
+        lines = [f"tune: each pass timed against the model without it, medians of {self.runs} runs in alternating "
+                 f"rounds per model in onnxruntime CPU sessions, on {self.inputs}",
                  f"{'pass':12s} {'rewrites':>8s} {'without ms':>11s} {'with ms':>9s}  decision"]
         for d in self.decisions:
             fig = (f"{d.before_ms:11.3f} {d.after_ms:9.3f}" if d.after_ms is not None else f"{'-':>11s} {'-':>9s}")
@@ -96,10 +96,7 @@ def alternate(run_a, run_b, runs: int = DEFAULT_RUNS, warmup: int = WARMUP, cloc
     """(median ms of run_a, median ms of run_b) over ``runs`` calls each, after ``warmup`` untimed calls of each,
     in rounds alternating between the two (onnx_lowbit/rounds.py: per round one untimed call, then a run of timed
     ones; A B, B A, ...)."""
-    for _ in range(warmup):
-        run_a()
-        run_b()
-    ta, tb = rounds.timed_rounds([run_a, run_b], runs, clock)
+    ta, tb = rounds.timed_rounds([run_a, run_b], runs, clock, warmup)
     return statistics.median(ta), statistics.median(tb)
 
 

@@ -209,10 +209,7 @@ def compare(original, rewritten, *, tolerance: float = DEFAULT_TOLERANCE, provid
     timings = {}
     if timing_runs:     # both sessions warmed, then timed in rounds (onnx_lowbit/rounds.py): a drift hits both
         runners = [lambda s=s: s.run(None, feeds) for s in (s0, s1)]
-        for run in runners:
-            for _ in range(3):
-                run()
-        for key, ts in zip(("original", "rewritten"), rounds.timed_rounds(runners, timing_runs)):
+        for key, ts in zip(("original", "rewritten"), rounds.timed_rounds(runners, timing_runs, warmup=3)):
             timings[key] = float(np.median(ts))
     return errors, timings
 

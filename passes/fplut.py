@@ -317,11 +317,12 @@ class _Run:
         """Why this candidate cannot be rewritten, or None (``decomposed``: a multi-op spelling)."""
         if function is None:
             return "no table"
-        if function not in self.functions and not (decomposed and function + DECOMPOSED in self.functions):
-            if function + DECOMPOSED in self.functions:
+        if function not in self.functions:
+            if function + DECOMPOSED not in self.functions:
+                return f"function {function!r} not enabled (fplut_functions)"
+            if not decomposed:
                 return (f"function {function!r} enabled only where spelled out in several ops (fplut_functions: "
                         f"{function}{DECOMPOSED})")
-            return f"function {function!r} not enabled (fplut_functions)"
         ets = {et for et in (elem_type(x), elem_type(y)) if et is not None}
         bad = [et for et in ets if not is_float_type(et)]
         if bad:

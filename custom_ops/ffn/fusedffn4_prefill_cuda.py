@@ -23,8 +23,8 @@ a call).
 Accuracy: the fp16 weights are the dequant kernels' outputs (AWQ: bit-exact with onnx_lowbit.awq.dequantize, which
 FusedFFNAWQ's reference uses; NF4: code * absmax rounded once to fp16, 2^-12 relative at most, where the NF4
 reference keeps fp32), fp32 accumulation, G rounded to fp16 (as the unfused graph's MatMul outputs are; fp32 G
-cost 6% at M = 1024 on the H200 and gained nothing at M = 17 / 128), one fp16 rounding of S. NaN / Inf in a row of X reach that row's outputs
-through the GEMMs, as in the reference.
+cost 6% at M = 1024 on the H200 and gained nothing at M = 17 / 128), one fp16 rounding of S. NaN / Inf in a row
+of X reach that row's outputs through the GEMMs, as in the reference.
 """
 from __future__ import annotations
 

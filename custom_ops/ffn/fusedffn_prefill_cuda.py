@@ -9,8 +9,9 @@ Types cuBLAS has no GemmEx for are brought to one it has without losing accuracy
 to fp32 (exact, SGEMM); fp32 X with fp16 W (mixed) -> X split into fp16 hi + lo parts (X = hi + lo to ~2^-22
 relative), both multiplied in one fp16 GEMM with 2x the rows and summed in the elementwise kernel (reads the fp16
 weight once, never widens it). G is fp32, except for fp16 X and W with [K, N] weights (route ``gemm_f16out``) and
-the 4-bit FFN ops' prefill route (fusedffn4_prefill_cuda, either layout): fp16, the unfused graph's MatMul outputs (H100 sessions, M = 24..256: 1.00-1.04x the unfused graph, max rel. error
-4.7e-4 .. 7.4e-4; fp32 G 0.96-1.00x, docs/ffn.md). fp32-input GEMMs (fp32 W) run in TF32 unless strict fp32 is
+the 4-bit FFN ops' prefill route (fusedffn4_prefill_cuda, either layout): fp16, the unfused graph's MatMul
+outputs (H100 sessions, M = 24..256: 1.00-1.04x the unfused graph, max rel. error 4.7e-4 .. 7.4e-4; fp32 G
+0.96-1.00x, docs/ffn.md). fp32-input GEMMs (fp32 W) run in TF32 unless strict fp32 is
 asked for (fusedffn_cuda.TF32, route ``gemm_tf32``).
 
 Scratch (``prefill_plan`` gives the bytes, a function of M, K, N and the types): G, the converted x, the row scales,
