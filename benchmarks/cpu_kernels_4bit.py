@@ -2,7 +2,8 @@
 
 4bit: MatMulNF4 (block 64; accuracy_level 0, and 4: int8 activations) and MatMulAWQ (group 128) of one random weight
 per K x N, each as the kernel alone (the CPU face's ``product``, what compute calls; level 4: A quantised, then the
-product) and as a node of an onnx_lowbit session (IOBinding, fp32 A), against
+product: on VNNI CPUs the column-lane product of the weight packed once, as a node with a constant weight runs
+it) and as a node of an onnx_lowbit session (IOBinding, fp32 A), against
 onnxruntime's MatMulNBits (the AWQ weights in its layout, accuracy_level 0 and 4) and the fp32 MatMul of the
 dequantised AWQ weight, all in one onnxruntime version and process.
 idle: CPU seconds the process burns while sleeping 0.5 s right after each product (our paths, then numpy's BLAS
@@ -65,7 +66,7 @@ def fourbit_section(threads, shapes, ms, rounds):
     from onnx_lowbit import awq, nf4
     from onnx_lowbit.custom_ops.awq import matmulawq_cpu
     from onnx_lowbit.custom_ops.awq.dequantawq_cpu import parse_attrs
-    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu, matmulnf4_int8_cpu as int8
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_cpu, matmulnf4_int8_cpu as int8, nf4col_cpu
     print(f"NF4 permute kernels (AVX-512): {matmulnf4_cpu.FAST}, int8 (accuracy_level 4) VNNI kernels: {int8.VNNI}")
     tbl = int8.table("nf4")
     rows = []
@@ -77,6 +78,7 @@ def fourbit_section(threads, shapes, ms, rounds):
             w32 = awq.dequantize(qw, qz, sc, 128, K, N).astype(np.float32)
             code = np.ascontiguousarray(nf4.code("nf4"), dtype=np.float32)
             sh = parse_attrs({"group_size": 128, "K": K, "N": N})
+            pk = nf4col_cpu.pack(q, am, K, N, 64, 64) if int8.VNNI else None
             for m in ms:
                 a = np.random.default_rng(m).standard_normal((m, K)).astype(np.float32)
                 runs = {}
@@ -84,8 +86,11 @@ def fourbit_section(threads, shapes, ms, rounds):
                     runs[name], _ = bound_run(session(mod, t, ours=name in ("nf4", "nf4 lvl4", "awq")), {"a": a},
                                               (m, N), np.float32)
                 runs["nf4 kernel"] = lambda: matmulnf4_cpu.product(a, q, am, code, K, N, 64)  # noqa: B023
-                runs["nf4 lvl4 kernel"] = (lambda: int8.product(int8.quantize(a, 64), q, am, tbl,  # noqa: B023
-                                                                K, N, 64, 64))
+                if int8.VNNI:   # the constant weight's path (packed once, as a session node packs it)
+                    runs["nf4 lvl4 kernel"] = lambda: int8.product_packed(a, pk, tbl)  # noqa: B023
+                else:
+                    runs["nf4 lvl4 kernel"] = (lambda: int8.product(int8.quantize(a, 64), q, am, tbl,  # noqa: B023
+                                                                    K, N, 64, 64))
                 runs["awq kernel"] = lambda: matmulawq_cpu.product(a, qw, qz, sc, sh)  # noqa: B023
                 got = compare(runs, rounds, clock)
                 for ours in ("nf4", "nf4 lvl4", "awq"):

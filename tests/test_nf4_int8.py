@@ -8,6 +8,7 @@ import pytest
 
 from onnx_lowbit import ffn, nf4, nf4_int8
 from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
+from onnx_lowbit.custom_ops.nf4 import nf4col_cpu as col
 from onnx_lowbit.custom_ops.nf4.nf4decode_cpu import absmax32
 
 EPS32 = 2.0 ** -24
@@ -135,6 +136,9 @@ SHAPES = [  # K, N, block size, M
     (1024, 6, 512, 1),       # one block over several spans
     (64, 5, 4096, 2),        # a block far larger than K (pieces)
     (512, 4, 64, 0),         # no rows
+    (160, 33, 64, 5),        # column lanes: N past two tiles of 16, K % 128 == 32
+    (512, 16, 256, 2),       # one whole tile, groups of 256
+    (32, 3, 32, 1),          # K = 32: one group of one 8-element step per lane ... four steps
 ]
 
 
@@ -145,6 +149,7 @@ def kernel_outputs(a, q, am, qt, bs, k, n):
     out = {}
     if int8.VNNI:
         out["vnni"] = int8.product(int8.quantize(a, g), q, am, tbl, k, n, bs, g)
+        out["packed"] = int8.product_packed(a, col.pack(q, am, k, n, bs, g), tbl)   # a constant weight's path
     aq = np.empty((a.shape[0], k), np.int8)
     sal = np.empty((a.shape[0], k // g), np.float32)
     int8.quantize_scalar(a, g, aq, sal)
@@ -169,6 +174,25 @@ def test_kernels_against_reference(qt, k, n, bs, m):
         assert np.all(err <= 48 * EPS32 * bound + 1e-30), (path, float((err / np.maximum(bound, 1e-30)).max()))
 
 
+@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+def test_big_group_packed_and_scalar(qt):
+    """One group of 4096 (K = bs = 4096): the packed path's int32 group sum exceeds 2^24 and is rounded once to fp32,
+    within the bound. (Not the span-layout VNNI path: it sums fp32 partials of 8-element lanes, whose rounding
+    grows with the sum of |lane partials|, which cancellation in a group of 4096 leaves far above the group's
+    |sum|: about 55 and 240 fp32 ulps of the bound here, not a bound of its own error.)"""
+    k, n, bs, m = 4096, 18, 4096, 3
+    q, am = weights(k, n, bs, qt, seed=k + n)
+    a = (np.random.default_rng(m + k).standard_normal((m, k)) * 3 + 0.5).astype(np.float32)
+    ref = nf4_int8.matmul(a, q, am, qt, bs, k, n).astype(np.float64)
+    bound = _bound(a, q, am, qt, bs, k, n)
+    outs = kernel_outputs(a, q, am, qt, bs, k, n)
+    outs.pop("vnni", None)
+    assert ("packed" in outs) == int8.VNNI
+    for path, y in outs.items():
+        err = np.abs(y - ref)
+        assert np.all(err <= 48 * EPS32 * bound + 1e-30), (path, float((err / np.maximum(bound, 1e-30)).max()))
+
+
 def test_vnni_activation_layout_matches_the_reference():
     if not int8.VNNI:
         pytest.skip("no AVX-512 VNNI")
@@ -187,6 +211,11 @@ def test_vnni_activation_layout_matches_the_reference():
     assert np.array_equal(np.isnan(qa.sal[:, :k // 8]), np.isnan(lanes)) and not qa.sal[:, k // 8:].any()
     fin = ~np.isnan(lanes)
     np.testing.assert_allclose(qa.sal[:, :k // 8][fin], lanes[fin] / 127, rtol=4 * EPS32)
+    aq_n, cg, sg = col.quantize_arrays(a, g)         # the column-lane kernels' layout: natural order, per group
+    np.testing.assert_array_equal(aq_n, nat)
+    np.testing.assert_array_equal(cg, -128 * nat.reshape(3, -1, g).astype(np.int32).sum(-1))
+    np.testing.assert_array_equal(sg[:, :k // g], qa.sal[:, :k // 8:g // 8])
+    assert not sg[:, k // g:].any()
 
 
 @pytest.mark.parametrize("qt", ["nf4", "fp4"])
@@ -209,6 +238,54 @@ def test_threads_split_gives_the_same_bytes(monkeypatch):
     monkeypatch.setattr(int8, "PARALLEL_MIN_MACS", 0)
     monkeypatch.setattr(int8.threads, "threads", lambda: 3)
     np.testing.assert_array_equal(int8.matmul(a, q, am, int8.table("nf4"), k, n, bs), one)
+
+
+def test_column_lane_pack_layout():
+    """nf4col_cpu.pack: per tile of 16 columns and 8-element step, lane c's 4 bytes hold elements 8 s + j (low
+    nibble) and 8 s + 4 + j (high nibble) of column 16 t + c; absmax per tile, group and column; padding 0."""
+    k, n, bs = 96, 21, 32
+    q, am = weights(k, n, bs, "fp4", seed=11)
+    pk = col.pack(q, am, k, n, bs, 32)
+    idx = nf4.unpack_indices(q, k * n).reshape(n, k)
+    full = np.zeros((32, k), np.int64)
+    full[:n] = idx
+    lanes = full.reshape(2, 16, k // 8, 2, 4)                  # tile, column, step, low / high half, byte
+    want = (lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)).transpose(0, 2, 1, 3).reshape(-1)
+    np.testing.assert_array_equal(pk.qk, want.astype(np.uint8))
+    sk = np.zeros((32, k // 32), np.float32)
+    sk[:n] = am.reshape(n, k // 32)
+    np.testing.assert_array_equal(pk.sk, sk.reshape(2, 16, k // 32).transpose(0, 2, 1).reshape(-1))
+    assert pk.qk.ctypes.data % 64 == 0 and pk.tiles == 2 and pk.nbytes == 2 * (k // 8) * 64 + 2 * 3 * 16 * 4
+
+
+@pytest.mark.parametrize("k,n,bs", [(352, 203, 64), (256, 48, 256)])
+def test_packed_rows_and_thread_splits_give_the_same_bytes(monkeypatch, k, n, bs):
+    """A packed weight: every row the same bytes whatever the row count (the 4-, 2- and 1-row tiles) and the
+    threads' tile ranges, NaN / Inf rows included; fp16 A and a bias through matmul_packed."""
+    if not int8.VNNI:
+        pytest.skip("no AVX-512 VNNI")
+    g, _ = int8.group(k, bs)
+    q, am = weights(k, n, bs, "nf4", seed=k)
+    pk = col.pack(q, am, k, n, bs, g)
+    tbl = int8.table("nf4")
+    a = np.random.default_rng(3).standard_normal((7, k)).astype(np.float32)
+    a[2, 5], a[5, 100] = np.nan, -np.inf
+    whole = int8.product_packed(a, pk, tbl)
+    for r in range(7):
+        np.testing.assert_array_equal(int8.product_packed(a[r:r + 1], pk, tbl), whole[r:r + 1])
+    np.testing.assert_array_equal(int8.product_packed(a[1:4], pk, tbl), whole[1:4])
+    assert np.isnan(whole[[2, 5]]).all() and np.isfinite(np.delete(whole, [2, 5], axis=0)).all()
+    monkeypatch.setattr(int8, "PARALLEL_MIN_MACS", 0)
+    monkeypatch.setattr(int8.threads, "threads", lambda: 3)
+    np.testing.assert_array_equal(int8.product_packed(a, pk, tbl), whole)
+    b = np.random.default_rng(4).standard_normal(n).astype(np.float16)
+    a16 = a.astype(np.float16)
+    y = int8.matmul_packed(a16.reshape(1, 7, k), pk, tbl, b)
+    assert y.dtype == np.float16 and y.shape == (1, 7, n)
+    ref = nf4_int8.matmul(a16, q, am, "nf4", bs, k, n, b)
+    fin = [0, 1, 3, 4, 6]
+    assert np.isnan(y[0, [2, 5]]).all()
+    assert np.abs(y[0, fin].astype(np.float64) - ref[fin]).max() <= 2.0 ** -10 * np.abs(ref[fin]).max()
 
 
 def test_fused_ffn_host_entry():

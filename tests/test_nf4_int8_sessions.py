@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import onnx_lowbit
 from onnx_lowbit import domain, ffn, nf4, nf4_int8
 
 from test_ffn4_kernels import _rel, _tol
-from test_native_cpu import _specials, check_native_rows, native_and_python
+from test_native_cpu import _specials, check_native_rows, native_and_python, session
 from test_nf4_kernels import _cuda_ok, _quantized, call_op
 
 ET = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16}
@@ -53,6 +54,70 @@ def test_matmulnf4_level4_native(k, n, bs, qt, dtype, bias):
                 np.testing.assert_array_equal(ref, nf4.matmul(a, q, am, qt, bs, k, n, b))
             else:
                 assert _rel(nf4.matmul(a, q, am, qt, bs, k, n, b), ref) > 1e-4
+
+
+def _weight_inputs_model(k, n, bs, qt, dtype, bias):
+    """MatMulNF4 level 4 whose Q and absmax (and bias) are graph inputs (not constant: nothing packed)."""
+    et = ET[np.dtype(dtype)]
+    ins = ["a", "q", "am"] + (["b"] if bias else [])
+    node = helper.make_node("MatMulNF4", ins, ["y"], domain=domain.DOMAIN, name="op", quant_type=qt, block_size=bs,
+                            K=k, N=n, accuracy_level=4)
+    vis = [helper.make_tensor_value_info("a", et, ["b", "m", k]),
+           helper.make_tensor_value_info("q", TensorProto.UINT8, None),
+           helper.make_tensor_value_info("am", TensorProto.FLOAT, None)]
+    vis += [helper.make_tensor_value_info("b", et, [n])] if bias else []
+    g = helper.make_graph([node], "g", vis, [helper.make_tensor_value_info("y", et, ["b", "m", n])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), domain.opset_import()], ir_version=10)
+
+
+@pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(256, 40, 64, "nf4", np.float32, True),
+                                                  (352, 37, 64, "fp4", np.float16, True),
+                                                  (160, 50, 32, "nf4", np.float32, False),
+                                                  (2048, 1100, 128, "fp4", np.float32, False)])
+def test_matmulnf4_level4_constant_vs_input_weights(monkeypatch, k, n, bs, qt, dtype, bias):
+    """Constant Q / absmax: on VNNI CPUs repacked once per node (nf4col_cpu), every M of the node the same bytes per
+    row (M = 1 and M = 3 rows of one session, native entry and Python path, 1 and 2 threads); weights fed as inputs:
+    the span-layout kernels. Both within the level-4 tolerance of the reference, each other's too."""
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
+    from onnx_lowbit.custom_ops.runtime import bridge
+    monkeypatch.setattr(int8, "TASK_COLS_PACKED", 32)     # tasks of two tiles: several tasks on the pool
+    q, am = _quantized(k, n, bs, qt, seed=k + 1)
+    rng = np.random.default_rng(k)
+    b = rng.standard_normal(n).astype(dtype) if bias else None
+    inits = {"q": q, "am": am} | ({"b": b} if bias else {})
+    const = model("MatMulNF4", inits, ["a", "q", "am"] + (["b"] if bias else []), k, n, dtype,
+                  dict(quant_type=qt, block_size=bs, K=k, N=n, accuracy_level=4))
+    a3 = _specials(rng.standard_normal((1, 3, k)).astype(dtype))
+    a20 = rng.standard_normal((1, 20, k)).astype(dtype)
+    feeds = [{"a": a3}, {"a": a3[:, 1:2].copy()}, {"a": a3[:, 2:3].copy()}, {"a": a20}]
+    results = []
+    for threads in (1, 2):
+        native, _ = native_and_python(const, feeds, threads, python_only=lambda f: f["a"].shape[1] > 16)
+        results.append(native)
+        (y3,), (y1,), (y2,), (y20,) = native
+        assert np.array_equal(y3[:, 1:2].view(np.uint8), y1.view(np.uint8))        # M = 1 rows = M = 3 rows
+        assert np.array_equal(y3[:, 2:3].view(np.uint8), y2.view(np.uint8))
+    for x, y in zip(results[0], results[1]):                                           # 1 vs 2 threads
+        assert np.array_equal(x[0].view(np.uint8), y[0].view(np.uint8))
+    live = session(const)      # the node's kernel object: packed where the CPU has VNNI
+    live.run(None, feeds[1])
+    kernels = [kk for kk in bridge._kernels.values() if getattr(kk, "node_name", None) == "op"
+               and kk.spec.name == "MatMulNF4" and kk.n == n and kk.k == k]
+    assert kernels and all((kk.packed is not None) == int8.VNNI for kk in kernels)
+    del live
+    inp = _weight_inputs_model(k, n, bs, qt, dtype, bias)
+    wfeeds = {"q": q.reshape(-1), "am": am.astype(np.float32).reshape(-1)} | ({"b": b} if bias else {})
+    sess = onnx_lowbit.InferenceSession(inp.SerializeToString(), providers=["CPUExecutionProvider"])
+    for f, (y,) in zip(feeds, results[0]):
+        (yi,) = sess.run(None, f | wfeeds)
+        a = f["a"][0]
+        ref = nf4.matmul(a, q, am, qt, bs, k, n, b, accuracy_level=4)
+        fin = np.isfinite(a.astype(np.float32)).all(axis=1)
+        assert np.array_equal(np.isnan(y[0]), ~fin[:, None] & np.ones((1, n), bool))
+        assert np.array_equal(np.isnan(yi[0]), np.isnan(y[0]))
+        if fin.any():
+            assert _rel(y[0][fin], ref[fin]) <= _tol(dtype) and _rel(yi[0][fin], ref[fin]) <= _tol(dtype)
+            assert _rel(y[0][fin], yi[0][fin]) <= 2 * _tol(dtype)
 
 
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(256, 40, 64, "nf4", np.float32, True),

@@ -12,7 +12,9 @@ work that followed). Accumulation in fp32.
   nibbles of a byte from one load (scalar table lookups).
 
 With the attribute accuracy_level = 4 (and K % 32 == 0) the node runs matmulnf4_int8_cpu instead: A quantised to
-int8, VNNI integer dot products (onnx_lowbit.nf4_int8 defines the result)."""
+int8, VNNI integer dot products (onnx_lowbit.nf4_int8 defines the result); a node whose Q and absmax are constant
+initializers has them repacked once into column lanes on VNNI CPUs (nf4col_cpu; a copy of N x K / 2 bytes plus the
+absmax per group, kept by the kernel object) and takes those kernels at every M."""
 from __future__ import annotations
 
 import math
@@ -232,6 +234,9 @@ class MatMulNF4Kernel(Kernel):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
         self.l4 = int8.Level4.make(nf4_common.parse_level(self.attrs), self.qt, self.k, self.bs.size)
+        # level 4 with constant Q and absmax on a VNNI CPU: the weight repacked once (matmulnf4_int8_cpu)
+        self.packed, self.packed_from = (self.l4.pack_constant(self.constants, 1, 2, self.n) if self.l4 is not None
+                                         else (None, None))
 
     native_plans = True  # M <= SMALL_M: the native entry (below); larger M: the Python path every call
 
@@ -262,6 +267,9 @@ class MatMulNF4Kernel(Kernel):
     def compute8(self, ctx, a, q, absmax, bias, m):
         """accuracy_level 4: matmulnf4_int8_cpu's native entry at M <= its SMALL_M, else its Python path."""
         k, n, bs = self.k, self.n, self.bs.size
+        pk = self.packed if self.packed_from == (q.ptr, absmax.ptr) else None
+        if pk is not None:
+            return self.compute8_packed(ctx, a, bias, m, pk)
         if ctx.native and m <= int8.SMALL_M:
             y = ctx.output(0, a.shape[:-1] + (n,))
             unit = bs // math.gcd(k, bs)
@@ -274,6 +282,24 @@ class MatMulNF4Kernel(Kernel):
             plans.not_replayable()
         y = int8.matmul(a.numpy(), q.numpy(), absmax.numpy(), self.l4.tbl, k, n, bs,
                         None if bias is None else bias.numpy())
+        out = ctx.output_numpy(0, a.shape[:-1] + (n,), y.dtype)
+        out[...] = y
+
+    def compute8_packed(self, ctx, a, bias, m, pk):
+        """accuracy_level 4, constant weight packed into column lanes: the packed native entry at M <= SMALL_M,
+        else the packed Python path (the same operations per column: the same bytes at every M)."""
+        n = self.n
+        if ctx.native and m <= int8.SMALL_M:
+            y = ctx.output(0, a.shape[:-1] + (n,))
+            values = [a.ptr, *self.packed_from, bias.ptr if bias is not None else 0, y, self.l4.tbl.ctypes.data, m,
+                      self.k, n, self.bs.size, int(a.elem_type == 10), int(bias is not None), pk.lg, pk.g,
+                      pk.qk.ctypes.data, pk.sk.ctypes.data, *self.packed_from]
+            if ctx.run_native(native.compile_entry(int8.native_matmul_packed), pk.tiles, int8.grain_packed(n),
+                              values, (0, 1, 2, 3, 4)):
+                return
+        elif ctx.native:
+            plans.not_replayable()
+        y = int8.matmul_packed(a.numpy(), pk, self.l4.tbl, None if bias is None else bias.numpy())
         out = ctx.output_numpy(0, a.shape[:-1] + (n,), y.dtype)
         out[...] = y
 

@@ -8,8 +8,14 @@ with the NF4 / FP4 codes as int8 levels, per group one fp32 scale (reference and
   ``cols_scalar`` (Numba scalar loops, the same integer sums; fp32 scales applied per group).
 * ``product``: the host-array product (the Python path; FusedFFNNF4's too) over threads (device/threads.py);
   ``native_matmul``: MatMulNF4's native entry (runtime/plans.py), ``Level4``: a node's setup and task grain.
+* A constant weight on VNNI CPUs (``Level4.pack_constant``: the node's initializer, repacked once into column lanes
+  by nf4col_cpu; its copy costs N x K / 2 + 4 x N x K / g bytes per node): ``product_packed`` (the Python path) and
+  ``native_matmul_packed`` (the native entry) run nf4col_cpu's tiles instead, for every M of that node.
 Level 4 needs K % 32 == 0 (``group``); the kernels compute level 0 otherwise (matmulnf4_cpu). Every column is
-computed by the same operations whatever the tile, the range or the task, so all paths give the same bytes."""
+computed by the same operations whatever the tile, the range or the task, so all paths of one weight layout give
+the same bytes: a node whose weight is packed gets the same bytes at every M and thread split (nf4col_cpu's
+operations), as does a node whose weight is not (nf4vnni_cpu's / the scalar path's); the two layouts differ from
+each other by fp32 summation order only (the integer sums are the same)."""
 from __future__ import annotations
 
 import math
@@ -20,6 +26,7 @@ from numba import njit
 from onnx_lowbit import nf4_int8
 
 from ..device import native, threads
+from . import nf4col_cpu as col
 from . import nf4vnni_cpu as vnni
 from .nf4decode_cpu import absmax32
 from .nf4vnni_cpu import VNNI
@@ -253,6 +260,31 @@ def product(qa: QuantA, q, absmax, tbl, k, n, bs, g):
     return out
 
 
+def product_packed(a2, pk, tbl):
+    """float32 [M, K] @ a packed constant weight (nf4col_cpu.ColPack) -> float32 [M, N]: A quantised once in natural
+    order, the column tiles split over threads from PARALLEL_MIN_MACS multiply-adds."""
+    m = a2.shape[0]
+    out = np.empty((m, pk.n), np.float32)
+    if m == 0:
+        return out
+    aq, cg, sg = col.quantize_arrays(np.ascontiguousarray(a2, dtype=np.float32), pk.g)
+    rs = [(0, pk.tiles)] if m * pk.k * pk.n < PARALLEL_MIN_MACS else threads.split(pk.tiles)
+
+    def args(lo, hi):
+        return aq, cg, sg, pk.qk, pk.sk, tbl, pk.k, pk.lg, lo, hi, pk.n, out[:, lo * col.TILE:]
+    threads.run_ranges(col.cols, args, rs)
+    return out
+
+
+def matmul_packed(a, pk, tbl, bias=None):
+    """``matmul`` with a packed constant weight (nf4col_cpu.ColPack)."""
+    a2 = np.ascontiguousarray(a, dtype=np.float32).reshape(-1, pk.k)
+    out = product_packed(a2, pk, tbl)
+    if bias is not None:
+        out += bias.astype(np.float32)
+    return out.astype(a.dtype).reshape(*a.shape[:-1], pk.n)
+
+
 def matmul(a, q, absmax, tbl, k, n, bs, bias=None):
     """Host-array entry (the Python path, tests): a [..., K] float32/float16 -> [..., N] of a's dtype at level 4
     (``tbl``: ``table``; K must be a multiple of 32: ``group``)."""
@@ -272,6 +304,20 @@ class Level4:
     def __init__(self, quant_type, k, bs):
         self.g, _ = group(k, bs)
         self.tbl = table(quant_type)
+        self.k, self.bs = k, bs
+
+    def pack_constant(self, constants, qi, ai, n):
+        """(nf4col_cpu.ColPack, (Q address, absmax address)) of the weight at inputs qi (codes) and ai (absmax)
+        when both are constant initializers of the op's sizes and types on a VNNI CPU, else (None, None)."""
+        q, am = constants.get(qi), constants.get(ai)
+        if not VNNI or q is None or am is None:
+            return None, None
+        qv, av = q.numpy(), am.numpy()
+        total = self.k * n
+        if (qv.dtype != np.uint8 or av.dtype != np.float32 or qv.size != (total + 1) // 2
+                or av.size != (total + self.bs - 1) // self.bs):
+            return None, None   # compute's checks name the problem
+        return col.pack(qv, av, self.k, n, self.bs, self.g), (q.ptr, am.ptr)
 
     @classmethod
     def make(cls, level, quant_type, k, bs):
@@ -306,6 +352,40 @@ def native_matmul(p, begin, end):
     cols_product(aq, corr, sal, native.vector(p[1], (total + 1) // 2, np.uint8),
                  native.vector(p[2], (total + bs - 1) // bs, np.float32), native.vector(p[5], 64, np.uint8), k, bs, g,
                  n0, n1, res)
+    if p[11]:
+        native.add_bias(res, p[3], n0, f16)
+    if f16:
+        native.store_cols(res, p[4], n, n0, f16)
+    return 0
+
+
+# ---- native entry with a packed constant weight (Level4.pack_constant): work items are column tiles of 16; every
+# task quantises A in natural order and runs nf4col_cpu's tiles on its tiles. params: native_matmul's (slot 12:
+# log2 of the group, unused slot 13), then the ColPack's qk and sk addresses, and the Q and absmax addresses it
+# was packed from (the call's must be those, else DECLINED: the Python path takes the unpacked kernels).
+TASK_COLS_PACKED = 1024   # quantising A costs about 128 columns' work at any K and M: tasks of >= 1024 columns
+
+
+def grain_packed(n):
+    """Tiles per task of native_matmul_packed (at least TASK_COLS_PACKED columns; one task for N up to that)."""
+    return max(1, TASK_COLS_PACKED // col.TILE)
+
+
+def native_matmul_packed(p, begin, end):
+    if p[1] != p[16] or p[2] != p[17]:
+        return native.DECLINED
+    m, k, n = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8)
+    f16, lg, g = native.arg(p, 10), native.arg(p, 12), native.arg(p, 13)
+    tiles = (n + col.TILE - 1) // col.TILE
+    t0, t1 = begin, min(end, tiles)
+    n0, n1 = t0 * col.TILE, min(t1 * col.TILE, n)
+    if n1 <= n0 or m == 0:
+        return 0
+    aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), g)
+    res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
+    col.cols(aq, cg, sg, native.vector(p[14], tiles * (k // 8) * 64, np.uint8),
+             native.vector(p[15], tiles * (k >> lg) * col.TILE, np.float32), native.vector(p[5], 64, np.uint8), k, lg,
+             t0, t1, n, res)
     if p[11]:
         native.add_bias(res, p[3], n0, f16)
     if f16:

@@ -7,7 +7,8 @@ vpdpbusd from Python loops, so the two hot loops are Numba intrinsics:
   elements, then its 64 odd ones (byte j of a weight span holds element 2j in the high nibble, 2j + 1 in the low
   one); per 8-element lane ``corr`` = -128 x the lane's sum (psadbw) and ``sal`` = amax x fp32(1 / 127^2) (s_a / 127
   up to an ulp or two: a scale, not a rounding decision; NaN for a group holding NaN / inf, 0 past K, where the
-  activations are 0 too).
+  activations are 0 too). ``quantize_row_nat``: the same, aq left in natural order (nf4col_cpu's column-lane
+  kernels, a constant weight's).
 * ``tile_R_C`` (``tile_1_Cp``: one row, absmax x sal formed once per call, ``prescaled``): R rows x C columns over
   all of K. Per span and column: one 64-byte load of the packed weight, the high nibbles shifted down, both
   looked up in the 16 levels + 128 (unsigned: vpdpbusd multiplies u8 x s8; ``vpermb`` on VBMI CPUs, which reads 6
@@ -74,12 +75,20 @@ def _splat(builder, s, vt):
     return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _c(ir.VectorType(I32, vt.count), [0] * vt.count))
 
 
-@intrinsic
-def quantize_row(typingctx, x, k_dim, lg, aq, corr, sal):
+def _make_quantize(natural):
+    """quantize_row (``natural`` False: aq per span in the packed weight's even / odd order) or quantize_row_nat
+    (True: aq in natural order, for nf4col_cpu's column-lane kernels)."""
+    def quantize(typingctx, x, k_dim, lg, aq, corr, sal):
+        return _quantize(natural, x, k_dim, lg, aq, corr, sal)
+    quantize.__name__ = quantize.__qualname__ = "quantize_row_nat" if natural else "quantize_row"
+    return intrinsic(quantize)
+
+
+def _quantize(natural, x, k_dim, lg, aq, corr, sal):
     """One row of A (float32 1-D ``x``, K = ``k_dim`` elements, groups of 2^lg >= 16 dividing K) -> ``aq`` (int8
-    1-D, K rounded up to 128, per span its even elements then its odd ones, 0 past K), ``corr`` (int32, one per 8
-    elements: -128 x their sum) and ``sal`` (float32, one per 8 elements: amax x fp32(1 / 127^2), NaN for a group
-    with a NaN or inf, 0 past K). No bounds checks."""
+    1-D, K rounded up to 128, per span its even elements then its odd ones (natural order with ``natural``), 0 past
+    K), ``corr`` (int32, one per 8 elements: -128 x their sum) and ``sal`` (float32, one per 8 elements: amax x
+    fp32(1 / 127^2), NaN for a group with a NaN or inf, 0 past K). No bounds checks."""
     sig = types.void(x, k_dim, lg, aq, corr, sal)
 
     def codegen(context, builder, signature, args):
@@ -145,10 +154,15 @@ def quantize_row(typingctx, x, k_dim, lg, aq, corr, sal):
             cv = builder.mul(builder.sub(sums, _c(V16I, [1024] * 16)), _c(V16I, [-128] * 16))
             builder.store(cv, builder.bitcast(builder.gep(cp, [builder.shl(z, _c(I64, 4))]), V16I.as_pointer()),
                           align=4)
-            builder.store(builder.shuffle_vector(v0, v1, _c(ir.VectorType(I32, 64), evens)), p0, align=1)
-            builder.store(builder.shuffle_vector(v0, v1, _c(ir.VectorType(I32, 64), odds)), p1, align=1)
+            if not natural:
+                builder.store(builder.shuffle_vector(v0, v1, _c(ir.VectorType(I32, 64), evens)), p0, align=1)
+                builder.store(builder.shuffle_vector(v0, v1, _c(ir.VectorType(I32, 64), odds)), p1, align=1)
         return context.get_dummy_value()
     return sig, codegen
+
+
+quantize_row = _make_quantize(False)
+quantize_row_nat = _make_quantize(True)
 
 
 def _masked_load(builder, ptr, vt, count, align):
