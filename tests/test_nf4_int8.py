@@ -300,4 +300,11 @@ def test_fused_ffn_host_entry():
     assert np.abs(s - ref).max() <= 1e-5 * np.abs(ref).max()
     float_ref = ffn.swiglu_nf4_ref(x, q1, am1, q3, am3, "nf4", bs, k, n)
     assert 0 < np.linalg.norm(s - float_ref) / np.linalg.norm(float_ref) < 0.03
+    if int8.VNNI:       # W1 and W3 packed (a node's constant weights): within the same bound, rows alike at any M
+        packs = (col.pack(q1, am1, k, n, bs, l4.g), col.pack(q3, am3, k, n, bs, l4.g))
+        sp = fusedffnnf4_cpu.swiglu(x, q1, am1, q3, am3, nf4.code("nf4"), k, n, bs, l4=l4, packs=packs)
+        assert np.abs(sp - ref).max() <= 1e-5 * np.abs(ref).max()
+        np.testing.assert_array_equal(
+            fusedffnnf4_cpu.swiglu(x[1:2], None, None, None, None, nf4.code("nf4"), k, n, bs, l4=l4, packs=packs),
+            sp[1:2])
     assert int8.Level4.make(0, "nf4", k, bs) is None and int8.Level4.make(4, "nf4", 100, bs) is None

@@ -132,7 +132,17 @@ def test_fusedffnnf4_level4_native(k, n, bs, qt, dtype, bias):
     m = model("FusedFFNNF4", inits, ["x", "q1", "a1", "q3", "a3"] + (["b1", "b3"] if bias else []), k, n, dtype,
               dict(quant_type=qt, block_size=bs, K=k, N=n, accuracy_level=4))
     feeds = [{"x": _specials((rng.standard_normal((1, mm, k)) + 0.2).astype(dtype))} for mm in (1, 3, 1, 16, 17, 0)]
-    native, _ = native_and_python(m, feeds, 0, python_only=lambda f: f["x"].shape[1] > 16)
+    row = {"x": feeds[1]["x"][:, 1:2].copy()}    # row 1 of the M = 3 call, alone: the same bytes at every M
+    native, _ = native_and_python(m, feeds + [row], 0, python_only=lambda f: f["x"].shape[1] > 16)
+    np.testing.assert_array_equal(native[1][0][:, 1:2].view(np.uint8), native[-1][0].view(np.uint8))
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
+    from onnx_lowbit.custom_ops.runtime import bridge
+    live = session(m)          # the node's kernel object: W1 and W3 packed where the CPU has VNNI
+    live.run(None, feeds[0])
+    kernels = [kk for kk in bridge._kernels.values() if getattr(kk, "node_name", None) == "op"
+               and kk.spec.name == "FusedFFNNF4" and kk.n == n and kk.k == k]
+    assert kernels and all((kk.packs is not None) == int8.VNNI for kk in kernels)
+    del live
     check_native_rows(native, feeds, "x", n, dtype,
                       lambda x: ffn.swiglu_nf4_ref(x, q1, a1, q3, a3, qt, bs, k, n, b1, b3, accuracy_level=4), _rel,
                       _tol(dtype), finite_ref=True)

@@ -9,7 +9,10 @@ kernels ``product`` picks (matmulnf4_cpu.cols_product), the biases, SiLU * up an
 Python path.
 
 With accuracy_level 4 (K % 32 == 0) both products are matmulnf4_int8_cpu's (X quantised to int8 once per call, per
-task natively), as MatMulNF4's at that level."""
+task natively), as MatMulNF4's at that level; where W1 and W3 (codes and absmax) are constant initializers on a VNNI
+CPU, both are repacked once per node into column lanes (nf4col_cpu; copies of 2 x (N x K / 2 + 4 x N x K / g)
+bytes kept by the kernel object) and every M of the node takes those kernels (``_native_ffn8_packed``, or the
+Python path with ``packs``)."""
 from __future__ import annotations
 
 import math
@@ -20,6 +23,7 @@ from ..device import native
 from ..device.inputs import check_x_biases
 from ..nf4 import common as nf4_common
 from ..nf4 import matmulnf4_int8_cpu as int8
+from ..nf4 import nf4col_cpu as col
 from ..nf4.common import check_weights
 from ..nf4.matmulnf4_cpu import cols_product, even_odd, fast_path, pieces_path, product
 from ..runtime import plans
@@ -30,14 +34,19 @@ SMALL_M = 16              # larger M: the Python path every call
 TASK_MACS = 1 << 16       # multiply-adds per task (both products), at least
 
 
-def swiglu(x, q1, am1, q3, am3, code, k, n, bs, b1=None, b3=None, l4=None):
+def swiglu(x, q1, am1, q3, am3, code, k, n, bs, b1=None, b3=None, l4=None, packs=None):
     """Host-array entry (the kernel, tests): x [..., K] float32/float16 -> S [..., N] of x's dtype; ``l4`` (an
-    int8.Level4): accuracy_level 4, X quantised to int8 once for both products."""
+    int8.Level4): accuracy_level 4, X quantised to int8 once for both products; with ``packs`` (W1's and W3's
+    nf4col_cpu.ColPack, l4 given) the packed products (q1 .. am3 not read)."""
     lead = x.shape[:-1]
     x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
     if x2.shape[0] == 0:
         return np.empty(lead + (n,), x.dtype)
-    if l4 is not None:
+    if packs is not None:
+        qa = col.quantize_arrays(x2, l4.g)
+        g = int8.product_packed_q(qa, packs[0], l4.tbl)
+        u = int8.product_packed_q(qa, packs[1], l4.tbl)
+    elif l4 is not None:
         qa = int8.quantize(x2, l4.g)
         g = int8.product(qa, q1, am1, l4.tbl, k, n, bs, l4.g)
         u = int8.product(qa, q3, am3, l4.tbl, k, n, bs, l4.g)
@@ -56,12 +65,29 @@ class FusedFFNNF4Kernel(Kernel):
         super().__init__(**kw)
         self.qt, self.bs, self.k, self.n, self.code = nf4_common.parse_attrs(self.attrs)
         self.l4 = int8.Level4.make(nf4_common.parse_level(self.attrs), self.qt, self.k, self.bs.size)
+        self.packs, self.packed_from = None, None     # level 4, constant W1 and W3 on a VNNI CPU: packed once
+        if self.l4 is not None:
+            p1, f1 = self.l4.pack_constant(self.constants, 1, 2, self.n)
+            p3, f3 = self.l4.pack_constant(self.constants, 3, 4, self.n) if p1 is not None else (None, None)
+            if p3 is not None:
+                self.packs, self.packed_from = (p1, p3), f1 + f3
 
     def compute(self, ctx, inputs):
         x, q1, am1, q3, am3, b1, b3 = (opt(inputs, i) for i in range(7))
         check_weights(q1, am1, q3, am3, self.k, self.n, self.bs)
         m = check_x_biases(x, b1, b3, self.k, self.n, 5, 6)
-        if self.l4 is not None and ctx.native and m <= int8.SMALL_M:
+        packs = self.packs if self.packed_from == (q1.ptr, am1.ptr, q3.ptr, am3.ptr) else None
+        if packs is not None and ctx.native and m <= int8.SMALL_M:
+            k, n, bs = self.k, self.n, self.bs.size
+            s = ctx.output(0, tuple(x.shape[:-1]) + (n,))
+            values = [x.ptr, q1.ptr, am1.ptr, q3.ptr, am3.ptr, b1.ptr if b1 is not None else 0,
+                      b3.ptr if b3 is not None else 0, s, self.l4.tbl.ctypes.data, m, k, n, bs, int(x.elem_type == 10),
+                      int(b1 is not None), int(b3 is not None), packs[0].lg, self.l4.g,
+                      *(a.ctypes.data for pk in packs for a in (pk.qk, pk.sk)), *self.packed_from]
+            if ctx.run_native(native.compile_entry(_native_ffn8_packed), packs[0].tiles,
+                              max(1, int8.grain_packed(n) // 2), values, (0, 1, 2, 3, 4, 5, 6, 7)):
+                return
+        elif packs is None and self.l4 is not None and ctx.native and m <= int8.SMALL_M:
             k, n, bs = self.k, self.n, self.bs.size
             s = ctx.output(0, tuple(x.shape[:-1]) + (n,))
             unit = bs // math.gcd(k, bs)
@@ -90,7 +116,7 @@ class FusedFFNNF4Kernel(Kernel):
         if m:
             out[...] = swiglu(xv, q1.numpy(), am1.numpy(), q3.numpy(), am3.numpy(), self.code, self.k, self.n,
                               self.bs.size, None if b1 is None else b1.numpy(), None if b3 is None else b3.numpy(),
-                              self.l4)
+                              self.l4, packs)
 
 
 KERNEL = FusedFFNNF4Kernel
@@ -142,6 +168,38 @@ def _native_ffn8(p, begin, end):
                       grp, n0, n1, g)
     int8.cols_product(aq, corr, sal, native.vector(p[3], nq, np.uint8), native.vector(p[4], nb, np.float32), tbl, k, bs,
                       grp, n0, n1, u)
+    if native.arg(p, 14):
+        native.add_bias(g, p[5], n0, f16)
+    if native.arg(p, 15):
+        native.add_bias(u, p[6], n0, f16)
+    silu_mul(g, u)
+    native.store_cols(g, p[7], n, n0, f16)
+    return 0
+
+
+# ---- native entry at accuracy_level 4 with W1 and W3 packed (FusedFFNNF4Kernel.packs): _native_ffn8's params
+# (slot 16: log2 of the group), then W1's qk, sk, W3's qk, sk and the Q1, absmax1, Q3, absmax3 addresses they were
+# packed from (the call's must be those, else DECLINED); work items are column tiles of 16 (nf4col_cpu), each task
+# quantises X once for both products (matmulnf4_int8_cpu.native_matmul_packed's scheme).
+def _native_ffn8_packed(p, begin, end):
+    if p[1] != p[22] or p[2] != p[23] or p[3] != p[24] or p[4] != p[25]:
+        return native.DECLINED
+    m, k, n = native.arg(p, 9), native.arg(p, 10), native.arg(p, 11)
+    f16, lg, grp = native.arg(p, 13), native.arg(p, 16), native.arg(p, 17)
+    tiles = (n + col.TILE - 1) // col.TILE
+    t0, t1 = begin, min(end, tiles)
+    n0, n1 = t0 * col.TILE, min(t1 * col.TILE, n)
+    if n1 <= n0 or m == 0:
+        return 0
+    nq, ns = tiles * (k // 8) * 64, tiles * (k >> lg) * col.TILE
+    aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), grp)
+    tbl = native.vector(p[8], 64, np.uint8)
+    g = np.empty((m, n1 - n0), np.float32)
+    u = np.empty((m, n1 - n0), np.float32)
+    col.cols(aq, cg, sg, native.vector(p[18], nq, np.uint8), native.vector(p[19], ns, np.float32), tbl, k, lg, t0, t1,
+             n, g)
+    col.cols(aq, cg, sg, native.vector(p[20], nq, np.uint8), native.vector(p[21], ns, np.float32), tbl, k, lg, t0, t1,
+             n, u)
     if native.arg(p, 14):
         native.add_bias(g, p[5], n0, f16)
     if native.arg(p, 15):

@@ -263,11 +263,17 @@ def product(qa: QuantA, q, absmax, tbl, k, n, bs, g):
 def product_packed(a2, pk, tbl):
     """float32 [M, K] @ a packed constant weight (nf4col_cpu.ColPack) -> float32 [M, N]: A quantised once in natural
     order, the column tiles split over threads from PARALLEL_MIN_MACS multiply-adds."""
-    m = a2.shape[0]
+    if a2.shape[0] == 0:
+        return np.empty((0, pk.n), np.float32)
+    return product_packed_q(col.quantize_arrays(np.ascontiguousarray(a2, dtype=np.float32), pk.g), pk, tbl)
+
+
+def product_packed_q(qa, pk, tbl):
+    """``product_packed`` of A already quantised (qa: nf4col_cpu.quantize_arrays' (aq, cg, sg) in groups of pk.g;
+    FusedFFNNF4 quantises once for both products)."""
+    aq, cg, sg = qa
+    m = aq.shape[0]
     out = np.empty((m, pk.n), np.float32)
-    if m == 0:
-        return out
-    aq, cg, sg = col.quantize_arrays(np.ascontiguousarray(a2, dtype=np.float32), pk.g)
     rs = [(0, pk.tiles)] if m * pk.k * pk.n < PARALLEL_MIN_MACS else threads.split(pk.tiles)
 
     def args(lo, hi):
