@@ -49,7 +49,7 @@ class ColPack:
 @njit(cache=True, nogil=True, boundscheck=False)
 def pack_arrays(q, absmax, k_dim, n_dim, bs, g):
     """(qk, sk) of the bitsandbytes weight (q: packed bytes, W^T element i in byte i >> 1, high nibble for even i;
-    absmax: one per bs elements) in the layout of the module doc."""
+    absmax: one per bs elements; K a multiple of 32) in the layout of the module doc."""
     tiles = (n_dim + TILE - 1) // TILE
     steps = k_dim // 8
     ngr = k_dim // g
@@ -60,12 +60,12 @@ def pack_arrays(q, absmax, k_dim, n_dim, bs, g):
         base = n * k_dim
         for s in range(steps):
             o = (t * steps + s) * 64 + 4 * c
-            for j in range(4):
-                i0 = base + 8 * s + j
-                i1 = i0 + 4
-                lo = (np.int64(q[i0 >> 1]) >> 4) if (i0 & 1) == 0 else (np.int64(q[i0 >> 1]) & 15)
-                hi = (np.int64(q[i1 >> 1]) >> 4) if (i1 & 1) == 0 else (np.int64(q[i1 >> 1]) & 15)
-                qk[o + j] = np.uint8(lo | (hi << 4))
+            i = (base >> 1) + 4 * s      # K % 32 == 0: bytes b0..b3 hold elements 8 s .. 8 s + 7 (even ones high)
+            b0, b1, b2, b3 = np.int64(q[i]), np.int64(q[i + 1]), np.int64(q[i + 2]), np.int64(q[i + 3])
+            qk[o] = np.uint8((b0 >> 4) | (b2 & 0xF0))               # elements 8 s, 8 s + 4
+            qk[o + 1] = np.uint8((b0 & 15) | ((b2 << 4) & 0xF0))    # 8 s + 1, 8 s + 5
+            qk[o + 2] = np.uint8((b1 >> 4) | (b3 & 0xF0))           # 8 s + 2, 8 s + 6
+            qk[o + 3] = np.uint8((b1 & 15) | ((b3 << 4) & 0xF0))    # 8 s + 3, 8 s + 7
         for b in range(ngr):
             sk[(t * ngr + b) * TILE + c] = absmax[(base + b * g) // bs]
     return qk, sk
