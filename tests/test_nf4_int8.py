@@ -242,20 +242,21 @@ def test_threads_split_gives_the_same_bytes(monkeypatch):
 
 def test_column_lane_pack_layout():
     """nf4col_cpu.pack: per tile of 16 columns and 8-element step, lane c's 4 bytes hold elements 8 s + j (low
-    nibble) and 8 s + 4 + j (high nibble) of column 16 t + c; absmax per tile, group and column; padding 0."""
+    nibble) and 8 s + 4 + j (high nibble) of column 16 t + c, 4 tiles' vectors side by side per step; absmax per
+    tile, group and column; padding 0."""
     k, n, bs = 96, 21, 32
     q, am = weights(k, n, bs, "fp4", seed=11)
     pk = col.pack(q, am, k, n, bs, 32)
     idx = nf4.unpack_indices(q, k * n).reshape(n, k)
-    full = np.zeros((32, k), np.int64)
+    full = np.zeros((64, k), np.int64)                         # tiles padded to a multiple of 4
     full[:n] = idx
-    lanes = full.reshape(2, 16, k // 8, 2, 4)                  # tile, column, step, low / high half, byte
-    want = (lanes[:, :, :, 0] | (lanes[:, :, :, 1] << 4)).transpose(0, 2, 1, 3).reshape(-1)
+    lanes = full.reshape(1, 4, 16, k // 8, 2, 4)               # tile group, tile, column, step, low / high, byte
+    want = (lanes[..., 0, :] | (lanes[..., 1, :] << 4)).transpose(0, 3, 1, 2, 4).reshape(-1)
     np.testing.assert_array_equal(pk.qk, want.astype(np.uint8))
     sk = np.zeros((32, k // 32), np.float32)
     sk[:n] = am.reshape(n, k // 32)
     np.testing.assert_array_equal(pk.sk, sk.reshape(2, 16, k // 32).transpose(0, 2, 1).reshape(-1))
-    assert pk.qk.ctypes.data % 64 == 0 and pk.tiles == 2 and pk.nbytes == 2 * (k // 8) * 64 + 2 * 3 * 16 * 4
+    assert pk.qk.ctypes.data % 64 == 0 and pk.tiles == 2 and pk.nbytes == 4 * (k // 8) * 64 + 2 * 3 * 16 * 4
 
 
 @pytest.mark.parametrize("k,n,bs", [(352, 203, 64), (256, 48, 256)])

@@ -191,7 +191,7 @@ def _native_ffn8_packed(p, begin, end):
     n0, n1 = t0 * col.TILE, min(t1 * col.TILE, n)
     if n1 <= n0 or m == 0:
         return 0
-    nq, ns = tiles * (k // 8) * 64, tiles * (k >> lg) * col.TILE
+    nq, ns = (tiles + 3) // 4 * 4 * (k // 8) * 64, tiles * (k >> lg) * col.TILE
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), grp)
     tbl = native.vector(p[8], 64, np.uint8)
     g = np.empty((m, n1 - n0), np.float32)

@@ -389,7 +389,7 @@ def native_matmul_packed(p, begin, end):
         return 0
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), g)
     res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
-    col.cols(aq, cg, sg, native.vector(p[14], tiles * (k // 8) * 64, np.uint8),
+    col.cols(aq, cg, sg, native.vector(p[14], (tiles + 3) // 4 * 4 * (k // 8) * 64, np.uint8),
              native.vector(p[15], tiles * (k >> lg) * col.TILE, np.float32), native.vector(p[5], 64, np.uint8), k, lg,
              t0, t1, n, res)
     if p[11]:
