@@ -71,8 +71,9 @@ CPU_WEIGHTS = {
                          "int4's uniform grid, so they are not re-quantised: --weights awq gets MatMulNBits",
             "MatMulNF4 at accuracy_level 4 against level 0 (session, 2026-11-29, two runs): 3.3-5.2x faster at M = 1, "
             "3.4-4.3x at M = 4, 2.0-2.6x at M = 16, 1.4-1.7x at M = 64 (K x N 2048 x 2048, 2048 x 5632, 5632 x 2048; "
-            "1.2-1.5x slower than MatMulNBits at level 4 at M = 1, 3.5-4.3x faster than it at level 0); the demo's "
-            "LLaMA MLP 1.6-1.8x faster (M = 1 / 16): 1.11-1.13x faster / 1.25-1.44x slower than its fp32 original. "
+            "3.5-4.3x faster than MatMulNBits at level 0); with constant weights repacked into column lanes "
+            "(nf4/nf4col_cpu.py, 2026-11-29) 1.37-1.41x faster than MatMulNBits at level 4 at M = 1 and 1.84-1.91x "
+            "at M = 4 / 16, and the demo's LLaMA MLP 1.72x / 1.95x faster than its fp32 original (M = 1 / 16). "
             "MatMulBnb4 against level 0 8.6-12.5x slower at M = 1, 2.3-2.6x at M = 16 (the MLP 4.0-4.3x / "
             "1.17-1.21x). SmolLM2-135M (RTN NF4): perplexity 19.812 at level 4 against 19.449 at level 0 (fp32 "
             "14.928, its HF tokenizer)"),
