@@ -14,21 +14,13 @@ Two forms of the integer products (see "The CPU kernel" in docs/gru.md):
 """
 from __future__ import annotations
 
-from llvmlite import binding as llb, ir
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from ..device.intrinsics_cpu import VNNI, array_ptr, function, splat
 
-def _has_vnni():
-    try:
-        f = llb.get_host_cpu_features()
-        return all(bool(f.get(k, False)) for k in ("avx512f", "avx512bw", "avx512vnni"))
-    except Exception:  # noqa: BLE001 - unknown host: the portable path
-        return False
-
-
-VNNI = _has_vnni()
 KIND_U8S8, KIND_S16 = 0, 1   # vpdpbusd (unsigned byte activations, signed byte weights), vpdpwssd (int16 both)
 
 
@@ -51,13 +43,13 @@ def _make_mm(kind, dual, nb, mr):
             if not VNNI:      # never called on such hosts (run_direction's pack_min); LLVM could not select it
                 return context.get_dummy_value()
             wpa, a0a, a1a, a_st, mg_n, bg_n, k0, k1, kgt, o0a, o1a, o_st = args
-            ptrs = [builder.bitcast(context.make_array(t)(context, builder, v).data, ir.IntType(8).as_pointer())
+            ptrs = [array_ptr(context, builder, t, v)
                     for t, v in zip((signature.args[0], signature.args[1], signature.args[2], signature.args[9],
                                      signature.args[10]), (wpa, a0a, a1a, o0a, o1a))]
             wptr, ap0, ap1, op0, op1 = ptrs
             i32, i64 = ir.IntType(32), ir.IntType(64)
             v16 = ir.VectorType(i32, 16)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), name)
+            fn = function(builder, name, v16, [v16, v16, v16])
             c = lambda v: ir.Constant(i64, v)  # noqa: E731
             a_st_b = builder.mul(a_st, c(esz))          # bytes per activation row
             o_st_b = builder.mul(o_st, c(4))
@@ -86,9 +78,7 @@ def _make_mm(kind, dual, nb, mr):
                             for r in range(mr):
                                 p = builder.gep(base, [builder.add(rows[r], g4)])
                                 x = builder.load(builder.bitcast(p, i32.as_pointer()), align=1)
-                                xv = builder.insert_element(ir.Constant(v16, ir.Undefined), x, ir.Constant(i32, 0))
-                                xv = builder.shuffle_vector(xv, ir.Constant(v16, ir.Undefined),
-                                                            ir.Constant(v16, [0] * 16))
+                                xv = splat(builder, x, v16)
                                 for j in range(nb):
                                     acc = accs[s][j][r]
                                     builder.store(builder.call(fn, [builder.load(acc), xv, ws[j]]), acc)
@@ -114,10 +104,8 @@ def _tr16(typingctx, src, src_off, stride, dst, dst_off):
 
     def codegen(context, builder, signature, args):
         sa, so, st, da, do = args
-        sp = builder.bitcast(context.make_array(signature.args[0])(context, builder, sa).data,
-                             ir.IntType(8).as_pointer())
-        dp = builder.bitcast(context.make_array(signature.args[3])(context, builder, da).data,
-                             ir.IntType(8).as_pointer())
+        sp = array_ptr(context, builder, signature.args[0], sa)
+        dp = array_ptr(context, builder, signature.args[3], da)
         i32 = ir.IntType(32)
         v16 = ir.VectorType(i32, 16)
         v = [builder.load(builder.bitcast(builder.gep(sp, [builder.add(so, builder.mul(st, ir.Constant(st.type, i)))]),
@@ -152,21 +140,17 @@ def _lut_gather(typingctx, tab, q, out, n, lo, sh):
         i1, i32, i64 = ir.IntType(1), ir.IntType(32), ir.IntType(64)
         v8, v8i32, v8b = ir.VectorType(i64, 8), ir.VectorType(i32, 8), ir.VectorType(i1, 8)
         v8p = ir.VectorType(i32.as_pointer(), 8)
-        gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i32, [v8p, i32, v8b, v8i32]),
-                                                "llvm.masked.gather.v8i32.v8p0")
-
-        def splat(x):
-            v = builder.insert_element(ir.Constant(v8, ir.Undefined), x, ir.Constant(i32, 0))
-            return builder.shuffle_vector(v, ir.Constant(v8, ir.Undefined), ir.Constant(v8i32, [0] * 8))
+        gather = function(builder, "llvm.masked.gather.v8i32.v8p0", v8i32, [v8p, i32, v8b, v8i32])
+        splat8 = lambda x: splat(builder, x, v8)  # noqa: E731
         one = ir.Constant(i64, 1)
-        shv = splat(sh_v)
-        mask = splat(builder.sub(builder.shl(one, sh_v), one))
-        rnd = splat(builder.ashr(builder.shl(one, sh_v), one))
-        lov = splat(lo_v)
+        shv = splat8(sh_v)
+        mask = splat8(builder.sub(builder.shl(one, sh_v), one))
+        rnd = splat8(builder.ashr(builder.shl(one, sh_v), one))
+        lov = splat8(lo_v)
         allm = ir.Constant(v8b, [1] * 8)
         und = ir.Constant(v8i32, ir.Undefined)
-        base = splat(builder.ptrtoint(tp, i64))
-        four = splat(ir.Constant(i64, 4))
+        base = splat8(builder.ptrtoint(tp, i64))
+        four = splat8(ir.Constant(i64, 4))
         nb8 = builder.sdiv(n_v, ir.Constant(i64, 8))
 
         def loop(interp):
@@ -178,7 +162,7 @@ def _lut_gather(typingctx, tab, q, out, n, lo, sh):
                 pa = builder.inttoptr(builder.add(base, builder.mul(idx, four)), v8p)
                 y = builder.sext(builder.call(gather, [pa, ir.Constant(i32, 4), allm, und]), v8)
                 if interp:
-                    pb = builder.inttoptr(builder.add(base, builder.mul(builder.add(idx, splat(one)), four)), v8p)
+                    pb = builder.inttoptr(builder.add(base, builder.mul(builder.add(idx, splat8(one)), four)), v8p)
                     b = builder.sext(builder.call(gather, [pb, ir.Constant(i32, 4), allm, und]), v8)
                     d = builder.add(builder.mul(builder.sub(b, y), builder.and_(u, mask)), rnd)
                     y = builder.add(y, builder.ashr(d, shv))
@@ -231,36 +215,28 @@ def _make_rowdot(kind):
             i1, i8, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64)
             p8 = i8.as_pointer()
             wptr = builder.bitcast(warr.data, p8)
-            ap0 = builder.bitcast(context.make_array(signature.args[1])(context, builder, a0a).data, p8)
-            ap1 = builder.bitcast(context.make_array(signature.args[2])(context, builder, a1a).data, p8)
+            ap0 = array_ptr(context, builder, signature.args[1], a0a)
+            ap1 = array_ptr(context, builder, signature.args[2], a1a)
             optr = context.make_array(signature.args[4])(context, builder, oa).data
             rows, kdim = cgutils.unpack_tuple(builder, warr.shape, 2)
             const = lambda v: ir.Constant(i64, v)  # noqa: E731
             v16, v16l = ir.VectorType(i32, 16), ir.VectorType(i64, 16)
             vel = ir.VectorType(ir.IntType(8 * esz), lanes)
             vmask = ir.VectorType(i1, lanes)
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]), name)
-            mload = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(vel, [vel.as_pointer(), i32, vmask, vel]),
-                f"llvm.masked.load.v{lanes}i{8 * esz}.p0")
-            red32 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [v16]),
-                                                   "llvm.vector.reduce.add.v16i32")
-            red64 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [v16l]),
-                                                   "llvm.vector.reduce.add.v16i64")
+            fn = function(builder, name, v16, [v16, v16, v16])
+            mload = function(builder, f"llvm.masked.load.v{lanes}i{8 * esz}.p0", vel,
+                             [vel.as_pointer(), i32, vmask, vel])
+            red32 = function(builder, "llvm.vector.reduce.add.v16i32", i32, [v16])
+            red64 = function(builder, "llvm.vector.reduce.add.v16i64", i64, [v16l])
             zero = ir.Constant(v16, [0] * 16)
             nfull = builder.sdiv(kdim, const(lanes))
             rem = builder.sub(kdim, builder.mul(nfull, const(lanes)))
-
-            def splat(x, vt):
-                v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(i32, 0))
-                return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined),
-                                              ir.Constant(ir.VectorType(i32, vt.count), [0] * vt.count))
             tail = builder.icmp_signed("<", ir.Constant(vel, list(range(lanes))),
-                                       splat(builder.trunc(rem, vel.element), vel))   # lanes < rem
+                                       splat(builder, builder.trunc(rem, vel.element), vel))   # lanes < rem
             row_b = builder.mul(kdim, const(esz))
             if kind == KIND_U8S8:   # c's byte in all four bytes of every lane
-                cvec = splat(builder.mul(builder.and_(builder.trunc(c_v, i32), ir.Constant(i32, 255)),
-                                         ir.Constant(i32, 0x01010101)), v16)
+                cvec = splat(builder, builder.mul(builder.and_(builder.trunc(c_v, i32), ir.Constant(i32, 255)),
+                                                  ir.Constant(i32, 0x01010101)), v16)
             accs = [[cgutils.alloca_once_value(builder, zero) for _ in range(2)] for _ in range(mr)]
             last = builder.sub(rows, const(1))
 
@@ -272,8 +248,7 @@ def _make_rowdot(kind):
                     v = builder.load(p, align=1)
                 return builder.bitcast(v, v16)
 
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [p8, i32, i32, i32]), "llvm.prefetch.p0")
+            prefetch = function(builder, "llvm.prefetch.p0", ir.VoidType(), [p8, i32, i32, i32])
             ahead = builder.mul(row_b, const(mr))
 
             def piece(rbase, j, masked):

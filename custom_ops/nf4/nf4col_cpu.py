@@ -27,8 +27,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..device.intrinsics_cpu import F32, I8, I32, I64, V16F, V16I, V32W, V64B, VNNI
+from ..device.intrinsics_cpu import array_ptr as _ptr, as_i64 as _i64, const as _c, function as _fn, splat as _splat
 from . import nf4vnni_cpu as vnni
-from .nf4vnni_cpu import F32, I8, I32, I64, V16F, V16I, V32W, V64B, VNNI, _c, _fn, _i64, _lookup, _ptr, _splat
+from .nf4vnni_cpu import _lookup
 
 TILE = 16     # columns per tile (int32 lanes of a vector)
 

@@ -24,55 +24,22 @@ here is emitted and the callers take the scalar path of matmulnf4_int8_cpu)."""
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding as llb, ir
+from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ..device.intrinsics_cpu import F32, I8, I16, I32, I64, V16F, V16I, V32W, V64B, VBMI, VNNI  # noqa: F401
+from ..device.intrinsics_cpu import array_ptr as _ptr, as_i64 as _i64, const as _c, function as _fn, splat as _splat
+
 SPAN = 128    # elements per 64-byte vector of one column's packed weight
 SAL = float(np.float32(1.0 / 16129.0))   # sal = amax x fp32(1 / 127^2): s_a / 127 within an ulp or two (a scale only)
-
-
-def _has_vnni():
-    try:
-        f = llb.get_host_cpu_features()
-        return all(bool(f.get(k, False)) for k in ("avx512f", "avx512bw", "avx512vnni"))
-    except Exception:  # noqa: BLE001 - unknown host: the scalar path
-        return False
-
-
-VNNI = _has_vnni()
-VBMI = VNNI and bool(llb.get_host_cpu_features().get("avx512vbmi", False))   # vpermb (else vpshufb)
-
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-V64B, V32W, V16I, V16F = ir.VectorType(I8, 64), ir.VectorType(I16, 32), ir.VectorType(I32, 16), ir.VectorType(F32, 16)
 
 
 def table(levels) -> np.ndarray:
     """uint8[64]: the 16 int8 levels + 128, four times (vpshufb looks up within each 128-bit lane, vpermb reads 6
     index bits)."""
     return np.tile((np.asarray(levels, np.int16) + 128).astype(np.uint8), 4)
-
-
-def _c(t, v):
-    return ir.Constant(t, v)
-
-
-def _ptr(context, builder, ty, val, elem=I8):
-    return builder.bitcast(context.make_array(ty)(context, builder, val).data, elem.as_pointer())
-
-
-def _i64(builder, v):
-    return builder.sext(v, I64) if v.type != I64 else v
-
-
-def _fn(builder, name, ret, args):
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, args), name)
-
-
-def _splat(builder, s, vt):
-    v = builder.insert_element(ir.Constant(vt, ir.Undefined), s, _c(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), _c(ir.VectorType(I32, vt.count), [0] * vt.count))
 
 
 def _make_quantize(natural):
