@@ -518,3 +518,38 @@ def test_cpu_streaming_equals_whole_sequence(bits, N, C, H, direction):  # noqa:
             y, yh = stream(run, X, h0, sizes, rev)
             np.testing.assert_array_equal(y[:, k], whole[0][:, k])
             np.testing.assert_array_equal(yh[k], whole[1][k])
+
+
+def test_cpu_cached_parallel_kernels_in_a_new_process(tmp_path):
+    """A new process that finds run_direction_packed in Numba's disk cache (compiled by this one) runs it with an
+    input projection long enough for its parallel kernel: quantgru_cpu._run starts Numba's thread pool first (a
+    cached caller of a parallel kernel finds none started otherwise and the process dies: a session's second run
+    of a long input did)."""
+    import subprocess
+    import sys
+
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    T, C, H = 100, 128, 128  # noqa: N806
+    assert T * 3 * H * C >= quantgru_cpu.PARALLEL_MACS
+    X, p, h0, _, _ = random_gru(T, 2, C, H, "forward", 8, seed=5)
+    np.savez(tmp_path / "g.npz", X=X, h0=h0, exponents=p["exponents"], zero_points=p["zero_points"],
+             **{k: p[k] for k in ("W", "R", "B", "channel_exp", "luts")})
+    code = (
+        "import numpy as np, sys\n"
+        "from onnx_lowbit import gru_int\n"
+        "from onnx_lowbit.custom_ops.gru import quantgru_cpu as q\n"
+        "d = np.load(sys.argv[1])\n"
+        f"a = gru_int.GRUAttrs({H}, 8, d['exponents'], d['zero_points'], 'forward', 0)\n"
+        "packs = [q.pack_direction(d['W'][0], d['R'][0])]\n"
+        "args = (d['X'], d['W'], d['R'], d['B'], d['channel_exp'], d['luts'], None, d['h0'])\n"
+        "y, yh = q._run(a, *args, packs=packs)\n"
+        "ref = gru_int.quant_gru(*args, hidden_size=a.hidden_size, bits=8, exponents=d['exponents'],\n"
+        "                        zero_points=d['zero_points'])\n"
+        "assert np.array_equal(y, ref[0]) and np.array_equal(yh, ref[1])\n"
+        "print('ok')\n")
+    script = tmp_path / "run.py"
+    script.write_text(code)
+    for _ in range(2):   # the first may compile (and so start the pool); the second loads everything cached
+        r = subprocess.run([sys.executable, str(script), str(tmp_path / "g.npz")], capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
