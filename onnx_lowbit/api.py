@@ -48,7 +48,8 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
 
     ``device="cpu"``: by default only the passes known not to be slower on the CPU (onnx_lowbit/cpu_passes.py; 4-bit
     weights when ``weights`` asks for them, with the target CPU_WEIGHTS names when ``weights_target`` is not given:
-    onnxruntime's MatMulNBits at accuracy_level 4 for awq). ``tune=True`` (with device="cpu"): each pass is kept
+    onnxruntime's MatMulNBits at accuracy_level 4 for awq; QuantGRU when ``gru_bits`` or ``gru_weight_bits`` asks
+    for it). ``tune=True`` (with device="cpu"): each pass is kept
     only where it measured faster on this machine (onnx_lowbit/tune.py) on ``feeds`` (default: made-up inputs,
     symbolic dims from ``dims``); the report's ``tune`` holds the decisions and figures."""
     import onnx
@@ -77,6 +78,9 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
     from . import cpu_passes, tune as tune_mod
     size = {"weights4": f"weights={options['weights']!r}"} if options.get("weights") or \
         options.get("awq_checkpoint") else {}
+    if options.get("gru_bits") is not None or options.get("gru_weight_bits") is not None:
+        size["gru"] = " ".join(f"{k}={options[k]!r}" for k in ("gru_bits", "gru_weight_bits")
+                               if options.get(k) is not None)
     options, _ = cpu_passes.cpu_weights_options(options)   # weights=... without weights_target: the CPU's faster
     selected = resolve(passes)
     if not tune:

@@ -150,7 +150,8 @@ def device_selection(a, selected: list) -> list:
         print(f"onnx-lowbit: {GPU_DEFAULT_HINT}", file=sys.stderr)
     if getattr(a, "device", None) != "cpu" or getattr(a, "tune", False):
         return list(selected)
-    return cpu_selection(selected, explicit=getattr(a, "passes", None) is not None)
+    from .tune import asked_for_size   # --gru-bits / --weights: asked for their size, kept
+    return cpu_selection(selected, explicit=getattr(a, "passes", None) is not None, keep=asked_for_size(a))
 
 
 GPU_DEFAULT_HINT = ("no --device: every default pass, as for a GPU; this onnxruntime runs on the CPU only. For a "

@@ -278,3 +278,21 @@ def test_weights4_on_the_cpu_default_target_times_the_other_target_too():
     _, _, res = tune.tuned_rewrite(m, resolve(["weights4"]), {"weights": "awq", "weights_target": "ort"},
                                    measuring({}), asked={"weights4": "--weights awq"})
     assert res.decisions[0].targets is None
+
+
+def test_device_cpu_keeps_gru_when_gru_bits_ask(capsys):
+    """--device cpu leaves gru out by default, but --gru-bits / --gru-weight-bits ask for it (for its size, as
+    --weights asks for weights4): then it stays, and stderr does not list it as left out."""
+    import argparse
+    sel = resolve(None)
+    assert "gru" in [p.name for p in sel] and not cpu_passes.cpu_default("gru")
+
+    def args(**kw):
+        return argparse.Namespace(**{"device": "cpu", "passes": None, "target": None, "tune": False, "weights": None,
+                                     "awq_checkpoint": None, "gru_bits": None, "gru_weight_bits": None, **kw})
+    assert "gru" not in [p.name for p in cpu_passes.device_selection(args(), sel)]
+    assert "gru" in capsys.readouterr().err
+    for kw in ({"gru_bits": 16}, {"gru_bits": 8}, {"gru_weight_bits": 8}):
+        assert "gru" in [p.name for p in cpu_passes.device_selection(args(**kw), sel)], kw
+        err = capsys.readouterr().err
+        assert "left out" in err and "gru" not in err, (kw, err)
