@@ -49,9 +49,9 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
     ``device="cpu"``: by default only the passes known not to be slower on the CPU (onnx_lowbit/cpu_passes.py; 4-bit
     weights when ``weights`` asks for them, with the target CPU_WEIGHTS names when ``weights_target`` is not given:
     onnxruntime's MatMulNBits at accuracy_level 4 for awq; QuantGRU when ``gru_bits`` or ``gru_weight_bits`` asks
-    for it). ``tune=True`` (with device="cpu"): each pass is kept
-    only where it measured faster on this machine (onnx_lowbit/tune.py) on ``feeds`` (default: made-up inputs,
-    symbolic dims from ``dims``); the report's ``tune`` holds the decisions and figures."""
+    for it). ``tune=True`` (with device="cpu"): each pass is kept only where it measured faster on this machine
+    (onnx_lowbit/tune.py) on ``feeds`` (default: made-up inputs, symbolic dims from ``dims``); the report's
+    ``tune`` holds the decisions and figures."""
     import onnx
 
     from onnx_lowbit.passes import run_passes
