@@ -41,6 +41,13 @@ _compiled = {}  # fn -> its cfunc: kept for the life of the process (the shim's 
 _lock = threading.Lock()
 
 
+def start_pool() -> None:
+    """Starts Numba's thread pool (a no-op once started; numba.get_num_threads does it, public API). Compiled code
+    that calls Numba's parallel kernels, loaded from the disk cache into a new process, finds no pool otherwise
+    and crashes: an entry point, or a non-parallel function called from Python (QuantGRU's run_direction*)."""
+    numba.get_num_threads()
+
+
 def compile_entry(fn) -> int:
     """The address of the entry point compiled from ``fn`` (a module-level function with SIGNATURE's arguments).
     Numba compiles it on the first request in the process (from its disk cache when it can)."""
@@ -48,9 +55,8 @@ def compile_entry(fn) -> int:
         c = _compiled.get(fn)
         if c is None:
             # Numba starts its thread pool when a parallel function is compiled or called from Python; an entry
-            # loaded from the disk cache that calls a parallel kernel (FusedFFN, QuantGRU) would find none and
-            # crash. get_num_threads() starts it (public API; a no-op once started).
-            numba.get_num_threads()
+            # loaded from the disk cache that calls a parallel kernel (FusedFFN, QuantGRU) would find none
+            start_pool()
             c = _compiled[fn] = cfunc(SIGNATURE, nopython=True, cache=True)(fn)
     return c.address
 
@@ -59,7 +65,7 @@ def parallel_ok() -> bool:
     """Whether an entry may call Numba's parallel kernels: replays run without the GIL, so concurrent session runs can
     start parallel regions at once, which the OpenMP and TBB layers allow and the workqueue layer does not (it aborts
     the process). With workqueue, such calls keep the Python path (the GIL serialises them)."""
-    numba.get_num_threads()   # starts the pool, so that the layer is known
+    start_pool()   # so that the layer is known
     return numba.threading_layer() != "workqueue"
 
 

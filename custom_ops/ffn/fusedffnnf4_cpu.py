@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from ..device import native
 from ..device.inputs import check_x_biases
@@ -122,6 +123,18 @@ class FusedFFNNF4Kernel(Kernel):
 KERNEL = FusedFFNNF4Kernel
 
 
+@njit(cache=True, nogil=True)
+def _native_out(p, g, u, n, n0, f16):
+    """The end of the three native entries below (their params): the biases (params 14, 15: present; 5, 6:
+    addresses) added to g and u, SiLU(g) * u, stored into Y's columns n0.. (param 7)."""
+    if native.arg(p, 14):
+        native.add_bias(g, p[5], n0, f16)
+    if native.arg(p, 15):
+        native.add_bias(u, p[6], n0, f16)
+    silu_mul(g, u)
+    native.store_cols(g, p[7], n, n0, f16)
+
+
 # ---- native entry: params X, Q1, absmax1, Q3, absmax3, B1 (0: none), B3 (0: none), S, code, M, K, N, block size,
 # X is fp16, has B1, has B3, columns per item (whole absmax blocks)
 def _native_ffn(p, begin, end):
@@ -141,12 +154,7 @@ def _native_ffn(p, begin, end):
                  n0, n1, g)
     cols_product(a, ae, ao, native.vector(p[3], nq, np.uint8), native.vector(p[4], nb, np.float32), code, k, bs,
                  n0, n1, u)
-    if native.arg(p, 14):
-        native.add_bias(g, p[5], n0, f16)
-    if native.arg(p, 15):
-        native.add_bias(u, p[6], n0, f16)
-    silu_mul(g, u)
-    native.store_cols(g, p[7], n, n0, f16)
+    _native_out(p, g, u, n, n0, f16)
     return 0
 
 
@@ -168,12 +176,7 @@ def _native_ffn8(p, begin, end):
                       grp, n0, n1, g)
     int8.cols_product(aq, corr, sal, native.vector(p[3], nq, np.uint8), native.vector(p[4], nb, np.float32), tbl, k, bs,
                       grp, n0, n1, u)
-    if native.arg(p, 14):
-        native.add_bias(g, p[5], n0, f16)
-    if native.arg(p, 15):
-        native.add_bias(u, p[6], n0, f16)
-    silu_mul(g, u)
-    native.store_cols(g, p[7], n, n0, f16)
+    _native_out(p, g, u, n, n0, f16)
     return 0
 
 
@@ -186,12 +189,10 @@ def _native_ffn8_packed(p, begin, end):
         return native.DECLINED
     m, k, n = native.arg(p, 9), native.arg(p, 10), native.arg(p, 11)
     f16, lg, grp = native.arg(p, 13), native.arg(p, 16), native.arg(p, 17)
-    tiles = (n + col.TILE - 1) // col.TILE
-    t0, t1 = begin, min(end, tiles)
-    n0, n1 = t0 * col.TILE, min(t1 * col.TILE, n)
+    t0, t1, n0, n1 = col.task_tiles(begin, end, n)
     if n1 <= n0 or m == 0:
         return 0
-    nq, ns = (tiles + 3) // 4 * 4 * (k // 8) * 64, tiles * (k >> lg) * col.TILE
+    nq, ns = col.sizes(k, n, 1 << lg)
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), grp)
     tbl = native.vector(p[8], 64, np.uint8)
     g = np.empty((m, n1 - n0), np.float32)
@@ -200,10 +201,5 @@ def _native_ffn8_packed(p, begin, end):
              n, g)
     col.cols(aq, cg, sg, native.vector(p[20], nq, np.uint8), native.vector(p[21], ns, np.float32), tbl, k, lg, t0, t1,
              n, u)
-    if native.arg(p, 14):
-        native.add_bias(g, p[5], n0, f16)
-    if native.arg(p, 15):
-        native.add_bias(u, p[6], n0, f16)
-    silu_mul(g, u)
-    native.store_cols(g, p[7], n, n0, f16)
+    _native_out(p, g, u, n, n0, f16)
     return 0

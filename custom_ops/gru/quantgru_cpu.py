@@ -45,7 +45,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import numba
 from numba import njit, prange
 from numba.extending import overload
 
@@ -951,10 +950,7 @@ def _run(a, X, W, R, B, channel_exp, luts, sequence_lens, initial_h, y_out=None,
     """Runs every direction, writing into y_out / yh_out (ONNX layout shapes; new arrays when None); packs: W and
     R packed beforehand (pack_direction per direction: run_direction_packed), else path chooses."""
     pack_min = _pack_min(path)
-    # Numba's thread pool must be running before the compiled run_direction* call their parallel kernels: loaded
-    # from the disk cache in a new process they find none started and crash (a session's second process did, with
-    # inputs past the native entry's size). get_num_threads() starts it (a no-op once started).
-    numba.get_num_threads()
+    native.start_pool()   # before the compiled run_direction* call their parallel kernels (a new process crashed)
     d, h = a.num_directions, a.hidden_size
     x = X if a.layout == 0 else X.transpose(1, 0, 2)
     x = np.ascontiguousarray(x, np.float32)

@@ -382,16 +382,14 @@ def native_matmul_packed(p, begin, end):
         return native.DECLINED
     m, k, n = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8)
     f16, lg, g = native.arg(p, 10), native.arg(p, 12), native.arg(p, 13)
-    tiles = (n + col.TILE - 1) // col.TILE
-    t0, t1 = begin, min(end, tiles)
-    n0, n1 = t0 * col.TILE, min(t1 * col.TILE, n)
+    t0, t1, n0, n1 = col.task_tiles(begin, end, n)
     if n1 <= n0 or m == 0:
         return 0
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), g)
     res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
-    col.cols(aq, cg, sg, native.vector(p[14], (tiles + 3) // 4 * 4 * (k // 8) * 64, np.uint8),
-             native.vector(p[15], tiles * (k >> lg) * col.TILE, np.float32), native.vector(p[5], 64, np.uint8), k, lg,
-             t0, t1, n, res)
+    nq, ns = col.sizes(k, n, 1 << lg)
+    col.cols(aq, cg, sg, native.vector(p[14], nq, np.uint8), native.vector(p[15], ns, np.float32),
+             native.vector(p[5], 64, np.uint8), k, lg, t0, t1, n, res)
     if p[11]:
         native.add_bias(res, p[3], n0, f16)
     if f16:

@@ -50,15 +50,30 @@ class ColPack:
         return self.qk.nbytes + self.sk.nbytes
 
 
+@njit(cache=True, inline="always")
+def sizes(k_dim, n_dim, g):
+    """(elements of qk, of sk) of a ColPack of a K x N weight with groups of g (the module doc's layout)."""
+    tiles = (n_dim + TILE - 1) // TILE
+    return (tiles + 3) // 4 * 4 * (k_dim // 8) * 64, tiles * (k_dim // g) * TILE
+
+
+@njit(cache=True, inline="always")
+def task_tiles(begin, end, n_dim):
+    """(t0, t1, n0, n1): a native task's column tiles [begin, end) clipped to the weight's N columns, and the
+    columns [n0, n1) they cover."""
+    t0, t1 = begin, min(end, (n_dim + TILE - 1) // TILE)
+    return t0, t1, t0 * TILE, min(t1 * TILE, n_dim)
+
+
 @njit(cache=True, nogil=True, boundscheck=False)
 def pack_arrays(q, absmax, k_dim, n_dim, bs, g):
     """(qk, sk) of the bitsandbytes weight (q: packed bytes, W^T element i in byte i >> 1, high nibble for even i;
     absmax: one per bs elements; K a multiple of 32) in the layout of the module doc."""
-    tiles = (n_dim + TILE - 1) // TILE
     steps = k_dim // 8
     ngr = k_dim // g
-    qk = np.zeros((tiles + 3) // 4 * 4 * steps * 64, np.uint8)
-    sk = np.zeros(tiles * ngr * TILE, np.float32)
+    nq, ns = sizes(k_dim, n_dim, g)
+    qk = np.zeros(nq, np.uint8)
+    sk = np.zeros(ns, np.float32)
     for n in range(n_dim):
         t, c = n // TILE, n % TILE
         base = n * k_dim
