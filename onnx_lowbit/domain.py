@@ -114,7 +114,8 @@ def _dequant_infer(elem_type_of):
 
 
 _NF4_ATTRS = [
-    Attr("quant_type", "string", "'nf4' or 'fp4' (bitsandbytes' 16-level codes)"),
+    Attr("quant_type", "string", "'nf4' or 'fp4' (bitsandbytes' 16-level codes), or 'int4' (code (q - 8) / 8: "
+         "symmetric 4-bit integers, absmax = 8 x scale; onnxruntime MatMulNBits weights converted without loss)"),
     Attr("block_size", "int", "elements per absmax block: a power of two in 32..4096"),
     Attr("K", "int", "input features (rows of the MatMul weight)"),
     Attr("N", "int", "output features (columns of the MatMul weight)"),

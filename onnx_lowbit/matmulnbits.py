@@ -15,6 +15,13 @@ weight with fp16 scales (fp16 models) converts without loss: the fp16 weights AW
 values of (q - z) * s, what MatMulNBits computes in T = float16 (``dequantize(..., np.float16)``). With float32
 scales (fp32 models) the scales must be rounded to fp16 and the conversion is not lossless
 (``to_awq(..., lossy=True)`` does it anyway and says by how much the weight moved).
+
+The int4 code of MatMulNF4 (onnx_lowbit/nf4.py, INT4_CODE: code[q] = (q - 8) / 8) holds the symmetric form (every
+zero point 8) without loss, whatever the scales' dtype: ``to_int4`` repacks the codes into bitsandbytes' order (the
+flat W^T, the first element of a pair in the high nibble) and stores absmax = 8 s in float32 (exact), so the
+float32 weight code[q] * absmax equals (q - 8) * s rounded once, as MatMulNBits dequantises it. It needs K to be a
+multiple of the block (MatMulNF4's blocks run over the flat W^T: a padded last block would straddle two columns)
+and a block size MatMulNF4 takes (a power of two in 32..4096).
 """
 from __future__ import annotations
 
@@ -99,3 +106,27 @@ def to_awq(b, scales, zero_points, K: int, N: int, block_size: int, lossy: bool 
         den = float(np.linalg.norm(ref))
         rel = float(np.linalg.norm(ref - got) / den) if den else 0.0
     return qweight, qzeros, scales16, rel
+
+
+def to_int4(b, scales, zero_points, K: int, N: int, block_size: int):
+    """The MatMulNBits weight as MatMulNF4 tensors of quant_type "int4" (packed uint8 [N K / 2], absmax float32
+    [N K / block_size]; block_size unchanged), exact (see the module doc). ValueError where it does not convert:
+    a zero point other than 8, K not a multiple of the block, a block size MatMulNF4 does not take, a non-finite
+    scale or one whose 8 s overflows float32."""
+    from . import nf4  # noqa: PLC0415
+    K, N, bs = int(K), int(N), int(block_size)
+    if bs not in nf4.BLOCK_SIZES:
+        raise ValueError(f"block_size={bs}: MatMulNF4 takes powers of two in 32..4096")
+    if K % bs:
+        raise ValueError(f"K={K} is not a multiple of block_size={bs} (MatMulNF4's blocks run over the flat W^T)")
+    q, z, s = unpack(b, scales, zero_points, K, N, bs)
+    if np.any(z != 8):
+        raise ValueError("zero points other than 8 (asymmetric blocks; the int4 code is symmetric)")
+    s32 = s.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        absmax = s32 * np.float32(8.0)
+    if not np.all(np.isfinite(absmax)):
+        raise ValueError("a scale is not finite or 8 x scale overflows float32")
+    flat = np.ascontiguousarray(q.T).reshape(-1)                          # W^T [N, K], K % bs == 0: no padding rows
+    packed = ((flat[0::2] << 4) | flat[1::2]).astype(np.uint8)
+    return packed, np.ascontiguousarray(absmax.T).reshape(-1)             # absmax per (n, block), n-major

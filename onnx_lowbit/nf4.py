@@ -1,4 +1,6 @@
 """NF4 / FP4 blockwise 4-bit weights in bitsandbytes' format: numpy reference semantics of MatMulNF4 / DequantNF4.
+(A third 16-value code, ``int4`` (``INT4_CODE``), holds symmetric 4-bit integers in the same storage: onnxruntime
+MatMulNBits weights converted without loss; see INT4_CODE.)
 
 Storage (what the ops take; identical bytes to ``bitsandbytes.functional.quantize_4bit(W^T)``):
   * the ONNX MatMul weight W[K, N] is stored as its transpose W^T[N, K], row-major and flattened
@@ -7,7 +9,7 @@ Storage (what the ops take; identical bytes to ``bitsandbytes.functional.quantiz
     the last block may be partial; each block has one float32 ``absmax``;
   * every element is a 4-bit index into a 16-value code (``NF4_CODE`` or ``FP4_CODE``); two indices share a byte,
     the FIRST element of a pair in the HIGH nibble; for an odd element count the low nibble of the last byte holds
-    the index of 0.0 (NF4: 7, FP4: 0), as bitsandbytes pads the scaled values with 0.
+    the index of 0.0 (NF4: 7, FP4: 0, int4: 8), as bitsandbytes pads the scaled values with 0.
   * value = code[index] * absmax[block] (float32 product).
 
 Quantisation, as bitsandbytes does it on the CPU (its portable ``default`` backend; verified bit-for-bit against
@@ -39,7 +41,7 @@ import numpy as np
 
 from . import matmul_ref
 
-QUANT_TYPES = ("nf4", "fp4")
+QUANT_TYPES = ("nf4", "fp4", "int4")
 BLOCK_SIZES = tuple(1 << p for p in range(5, 13))  # 32 .. 4096
 DOUBLE_QUANT_BLOCK = 256
 
@@ -61,15 +63,25 @@ FP4_CODE = (np.array(_FP4_MAGNITUDES + [0.0] + [-m for m in _FP4_MAGNITUDES[1:]]
             / np.float32(12.0))
 
 
+# int4 (not a bitsandbytes type): symmetric 4-bit integers with zero point 8, onnxruntime's MatMulNBits grid
+# without zero points (what onnxruntime-genai's builder writes): code[q] = (q - 8) / 8, so that a block stored as
+# MatMulNBits' scale s has absmax = 8 s and value = code[q] * absmax = (q - 8) * s, the same fp32 product (q - 8
+# and 8 s are exact). onnx_lowbit/matmulnbits.to_int4 converts MatMulNBits weights to it without loss. Quantising
+# floats to it (``quantize``) scales by the block's absmax like NF4 / FP4: the largest positive value lands on 7/8.
+INT4_CODE = ((np.arange(16, dtype=np.float32) - np.float32(8.0)) / np.float32(8.0)).astype(np.float32)
+
+_CODES = {"nf4": NF4_CODE, "fp4": FP4_CODE, "int4": INT4_CODE}
+
+
 def code(quant_type: str) -> np.ndarray:
     """The 16 float32 code values of ``quant_type`` (a copy), indexed by the 4-bit value."""
     _check_quant_type(quant_type)
-    return (NF4_CODE if quant_type == "nf4" else FP4_CODE).copy()
+    return _CODES[quant_type].copy()
 
 
 def _check_quant_type(quant_type) -> None:
     if quant_type not in QUANT_TYPES:
-        raise ValueError(f"unknown quant_type {quant_type!r}: expected 'nf4' or 'fp4'")
+        raise ValueError(f"unknown quant_type {quant_type!r}: expected 'nf4', 'fp4' or 'int4'")
 
 
 def check_block_size(block_size) -> int:

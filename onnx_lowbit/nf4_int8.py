@@ -11,15 +11,21 @@ onnx_lowbit.nf4 (block size bs, W^T [N, K] flat, element n * K + k in block (n *
   division); inv = 127 / amax (fp32; 0 when amax == 0); a_q = rint(a * inv) (fp32 product, round half to even),
   clipped to [-127, 127] (never reached: |a * inv| <= 127 (1 + 2^-24)^2 < 127.5) -> int8.
   A group holding a NaN or an infinity has s_a = NaN (and a_q = 0): every output of that row is NaN.
-* weights: the 16 code values as int8 levels c8 = rint(code * 127) (NF4 and FP4 codes lie in [-1, 1]; float64
-  product, half to even: FP4's 0.5 * 127 = 63.5 -> 64); w_scale = absmax[block] / 127.
-* y[m, n] = sum_j (absmax[b(n, j)] / 127) * s_a[m, j] * sum_{k in group j} a_q[m, k] * c8[nib(n, k)] (+ bias), the
+* weights: the 16 code values as int8 levels c8 = rint(code * L) and w_scale = absmax[block] / L, with L = 127 for
+  NF4 and FP4 (codes in [-1, 1]; float64 product, half to even: FP4's 0.5 * 127 = 63.5 -> 64) and L = 128 for
+  int4 (codes (q - 8) / 8: c8 = 16 (q - 8), exact, so c8 w_scale = (q - 8) absmax / 8, the weight itself;
+  ``level_divisor``).
+* y[m, n] = sum_j (absmax[b(n, j)] / L) * s_a[m, j] * sum_{k in group j} a_q[m, k] * c8[nib(n, k)] (+ bias), the
   inner sums exact integers, the rest evaluated in float64 here and rounded once to A's dtype; b(n, j) the weight
   block of the group's first element n * K + j g.
 
 Kernels (custom_ops/nf4/nf4vnni_cpu.py) quantise A bit-identically (the same fp32 operations), so their integer
-sums are this reference's; they apply the scales in fp32 (absmax * fp32(s_a / 127) per group, fp32 sums), so they
-differ from it by a few fp32 rounding steps of the sum of |terms|."""
+sums are this reference's; they apply the scales in fp32 (absmax * fp32(s_a / 127) per group, times fp32(127 / L)
+for int4, fp32 sums), so they differ from it by a few fp32 rounding steps of the sum of |terms|.
+
+With int4 weights converted from onnxruntime's MatMulNBits (symmetric, blocks of 32 = the activation groups), this
+is the arithmetic of MatMulNBits at its accuracy_level 4 (A quantised per block to int8 with amax / 127, integer
+block sums with q - 8, fp32 scales): the integer sums agree, the fp32 accumulation order differs."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,9 +52,14 @@ def int8_group(K: int, block_size: int) -> int | None:
     return 32 if K % 32 == 0 else None
 
 
+def level_divisor(quant_type: str) -> int:
+    """L of the module doc: 128 for int4 (its levels 16 (q - 8) exact), 127 for NF4 and FP4."""
+    return 128 if quant_type == "int4" else 127
+
+
 def code_levels(quant_type: str) -> np.ndarray:
-    """int8[16]: rint(code * 127) of the 16 code values of ``quant_type``."""
-    return np.rint(nf4.code(quant_type).astype(np.float64) * 127.0).astype(np.int8)
+    """int8[16]: rint(code * L) of the 16 code values of ``quant_type`` (L: ``level_divisor``)."""
+    return np.rint(nf4.code(quant_type).astype(np.float64) * level_divisor(quant_type)).astype(np.int8)
 
 
 def quantize_activations(a2: np.ndarray, group: int):
@@ -78,7 +89,7 @@ def product64(a: np.ndarray, packed, absmax, quant_type: str, block_size: int,
     w8 = code_levels(quant_type)[nf4.unpack_indices(packed, n_el)].reshape(N, K).astype(np.int64)
     groups = K // g
     first = np.arange(N)[:, None] * K + np.arange(groups)[None, :] * g             # [N, G] first elements
-    w_scale = am[first // block_size].astype(np.float64) / 127.0                   # [N, G]
+    w_scale = am[first // block_size].astype(np.float64) / level_divisor(quant_type)   # [N, G]
     isum = np.einsum("mjk,njk->mnj", aq.reshape(-1, groups, g).astype(np.int64), w8.reshape(N, groups, g))
     with np.errstate(invalid="ignore", over="ignore"):
         y = np.einsum("mnj,nj,mj->mn", isum.astype(np.float64), w_scale, s_a.astype(np.float64))

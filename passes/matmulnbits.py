@@ -28,6 +28,13 @@ float32 scales (fp32 models: rounding them to fp16 is not lossless) unless the o
 (the report gives each weight's relative change). With ``weights_target="ort"`` (a model for stock onnxruntime) the
 pass changes nothing. Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes
 ...,matmulnbits,ffn`` names it.
+
+Option ``matmulnbits_to`` = "int4" (what ``onnx-lowbit genai --provider cpu`` picks): every 4-bit MatMulNBits of the
+symmetric form (no zero points, or all 8), not only the SwiGLU pairs, becomes our MatMulNF4 with quant_type "int4"
+(onnx_lowbit/matmulnbits.to_int4: exact for fp16 and fp32 scales) and the node's accuracy_level, whose CPU kernels
+(at level 4 the column-lane VNNI kernels) beat MatMulNBits' on the CPU; the ffn pass then fuses the gate/up pairs
+into FusedFFNNF4. Skipped with the reason: zero points other than 8, K not a multiple of the block, a block size
+outside 32..4096, bits, g_idx, non-constant tensors. The default ("awq") is the SwiGLU pairs -> MatMulAWQ above.
 """
 from __future__ import annotations
 
@@ -58,16 +65,17 @@ def _input(node: gs.Node, i: int):
     return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
 
 
-def _read(node: gs.Node):
-    """(K, N, block_size, B, scales, zero_points or None, bias tensor or None) of a MatMulNBits node, or _Skip."""
+def _read(node: gs.Node, to: str = "awq"):
+    """(K, N, block_size, B, scales, zero_points or None, bias tensor or None) of a MatMulNBits node, or _Skip
+    (``to``: the target format, "awq" or "int4", for its own limits)."""
     a = node.attrs
     bits = int(a.get("bits", 4))
     if bits != 4:
-        raise _Skip(f"bits={bits} (only 4-bit weights convert to AWQ)")
+        raise _Skip(f"bits={bits} (only 4-bit weights convert to {'AWQ' if to == 'awq' else 'int4'})")
     K, N, bs = int(a.get("K", 0)), int(a.get("N", 0)), int(a.get("block_size", 0))
     if K <= 0 or N <= 0 or bs <= 0:
         raise _Skip("K, N or block_size missing")
-    if N % 8:
+    if N % 8 and to == "awq":
         raise _Skip(f"N={N} is not a multiple of 8 (AWQ packs 8 columns per int32)")
     if _input(node, 4) is not None:
         raise _Skip("g_idx given (act-order weights)")
@@ -82,25 +90,103 @@ def _read(node: gs.Node):
         if zp is None:
             raise _Skip("zero_points not a constant")
         if zp.dtype != np.uint8:
-            raise _Skip(f"zero_points in {zp.dtype} (float zero points are not AWQ's integer grid)")
+            raise _Skip(f"zero_points in {zp.dtype} (float zero points are not {'AWQ' if to == 'awq' else 'int4'}'s "
+                        "integer grid)")
     return K, N, bs, b, s, zp, _input(node, 5)
+
+
+TARGETS = ("awq", "int4")
 
 
 class MatMulNBitsPass(Pass):
     name = "matmulnbits"
     default = False  # runs when named: `onnx-lowbit genai` (genai_config.DEFAULT_PASSES), --passes ...,matmulnbits
     description = ("SwiGLU gate/up as onnxruntime's MatMulNBits (onnxruntime-genai int4) -> MatMulAWQ, lossless, "
-                   "for the ffn pass to fuse")
+                   "for the ffn pass to fuse (matmulnbits_to=int4: every symmetric MatMulNBits -> MatMulNF4 int4)")
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
         if str(options.get("weights_target") or "lowbit").lower() == "ort":
             return  # a model for stock onnxruntime: its MatMulNBits stay
+        to = str(options.get("matmulnbits_to") or "awq").lower()
+        if to not in TARGETS:
+            raise ValueError(f"matmulnbits_to must be one of {', '.join(TARGETS)}, got {to!r}")
         lossy = bool(options.get("matmulnbits_lossy", False))
         names = Names(graph)
         for g in list(iter_graphs(graph)):
-            for mul in list(g.nodes):
-                if is_alive(mul) and mul.op == "Mul" and not mul.domain and len(mul.inputs) == 2:
-                    self.one(g, mul, names, report, lossy)
+            for node in list(g.nodes):
+                if to == "int4" and node.outputs and _nbits(node.outputs[0]) is node:
+                    self.one_int4(g, node, names, report)
+                elif to == "awq" and is_alive(node) and node.op == "Mul" and not node.domain and len(node.inputs) == 2:
+                    self.one(g, node, names, report, lossy)
+
+    def one_int4(self, g, node: gs.Node, names: Names, report: Report) -> None:
+        """One MatMulNBits -> MatMulNF4 (quant_type int4), or the reason it stays. A product read only by a Split
+        into two equal halves of its columns (genai's fuse_mlp_gate_up) becomes two MatMulNF4 writing the Split's
+        outputs (the columns cut exactly), so that the ffn pass fuses them as an unfused pair."""
+        from onnx_lowbit import matmulnbits  # noqa: PLC0415 - the registry imports without numpy work
+        label, pattern = [node_label(node)], "MatMulNBits"
+        base = node.inputs[1].name
+        try:
+            K, N, bs, b, s, zp, bias = _read(node, "int4")
+            split = self._halves_reader(g, node)
+            parts = [(node.outputs[0], slice(0, N), "")]
+            if split is not None:
+                if bias is not None and constant_value(bias) is None:
+                    raise _Skip("bias of the gate_up product not a constant")
+                pattern, label = "MatMulNBits -> Split (halves)", label + [node_label(split)]
+                parts = [(split.outputs[h], slice(h * (N // 2), (h + 1) * (N // 2)), f"_half{h}") for h in (0, 1)]
+            nb = -(-K // bs)
+            b2, s2 = np.asarray(b).reshape(N, -1), np.asarray(s).reshape(N, -1)
+            zp2 = None if zp is None else np.asarray(zp).reshape(N, -1)
+            if b2.shape[1] != nb * (bs // 2) or s2.shape[1] != nb:
+                raise _Skip(f"B / scales do not hold N={N} columns of {nb} blocks")
+            made = []
+            for out, cols, tag in parts:
+                try:
+                    packed, absmax = matmulnbits.to_int4(np.ascontiguousarray(b2[cols]), np.ascontiguousarray(s2[cols]),
+                                                         None if zp2 is None else np.ascontiguousarray(zp2[cols]),
+                                                         K, cols.stop - cols.start, bs)
+                except ValueError as e:
+                    raise _Skip(str(e)) from None
+                hb = bias
+                if bias is not None and split is not None:
+                    hb = gs.Constant(names(f"{base}_bias{tag}"),
+                                     np.ascontiguousarray(np.asarray(constant_value(bias)).reshape(N)[cols]))
+                made.append((out, cols.stop - cols.start, tag, packed, absmax, hb))
+        except _Skip as e:
+            self.skipped(report, pattern, label, str(e))
+            return
+        level = int(node.attrs.get("accuracy_level", 0))
+        news = []
+        for out, n, tag, packed, absmax, hb in made:
+            inputs = [node.inputs[0], gs.Constant(names(f"{base}_int4{tag}"), packed),
+                      gs.Constant(names(f"{base}_absmax{tag}"), absmax)] + ([hb] if hb is not None else [])
+            news.append(gs.Node(op="MatMulNF4", domain=domain.DOMAIN, name=names(f"{node.name or base}_int4{tag}"),
+                                attrs=dict(quant_type="int4", block_size=bs, K=K, N=n, accuracy_level=level),
+                                inputs=inputs, outputs=[out]))
+        for old in [node] + ([split] if split is not None else []):
+            old.outputs.clear()
+            old.inputs.clear()
+        g.nodes.extend(news)
+        self.rewritten(report, pattern, label, "MatMulNBits -> MatMulNF4 int4 (lossless)", op="MatMulNF4",
+                       new_nodes=[n.name for n in news], K=K, N=N, block_size=bs, accuracy_level=level,
+                       scales=str(np.asarray(s).dtype), zero_points=zp is not None,
+                       bytes_before=int(b.nbytes + s.nbytes + (0 if zp is None else zp.nbytes)),
+                       bytes_after=int(sum(p.nbytes + a.nbytes for _, _, _, p, a, _ in made)))
+
+    @staticmethod
+    def _halves_reader(g, node):
+        """The Split that alone reads ``node``'s output, cutting it into two equal halves of the last axis (N
+        even), else None."""
+        y = node.outputs[0]
+        readers = consumers(y)
+        if is_graph_output(g, y) or len(readers) != 1 or int(node.attrs.get("N", 0)) % 2:
+            return None
+        sp = readers[0]
+        if not is_alive(sp) or sp.op != "Split" or sp.domain or len(sp.outputs) != 2 or sp.inputs[0] is not y:
+            return None
+        found = halves_split(sp.outputs[0], sp.outputs[1])
+        return sp if found is not None and found[2] is None else None
 
     def one(self, g, mul, names, report, lossy) -> None:
         for a, b in ((mul.inputs[0], mul.inputs[1]), (mul.inputs[1], mul.inputs[0])):

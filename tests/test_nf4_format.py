@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from onnx_lowbit import halfbits, nf4
 
+BNB_TYPES = ("nf4", "fp4")   # bitsandbytes' own codes (nf4.QUANT_TYPES also has int4, which it does not know)
+
 SHAPES = [(688, 24), (33, 7), (64, 64), (1, 1), (3, 5), (100, 130), (4096, 3), (5, 4099)]
 
 
@@ -49,7 +51,9 @@ def test_codes():
     assert not np.signbit(nf4.FP4_CODE[8]) and not np.signbit(nf4.FP4_CODE[0])  # bit 3 is the sign; both zeros +0
     assert nf4.FP4_CODE[3] == 1.0 and nf4.FP4_CODE[11] == -1.0
     with pytest.raises(ValueError, match="quant_type"):
-        nf4.code("int4")
+        nf4.code("int3")
+    # int4 (not a bitsandbytes type): symmetric integers, code[q] = (q - 8) / 8, index 8 is 0
+    np.testing.assert_array_equal(nf4.code("int4"), (np.arange(16) - 8) / 8)
 
 
 def test_dynamic_code_shape():
@@ -107,7 +111,7 @@ def test_round_trip_is_nearest_code(K, N, p, qt, seed):
     err = np.abs(flat - deq.T.reshape(-1).astype(np.float64))
     np.testing.assert_allclose(err, best, rtol=0, atol=1e-6 * am.max())
     if n % 2:
-        assert packed[-1] & 0x0F == (7 if qt == "nf4" else 0)
+        assert packed[-1] & 0x0F == {"nf4": 7, "fp4": 0, "int4": 8}[qt]
 
 
 def test_dequantize_dtypes():
@@ -202,7 +206,7 @@ def bnb():
 _TORCH_DTYPES = ["float32", "float16", "bfloat16"]
 
 
-@pytest.mark.parametrize("qt", nf4.QUANT_TYPES)
+@pytest.mark.parametrize("qt", BNB_TYPES)
 @pytest.mark.parametrize("dtype", _TORCH_DTYPES)
 def test_quantize_matches_bitsandbytes(bnb, qt, dtype):
     torch, F = bnb
@@ -219,7 +223,7 @@ def test_quantize_matches_bitsandbytes(bnb, qt, dtype):
             np.testing.assert_array_equal(absmax.view(np.uint32), state.absmax.numpy().view(np.uint32))
 
 
-@pytest.mark.parametrize("qt", nf4.QUANT_TYPES)
+@pytest.mark.parametrize("qt", BNB_TYPES)
 def test_quantize_special_values_match_bitsandbytes(bnb, qt):
     torch, F = bnb
     bounds, _ = nf4._BOUNDS[qt]
@@ -234,7 +238,7 @@ def test_quantize_special_values_match_bitsandbytes(bnb, qt):
         np.testing.assert_array_equal(absmax.view(np.uint32), state.absmax.numpy().view(np.uint32))
 
 
-@pytest.mark.parametrize("qt", nf4.QUANT_TYPES)
+@pytest.mark.parametrize("qt", BNB_TYPES)
 @pytest.mark.parametrize("dtype", _TORCH_DTYPES)
 def test_dequantize_matches_bitsandbytes(bnb, qt, dtype):
     """bitsandbytes.functional.dequantize_4bit, where its CPU backend follows its own flat-block layout."""
@@ -265,7 +269,7 @@ def test_dequantize_matches_bitsandbytes(bnb, qt, dtype):
     assert checked >= 20
 
 
-@pytest.mark.parametrize("qt", nf4.QUANT_TYPES)
+@pytest.mark.parametrize("qt", BNB_TYPES)
 def test_dequantize_matches_bitsandbytes_portable_backend(bnb, qt):
     """All shapes against bitsandbytes' portable (default) dequantiser, the flat-block reference."""
     torch, _ = bnb
@@ -305,7 +309,7 @@ def test_8bit_blockwise_matches_bitsandbytes(bnb):
         np.testing.assert_array_equal(back.view(np.uint32), ref_back.view(np.uint32))
 
 
-@pytest.mark.parametrize("qt", nf4.QUANT_TYPES)
+@pytest.mark.parametrize("qt", BNB_TYPES)
 def test_double_quant_matches_bitsandbytes(bnb, qt):
     torch, F = bnb
     for i, (K, N, bs) in enumerate([(688, 24, 64), (512, 512, 32), (100, 33, 64), (2048, 1100, 64), (7, 5, 32)]):

@@ -9,6 +9,7 @@ import pytest
 from onnx_lowbit import ffn, nf4, nf4_int8
 from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
 from onnx_lowbit.custom_ops.nf4 import nf4col_cpu as col
+from onnx_lowbit.custom_ops.nf4 import nf4vnni_cpu as vnni
 from onnx_lowbit.custom_ops.nf4.nf4decode_cpu import absmax32
 
 EPS32 = 2.0 ** -24
@@ -22,7 +23,8 @@ def weights(k, n, bs, qt, seed=0):
 def loop_reference(a, q, am, qt, bs, k, n):
     """The definition written out with Python loops (float64 sums), for small shapes: (y, sum of |terms|)."""
     g = nf4_int8.int8_group(k, bs)
-    lev = [int(np.rint(float(c) * 127.0)) for c in nf4.code(qt)]     # (the values: test_code_levels)
+    L = nf4_int8.level_divisor(qt)
+    lev = [int(np.rint(float(c) * L)) for c in nf4.code(qt)]         # (the values: test_code_levels)
     idx = nf4.unpack_indices(q, k * n)
     y, mag = np.zeros((a.shape[0], n)), np.zeros((a.shape[0], n))
     for m in range(a.shape[0]):
@@ -35,7 +37,7 @@ def loop_reference(a, q, am, qt, bs, k, n):
             for c in range(n):
                 first = c * k + j * g
                 isum = sum(aq[i] * lev[idx[first + i]] for i in range(g))
-                term = float(am[first // bs]) / 127.0 * float(s_a) * isum
+                term = float(am[first // bs]) / L * float(s_a) * isum
                 y[m, c] += term
                 mag[m, c] += abs(term)
     return y, mag
@@ -50,7 +52,8 @@ def _bound(a, q, am, qt, bs, k, n):
     isum = np.abs(np.einsum("mjk,njk->mnj", aq3, w8.reshape(n, k // g, g)))
     first = np.arange(n)[:, None] * k + np.arange(k // g)[None, :] * g
     with np.errstate(invalid="ignore"):
-        return np.einsum("mnj,nj,mj->mn", isum.astype(np.float64), am[first // bs] / 127.0, np.abs(s_a))
+        return np.einsum("mnj,nj,mj->mn", isum.astype(np.float64), am[first // bs] / nf4_int8.level_divisor(qt),
+                         np.abs(s_a))
 
 
 # ---------------------------------------------------------------------------------------------- the reference
@@ -60,6 +63,9 @@ def test_code_levels():
     # FP4: 0.5 * 127 = 63.5 rounds half to even (64); 0.0625 / 12 * 127 = 0.66 -> 1; index 8 (-0) is +0
     assert nf4_int8.code_levels("fp4").tolist() == [0, 1, 85, 127, 42, 64, 21, 32, 0, -1, -85, -127, -42, -64, -21,
                                                      -32]
+    # int4: code (q - 8) / 8 with L = 128: the levels 16 (q - 8), exact; nf4 / fp4 keep L = 127
+    assert nf4_int8.code_levels("int4").tolist() == [16 * (q - 8) for q in range(16)]
+    assert [nf4_int8.level_divisor(qt) for qt in ("nf4", "fp4", "int4")] == [127, 127, 128]
 
 
 def test_groups_and_levels():
@@ -85,7 +91,7 @@ def test_quantize_activations_rounding_and_specials():
     assert aq[3, :2].tolist() == [42, -127] and s_a[3, 0] == np.float32(np.float32(3e-30) / np.float32(127))
 
 
-@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+@pytest.mark.parametrize("qt", ["nf4", "fp4", "int4"])
 @pytest.mark.parametrize("k,n,bs", [(64, 5, 32), (96, 3, 64), (128, 4, 128)])
 def test_reference_is_the_definition(qt, k, n, bs):
     q, am = weights(k, n, bs, qt, seed=k)
@@ -157,11 +163,12 @@ def kernel_outputs(a, q, am, qt, bs, k, n):
     am2 = am if kbs == bs else absmax32(am, 0, n * k // 32, bs)
     ys = np.empty((a.shape[0], n), np.float32)
     int8.cols_scalar(aq, sal, q, am2, tbl, k, kbs, g, 0, n, ys)
+    vnni.rescale(tbl, ys, n)             # the level divisor's factor, as cols_product applies it
     out["scalar"] = ys
     return out
 
 
-@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+@pytest.mark.parametrize("qt", ["nf4", "fp4", "int4"])
 @pytest.mark.parametrize("k,n,bs,m", SHAPES)
 def test_kernels_against_reference(qt, k, n, bs, m):
     q, am = weights(k, n, bs, qt, seed=k + n)
@@ -218,7 +225,7 @@ def test_vnni_activation_layout_matches_the_reference():
     assert not sg[:, k // g:].any()
 
 
-@pytest.mark.parametrize("qt", ["nf4", "fp4"])
+@pytest.mark.parametrize("qt", ["nf4", "fp4", "int4"])
 def test_kernels_nan_inf_rows(qt):
     k, n, bs = 384, 13, 64
     q, am = weights(k, n, bs, qt, seed=9)

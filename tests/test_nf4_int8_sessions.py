@@ -29,6 +29,7 @@ CASES = [  # K, N, block size, quant type, dtype, bias
     (352, 37, 64, "fp4", np.float16, True),    # K % bs != 0 (pieces of 32), tasks of two-column items, N odd
     (2048, 520, 64, "nf4", np.float32, False),  # several tasks of the pool
     (96, 27, 32, "fp4", np.float32, False),    # K < 128: one partial span
+    (576, 40, 32, "int4", np.float32, True),   # int4 (MatMulNBits converted): level divisor 128
     (688, 24, 64, "nf4", np.float16, False),   # K % 32 != 0: level 4 computes as level 0
 ]
 
@@ -73,6 +74,7 @@ def _weight_inputs_model(k, n, bs, qt, dtype, bias):
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(256, 40, 64, "nf4", np.float32, True),
                                                   (352, 37, 64, "fp4", np.float16, True),
                                                   (160, 50, 32, "nf4", np.float32, False),
+                                                  (576, 60, 32, "int4", np.float16, True),
                                                   (2048, 1100, 128, "fp4", np.float32, False)])
 def test_matmulnf4_level4_constant_vs_input_weights(monkeypatch, k, n, bs, qt, dtype, bias):
     """Constant Q / absmax: on VNNI CPUs repacked once per node (nf4col_cpu), every M of the node the same bytes per
@@ -122,6 +124,7 @@ def test_matmulnf4_level4_constant_vs_input_weights(monkeypatch, k, n, bs, qt, d
 
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(256, 40, 64, "nf4", np.float32, True),
                                                   (352, 37, 64, "fp4", np.float16, False),
+                                                  (576, 48, 32, "int4", np.float32, True),
                                                   (1024, 600, 128, "nf4", np.float32, True)])
 def test_fusedffnnf4_level4_native(k, n, bs, qt, dtype, bias):
     q1, a1 = _quantized(k, n, bs, qt, seed=5)

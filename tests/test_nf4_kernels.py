@@ -21,6 +21,8 @@ CASES = [  # M (leading dims), K, N, block size, quant type, dtype, bias
     ((2,), 128, 8, 64, "nf4", np.float16, True),
     ((17,), 64, 8, 32, "nf4", np.float32, False),      # M > 16: the prefill path
     ((0,), 64, 8, 64, "nf4", np.float32, True),        # empty batch
+    ((1, 2), 96, 40, 32, "int4", np.float16, True),    # int4 (MatMulNBits' symmetric grid)
+    ((1,), 64, 24, 64, "int4", np.float32, False),
 ]
 
 
@@ -199,7 +201,8 @@ def test_matmul_cuda_kernel(lead, k, n, bs, qt, dtype, bias):
 
 @needs_cuda
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", [(96, 45, 32, "nf4", np.float16, True),    # partial warp, tails
-                                                  (512, 37, 64, "fp4", np.float32, False)])  # full warp
+                                                  (512, 37, 64, "fp4", np.float32, False),   # full warp
+                                                  (96, 45, 32, "int4", np.float16, False)])
 @pytest.mark.parametrize("table", ["table16", "pair", "h2", "h2wide"])
 def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias, table, monkeypatch):
     """Each M = 1 kernel (the thresholds lowered so that a small weight takes it) on column slices of several steps
@@ -226,7 +229,7 @@ def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias, table, monkeypatch):
 @pytest.mark.parametrize("transposed", [False, True])
 def test_dequant_cuda_kernel(transposed):
     from onnx_lowbit.custom_ops.nf4 import dequantnf4_cuda
-    for k, n, bs, qt in [(688, 8, 64, "fp4"), (64, 16, 32, "nf4"), (33, 3, 32, "nf4")]:
+    for k, n, bs, qt in [(688, 8, 64, "fp4"), (64, 16, 32, "nf4"), (33, 3, 32, "nf4"), (64, 8, 32, "int4")]:
         q, am = _quantized(k, n, bs, qt)
         w = dequantnf4_cuda.run_arrays(q, am, nf4.code(qt).astype(np.float32), k, n, bs, transposed)
         ref = nf4.dequantize(q, am, qt, bs, k, n, np.float32)

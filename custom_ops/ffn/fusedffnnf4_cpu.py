@@ -25,6 +25,7 @@ from ..device.inputs import check_x_biases
 from ..nf4 import common as nf4_common
 from ..nf4 import matmulnf4_int8_cpu as int8
 from ..nf4 import nf4col_cpu as col
+from ..nf4 import nf4vnni_cpu as vnni
 from ..nf4.common import check_weights
 from ..nf4.matmulnf4_cpu import cols_product, even_odd, fast_path, pieces_path, product
 from ..runtime import plans
@@ -169,7 +170,7 @@ def _native_ffn8(p, begin, end):
     total = k * n
     nq, nb = (total + 1) // 2, (total + bs - 1) // bs
     aq, corr, sal = int8.quantize_arrays(native.load_f32(p[0], m, k, f16), grp)
-    tbl = native.vector(p[8], 64, np.uint8)
+    tbl = native.vector(p[8], vnni.TABLE_BYTES, np.uint8)
     g = np.empty((m, n1 - n0), np.float32)
     u = np.empty((m, n1 - n0), np.float32)
     int8.cols_product(aq, corr, sal, native.vector(p[1], nq, np.uint8), native.vector(p[2], nb, np.float32), tbl, k, bs,
@@ -194,7 +195,7 @@ def _native_ffn8_packed(p, begin, end):
         return 0
     nq, ns = col.sizes(k, n, 1 << lg)
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), grp)
-    tbl = native.vector(p[8], 64, np.uint8)
+    tbl = native.vector(p[8], vnni.TABLE_BYTES, np.uint8)
     g = np.empty((m, n1 - n0), np.float32)
     u = np.empty((m, n1 - n0), np.float32)
     col.cols(aq, cg, sg, native.vector(p[18], nq, np.uint8), native.vector(p[19], ns, np.float32), tbl, k, lg, t0, t1,

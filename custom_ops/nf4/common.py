@@ -41,8 +41,9 @@ class BlockSize:
 def parse_attrs(attrs: dict):
     """(quant_type, BlockSize, K, N, the 16 fp32 code values) of a node's attributes."""
     qt = attrs.get("quant_type", "")
-    if qt not in ("nf4", "fp4"):
-        raise KernelError(f"attribute 'quant_type' must be 'nf4' or 'fp4', got {qt!r}")
+    if qt not in nf4.QUANT_TYPES:
+        raise KernelError(f"attribute 'quant_type' must be one of {', '.join(map(repr, nf4.QUANT_TYPES))}, "
+                          f"got {qt!r}")
     bs, k, n = BlockSize(int(attrs["block_size"])), int(attrs["K"]), int(attrs["N"])
     if k <= 0 or n <= 0:
         raise KernelError(f"attributes 'K' and 'N' must be positive, got K={k}, N={n}")

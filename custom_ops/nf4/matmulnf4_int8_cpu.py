@@ -42,9 +42,10 @@ def group(k: int, bs: int):
 
 
 def table(quant_type: str) -> np.ndarray:
-    """The kernels' level table of ``quant_type``: uint8[64], the 16 int8 levels (nf4_int8.code_levels) + 128, four
-    times (nf4vnni_cpu.table; the scalar path reads its first 16 bytes)."""
-    return vnni.table(nf4_int8.code_levels(quant_type))
+    """The kernels' level table of ``quant_type``: uint8[nf4vnni_cpu.TABLE_BYTES], the 16 int8 levels
+    (nf4_int8.code_levels) + 128, four times, then the level divisor L (nf4vnni_cpu.table; the scalar path reads
+    its first 16 bytes)."""
+    return vnni.table(nf4_int8.code_levels(quant_type), nf4_int8.level_divisor(quant_type))
 
 
 @njit(cache=True, inline="always")
@@ -234,12 +235,12 @@ def cols_product(aq, corr, sal, q, absmax, tbl, k_dim, bs, g, n0, n1, res):
         lbs = 5 if k_dim % bs != 0 else _log2(bs)
         sc = prescale(absmax, n0 * k_dim, sal, k_dim, _log2(bs), lbs, n1 - n0)
         cols_one_row(aq, corr, sal, qs, sc, tbl, k_dim, lbs, n1 - n0, res)
-        return
-    if k_dim % bs != 0:
+    elif k_dim % bs != 0:
         ams = absmax32(absmax, n0 * k_dim, (n1 - n0) * (k_dim // 32), bs)
         cols(aq, corr, sal, qs, ams, tbl, k_dim, 32, g, 0, n1 - n0, res)
     else:
         cols(aq, corr, sal, qs, absmax[(n0 * k_dim) // bs:], tbl, k_dim, bs, g, 0, n1 - n0, res)
+    vnni.rescale(tbl, res, n1 - n0)
 
 
 def product(qa: QuantA, q, absmax, tbl, k, n, bs, g):
@@ -356,7 +357,7 @@ def native_matmul(p, begin, end):
     aq, corr, sal = quantize_arrays(native.load_f32(p[0], m, k, f16), g)
     res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
     cols_product(aq, corr, sal, native.vector(p[1], (total + 1) // 2, np.uint8),
-                 native.vector(p[2], (total + bs - 1) // bs, np.float32), native.vector(p[5], 64, np.uint8), k, bs, g,
+                 native.vector(p[2], (total + bs - 1) // bs, np.float32), native.vector(p[5], vnni.TABLE_BYTES, np.uint8), k, bs, g,
                  n0, n1, res)
     if p[11]:
         native.add_bias(res, p[3], n0, f16)
@@ -389,7 +390,7 @@ def native_matmul_packed(p, begin, end):
     res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
     nq, ns = col.sizes(k, n, 1 << lg)
     col.cols(aq, cg, sg, native.vector(p[14], nq, np.uint8), native.vector(p[15], ns, np.float32),
-             native.vector(p[5], 64, np.uint8), k, lg, t0, t1, n, res)
+             native.vector(p[5], vnni.TABLE_BYTES, np.uint8), k, lg, t0, t1, n, res)
     if p[11]:
         native.add_bias(res, p[3], n0, f16)
     if f16:

@@ -248,7 +248,15 @@ def quantize_arrays(a, g):
 def cols(aq, cg, sg, qk, sk, tbl, k_dim, lg, t0, t1, n_dim, out):
     """out[m, j] (float32 [M, >= j], rows any stride) = column 16 t0 + j for the columns below n_dim of tiles
     t0 .. t1 - 1 (qk, sk: the whole ColPack's arrays). One row: the 4-tile kernel on groups of 4 tiles (one
-    256-byte stream per step), single tiles before and after; more rows: 4 / 2 / 1 rows x 2 or 1 tiles."""
+    256-byte stream per step), single tiles before and after; more rows: 4 / 2 / 1 rows x 2 or 1 tiles; then the
+    level divisor's factor (nf4vnni_cpu.rescale)."""
+    _cols(aq, cg, sg, qk, sk, tbl, k_dim, lg, t0, t1, n_dim, out)
+    vnni.rescale(tbl, out, min(t1 * TILE, n_dim) - t0 * TILE)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _cols(aq, cg, sg, qk, sk, tbl, k_dim, lg, t0, t1, n_dim, out):
+    """``cols`` before the level divisor's factor."""
     m_dim = aq.shape[0]
     lda = aq.shape[1]
     ldg = cg.shape[1]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -36,10 +36,30 @@ SPAN = 128    # elements per 64-byte vector of one column's packed weight
 SAL = float(np.float32(1.0 / 16129.0))   # sal = amax x fp32(1 / 127^2): s_a / 127 within an ulp or two (a scale only)
 
 
-def table(levels) -> np.ndarray:
-    """uint8[64]: the 16 int8 levels + 128, four times (vpshufb looks up within each 128-bit lane, vpermb reads 6
-    index bits)."""
-    return np.tile((np.asarray(levels, np.int16) + 128).astype(np.uint8), 4)
+TABLE_BYTES = 72   # the kernels' level table: 64 bytes of levels, the level divisor L, padding
+L_AT = 64
+
+
+def table(levels, divisor=127) -> np.ndarray:
+    """uint8[TABLE_BYTES]: the 16 int8 levels + 128, four times (vpshufb looks up within each 128-bit lane, vpermb
+    reads 6 index bits: the tiles load these 64 bytes), then at L_AT the level divisor L (onnx_lowbit.nf4_int8:
+    127, or 128 for int4), whose factor 127 / L ``rescale`` applies to the products (sal carries 1 / 127^2)."""
+    t = np.zeros(TABLE_BYTES, np.uint8)
+    t[:64] = np.tile((np.asarray(levels, np.int16) + 128).astype(np.uint8), 4)
+    t[L_AT] = divisor
+    return t
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def rescale(tbl, out, n_cols):
+    """out[m, :n_cols] *= fp32(127 / L) (exact: 1 for L = 127, 0.9921875 for 128), L at tbl[L_AT]; rows any view."""
+    div = tbl[L_AT]
+    if div == 127:
+        return
+    f = np.float32(127.0) / np.float32(div)
+    for m in range(out.shape[0]):
+        for j in range(n_cols):
+            out[m, j] *= f
 
 
 def _make_quantize(natural):
