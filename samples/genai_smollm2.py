@@ -19,8 +19,9 @@ reused):
     int4-cuda     -p int4 -e cuda (fp16 scales; run on the CPU)        MatMulNBits -> FusedFFNAWQ, lossless
     int4-cuda-fused  the same with fuse_mlp_gate_up=true               MatMulNBits gate_up + Split -> FusedFFNAWQ
     int4-cuda-b128   int4-cuda with block_size=128 (gate/up K = 576 = 4.5 blocks: the last one padded)
-    int4          -p int4 -e cpu (fp32 scales, accuracy_level 4)       left as is (fp32 scales: not lossless)
-    int4-lossy    the int4 build, rewritten with --lossy               scales rounded to fp16 -> FusedFFNAWQ
+    int4          -p int4 -e cpu (fp32 scales, accuracy_level 4)       every MatMulNBits -> MatMulNF4 int4 (lossless,
+                  the CPU target of a CPU folder), gate/up -> FusedFFNNF4, level 4 kept
+    int4-lossy    the int4 build, rewritten with --to awq --lossy      scales rounded to fp16 -> FusedFFNAWQ
     int4-lossy-acc1  -p int4 -e cpu, accuracy_level=1 (fp32 activations in onnxruntime's MatMulNBits instead of
                   level 4's int8), rewritten with --lossy: separates our scale rounding from level 4's activation
                   quantisation, which our kernels do not do
@@ -65,9 +66,9 @@ VARIANTS = {
                                             "fuse_mlp_gate_up=true"], {}),
     "int4-cuda-b128": ("int4_cuda_b128", ["-p", "int4", "-e", "cuda", "--extra_options", "block_size=128"], {}),
     "int4": ("int4_cpu", ["-p", "int4", "-e", "cpu"], {}),
-    "int4-lossy": ("int4_cpu", ["-p", "int4", "-e", "cpu"], {"matmulnbits_lossy": True}),
+    "int4-lossy": ("int4_cpu", ["-p", "int4", "-e", "cpu"], {"matmulnbits_lossy": True, "matmulnbits_to": "awq"}),
     "int4-lossy-acc1": ("int4_cpu_acc1", ["-p", "int4", "-e", "cpu", "--extra_options", "accuracy_level=1"],
-                        {"matmulnbits_lossy": True}),
+                        {"matmulnbits_lossy": True, "matmulnbits_to": "awq"}),
     "int8": ("int8_cpu", ["-p", "int8", "-e", "cpu"], {}),
 }
 DEFAULT_VARIANTS = "fp32,int4-cuda,int4,int4-lossy"

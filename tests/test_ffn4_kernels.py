@@ -86,6 +86,7 @@ NF4_CASES = [  # lead dims, K, N, block size, quant type, dtype, (B1, B3)
     ((2, 2, 2), 96, 40, 256, "fp4", np.float32, (False, True)),  # 3-D X, a block of several rows
     ((17,), 64, 8, 32, "nf4", np.float32, (True, True)),        # M > 16: the prefill path
     ((0,), 64, 8, 64, "nf4", np.float32, (True, True)),         # empty batch
+    ((1, 2), 64, 24, 32, "int4", np.float32, (True, False)),    # int4 (MatMulNBits' symmetric grid)
 ]
 NF4_IDS = [f"{'x'.join(map(str, c[0]))}-K{c[1]}-N{c[2]}-bs{c[3]}-{c[4]}-{np.dtype(c[5]).name}" for c in NF4_CASES]
 
@@ -146,6 +147,8 @@ NF4_CUDA_CASES = [  # (the simulator runs every thread in Python: small M * N)
     ((1,), 96, 45, 32, "nf4", np.float16, (True, False)),         # M=1 slices of several steps, a partial last step
     ((1,), 512, 19, 64, "fp4", np.float32, (False, True)),        # M=1, one full warp (every thread owns a word)
     ((1,), 40, 8, 32, "nf4", np.float32, (True, True)),           # K % 16 != 0: the generic kernel
+    ((1,), 96, 45, 32, "int4", np.float16, (True, False)),        # int4 code, M = 1
+    ((3,), 64, 16, 32, "int4", np.float32, (False, True)),
     ((17,), 64, 8, 32, "fp4", np.float16, (False, True)),         # M > 16: generic (prefill with cuBLAS)
     ((0,), 64, 8, 64, "nf4", np.float32, (True, True)),
 ]

@@ -281,3 +281,117 @@ def test_half_failing_leaves_the_block_untouched():
     assert not list(rep.rewritten("matmulnbits"))
     x = (np.random.default_rng(9).standard_normal((1, 2, 64))).astype(np.float32)
     np.testing.assert_array_equal(run_cpu(out, {"x": x}, ours=False)["y"], run_cpu(m, {"x": x}, ours=False)["y"])
+
+
+# ---------------------------------------------------------------------------------------------- the int4 target
+def _set_level(model, level):
+    for n in model.graph.node:
+        if n.op_type == "MatMulNBits":
+            n.attribute.append(helper.make_attribute("accuracy_level", level))
+    return model
+
+
+@pytest.mark.parametrize("K,N,bs,dtype", [(64, 24, 32, np.float16), (256, 8, 128, np.float32),
+                                          (64, 16, 64, np.float32)])
+def test_to_int4_exact(K, N, bs, dtype):
+    """MatMulNF4 int4's float32 weight == MatMulNBits' (q - 8) * s, bit for bit, for fp16 and fp32 scales (no zero
+    points, or all 8); == onnxruntime's own MatMulNBits weight (fp16 models: its fp16 rounding of it)."""
+    from onnx_lowbit import nf4
+    b, s, _ = nbits_weight(K, N, bs, dtype, False, seed=K + N)
+    ref = matmulnbits.dequantize(b, s, None, K, N, bs, np.float32)
+    for zp in (None, np.full(N * ((K // bs + 1) // 2), 0x88, np.uint8)):
+        packed, absmax = matmulnbits.to_int4(b, s, zp, K, N, bs)
+        assert packed.dtype == np.uint8 and packed.size == K * N // 2 and absmax.dtype == np.float32
+        ours = nf4.dequantize(packed, absmax, "int4", bs, K, N)
+        assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+    if dtype == np.float16:
+        theirs = ort_dequant(b, s, None, K, N, bs)
+        assert np.array_equal(ours.astype(np.float16).view(np.uint16), theirs.view(np.uint16))
+
+
+def test_to_int4_refusals():
+    b, s, zp = nbits_weight(64, 16, 32, np.float16, True, seed=2)
+    with pytest.raises(ValueError, match="zero points other than 8"):
+        matmulnbits.to_int4(b, s, zp, 64, 16, 32)
+    b, s, _ = nbits_weight(80, 16, 32, np.float16, False, seed=3)
+    with pytest.raises(ValueError, match="not a multiple of block_size"):
+        matmulnbits.to_int4(b, s, None, 80, 16, 32)
+    b, s, _ = nbits_weight(64, 16, 16, np.float16, False, seed=4)
+    with pytest.raises(ValueError, match="MatMulNF4 takes powers of two in 32..4096"):
+        matmulnbits.to_int4(b, s, None, 64, 16, 16)
+    b, s, _ = nbits_weight(64, 16, 32, np.float32, False, seed=5)
+    with pytest.raises(ValueError, match="overflows"):
+        matmulnbits.to_int4(b, np.full_like(s, 1e38), None, 64, 16, 32)
+
+
+@pytest.mark.parametrize("dtype,level", [(np.float16, 0), (np.float32, 4), (np.float32, 0)])
+def test_int4_target_every_product(dtype, level):
+    """matmulnbits_to=int4: gate, up AND down become MatMulNF4 int4 (the node's accuracy_level), ffn fuses the pair
+    into FusedFFNNF4; the output agrees with onnxruntime's graph (at level 4: the same int8 activations, fp32 sums in
+    another order)."""
+    m = _set_level(genai_mlp(dtype=dtype), level)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False, matmulnbits_to="int4")
+    assert ops(out) == [("onnx_lowbit", "FusedFFNNF4"), ("onnx_lowbit", "MatMulNF4")]
+    conv = rep.rewritten("matmulnbits")
+    assert len(conv) == 3 and all(e.reason == "MatMulNBits -> MatMulNF4 int4 (lossless)" for e in conv)
+    assert {e.details["accuracy_level"] for e in conv} == {level}
+    assert all(a.s == b"int4" for n in out.graph.node for a in n.attribute if a.name == "quant_type")
+    x = (np.random.default_rng(8).standard_normal((2, 3, 64))).astype(dtype)
+    want = run_cpu(m, {"x": x}, ours=False)["y"].astype(np.float32)
+    got = run_cpu(out, {"x": x})["y"].astype(np.float32)
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert rel < (2e-3 if dtype == np.float16 else 1e-5), rel
+
+
+@pytest.mark.parametrize("gate_second,sizes", [(False, False), (True, True)])
+def test_int4_target_fused_gate_up(gate_second, sizes):
+    """The fused gate_up product + Split: two MatMulNF4 halves (the Split gone), fused by ffn; outputs agree."""
+    m, _ = genai_fused_mlp(dtype=np.float32, gate_second=gate_second, sizes=sizes)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False, matmulnbits_to="int4")
+    assert ops(out) == [("onnx_lowbit", "FusedFFNNF4"), ("onnx_lowbit", "MatMulNF4")]
+    split = [e for e in rep.rewritten("matmulnbits") if "Split" in e.pattern]
+    assert len(split) == 1 and len(split[0].details["new_nodes"]) == 2
+    x = (np.random.default_rng(9).standard_normal((1, 5, 64))).astype(np.float32)
+    want = run_cpu(m, {"x": x}, ours=False)["y"]
+    got = run_cpu(out, {"x": x})["y"]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+
+
+def test_int4_target_skips_and_bad_option():
+    """Zero points other than 8 and bits=8 stay MatMulNBits, each reported; an unknown target is refused."""
+    m = genai_mlp(zero_points=True)
+    out, rep = checked_rewrite(m, ["matmulnbits", "ffn"], check=False, matmulnbits_to="int4")
+    assert ops(out) == ops(m)
+    assert len(rep.skipped("matmulnbits")) == 3
+    assert all("zero points other than 8" in e.reason for e in rep.skipped("matmulnbits"))
+    m8, _ = genai_fused_mlp(bits=8)             # gate_up 8-bit, down 4-bit
+    out, rep = checked_rewrite(m8, ["matmulnbits"], check=False, matmulnbits_to="int4")
+    [skip], [done] = rep.skipped("matmulnbits"), rep.rewritten("matmulnbits")
+    assert "bits=8" in skip.reason and skip.nodes == ("gate_up",) and done.nodes == ("down",)
+    with pytest.raises(Exception, match="matmulnbits_to must be one of awq, int4"):
+        checked_rewrite(genai_mlp(), ["matmulnbits"], check=False, matmulnbits_to="nf4")
+
+
+@pytest.mark.parametrize("config_provider,args,want", [
+    ([], [], "FusedFFNNF4"),                                               # a CPU folder: the int4 target
+    ([{"cuda": {}}], [], "FusedFFNAWQ"),                                   # a CUDA folder: the SwiGLU pairs to AWQ
+    ([{"cuda": {}}], ["--provider", "cpu"], "FusedFFNNF4"),                # --provider decides
+    ([], ["--to", "awq"], "FusedFFNAWQ")])                                 # --to overrides
+def test_genai_cli_target_by_provider(tmp_path, config_provider, args, want):
+    """onnx-lowbit genai on a genai-shaped folder (genai_config.json + model.onnx; genai itself not needed): the
+    matmulnbits target follows the folder's provider unless --provider / --to say otherwise."""
+    import json
+    import os
+
+    import onnx
+
+    from onnx_lowbit import cli
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    os.makedirs(src)
+    onnx.save(genai_mlp(), str(src / "model.onnx"))
+    cfg = {"model": {"decoder": {"filename": "model.onnx", "session_options": {"provider_options": config_provider}}}}
+    (src / "genai_config.json").write_text(json.dumps(cfg))
+    assert cli.main(["genai", str(src), str(dst)] + args) == 0
+    got = onnx.load(str(dst / "model.onnx"))
+    assert ("onnx_lowbit", want) in ops(got)
+    assert (("com.microsoft", "MatMulNBits") in ops(got)) == (want == "FusedFFNAWQ")    # down stays for awq

@@ -102,7 +102,7 @@ _NF4_IN = [("a", TensorProto.FLOAT), ("q", TensorProto.UINT8), ("am", TensorProt
 
 @pytest.mark.parametrize("op", ["MatMulNF4", "DequantNF4"])
 @pytest.mark.parametrize("over,needles", [
-    (dict(quant_type="int4"), ["'quant_type'", "'nf4' or 'fp4'", "'int4'"]),
+    (dict(quant_type="int3"), ["'quant_type'", "'nf4', 'fp4', 'int4'", "'int3'"]),
     (dict(block_size=48), ["'block_size'", "power of two in 32..4096", "48"]),
     (dict(block_size=8192), ["'block_size'", "8192"]),
     (dict(block_size=16), ["'block_size'", "16"]),
