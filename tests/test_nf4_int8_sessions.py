@@ -34,6 +34,13 @@ CASES = [  # K, N, block size, quant type, dtype, bias
 ]
 
 
+def _native_max_m(k):
+    """The most rows a level-4 node with constant weights serves natively: its packed entry's (VNNI CPUs, K % 32 ==
+    0: the weights repacked) or the span entry's."""
+    from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
+    return int8.PACKED_MAX_M if int8.VNNI and k % 32 == 0 else int8.SMALL_M
+
+
 @pytest.mark.parametrize("k,n,bs,qt,dtype,bias", CASES)
 def test_matmulnf4_level4_native(k, n, bs, qt, dtype, bias):
     q, am = _quantized(k, n, bs, qt, seed=k)
@@ -44,7 +51,7 @@ def test_matmulnf4_level4_native(k, n, bs, qt, dtype, bias):
     rng = np.random.default_rng(2)
     feeds = [{"a": _specials(rng.standard_normal((1, mm, k)).astype(dtype))} for mm in (1, 3, 1, 16, 17, 0)]
     for threads in (0, 1):
-        native, _ = native_and_python(m, feeds, threads, python_only=lambda f: f["a"].shape[1] > 16)
+        native, _ = native_and_python(m, feeds, threads, python_only=lambda f: f["a"].shape[1] > _native_max_m(k))
     check_native_rows(native, feeds, "a", n, dtype,
                       lambda a: nf4.matmul(a, q, am, qt, bs, k, n, b, accuracy_level=4), _rel, _tol(dtype))
     for f in feeds:          # level 4 is not the float product, except where it computes as level 0 (K % 32 != 0)
@@ -82,7 +89,8 @@ def test_matmulnf4_level4_constant_vs_input_weights(monkeypatch, k, n, bs, qt, d
     the span-layout kernels. Both within the level-4 tolerance of the reference, each other's too."""
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
     from onnx_lowbit.custom_ops.runtime import bridge
-    monkeypatch.setattr(int8, "TASK_COLS_PACKED", 32)     # tasks of two tiles: several tasks on the pool
+    monkeypatch.setattr(int8, "CHUNK_TILES", 2)           # chunks of two tiles: several claimed per task
+    monkeypatch.setattr(int8, "CHUNKS_PER_TASK", 64)
     q, am = _quantized(k, n, bs, qt, seed=k + 1)
     rng = np.random.default_rng(k)
     b = rng.standard_normal(n).astype(dtype) if bias else None
@@ -94,7 +102,7 @@ def test_matmulnf4_level4_constant_vs_input_weights(monkeypatch, k, n, bs, qt, d
     feeds = [{"a": a3}, {"a": a3[:, 1:2].copy()}, {"a": a3[:, 2:3].copy()}, {"a": a20}]
     results = []
     for threads in (1, 2):
-        native, _ = native_and_python(const, feeds, threads, python_only=lambda f: f["a"].shape[1] > 16)
+        native, _ = native_and_python(const, feeds, threads, python_only=lambda f: f["a"].shape[1] > _native_max_m(k))
         results.append(native)
         (y3,), (y1,), (y2,), (y20,) = native
         assert np.array_equal(y3[:, 1:2].view(np.uint8), y1.view(np.uint8))        # M = 1 rows = M = 3 rows
@@ -136,7 +144,7 @@ def test_fusedffnnf4_level4_native(k, n, bs, qt, dtype, bias):
               dict(quant_type=qt, block_size=bs, K=k, N=n, accuracy_level=4))
     feeds = [{"x": _specials((rng.standard_normal((1, mm, k)) + 0.2).astype(dtype))} for mm in (1, 3, 1, 16, 17, 0)]
     row = {"x": feeds[1]["x"][:, 1:2].copy()}    # row 1 of the M = 3 call, alone: the same bytes at every M
-    native, _ = native_and_python(m, feeds + [row], 0, python_only=lambda f: f["x"].shape[1] > 16)
+    native, _ = native_and_python(m, feeds + [row], 0, python_only=lambda f: f["x"].shape[1] > _native_max_m(k))
     np.testing.assert_array_equal(native[1][0][:, 1:2].view(np.uint8), native[-1][0].view(np.uint8))
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_int8_cpu as int8
     from onnx_lowbit.custom_ops.runtime import bridge

@@ -6,7 +6,10 @@ An entry is a Numba ``@cfunc`` with the C signature ``int32 entry(const uint64* 
 work items of this task (the shim splits a call's items over onnxruntime's intra-op threads). It wraps a kernel's
 existing njit functions: ``array(params[i], shape, dtype)`` views a pointer slot as an array, ``vector`` a flat one.
 It returns 0, or ``DECLINED`` when the call's input values are not its to serve (the shim then calls Python, whose
-checks name the problem). ``compile_entry(fn)`` compiles a module-level Python function as such an entry once per
+checks name the problem). Claimed work: an entry that costs a set-up per task (quantising A) may instead ignore
+``[begin, end)`` and take chunks with ``claim(params, slot)`` from a counter slot, in as many tasks as the machine
+has cores (``CLAIM_TASKS``): on a pool of fewer threads the tasks run one after another and the later ones find
+nothing left (a set-up only where a task got work), on more threads they share the chunks. ``compile_entry(fn)`` compiles a module-level Python function as such an entry once per
 process (cached on disk like the kernels), so importing a kernel module compiles nothing.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from .half_cpu import f2h, h2f
 
 SIGNATURE = types.int32(types.CPointer(types.uint64), types.int64, types.int64)
 DECLINED = 1
+CLAIM_TASKS = max(1, min(64, __import__("os").cpu_count() or 1))   # tasks of a claimed step (see the module doc)
 
 
 @intrinsic
@@ -67,6 +71,22 @@ def parallel_ok() -> bool:
     the process). With workqueue, such calls keep the Python path (the GIL serialises them)."""
     start_pool()   # so that the layer is known
     return numba.threading_layer() != "workqueue"
+
+
+@intrinsic
+def claim(typingctx, params, i):
+    """params[i] += 1 atomically (sequentially consistent; ``params`` the entry's parameter pointer); returns the
+    value before, as int64. Tasks of one call share their parameter block, so a counter slot (recorded as 0, reset
+    with the block's per-call copy) hands out work items one at a time: ``claimed``'s scheme."""
+    if not isinstance(params, types.CPointer) or not isinstance(i, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+        ptr = builder.gep(args[0], [args[1]])
+        return builder.atomic_rmw("add", ptr, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
+    return types.int64(params, i), codegen
 
 
 @njit(inline="always")

@@ -11,8 +11,9 @@ Python path.
 With accuracy_level 4 (K % 32 == 0) both products are matmulnf4_int8_cpu's (X quantised to int8 once per call, per
 task natively), as MatMulNF4's at that level; where W1 and W3 (codes and absmax) are constant initializers on a VNNI
 CPU, both are repacked once per node into column lanes (nf4col_cpu; copies of 2 x (N x K / 2 + 4 x N x K / g)
-bytes kept by the kernel object) and every M of the node takes those kernels (``_native_ffn8_packed``, or the
-Python path with ``packs``)."""
+bytes kept by the kernel object) and every M of the node takes those kernels (``_native_ffn8_packed`` up to
+matmulnf4_int8_cpu.PACKED_MAX_M rows, its column tiles claimed in chunks by as many tasks as the machine has cores;
+beyond, the Python path with ``packs``)."""
 from __future__ import annotations
 
 import math
@@ -79,15 +80,16 @@ class FusedFFNNF4Kernel(Kernel):
         check_weights(q1, am1, q3, am3, self.k, self.n, self.bs)
         m = check_x_biases(x, b1, b3, self.k, self.n, 5, 6)
         packs = self.packs if self.packed_from == (q1.ptr, am1.ptr, q3.ptr, am3.ptr) else None
-        if packs is not None and ctx.native and m <= int8.SMALL_M:
+        if packs is not None and ctx.native and m <= int8.PACKED_MAX_M:
             k, n, bs = self.k, self.n, self.bs.size
             s = ctx.output(0, tuple(x.shape[:-1]) + (n,))
             values = [x.ptr, q1.ptr, am1.ptr, q3.ptr, am3.ptr, b1.ptr if b1 is not None else 0,
                       b3.ptr if b3 is not None else 0, s, self.l4.tbl.ctypes.data, m, k, n, bs, int(x.elem_type == 10),
                       int(b1 is not None), int(b3 is not None), packs[0].lg, self.l4.g,
-                      *(a.ctypes.data for pk in packs for a in (pk.qk, pk.sk)), *self.packed_from]
-            if ctx.run_native(native.compile_entry(_native_ffn8_packed), packs[0].tiles,
-                              max(1, int8.grain_packed(n) // 2), values, (0, 1, 2, 3, 4, 5, 6, 7)):
+                      *(a.ctypes.data for pk in packs for a in (pk.qk, pk.sk)), *self.packed_from, 0,
+                      int8.chunk_tiles(packs[0].tiles, CHUNK_TILES)]
+            if ctx.run_native(native.compile_entry(_native_ffn8_packed), int8.claim_tasks(packs[0].tiles, values[-1]),
+                              1, values, (0, 1, 2, 3, 4, 5, 6, 7)):
                 return
         elif packs is None and self.l4 is not None and ctx.native and m <= int8.SMALL_M:
             k, n, bs = self.k, self.n, self.bs.size
@@ -181,26 +183,34 @@ def _native_ffn8(p, begin, end):
     return 0
 
 
-# ---- native entry at accuracy_level 4 with W1 and W3 packed (FusedFFNNF4Kernel.packs): _native_ffn8's params
-# (slot 16: log2 of the group), then W1's qk, sk, W3's qk, sk and the Q1, absmax1, Q3, absmax3 addresses they were
-# packed from (the call's must be those, else DECLINED); work items are column tiles of 16 (nf4col_cpu), each task
-# quantises X once for both products (matmulnf4_int8_cpu.native_matmul_packed's scheme).
+# ---- native entry at accuracy_level 4 with W1 and W3 packed (FusedFFNNF4Kernel.packs), M <= int8.PACKED_MAX_M:
+# _native_ffn8's params (slot 16: log2 of the group), then W1's qk, sk, W3's qk, sk, the Q1, absmax1, Q3, absmax3
+# addresses they were packed from (the call's must be those, else DECLINED), the claim counter (0) and the chunk
+# (tiles of 16 columns): chunks claimed as matmulnf4_int8_cpu.native_matmul_packed's, each task that gets one
+# quantises X once for both products.
+CHUNK_TILES = 8         # two products per tile: half of MatMulNF4's chunk
+
+
 def _native_ffn8_packed(p, begin, end):
     if p[1] != p[22] or p[2] != p[23] or p[3] != p[24] or p[4] != p[25]:
         return native.DECLINED
     m, k, n = native.arg(p, 9), native.arg(p, 10), native.arg(p, 11)
-    f16, lg, grp = native.arg(p, 13), native.arg(p, 16), native.arg(p, 17)
-    t0, t1, n0, n1 = col.task_tiles(begin, end, n)
-    if n1 <= n0 or m == 0:
+    f16, lg, grp, chunk = native.arg(p, 13), native.arg(p, 16), native.arg(p, 17), native.arg(p, 27)
+    tiles = (n + col.TILE - 1) // col.TILE
+    c = native.claim(p, 26)
+    if m == 0 or c * chunk >= tiles:
         return 0
     nq, ns = col.sizes(k, n, 1 << lg)
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), grp)
     tbl = native.vector(p[8], vnni.TABLE_BYTES, np.uint8)
-    g = np.empty((m, n1 - n0), np.float32)
-    u = np.empty((m, n1 - n0), np.float32)
-    col.cols(aq, cg, sg, native.vector(p[18], nq, np.uint8), native.vector(p[19], ns, np.float32), tbl, k, lg, t0, t1,
-             n, g)
-    col.cols(aq, cg, sg, native.vector(p[20], nq, np.uint8), native.vector(p[21], ns, np.float32), tbl, k, lg, t0, t1,
-             n, u)
-    _native_out(p, g, u, n, n0, f16)
+    qk1, sk1 = native.vector(p[18], nq, np.uint8), native.vector(p[19], ns, np.float32)
+    qk3, sk3 = native.vector(p[20], nq, np.uint8), native.vector(p[21], ns, np.float32)
+    while c * chunk < tiles:
+        t0, t1, n0, n1 = col.task_tiles(c * chunk, (c + 1) * chunk, n)
+        g = np.empty((m, n1 - n0), np.float32)
+        u = np.empty((m, n1 - n0), np.float32)
+        col.cols(aq, cg, sg, qk1, sk1, tbl, k, lg, t0, t1, n, g)
+        col.cols(aq, cg, sg, qk3, sk3, tbl, k, lg, t0, t1, n, u)
+        _native_out(p, g, u, n, n0, f16)
+        c = native.claim(p, 26)
     return 0

@@ -286,16 +286,16 @@ class MatMulNF4Kernel(Kernel):
         out[...] = y
 
     def compute8_packed(self, ctx, a, bias, m, pk):
-        """accuracy_level 4, constant weight packed into column lanes: the packed native entry at M <= SMALL_M,
-        else the packed Python path (the same operations per column: the same bytes at every M)."""
+        """accuracy_level 4, constant weight packed into column lanes: the packed native entry at M <= its
+        PACKED_MAX_M, else the packed Python path (the same operations per column: the same bytes at every M)."""
         n = self.n
-        if ctx.native and m <= int8.SMALL_M:
+        if ctx.native and m <= int8.PACKED_MAX_M:
             y = ctx.output(0, a.shape[:-1] + (n,))
             values = [a.ptr, *self.packed_from, bias.ptr if bias is not None else 0, y, self.l4.tbl.ctypes.data, m,
                       self.k, n, self.bs.size, int(a.elem_type == 10), int(bias is not None), pk.lg, pk.g,
-                      pk.qk.ctypes.data, pk.sk.ctypes.data, *self.packed_from]
-            if ctx.run_native(native.compile_entry(int8.native_matmul_packed), pk.tiles, int8.grain_packed(n),
-                              values, (0, 1, 2, 3, 4)):
+                      pk.qk.ctypes.data, pk.sk.ctypes.data, *self.packed_from, 0, int8.chunk_tiles(pk.tiles)]
+            if ctx.run_native(native.compile_entry(int8.native_matmul_packed), int8.claim_tasks(pk.tiles, values[-1]),
+                              1, values, (0, 1, 2, 3, 4)):
                 return
         elif ctx.native:
             plans.not_replayable()

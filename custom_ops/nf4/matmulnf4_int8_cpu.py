@@ -366,33 +366,48 @@ def native_matmul(p, begin, end):
     return 0
 
 
-# ---- native entry with a packed constant weight (Level4.pack_constant): work items are column tiles of 16; every
-# task quantises A in natural order and runs nf4col_cpu's tiles on its tiles. params: native_matmul's (slot 12:
-# log2 of the group, unused slot 13), then the ColPack's qk and sk addresses, and the Q and absmax addresses it
-# was packed from (the call's must be those, else DECLINED: the Python path takes the unpacked kernels).
-TASK_COLS_PACKED = 1024   # quantising A costs about 128 columns' work at any K and M: tasks of >= 1024 columns
+# ---- native entry with a packed constant weight (Level4.pack_constant), M <= PACKED_MAX_M: the column tiles are
+# claimed in chunks of CHUNK_TILES (native.claim on slot 18; native.CLAIM_TASKS tasks): every task that gets a chunk
+# quantises A once in natural order and runs nf4col_cpu's tiles on its chunks, so one thread pays one quantisation
+# whatever the number of tasks and two threads share the tiles. params: native_matmul's (slot 12: log2 of the group,
+# unused slot 13), then the ColPack's qk and sk addresses, the Q and absmax addresses it was packed from (the call's
+# must be those, else DECLINED: the Python path takes the unpacked kernels), the claim counter (0), the chunk.
+PACKED_MAX_M = 256      # larger M: the packed Python path (A quantised once, Python threads)
+CHUNK_TILES = 16        # tiles (16 columns) per claimed chunk at least: 256 columns
+CHUNKS_PER_TASK = 4     # chunks per task (the tiles over CLAIM_TASKS x this many chunks, where that is more)
 
 
-def grain_packed(n):
-    """Tiles per task of native_matmul_packed (at least TASK_COLS_PACKED columns; one task for N up to that)."""
-    return max(1, TASK_COLS_PACKED // col.TILE)
+def chunk_tiles(tiles, least=CHUNK_TILES):
+    """Tiles per claimed chunk: ``least``, or more for wide weights (about CHUNKS_PER_TASK chunks per task: each
+    claim costs a call and a view)."""
+    return max(least, -(-tiles // (native.CLAIM_TASKS * CHUNKS_PER_TASK)))
+
+
+def claim_tasks(tiles, chunk):
+    """Tasks of a claimed packed step: one per core, at most one per chunk."""
+    return max(1, min(native.CLAIM_TASKS, -(-tiles // chunk)))
 
 
 def native_matmul_packed(p, begin, end):
     if p[1] != p[16] or p[2] != p[17]:
         return native.DECLINED
     m, k, n = native.arg(p, 6), native.arg(p, 7), native.arg(p, 8)
-    f16, lg, g = native.arg(p, 10), native.arg(p, 12), native.arg(p, 13)
-    t0, t1, n0, n1 = col.task_tiles(begin, end, n)
-    if n1 <= n0 or m == 0:
+    f16, lg, g, chunk = native.arg(p, 10), native.arg(p, 12), native.arg(p, 13), native.arg(p, 19)
+    tiles = (n + col.TILE - 1) // col.TILE
+    c = native.claim(p, 18)
+    if m == 0 or c * chunk >= tiles:
         return 0
     aq, cg, sg = col.quantize_arrays(native.load_f32(p[0], m, k, f16), g)
-    res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
     nq, ns = col.sizes(k, n, 1 << lg)
-    col.cols(aq, cg, sg, native.vector(p[14], nq, np.uint8), native.vector(p[15], ns, np.float32),
-             native.vector(p[5], vnni.TABLE_BYTES, np.uint8), k, lg, t0, t1, n, res)
-    if p[11]:
-        native.add_bias(res, p[3], n0, f16)
-    if f16:
-        native.store_cols(res, p[4], n, n0, f16)
+    qk, sk = native.vector(p[14], nq, np.uint8), native.vector(p[15], ns, np.float32)
+    tbl = native.vector(p[5], vnni.TABLE_BYTES, np.uint8)
+    while c * chunk < tiles:
+        t0, t1, n0, n1 = col.task_tiles(c * chunk, (c + 1) * chunk, n)
+        res = np.empty((m, n1 - n0), np.float32) if f16 else native.array(p[4], (m, n), np.float32)[:, n0:n1]
+        col.cols(aq, cg, sg, qk, sk, tbl, k, lg, t0, t1, n, res)
+        if p[11]:
+            native.add_bias(res, p[3], n0, f16)
+        if f16:
+            native.store_cols(res, p[4], n, n0, f16)
+        c = native.claim(p, 18)
     return 0
