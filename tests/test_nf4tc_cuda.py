@@ -148,7 +148,7 @@ def test_matmulnf4_session_call_on_halves(m, n, bias, monkeypatch):
     out = np.zeros(m * n, np.float16)
 
     class Ctx:
-        stream, recorder = 7, None
+        stream, recorder, has_scratch = 7, None, False
 
         def output(self, index, shape):
             assert tuple(shape) == (m, n)

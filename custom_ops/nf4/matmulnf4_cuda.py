@@ -17,6 +17,8 @@ row's kernel. The kernels:
 * ``m2`` (fp16 A, M = 2..4 where m1.h2wide serves M = 1): the generator's two-row kernel (rows in chunks of 2).
 * ``nf4tc.*`` (fp16 A, M = 2..16 on GPUs with mma.sync): nf4tc_cuda's tensor-core decode, from M = 8 through its
   two-weight kernel on the weight's two halves of rows (``halves``), from M = 9 with both row chunks in one block.
+* ``prefill`` (fp16 A, M >= 17, cuBLAS and scratch): W^T dequantised to fp16 scratch, one cuBLAS GEMM
+  (nf4/prefill_cuda).
 * ``fast`` / ``generic``: gemv_cuda's warp-per-column kernels (M <= 16 with x in shared memory; anything else).
 
 The attribute accuracy_level is checked and otherwise ignored: every level computes with float activations here (at
@@ -28,12 +30,12 @@ import math
 
 import numpy as np
 
-from ..device import half2
+from ..device import cublas, half2
 from ..device.launch import Array
 from ..runtime.kernels import Kernel
 from ..runtime.routing import Case, Route, always, route
 from ..device import host
-from . import common as nf4_common, nf4tc_cuda
+from . import common as nf4_common, nf4tc_cuda, prefill_cuda
 from .common import case_align, case_f16, case_fp32_decode
 from .decode_cuda import COLS, TAB_BYTES, make_decode, threads
 from .gemv_cuda import GEMV16, GENERIC, MAX_M_FAST, WARPS_PER_BLOCK
@@ -133,7 +135,9 @@ ROUTES = (
     Route("fast", "M <= 16, K % 16 == 0, M * K * 4 <= MAX_X_SHARED (160 KiB); Q 8-byte aligned",
           lambda c: c.m <= MAX_M_FAST and c.k % 16 == 0 and c.m * c.k * 4 <= MAX_X_SHARED and case_align(c, "q") >= 8,
           "the kernel before the decode kernels (no measured alternative at these calls)"),
-    Route("generic", "any other call (M > 16: prefill)", always, "correctness fallback"),
+    Route("prefill", prefill_cuda.WHEN, prefill_cuda.takes, "H200, 2026-11-29: BENCHMARKS.md (MatMulNF4 prefill)"),
+    Route("generic", "any other call (M > 16 where the prefill row does not apply: fp32 A, no cuBLAS, no scratch)",
+          always, "correctness fallback"),
 )
 
 # kernel name -> (how it launches, its configuration): m1 (pair table, packed-fp16 chain length, wide)
@@ -141,14 +145,16 @@ KERNELS = {"m1.table16": ("m1", (False, 0, False)), "m1.pair": ("m1", (True, 0, 
            "m1.h2": ("m1", (False, M1_H2, False)), "m1.h2wide": ("m1", (False, M1_H2_WIDE, True)),
            "m2": ("m2", None), "nf4tc.rc1": ("tc", (1, False)), "nf4tc.rc2": ("tc", (2, False)),
            "nf4tc.halves.rc1": ("tc", (1, True)), "nf4tc.halves.rc2": ("tc", (2, True)),
-           "fast": ("fast", None), "generic": ("generic", None)}
+           "fast": ("fast", None), "generic": ("generic", None), "prefill": ("prefill", None)}
 
 
-def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, align=(16, 16, 4), path=None):
+def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, align=(16, 16, 4), path=None, blas=True, scratch=True):
     """The Case of a call: A's ``dtype``, M, K, N, the block size, whether the GPU has tensor cores, the
-    ONNX_LOWBIT_FP32_DECODE switch, the alignments (A, Q, absmax; capped at 16, 16, 4) and a forced path (tests)."""
+    ONNX_LOWBIT_FP32_DECODE switch, the alignments (A, Q, absmax; capped at 16, 16, 4), a forced path (tests), and
+    the prefill row's switches: cuBLAS found, the call has onnxruntime's scratch memory."""
     aligned = tuple(align) == (16, 16, 4)
     opts = [("fp32_decode", True)] if fp32_decode else []
+    opts += [("cublas", bool(blas)), ("scratch", bool(scratch))]
     if not aligned:
         opts += [("a_align", align[0]), ("am_align", align[2]), ("q_align", align[1])]
     if path:
@@ -221,18 +227,27 @@ class MatMulNF4CudaKernel(Kernel):
         self.sms = host.sm_count()
         self.tc = host.tensor_cores()
         self.fp32_decode = half2.fp32_decode()      # ONNX_LOWBIT_FP32_DECODE, read here only
+        self.blas = cublas.load() is not None       # else the generic kernel serves every M > 16
         self.prepared = {}
         for m in range(1, MAX_M_FAST + 1):          # compiled and planned now, never on the hot path
             self.prepare(route(ROUTES, self.case(m)).kernel)
         self.prepare("generic")
+        if route(ROUTES, self.case(prefill_cuda.PREFILL_MIN_M)).kernel == "prefill":
+            self.prepare("prefill")
 
-    def case(self, m, align=(16, 16, 4)):
-        return case(self.dtype, m, self.k, self.n, self.bs.size, self.tc, self.fp32_decode, align, self.path)
+    def case(self, m, align=(16, 16, 4), scratch=True):
+        """The routing Case of a call at M = m (``scratch``: the call has onnxruntime's scratch, as sessions on
+        onnxruntime >= 1.18 and runtime/direct calls do)."""
+        return case(self.dtype, m, self.k, self.n, self.bs.size, self.tc, self.fp32_decode, align, self.path,
+                    self.blas, scratch)
 
     def prepare(self, name):
         """(launcher, block, shared bytes, resident blocks per SM or the grid) of kernel ``name`` for this node."""
         if name not in self.prepared:
             how, cfg = KERNELS[name]
+            if how == "prefill":
+                self.prepared[name] = prefill_cuda.prepare()
+                return self.prepared[name]
             lau = launcher(name, self.dtype)
             if how == "m1":
                 pair, h2, wide = cfg
@@ -260,10 +275,13 @@ class MatMulNF4CudaKernel(Kernel):
         if m == 0:
             return
         align = host.alignment(a.ptr), host.alignment(q.ptr), host.alignment(absmax.ptr, cap=4)
-        name = route(ROUTES, self.case(m, align)).kernel
+        name = route(ROUTES, self.case(m, align, ctx.has_scratch)).kernel
         how, cfg = KERNELS[name]
         k, n, hb = self.k, self.n, int(bias is not None)
         bptr = bias.ptr if bias is not None else y  # never read without has_bias
+        if how == "prefill":
+            prefill_cuda.run(ctx, m, k, n, self.bs, self.sms, self.prepare(name), self.code.ptr, a, q, absmax, bias, y)
+            return
         if how == "tc":
             self._launch_tc(ctx, m, a, q, absmax, bptr, hb, y, *cfg)
             return
