@@ -307,7 +307,7 @@ def cmd_genai(a) -> int:
     if a.to:
         opts["matmulnbits_to"] = a.to
     passes = a.passes.split(",") if a.passes else genai_config.DEFAULT_PASSES
-    report = genai_config.rewrite_folder(a.input, a.output, passes=passes, provider=a.provider, **opts)
+    report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
     if a.provider:
         genai_config.set_provider(a.output, a.provider, cuda_graph=a.cuda_graph)
     if a.report:
@@ -541,8 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
     gn.add_argument("--to", choices=["awq", "int4"],
-                    help="what MatMulNBits become: int4 = every symmetric 4-bit product as our MatMulNF4 int4 "
-                         "(lossless; the CPU's default), awq = the SwiGLU gate/up pairs as MatMulAWQ (CUDA's default)")
+                    help="what MatMulNBits become: int4 (default) = every symmetric 4-bit product as our MatMulNF4 "
+                         "int4 (lossless), awq = only the SwiGLU gate/up pairs, as MatMulAWQ")
     gn.add_argument("--lossy", action="store_true",
                     help="with --to awq: also convert MatMulNBits with float32 scales (scales rounded to fp16)")
     gn.add_argument("--report", action="store_true", help="print every candidate and why")

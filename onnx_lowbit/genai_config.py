@@ -2,9 +2,9 @@
 writes them): rewrite the model with our passes and keep the folder a genai model that loads our ops.
 
     rewrite_folder(src, dst)    copies the folder, rewrites its decoder model (default passes: matmulnbits, ffn: the
-                                SwiGLU blocks become FusedFFN / FusedFFNAWQ; lossless for int4 fp16 models, exact up
-                                to summation order; for a CPU folder every symmetric MatMulNBits becomes MatMulNF4
-                                int4, lossless, and the SwiGLU pairs FusedFFNNF4: ``matmulnbits_to``), puts our shim
+                                SwiGLU blocks become FusedFFN (float models) or, int4 models, every symmetric
+                                MatMulNBits becomes MatMulNF4 int4 (lossless) and the SwiGLU pairs FusedFFNNF4;
+                                ``matmulnbits_to="awq"``: only the pairs, FusedFFNAWQ), puts our shim
                                 library into dst and names it in genai_config.json
                                 (model.decoder.session_options.custom_ops_library); returns the Report
     set_provider(dst, "cpu")    the decoder's execution provider in genai_config.json ("cpu", "cuda"; CUDA graphs)
@@ -72,26 +72,19 @@ def _data_files(model_path: str) -> set:
     return names
 
 
-def provider_of(config: dict) -> str:
-    """"cuda" where the decoder's provider_options name CUDA, else "cpu" (genai runs on the CPU without any)."""
-    opts = decoder(config).get("session_options", {}).get("provider_options") or []
-    return "cuda" if any("cuda" in p for p in opts if isinstance(p, dict)) else "cpu"
+DEFAULT_TO = "int4"     # the matmulnbits pass's target here (docs/genai.md: faster than "awq" on the CPU and the GPU)
 
 
-def rewrite_folder(src, dst, passes=DEFAULT_PASSES, filename: str | None = None, library: bool = True,
-                   provider: str | None = None, **options):
+def rewrite_folder(src, dst, passes=DEFAULT_PASSES, filename: str | None = None, library: bool = True, **options):
     """Rewrites the genai folder ``src`` into the new folder ``dst`` (see the module doc); ``filename`` the
     rewritten model's name (default: the source's); ``library``: copy the shim into dst and name it in the
-    config (False: a model without our ops, e.g. --target ort passes); ``provider`` ("cpu" / "cuda", default: the
-    source config's) picks the matmulnbits pass's target where ``matmulnbits_to`` is not given: "int4" (every
-    product MatMulNF4, the CPU kernels) for the CPU, "awq" (the SwiGLU pairs, the CUDA kernels) for CUDA. Returns
-    the Report."""
+    config (False: a model without our ops, e.g. --target ort passes); ``matmulnbits_to`` (default DEFAULT_TO):
+    "int4" (every symmetric MatMulNBits -> MatMulNF4 int4) or "awq" (the SwiGLU pairs -> MatMulAWQ). Returns the
+    Report."""
     from . import api  # noqa: PLC0415
     src, dst = os.fspath(src), os.fspath(dst)
     config = read_config(src)
-    if provider not in (None, "cpu", "cuda"):
-        raise ValueError(f"provider must be 'cpu' or 'cuda', got {provider!r}")
-    options.setdefault("matmulnbits_to", "int4" if (provider or provider_of(config)) == "cpu" else "awq")
+    options.setdefault("matmulnbits_to", DEFAULT_TO)
     dec = decoder(config)
     name = dec.get("filename", "model.onnx")
     model_src = os.path.join(src, name)

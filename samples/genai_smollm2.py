@@ -16,7 +16,7 @@ Variants (each: builder folder OUT_DIR/<build>, rewritten folder OUT_DIR/<varian
 reused):
     fp32          -p fp32 -e cpu                                       MatMul gate/up -> FusedFFN
     fp32-fused    -p fp32 -e cpu, fuse_mlp_gate_up=true                one MatMul gate_up + Split -> FusedFFN
-    int4-cuda     -p int4 -e cuda (fp16 scales; run on the CPU)        MatMulNBits -> FusedFFNAWQ, lossless
+    int4-cuda     -p int4 -e cuda (fp16 scales; run on the CPU)        --to awq: gate/up -> FusedFFNAWQ, lossless
     int4-cuda-fused  the same with fuse_mlp_gate_up=true               MatMulNBits gate_up + Split -> FusedFFNAWQ
     int4-cuda-b128   int4-cuda with block_size=128 (gate/up K = 576 = 4.5 blocks: the last one padded)
     int4          -p int4 -e cpu (fp32 scales, accuracy_level 4)       every MatMulNBits -> MatMulNF4 int4 (lossless,
@@ -61,10 +61,11 @@ PROMPTS = [
 VARIANTS = {
     "fp32": ("fp32_cpu", ["-p", "fp32", "-e", "cpu"], {}),
     "fp32-fused": ("fp32_cpu_fused", ["-p", "fp32", "-e", "cpu", "--extra_options", "fuse_mlp_gate_up=true"], {}),
-    "int4-cuda": ("int4_cuda", ["-p", "int4", "-e", "cuda"], {}),
+    "int4-cuda": ("int4_cuda", ["-p", "int4", "-e", "cuda"], {"matmulnbits_to": "awq"}),
     "int4-cuda-fused": ("int4_cuda_fused", ["-p", "int4", "-e", "cuda", "--extra_options",
-                                            "fuse_mlp_gate_up=true"], {}),
-    "int4-cuda-b128": ("int4_cuda_b128", ["-p", "int4", "-e", "cuda", "--extra_options", "block_size=128"], {}),
+                                            "fuse_mlp_gate_up=true"], {"matmulnbits_to": "awq"}),
+    "int4-cuda-b128": ("int4_cuda_b128", ["-p", "int4", "-e", "cuda", "--extra_options", "block_size=128"],
+                       {"matmulnbits_to": "awq"}),
     "int4": ("int4_cpu", ["-p", "int4", "-e", "cpu"], {}),
     "int4-lossy": ("int4_cpu", ["-p", "int4", "-e", "cpu"], {"matmulnbits_lossy": True, "matmulnbits_to": "awq"}),
     "int4-lossy-acc1": ("int4_cpu_acc1", ["-p", "int4", "-e", "cpu", "--extra_options", "accuracy_level=1"],

@@ -148,7 +148,7 @@ def test_int8_folder_left_with_reasons(built, tmp_path):
     assert not report.rewritten() and len(report.skipped("matmulnbits")) == LAYERS
     assert all("bits=8" in e.reason for e in report.skipped())
     dst = str(tmp_path / "ours_int4")
-    report = genai_config.rewrite_folder(built["int8"], dst)           # a CPU folder: every product (int4 target)
+    report = genai_config.rewrite_folder(built["int8"], dst)           # the default int4 target: every product
     assert not report.rewritten() and len(report.skipped("matmulnbits")) == 5 * LAYERS + 1
     assert all("bits=8" in e.reason for e in report.skipped())
     assert genai_config.library_file(dst) is None
@@ -160,7 +160,7 @@ def test_int8_folder_left_with_reasons(built, tmp_path):
 def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
     subprocess.run(["cp", "-r", built[kind], src], check=True)
-    report = genai_config.rewrite_folder(src, dst)
+    report = genai_config.rewrite_folder(src, dst, matmulnbits_to="awq")    # the SwiGLU pairs (int4: below)
     assert len(report.rewritten("ffn")) == LAYERS and not report.skipped()
     if fused == "FusedFFNAWQ":
         conv = report.rewritten("matmulnbits")
@@ -186,7 +186,7 @@ def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
 
 @pytest.mark.parametrize("kind", ["int4cpu", "int4", "fused"])
 def test_int4_target_same_greedy_tokens(built, tmp_path, kind):
-    """The CPU target (matmulnbits_to="int4", what a CPU folder or --provider cpu gets): every symmetric MatMulNBits
+    """The default target (matmulnbits_to="int4"): every symmetric MatMulNBits
     -> MatMulNF4 int4 with the node's accuracy_level (4 for -e cpu builds: our level-4 kernels), lossless, the
     SwiGLU pairs -> FusedFFNNF4; the same greedy tokens as the original in og.Generator on the CPU."""
     src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
@@ -228,7 +228,7 @@ def test_int4_target_same_greedy_tokens(built, tmp_path, kind):
 
 def test_int4_target_skips_zero_points(built, tmp_path):
     """Zero points other than 8 have no int4 code: each product stays MatMulNBits, reported with the reason."""
-    report = genai_config.rewrite_folder(built["asym"], str(tmp_path / "ours"), provider="cpu")
+    report = genai_config.rewrite_folder(built["asym"], str(tmp_path / "ours"))
     skipped = report.skipped("matmulnbits")
     assert not report.rewritten() and len(skipped) == 5 * LAYERS + 1
     assert all("zero points other than 8" in e.reason for e in skipped)
@@ -276,7 +276,7 @@ def test_cli_genai(built, tmp_path, capsys):
     dst = str(tmp_path / "ours")
     assert cli.main(["genai", built["int4"], dst, "--provider", "cpu"]) == 0
     out = capsys.readouterr().out
-    # --provider cpu: every MatMulNBits -> MatMulNF4 int4 (5 per layer + lm_head), the SwiGLU pairs fused
+    # the default target: every MatMulNBits -> MatMulNF4 int4 (5 per layer + lm_head), the SwiGLU pairs fused
     assert f"{6 * LAYERS + 1} rewritten, 0 skipped by matmulnbits, ffn" in out and "prepare(folder)" in out
     sess = genai_config.decoder(genai_config.read_config(dst))["session_options"]
     assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME

@@ -373,13 +373,12 @@ def test_int4_target_skips_and_bad_option():
 
 
 @pytest.mark.parametrize("config_provider,args,want", [
-    ([], [], "FusedFFNNF4"),                                               # a CPU folder: the int4 target
-    ([{"cuda": {}}], [], "FusedFFNAWQ"),                                   # a CUDA folder: the SwiGLU pairs to AWQ
-    ([{"cuda": {}}], ["--provider", "cpu"], "FusedFFNNF4"),                # --provider decides
-    ([], ["--to", "awq"], "FusedFFNAWQ")])                                 # --to overrides
-def test_genai_cli_target_by_provider(tmp_path, config_provider, args, want):
-    """onnx-lowbit genai on a genai-shaped folder (genai_config.json + model.onnx; genai itself not needed): the
-    matmulnbits target follows the folder's provider unless --provider / --to say otherwise."""
+    ([], [], "FusedFFNNF4"),                                               # the default: the int4 target
+    ([{"cuda": {}}], ["--provider", "cuda"], "FusedFFNNF4"),               # on either provider
+    ([], ["--to", "awq"], "FusedFFNAWQ")])                                 # --to awq: the SwiGLU pairs only
+def test_genai_cli_target(tmp_path, config_provider, args, want):
+    """onnx-lowbit genai on a genai-shaped folder (genai_config.json + model.onnx; genai itself not needed): every
+    MatMulNBits to MatMulNF4 int4 by default, --to awq the SwiGLU pairs to MatMulAWQ."""
     import json
     import os
 
