@@ -29,12 +29,14 @@ float32 scales (fp32 models: rounding them to fp16 is not lossless) unless the o
 pass changes nothing. Not a default pass: ``onnx-lowbit genai`` runs it (with ffn), ``--passes
 ...,matmulnbits,ffn`` names it.
 
-Option ``matmulnbits_to`` = "int4" (what ``onnx-lowbit genai --provider cpu`` picks): every 4-bit MatMulNBits of the
-symmetric form (no zero points, or all 8), not only the SwiGLU pairs, becomes our MatMulNF4 with quant_type "int4"
-(onnx_lowbit/matmulnbits.to_int4: exact for fp16 and fp32 scales) and the node's accuracy_level, whose CPU kernels
-(at level 4 the column-lane VNNI kernels) beat MatMulNBits' on the CPU; the ffn pass then fuses the gate/up pairs
-into FusedFFNNF4. Skipped with the reason: zero points other than 8, K not a multiple of the block, a block size
-outside 32..4096, bits, g_idx, non-constant tensors. The default ("awq") is the SwiGLU pairs -> MatMulAWQ above.
+Option ``matmulnbits_to`` = "int4" (what ``onnx-lowbit genai`` passes by default, genai_config.DEFAULT_TO): every
+4-bit MatMulNBits of the symmetric form (no zero points, or all 8), not only the SwiGLU pairs, becomes our MatMulNF4
+with quant_type "int4" (onnx_lowbit/matmulnbits.to_int4: exact for fp16 and fp32 scales) and the node's
+accuracy_level, whose kernels beat MatMulNBits' on the CPU (at level 4 the column-lane VNNI kernels) and in genai's
+loop on the GPU (docs/genai.md); a product read only by a Split into two equal halves (fuse_mlp_gate_up) becomes two
+halves; the ffn pass then fuses the gate/up pairs into FusedFFNNF4. Skipped with the reason: zero points other than
+8, K not a multiple of the block, a block size outside 32..4096, bits, g_idx, non-constant tensors. The pass's own
+default ("awq", as named with --passes) is the SwiGLU pairs -> MatMulAWQ above.
 """
 from __future__ import annotations
 

@@ -367,7 +367,7 @@ def native_matmul(p, begin, end):
 
 
 # ---- native entry with a packed constant weight (Level4.pack_constant), M <= PACKED_MAX_M: the column tiles are
-# claimed in chunks of CHUNK_TILES (native.claim on slot 18; native.CLAIM_TASKS tasks): every task that gets a chunk
+# claimed in chunks of chunk_tiles (native.claim on slot 18; claim_tasks tasks): every task that gets a chunk
 # quantises A once in natural order and runs nf4col_cpu's tiles on its chunks, so one thread pays one quantisation
 # whatever the number of tasks and two threads share the tiles. params: native_matmul's (slot 12: log2 of the group,
 # unused slot 13), then the ColPack's qk and sk addresses, the Q and absmax addresses it was packed from (the call's
