@@ -82,15 +82,21 @@ def _mods():
 
 
 def test_matmulnf4_routes_as_before():
+    """As before the tables, and with cuBLAS and onnxruntime's scratch (``blas``) fp16 A from M = 17 takes the
+    prefill route (nf4/prefill_cuda) that replaced the generic kernel there, whatever K and alignment."""
     mc, _, _, routing = _mods()
     aligns = ((16, 16, 4), (8, 8, 4), (16, 8, 4), (8, 16, 4), (4, 16, 4), (16, 16, 2))
     n = 0
-    for dt, m, k, nn, bs, tc, fp32, al in itertools.product(DTYPES, MS, KS, NS, BSS, (True, False), (False, True),
-                                                            aligns):
-        got = routing.route(mc.ROUTES, mc.case(dt, m, k, nn, bs, tc, fp32, al)).kernel
-        assert got == _old_matmul(dt, m, k, nn, bs, tc, fp32, *al), (dt, m, k, nn, bs, tc, fp32, al)
+    for dt, m, k, nn, bs, tc, fp32, al, blas in itertools.product(DTYPES, MS, KS, NS, BSS, (True, False),
+                                                                  (False, True), aligns, (False, True)):
+        got = routing.route(mc.ROUTES, mc.case(dt, m, k, nn, bs, tc, fp32, al, blas=blas, scratch=blas)).kernel
+        want = "prefill" if blas and dt == "float16" and m >= 17 else _old_matmul(dt, m, k, nn, bs, tc, fp32, *al)
+        assert got == want, (dt, m, k, nn, bs, tc, fp32, al, blas)
         n += 1
     assert n > 10000
+    for blas, scratch in ((True, False), (False, True)):    # one of the two missing: the generic kernel
+        assert routing.route(mc.ROUTES, mc.case("float16", 17, 4096, 11008, 64, blas=blas,
+                                                scratch=scratch)).kernel == "generic"
 
 
 def test_fusedffnnf4_routes_as_before():
@@ -122,7 +128,7 @@ def test_named_calls():
     mc, fc, _, routing = _mods()
     mm = {(1, 4096, 11008): "m1.h2wide", (2, 4096, 11008): "m2", (4, 4096, 11008): "m2",
           (5, 4096, 11008): "nf4tc.rc1", (8, 4096, 11008): "nf4tc.halves.rc1", (12, 4096, 11008): "nf4tc.halves.rc2",
-          (1, 2048, 2048): "m1.table16", (17, 4096, 11008): "generic"}
+          (1, 2048, 2048): "m1.table16", (17, 4096, 11008): "prefill"}
     for (m, k, n), want in mm.items():
         assert routing.route(mc.ROUTES, mc.case("float16", m, k, n, 64)).kernel == want, (m, k, n)
     ffn = {(1, 4096, 11008, True): "decode.mt1.wide.g3", (1, 4096, 11008, False): "decode.mt1.wide",
