@@ -71,9 +71,10 @@ def _read(node: gs.Node, to: str = "awq"):
     """(K, N, block_size, B, scales, zero_points or None, bias tensor or None) of a MatMulNBits node, or _Skip
     (``to``: the target format, "awq" or "int4", for its own limits)."""
     a = node.attrs
+    fmt = "AWQ" if to == "awq" else "int4"
     bits = int(a.get("bits", 4))
     if bits != 4:
-        raise _Skip(f"bits={bits} (only 4-bit weights convert to {'AWQ' if to == 'awq' else 'int4'})")
+        raise _Skip(f"bits={bits} (only 4-bit weights convert to {fmt})")
     K, N, bs = int(a.get("K", 0)), int(a.get("N", 0)), int(a.get("block_size", 0))
     if K <= 0 or N <= 0 or bs <= 0:
         raise _Skip("K, N or block_size missing")
@@ -92,8 +93,7 @@ def _read(node: gs.Node, to: str = "awq"):
         if zp is None:
             raise _Skip("zero_points not a constant")
         if zp.dtype != np.uint8:
-            raise _Skip(f"zero_points in {zp.dtype} (float zero points are not {'AWQ' if to == 'awq' else 'int4'}'s "
-                        "integer grid)")
+            raise _Skip(f"zero_points in {zp.dtype} (float zero points are not {fmt}'s integer grid)")
     return K, N, bs, b, s, zp, _input(node, 5)
 
 
@@ -137,23 +137,16 @@ class MatMulNBitsPass(Pass):
                     raise _Skip("bias of the gate_up product not a constant")
                 pattern, label = "MatMulNBits -> Split (halves)", label + [node_label(split)]
                 parts = [(split.outputs[h], slice(h * (N // 2), (h + 1) * (N // 2)), f"_half{h}") for h in (0, 1)]
-            nb = -(-K // bs)
-            b2, s2 = np.asarray(b).reshape(N, -1), np.asarray(s).reshape(N, -1)
-            zp2 = None if zp is None else np.asarray(zp).reshape(N, -1)
-            if b2.shape[1] != nb * (bs // 2) or s2.shape[1] != nb:
-                raise _Skip(f"B / scales do not hold N={N} columns of {nb} blocks")
+            by_col = _columns(b, s, zp, K, N, bs)
             made = []
             for out, cols, tag in parts:
                 try:
-                    packed, absmax = matmulnbits.to_int4(np.ascontiguousarray(b2[cols]), np.ascontiguousarray(s2[cols]),
-                                                         None if zp2 is None else np.ascontiguousarray(zp2[cols]),
-                                                         K, cols.stop - cols.start, bs)
+                    packed, absmax = matmulnbits.to_int4(*_take(by_col, cols), K, cols.stop - cols.start, bs)
                 except ValueError as e:
                     raise _Skip(str(e)) from None
                 hb = bias
                 if bias is not None and split is not None:
-                    hb = gs.Constant(names(f"{base}_bias{tag}"),
-                                     np.ascontiguousarray(np.asarray(constant_value(bias)).reshape(N)[cols]))
+                    hb = _bias_cols(names(f"{base}_bias{tag}"), constant_value(bias), N, cols)
                 made.append((out, cols.stop - cols.start, tag, packed, absmax, hb))
         except _Skip as e:
             self.skipped(report, pattern, label, str(e))
@@ -271,28 +264,42 @@ class MatMulNBitsPass(Pass):
         K, N, bs, b, s, zp, bias = _read(gu)
         if N % 2:
             raise _Skip(f"N={N} is odd: no two equal halves")
-        n, nb = N // 2, -(-K // bs)
+        n = N // 2
         if bias is not None:
             bias = constant_value(bias)
             if bias is None:
                 raise _Skip("bias of the gate_up product not a constant")
-        if np.asarray(b).size != N * nb * (bs // 2) or np.asarray(s).size != N * nb or \
-                (zp is not None and np.asarray(zp).size != N * ((nb + 1) // 2)):
-            raise _Skip(f"B / scales / zero_points do not hold N={N} columns of {nb} blocks")
-        b2, s2 = np.asarray(b).reshape(N, -1), np.asarray(s).reshape(N, -1)
-        zp2 = None if zp is None else np.asarray(zp).reshape(N, -1)
+        by_col = _columns(b, s, zp, K, N, bs)
         done = []
         for half, out in ((which, split.outputs[which]), (1 - which, split.outputs[1 - which])):
             cols = slice(half * n, (half + 1) * n)
-            hb = None if bias is None else gs.Constant(names(f"{gu.inputs[1].name}_bias{half}"),
-                                                        np.ascontiguousarray(np.asarray(bias).reshape(N)[cols]))
-            new, details = _awq_node(names, gu.inputs[0], out, K, n, bs, np.ascontiguousarray(b2[cols]),
-                                     np.ascontiguousarray(s2[cols]),
-                                     None if zp2 is None else np.ascontiguousarray(zp2[cols]), hb,
+            hb = None if bias is None else _bias_cols(names(f"{gu.inputs[1].name}_bias{half}"), bias, N, cols)
+            new, details = _awq_node(names, gu.inputs[0], out, K, n, bs, *_take(by_col, cols), hb,
                                      f"{gu.inputs[1].name}_half{half}", f"{gu.name}_half{half}", lossy)
             details["gate_up_half"] = half
             done.append((gu, new, details))
         return done
+
+
+def _columns(b, s, zp, K, N, bs):
+    """(B, scales, zero points or None) of a MatMulNBits weight as arrays of N rows, one per column (MatMulNBits
+    stores them column by column, so rows [c0, c1) are those columns' weight); _Skip when they do not hold N
+    columns of ceil(K / bs) blocks."""
+    nb = -(-K // bs)
+    if np.asarray(b).size != N * nb * (bs // 2) or np.asarray(s).size != N * nb or \
+            (zp is not None and np.asarray(zp).size != N * ((nb + 1) // 2)):
+        raise _Skip(f"B / scales / zero_points do not hold N={N} columns of {nb} blocks")
+    return tuple(None if a is None else np.asarray(a).reshape(N, -1) for a in (b, s, zp))
+
+
+def _take(by_col, cols):
+    """``_columns``' arrays cut to the columns ``cols`` (a slice), contiguous."""
+    return tuple(None if a is None else np.ascontiguousarray(a[cols]) for a in by_col)
+
+
+def _bias_cols(name, bias, N, cols):
+    """A constant holding the columns ``cols`` of a constant bias of N values."""
+    return gs.Constant(name, np.ascontiguousarray(np.asarray(bias).reshape(N)[cols]))
 
 
 def _awq_node(names: Names, x, y, K, N, bs, b, s, zp, bias, base: str, name: str, lossy: bool):
