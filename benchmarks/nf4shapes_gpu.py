@@ -71,9 +71,12 @@ def main():
     ap.add_argument("--ffn-k", metavar="K1,K2", help="only the FusedFFNNF4 cases at these K")
     ap.add_argument("--ffn-shapes", metavar="MxKxN,...", help="these FusedFFNNF4 cases instead (e.g. 1x3072x8192)")
     ap.add_argument("--mm-m", type=int, default=1, metavar="M", help="MatMulNF4 cases at this M")
+    ap.add_argument("--bs", type=int, default=64, help=("NF4 block size (default 64; genai's int4 models: 32)"))
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn (round by "
                     "round), to see the run-to-run spread against the differences")
     a = ap.parse_args()
+    global BS
+    BS = a.bs
     mm_shapes, ffn_shapes = MM_SHAPES, FFN_SHAPES
     if a.ffn_only:
         mm_shapes = []
