@@ -23,11 +23,12 @@ from timing import write_json  # noqa: E402
 
 # kernel name patterns -> group (first match wins; names are CUPTI's, mangled or not)
 GROUPS = [
-    ("ours (onnx-lowbit)", re.compile(r"cudapy|onnx_lowbit|fusedffn|matmulawq|nf4|fplut", re.I)),
+    ("ours (onnx-lowbit)", re.compile(r"cudapy|_3cdynamic_3e|onnx_lowbit|fusedffn|matmulawq|nf4|fplut", re.I)),
     ("4-bit products (MatMulNBits)", re.compile(r"MatMulFloat4Bits|MatMulFloatInt4|MatMulNBits|fpA_intB|Dequantize.*4|int4|gemv_4b|"
                                                 r"BlkQ4|blkq4", re.I)),
     ("float GEMM (cuBLAS)", re.compile(r"gemm|gemv|sm90_xmma|cutlass|nvjet|ampere_|sm80_", re.I)),
-    ("attention (GQA, rotary)", re.compile(r"attention|flash|rotary|softmax|GroupQuery|concat.*kv|KV", re.I)),
+    ("attention (GQA, rotary)", re.compile(r"attention|flash|rotary|RoPE|softmax|GroupQuery|SequenceLengths|"
+                                           r"concat.*kv|KV|kernel_mha", re.I)),
     ("norms", re.compile(r"LayerNorm|RMSNorm|SkipLayer", re.I)),
 ]
 
