@@ -263,6 +263,43 @@ def lowbit_session(model, providers):
     return onnx_lowbit.InferenceSession(model.SerializeToString(), providers=providers)
 
 
+def cuda_binding(sess, x, name_in, name_out, out_shape, out_dtype=np.float16):
+    """(io, x's OrtValue, y's OrtValue): an IOBinding of ``sess`` with input ``x`` and an output of ``out_shape``,
+    both on the GPU (device 0), so that runs reuse the same device buffers (``xv.update_inplace`` changes x)."""
+    import onnxruntime as ort
+    io = sess.io_binding()
+    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
+    y = ort.OrtValue.ortvalue_from_shape_and_type(tuple(out_shape), out_dtype, "cuda", 0)
+    io.bind_ortvalue_input(name_in, xv)
+    io.bind_ortvalue_output(name_out, y)
+    return io, xv, y
+
+
+def replays(sess, io, y, runs=5):
+    """Runs ``sess`` on binding ``io`` ``runs`` times: (outputs as host arrays, calls that reached Python, the
+    bridge's scratch counters' deltas {"taken", "given_back", "bytes"})."""
+    from onnx_lowbit.custom_ops.runtime import bridge
+    before, counts = bridge.stats["python_computes"], bridge.scratch_counts()
+    outs = []
+    for _ in range(runs):
+        sess.run_with_iobinding(io)
+        outs.append(y.numpy())
+    now = bridge.scratch_counts()
+    return outs, bridge.stats["python_computes"] - before, {c: now[c] - counts[c] for c in now}
+
+
+def assert_replayed_natively(sess, io, y, scratch_bytes, runs=5):
+    """The first run records the node's launches, the others replay them from C (one Python call in all), every run
+    takes one scratch buffer of ``scratch_bytes`` and gives it back, the outputs are the same bits every run;
+    returns the first output."""
+    outs, python_calls, scratch = replays(sess, io, y, runs)
+    assert python_calls == 1, python_calls
+    assert scratch == {"taken": runs, "given_back": runs, "bytes": runs * scratch_bytes}, scratch
+    for o in outs[1:]:
+        assert np.array_equal(o, outs[0])
+    return outs[0]
+
+
 class SimContext:
     """bridge.Context's stand-in under the simulator: outputs are host buffers (the simulator's device memory), kept
     in ``keep`` as (buffer, shape)."""

@@ -107,13 +107,8 @@ def _session(m, bias, k=2048, n=1024, g=32, graph=False):
 
 
 def _binding(sess, x, n):
-    import onnxruntime as ort
-    io = sess.io_binding()
-    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-    y = ort.OrtValue.ortvalue_from_shape_and_type(x.shape[:-1] + (n,), F16, "cuda", 0)
-    io.bind_ortvalue_input("A", xv)
-    io.bind_ortvalue_output("Y", y)
-    return io, xv, y
+    from helpers import cuda_binding
+    return cuda_binding(sess, x, "A", "Y", x.shape[:-1] + (n,))
 
 
 @pytest.mark.parametrize("m,bias", [(17, True), (128, False)])
@@ -121,25 +116,14 @@ def test_gpu_session_prefill_is_replayed_natively(m, bias):
     """GPU (ONNX_LOWBIT_REAL_GPU=1): a one-node session at M = 17 and 128 takes the prefill route; the first run
     records it, the next four replay it from C (no Python call), each run takes one scratch buffer of the route's
     size from onnxruntime's allocator and gives it back; the same bits every run, within the bar."""
-    from helpers import ort_cuda_or_skip
+    from helpers import assert_replayed_natively, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops.awq import prefill_cuda
-    from onnx_lowbit.custom_ops.runtime import bridge
     sess, (qw, qz, sc, b, g, k, n) = _session(m, bias)
     x = activations((1, m, k), F16, seed=m)
     io, _, y = _binding(sess, x, n)
-    before, counts = bridge.stats["python_computes"], bridge.scratch_counts()
-    outs = []
-    for _ in range(5):
-        sess.run_with_iobinding(io)
-        outs.append(y.numpy())
-    now = bridge.scratch_counts()
-    total = prefill_cuda.scratch_bytes(m, k, n, bias)[1]
-    assert bridge.stats["python_computes"] - before == 1
-    assert {c: now[c] - counts[c] for c in now} == {"taken": 5, "given_back": 5, "bytes": 5 * total}
-    for o in outs[1:]:
-        assert np.array_equal(o, outs[0])
-    check(outs[0].reshape(m, n), x.reshape(m, k), qw, qz, sc, g, k, n, b)
+    out = assert_replayed_natively(sess, io, y, prefill_cuda.scratch_bytes(m, k, n, bias)[1])
+    check(out.reshape(m, n), x.reshape(m, k), qw, qz, sc, g, k, n, b)
 
 
 def test_gpu_prefill_in_a_cuda_graph():

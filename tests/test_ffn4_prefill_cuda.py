@@ -20,7 +20,7 @@ import pytest
 from numba import config
 from test_ffn4_kernels import _check_nonfinite, _data, _rel, _specials, _tol, awq_exact_t, awq_weights, nf4_weights
 
-from onnx_lowbit import ffn, nf4
+from onnx_lowbit import ffn
 from onnx_lowbit.custom_ops.runtime import plans
 
 SIM = bool(config.ENABLE_CUDASIM)
@@ -373,13 +373,8 @@ def _session_case(op, m, k=2048, n=1024):
 
 
 def _binding(sess, x, out_shape):
-    import onnxruntime as ort
-    io = sess.io_binding()
-    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-    y = ort.OrtValue.ortvalue_from_shape_and_type(out_shape, F16, "cuda", 0)
-    io.bind_ortvalue_input("x", xv)
-    io.bind_ortvalue_output("s", y)
-    return io, xv, y
+    from helpers import cuda_binding
+    return cuda_binding(sess, x, "x", "s", out_shape)
 
 
 @pytest.mark.parametrize("m", [17, 128])
@@ -389,26 +384,14 @@ def test_gpu_session_prefill_is_replayed_natively(op, m):
     prefill route; the first run records it, the next four replay it from C (no Python call), every run takes one
     scratch buffer of the route's size from onnxruntime's allocator and gives it back; the outputs are the same bits
     every time and meet the references."""
-    from helpers import lowbit_session, ort_cuda_or_skip
+    from helpers import assert_replayed_natively, lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
     from onnx_lowbit.custom_ops.ffn import fusedffn4_prefill_cuda as p4
-    from onnx_lowbit.custom_ops.runtime import bridge
     model, x, want, ref = _session_case(op, m)
     k, n = x.shape[-1], want.shape[-1]
     sess = lowbit_session(model, ["CUDAExecutionProvider"])
     io, _, y = _binding(sess, x, (1, m, n))
-    before, counts = bridge.stats["python_computes"], bridge.scratch_counts()
-    outs = []
-    for _ in range(5):
-        sess.run_with_iobinding(io)
-        outs.append(y.numpy())
-    now = bridge.scratch_counts()
-    total = p4.scratch_layout(m, k, n)[2]
-    assert bridge.stats["python_computes"] - before == 1
-    assert {c: now[c] - counts[c] for c in now} == {"taken": 5, "given_back": 5, "bytes": 5 * total}
-    for o in outs[1:]:
-        assert np.array_equal(o, outs[0])
-    s = outs[0].reshape(m, n)
+    s = assert_replayed_natively(sess, io, y, p4.scratch_layout(m, k, n)[2]).reshape(m, n)
     assert _rel(s, want) <= _tol(F16) and _rel(s, ref) <= 1e-3
 
 

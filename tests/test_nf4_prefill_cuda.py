@@ -94,32 +94,15 @@ def test_gpu_session_prefill_is_replayed_natively(m, bias):
     """GPU (ONNX_LOWBIT_REAL_GPU=1): a one-node session at M = 17 and 128 takes the prefill route; the first run
     records it, the next four replay it from C (no Python call), one scratch buffer of the route's size per run;
     the same bits every run, within the bar."""
-    from helpers import lowbit_session, ort_cuda_or_skip
+    from helpers import assert_replayed_natively, cuda_binding, lowbit_session, ort_cuda_or_skip
     ort_cuda_or_skip()
-    import onnxruntime as ort
-
     from onnx_lowbit.custom_ops.nf4 import prefill_cuda
-    from onnx_lowbit.custom_ops.runtime import bridge
     from test_nf4_kernels import matmul_model
     k, n, bs, qt = 576, 960, 32, "int4"
     q, am = _quantized(k, n, bs, qt, seed=5)
     b = np.random.default_rng(n).standard_normal(n).astype(F16) if bias else None
     sess = lowbit_session(matmul_model((1, m), k, n, bs, qt, F16, bias, q, am, b), ["CUDAExecutionProvider"])
     x = (np.random.default_rng(m).standard_normal((1, m, k)) * 0.5).astype(F16)
-    io = sess.io_binding()
-    xv = ort.OrtValue.ortvalue_from_numpy(x, "cuda", 0)
-    y = ort.OrtValue.ortvalue_from_shape_and_type((1, m, n), F16, "cuda", 0)
-    io.bind_ortvalue_input("a", xv)
-    io.bind_ortvalue_output("y", y)
-    before, counts = bridge.stats["python_computes"], bridge.scratch_counts()
-    outs = []
-    for _ in range(5):
-        sess.run_with_iobinding(io)
-        outs.append(y.numpy())
-    now = bridge.scratch_counts()
-    total = prefill_cuda.scratch_bytes(m, k, n, bias)[1]
-    assert bridge.stats["python_computes"] - before == 1
-    assert {c: now[c] - counts[c] for c in now} == {"taken": 5, "given_back": 5, "bytes": 5 * total}
-    for o in outs[1:]:
-        assert np.array_equal(o, outs[0])
-    check(outs[0].reshape(m, n), x.reshape(m, k), q, am, qt, bs, k, n, b)
+    io, _, y = cuda_binding(sess, x, "a", "y", (1, m, n))
+    out = assert_replayed_natively(sess, io, y, prefill_cuda.scratch_bytes(m, k, n, bias)[1])
+    check(out.reshape(m, n), x.reshape(m, k), q, am, qt, bs, k, n, b)

@@ -50,7 +50,6 @@ the row's kernel.
 """
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 from numba import cuda, float32, int64
@@ -64,6 +63,7 @@ from ..device.splitk import ScratchPool
 from ..device.target import SIM
 from ..device import host
 from ..nf4 import common as nf4_common, dequantnf4_cuda as dq, nf4mma_cuda, nf4tc_cuda, nf4warp_cuda
+from ..nf4 import prefill_cuda as nf4_prefill
 from ..nf4.common import case_align, case_f16, case_fp32_decode, check_weights
 from ..nf4.decode_cuda import COLS, TAB_BYTES, lut_for, make_decode, sig, threads
 from ..runtime.kernels import Kernel, KernelError
@@ -399,12 +399,7 @@ class FusedFFNNF4CudaKernel(Kernel):
                 prep = launcher(self.a16, name), 32 * GEN_WARPS, -(-self.n // GEN_WARPS)
             elif name == "prefill":     # DequantNF4's transposed kernels (fp32 absmax -> fp16 W^T), as it routes them
                 p4.prepare()
-                prep = {}
-                for v in ("vec", "rows"):
-                    var = dq.DEFAULT["float16"] if v == "vec" else dq.LEGACY
-                    if SIM and v == "vec":
-                        var = dataclasses.replace(var, block=32)    # fewer simulated threads (a launch setting)
-                    prep[v] = dq._launcher(True, np.float16, var, absmax=np.float32), var
+                prep = nf4_prefill.dequant_launchers()
             else:
                 mt, pair, _, _, h2, wide, _, groups = DECODE[name]
                 lau = launcher(self.a16, name)
@@ -466,8 +461,7 @@ class FusedFFNNF4CudaKernel(Kernel):
     def _prefill(self, ctx, m, x, ws, b1, b3, s):
         """The prefill route (ffn/fusedffn4_prefill_cuda): W1^T, W3^T [N, K] dequantised to fp16 scratch by
         DequantNF4's kernel (the one its ROUTES picks for Q's alignment), then FusedFFN's cuBLAS path."""
-        kind = route(dq.ROUTES, dq.case(np.float16, self.k, self.n, self.bs.size, True,
-                                        host.alignment(ws[0][0].ptr, ws[1][0].ptr))).kernel
+        kind = nf4_prefill.route_dequant(self.k, self.n, self.bs.size, ws[0][0].ptr, ws[1][0].ptr)
         lau, var = self.prepare("prefill")[kind]
 
         def dequant(i, ptr):

@@ -26,10 +26,9 @@ WHEN = (f"fp16 A, M >= {PREFILL_MIN_M}, cuBLAS and scratch memory (onnxruntime >
         "added in fp32 by an elementwise kernel)")
 
 
-def prepare():
+def dequant_launchers():
     """{"vec" | "rows": (launcher, variant)}: DequantNF4's transposed kernels (fp32 absmax -> fp16 W^T), as its
-    ROUTES name them, and the GEMM end's bias kernel (compiled once per process)."""
-    prefill.prepare()
+    ROUTES name them (compiled once per process; FusedFFNNF4's prefill route uses them for its two weights)."""
     out = {}
     for v in ("vec", "rows"):
         var = dq.DEFAULT["float16"] if v == "vec" else dq.LEGACY
@@ -37,6 +36,12 @@ def prepare():
             var = dataclasses.replace(var, block=32)    # fewer simulated threads (a launch setting)
         out[v] = dq._launcher(True, np.float16, var, absmax=np.float32), var
     return out
+
+
+def prepare():
+    """dequant_launchers(), after the GEMM end's bias kernel is compiled."""
+    prefill.prepare()
+    return dequant_launchers()
 
 
 def run(ctx, m, k, n, bs, sms, launchers, code_ptr, a, q, absmax, bias, yp):
@@ -49,6 +54,6 @@ def run(ctx, m, k, n, bs, sms, launchers, code_ptr, a, q, absmax, bias, yp):
     prefill.gemm(ctx, m, k, n, a.ptr, base, False, bias.ptr if bias is not None else 0, yp)
 
 
-def route_dequant(k, n, bs, q_ptr):
-    """DequantNF4's kernel for this weight's alignment ("vec" or "rows")."""
-    return route(dq.ROUTES, dq.case(np.float16, k, n, bs, True, host.alignment(q_ptr))).kernel
+def route_dequant(k, n, bs, *q_ptrs):
+    """DequantNF4's kernel for these weights' alignment ("vec" or "rows"; one kernel for all of them)."""
+    return route(dq.ROUTES, dq.case(np.float16, k, n, bs, True, host.alignment(*q_ptrs))).kernel
