@@ -76,11 +76,7 @@ def rewrite(model, passes=None, *, device=None, tune=False, feeds=None, dims=Non
     from onnx_lowbit.passes import resolve
 
     from . import cpu_passes, tune as tune_mod
-    size = {"weights4": f"weights={options['weights']!r}"} if options.get("weights") or \
-        options.get("awq_checkpoint") else {}
-    if options.get("gru_bits") is not None or options.get("gru_weight_bits") is not None:
-        size["gru"] = " ".join(f"{k}={options[k]!r}" for k in ("gru_bits", "gru_weight_bits")
-                               if options.get(k) is not None)
+    size = tune_mod.asked_for_size(options, passes, cli=False)   # kept (by tune too) though slower
     options, _ = cpu_passes.cpu_weights_options(options)   # weights=... without weights_target: the CPU's faster
     selected = resolve(passes)
     if not tune:

@@ -272,18 +272,27 @@ def _undone(entries) -> list:
     return out
 
 
-def asked_for_size(a) -> dict:
-    """{pass name: the flag} of the size rewrites the user asked for (kept by --tune even when slower)."""
+def asked_for_size(a, passes=None, cli=True) -> dict:
+    """{pass name: how it was asked} of the size rewrites the user asked for (kept by --tune even when slower):
+    ``a`` the CLI's arguments (an argparse namespace; their ``passes`` a comma list) or the API's options (a dict,
+    the selection in ``passes``: names, or a comma string). ``cli``: the flags as the CLI spells them
+    ("--weights nf4"), else as the API's keywords ("weights='nf4'")."""
+    get = a.get if isinstance(a, dict) else (lambda k: getattr(a, k, None))
+    say = (lambda k, v: f"--{k.replace('_', '-')} {v}") if cli else (lambda k, v: f"{k}={v!r}")
+    if passes is None and not isinstance(a, dict):
+        passes = get("passes")
+    if isinstance(passes, str):
+        passes = passes.split(",")
+    named = [n.strip() for n in passes or () if isinstance(n, str) and n.strip()]
     out = {}
-    named = [n.strip() for n in (getattr(a, "passes", None) or "").split(",") if n.strip()]
-    if getattr(a, "weights", None) or getattr(a, "awq_checkpoint", None):
-        out["weights4"] = f"--weights {a.weights}" if getattr(a, "weights", None) else "--awq-checkpoint"
-    if getattr(a, "gru_bits", None) is not None or getattr(a, "gru_weight_bits", None) is not None:
-        out["gru"] = " ".join(f"--{k.replace('_', '-')} {getattr(a, k)}" for k in ("gru_bits", "gru_weight_bits")
-                              if getattr(a, k, None) is not None)
+    if get("weights") or get("awq_checkpoint"):
+        out["weights4"] = say("weights", get("weights")) if get("weights") else \
+            ("--awq-checkpoint" if cli else "awq_checkpoint=...")
+    if get("gru_bits") is not None or get("gru_weight_bits") is not None:
+        out["gru"] = " ".join(say(k, get(k)) for k in ("gru_bits", "gru_weight_bits") if get(k) is not None)
     for n in named:
         if n in SIZE_PASSES and n not in out:
-            out[n] = f"--passes {n}"
+            out[n] = f"--passes {n}" if cli else f"passes=[{n!r}]"
     return out
 
 

@@ -116,6 +116,21 @@ def test_asked_for_size_kept_though_slower_and_said_by_how_much():
     assert len(report.rewritten("weights4")) == 3
 
 
+def test_asked_for_size_one_reading_for_the_cli_and_the_api():
+    """The CLI's arguments and the API's options name the same size rewrites, each in its own spelling; a size
+    pass named in the selection counts as asked for, other passes do not."""
+    import argparse
+    cli = argparse.Namespace(weights="awq", passes="gru,ffn", gru_bits=None, gru_weight_bits=16, awq_checkpoint=None)
+    assert tune.asked_for_size(cli) == {"weights4": "--weights awq", "gru": "--gru-weight-bits 16"}
+    assert tune.asked_for_size({"weights": "awq", "gru_weight_bits": 16}, ["gru", "ffn"], cli=False) == \
+        {"weights4": "weights='awq'", "gru": "gru_weight_bits=16"}
+    assert tune.asked_for_size({"awq_checkpoint": "ckpt"}, "ffn,gru", cli=False) == \
+        {"weights4": "awq_checkpoint=...", "gru": "passes=['gru']"}
+    assert tune.asked_for_size({}, None, cli=False) == {}
+    assert tune.asked_for_size(argparse.Namespace(passes="weights4", weights=None)) == \
+        {"weights4": "--passes weights4"}
+
+
 def test_whole_model_not_faster_falls_back_to_the_original():
     m = qkv_silu()
     table = {"MatMul": 4.0, "Split": 1.0}
