@@ -14,6 +14,7 @@ from numba import njit, prange
 
 from onnx_lowbit import kvattention, rotary
 
+from ..device.jit import variant
 from ..runtime.kernels import Kernel, KernelError
 from .rotary_cpu import r16
 
@@ -60,8 +61,8 @@ def _attn(q, k, v, m, has_m, mst, o, b_, hq, s_, d, hkv, t, scale, divide, f16):
                 o[ob + x] += a[j] * v[kb + j * d + x]
 
 
-KERNELS = (njit(cache=True, nogil=True, boundscheck=False)(_attn),
-           njit(parallel=True, cache=True, nogil=True, boundscheck=False)(_attn))
+KERNELS = (njit(cache=True, nogil=True, boundscheck=False)(variant(_attn, "serial")),     # own caches: device/jit
+           njit(parallel=True, cache=True, nogil=True, boundscheck=False)(variant(_attn, "parallel")))
 
 
 def run(q, k, v, mask=None, scale=1.0, divide=False, out=None):

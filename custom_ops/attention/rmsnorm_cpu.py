@@ -13,6 +13,7 @@ from numba import njit, prange
 from onnx_lowbit import rmsnorm
 
 from ..device.half_cpu import f2h, h2f
+from ..device.jit import variant
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 16
@@ -60,7 +61,8 @@ def _norm32(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
 
 
 def _compile(fn, parallel):
-    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(fn)
+    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(   # own caches: device/jit
+        variant(fn, "parallel" if parallel else "serial"))
 
 
 KERNELS = {10: (_compile(_norm16, False), _compile(_norm16, True), np.uint16),

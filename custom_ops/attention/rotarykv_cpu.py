@@ -14,6 +14,7 @@ from numba import njit, prange
 from onnx_lowbit import rotary, rotarykv
 
 from ..device.half_cpu import f2h, h2f
+from ..device.jit import variant
 from ..runtime.kernels import Kernel, KernelError
 from .rotary_cpu import PARALLEL_MIN, r16
 
@@ -57,7 +58,8 @@ def _rows32(qkv, c, s, q, k, dims, cst, sst):
 
 
 def _compile(fn, parallel):
-    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(fn)
+    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(   # own caches: device/jit
+        variant(fn, "parallel" if parallel else "serial"))
 
 
 # element type -> (serial, parallel, storage dtype)
