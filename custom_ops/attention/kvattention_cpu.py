@@ -14,7 +14,7 @@ from numba import njit, prange
 
 from onnx_lowbit import kvattention, rotary
 
-from ..device.jit import variant
+from ..device.jit import njit_variant
 from ..runtime.kernels import Kernel, KernelError
 from .rotary_cpu import r16
 
@@ -61,8 +61,7 @@ def _attn(q, k, v, m, has_m, mst, o, b_, hq, s_, d, hkv, t, scale, divide, f16):
                 o[ob + x] += a[j] * v[kb + j * d + x]
 
 
-KERNELS = (njit(cache=True, nogil=True, boundscheck=False)(variant(_attn, "serial")),     # own caches: device/jit
-           njit(parallel=True, cache=True, nogil=True, boundscheck=False)(variant(_attn, "parallel")))
+KERNELS = tuple(njit_variant(_attn, par, cache=True, nogil=True, boundscheck=False) for par in (False, True))
 
 
 def run(q, k, v, mask=None, scale=1.0, divide=False, out=None):

@@ -8,12 +8,12 @@ squares is a sequential fp32 sum per row.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from onnx_lowbit import rmsnorm
 
 from ..device.half_cpu import f2h, h2f
-from ..device.jit import variant
+from ..device.jit import njit_variant
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 16
@@ -61,8 +61,7 @@ def _norm32(x, skip, g, y, hout, rows, d, has_skip, has_h, eps):
 
 
 def _compile(fn, parallel):
-    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(   # own caches: device/jit
-        variant(fn, "parallel" if parallel else "serial"))
+    return njit_variant(fn, parallel, cache=True, nogil=True, boundscheck=False)
 
 
 KERNELS = {10: (_compile(_norm16, False), _compile(_norm16, True), np.uint16),

@@ -14,7 +14,7 @@ from numba import njit, prange
 from onnx_lowbit import rotary
 
 from ..device.half_cpu import f2h, h2f
-from ..device.jit import variant
+from ..device.jit import njit_variant
 from ..runtime.kernels import Kernel, KernelError
 
 PARALLEL_MIN = 1 << 16
@@ -67,8 +67,7 @@ def _rot32(x, c, s, y, dims, h, cst, sst):
 
 
 def _compile(fn, parallel):
-    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(   # own caches: device/jit
-        variant(fn, "parallel" if parallel else "serial"))
+    return njit_variant(fn, parallel, cache=True, nogil=True, boundscheck=False)
 
 
 # element type -> (serial, parallel, storage dtype)

@@ -9,12 +9,12 @@ over [B, 1, S, D] (0 on broadcast axes). The past rows and v are copied by numpy
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from onnx_lowbit import rotary, rotarykv
 
 from ..device.half_cpu import f2h, h2f
-from ..device.jit import variant
+from ..device.jit import njit_variant
 from ..runtime.kernels import Kernel, KernelError
 from .rotary_cpu import PARALLEL_MIN, r16
 
@@ -58,8 +58,7 @@ def _rows32(qkv, c, s, q, k, dims, cst, sst):
 
 
 def _compile(fn, parallel):
-    return njit(parallel=parallel, cache=True, nogil=True, boundscheck=False)(   # own caches: device/jit
-        variant(fn, "parallel" if parallel else "serial"))
+    return njit_variant(fn, parallel, cache=True, nogil=True, boundscheck=False)
 
 
 # element type -> (serial, parallel, storage dtype)

@@ -7,11 +7,14 @@ shares one cache entry per signature, and a later process loads whichever varian
 here (2026-11-29, this 2-core Zen 4): QuantGRU's serial recurrence, called for a one-row batch, ran the parallel
 variant's code loaded from the cache, ~20 us more per call (a streaming int16 frame at H = 256 took 37 us instead
 of 7); the other way round a parallel call gets serial code. ``variant`` gives each variant a copy of the function
-under its own name (``<name>__<tag>``), so each has its own cache files.
+under its own name (``<name>__<tag>``), so each has its own cache files; ``njit_variant(fn, parallel, **options)``
+compiles such a copy, tagged "serial" or "parallel".
 """
 from __future__ import annotations
 
 import types
+
+from numba import njit
 
 
 def variant(fn, tag: str):
@@ -29,3 +32,9 @@ def variant(fn, tag: str):
     out.__doc__ = fn.__doc__
     out.__kwdefaults__ = fn.__kwdefaults__
     return out
+
+
+def njit_variant(fn, parallel: bool, **options):
+    """``njit(parallel=parallel, **options)`` of ``variant(fn, "parallel" | "serial")``: the way every CPU kernel
+    compiled both ways (or compiled once more serially from a parallel kernel's ``py_func``) is compiled."""
+    return njit(parallel=parallel, **options)(variant(fn, "parallel" if parallel else "serial"))

@@ -52,7 +52,7 @@ from onnx_lowbit import gru_int
 from onnx_lowbit.gru_int import NQ, Q
 
 from ..device import native
-from ..device.jit import variant
+from ..device.jit import njit_variant
 from ..runtime import plans
 from ..runtime.kernels import Kernel, KernelError
 from .quantgru_vnni import KIND_S16, KIND_U8S8, ROWDOT_MAX_K, VNNI, _lut_gather, _make_mm, _tr16, rowdot
@@ -183,8 +183,7 @@ def _input_proj(dh, dl, W, shift, zp, lo, hi, out):
                 out[m, c] = _sat(_rs(_dot_exact(w, dh[m], dl[m]), s) + zp, lo, hi)
 
 
-input_proj = njit(**_JIT)(variant(_input_proj, "serial"))
-input_proj_parallel = njit(parallel=True, **_JIT)(variant(_input_proj, "parallel"))   # own cache: device/jit
+input_proj, input_proj_parallel = (njit_variant(_input_proj, par, **_JIT) for par in (False, True))
 
 
 @njit(**_JIT)
@@ -344,8 +343,7 @@ def _recurrence(qwx, R, r_shift, qh0, lens, reverse, bt, t, luts, e, z, lo, hi, 
         _finish(qh, n, lens[n], e, z, y, yh)
 
 
-recurrence = njit(**_JIT)(variant(_recurrence, "serial"))
-recurrence_parallel = njit(parallel=True, **_JIT)(variant(_recurrence, "parallel"))   # own cache: device/jit
+recurrence, recurrence_parallel = (njit_variant(_recurrence, par, **_JIT) for par in (False, True))
 
 
 @njit(parallel=True, **_JIT)
@@ -563,8 +561,7 @@ def _proj_packed(wp, a0, a1, kp, kg, nbp, ct, zp, lo, hi, split, m0, m1, out):
                 out[m, c] = _rescale(acc[i0 + c] - ct[3, c], ct[0, c], ct[1, c], ct[2, c], zp, lo, hi)
 
 
-proj_packed = njit(**_JIT)(variant(_proj_packed, "serial"))
-proj_packed_parallel = njit(parallel=True, **_JIT)(variant(_proj_packed, "parallel"))   # own cache: device/jit
+proj_packed, proj_packed_parallel = (njit_variant(_proj_packed, par, **_JIT) for par in (False, True))
 
 
 @njit(cache=True, inline="always")
@@ -610,8 +607,7 @@ def _recurrence_packed(qwx, rp, kp, kg, nbp, ctr, bias, split, qh0, lens, revers
         _finish(qh, n, lens[n], e, z, y, yh)
 
 
-recurrence_packed = njit(**_JIT)(variant(_recurrence_packed, "serial"))
-recurrence_packed_parallel = njit(parallel=True, **_JIT)(variant(_recurrence_packed, "parallel"))   # own cache: device/jit
+recurrence_packed, recurrence_packed_parallel = (njit_variant(_recurrence_packed, par, **_JIT) for par in (False, True))
 
 
 @njit(cache=True, inline="always")
@@ -740,8 +736,7 @@ def _recurrence_direct(qwx, R, ch_r, s_r, bias, cc, split, qh0, lens, reverse, b
         _finish(qh, n, lens[n], e, z, y, yh)
 
 
-recurrence_direct = njit(**_JIT)(variant(_recurrence_direct, "serial"))
-recurrence_direct_parallel = njit(parallel=True, **_JIT)(variant(_recurrence_direct, "parallel"))   # own cache: device/jit
+recurrence_direct, recurrence_direct_parallel = (njit_variant(_recurrence_direct, par, **_JIT) for par in (False, True))
 
 
 @njit(**_JIT)
