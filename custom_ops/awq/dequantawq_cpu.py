@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..device import native
-from ..device.jit import njit_variant
+from ..device.jit import variant
 from ..device.half_cpu import f32_to_f16 as _f32_to_f16
 from ..runtime.kernels import Kernel, KernelError
 
@@ -199,8 +199,8 @@ KERNEL = DequantAWQKernel
 # dequant_rows_f16bits' body (compiled once more single-threaded) on its groups' rows.
 # params: qweight, qzeros, scales, W, K, N, group size
 TASK_ELEMENTS = 1 << 16
-rows_serial = njit_variant(dequant_rows_f16bits.py_func, False, cache=True, nogil=True,   # own caches: device/jit
-                           boundscheck=False)
+rows_serial = njit(cache=True, nogil=True, boundscheck=False)(   # own caches: device/jit
+    variant(dequant_rows_f16bits.py_func, "serial"))
 
 
 def _native_dequant(p, begin, end):

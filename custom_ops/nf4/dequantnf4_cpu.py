@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..device import native
-from ..device.jit import njit_variant
+from ..device.jit import variant
 from ..runtime.kernels import Kernel
 from . import common as nf4_common
 from .matmulnf4_cpu import dequant_t
@@ -90,8 +90,8 @@ KERNEL = DequantNF4Kernel
 # elsewhere the table-lookup kernels' bodies compiled once more single-threaded.
 # params: Q, absmax, W, code, K, N, block size, absmax / W are fp16, transposed, columns per item
 TASK_ELEMENTS = 1 << 16
-rows_serial = njit_variant(dequant_rows.py_func, False, cache=True, nogil=True)   # own caches: device/jit
-cols_serial = njit_variant(dequant_t.py_func, False, cache=True, nogil=True)
+rows_serial = njit(cache=True, nogil=True)(variant(dequant_rows.py_func, "serial"))   # own caches: device/jit
+cols_serial = njit(cache=True, nogil=True)(variant(dequant_t.py_func, "serial"))
 
 
 def _native_dequant(p, begin, end):
