@@ -50,6 +50,7 @@ the row's kernel.
 """
 from __future__ import annotations
 
+
 import numpy as np
 from numba import cuda, float32, int64
 
