@@ -35,6 +35,7 @@ def variant(fn, tag: str):
 
 
 def njit_variant(fn, parallel: bool, **options):
-    """``njit(parallel=parallel, **options)`` of ``variant(fn, "parallel" | "serial")``: the way every CPU kernel
-    compiled both ways (or compiled once more serially from a parallel kernel's ``py_func``) is compiled."""
+    """``njit(parallel=parallel, **options)`` of ``variant(fn, "parallel" | "serial")``: how QuantGRU's, KVAttention's,
+    Rotary's, RotaryKV's and RMSNorm's CPU kernels compile both ways (the dequant native entries' serial copies still
+    spell out ``njit(...)(variant(fn, "serial"))``)."""
     return njit(parallel=parallel, **options)(variant(fn, "parallel" if parallel else "serial"))
