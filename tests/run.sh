@@ -22,5 +22,7 @@ else
     WORKERS=${ONNX_LOWBIT_TEST_WORKERS:-0}
 fi
 XDIST=()
-if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS"); fi
+# --dist loadgroup: the tests conftest.py groups (those that compile QuantGRU's CPU kernels) run on one worker, the
+# rest test by test on any
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadgroup); fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"

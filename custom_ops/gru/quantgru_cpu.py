@@ -818,7 +818,13 @@ def _run_packed_any(x, qh, wp, rp, rsw, rsr, b, ch, luts, e, z, lens, reverse, y
 @njit(**_JIT)
 def run_direction_packed(x, h0, wp, rp, rsw, rsr, b, ch, luts, e, z, lens, reverse, y, yh, bits):
     """run_direction on W and R packed beforehand (pack_direction: a kernel whose W and R are constant
-    initializers packs them once): the packed path for every length; bits the op's width."""
+    initializers packs them once): the packed path for every length; bits the op's width. y and yh go on as
+    layout 'A' views whatever their layout here (see run_direction_path)."""
+    _run_direction_packed(x, h0, wp, rp, rsw, rsr, b, ch, luts, e, z, lens, reverse, y[::1], yh[::1], bits)
+
+
+@njit(**_JIT)
+def _run_direction_packed(x, h0, wp, rp, rsw, rsr, b, ch, luts, e, z, lens, reverse, y, yh, bits):
     lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
     qh = _initial_state(h0, e, z, x.shape[1], rsr.shape[0] // 3, lo, hi)
     _run_packed_any(x, qh, wp, rp, rsw, rsr, b, ch, luts, e, z, lens, reverse, y, yh, bits)
@@ -850,7 +856,14 @@ def run_direction_path(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh, pac
     the packed VNNI path when a batch row runs at least pack_min steps, else the direct VNNI path where C and H are
     at most ROWDOT_MAX_K, else the portable path (row dot products in LLVM's loops). int16 weights all in
     [-128, 127] (int8 weights widened; checked on every packed call) take the packed path's int8 weights with the
-    activations split into two bytes."""
+    activations split into two bytes. y and yh go on as layout 'A' views (``[::1]``) whatever their layout here
+    (contiguous for one direction, strided for two or for layout 1): the paths below compile once per weight
+    dtype instead of once per layout combination (six signatures became two; cold compiles in CI)."""
+    _run_direction_path(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y[::1], yh[::1], pack_min)
+
+
+@njit(**_JIT)
+def _run_direction_path(x, h0, W, R, b, ch, luts, e, z, lens, reverse, y, yh, pack_min):
     t_dim, n_dim, c_dim = x.shape
     h = R.shape[1]
     wide = _wide(W)
