@@ -3,12 +3,13 @@
 # `onnx-lowbit bench` (default session options, wall clock) against the original on real inputs:
 #   gpu  = no --device (every default pass, as for a GPU); cpu = --device cpu; tune = --device cpu --tune.
 #   OCR=<rapidocr_onnxruntime/models> YOLO=<yolov8n-doclaynet.onnx> DATA=<field_verify inputs folder> OUT=<folder> \
-#     bash benchmarks/field_cpu.sh [names]
+#     DDDD=<the ddddocr package folder> NUDE=<the nudenet package folder> bash benchmarks/field_cpu.sh [names]
+# (each folder from its PyPI wheel: `pip download --no-deps rapidocr_onnxruntime ddddocr nudenet`, unzipped)
 # DATA: the folder `python benchmarks/field_verify.py inputs DATA` writes (real inputs, the denoiser's calibration).
 # Prints per model the tune table and bench's table; logs in $OUT/NAME.*.log. RUNS (default 50) timed runs each.
 set -u
 cd "$(dirname "$0")/.."
-P=${PYTHON:-python}; O=${OUT:-field-cpu}; M=${OCR:-}; Y=${YOLO:-}; D=$DATA; R=${RUNS:-50}
+P=${PYTHON:-python}; O=${OUT:-field-cpu}; M=${OCR:-}; Y=${YOLO:-}; D=$DATA; R=${RUNS:-50}; DD=${DDDD:-}; NU=${NUDE:-}
 mkdir -p "$O"
 one() { name=$1; src=$2; data=$3; shift 3
   for v in gpu cpu tune; do
@@ -26,5 +27,7 @@ for n in ${*:-det rec cls yolo den}; do case $n in
   cls) one cls "$M/ch_ppocr_mobile_v2.0_cls_infer.onnx" cls_lines;;
   yolo) one yolo "$Y" yolo_doc;;
   den) one den tests/data/denoiser.onnx den_test0 --calibration "$D/den_calib.npz";;
+  ocr) one ocr "$DD/common.onnx" ocr_line;;
+  nude) one nude "$NU/320n.onnx" nude_photo;;
   *) echo "unknown name $n"; exit 2;;
 esac; done

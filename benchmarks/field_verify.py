@@ -9,7 +9,9 @@ DetPreProcess (limit_type min, 736; PIL bilinear resize in place of cv2); rec an
 get text lines rendered with PIL's default FreeType font (rec: TextRecognizer.resize_norm_img, one batch; cls:
 48 x 192, upright and turned 180 degrees), AWQ's calibration other lines; the YOLOv8 layout detector (static 1024)
 a rendered document page and skimage's astronaut, letterboxed as ultralytics does; the denoiser of tests/data the
-6 calibration utterances as NAME#K runs and each held-out one. Checks: rec: strings by CTC greedy decode with the
+6 calibration utterances as NAME#K runs and each held-out one; ddddocr's recogniser a rendered line, nudenet's
+YOLOv8 (320n) matplotlib's sample photo letterboxed to 320 (inputs only: bench's agreement table compares them).
+Checks: rec: strings by CTC greedy decode with the
 model's own character list; cls: labels; det: connected regions of the map > 0.3; yolo: detections after
 confidence 0.25 and per-class NMS 0.45; den: the mask's rel-L2. Needs scikit-image and scipy (not project deps).
 """
@@ -150,6 +152,19 @@ def inputs(OUT):  # noqa: N803
             lst.append(pad)
     np.savez(f"{OUT}/rec_calib.npz", x=np.stack(rb))
     np.savez(f"{OUT}/cls_calib.npz", x=np.stack(cb + [p[:, ::-1, ::-1].copy() for p in cb]))
+    # ---- ddddocr's recogniser (common.onnx): a rendered line as its OCR engine prepares it (grey, height 64, /255)
+    img = Image.new("RGB", (30 + 26 * 8, 64), "white")
+    ImageDraw.Draw(img).text((12, 8), "Xk7pQ2ab", fill=(20, 20, 20), font=ImageFont.load_default(size=40))
+    np.savez(f"{OUT}/ocr_line.npz", input1=(np.asarray(img.convert("L"), np.float32) / 255)[None, None])
+    # ---- nudenet's YOLOv8 (320n.onnx): matplotlib's sample photo (Grace Hopper), letterboxed to 320, RGB /255 NCHW
+    import matplotlib.cbook
+    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as fh:
+        im = Image.open(fh).convert("RGB")
+    sc = 320 / max(im.size)
+    im = im.resize((round(im.size[0] * sc), round(im.size[1] * sc)), Image.BILINEAR)
+    canvas = Image.new("RGB", (320, 320), (114, 114, 114))
+    canvas.paste(im, ((320 - im.size[0]) // 2, (320 - im.size[1]) // 2))
+    np.savez(f"{OUT}/nude_photo.npz", images=(np.asarray(canvas, np.float32) / 255).transpose(2, 0, 1)[None])
     for f in sorted(os.listdir(OUT)):
         if f.endswith(".npz"):
             with np.load(f"{OUT}/{f}") as z:

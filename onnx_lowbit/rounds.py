@@ -7,12 +7,20 @@ Why not single runs A B, B A: each run then starts on caches the other model fil
 the 2-core development machine two sessions of the same YOLOv8 graph measured up to 1.16x apart, and ``--tune``
 kept FPLUT on that detector as 1.05x faster while rounds measured the kept model 1.18x slower (2026-11-29,
 benchmarks/field_cpu.sh). Why not one model after the other: a drift lands on whichever came last (the same FPLUT
-model of a PP-OCRv4 recogniser measured 1.22x slower listed first, 1.21x faster listed third)."""
+model of a PP-OCRv4 recogniser measured 1.22x slower listed first, 1.21x faster listed third).
+
+Why the pause (``settle``, SETTLE_S) before each model's turn: onnxruntime's intra-op threads spin after a run,
+and the spinning threads of the model timed before slowed the next one. Without it, two sessions of one model
+(ddddocr's OCR recogniser, 2 cores, default session options) measured 10.40 against 7.88 ms, always to the
+disadvantage of the first session (so ``--tune``, which times the model before a pass first, kept passes that were
+slower: FPLUT on that recogniser measured 1.41x faster, and 0.86-0.92x in its own sessions); a pause of 0 / 2 / 5 /
+10 / 20 ms at each switch gave 10.40 / 7.88, 9.21 / 7.82, 7.69 / 7.82, 7.58 / 7.64, 7.73 / 7.72 (2026-11-29)."""
 from __future__ import annotations
 
 import time
 
 ROUND_RUNS = 5      # timed runs of one model in a row per round (after one untimed run)
+SETTLE_S = 0.02     # pause before each model's turn in a round (module doc), seconds
 MAX_ROUNDS = 10     # rounds at most; each model's runs spread over them
 
 
@@ -22,9 +30,12 @@ def rounds_of(runs: int) -> list:
     return [runs // n + (r < runs % n) for r in range(n)]
 
 
-def timed_rounds(runners, runs: int, clock=time.perf_counter, warmup: int = 0) -> list:
+def timed_rounds(runners, runs: int, clock=time.perf_counter, warmup: int = 0, settle=None) -> list:
     """Per runner (a callable running one model once) its ``runs`` timings in ms, in rounds (module doc), after
-    ``warmup`` untimed calls of each (A B, A B, ...)."""
+    ``warmup`` untimed calls of each (A B, A B, ...). ``settle()`` runs before each model's turn in a round (default:
+    a pause of SETTLE_S, so that the previous model's intra-op threads stop spinning)."""
+    if settle is None:
+        settle = lambda: time.sleep(SETTLE_S)  # noqa: E731
     n = len(runners)
     for _ in range(warmup):
         for run in runners:
@@ -32,6 +43,7 @@ def timed_rounds(runners, runs: int, clock=time.perf_counter, warmup: int = 0) -
     times = [[] for _ in range(n)]
     for r, k in enumerate(rounds_of(runs)):
         for j in ((r + q) % n for q in range(n)):
+            settle()
             runners[j]()
             for _ in range(k):
                 t = clock()

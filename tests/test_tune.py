@@ -173,6 +173,19 @@ def test_alternate_takes_medians_of_alternating_runs():
     assert order == ["a", "b"] + ["a"] * 6 + ["b"] * 6 + ["b"] * 6 + ["a"] * 6
 
 
+def test_rounds_settle_before_each_turn():
+    """rounds.timed_rounds pauses (``settle``; default SETTLE_S of sleep) before each model's turn in a round, so that
+    the model timed before it has its intra-op threads idle again (without it the first of two sessions of one model
+    measured 1.3x slower: onnx_lowbit/rounds.py)."""
+    from onnx_lowbit import rounds
+    order = []
+    runners = [lambda: order.append("a"), lambda: order.append("b")]
+    rounds.timed_rounds(runners, 10, warmup=1, settle=lambda: order.append("settle"))
+    turn = lambda m: ["settle"] + [m] * 6  # noqa: E731 - one untimed call, then 5 timed ones
+    assert order == ["a", "b"] + turn("a") + turn("b") + turn("b") + turn("a")
+    assert rounds.SETTLE_S >= 0.01
+
+
 def test_cpu_defaults_table_and_selection(capsys):
     sel = resolve(None)
     kept = cpu_passes.cpu_selection(sel, explicit=False)
