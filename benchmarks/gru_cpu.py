@@ -5,7 +5,10 @@
 
 Per (H, C): a random float GRU (torch's init, uniform +-1/sqrt(H); linear_before_reset=1, forward, batch 1),
 X ~ N(0, 1) [T, 1, C]; QuantGRU parameters from gru_quant's calibration of that GRU (bits 8 and 16). Timed, all
-in one process, the implementations alternating run by run (medians; the first run of each is untimed):
+in one process, the implementations in rounds (onnx_lowbit/rounds.py: per round and implementation a 20 ms pause,
+one untimed call, then its timed calls in a row; medians). Alternating call by call, as before 2026-11-29 19:10 UTC,
+each call ran next to the previous session's spinning intra-op threads: onnxruntime's two-thread float GRU measured
+12.4 ms there against 6.5 run by itself, which inflated every ratio against it (int8 "3.1x" was 1.3x):
 
 * `ort float GRU`: a one-node ONNX GRU model in a plain onnxruntime CPU session (default options: its intra-op
   pool on all cores); `ort float GRU 1 thread`: the same with intra_op_num_threads = 1;
@@ -22,8 +25,8 @@ runs with int8 weights); timing inputs (the outputs are checked bit for bit, not
 to 1 thread, onnxruntime sessions with intra_op_num_threads = 1 only), steadier than wall time on a shared
 machine.
 
-Offline: one call runs all T steps. Streaming: T = 1 per run, the state carried (Y_h fed back as initial_h), one
-frame of each implementation after the other (`--stream-frames` frames each). Before timing, each QuantGRU
+Offline: one call runs all T steps. Streaming: T = 1 per run, the state carried (Y_h fed back as initial_h), `--stream-frames`
+frames each, in rounds of consecutive frames. Before timing, each QuantGRU
 session's Y and Y_h are checked bit for bit against the integer reference (onnx_lowbit.gru_int.quant_gru).
 Ratios: "1.8x faster" = the float GRU's (default options) time / ours, of the medians and of the minimums (on a
 loaded machine the minimum is the steadier figure: preemption only adds time).
@@ -92,17 +95,13 @@ HEAD = ["case", "implementation", "ms (median)", "ms (min)", "vs ort float (medi
 
 
 def alternate(fns, runs):
-    """(median, min) seconds per call of each of ``fns`` (name -> callable), calls alternating; one untimed call
-    first."""
-    for f in fns.values():
-        f()
-    ts = {n: [] for n in fns}
-    for _ in range(runs):
-        for n, f in fns.items():
-            t = CLOCK()
-            f()
-            ts[n].append(CLOCK() - t)
-    return {n: (statistics.median(v), min(v)) for n, v in ts.items()}
+    """(median, min) seconds per call of each of ``fns`` (name -> callable): in rounds (onnx_lowbit/rounds.py: per
+    round and implementation a 20 ms pause, one untimed call, then its timed calls in a row; each implementation in
+    each place of the order in turn), after one untimed call of each."""
+    from onnx_lowbit import rounds
+    names = list(fns)
+    ts = rounds.timed_rounds([fns[n] for n in names], runs, clock=lambda: CLOCK(), warmup=1)
+    return {n: (statistics.median(v) * 1e-3, min(v) * 1e-3) for n, v in zip(names, ts)}
 
 
 def one_thread():
@@ -197,7 +196,8 @@ def variants(a, qp):
 
 
 def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
-    """Frame by frame (T = 1 per run, the state carried): median time per frame."""
+    """Frame by frame (T = 1 per run, the state carried): median time per frame, the implementations in rounds of
+    consecutive frames (onnx_lowbit/rounds.py)."""
     import onnxruntime as ort
 
     import onnx_lowbit
@@ -218,15 +218,19 @@ def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
         impls[f"kernel int{b}"] = (lambda x, h, p=p, attrs=attrs: quantgru_cpu.quant_gru_run(
             x, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], None, h, **attrs)[1])
     state = {n: np.zeros((1, 1, H), np.float32) for n in impls}
-    ts = {n: [] for n in impls}
+    pos = {n: 0 for n in impls}
     n_frames = min(a.stream_frames, X.shape[0])
-    for i in range(-1, n_frames):
-        x = X[max(i, 0):max(i, 0) + 1]
-        for n, f in impls.items():
-            t = CLOCK()
-            state[n] = f(x, state[n])
-            if i >= 0:
-                ts[n].append(CLOCK() - t)
+
+    def frame(n):
+        def f():   # the implementation's next frame of X (its own position), its state carried
+            i = pos[n] % X.shape[0]
+            state[n] = impls[n](X[i:i + 1], state[n])
+            pos[n] += 1
+        return f
+    from onnx_lowbit import rounds
+    names = list(impls)
+    times = rounds.timed_rounds([frame(n) for n in names], n_frames, clock=lambda: CLOCK(), warmup=1)
+    ts = {n: [v * 1e-3 for v in times[k]] for k, n in enumerate(names)}
     base, base_min = statistics.median(ts["ort float GRU"]), min(ts["ort float GRU"])
     for n, v in ts.items():
         t, tmin = statistics.median(v), min(v)
