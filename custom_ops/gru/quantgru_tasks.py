@@ -1,0 +1,299 @@
+"""QuantGRU's native entry on onnxruntime's intra-op thread pool: batch 1, W and R packed once per node (VNNI hosts).
+
+The packed path of quantgru_cpu (``_run_packed``: the same products, rescales and cell, so the same bytes) cut into
+**stages of numbered items**. Each task of the call (one per core: native.CLAIM_TASKS) takes item numbers from a
+counter (``native.claim``) and, before working on an item, waits until every item of the stages before it has
+finished (a second counter of finished items, ``native.add_release`` / ``native.wait_at_least``). Per direction:
+
+1. set-up (one item): the per-channel constants, the initial state, the workspace (the first direction's);
+2. the activations of the input projection, QUANT_ROWS rows per item;
+3. the input projection: tiles of MT rows per item (calls of at least MIN_STEPS steps take this entry);
+4. per step: the recurrent product in ``chunks`` items (block groups of R, each rescaled by its taker), then the
+   cell (one item: the elementwise update, Y's row, the next step's activations);
+5. the end (one item): Y's padded steps, Y_h.
+
+Items are taken in order and an item waits only for items numbered below it, which tasks that are running hold:
+no deadlock whatever the pool's size. With one intra-op thread the tasks run one after another and the first does
+everything; with two the recurrent product of each step is split over both cores, each reading its half of R (at
+H = 400 int16, 960 KB: from its own L2 instead of all of it from one). The task that took the set-up item owns the
+workspace (one NRT array, addressed by every task through params) and returns only after the last item finished.
+A failed value check (the set-up item runs check_values) marks the call failed and releases every waiting task;
+the entry then returns DECLINED and Python names the problem.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from onnx_lowbit.gru_int import NQ
+
+from ..device import native
+from . import quantgru_steps as q
+from .quantgru_steps import IH, IRH, IWX, IX, KCH_S16, KCH_U8, MR_GEMM, MT, NB_REC
+
+QUANT_ROWS = 64          # input rows quantised per item
+MIN_STEPS = 16           # calls of at least this many steps take this entry (quantgru_cpu.QuantGRUKernel); shorter
+# ones (a streaming frame) the single-task entry: in frames alternating with onnxruntime's float GRU in random order
+# (its pool spinning on the same 2 cores) this entry's medians were 0.97-1.13x those of the single-task one (C = 257,
+# H = 128..600, int8 / int16: benchmarks/gru_cpu.py --one-task; docs/gru.md), though 1.15-1.2x faster alone
+CHUNK_GROUPS = 2         # at least this many 64-row block groups per product item
+# param slots after quantgru_cpu.native_values' 36: the item counter, the finished counter, the workspace address,
+# the failed flag (recorded as 0: each call starts from the recorded block's copy), then the product items per row
+S_CLAIM, S_DONE, S_WS, S_FAIL, S_CHUNKS = 36, 37, 38, 39, 40
+FAILED = np.int64(1) << 40   # added to the finished counter by a failed call: every wait returns
+
+
+@njit(cache=True, inline="always")
+def _align(n):
+    return (n + 63) // 64 * 64
+
+
+@njit(cache=True, nogil=True)
+def layout(t, h, c, ll, itemsize, split):
+    """Byte offsets of the workspace's arrays (the order of ``_views``) and, last, its size."""
+    nbp, kgw, kgr = q._packed_dims(h, c, itemsize)
+    g_ = 4 // itemsize
+    kpw, kpr, n_out = kgw * g_, kgr * g_, nbp * 16
+    asz = 2 if itemsize == 2 else 1
+    mp = (t + MR_GEMM - 1) // MR_GEMM * MR_GEMM
+    sizes = np.array([4 * n_out * 8, 4 * n_out * 8, 4 * h * 8, 12 * 3 * 8, 3 * ll * 4,
+                      mp * kpw * asz, (mp * kpw * asz) if split else 0, t * 3 * h * 4,
+                      kpr * asz, kpr * asz if split else 0, n_out * 4, n_out * 4 if split else 0, n_out * 8,
+                      3 * h * 8, 5 * h * 8, h * 8], np.int64)
+    off = np.empty(sizes.shape[0] + 1, np.int64)
+    at = 0
+    for i in range(sizes.shape[0]):
+        off[i] = at
+        at += _align(sizes[i])
+    off[sizes.shape[0]] = at
+    return off
+
+
+@njit(cache=True, inline="always")
+def _views(base, off, t, h, c, ll, itemsize, split, adt):
+    nbp, kgw, kgr = q._packed_dims(h, c, itemsize)
+    g_ = 4 // itemsize
+    kpw, kpr, n_out = kgw * g_, kgr * g_, nbp * 16
+    mp = (t + MR_GEMM - 1) // MR_GEMM * MR_GEMM
+    b = np.uint64(base)
+    ctw = native.array(b + np.uint64(off[0]), (4, n_out), np.int64)
+    ctr = native.array(b + np.uint64(off[1]), (4, n_out), np.int64)
+    bt = native.array(b + np.uint64(off[2]), (4, h), np.int64)
+    tr = native.array(b + np.uint64(off[3]), (12, 3), np.int64)
+    luts = native.array(b + np.uint64(off[4]), (3, ll), np.int32)
+    xa0 = native.array(b + np.uint64(off[5]), (mp, kpw), adt)
+    xa1 = native.array(b + np.uint64(off[6 if split else 5]), (mp, kpw), adt)
+    qwx = native.array(b + np.uint64(off[7]), (t, 3 * h), np.int32)
+    a0 = native.vector(b + np.uint64(off[8]), kpr, adt)
+    a1 = native.vector(b + np.uint64(off[9 if split else 8]), kpr, adt)
+    o0 = native.vector(b + np.uint64(off[10]), n_out, np.int32)
+    o1 = native.vector(b + np.uint64(off[11 if split else 10]), n_out, np.int32)
+    acc = native.vector(b + np.uint64(off[12]), n_out, np.int64)
+    qrh = native.vector(b + np.uint64(off[13]), 3 * h, np.int64)
+    sc = native.array(b + np.uint64(off[14]), (5, h), np.int64)
+    qh = native.vector(b + np.uint64(off[15]), h, np.int64)
+    return ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh
+
+
+def pays(t):
+    """Whether a call of t steps takes this entry."""
+    return t >= MIN_STEPS
+
+
+def extra_values(h, c, itemsize, tasks):
+    """The parameter slots this entry adds to quantgru_cpu.native_values' (S_CLAIM .. S_CHUNKS): the counters
+    and the product items per row, one per task of at least CHUNK_GROUPS 64-row block groups (at least one)."""
+    nbp = q._packed_dims(h, c, itemsize)[0]
+    return [0, 0, 0, 0, max(1, min(tasks, nbp // NB_REC // CHUNK_GROUPS))]
+
+
+@njit(cache=True, inline="always")
+def _group_range(i, nc, groups):
+    return groups * i // nc, groups * (i + 1) // nc
+
+
+@njit(cache=True, inline="always")
+def _chunk_products(wp, a0, a1, kp, kg, g0, g1, o0, o1, acc, split):
+    """acc[16 NB_REC g0 .. 16 NB_REC g1) = the exact sums of block groups [g0, g1) of the packed weights wp (one
+    activation row a0 / a1): quantgru_cpu._products for those rows."""
+    itemsize = wp.itemsize
+    kch = KCH_S16 if itemsize == 2 else KCH_U8
+    r0, r1 = g0 * NB_REC * 16, g1 * NB_REC * 16
+    ws = wp[g0 * NB_REC * kg * (64 // itemsize):]
+    o0s, o1s = o0[r0:r1], o1[r0:r1]
+    for k0 in range(0, kg, kch):
+        q._mm_call(True, ws, a0, a1, np.int64(kp), 1, g1 - g0, np.int64(k0), np.int64(min(kg, k0 + kch)), kg, o0s,
+                   o1s, np.int64(r1 - r0), split)
+        if k0 == 0:
+            for i in range(r0, r1):
+                acc[i] = q._comb(o0, o1, i, split)
+        else:
+            for i in range(r0, r1):
+                acc[i] += q._comb(o0, o1, i, split)
+
+
+@njit(cache=True, inline="always")
+def _rescale_rows(acc, ct, zp, lo, hi, r0, r1, out):
+    for c in range(r0, min(r1, out.shape[0])):
+        out[c] = q._rescale(acc[c] - ct[3, c], ct[0, c], ct[1, c], ct[2, c], zp, lo, hi)
+
+
+@njit(cache=True, nogil=True)
+def _setup(p, k, x, h0, b, ch, lut, e, z, ws, lo, hi, bias, split, rsw, rsr):
+    """Direction k's constants, initial state and first activations into the workspace views ws."""
+    ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh = ws
+    h = qh.shape[0]
+    n_out = ctw.shape[1]
+    shift = np.empty(3 * h, np.int64)
+    for cc in range(3 * h):
+        shift[cc] = np.int64(ch[0, cc]) + e[IX] - e[IWX]
+    ctw[:] = q.chan_triples(shift, n_out, z[IX] - bias, rsw)
+    for cc in range(3 * h):
+        shift[cc] = np.int64(ch[1, cc]) + e[IH] - e[IRH]
+    ctr[:] = q.chan_triples(shift, n_out, z[IH] - bias, rsr)
+    bt[:] = q.bias_terms(b, ch, e, z, h)
+    tr[:] = q.shift_triples(e)
+    for g in range(3):
+        for i in range(luts.shape[1]):
+            luts[g, i] = np.int32(lut[g, i])
+    qh[:] = q._initial_state(h0, e, z, 1, h, lo, hi)[0]
+    a0[:] = 0
+    a1[:] = 0
+    for j in range(h):
+        q._act(qh[j], bias, split, a0, a1, j)
+    t = x.shape[0]
+    xa0[t:] = 0   # the padding rows of the last tile
+    xa1[t:] = 0
+
+
+def _run_items(p, qdt, adt, ldt):
+    """All items this task takes (packed weights of dtype qdt, activations adt, tables ldt); returns 0, or
+    native.DECLINED from the task that found the values failing."""
+    t, c, h, d = native.arg(p, 12), native.arg(p, 14), native.arg(p, 15), native.arg(p, 16)
+    rev, ll, bits = native.arg(p, 19), native.arg(p, 23), native.arg(p, 18)
+    itemsize = native.arg(p, 24)
+    h3 = 3 * h
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    split = bits == 16
+    bias = lo if itemsize == 1 else 0
+    sh = 6 if split else 0
+    ln = t
+    if p[6]:
+        ln = np.int64(native.vector(p[6], 1, np.int32)[0])
+    ln = min(max(ln, 0), t)   # out-of-range lengths fail check_values in the set-up item (nothing is run then)
+    nbp, kgw, kgr = q._packed_dims(h, c, itemsize)
+    g_ = 4 // itemsize
+    kpw, kpr = kgw * g_, kgr * g_
+    groups = nbp // NB_REC
+    nc = max(native.arg(p, S_CHUNKS), 1)
+    nq = (t + QUANT_ROWS - 1) // QUANT_ROWS
+    mp = (t + MR_GEMM - 1) // MR_GEMM * MR_GEMM
+    npj = (mp + MT - 1) // MT
+    per_dir = 1 + nq + npj + ln * (nc + 1) + 1
+    total = d * per_dir
+    off = layout(t, h, c, ll, itemsize, split)
+    ch_all = native.array(p[4], (d, 4, h3), np.int32)
+    e_all = native.array(p[10], (d, NQ), np.int64)
+    z_all = native.array(p[11], (d, NQ), np.int64)
+    x = native.array(p[0], (t, c), np.float32)      # batch 1: [T, 1, C] and [1, T, C] alike
+    y_all = native.array(p[8], (t, d, h), np.float32)     # batch 1: Y [T, D, 1, H] and [1, T, D, H] alike
+    yh_all = native.array(p[9], (d, h), np.float32)
+    b_all = native.array(p[3], (d, 2 * h3), np.int32)
+    lut_all = native.array(p[5], (d, 3, ll), ldt)
+    owner = False
+    keep = np.empty(0, np.uint8)
+    rc = 0
+    it = native.claim(p, S_CLAIM)
+    while it < total:
+        k = it // per_dir
+        r = it - k * per_dir
+        start = it   # the first item of this item's stage (set below)
+        if r == 0:
+            start = it
+        elif r < 1 + nq:
+            start = k * per_dir + 1
+        elif r < 1 + nq + npj:
+            start = k * per_dir + 1 + nq
+        elif r < per_dir - 1:
+            s = (r - 1 - nq - npj) // (nc + 1)
+            start = k * per_dir + 1 + nq + npj + s * (nc + 1) + (nc if (r - 1 - nq - npj) % (nc + 1) == nc else 0)
+        else:
+            start = k * per_dir + per_dir - 1
+        if native.wait_at_least(p, S_DONE, start) >= FAILED:
+            break
+        if it == 0:   # the call's set-up: value checks, the workspace
+            lens = np.full(1, ln, np.int64)
+            if p[6]:
+                lens[0] = np.int64(native.vector(p[6], 1, np.int32)[0])
+            if not q.check_values(ch_all, e_all, lens, t):
+                native.add_release(p, S_FAIL, 1)
+                native.add_release(p, S_DONE, FAILED)
+                rc = native.DECLINED
+                break
+            keep = np.empty(off[off.shape[0] - 1] + 64, np.uint8)
+            owner = True
+            base = (keep.ctypes.data + 63) // 64 * 64
+            p[S_WS] = np.uint64(base)
+        ws = _views(p[S_WS], off, t, h, c, ll, itemsize, split, adt)
+        ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh = ws
+        e, z = e_all[k], z_all[k]
+        reverse = rev == 1 or k == 1
+        s_ = 28 + 4 * k
+        wp = native.vector(p[s_], nbp * kgw * 64 // itemsize, qdt)
+        rp = native.vector(p[s_ + 1], nbp * kgr * 64 // itemsize, qdt)
+        if r == 0:
+            rsw, rsr = native.vector(p[s_ + 2], h3, np.int64), native.vector(p[s_ + 3], h3, np.int64)
+            h0 = np.zeros((0, 1), np.float32)
+            if p[7]:
+                h0 = native.array(p[7], (d, 1, h), np.float32)[k]
+            _setup(p, k, x, h0, b_all[k], ch_all[k], lut_all[k], e, z, ws, lo, hi, bias, split, rsw, rsr)
+        elif r < 1 + nq:
+            i = r - 1
+            m0, m1 = i * QUANT_ROWS, min(t, (i + 1) * QUANT_ROWS)
+            q.quantize_acts(x[m0:m1], e[IX], z[IX], lo, hi, bias, split, kpw, xa0[m0:m1], xa1[m0:m1])
+        elif r < 1 + nq + npj:
+            i = r - 1 - nq
+            q.proj_packed(wp, xa0, xa1, kpw, kgw, nbp, ctw, z[IWX], lo, hi, split, i * MT, min(t, (i + 1) * MT), qwx)
+        elif r < per_dir - 1:
+            j = r - 1 - nq - npj
+            s = j // (nc + 1)
+            ci = j - s * (nc + 1)
+            if ci < nc:
+                g0, g1 = _group_range(ci, nc, groups)
+                _chunk_products(rp, a0, a1, kpr, kgr, g0, g1, o0, o1, acc, split)
+                _rescale_rows(acc, ctr, z[IRH], lo, hi, g0 * NB_REC * 16, g1 * NB_REC * 16, qrh)
+            else:
+                ti = ln - 1 - s if reverse else s
+                q._cell(qwx[ti], qrh, qh, bt, tr, luts, e, z, lo, hi, sh, sc[0], sc[1], sc[2], sc[3], sc[4])
+                scale = 2.0 ** (-e[IH])
+                zh = z[IH]
+                for jj in range(h):
+                    y_all[ti, k, jj] = np.float32((qh[jj] - zh) * scale)
+                for jj in range(h):
+                    q._act(qh[jj], bias, split, a0, a1, jj)
+        else:
+            scale = 2.0 ** (-e[IH])
+            for ti in range(ln, t):
+                for jj in range(h):
+                    y_all[ti, k, jj] = np.float32(0.0)
+            for jj in range(h):
+                yh_all[k, jj] = np.float32((qh[jj] - z[IH]) * scale) if ln > 0 else np.float32(0.0)
+        native.add_release(p, S_DONE, 1)
+        it = native.claim(p, S_CLAIM)
+    if owner:   # the workspace lives until every item finished
+        native.wait_at_least(p, S_DONE, total)
+        keep[0] = 0
+    return rc
+
+
+_run_items_nb = njit(cache=True, nogil=True)(_run_items)
+
+
+def native_gru_tasks(p, begin, end):
+    if p[1] != p[25] or p[2] != p[26] or native.arg(p, 13) != 1:
+        return native.DECLINED
+    if native.arg(p, 24) == 2:
+        return _run_items_nb(p, np.int16, np.int16, np.int16)
+    if native.arg(p, 18) == 16:    # int16 weights in the int8 range, packed as int8
+        return _run_items_nb(p, np.int8, np.uint8, np.int16)
+    return _run_items_nb(p, np.int8, np.uint8, np.int8)
