@@ -59,7 +59,7 @@ def layout(t, h, c, ll, itemsize, split):
     sizes = np.array([4 * n_out * 8, 4 * n_out * 8, 4 * h * 8, 12 * 3 * 8, 3 * ll * 4,
                       mp * kpw * asz, (mp * kpw * asz) if split else 0, t * 3 * h * 4,
                       kpr * asz, kpr * asz if split else 0, n_out * 4, n_out * 4 if split else 0, n_out * 8,
-                      3 * h * 8, 5 * h * 8, h * 8], np.int64)
+                      3 * h * 8, 5 * h * 8, h * 8, kpr * asz, kpr * asz if split else 0], np.int64)
     off = np.empty(sizes.shape[0] + 1, np.int64)
     at = 0
     for i in range(sizes.shape[0]):
@@ -92,7 +92,9 @@ def _views(base, off, t, h, c, ll, itemsize, split, adt):
     qrh = native.vector(b + np.uint64(off[13]), 3 * h, np.int64)
     sc = native.array(b + np.uint64(off[14]), (5, h), np.int64)
     qh = native.vector(b + np.uint64(off[15]), h, np.int64)
-    return ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh
+    a0b = native.vector(b + np.uint64(off[16]), kpr, adt)
+    a1b = native.vector(b + np.uint64(off[17 if split else 16]), kpr, adt)
+    return ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh, a0b, a1b
 
 
 def pays(t):
@@ -104,7 +106,10 @@ def extra_values(h, c, itemsize, tasks):
     """The parameter slots this entry adds to quantgru_cpu.native_values' (S_CLAIM .. S_CHUNKS): the counters
     and the product items per row, one per task of at least CHUNK_GROUPS 64-row block groups (at least one)."""
     nbp = q._packed_dims(h, c, itemsize)[0]
-    return [0, 0, 0, 0, max(1, min(tasks, nbp // NB_REC // CHUNK_GROUPS))]
+    return [0, 0, 0, 0, max(1, min(tasks, nbp // NB_REC // CHUNK_GROUPS)), HALVES]
+
+
+HALVES = 1   # per step two items, each the products of its half of the hidden units' rows and their cell
 
 
 @njit(cache=True, inline="always")
@@ -133,6 +138,25 @@ def _chunk_products(wp, a0, a1, kp, kg, g0, g1, o0, o1, acc, split):
 
 
 @njit(cache=True, inline="always")
+def _block_products(wp, a0, a1, kp, kg, b0, ng, o0, o1, acc, split):
+    """acc[16 b0 .. 16 (b0 + NB_REC ng)) = the exact sums of ng block groups from block b0 (private scratch)."""
+    itemsize = wp.itemsize
+    kch = KCH_S16 if itemsize == 2 else KCH_U8
+    r0, r1 = b0 * 16, (b0 + ng * NB_REC) * 16
+    ws = wp[b0 * kg * (64 // itemsize):]
+    o0s, o1s = o0[r0:r1], o1[r0:r1]
+    for k0 in range(0, kg, kch):
+        q._mm_call(True, ws, a0, a1, np.int64(kp), 1, ng, np.int64(k0), np.int64(min(kg, k0 + kch)), kg, o0s, o1s,
+                   np.int64(r1 - r0), split)
+        if k0 == 0:
+            for i in range(r0, r1):
+                acc[i] = q._comb(o0, o1, i, split)
+        else:
+            for i in range(r0, r1):
+                acc[i] += q._comb(o0, o1, i, split)
+
+
+@njit(cache=True, inline="always")
 def _rescale_rows(acc, ct, zp, lo, hi, r0, r1, out):
     for c in range(r0, min(r1, out.shape[0])):
         out[c] = q._rescale(acc[c] - ct[3, c], ct[0, c], ct[1, c], ct[2, c], zp, lo, hi)
@@ -141,7 +165,7 @@ def _rescale_rows(acc, ct, zp, lo, hi, r0, r1, out):
 @njit(cache=True, nogil=True)
 def _setup(p, k, x, h0, b, ch, lut, e, z, ws, lo, hi, bias, split, rsw, rsr):
     """Direction k's constants, initial state and first activations into the workspace views ws."""
-    ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh = ws
+    ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh, a0b, a1b = ws
     h = qh.shape[0]
     n_out = ctw.shape[1]
     shift = np.empty(3 * h, np.int64)
@@ -159,6 +183,8 @@ def _setup(p, k, x, h0, b, ch, lut, e, z, ws, lo, hi, bias, split, rsw, rsr):
     qh[:] = q._initial_state(h0, e, z, 1, h, lo, hi)[0]
     a0[:] = 0
     a1[:] = 0
+    a0b[:] = 0
+    a1b[:] = 0
     for j in range(h):
         q._act(qh[j], bias, split, a0, a1, j)
     t = x.shape[0]
@@ -189,7 +215,9 @@ def _run_items(p, qdt, adt, ldt):
     nq = (t + QUANT_ROWS - 1) // QUANT_ROWS
     mp = (t + MR_GEMM - 1) // MR_GEMM * MR_GEMM
     npj = (mp + MT - 1) // MT
-    per_dir = 1 + nq + npj + ln * (nc + 1) + 1
+    halves = native.arg(p, 41) == 1 and h % 16 == 0 and h >= 64
+    sp = 2 if halves else nc + 1          # items per step
+    per_dir = 1 + nq + npj + ln * sp + 1
     total = d * per_dir
     off = layout(t, h, c, ll, itemsize, split)
     ch_all = native.array(p[4], (d, 4, h3), np.int32)
@@ -203,6 +231,10 @@ def _run_items(p, qdt, adt, ldt):
     owner = False
     keep = np.empty(0, np.uint8)
     rc = 0
+    pz = np.empty(0, np.int64)
+    po0, po1 = np.empty(0, np.int32), np.empty(0, np.int32)
+    pacc = np.empty(0, np.int64)
+    gw, gr = np.empty(0, np.int32), np.empty(0, np.int64)
     it = native.claim(p, S_CLAIM)
     while it < total:
         k = it // per_dir
@@ -215,8 +247,8 @@ def _run_items(p, qdt, adt, ldt):
         elif r < 1 + nq + npj:
             start = k * per_dir + 1 + nq
         elif r < per_dir - 1:
-            s = (r - 1 - nq - npj) // (nc + 1)
-            start = k * per_dir + 1 + nq + npj + s * (nc + 1) + (nc if (r - 1 - nq - npj) % (nc + 1) == nc else 0)
+            s = (r - 1 - nq - npj) // sp
+            start = k * per_dir + 1 + nq + npj + s * sp + (nc if (not halves and (r - 1 - nq - npj) % sp == nc) else 0)
         else:
             start = k * per_dir + per_dir - 1
         if native.wait_at_least(p, S_DONE, start) >= FAILED:
@@ -235,7 +267,7 @@ def _run_items(p, qdt, adt, ldt):
             base = (keep.ctypes.data + 63) // 64 * 64
             p[S_WS] = np.uint64(base)
         ws = _views(p[S_WS], off, t, h, c, ll, itemsize, split, adt)
-        ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh = ws
+        ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, o0, o1, acc, qrh, sc, qh, a0b, a1b = ws
         e, z = e_all[k], z_all[k]
         reverse = rev == 1 or k == 1
         s_ = 28 + 4 * k
@@ -254,6 +286,42 @@ def _run_items(p, qdt, adt, ldt):
         elif r < 1 + nq + npj:
             i = r - 1 - nq
             q.proj_packed(wp, xa0, xa1, kpw, kgw, nbp, ctw, z[IWX], lo, hi, split, i * MT, min(t, (i + 1) * MT), qwx)
+        elif r < per_dir - 1 and halves:
+            j = r - 1 - nq - npj
+            s = j // 2
+            half = j - 2 * s
+            if pz.shape[0] == 0:
+                pz = np.empty(5 * h, np.int64)
+                po0 = np.empty(nbp * 16, np.int32)
+                po1 = np.empty(nbp * 16, np.int32)
+                pacc = np.empty(nbp * 16, np.int64)
+                gw = np.empty(3 * h, np.int32)
+                gr = np.empty(3 * h, np.int64)
+            u0 = 0 if half == 0 else ((h // 2) // 16) * 16
+            u1 = ((h // 2) // 16) * 16 if half == 0 else h
+            hh = u1 - u0
+            ca0, ca1 = (a0, a1) if s % 2 == 0 else (a0b, a1b)
+            na0, na1 = (a0b, a1b) if s % 2 == 0 else (a0, a1)
+            for g in range(3):
+                r0, r1 = g * h + u0, g * h + u1
+                b0, b1 = r0 // 16, (r1 + 15) // 16
+                ng = (b1 - b0 + NB_REC - 1) // NB_REC
+                bs = min(b0, nbp - ng * NB_REC)
+                _block_products(rp, ca0, ca1, kpr, kgr, bs, ng, po0, po1, pacc, split)
+                for cc in range(r0, r1):
+                    gr[g * hh + cc - r0] = q._rescale(pacc[cc] - ctr[3, cc], ctr[0, cc], ctr[1, cc], ctr[2, cc], z[IRH],
+                                                      lo, hi)
+            ti = ln - 1 - s if reverse else s
+            for g in range(3):
+                for jj in range(hh):
+                    gw[g * hh + jj] = qwx[ti, g * h + u0 + jj]
+            q._cell(gw[:3 * hh], gr[:3 * hh], qh[u0:u1], bt[:, u0:u1], tr, luts, e, z, lo, hi, sh, pz[:hh],
+                    pz[hh:2 * hh], pz[2 * hh:3 * hh], pz[3 * hh:4 * hh], pz[4 * hh:5 * hh])
+            scale = 2.0 ** (-e[IH])
+            zh = z[IH]
+            for jj in range(u0, u1):
+                y_all[ti, k, jj] = np.float32((qh[jj] - zh) * scale)
+                q._act(qh[jj], bias, split, na0, na1, jj)
         elif r < per_dir - 1:
             j = r - 1 - nq - npj
             s = j // (nc + 1)
