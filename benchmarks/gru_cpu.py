@@ -126,6 +126,9 @@ def main():
     ap.add_argument("--stream-frames", type=int, default=200, help="timed streamed frames of each (0: skip)")
     ap.add_argument("--json")
     ap.add_argument("--narrow", action="store_true", help="add int16 with weights in the int8 range (int16n)")
+    ap.add_argument("--one-task", action="store_true",
+                    help="add `session intN one task`: batch 1 on the single-task entry (quantgru_cpu.TASKS off), as "
+                         "before the items on onnxruntime's pool (quantgru_tasks)")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="thread: 1 thread everywhere, timed by time.thread_time")
     a = ap.parse_args()
@@ -165,6 +168,9 @@ def main():
                     raise SystemExit(f"H={H} C={C} int{b}: session output differs from the integer reference")
                 args = (X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"])
                 fns[f"session int{b}"] = lambda qs=qs: qs.run(None, {"X": X})  # noqa: B023
+                if a.one_task:
+                    q1 = one_task_session(quant_gru_model(p, H, nbits(b), False), a, {"X": X})
+                    fns[f"session int{b} one task"] = lambda q1=q1: q1.run(None, {"X": X})  # noqa: B023
                 fns[f"kernel int{b}"] = lambda args=args, attrs=attrs: quantgru_cpu.quant_gru_run(*args, **attrs)
             med = alternate(fns, a.runs)
             base, base_min = med["ort float GRU"]
@@ -180,6 +186,21 @@ def main():
     print("\nAll (streaming: ms per frame):")
     print_table(HEAD, rows)
     write_json(a.json, out)
+
+
+def one_task_session(model, a, feeds):
+    """A QuantGRU session whose first call (which records the native plan of that shape) ran with
+    quantgru_cpu.TASKS off: batch 1 then stays on the single-task entry."""
+    import onnx_lowbit
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    sess = onnx_lowbit.InferenceSession(model, providers=["CPUExecutionProvider"],
+                                        sess_options=one_thread() if a.clock == "thread" else None)
+    quantgru_cpu.TASKS = False
+    try:
+        sess.run(None, feeds)
+    finally:
+        quantgru_cpu.TASKS = True
+    return sess
 
 
 def nbits(b):
@@ -215,6 +236,10 @@ def stream(a, C, H, X, W, R, B, qp, rows, out):  # noqa: N803
                                           sess_options=one_thread() if a.clock == "thread" else None)
         attrs = dict(hidden_size=H, bits=nbits(b), exponents=p["exponents"], zero_points=p["zero_points"])
         impls[f"session int{b}"] = lambda x, h, qs=qs: qs.run(None, {"X": x, "h0": h})[1]
+        if a.one_task:
+            q1 = one_task_session(quant_gru_model(p, H, nbits(b), True), a,
+                                  {"X": X[:1], "h0": np.zeros((1, 1, H), np.float32)})
+            impls[f"session int{b} one task"] = lambda x, h, q1=q1: q1.run(None, {"X": x, "h0": h})[1]
         impls[f"kernel int{b}"] = (lambda x, h, p=p, attrs=attrs: quantgru_cpu.quant_gru_run(
             x, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], None, h, **attrs)[1])
     state = {n: np.zeros((1, 1, H), np.float32) for n in impls}

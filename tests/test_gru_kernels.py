@@ -188,12 +188,12 @@ def test_empty_shapes():
 
 @pytest.mark.parametrize("bits", [8, 16])
 def test_cpu_kernel_long_rows_and_extremes(bits):
-    """Rows longer than the kernel's int32 chunk (quantgru_cpu.CHUNK), the parallel input GEMM, and the largest
+    """Rows longer than the kernel's int32 chunk (quantgru_steps.CHUNK), the parallel input GEMM, and the largest
     products the format allows (every weight qmin, x and h at qmin with zero point qmax: |d| = 2^bits - 1), where
     a wrong chunk bound would overflow int32: bit-exact with the reference."""
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu, quantgru_steps
     T, N, C, H = 40, 2, 300, 200  # noqa: N806
-    assert C > quantgru_cpu.CHUNK and H > quantgru_cpu.CHUNK and T * N * 3 * H * C >= quantgru_cpu.PARALLEL_MACS
+    assert C > quantgru_steps.CHUNK and H > quantgru_steps.CHUNK and T * N * 3 * H * C >= quantgru_cpu.PARALLEL_MACS
     X, p, h0, lens, _ = random_gru(T, N, C, H, "bidirectional", bits, seed=7, stress=True)
     kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"],
               direction="bidirectional")
@@ -216,9 +216,9 @@ def test_cpu_kernel_batch_one_pipelined(bits):
     """Batch 1, long enough for quantgru_cpu.pipelined (the steps in blocks, the next block's input rows projected
     on the other thread), both directions, full and shorter sequence_lens (block boundaries not aligned with T):
     bit-exact with the reference."""
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu, quantgru_steps
     T, C, H = 70, 300, 200  # noqa: N806
-    assert T * 3 * H * C >= quantgru_cpu.PARALLEL_MACS and 53 >= 2 * quantgru_cpu.PIPE_BLOCK
+    assert T * 3 * H * C >= quantgru_cpu.PARALLEL_MACS and 53 >= 2 * quantgru_steps.PIPE_BLOCK
     X, p, h0, _, _ = random_gru(T, 1, C, H, "bidirectional", bits, seed=3, stress=True)
     kw = dict(hidden_size=H, bits=bits, exponents=p["exponents"], zero_points=p["zero_points"],
               direction="bidirectional")
@@ -270,9 +270,9 @@ def test_cpu_paths_edges(bits, case):
 
 
 def _in_int8_range(w):
-    """quantgru_cpu.narrow_range of every direction of w [D, rows, K]."""
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu
-    return all(quantgru_cpu.narrow_range(np.ascontiguousarray(m)) for m in w)
+    """quantgru_steps.narrow_range of every direction of w [D, rows, K]."""
+    from onnx_lowbit.custom_ops.gru import quantgru_steps
+    return all(quantgru_steps.narrow_range(np.ascontiguousarray(m)) for m in w)
 
 
 def _narrow(p, rng):
@@ -351,7 +351,7 @@ def test_cpu_packed_products():
     """The VNNI product intrinsics against numpy on random packed operands (every variant the kernel uses;
     rows / blocks / k not multiples of the tile, int16 rows longer than one exact chunk) and the weight packing
     against a numpy transpose."""
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+    from onnx_lowbit.custom_ops.gru import quantgru_steps as q
     if not q.VNNI:
         pytest.skip("no AVX-512 VNNI on this CPU")
     rng = np.random.default_rng(0)
@@ -388,7 +388,7 @@ def test_cpu_packed_products():
 
 def _products_py(*args):
     from numba import njit
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+    from onnx_lowbit.custom_ops.gru import quantgru_steps as q
     global _PRODUCTS
     if "_PRODUCTS" not in globals():
         @njit
@@ -404,7 +404,7 @@ def test_cpu_table_lookups(bits):
     one by one) against gru_int.lut for every value of the width, in place and not, lengths not a multiple of
     8, on a random table."""
     from numba import njit
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+    from onnx_lowbit.custom_ops.gru import quantgru_steps as q
 
     @njit
     def run(tab, qv, out, lo, sh, rnd):

@@ -35,7 +35,7 @@ def test_variant_is_the_same_function_under_another_name():
 def _pairs():
     from onnx_lowbit.custom_ops.attention import kvattention_cpu, rmsnorm_cpu, rotary_cpu, rotarykv_cpu
     from onnx_lowbit.custom_ops.awq import dequantawq_cpu
-    from onnx_lowbit.custom_ops.gru import quantgru_cpu as q
+    from onnx_lowbit.custom_ops.gru import quantgru_steps as q
     from onnx_lowbit.custom_ops.nf4 import dequantnf4_cpu
     yield "quantgru input_proj", q.input_proj, q.input_proj_parallel
     yield "quantgru recurrence", q.recurrence, q.recurrence_parallel

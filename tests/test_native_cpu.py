@@ -381,6 +381,76 @@ def test_quantgru_streaming_frames(bits, N, layout, direction, const):  # noqa: 
             assert np.array_equal(yh[k].view(np.uint32), whole[1][k].view(np.uint32))
 
 
+def _entries(monkeypatch):
+    """The entry functions quantgru_cpu compiles from now on (native.compile_entry's arguments), in order."""
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    seen, real = [], quantgru_cpu.native.compile_entry
+    monkeypatch.setattr(quantgru_cpu.native, "compile_entry", lambda fn: seen.append(fn) or real(fn))
+    return seen
+
+
+@pytest.mark.parametrize("bits,narrow", [(8, False), (16, False), (16, True)])
+@pytest.mark.parametrize("tasks,threads", [(2, 2), (3, 1), (2, 4), (1, 2)])
+def test_quantgru_tasks_entry(bits, narrow, tasks, threads, monkeypatch):
+    """Batch 1 on constant (packed) W and R from MIN_STEPS steps: quantgru_tasks' entry, the packed path as items
+    taken by the tasks on onnxruntime's pool (``tasks`` of them; ``threads`` intra-op threads, fewer than the
+    tasks too: they then run one after another; each step two items, the halves of the hidden units). Bit-exact with the reference at T = 16,
+    17, 37 (input tiles, the last one partial), with shorter sequence_lens and 0 steps; both directions, initial_h,
+    NaN / Inf in X, int16 weights in the int8 range (packed as int8); only each shape's first run reaches Python;
+    a frame (T = 1) takes the single-task entry; a failing sequence_lens is declined by the set-up item and named
+    by Python."""
+    from onnx_lowbit import gru_int
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu, quantgru_tasks
+    from test_gru_kernels import gru_node_model, random_gru
+    if not quantgru_cpu.VNNI:
+        pytest.skip("the packed path needs AVX-512 VNNI")
+    monkeypatch.setattr(quantgru_cpu.native, "CLAIM_TASKS", tasks)
+    C, H = 21, 80  # noqa: N806 - the halves: units 0..32 and 32..80 (whole 16-row blocks of each gate)
+    X, p, H0, _, _ = random_gru(37, 1, C, H, "bidirectional", bits, seed=900 + bits + tasks)
+    if narrow:
+        p["W"], p["R"] = p["W"] >> 8, p["R"] >> 8
+    X.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+    entries = _entries(monkeypatch)
+    sess = session(gru_node_model(p, H, "bidirectional", bits, 0, with_lens=True, with_h0=True), threads)
+    for t, ln in ((16, 16), (17, 5), (37, 37), (37, 30), (37, 0), (1, 1)):
+        f = {"X": np.ascontiguousarray(X[:t]), "sequence_lens": np.array([ln], np.int32), "h0": H0}
+        ref = gru_int.quant_gru(f["X"], p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], f["sequence_lens"],
+                                H0, hidden_size=H, bits=bits, exponents=p["exponents"],
+                                zero_points=p["zero_points"], direction="bidirectional")
+        (y, yh), calls = python_calls(sess, f)
+        assert calls == (0 if t == 37 and ln != 37 else 1)   # (37, 30), (37, 0): the plan of (37, 37)'s shapes
+        assert np.array_equal(y.view(np.uint32), ref[0].view(np.uint32)), (t, ln)
+        assert np.array_equal(yh.view(np.uint32), ref[1].view(np.uint32)), (t, ln)
+    assert entries == [quantgru_tasks.native_gru_tasks] * 3 + [quantgru_cpu._native_gru]
+    assert not quantgru_tasks.pays(37, 70) and not quantgru_tasks.pays(15, 80) and quantgru_tasks.pays(16, 64)
+    before = bridge.stats["python_computes"]
+    with pytest.raises(Exception, match=r"sequence_lens must be in 0\.\.37"):
+        sess.run(None, {"X": X, "sequence_lens": np.array([38], np.int32), "h0": H0})
+    assert bridge.stats["python_computes"] == before + 1
+    (y, _), calls = python_calls(sess, {"X": X, "sequence_lens": np.array([37], np.int32), "h0": H0})
+    assert calls == 0
+
+
+def test_quantgru_tasks_entry_long_sequence_on_one_thread():
+    """A long call (over the single-task entry's NATIVE_MACS, which sends such calls to the Python path and Numba's
+    pool) on a session of one intra-op thread: served natively (no Python after the first run) and bit-exact."""
+    from onnx_lowbit import gru_int
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu
+    from test_gru_kernels import gru_node_model, random_gru
+    if not quantgru_cpu.VNNI:
+        pytest.skip("the packed path needs AVX-512 VNNI")
+    T, C, H = 300, 64, 96  # noqa: N806
+    assert T * C * 3 * H > quantgru_cpu.NATIVE_MACS
+    X, p, h0, _, _ = random_gru(T, 1, C, H, "forward", 16, seed=31)
+    ref = gru_int.quant_gru(X, p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], None, h0, hidden_size=H,
+                            bits=16, exponents=p["exponents"], zero_points=p["zero_points"])
+    (y, yh), calls = python_calls(session(gru_node_model(p, H, "forward", 16, 0, with_lens=False, with_h0=True), 1),
+                                  {"X": X, "h0": h0})
+    assert calls == 1
+    assert np.array_equal(y.view(np.uint32), ref[0].view(np.uint32))
+    assert np.array_equal(yh.view(np.uint32), ref[1].view(np.uint32))
+
+
 # ---------------------------------------------------------------------------------------------------- FusedFFN
 @pytest.mark.parametrize("xdt,wdt,kn,bias", [(np.float32, np.float32, 0, True), (np.float16, np.float16, 0, False),
                                              (np.float32, np.float16, 1, True), (np.float16, np.float16, 1, True)])

@@ -89,6 +89,52 @@ def claim(typingctx, params, i):
     return types.int64(params, i), codegen
 
 
+@intrinsic
+def add_release(typingctx, params, i, v):
+    """params[i] += v atomically with release order (what this task wrote before is seen by a task whose
+    ``wait_at_least`` sees the new value); returns nothing. With ``claim`` and ``wait_at_least``: staged work on
+    a counter of finished items (QuantGRU's recurrence steps on onnxruntime's pool)."""
+    if not isinstance(params, types.CPointer) or not isinstance(i, types.Integer) or not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.gep(args[0], [args[1]])
+        val = context.cast(builder, args[2], signature.args[2], types.uint64)
+        builder.atomic_rmw("add", ptr, val, "release")
+        return context.get_dummy_value()
+
+    return types.void(params, i, v), codegen
+
+
+@intrinsic
+def wait_at_least(typingctx, params, i, v):
+    """Spins (x86 ``pause`` between reads) until params[i] >= v, read with acquire order; returns the value read.
+    Only for values that a running task will reach (one holding a claimed item): never blocks on an idle pool."""
+    if not isinstance(params, types.CPointer) or not isinstance(i, types.Integer) or not isinstance(v, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
+        from numba.core import cgutils
+        ptr = builder.gep(args[0], [args[1]])
+        want = context.cast(builder, args[2], signature.args[2], types.int64)
+        pause = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                               "llvm.x86.sse2.pause")
+        loop = builder.append_basic_block("wait.loop")
+        done = builder.append_basic_block("wait.done")
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        cur = builder.load_atomic(ptr, "acquire", 8)
+        ready = builder.icmp_signed(">=", cur, want)
+        with builder.if_then(builder.not_(ready)):
+            builder.call(pause, [])
+        builder.cbranch(ready, done, loop)
+        builder.position_at_end(done)
+        return cur
+
+    return types.int64(params, i, v), codegen
+
+
 @njit(inline="always")
 def array(addr, shape, dtype):
     """A C-contiguous array of ``shape`` at the address ``addr`` (a uint64 parameter slot)."""
