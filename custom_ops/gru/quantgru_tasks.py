@@ -37,7 +37,7 @@ from onnx_lowbit.gru_int import NQ
 
 from ..device import native
 from . import quantgru_steps as q
-from .quantgru_steps import IH, IRH, IWX, IX, KCH_S16, KCH_U8, MR_GEMM, MT, NB_REC
+from .quantgru_steps import IH, IRH, IWX, IX, MR_GEMM, MT, NB_REC
 
 QUANT_ROWS = 64          # input rows quantised per item
 MIN_STEPS = 16           # calls of at least this many steps take this entry (quantgru_cpu.QuantGRUKernel); shorter
@@ -109,25 +109,15 @@ def extra_values():
 
 @njit(cache=True, inline="always")
 def _block_products(wp, a0, a1, kp, kg, b0, ng, o0, o1, acc, split):
-    """acc[16 b0 .. 16 (b0 + NB_REC ng)) = the exact sums of ng block groups from block b0 (private scratch)."""
-    itemsize = wp.itemsize
-    kch = KCH_S16 if itemsize == 2 else KCH_U8
+    """acc[16 b0 .. 16 (b0 + NB_REC ng)) = the exact sums of ng block groups from block b0 (private scratch):
+    quantgru_steps._products on those blocks' weights and output rows."""
     r0, r1 = b0 * 16, (b0 + ng * NB_REC) * 16
-    ws = wp[b0 * kg * (64 // itemsize):]
-    o0s, o1s = o0[r0:r1], o1[r0:r1]
-    for k0 in range(0, kg, kch):
-        q._mm_call(True, ws, a0, a1, np.int64(kp), 1, ng, np.int64(k0), np.int64(min(kg, k0 + kch)), kg, o0s, o1s,
-                   np.int64(r1 - r0), split)
-        if k0 == 0:
-            for i in range(r0, r1):
-                acc[i] = q._comb(o0, o1, i, split)
-        else:
-            for i in range(r0, r1):
-                acc[i] += q._comb(o0, o1, i, split)
+    q._products(True, wp[b0 * kg * (64 // wp.itemsize):], a0, a1, np.int64(kp), 1, ng * NB_REC, kg, o0[r0:r1],
+                o1[r0:r1], acc[r0:r1], r1 - r0, split)
 
 
 @njit(cache=True, nogil=True)
-def _setup(p, k, x, h0, b, ch, lut, e, z, ws, lo, hi, bias, split, rsw, rsr):
+def _setup(x, h0, b, ch, lut, e, z, ws, lo, hi, bias, split, rsw, rsr):
     """Direction k's constants, initial state and first activations into the workspace views ws."""
     ctw, ctr, bt, tr, luts, xa0, xa1, qwx, a0, a1, qh, a0b, a1b = ws
     h = qh.shape[0]
@@ -167,10 +157,8 @@ def _run_items(p, qdt, adt, ldt):
     split = bits == 16
     bias = lo if itemsize == 1 else 0
     sh = 6 if split else 0
-    ln = t
-    if p[6]:
-        ln = np.int64(native.vector(p[6], 1, np.int32)[0])
-    ln = min(max(ln, 0), t)   # out-of-range lengths fail check_values in the set-up item (nothing is run then)
+    given = np.int64(native.vector(p[6], 1, np.int32)[0]) if p[6] else t   # sequence_lens, batch 1
+    ln = min(max(given, 0), t)   # out-of-range lengths fail check_values in the set-up item (nothing is run then)
     nbp, kgw, kgr = q._packed_dims(h, c, itemsize)
     g_ = 4 // itemsize
     kpw, kpr = kgw * g_, kgr * g_
@@ -199,8 +187,7 @@ def _run_items(p, qdt, adt, ldt):
     while it < total:
         k = it // per_dir
         r = it - k * per_dir
-        start = it   # the first item of this item's stage (set below)
-        if r == 0:
+        if r == 0:   # start: the first item of this item's stage
             start = it
         elif r < 1 + nq:
             start = k * per_dir + 1
@@ -213,9 +200,7 @@ def _run_items(p, qdt, adt, ldt):
         if native.wait_at_least(p, S_DONE, start) >= FAILED:
             break
         if it == 0:   # the call's set-up: value checks, the workspace
-            lens = np.full(1, ln, np.int64)
-            if p[6]:
-                lens[0] = np.int64(native.vector(p[6], 1, np.int32)[0])
+            lens = np.full(1, given, np.int64)
             if not q.check_values(ch_all, e_all, lens, t):
                 native.add_release(p, S_FAIL, 1)
                 native.add_release(p, S_DONE, FAILED)
@@ -237,7 +222,7 @@ def _run_items(p, qdt, adt, ldt):
             h0 = np.zeros((0, 1), np.float32)
             if p[7]:
                 h0 = native.array(p[7], (d, 1, h), np.float32)[k]
-            _setup(p, k, x, h0, b_all[k], ch_all[k], lut_all[k], e, z, ws, lo, hi, bias, split, rsw, rsr)
+            _setup(x, h0, b_all[k], ch_all[k], lut_all[k], e, z, ws, lo, hi, bias, split, rsw, rsr)
         elif r < 1 + nq:
             i = r - 1
             m0, m1 = i * QUANT_ROWS, min(t, (i + 1) * QUANT_ROWS)
