@@ -127,8 +127,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--narrow", action="store_true", help="add int16 with weights in the int8 range (int16n)")
     ap.add_argument("--one-task", action="store_true",
-                    help="add `session intN one task`: batch 1 on the single-task entry (quantgru_cpu.TASKS off), as "
-                         "before the items on onnxruntime's pool (quantgru_tasks)")
+                    help="add `session intN one task`: batch 1 on the single-task entry (quantgru_cpu.TASKS and FRAMES "
+                         "off), as before the items on onnxruntime's pool (quantgru_tasks, quantgru_frames)")
     ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
                     help="thread: 1 thread everywhere, timed by time.thread_time")
     a = ap.parse_args()
@@ -190,16 +190,16 @@ def main():
 
 def one_task_session(model, a, feeds):
     """A QuantGRU session whose first call (which records the native plan of that shape) ran with
-    quantgru_cpu.TASKS off: batch 1 then stays on the single-task entry."""
+    quantgru_cpu.TASKS and FRAMES off: batch 1 (whole calls and frames) then stays on the single-task entry."""
     import onnx_lowbit
     from onnx_lowbit.custom_ops.gru import quantgru_cpu
     sess = onnx_lowbit.InferenceSession(model, providers=["CPUExecutionProvider"],
                                         sess_options=one_thread() if a.clock == "thread" else None)
-    quantgru_cpu.TASKS = False
+    quantgru_cpu.TASKS = quantgru_cpu.FRAMES = False
     try:
         sess.run(None, feeds)
     finally:
-        quantgru_cpu.TASKS = True
+        quantgru_cpu.TASKS = quantgru_cpu.FRAMES = True
     return sess
 
 

@@ -397,8 +397,8 @@ def test_quantgru_tasks_entry(bits, narrow, tasks, threads, monkeypatch):
     tasks too: they then run one after another; each step two items, the halves of the hidden units). Bit-exact with the reference at T = 16,
     17, 37 (input tiles, the last one partial), with shorter sequence_lens and 0 steps; both directions, initial_h,
     NaN / Inf in X, int16 weights in the int8 range (packed as int8); only each shape's first run reaches Python;
-    a frame (T = 1) takes the single-task entry; a failing sequence_lens is declined by the set-up item and named
-    by Python."""
+    a frame (T = 1) at this H (< quantgru_frames.MIN_H) takes the single-task entry; a failing sequence_lens is
+    declined by the set-up item and named by Python."""
     from onnx_lowbit import gru_int
     from onnx_lowbit.custom_ops.gru import quantgru_cpu, quantgru_tasks
     from test_gru_kernels import gru_node_model, random_gru
@@ -421,7 +421,7 @@ def test_quantgru_tasks_entry(bits, narrow, tasks, threads, monkeypatch):
         assert calls == (0 if t == 37 and ln != 37 else 1)   # (37, 30), (37, 0): the plan of (37, 37)'s shapes
         assert np.array_equal(y.view(np.uint32), ref[0].view(np.uint32)), (t, ln)
         assert np.array_equal(yh.view(np.uint32), ref[1].view(np.uint32)), (t, ln)
-    assert entries == [quantgru_tasks.native_gru_tasks] * 3 + [quantgru_cpu._native_gru]
+    assert entries == [quantgru_tasks.native_gru_tasks] * 3 + [quantgru_cpu._native_gru]   # H < MIN_H
     assert not quantgru_tasks.pays(37, 70) and not quantgru_tasks.pays(15, 80) and quantgru_tasks.pays(16, 64)
     before = bridge.stats["python_computes"]
     with pytest.raises(Exception, match=r"sequence_lens must be in 0\.\.37"):
@@ -429,6 +429,66 @@ def test_quantgru_tasks_entry(bits, narrow, tasks, threads, monkeypatch):
     assert bridge.stats["python_computes"] == before + 1
     (y, _), calls = python_calls(sess, {"X": X, "sequence_lens": np.array([37], np.int32), "h0": H0})
     assert calls == 0
+
+
+@pytest.mark.parametrize("bits,narrow", [(8, False), (16, False), (16, True)])
+@pytest.mark.parametrize("threads,layout", [(2, 0), (1, 1), (4, 0)])
+def test_quantgru_frames_entry(bits, narrow, threads, layout, monkeypatch):
+    """Frames (T = 1, batch 1) on constant (packed) W and R: quantgru_frames' entry, one item per direction and half
+    of the hidden units on onnxruntime's pool (``threads`` intra-op threads: fewer, as many as or more than the
+    items). Bit-exact with the reference over a stream of frames (the state fed back), at H = 80 (halves of 2 and 3
+    blocks per gate: part of a block group, moved back from the padded end), H = 144 (a whole group and part of
+    one) and H = 72 (not a multiple of 16: blocks holding rows of two gates); both directions, both layouts, initial_h given or not, sequence_lens 1 and 0, NaN / Inf in X, int16
+    weights in the int8 range; only the first run of a shape reaches Python; a failing sequence_lens is declined
+    by every item (nothing written) and named by Python."""
+    from onnx_lowbit import gru_int
+    from onnx_lowbit.custom_ops.gru import quantgru_cpu, quantgru_frames
+    from test_gru_kernels import gru_node_model, random_gru
+    if not quantgru_cpu.VNNI:
+        pytest.skip("the packed path needs AVX-512 VNNI")
+    assert quantgru_frames.pays(1, 256) and not quantgru_frames.pays(2, 256) and not quantgru_frames.pays(1, 128)
+    monkeypatch.setattr(quantgru_frames, "MIN_H", 64)   # small shapes here
+    for C, H in ((21, 80), (33, 144), (17, 72)):  # noqa: N806
+        X, p, H0, _, _ = random_gru(6, 1, C, H, "bidirectional", bits, seed=700 + bits + H + threads)
+        if narrow:
+            p["W"], p["R"] = p["W"] >> 8, p["R"] >> 8
+        X.reshape(-1)[:3] = [np.nan, np.inf, -np.inf]
+        entries = _entries(monkeypatch)
+        sess = session(gru_node_model(p, H, "bidirectional", bits, layout, with_lens=True, with_h0=True), threads)
+        h = H0
+        for i in range(X.shape[0]):
+            ln = 0 if i == 3 else 1
+            f = {"X": np.ascontiguousarray(X[i:i + 1]), "sequence_lens": np.array([ln], np.int32), "h0": h}
+            ref = gru_int.quant_gru(f["X"], p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], f["sequence_lens"],
+                                    h, hidden_size=H, bits=bits, exponents=p["exponents"],
+                                    zero_points=p["zero_points"], direction="bidirectional")
+            if layout:
+                f = {"X": f["X"].transpose(1, 0, 2).copy(), "sequence_lens": f["sequence_lens"],
+                     "h0": h.transpose(1, 0, 2).copy()}
+            (y, yh), calls = python_calls(sess, f)
+            assert calls == (1 if i == 0 else 0)
+            if layout:
+                y, yh = y.transpose(1, 2, 0, 3), yh.transpose(1, 0, 2)
+            assert np.array_equal(y.view(np.uint32), ref[0].view(np.uint32)), (H, i)
+            assert np.array_equal(yh.view(np.uint32), ref[1].view(np.uint32)), (H, i)
+            h = np.ascontiguousarray(yh) if ln else H0
+        assert entries == [quantgru_frames.native_gru_frame]
+        before = bridge.stats["python_computes"]
+        bad = {"X": np.ascontiguousarray(X[:1]), "sequence_lens": np.array([2], np.int32), "h0": H0}
+        if layout:
+            bad = {"X": bad["X"].transpose(1, 0, 2).copy(), "sequence_lens": bad["sequence_lens"],
+                   "h0": H0.transpose(1, 0, 2).copy()}
+        with pytest.raises(Exception, match=r"sequence_lens must be in 0\.\.1"):
+            sess.run(None, bad)
+        assert bridge.stats["python_computes"] == before + 1
+    p1 = {k: np.asarray(v)[:gru_int.NQ if k in ("exponents", "zero_points") else 1] for k, v in p.items()}
+    # one direction, no initial_h, no sequence_lens
+    sess1 = session(gru_node_model(p1, H, "forward", bits, 0, with_lens=False, with_h0=False), threads)
+    ref = gru_int.quant_gru(X[:1], p1["W"], p1["R"], p1["B"], p1["channel_exp"], p1["luts"], None, None,
+                            hidden_size=H, bits=bits, exponents=p1["exponents"], zero_points=p1["zero_points"])
+    (y, yh), _ = python_calls(sess1, {"X": np.ascontiguousarray(X[:1])})
+    assert np.array_equal(y.view(np.uint32), ref[0].view(np.uint32))
+    assert np.array_equal(yh.view(np.uint32), ref[1].view(np.uint32))
 
 
 def test_quantgru_tasks_entry_long_sequence_on_one_thread():

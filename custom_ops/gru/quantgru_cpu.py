@@ -5,6 +5,8 @@ shape) or through ``_run`` (Python, per direction run_direction_path / run_direc
 
 * ``quantgru_tasks.native_gru_tasks`` (batch 1, W and R constant and packed once per node): the packed path as
   numbered items on onnxruntime's intra-op pool, the recurrent product of each step split over its threads;
+* ``quantgru_frames.native_gru_frame`` (streaming frames: T = 1, batch 1, W and R packed, H from MIN_H): one
+  independent item per direction and half of the hidden units on onnxruntime's intra-op pool;
 * ``_native_gru`` (the rest up to NATIVE_MACS multiply-adds of input projection): run_direction per direction on
   one task (batches: the parallel recurrence where native.parallel_ok).
 """
@@ -19,7 +21,7 @@ from onnx_lowbit.gru_int import NQ
 from ..device import native
 from ..runtime import plans
 from ..runtime.kernels import Kernel, KernelError
-from . import quantgru_tasks
+from . import quantgru_frames, quantgru_tasks
 from .quantgru_steps import (PACK_MIN_STEPS, PARALLEL_MACS, VNNI, _packed_dims, check_values, pack_direction, run_direction,
                              run_direction_packed, run_direction_path)
 
@@ -129,6 +131,12 @@ class QuantGRUKernel(Kernel):
             if ctx.run_native(native.compile_entry(quantgru_tasks.native_gru_tasks), native.CLAIM_TASKS, 1, values,
                               (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)):
                 return
+        elif ctx.native and packs is not None and n == 1 and FRAMES and quantgru_frames.pays(t, h):
+            outs = [ctx.output(i, shape) for i, shape in enumerate(shapes)]
+            values = native_values(self.a, ins, outs, (t, n), self.packs, self.packed_from)
+            if ctx.run_native(native.compile_entry(quantgru_frames.native_gru_frame), quantgru_frames.items(d), 1,
+                              values, (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)):
+                return
         elif ctx.native and t * n * ins[0].shape[2] * 3 * h <= NATIVE_MACS and (n == 1 or native.parallel_ok()):
             outs = [ctx.output(i, shape) for i, shape in enumerate(shapes)]
             values = native_values(self.a, ins, outs, (t, n), self.packs, self.packed_from)
@@ -175,6 +183,7 @@ KERNEL = QuantGRUKernel
 # must be those: constant initializers), 0, and per direction the addresses of wp, rp, rsw, rsr (pack_pair).
 NATIVE_MACS = PARALLEL_MACS - 1
 TASKS = True   # batch 1 on packed weights: quantgru_tasks' entry (False: _native_gru / Python, for comparisons)
+FRAMES = True  # frames (T = 1, batch 1) on packed weights: quantgru_frames' entry (False: _native_gru)
 
 
 def native_values(a, ins, outs, tn, packs, packed_from):
