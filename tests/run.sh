@@ -21,6 +21,11 @@ if [ "${ONNX_LOWBIT_REAL_GPU:-0}" != "1" ]; then
 else
     WORKERS=${ONNX_LOWBIT_TEST_WORKERS:-0}
 fi
+# Numba's disk cache in a folder named after a hash of the kernels' sources (tests/numba_cache_dir.py: its cache
+# does not notice a changed callee in another module, and tests would run stale code)
+if [ -z "${NUMBA_CACHE_DIR:-}" ]; then
+    export NUMBA_CACHE_DIR=$("$VENV/bin/python" tests/numba_cache_dir.py "${XDG_CACHE_HOME:-$HOME/.cache}/onnx-lowbit-numba")
+fi
 XDIST=()
 # --dist loadgroup: the tests conftest.py groups (those that compile QuantGRU's CPU kernels) run on one worker, the
 # rest test by test on any
