@@ -59,4 +59,8 @@ def folder(base, root=ROOT):
 
 
 if __name__ == "__main__":
-    print(folder(sys.argv[1]))
+    try:
+        print(folder(sys.argv[1]))
+    except OSError as e:   # no writable cache folder: Numba's default (next to the sources)
+        print(f"numba_cache_dir: {e}; Numba's default cache", file=sys.stderr)
+        print("")
