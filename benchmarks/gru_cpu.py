@@ -5,7 +5,7 @@
 
 Per (H, C): a random float GRU (torch's init, uniform +-1/sqrt(H); linear_before_reset=1, forward, batch 1),
 X ~ N(0, 1) [T, 1, C]; QuantGRU parameters from gru_quant's calibration of that GRU (bits 8 and 16). Timed, all
-in one process, the implementations in rounds (onnx_lowbit/rounds.py: per round and implementation a 20 ms pause,
+in one process, the implementations in rounds (onnx_lowbit/rounds.py: per round and implementation a 50 ms pause,
 one untimed call, then its timed calls in a row; medians). Alternating call by call, as before 2026-11-29 19:10 UTC,
 each call ran next to the previous session's spinning intra-op threads: onnxruntime's two-thread float GRU measured
 12.4 ms there against 6.5 run by itself, which inflated every ratio against it (int8 "3.1x" was 1.3x):
@@ -96,7 +96,7 @@ HEAD = ["case", "implementation", "ms (median)", "ms (min)", "vs ort float (medi
 
 def alternate(fns, runs):
     """(median, min) seconds per call of each of ``fns`` (name -> callable): in rounds (onnx_lowbit/rounds.py: per
-    round and implementation a 20 ms pause, one untimed call, then its timed calls in a row; each implementation in
+    round and implementation a 50 ms pause, one untimed call, then its timed calls in a row; each implementation in
     each place of the order in turn), after one untimed call of each."""
     from onnx_lowbit import rounds
     names = list(fns)

@@ -14,13 +14,19 @@ and the spinning threads of the model timed before slowed the next one. Without 
 (ddddocr's OCR recogniser, 2 cores, default session options) measured 10.40 against 7.88 ms, always to the
 disadvantage of the first session (so ``--tune``, which times the model before a pass first, kept passes that were
 slower: FPLUT on that recogniser measured 1.41x faster, and 0.86-0.92x in its own sessions); a pause of 0 / 2 / 5 /
-10 / 20 ms at each switch gave 10.40 / 7.88, 9.21 / 7.82, 7.69 / 7.82, 7.58 / 7.64, 7.73 / 7.72 (2026-11-29)."""
+10 / 20 ms at each switch gave 10.40 / 7.88, 9.21 / 7.82, 7.69 / 7.82, 7.58 / 7.64, 7.73 / 7.72 (2026-11-29).
+20 ms was too short for small models: after its last run an onnxruntime session's intra-op threads kept spinning
+for 30-35 ms (the process's CPU time in 5 ms slices of sleep: 4-8 ms each for 35 ms, then 0; 2 cores, onnxruntime
+1.32). A QuantGRU of 0.33 ms per call whose steps hand over between both cores (H = 128, T = 192) then ran next to
+another session's spinning thread: 37 of 500 calls over 2 ms (p99 8.4 ms) with 20 ms pauses, 3 of 500 (p99 0.60 ms)
+with 50 ms, and none alone in its process (2026-11-29 22:15 UTC); `bench` had reported that model's p90 1.2-1.3x
+slower than the original's."""
 from __future__ import annotations
 
 import time
 
 ROUND_RUNS = 5      # timed runs of one model in a row per round (after one untimed run)
-SETTLE_S = 0.02     # pause before each model's turn in a round (module doc), seconds
+SETTLE_S = 0.05     # pause before each model's turn in a round (module doc: onnxruntime spins ~35 ms), seconds
 MAX_ROUNDS = 10     # rounds at most; each model's runs spread over them
 
 

@@ -183,7 +183,7 @@ def test_rounds_settle_before_each_turn():
     rounds.timed_rounds(runners, 10, warmup=1, settle=lambda: order.append("settle"))
     turn = lambda m: ["settle"] + [m] * 6  # noqa: E731 - one untimed call, then 5 timed ones
     assert order == ["a", "b"] + turn("a") + turn("b") + turn("b") + turn("a")
-    assert rounds.SETTLE_S >= 0.01
+    assert rounds.SETTLE_S >= 0.04   # onnxruntime's intra-op threads spun 30-35 ms after a run (rounds' doc)
 
 
 def test_cpu_defaults_table_and_selection(capsys):
