@@ -617,14 +617,25 @@ def _packed_dims(h, c, itemsize):
     return ((3 * h + 15) // 16 + NB_REC - 1) // NB_REC * NB_REC, (c + g_ - 1) // g_, (h + g_ - 1) // g_
 
 
+@njit(cache=True, inline="always")
+def _empty64(n, proto):
+    """np.empty(n, proto.dtype) starting on a 64-byte boundary (a view into a slightly larger buffer): the products
+    load the packed weights 64 bytes at a time, and a vector split over two cache lines costs more (int16 at H = C =
+    400, T = 500: 4.26-4.39 ms with both packed arrays aligned, 4.90-5.25 ms with both at 32 bytes past a line)."""
+    per = 64 // proto.itemsize
+    buf = np.empty(n + per, proto.dtype)
+    off = ((64 - buf.ctypes.data % 64) % 64) // proto.itemsize
+    return buf[off:off + n]
+
+
 @njit(**_JIT)
 def pack_pair(w, r):
-    """(wp, rp, rsw, rsr): W [3H, C] and R [3H, H] (int8 / int16) packed for the VNNI products (pack_weights) and
-    their row sums."""
+    """(wp, rp, rsw, rsr): W [3H, C] and R [3H, H] (int8 / int16) packed for the VNNI products (pack_weights; wp and
+    rp 64-byte aligned) and their row sums."""
     h, c = r.shape[1], w.shape[1]
     nbp, kgw, kgr = _packed_dims(h, c, w.itemsize)
-    wp = np.empty(nbp * kgw * 64 // w.itemsize, w.dtype)
-    rp = np.empty(nbp * kgr * 64 // w.itemsize, w.dtype)
+    wp = _empty64(nbp * kgw * 64 // w.itemsize, w)
+    rp = _empty64(nbp * kgr * 64 // w.itemsize, w)
     rsw, rsr = np.empty(3 * h, np.int64), np.empty(3 * h, np.int64)
     pack_weights(w, nbp, wp, rsw)
     pack_weights(r, nbp, rp, rsr)
