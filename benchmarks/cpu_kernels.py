@@ -16,8 +16,8 @@ Sections:
          pool shows up here), and the time of a plain onnxruntime MatMul model run right after.
 Threads: Numba's pool gets numba.set_num_threads(t) (our kernels split over that many threads); onnxruntime sessions
 intra_op_num_threads = t, allow_spinning as --ort-spin says (with 2 threads its spinning pool competes with ours).
-Timing: every contender runs ``--rounds`` rounds, alternating, each round the median of a batch of calls
-(batch sized to ~20 ms); the table shows the median of the round medians in us and the ratio in words (ours
+Timing: every contender runs ``--rounds`` rounds, alternating, each round a 50 ms pause (the previous contender's
+onnxruntime threads stop spinning), one untimed call, then the median of a batch of calls (batch sized to ~20 ms); the table shows the median of the round medians in us and the ratio in words (ours
 against the anchor: "1.8x faster" means the anchor takes 1.8x our time). The machine's other load shows up as
 noise: compare ratios from one run. ``--clock``: wall (time.perf_counter, default), thread (time.thread_time: the
 calling thread's CPU time, steadier on a shared machine; only meaningful with --threads 1, where every contender
@@ -39,6 +39,7 @@ from timing import print_table  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ timing helpers
 CLOCK = {"now": time.perf_counter}   # --clock
+SETTLE_S = 0.05   # pause before each contender's batch: onnx_lowbit.rounds.SETTLE_S (onnxruntime spins ~35 ms)
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
 
 
@@ -50,7 +51,8 @@ def _batch(fn):
 
 
 def compare(fns: dict, rounds: int, clock=None) -> dict:
-    """name -> median over ``rounds`` alternating rounds of the per-call median of a batch (us), timed by ``clock``
+    """name -> median over ``rounds`` alternating rounds of the per-call median of a batch (us; before each batch a
+    pause of SETTLE_S and one untimed call), timed by ``clock``
     (the 4bit section: time.thread_time for one thread, where other jobs on a shared machine do not count), else by
     --clock."""
     for f in fns.values():
@@ -59,6 +61,8 @@ def compare(fns: dict, rounds: int, clock=None) -> dict:
     got = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
+            time.sleep(SETTLE_S)   # the previous contender's onnxruntime threads stop spinning (onnx_lowbit/rounds.py)
+            f()
             ts = []
             now = clock or CLOCK["now"]
             for _ in range(batches[k]):

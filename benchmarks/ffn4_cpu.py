@@ -22,18 +22,21 @@ import time
 
 import numpy as np
 
-from cpu_kernels import bound_run, session, words
+from cpu_kernels import SETTLE_S, bound_run, session, words
 from timing import print_table
 
 
 def timed(fns: dict, rounds: int, clock, batch: int) -> dict:
-    """name -> median over ``rounds`` alternating rounds of the per-call median of ``batch`` calls (us)."""
+    """name -> median over ``rounds`` alternating rounds of the per-call median of ``batch`` calls (us; before each
+    batch a pause of SETTLE_S and one untimed call)."""
     for f in fns.values():
         f()
         f()
     got = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
+            time.sleep(SETTLE_S)   # the previous contender's onnxruntime threads stop spinning (onnx_lowbit/rounds.py)
+            f()
             ts = []
             for _ in range(batch):
                 t = clock()
