@@ -36,10 +36,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table  # noqa: E402
 
+from onnx_lowbit.rounds import SETTLE_S  # noqa: E402  (the pause before each contender's batch, as in rounds)
+
 
 # ------------------------------------------------------------------------------------------------ timing helpers
 CLOCK = {"now": time.perf_counter}   # --clock
-SETTLE_S = 0.05   # pause before each contender's batch: onnx_lowbit.rounds.SETTLE_S (onnxruntime spins ~35 ms)
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time, "process": time.process_time}
 
 
