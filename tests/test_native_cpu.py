@@ -438,9 +438,10 @@ def test_quantgru_frames_entry(bits, narrow, threads, layout, monkeypatch):
     of the hidden units on onnxruntime's pool (``threads`` intra-op threads: fewer, as many as or more than the
     items). Bit-exact with the reference over a stream of frames (the state fed back), at H = 80 (halves of 2 and 3
     blocks per gate: part of a block group, moved back from the padded end), H = 144 (a whole group and part of
-    one) and H = 72 (not a multiple of 16: blocks holding rows of two gates); both directions, both layouts, initial_h given or not, sequence_lens 1 and 0, NaN / Inf in X, int16
-    weights in the int8 range; only the first run of a shape reaches Python; a failing sequence_lens is declined
-    by every item (nothing written) and named by Python."""
+    one) and H = 72 (not a multiple of 16: blocks holding rows of two gates); both directions, both layouts,
+    initial_h given or not, sequence_lens 1 and 0, NaN / Inf in X, int16 weights in the int8 range; only the first
+    run of a shape reaches Python; a failing sequence_lens is declined by every item (nothing written) and named by
+    Python."""
     from onnx_lowbit import gru_int
     from onnx_lowbit.custom_ops.gru import quantgru_cpu, quantgru_frames
     from test_gru_kernels import gru_node_model, random_gru
@@ -448,6 +449,12 @@ def test_quantgru_frames_entry(bits, narrow, threads, layout, monkeypatch):
         pytest.skip("the packed path needs AVX-512 VNNI")
     assert quantgru_frames.pays(1, 256) and not quantgru_frames.pays(2, 256) and not quantgru_frames.pays(1, 128)
     monkeypatch.setattr(quantgru_frames, "MIN_H", 64)   # small shapes here
+
+    def feeds(x, ln, h0):   # layout 0 arrays ([T, N, C], [D, N, H]) in the session's layout
+        if layout:
+            x, h0 = x.transpose(1, 0, 2), h0.transpose(1, 0, 2)
+        return {"X": np.ascontiguousarray(x), "sequence_lens": np.array([ln], np.int32),
+                "h0": np.ascontiguousarray(h0)}
     for C, H in ((21, 80), (33, 144), (17, 72)):  # noqa: N806
         X, p, H0, _, _ = random_gru(6, 1, C, H, "bidirectional", bits, seed=700 + bits + H + threads)
         if narrow:
@@ -458,14 +465,10 @@ def test_quantgru_frames_entry(bits, narrow, threads, layout, monkeypatch):
         h = H0
         for i in range(X.shape[0]):
             ln = 0 if i == 3 else 1
-            f = {"X": np.ascontiguousarray(X[i:i + 1]), "sequence_lens": np.array([ln], np.int32), "h0": h}
-            ref = gru_int.quant_gru(f["X"], p["W"], p["R"], p["B"], p["channel_exp"], p["luts"], f["sequence_lens"],
-                                    h, hidden_size=H, bits=bits, exponents=p["exponents"],
-                                    zero_points=p["zero_points"], direction="bidirectional")
-            if layout:
-                f = {"X": f["X"].transpose(1, 0, 2).copy(), "sequence_lens": f["sequence_lens"],
-                     "h0": h.transpose(1, 0, 2).copy()}
-            (y, yh), calls = python_calls(sess, f)
+            ref = gru_int.quant_gru(X[i:i + 1], p["W"], p["R"], p["B"], p["channel_exp"], p["luts"],
+                                    np.array([ln], np.int32), h, hidden_size=H, bits=bits,
+                                    exponents=p["exponents"], zero_points=p["zero_points"], direction="bidirectional")
+            (y, yh), calls = python_calls(sess, feeds(X[i:i + 1], ln, h))
             assert calls == (1 if i == 0 else 0)
             if layout:
                 y, yh = y.transpose(1, 2, 0, 3), yh.transpose(1, 0, 2)
@@ -474,12 +477,8 @@ def test_quantgru_frames_entry(bits, narrow, threads, layout, monkeypatch):
             h = np.ascontiguousarray(yh) if ln else H0
         assert entries == [quantgru_frames.native_gru_frame]
         before = bridge.stats["python_computes"]
-        bad = {"X": np.ascontiguousarray(X[:1]), "sequence_lens": np.array([2], np.int32), "h0": H0}
-        if layout:
-            bad = {"X": bad["X"].transpose(1, 0, 2).copy(), "sequence_lens": bad["sequence_lens"],
-                   "h0": H0.transpose(1, 0, 2).copy()}
         with pytest.raises(Exception, match=r"sequence_lens must be in 0\.\.1"):
-            sess.run(None, bad)
+            sess.run(None, feeds(X[:1], 2, H0))
         assert bridge.stats["python_computes"] == before + 1
     p1 = {k: np.asarray(v)[:gru_int.NQ if k in ("exponents", "zero_points") else 1] for k, v in p.items()}
     # one direction, no initial_h, no sequence_lens
