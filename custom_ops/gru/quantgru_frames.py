@@ -23,8 +23,7 @@ from onnx_lowbit.gru_int import NQ
 
 from ..device import native
 from . import quantgru_steps as q
-from .quantgru_steps import IH, IRH, IWX, IX, NB_REC
-from .quantgru_tasks import _block_products
+from .quantgru_steps import IH, IRH, IWX, IX
 
 
 def pays(t, h):
@@ -41,30 +40,18 @@ def items(d):
 
 
 @njit(cache=True, inline="always")
-def _gate_products(wp, a0, a1, kp, kg, nbp, h, u0, u1, o0, o1, acc, split):
-    """acc rows g H + u0 .. g H + u1 of each gate g: the exact sums of the packed weights' products (whole groups
-    of NB_REC blocks from the block holding the half's first row, moved back where they would pass the padded end;
-    rows of the blocks outside the half are computed too and left unused: where H is not a multiple of 16 a block
-    may hold rows of two gates)."""
-    for g in range(3):
-        r0, r1 = g * h + u0, g * h + u1
-        b0, b1 = r0 // 16, (r1 + 15) // 16
-        ng = (b1 - b0 + NB_REC - 1) // NB_REC
-        _block_products(wp, a0, a1, kp, kg, min(b0, nbp - ng * NB_REC), ng, o0, o1, acc, split)
-
-
-@njit(cache=True, inline="always")
-def _rescaled(acc, shift, off, rs, zp, lo, hi, h, u0, u1, out):
-    """out[g hh + j] = the rescaled sum of row g H + u0 + j (chan_triples' arithmetic on the half's rows; shift
-    per row of all 3H rows, rs their row sums, off the activations' offset)."""
+def _rescaled(acc, base, shift, off, rs, zp, lo, hi, h, u0, u1, out):
+    """out[g hh + j] = the rescaled sum of row g H + u0 + j, read at acc[base[g] + row] (quantgru_steps.half_blocks;
+    chan_triples' arithmetic on the half's rows; shift per row of all 3H rows, rs their row sums, off the
+    activations' offset)."""
     hh = u1 - u0
-    for g in range(3):
+    for g in range(3):   # views first: the loop over range(hh) vectorises (quantgru_steps.rescale_rows)
+        r0, a_ = g * h + u0, base[g] + g * h + u0
+        sv, rv, av, ov = shift[r0:r0 + hh], rs[r0:r0 + hh], acc[a_:a_ + hh], out[g * hh:(g + 1) * hh]
         for j in range(hh):
-            c = g * h + u0 + j
-            s = shift[c]
+            s = sv[j]
             r = min(max(s, 0), 63)
-            v = acc[c] - off * rs[c]
-            out[g * hh + j] = q._rescale(v, max(-s, 0), (np.int64(1) << r) >> 1, r, zp, lo, hi)
+            ov[j] = q._rescale(av[j] - off * rv[j], max(-s, 0), (np.int64(1) << r) >> 1, r, zp, lo, hi)
 
 
 def _run_frame(p, begin, end, qdt, adt, ldt):
@@ -94,9 +81,11 @@ def _run_frame(p, begin, end, qdt, adt, ldt):
     xa0 = np.zeros((1, kpw), adt)
     xa1 = np.zeros((1, kpw if split else 1), adt)
     ha0, ha1 = np.zeros(kpr, adt), np.zeros(kpr if split else 1, adt)
-    o0 = np.empty(nbp * 16, np.int32)
-    o1 = np.empty(nbp * 16 if split else 1, np.int32)
-    acc = np.empty(nbp * 16, np.int64)
+    nl = q.list_capacity(h)
+    o0 = np.empty(nl * 16, np.int32)
+    o1 = np.empty(nl * 16 if split else 1, np.int32)
+    acc = np.empty(nl * 16, np.int64)
+    blk, base = np.empty(nl, np.int64), np.empty(3, np.int64)
     shift = np.empty(h3, np.int64)
     gw, gr = np.empty(h3, np.int64), np.empty(h3, np.int64)
     gw32 = np.empty(h3, np.int32)
@@ -123,22 +112,22 @@ def _run_frame(p, begin, end, qdt, adt, ldt):
                 yh_all[k * h + j] = np.float32(0.0)
             continue
         # the input projection of the half's rows
+        nb = q.half_blocks(h, u0, u1, blk, base)
         q.quantize_acts(x, e[IX], z[IX], lo, hi, bias, split, kpw, xa0, xa1 if split else xa0)
-        _gate_products(wp, xa0[0], xa1[0] if split else xa0[0], np.int64(kpw), kgw, nbp, h, u0, u1, o0,
-                       o1 if split else o0, acc, split)
+        q.listed_products(wp, blk[:nb], xa0[0], xa1[0] if split else xa0[0], kgw, o0, o1 if split else o0, acc,
+                          split)
         for cc in range(h3):
             shift[cc] = np.int64(ch[0, cc]) + e[IX] - e[IWX]
-        _rescaled(acc, shift, z[IX] - bias, rsw, z[IWX], lo, hi, h, u0, u1, gw)
+        _rescaled(acc, base, shift, z[IX] - bias, rsw, z[IWX], lo, hi, h, u0, u1, gw)
         for i in range(3 * hh):
             gw32[i] = np.int32(gw[i])
         # the recurrent product of the half's rows
         for j in range(h):
             q._act(qh[j], bias, split, ha0, ha1 if split else ha0, j)
-        _gate_products(rp, ha0, ha1 if split else ha0, np.int64(kpr), kgr, nbp, h, u0, u1, o0,
-                       o1 if split else o0, acc, split)
+        q.listed_products(rp, blk[:nb], ha0, ha1 if split else ha0, kgr, o0, o1 if split else o0, acc, split)
         for cc in range(h3):
             shift[cc] = np.int64(ch[1, cc]) + e[IH] - e[IRH]
-        _rescaled(acc, shift, z[IH] - bias, rsr, z[IRH], lo, hi, h, u0, u1, gr)
+        _rescaled(acc, base, shift, z[IH] - bias, rsr, z[IRH], lo, hi, h, u0, u1, gr)
         # the cell of the half's units
         bt = q.bias_terms(b_all[k], ch, e, z, h)
         tr = q.shift_triples(e)

@@ -388,6 +388,9 @@ _mm_rec16 = _make_mm(KIND_S16, True, NB_REC, 1)
 _mm_gemm1 = _make_mm(KIND_U8S8, False, NB_GEMM, MR_GEMM)
 _mm_gemm2 = _make_mm(KIND_U8S8, True, NB_GEMM, MR_GEMM)
 _mm_gemm16 = _make_mm(KIND_S16, True, NB_GEMM, MR_GEMM)
+_mm_list1 = _make_mm(KIND_U8S8, False, NB_REC, 1, listed=True)
+_mm_list2 = _make_mm(KIND_U8S8, True, NB_REC, 1, listed=True)
+_mm_list16 = _make_mm(KIND_S16, True, NB_REC, 1, listed=True)
 
 
 @njit(**_JIT)
@@ -472,6 +475,17 @@ def _mm_call(rec, wp, a0, a1, a_stride, m_groups, nb_groups, k0, k1, kg, o0, o1,
 
 
 @njit(cache=True, inline="always")
+def _add_chunk(o0, o1, acc, n, first, split):
+    """acc[:n] = (first) or += one k chunk's exact sums (_comb of its int32 parts)."""
+    if first:
+        for i in range(n):
+            acc[i] = _comb(o0, o1, i, split)
+    else:
+        for i in range(n):
+            acc[i] += _comb(o0, o1, i, split)
+
+
+@njit(cache=True, inline="always")
 def _products(rec, wp, a0, a1, a_stride, m_groups, nbp, kg, o0, o1, acc, n_out, split):
     """acc[m n_out + c] (int64) = the exact sums of the packed products for m_groups row groups (all blocks):
     in k chunks whose int32 sums are exact (KCH_*), each chunk's parts combined (_comb) and added."""
@@ -481,12 +495,52 @@ def _products(rec, wp, a0, a1, a_stride, m_groups, nbp, kg, o0, o1, acc, n_out, 
     for k0 in range(0, kg, kch):
         _mm_call(rec, wp, a0, a1, a_stride, m_groups, nbg, np.int64(k0), np.int64(min(kg, k0 + kch)), kg, o0, o1,
                  n_out, split)
-        if k0 == 0:
-            for i in range(rows * n_out):
-                acc[i] = _comb(o0, o1, i, split)
+        _add_chunk(o0, o1, acc, rows * n_out, k0 == 0, split)
+
+
+@njit(cache=True, inline="always")
+def listed_products(wp, blk, a0, a1, kg, o0, o1, acc, split):
+    """acc[16 i + lane] (int64) = the exact sums of one activation vector (a0, a1) with the rows of block blk[i]
+    of the packed weights (i < len(blk), a multiple of NB_REC; half_blocks lists them), as _products."""
+    kch = KCH_S16 if wp.itemsize == 2 else KCH_U8
+    ng = blk.shape[0] // NB_REC
+    z = np.int64(0)
+    for k0 in range(0, kg, kch):
+        k1 = np.int64(min(kg, k0 + kch))
+        if wp.itemsize == 2:
+            _mm_list16(wp, blk, a0, a1, z, np.int64(1), ng, np.int64(k0), k1, kg, o0, o1, z)
+        elif split:
+            _mm_list2(wp, blk, a0, a1, z, np.int64(1), ng, np.int64(k0), k1, kg, o0, o1, z)
         else:
-            for i in range(rows * n_out):
-                acc[i] += _comb(o0, o1, i, split)
+            _mm_list1(wp, blk, a0, a1, z, np.int64(1), ng, np.int64(k0), k1, kg, o0, o1, z)
+        _add_chunk(o0, o1, acc, blk.shape[0] * 16, k0 == 0, split)
+
+
+@njit(cache=True, inline="always")
+def list_capacity(h):
+    """The most list positions half_blocks writes for hidden size h (any half)."""
+    return 3 * ((h + 15) // 16 + 2) + NB_REC
+
+
+@njit(cache=True, inline="always")
+def half_blocks(h, u0, u1, blk, base):
+    """Lists into blk the 16-row blocks of packed W or R that hold rows g H + u0 .. g H + u1 - 1 of each gate g,
+    gate after gate, and pads the list to a multiple of NB_REC by repeating its first block (those sums are
+    unused); returns the list's length. base[g] is set so that listed_products' sum of row r of gate g is
+    acc[base[g] + r]. Each half of the hidden units is then computed in whole groups of NB_REC blocks over all
+    three gates (H = 400: 40 blocks for the half of 208 units, where whole groups per gate took 48). Where H is
+    not a multiple of 16 a block holding rows of two gates is listed for both."""
+    n = 0
+    for g in range(3):
+        b0, b1 = (g * h + u0) // 16, (g * h + u1 + 15) // 16
+        base[g] = 16 * (n - b0)
+        for b in range(b0, b1):
+            blk[n] = b
+            n += 1
+    while n % NB_REC:
+        blk[n] = blk[0]
+        n += 1
+    return n
 
 
 @njit(cache=True, inline="always")
@@ -520,6 +574,19 @@ def quantize_acts(x, e, zp, lo, hi, bias, split, kp, a0, a1):
 def _rescale(v, lft, rnd, rgt, zp, lo, hi):
     """sat(rshift(v, s) + zp) with s as a (left, round, right) triple (chan_triples)."""
     return _sat((((v << lft) + rnd) >> rgt) + zp, lo, hi)
+
+
+@njit(cache=True, inline="always")
+def rescale_rows(acc, ct, r0, zp, lo, hi, out):
+    """out[j] = _rescale(acc[j] - ct[3, r0 + j], ct[0, r0 + j], ct[1, r0 + j], ct[2, r0 + j], zp, lo, hi) for
+    j < len(out): rows r0 .. of chan_triples' rescale, acc the rows' sums. Every array is indexed by the loop
+    counter of ``range`` alone (views taken first), so LLVM vectorises the loop: an index Numba cannot prove
+    non-negative (a view's offset added inside the loop) keeps its wrap-around select and the loop scalar (H =
+    400, int16: a half step's rescale took 1.0 us that way)."""
+    n = out.shape[0]
+    c0, c1, c2, c3 = ct[0, r0:r0 + n], ct[1, r0:r0 + n], ct[2, r0:r0 + n], ct[3, r0:r0 + n]
+    for j in range(n):
+        out[j] = _rescale(acc[j] - c3[j], c0[j], c1[j], c2[j], zp, lo, hi)
 
 
 @njit(**_JIT)
@@ -556,8 +623,7 @@ def _proj_packed(wp, a0, a1, kp, kg, nbp, ct, zp, lo, hi, split, m0, m1, out):
                   nr // MR_GEMM, nbp, kg, o0, o1 if split else o0, acc, n_out, split)
         for m in range(max(t0, m0), min(t0 + nr, m1)):
             i0 = (m - t0) * n_out
-            for c in range(nc):
-                out[m, c] = _rescale(acc[i0 + c] - ct[3, c], ct[0, c], ct[1, c], ct[2, c], zp, lo, hi)
+            rescale_rows(acc[i0:i0 + nc], ct, 0, zp, lo, hi, out[m])
 
 
 proj_packed, proj_packed_parallel = (njit_variant(_proj_packed, par, **_JIT) for par in (False, True))
@@ -577,8 +643,7 @@ def _steps_packed(qwx, n, rp, kp, kg, nbp, ctr, bias, split, qh, s0, s1, ln, rev
         for k in range(h):
             _act(qh[k], bias, split, a0, a1, k)
         _products(True, rp, a0, a1, np.int64(kp), 1, nbp, kg, o0, o1, acc, n_out, split)
-        for c in range(3 * h):
-            qrh[c] = _rescale(acc[c] - ctr[3, c], ctr[0, c], ctr[1, c], ctr[2, c], zrh, lo, hi)
+        rescale_rows(acc, ctr, 0, zrh, lo, hi, qrh)
         _cell(qwx[ti, n], qrh, qh, bt, t, luts, e, z, lo, hi, sh, sc[0], sc[1], sc[2], sc[3], sc[4])
         for j in range(h):
             y[ti, n, j] = np.float32((qh[j] - zh) * scale)
@@ -679,8 +744,7 @@ def _run_packed(x, qh, wp, rp, rsw, rsr, b, ch, luts, e, z, lens, reverse, y, yh
         for r in range(m):
             _products(True, wp, xa0[r], xa1[r], np.int64(kpw), 1, nbp, kgw, o0, o1 if split else o0, acc, n_out,
                       split)
-            for c in range(3 * h):
-                qwx[r, c] = _rescale(acc[c] - ctw[3, c], ctw[0, c], ctw[1, c], ctw[2, c], z[IWX], lo, hi)
+            rescale_rows(acc, ctw, 0, z[IWX], lo, hi, qwx[r])
     elif m * 3 * h * c_dim >= PARALLEL_MACS and m >= 2 * MT:
         proj_packed_parallel(wp, xa0, xa1, kpw, kgw, nbp, ctw, z[IWX], lo, hi, split, 0, m, qwx)
     else:

@@ -37,7 +37,7 @@ from onnx_lowbit.gru_int import NQ
 
 from ..device import native
 from . import quantgru_steps as q
-from .quantgru_steps import IH, IRH, IWX, IX, MR_GEMM, MT, NB_REC
+from .quantgru_steps import IH, IRH, IWX, IX, MR_GEMM, MT
 
 QUANT_ROWS = 64          # input rows quantised per item
 MIN_STEPS = 16           # calls of at least this many steps take this entry (quantgru_cpu.QuantGRUKernel); shorter
@@ -107,15 +107,6 @@ def extra_values():
     return [0, 0, 0, 0]
 
 
-@njit(cache=True, inline="always")
-def _block_products(wp, a0, a1, kp, kg, b0, ng, o0, o1, acc, split):
-    """acc[16 b0 .. 16 (b0 + NB_REC ng)) = the exact sums of ng block groups from block b0 (private scratch):
-    quantgru_steps._products on those blocks' weights and output rows."""
-    r0, r1 = b0 * 16, (b0 + ng * NB_REC) * 16
-    q._products(True, wp[b0 * kg * (64 // wp.itemsize):], a0, a1, np.int64(kp), 1, ng * NB_REC, kg, o0[r0:r1],
-                o1[r0:r1], acc[r0:r1], r1 - r0, split)
-
-
 @njit(cache=True, nogil=True)
 def _setup(x, h0, b, ch, lut, e, z, ws, lo, hi, bias, split, rsw, rsr):
     """Direction k's constants, initial state and first activations into the workspace views ws."""
@@ -161,7 +152,7 @@ def _run_items(p, qdt, adt, ldt):
     ln = min(max(given, 0), t)   # out-of-range lengths fail check_values in the set-up item (nothing is run then)
     nbp, kgw, kgr = q._packed_dims(h, c, itemsize)
     g_ = 4 // itemsize
-    kpw, kpr = kgw * g_, kgr * g_
+    kpw = kgw * g_
     nq = (t + QUANT_ROWS - 1) // QUANT_ROWS
     mp = (t + MR_GEMM - 1) // MR_GEMM * MR_GEMM
     npj = (mp + MT - 1) // MT
@@ -183,6 +174,7 @@ def _run_items(p, qdt, adt, ldt):
     po0, po1 = np.empty(0, np.int32), np.empty(0, np.int32)
     pacc = np.empty(0, np.int64)
     gw, gr = np.empty(0, np.int32), np.empty(0, np.int64)
+    blk, base3 = np.empty(0, np.int64), np.empty(0, np.int64)
     it = native.claim(p, S_CLAIM)
     while it < total:
         k = it // per_dir
@@ -235,37 +227,38 @@ def _run_items(p, qdt, adt, ldt):
             s = j // 2
             half = j - 2 * s
             if pz.shape[0] == 0:
+                nl = q.list_capacity(h)
                 pz = np.empty(5 * h, np.int64)
-                po0 = np.empty(nbp * 16, np.int32)
-                po1 = np.empty(nbp * 16, np.int32)
-                pacc = np.empty(nbp * 16, np.int64)
+                po0 = np.empty(nl * 16, np.int32)
+                po1 = np.empty(nl * 16, np.int32)
+                pacc = np.empty(nl * 16, np.int64)
                 gw = np.empty(3 * h, np.int32)
                 gr = np.empty(3 * h, np.int64)
+                blk = np.empty(nl, np.int64)
+                base3 = np.empty(3, np.int64)
             u0 = 0 if half == 0 else ((h // 2) // 16) * 16
             u1 = ((h // 2) // 16) * 16 if half == 0 else h
             hh = u1 - u0
             ca0, ca1 = (a0, a1) if s % 2 == 0 else (a0b, a1b)
             na0, na1 = (a0b, a1b) if s % 2 == 0 else (a0, a1)
-            for g in range(3):
-                r0, r1 = g * h + u0, g * h + u1
-                b0, b1 = r0 // 16, (r1 + 15) // 16
-                ng = (b1 - b0 + NB_REC - 1) // NB_REC
-                bs = min(b0, nbp - ng * NB_REC)
-                _block_products(rp, ca0, ca1, kpr, kgr, bs, ng, po0, po1, pacc, split)
-                for cc in range(r0, r1):
-                    gr[g * hh + cc - r0] = q._rescale(pacc[cc] - ctr[3, cc], ctr[0, cc], ctr[1, cc], ctr[2, cc], z[IRH],
-                                                      lo, hi)
+            nl = q.half_blocks(h, u0, u1, blk, base3)
+            q.listed_products(rp, blk[:nl], ca0, ca1, kgr, po0, po1, pacc, split)
             ti = ln - 1 - s if reverse else s
-            for g in range(3):
+            for g in range(3):   # views first, loops over range(hh) alone: they vectorise (rescale_rows)
+                r0, a_ = g * h + u0, base3[g] + g * h + u0
+                q.rescale_rows(pacc[a_:a_ + hh], ctr, r0, z[IRH], lo, hi, gr[g * hh:(g + 1) * hh])
+                src, dst = qwx[ti, r0:r0 + hh], gw[g * hh:(g + 1) * hh]
                 for jj in range(hh):
-                    gw[g * hh + jj] = qwx[ti, g * h + u0 + jj]
-            q._cell(gw[:3 * hh], gr[:3 * hh], qh[u0:u1], bt[:, u0:u1], tr, luts, e, z, lo, hi, sh, pz[:hh],
+                    dst[jj] = src[jj]
+            qv = qh[u0:u1]
+            q._cell(gw[:3 * hh], gr[:3 * hh], qv, bt[:, u0:u1], tr, luts, e, z, lo, hi, sh, pz[:hh],
                     pz[hh:2 * hh], pz[2 * hh:3 * hh], pz[3 * hh:4 * hh], pz[4 * hh:5 * hh])
             scale = 2.0 ** (-e[IH])
             zh = z[IH]
-            for jj in range(u0, u1):
-                y_all[ti, k, jj] = np.float32((qh[jj] - zh) * scale)
-                q._act(qh[jj], bias, split, na0, na1, jj)
+            yv, n0, n1 = y_all[ti, k, u0:u1], na0[u0:u1], na1[u0:u1]
+            for jj in range(hh):
+                yv[jj] = np.float32((qv[jj] - zh) * scale)
+                q._act(qv[jj], bias, split, n0, n1, jj)
         else:
             scale = 2.0 ** (-e[IH])
             for ti in range(ln, t):

@@ -24,74 +24,92 @@ from ..device.intrinsics_cpu import VNNI, array_ptr, function, splat
 KIND_U8S8, KIND_S16 = 0, 1   # vpdpbusd (unsigned byte activations, signed byte weights), vpdpwssd (int16 both)
 
 
-def _make_mm(kind, dual, nb, mr):
+def _make_mm(kind, dual, nb, mr, listed=False):
     """An intrinsic mm(wp, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1, o_stride):
     for row groups mg < m_groups (rows m = mg mr + r) and block groups bg < nb_groups (blocks b = bg nb + j),
     o0[m o_stride + 16 b + i] = sum over k-groups g in [kg0, kg1) of the products of packed weights
     wp[b, g, i, :] and activations a0[m a_stride + G g + :] (int32, wrapping: callers keep sums exact); with
     ``dual`` likewise o1 from a1 (the same weight vector feeds both). wp 1-D (int8 / int16) holding
     [blocks, kg_total, 16, G]; a0, a1 1-D (uint8 / int16); o0, o1 1-D int32; strides in elements. No bounds
-    checks: the callers size the buffers (rows padded to mr, blocks to nb, k to G)."""
+    checks: the callers size the buffers (rows padded to mr, blocks to nb, k to G).
+
+    ``listed``: mm(wp, blk, a0, ...) with blk int64 [nb_groups nb]: list position b reads the weights of block
+    blk[b] (any blocks, in any order) and writes o0[m o_stride + 16 b + i]: a half of the hidden units' rows in
+    whole groups of nb blocks although each gate's share of them is not a multiple of nb."""
     name = "llvm.x86.avx512.vpdpbusd.512" if kind == KIND_U8S8 else "llvm.x86.avx512.vpdpwssd.512"
     esz = 1 if kind == KIND_U8S8 else 2
 
-    @intrinsic
-    def mm(typingctx, wp, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1, o_stride):
-        sig = types.void(wp, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1, o_stride)
-
-        def codegen(context, builder, signature, args):
-            if not VNNI:      # never called on such hosts (run_direction's pack_min); LLVM could not select it
-                return context.get_dummy_value()
-            wpa, a0a, a1a, a_st, mg_n, bg_n, k0, k1, kgt, o0a, o1a, o_st = args
-            ptrs = [array_ptr(context, builder, t, v)
-                    for t, v in zip((signature.args[0], signature.args[1], signature.args[2], signature.args[9],
-                                     signature.args[10]), (wpa, a0a, a1a, o0a, o1a))]
-            wptr, ap0, ap1, op0, op1 = ptrs
-            i32, i64 = ir.IntType(32), ir.IntType(64)
-            v16 = ir.VectorType(i32, 16)
-            fn = function(builder, name, v16, [v16, v16, v16])
-            c = lambda v: ir.Constant(i64, v)  # noqa: E731
-            a_st_b = builder.mul(a_st, c(esz))          # bytes per activation row
-            o_st_b = builder.mul(o_st, c(4))
-            blk_b = builder.mul(kgt, c(64))             # bytes per packed block
-            zero = ir.Constant(v16, [0] * 16)
-            accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(mr)] for _ in range(nb)]
-                    for _ in range(2 if dual else 1)]
-            with cgutils.for_range(builder, bg_n) as lb:
-                bg = lb.index
-                with cgutils.for_range(builder, mg_n) as lm:
-                    mg = lm.index
-                    for s in accs:
-                        for row in s:
-                            for a in row:
-                                builder.store(zero, a)
-                    rows = [builder.mul(builder.add(builder.mul(mg, c(mr)), c(r)), a_st_b) for r in range(mr)]
-                    blks = [builder.mul(builder.add(builder.mul(bg, c(nb)), c(j)), blk_b) for j in range(nb)]
-                    with cgutils.for_range_slice(builder, k0, k1, c(1), inc=True) as (g, _):
-                        g64 = builder.mul(g, c(64))
-                        g4 = builder.mul(g, c(4))
-                        ws = []
-                        for j in range(nb):
-                            p = builder.gep(wptr, [builder.add(blks[j], g64)])
-                            ws.append(builder.load(builder.bitcast(p, v16.as_pointer()), align=1))
-                        for s, base in enumerate((ap0, ap1) if dual else (ap0,)):
-                            for r in range(mr):
-                                p = builder.gep(base, [builder.add(rows[r], g4)])
-                                x = builder.load(builder.bitcast(p, i32.as_pointer()), align=1)
-                                xv = splat(builder, x, v16)
-                                for j in range(nb):
-                                    acc = accs[s][j][r]
-                                    builder.store(builder.call(fn, [builder.load(acc), xv, ws[j]]), acc)
-                    for s, base in enumerate((op0, op1) if dual else (op0,)):
-                        for r in range(mr):
-                            m_off = builder.mul(builder.add(builder.mul(mg, c(mr)), c(r)), o_st_b)
-                            for j in range(nb):
-                                b_off = builder.mul(builder.add(builder.mul(bg, c(nb)), c(j)), c(64))
-                                p = builder.gep(base, [builder.add(m_off, b_off)])
-                                builder.store(builder.load(accs[s][j][r]), builder.bitcast(p, v16.as_pointer()),
-                                              align=4)
+    def codegen(context, builder, signature, args):
+        if not VNNI:      # never called on such hosts (run_direction's pack_min); LLVM could not select it
             return context.get_dummy_value()
-        return sig, codegen
+        if listed:
+            blka, args = args[1], (args[0],) + tuple(args[2:])
+            blkt, sargs = signature.args[1], (signature.args[0],) + tuple(signature.args[2:])
+            blkp = context.make_array(blkt)(context, builder, blka).data
+        else:
+            sargs = signature.args
+        wpa, a0a, a1a, a_st, mg_n, bg_n, k0, k1, kgt, o0a, o1a, o_st = args
+        ptrs = [array_ptr(context, builder, t, v)
+                for t, v in zip((sargs[0], sargs[1], sargs[2], sargs[9], sargs[10]), (wpa, a0a, a1a, o0a, o1a))]
+        wptr, ap0, ap1, op0, op1 = ptrs
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        v16 = ir.VectorType(i32, 16)
+        fn = function(builder, name, v16, [v16, v16, v16])
+        c = lambda v: ir.Constant(i64, v)  # noqa: E731
+        a_st_b = builder.mul(a_st, c(esz))          # bytes per activation row
+        o_st_b = builder.mul(o_st, c(4))
+        blk_b = builder.mul(kgt, c(64))             # bytes per packed block
+        zero = ir.Constant(v16, [0] * 16)
+        accs = [[[cgutils.alloca_once_value(builder, zero) for _ in range(mr)] for _ in range(nb)]
+                for _ in range(2 if dual else 1)]
+        with cgutils.for_range(builder, bg_n) as lb:
+            bg = lb.index
+            with cgutils.for_range(builder, mg_n) as lm:
+                mg = lm.index
+                for s in accs:
+                    for row in s:
+                        for a in row:
+                            builder.store(zero, a)
+                rows = [builder.mul(builder.add(builder.mul(mg, c(mr)), c(r)), a_st_b) for r in range(mr)]
+                pos = [builder.add(builder.mul(bg, c(nb)), c(j)) for j in range(nb)]
+                if listed:
+                    pos = [builder.load(builder.gep(blkp, [q])) for q in pos]
+                blks = [builder.mul(q, blk_b) for q in pos]
+                with cgutils.for_range_slice(builder, k0, k1, c(1), inc=True) as (g, _):
+                    g64 = builder.mul(g, c(64))
+                    g4 = builder.mul(g, c(4))
+                    ws = []
+                    for j in range(nb):
+                        p = builder.gep(wptr, [builder.add(blks[j], g64)])
+                        ws.append(builder.load(builder.bitcast(p, v16.as_pointer()), align=1))
+                    for s, base in enumerate((ap0, ap1) if dual else (ap0,)):
+                        for r in range(mr):
+                            p = builder.gep(base, [builder.add(rows[r], g4)])
+                            x = builder.load(builder.bitcast(p, i32.as_pointer()), align=1)
+                            xv = splat(builder, x, v16)
+                            for j in range(nb):
+                                acc = accs[s][j][r]
+                                builder.store(builder.call(fn, [builder.load(acc), xv, ws[j]]), acc)
+                for s, base in enumerate((op0, op1) if dual else (op0,)):
+                    for r in range(mr):
+                        m_off = builder.mul(builder.add(builder.mul(mg, c(mr)), c(r)), o_st_b)
+                        for j in range(nb):
+                            b_off = builder.mul(builder.add(builder.mul(bg, c(nb)), c(j)), c(64))
+                            p = builder.gep(base, [builder.add(m_off, b_off)])
+                            builder.store(builder.load(accs[s][j][r]), builder.bitcast(p, v16.as_pointer()),
+                                          align=4)
+        return context.get_dummy_value()
+
+    if listed:
+        @intrinsic
+        def mm(typingctx, wp, blk, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1, o_stride):
+            return types.void(wp, blk, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1,
+                              o_stride), codegen
+    else:
+        @intrinsic
+        def mm(typingctx, wp, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1, o_stride):
+            return types.void(wp, a0, a1, a_stride, m_groups, nb_groups, kg0, kg1, kg_total, o0, o1,
+                              o_stride), codegen
     return mm
 
 
