@@ -398,6 +398,58 @@ def _products_py(*args):
     return _PRODUCTS(*args)
 
 
+def test_cpu_listed_products():
+    """A half of the hidden units as one list of blocks over the three gates (quantgru_steps.half_blocks, what the
+    tasks and frames entries multiply): the list covers every row of the half in each gate, its length is a whole
+    number of NB_REC groups within list_capacity, and listed_products' sums read at acc[base[g] + row] equal numpy's
+    for every row of the half, for each weight width and activation split, H a multiple of 16 or not."""
+    from onnx_lowbit.custom_ops.gru import quantgru_steps as q
+    if not q.VNNI:
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    rng = np.random.default_rng(1)
+    for H, K in ((72, 40), (80, 257), (144, 64), (400, 400)):  # noqa: N806
+        rows = 3 * H
+        halves = ((0, H // 2 // 16 * 16), (H // 2 // 16 * 16, H), (0, H), (5, 37))
+        for dt, g in ((np.int8, 4), (np.int16, 2)):
+            W = rng.integers(np.iinfo(dt).min, np.iinfo(dt).max + 1, (rows, K)).astype(dt)  # noqa: N806
+            kg = -(-K // g)
+            nbp = -(-(-(-rows // 16)) // q.NB_REC) * q.NB_REC
+            wp = np.zeros(nbp * kg * 64 // W.itemsize, dt)
+            q.pack_weights(W, nbp, wp, np.empty(rows, np.int64))
+            adt = np.uint8 if dt == np.int8 else np.int16
+            for split in ((False, True) if dt == np.int8 else (True,)):
+                a0 = rng.integers(0, 256, kg * g).astype(adt)
+                a1 = rng.integers(0, 256, kg * g).astype(adt)
+                if dt == np.int16:
+                    a0 = (a0.astype(np.int16) - 128).astype(adt)
+                want = W.astype(np.int64) @ a0[:K].astype(np.int64)
+                if split:
+                    want = want * 256 + W.astype(np.int64) @ a1[:K].astype(np.int64)
+                for u0, u1 in halves:
+                    cap = q.list_capacity(H)
+                    blk, base = np.full(cap, -1, np.int64), np.empty(3, np.int64)
+                    n = q.half_blocks(H, u0, u1, blk, base)
+                    assert n % q.NB_REC == 0 and n <= cap and blk[:n].min() >= 0 and blk[:n].max() < nbp
+                    acc = np.empty(n * 16, np.int64)
+                    o0, o1 = np.empty(n * 16, np.int32), np.empty(n * 16, np.int32)
+                    _listed_py(wp, blk[:n], a0, a1, kg, o0, o1, acc, split)
+                    for gate in range(3):
+                        r = np.arange(gate * H + u0, gate * H + u1)
+                        np.testing.assert_array_equal(acc[base[gate] + r], want[r], err_msg=f"H={H} {dt} {u0}:{u1}")
+
+
+def _listed_py(*args):
+    from numba import njit
+    from onnx_lowbit.custom_ops.gru import quantgru_steps as q
+    global _LISTED
+    if "_LISTED" not in globals():
+        @njit
+        def run(wp, blk, a0, a1, kg, o0, o1, acc, split):
+            q.listed_products(wp, blk, a0, a1, kg, o0, o1, acc, split)
+        _LISTED = run
+    return _LISTED(*args)
+
+
 @pytest.mark.parametrize("bits", [8, 16])
 def test_cpu_table_lookups(bits):
     """The cell's table lookups (quantgru_cpu._luts: vector gathers on AVX-512 hosts, eight at a time, the rest

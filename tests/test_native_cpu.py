@@ -437,8 +437,8 @@ def test_quantgru_frames_entry(bits, narrow, threads, layout, monkeypatch):
     """Frames (T = 1, batch 1) on constant (packed) W and R: quantgru_frames' entry, one item per direction and half
     of the hidden units on onnxruntime's pool (``threads`` intra-op threads: fewer, as many as or more than the
     items). Bit-exact with the reference over a stream of frames (the state fed back), at H = 80 (halves of 2 and 3
-    blocks per gate: part of a block group, moved back from the padded end), H = 144 (a whole group and part of
-    one) and H = 72 (not a multiple of 16: blocks holding rows of two gates); both directions, both layouts,
+    blocks per gate, listed over the gates: 6 and 9 blocks, padded to whole groups), H = 144 and H = 72 (not a
+    multiple of 16: blocks holding rows of two gates, listed for both); both directions, both layouts,
     initial_h given or not, sequence_lens 1 and 0, NaN / Inf in X, int16 weights in the int8 range; only the first
     run of a shape reaches Python; a failing sequence_lens is declined by every item (nothing written) and named by
     Python."""

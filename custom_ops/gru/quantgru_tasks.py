@@ -23,10 +23,14 @@ item owns the workspace (one NRT array, addressed by every task through params) 
 item finished. A failed value check (the set-up item runs check_values) marks the call failed and releases every
 waiting task; the entry then returns DECLINED and Python names the problem.
 
-Measured (benchmarks/gru_cpu.py --one-task, timing in rounds, 2 cores, C = H = 400, T = 500, ms, this entry / the
-single-task entry / onnxruntime's two-thread float GRU): int8 2.81 / 3.73 / 6.04, int16 5.52 / 9.13, int16n 3.37 /
-7.68. Streaming frames stay on the single-task entry: through this one a frame took 2x as long (its set-up, the
-4-row projection tile and the hand-overs against a ~20 us frame).
+The step items multiply their half's rows as one list of blocks over the three gates (quantgru_steps.half_blocks), and
+index their rescales, copies and writes through views (quantgru_steps.rescale_rows: loops LLVM vectorises).
+
+Measured (benchmarks/gru_cpu.py, timing in rounds, 2 cores, C = H = 400, T = 500, ms, this entry / onnxruntime's
+two-thread float GRU, 2026-11-30): int8 2.74-2.82, int16 4.93-5.04, int16n 3.24-3.29 / 8.64-9.04 (the single-task
+entry, 2026-11-29: int8 3.73, int16 9.13, int16n 7.68 against 6.04). Streaming frames take quantgru_frames' entry
+instead: through this one a frame took 2x as long (its set-up, the 4-row projection tile and the hand-overs
+against a ~20 us frame).
 """
 from __future__ import annotations
 
