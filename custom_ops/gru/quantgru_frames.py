@@ -42,16 +42,14 @@ def items(d):
 @njit(cache=True, inline="always")
 def _rescaled(acc, base, shift, off, rs, zp, lo, hi, h, u0, u1, out):
     """out[g hh + j] = the rescaled sum of row g H + u0 + j, read at acc[base[g] + row] (quantgru_steps.half_blocks;
-    chan_triples' arithmetic on the half's rows; shift per row of all 3H rows, rs their row sums, off the
-    activations' offset)."""
+    the packed path's rescale on the half's rows, _rescale_by; shift per row of all 3H rows, rs their row sums, off
+    the activations' offset)."""
     hh = u1 - u0
     for g in range(3):   # views first: the loop over range(hh) vectorises (quantgru_steps.rescale_rows)
         r0, a_ = g * h + u0, base[g] + g * h + u0
         sv, rv, av, ov = shift[r0:r0 + hh], rs[r0:r0 + hh], acc[a_:a_ + hh], out[g * hh:(g + 1) * hh]
         for j in range(hh):
-            s = sv[j]
-            r = min(max(s, 0), 63)
-            ov[j] = q._rescale(av[j] - off * rv[j], max(-s, 0), (np.int64(1) << r) >> 1, r, zp, lo, hi)
+            ov[j] = q._rescale_by(av[j] - off * rv[j], sv[j], zp, lo, hi)
 
 
 def _run_frame(p, begin, end, qdt, adt, ldt):

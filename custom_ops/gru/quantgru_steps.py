@@ -84,11 +84,18 @@ def _rs(v, s):
 
 
 @njit(cache=True, inline="always")
+def _triple(s):
+    """(left, round, right) of gru_int.rshift by s without branches: ((v << left) + round) >> right (by 63: 0)."""
+    r = min(max(s, 0), 63)
+    return max(-s, 0), (np.int64(1) << r) >> 1, r
+
+
+@njit(cache=True, inline="always")
 def _rs_flat(v, s):
     """_rs without branches (loops of it vectorise), for |v| < 2^62: a left shift by max(-s, 0), then a rounding
     right shift by min(max(s, 0), 63) (by 63: 0)."""
-    r = min(max(s, 0), 63)
-    return ((v << max(-s, 0)) + ((np.int64(1) << r) >> 1)) >> r
+    lft, rnd, r = _triple(s)
+    return ((v << lft) + rnd) >> r
 
 
 @njit(cache=True, inline="always")
@@ -597,9 +604,8 @@ def chan_triples(shift, corr_in, off, rowsum):
     n = shift.shape[0]
     t = np.empty((4, corr_in), np.int64)
     for c in range(n):   # branch-free (vectorises): as _rs_flat
-        s = shift[c]
-        r = min(max(s, 0), 63)
-        t[0, c], t[1, c], t[2, c], t[3, c] = max(-s, 0), (np.int64(1) << r) >> 1, r, off * rowsum[c]
+        t[0, c], t[1, c], t[2, c] = _triple(shift[c])
+        t[3, c] = off * rowsum[c]
     t[:, n:] = 0
     return t
 
