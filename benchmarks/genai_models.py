@@ -7,7 +7,8 @@ MatMulNBits converted without loss).
         [--layers 16] [--inter 8192] [--heads 16] [--vocab 4096]
 
 Defaults are samples/llama_decode.py's config (the one ../shared/device/genai_anchor.py measured genai on).
-Writes OUT_DIR/hf, OUT_DIR/genai_<prec> and OUT_DIR/genai_<prec>.lowbit; prints each step's time and the op counts.
+Writes OUT_DIR/hf, OUT_DIR/genai_<prec> and OUT_DIR/genai_<prec>.lowbit (with --attention also genai_<prec>.ca: the
+cacheattention pass too); prints each step's time and the op counts.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def main(argv=None):
     ap.add_argument("--inter", type=int, default=8192)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--attention", action="store_true",
+                    help="also OUT_DIR/genai_<prec>.ca: the rewrite with the cacheattention pass too "
+                         "(GroupQueryAttention -> CacheAttention)")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     hf = os.path.join(a.out, "hf")
@@ -69,14 +73,18 @@ def main(argv=None):
             print(f"build {prec} failed (rc {r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}")
             return 1
         print(f"build {prec}: {time.time() - t0:.0f} s; ops {ops(out)}", flush=True)
-        t0 = time.time()
-        cmd = [sys.executable, "-m", "onnx_lowbit.cli", "genai", out, out + ".lowbit", "--provider", a.provider]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        print(r.stdout[-1500:], r.stderr[-1500:])
-        if r.returncode:
-            print(f"onnx-lowbit genai {prec} failed (rc {r.returncode})")
-            return 1
-        print(f"rewrite {prec}: {time.time() - t0:.0f} s; ops {ops(out + '.lowbit')}", flush=True)
+        variants = [(".lowbit", [])] + ([(".ca", ["--passes", "matmulnbits,ffn,cacheattention"])] if a.attention
+                                        else [])
+        for suffix, extra in variants:
+            t0 = time.time()
+            cmd = [sys.executable, "-m", "onnx_lowbit.cli", "genai", out, out + suffix, "--provider", a.provider,
+                   *extra]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            print(r.stdout[-1500:], r.stderr[-1500:])
+            if r.returncode:
+                print(f"onnx-lowbit genai {prec} {' '.join(extra)} failed (rc {r.returncode})")
+                return 1
+            print(f"rewrite {prec}{suffix}: {time.time() - t0:.0f} s; ops {ops(out + suffix)}", flush=True)
     return 0
 
 

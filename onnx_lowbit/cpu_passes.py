@@ -29,6 +29,7 @@ CPU_DEFAULTS = {
                    "and slower on two except int8 at H = 600 (BENCHMARKS.md); runs when --gru-bits asks, --tune "
                    "measures it"),
     "kvattention": (False, "opt-in on every device"),
+    "cacheattention": (False, "opt-in on every device"),
     "rmsnorm": (False, "opt-in on every device"),
 }
 

@@ -393,6 +393,57 @@ KV_ATTENTION = OpSpec(
 OPS[KV_ATTENTION.name] = KV_ATTENTION
 
 
+def _cacheattention_infer(ctx) -> None:
+    sb = ctx.get_attribute("share_buffer")
+    share = int(onnx.helper.get_attribute_value(sb)) if sb is not None else 0
+
+    def shape(i):
+        t = ctx.get_input_type(i)
+        if t is None or not t.tensor_type.HasField("shape"):
+            return None
+        return [d.dim_value if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim]
+
+    elem = ctx.get_input_type(0).tensor_type.elem_type
+    qkv, pk = shape(0), shape(1)
+    b = s = w = None
+    if qkv is not None and len(qkv) == 3:
+        b, s, w = qkv
+    ctx.set_output_type(0, onnx.helper.make_tensor_type_proto(elem, [b, s, None]))
+    present = None
+    if pk is not None and len(pk) == 4:
+        p = pk[2]
+        length = p if share else (p + s if p is not None and s is not None else None)
+        present = [pk[0], pk[1], length, pk[3]]
+    for o in (1, 2):
+        ctx.set_output_type(o, onnx.helper.make_tensor_type_proto(elem, present))
+
+
+CACHE_ATTENTION = OpSpec(
+    name="CacheAttention",
+    doc="Attention over a KV cache with rotary and the cache append, as onnxruntime's GroupQueryAttention computes it "
+        "for packed q/k/v with do_rotary=1 (half rotation), no local window and no softcap: each new token's q and k "
+        "rotated at its position (a row's first prompt, seqlens_k + 1 <= S: 0..S-1; else seqlens_k + 1 - S + s), its "
+        "k and v written into the "
+        "present cache there, then softmax(scale q K^T) V over the keys up to that position, in fp32 (reference: "
+        "onnx_lowbit.cacheattention).",
+    inputs=[Param("QKV", "T", "[B, S, (num_heads + 2 kv_num_heads) * D]"),
+            Param("past_key", "T", "[B, kv_num_heads, P, D]"), Param("past_value", "T", "past_key's shape"),
+            Param("seqlens_k", "tensor(int32)", "[B]: each row's total length - 1"),
+            Param("cos_cache", "T", "[max positions, D / 2]"), Param("sin_cache", "T", "cos_cache's shape")],
+    outputs=[Param("O", "T", "[B, S, num_heads * D]"),
+             Param("present_key", "T", "share_buffer: past's shape; else [B, kv_num_heads, P + S, D]"),
+             Param("present_value", "T", "present_key's shape")],
+    type_constraints={"T": ["tensor(float)", "tensor(float16)"]},
+    attributes=[Attr("num_heads", "int", "Hq, query heads"), Attr("kv_num_heads", "int", "Hkv, key/value heads"),
+                Attr("scale", "float", "multiplies q.k (0 or absent: 1 / sqrt(D))", required=False),
+                Attr("share_buffer", "int", "1: present is past's buffer (genai's past_present_share_buffer), of "
+                     "past's shape; 0 (default): present = past then the new tokens", required=False)],
+    infer=_cacheattention_infer,
+)
+# GroupQueryAttention's computation for genai's graphs (onnx_lowbit.cacheattention).
+OPS[CACHE_ATTENTION.name] = CACHE_ATTENTION
+
+
 def _rmsnorm_infer(ctx) -> None:
     ctx.set_output_type(0, ctx.get_input_type(0))
     if ctx.get_num_outputs() > 1:

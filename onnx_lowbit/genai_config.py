@@ -85,6 +85,8 @@ def rewrite_folder(src, dst, passes=DEFAULT_PASSES, filename: str | None = None,
     src, dst = os.fspath(src), os.fspath(dst)
     config = read_config(src)
     options.setdefault("matmulnbits_to", DEFAULT_TO)
+    options.setdefault("cacheattention_share_buffer",
+                       bool(config.get("search", {}).get("past_present_share_buffer", False)))
     dec = decoder(config)
     name = dec.get("filename", "model.onnx")
     model_src = os.path.join(src, name)

@@ -1,11 +1,12 @@
 """Graph rewrites (onnx-graphsurgeon), one per file.
 
     PASSES                          ordered registry: pass name -> Pass instance (fplut, weights4, matmulnbits, ffn,
-                                       merge, rotary, rotarykv, kvattention, rmsnorm, gru)
+                                       merge, rotary, rotarykv, kvattention, cacheattention,
+                                       rmsnorm, gru)
     available()                     the pass names, in the order run_passes applies them
     run_passes(model, passes, **o)  -> (rewritten ModelProto, Report); the input model is not modified
-                                       (passes=None: the default passes; matmulnbits, kvattention and rmsnorm
-                                       run only when named)
+                                       (passes=None: the default passes; matmulnbits, kvattention,
+                                       cacheattention and rmsnorm run only when named)
     inspect(model, passes, **o)     -> Report of what run_passes would rewrite / skip (changes nothing)
 
 See docs/passes.md for how a pass is written.
@@ -21,6 +22,7 @@ import onnx_graphsurgeon as gs
 from onnx_lowbit import domain
 from onnx_lowbit.errors import INSTALL
 
+from .cacheattention import CacheAttentionPass
 from .kvattention import KVAttentionPass
 from .matmulnbits import MatMulNBitsPass
 from .base import Entry, Pass, Report, module_paths  # noqa: F401 - re-exported
@@ -41,12 +43,15 @@ from .weights4 import WeightsPass
 # and rotary (it needs both: it takes the merged q/k/v Split, their Rotary nodes and the KV-cache Concats into one
 # RotaryKV node). kvattention runs after rotarykv (its Q is RotaryKV's output, its K and V the present tensors; it
 # takes the K / V repeats, the scores' MatMul, scale, mask Add, Softmax and the MatMul with V into one KVAttention
-# node). kvattention and rmsnorm are not default passes (measured no faster / slower than onnxruntime's own kernels
-# in the decode step on the H100: docs/passes.md).
+# node). cacheattention (genai's GroupQueryAttention -> CacheAttention) runs on genai's graphs, which rotary / rotarykv
+# / kvattention never match. kvattention, cacheattention and rmsnorm are not default passes (measured no faster /
+# slower than onnxruntime's own kernels: docs/passes.md).
 PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), MatMulNBitsPass(),
                                                                        FFNPass(),
                                                                        MergePass(), RotaryPass(), RotaryKVPass(),
-                                                                       KVAttentionPass(), RMSNormPass(), GRUPass()])
+                                                                       KVAttentionPass(), CacheAttentionPass(),
+                                                                       RMSNormPass(),
+                                                                       GRUPass()])
 
 # Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):
 # their opset import is added to the output when one of their ops is used.

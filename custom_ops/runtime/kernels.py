@@ -65,6 +65,7 @@ FAMILIES = {
     "RMSNorm": "attention.rmsnorm",
     "RotaryKV": "attention.rotarykv",
     "KVAttention": "attention.kvattention",
+    "CacheAttention": "attention.cacheattention",
 }
 
 

@@ -1,0 +1,51 @@
+"""CacheAttention's decode kernels at genai's decode shape, one after the other in one process, for ncu to time
+(issue 32): the routed warp kernel (cacheattention.warps) and the first kernel (cacheattention.split), each launched
+--launches times through the kernel object as a session node runs it (runtime/direct.call), past and present one
+buffer as genai binds them. Python's launch cost hides the kernels' own time from host timers, hence ncu:
+
+    PYTHONPATH=/tmp/site:. ncu --kernel-name regex:kernel --metrics gpu__time_duration.sum \\
+        python3 benchmarks/cacheattention_gpu.py [--keys 201,1001] [--heads 16] [--dim 128] [--length 2048]
+
+Prints which route each group of launches ran; ncu prints their durations in the same order.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", default="201,1001", help="keys in the cache per call (comma-separated)")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--length", type=int, default=2048, help="the cache buffer's positions (genai's max_length)")
+    ap.add_argument("--launches", type=int, default=4)
+    a = ap.parse_args(argv)
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops.attention import cacheattention_cuda as kmod
+    from onnx_lowbit.custom_ops.runtime import direct
+    rng = np.random.default_rng(0)
+    h, d, length = a.heads, a.dim, a.length
+    full = kmod.ROUTES
+    for keys in (int(v) for v in a.keys.split(",")):
+        for name in ("cacheattention.warps", "cacheattention.split"):
+            kmod.ROUTES = tuple(r for r in full if r.kernel in (name, "cacheattention.rows"))
+            dev = lambda *shape: cuda.to_device(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
+            qkv, pk, pv = dev(1, 1, 3 * h * d), dev(1, h, length, d), dev(1, h, length, d)
+            cs, sn = dev(length, d // 2), dev(length, d // 2)
+            sl = cuda.to_device(np.array([keys - 1], np.int32))
+            o = cuda.device_array((1, 1, h * d), np.float16)
+            run = direct.call("CacheAttention", dict(num_heads=h, kv_num_heads=h, share_buffer=1),
+                              [qkv, pk, pv, sl, cs, sn], [o, pk, pv], 0)
+            for _ in range(a.launches):
+                run()
+            cuda.synchronize()
+            print(f"ran {name} x{a.launches}: {h} heads, D = {d}, {keys} keys in a {length}-position cache", flush=True)
+    kmod.ROUTES = full
+
+
+if __name__ == "__main__":
+    main()
