@@ -323,16 +323,20 @@ ROTARY = OpSpec(
 OPS[ROTARY.name] = ROTARY
 
 
+def _input_dims(ctx, i):
+    """Input i's dims (None where unknown), or None without a shape."""
+    t = ctx.get_input_type(i)
+    if t is None or not t.tensor_type.HasField("shape"):
+        return None
+    return [d.dim_value if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim]
+
+
 def _rotarykv_infer(ctx) -> None:
     """Q [B, Hq, S, D], present_key / present_value [B, Hkv, P + S, D], each dim where the inputs give it."""
     attr = lambda n: onnx.helper.get_attribute_value(ctx.get_attribute(n))  # noqa: E731
     hq, hkv = attr("num_heads"), attr("kv_num_heads")
 
-    def shape(i):
-        t = ctx.get_input_type(i)
-        if t is None or not t.tensor_type.HasField("shape"):
-            return None
-        return [d.dim_value if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim]
+    shape = lambda i: _input_dims(ctx, i)  # noqa: E731
 
     elem = ctx.get_input_type(0).tensor_type.elem_type
     qkv, pk = shape(0), (shape(3) if ctx.get_num_inputs() > 3 and ctx.has_input(3) else [None, None, 0, None])
@@ -397,11 +401,7 @@ def _cacheattention_infer(ctx) -> None:
     sb = ctx.get_attribute("share_buffer")
     share = int(onnx.helper.get_attribute_value(sb)) if sb is not None else 0
 
-    def shape(i):
-        t = ctx.get_input_type(i)
-        if t is None or not t.tensor_type.HasField("shape"):
-            return None
-        return [d.dim_value if d.HasField("dim_value") else None for d in t.tensor_type.shape.dim]
+    shape = lambda i: _input_dims(ctx, i)  # noqa: E731
 
     elem = ctx.get_input_type(0).tensor_type.elem_type
     qkv, pk = shape(0), shape(1)
