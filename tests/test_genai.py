@@ -184,6 +184,25 @@ def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
     assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
 
 
+@pytest.mark.parametrize("kind", ["int4", "fp32"])
+def test_cacheattention_same_greedy_tokens(built, tmp_path, kind):
+    """The opt-in cacheattention pass on genai's graphs: every GroupQueryAttention -> CacheAttention (its CPU face
+    here, with genai's shared past / present buffer where the folder asks for it), the same greedy tokens as the
+    original in og.Generator."""
+    src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
+    subprocess.run(["cp", "-r", built[kind], src], check=True)
+    genai_config.set_provider(src, "cpu")
+    report = genai_config.rewrite_folder(src, dst, passes=("matmulnbits", "ffn", "cacheattention"))
+    assert len(report.rewritten("cacheattention")) == LAYERS and not report.skipped("cacheattention")
+    share = genai_config.read_config(src)["search"].get("past_present_share_buffer", False)
+    assert {e.details["share_buffer"] for e in report.rewritten("cacheattention")} == {int(share)}
+    _, ops = _ops(dst)
+    assert ("onnx_lowbit", "CacheAttention") in ops and ("com.microsoft", "GroupQueryAttention") not in ops
+    want = json.loads(_run(GREEDY, src).strip().splitlines()[-1])
+    got = json.loads(_run(GREEDY, dst).strip().splitlines()[-1])
+    assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
+
+
 @pytest.mark.parametrize("kind", ["int4cpu", "int4", "fused"])
 def test_int4_target_same_greedy_tokens(built, tmp_path, kind):
     """The default target (matmulnbits_to="int4"): every symmetric MatMulNBits
