@@ -59,6 +59,12 @@ def _close(got, want, dt, exact=False):
         assert float(np.abs(g[fin] - w[fin]).max()) <= TOL[dt] * max(1.0, float(np.abs(w[fin]).max()))
 
 
+def _check(got, want, dt):
+    """(O, present_key, present_value) against the reference's: O within the sums' order, the caches exactly."""
+    for g, w, exact in zip(got, want, (False, True, True)):
+        _close(g, w, dt, exact)
+
+
 def _gqa_model(dt, hq, hkv, scale=0.0, **attrs):
     et = ET[dt]
     ins = [helper.make_tensor_value_info(n, t, None) for n, t in
@@ -125,8 +131,7 @@ def test_cpu_kernel(case, dt):
     args = _call(dt, hq, hkv, d, b, s, p, share, hist)
     want = ca.apply(*args, hq, hkv, 0.0, share)
     got = cacheattention_cpu.run(*args, hq, hkv, 0.0, share)
-    for g, w, exact in zip(got, want, (False, True, True)):
-        _close(g, w, dt, exact)
+    _check(got, want, dt)
 
 
 def _cuda(args, hq, hkv, share, scale=0.0):
@@ -144,8 +149,7 @@ def test_cuda_kernel(case, dt):
     hq, hkv, d, b, s, p, share, hist = case
     args = _call(dt, hq, hkv, d, b, s, p, share, hist, seed=2)
     want = ca.apply(*args, hq, hkv, 0.0, share)
-    for g, w, exact in zip(_cuda(args, hq, hkv, share), want, (False, True, True)):
-        _close(g, w, dt, exact)
+    _check(_cuda(args, hq, hkv, share), want, dt)
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -157,8 +161,7 @@ def test_cuda_rows_kernel(case, dt, monkeypatch):
     hq, hkv, d, b, s, p, share, hist = case
     args = _call(dt, hq, hkv, d, b, s, p, share, hist, seed=7)
     want = ca.apply(*args, hq, hkv, 0.0, share)
-    for g, w, exact in zip(_cuda(args, hq, hkv, share), want, (False, True, True)):
-        _close(g, w, dt, exact)
+    _check(_cuda(args, hq, hkv, share), want, dt)
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -168,8 +171,7 @@ def test_cuda_warp_kernel_several_steps_per_block(dt, monkeypatch):
     monkeypatch.setattr(cacheattention_cuda, "NCH_MAX", 2)
     args = _call(dt, 2, 1, 32, 1, 1, 100, 1, 90, seed=9)
     want = ca.apply(*args, 2, 1, 0.0, 1)
-    for g, w, exact in zip(_cuda(args, 2, 1, 1), want, (False, True, True)):
-        _close(g, w, dt, exact)
+    _check(_cuda(args, 2, 1, 1), want, dt)
 
 
 @pytest.mark.parametrize("case", GPU_CASES)
@@ -180,19 +182,16 @@ def test_gpu_large(case):
     hq, hkv, d, b, s, p, share, hist = case
     args = _call(F16, hq, hkv, d, b, s, p, share, hist, seed=8)
     want = ca.apply(*args, hq, hkv, 0.0, share)
-    for g, w, exact in zip(_cuda(args, hq, hkv, share), want, (False, True, True)):
-        _close(g, w, F16, exact)
+    _check(_cuda(args, hq, hkv, share), want, F16)
 
 
 def test_kernels_rows_of_different_lengths_and_a_scale():
     """Batch rows with other lengths (decode of a right-padded batch) and an explicit scale."""
     args = _call(F32, 2, 1, 32, 3, 1, 12, 1, 0, seed=3, lengths=[12, 5, 9])
     want = ca.apply(*args, 2, 1, 0.3, 1)
-    for g, w, exact in zip(cacheattention_cpu.run(*args, 2, 1, 0.3, 1), want, (False, True, True)):
-        _close(g, w, F32, exact)
+    _check(cacheattention_cpu.run(*args, 2, 1, 0.3, 1), want, F32)
     gpu_or_sim()
-    for g, w, exact in zip(_cuda(args, 2, 1, 1, 0.3), want, (False, True, True)):
-        _close(g, w, F32, exact)
+    _check(_cuda(args, 2, 1, 1, 0.3), want, F32)
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -203,11 +202,9 @@ def test_kernels_nan_and_inf(dt):
     args[0][0, 0, (2 + 1) * 32 + 3] = np.inf            # the new token's v, dim 3
     want = ca.apply(*args, 2, 1, 0.0, 1)
     assert np.isnan(want[0][0, 0, :32]).all()
-    for g, w, exact in zip(cacheattention_cpu.run(*args, 2, 1, 0.0, 1), want, (False, True, True)):
-        _close(g, w, dt, exact)
+    _check(cacheattention_cpu.run(*args, 2, 1, 0.0, 1), want, dt)
     gpu_or_sim()
-    for g, w, exact in zip(_cuda(args, 2, 1, 1), want, (False, True, True)):
-        _close(g, w, dt, exact)
+    _check(_cuda(args, 2, 1, 1), want, dt)
 
 
 def test_bad_inputs_name_the_problem():

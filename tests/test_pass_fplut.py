@@ -541,8 +541,8 @@ def test_torch_export(kind, exporter, dynamo, opset, half):
 # (e) framework: registry, errors, report, inspect, the input model is not modified
 # ----------------------------------------------------------------------------------------------------------------
 def test_registry():
-    assert available() == ["fplut", "weights4", "matmulnbits", "ffn", "merge", "rotary", "rotarykv", "kvattention", "rmsnorm",
-                           "gru"]
+    assert available() == ["fplut", "weights4", "matmulnbits", "ffn", "merge", "rotary", "rotarykv", "kvattention",
+                           "cacheattention", "rmsnorm", "gru"]
     assert list(PASSES) == available()
     assert PASSES["fplut"].name == "fplut" and PASSES["fplut"].description
 
