@@ -461,7 +461,7 @@ def _signature(elem, warps=False):
             + ["int64"] * 9 + ["float32"] + (["int64"] + ["float64"] * 4 if warps else []))
 
 
-# Which kernel serves which call (routing.py): one kernel; Case: M = query rows (B S Hq), K = D, N = present length.
+# Which kernel serves which call (routing.py). Case: M = query rows (B S Hq), K = D, N = present length.
 ROUTES = (
     Route("cacheattention.warps", f"rows (B S Hq) <= SPLIT_ROWS, D a multiple of 32 up to {DMAX}: each row's keys "
           "split over up to NCH_MAX blocks, G keys per warp step, combined by the row's last block",
@@ -503,9 +503,9 @@ def splits(rows, length, name):
 
 
 class CacheAttentionCudaKernel(Kernel):
-    """Per call: validates the shapes, one launch; the per-row split counters (device/splitk.ScratchPool, per stream)
-    live with the kernel object."""
-    native_plans = True  # one launch whose parameters depend only on the input shapes; see plans.py
+    """Per call: validates the shapes, then the routed launches (decode: one; a prompt: append, then attention); the
+    per-row split counters (device/splitk.ScratchPool, per stream) live with the kernel object."""
+    native_plans = True  # launches whose parameters depend only on the input shapes; see plans.py
 
     def __init__(self, **kw):
         super().__init__(**kw)
