@@ -114,13 +114,13 @@ def test_reference_is_onnxruntimes_group_query_attention(dt, share, gen):
         pk, pv = k, v
 
 
-CASES = [  # (Hq, Hkv, D, B, S, P, share, hist): decode through the warp kernel (D a multiple of 32: shared buffer,
-    # several splits; two buffers, batch 2; a continuation of 3 tokens; five splits), and through the first kernel
-    # (other D: a first prompt, D = 6, a long cache)
+CASES = [  # (Hq, Hkv, D, B, S, P, share, hist): decode through the warp kernel (D / 8 fp16 or 4 fp32 dims a power of
+    # two: shared buffer, several splits; two buffers, batch 2; a continuation of 3 tokens; five splits; D = 8: one
+    # or two lanes per key), and through the first kernel (D = 6, D = 96)
     (4, 2, 32, 1, 1, 40, 1, 37), (4, 2, 32, 2, 1, 7, 0, 7), (2, 2, 32, 1, 3, 20, 1, 4), (1, 1, 64, 1, 1, 130, 1, 120),
-    (2, 1, 8, 1, 5, 0, 0, 0), (3, 1, 6, 1, 1, 9, 0, 9), (1, 1, 8, 1, 1, 70, 1, 65)]
+    (2, 1, 8, 1, 5, 0, 0, 0), (3, 1, 6, 1, 1, 9, 0, 9), (1, 1, 8, 1, 1, 70, 1, 65), (2, 1, 96, 1, 1, 12, 1, 10)]
 ROWS_CASES = [(2, 1, 8, 1, 5, 0, 0, 0), (2, 2, 8, 1, 3, 40, 1, 33)]    # through the rows kernel (SPLIT_ROWS lowered)
-GPU_CASES = [(16, 16, 128, 1, 1, 2048, 1, 1000), (32, 8, 128, 1, 1, 4096, 1, 3000),
+GPU_CASES = [(16, 16, 128, 1, 1, 2048, 1, 1000), (32, 8, 128, 1, 1, 4096, 1, 3000), (9, 3, 64, 1, 1, 2048, 1, 700),
              (16, 16, 128, 1, 300, 2048, 1, 0), (9, 3, 64, 1, 128, 2048, 1, 0)]     # genai-sized, on the GPU only
 
 
@@ -165,10 +165,28 @@ def test_cuda_rows_kernel(case, dt, monkeypatch):
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
+def test_cpu_kernel_in_place_on_a_long_buffer(dt):
+    """genai's shared buffer (past and present one array, far longer than the tokens so far): the CPU face writes
+    only the new tokens' positions (the rest of the buffer, past's keys and the unused tail, keeps its bits) and
+    matches the reference, batch rows of different lengths."""
+    args = _call(dt, 4, 2, 16, 2, 1, 64, 1, 0, seed=11, lengths=[9, 5])
+    want = ca.apply(*args, 4, 2, 0.0, 1)
+    pk, pv = args[1].copy(), args[2].copy()
+    o, k, v = cacheattention_cpu.run(*args[:1], pk, pv, *args[3:], 4, 2, 0.0, 1, None, pk, pv)
+    assert k is pk and v is pv
+    _check((o, k, v), want, dt)
+    new = np.zeros(pk.shape, bool)
+    new[0, :, 8], new[1, :, 4] = True, True
+    np.testing.assert_array_equal(k[~new], args[1][~new])
+    np.testing.assert_array_equal(v[~new], args[2][~new])
+
+
+@pytest.mark.parametrize("dt", [F32, F16])
 def test_cuda_warp_kernel_several_steps_per_block(dt, monkeypatch):
-    """Two splits of 64 keys (NCH_MAX lowered): each warp of the decode kernel takes two steps of G keys."""
+    """Two blocks per row (NSPLIT lowered) sharing 91 keys: each warp of the decode kernel takes several steps of G
+    keys."""
     gpu_or_sim()
-    monkeypatch.setattr(cacheattention_cuda, "NCH_MAX", 2)
+    monkeypatch.setattr(cacheattention_cuda, "NSPLIT", 2)
     args = _call(dt, 2, 1, 32, 1, 1, 100, 1, 90, seed=9)
     want = ca.apply(*args, 2, 1, 0.0, 1)
     _check(_cuda(args, 2, 1, 1), want, dt)
@@ -234,11 +252,17 @@ def test_cuda_kernel_values_out_of_range_give_nan_rows():
 
 def test_routes():
     r = cacheattention_cuda.ROUTES
-    name = lambda m, d=128: routing.route(r, routing.Case("float16", m, d, 2048)).kernel  # noqa: E731
-    assert name(16) == "cacheattention.warps" and name(16, 96) == "cacheattention.warps"
-    assert name(16, 80) == "cacheattention.split" and name(16, 288) == "cacheattention.split"
+    name = lambda m, d=128, dt="float16", al=True: routing.route(  # noqa: E731
+        r, routing.Case(dt, m, d, 2048, aligned=al)).kernel
+    assert name(16) == "cacheattention.warps" and name(16, 64) == "cacheattention.warps"
+    assert name(16, 256) == "cacheattention.warps" and name(16, 128, "float32") == "cacheattention.warps"
+    # 16-byte chunks per key not a power of two up to 32, or an unaligned cache: the first kernel
+    assert name(16, 96) == "cacheattention.split" and name(16, 80) == "cacheattention.split"
+    assert name(16, 288) == "cacheattention.split" and name(16, 256, "float32") == "cacheattention.split"
+    assert name(16, al=False) == "cacheattention.split"
     assert name(cacheattention_cuda.SPLIT_ROWS + 1) == "cacheattention.rows"
-    assert cacheattention_cuda.splits(16, 2048, "cacheattention.warps") == (64, 32)
+    assert cacheattention_cuda.splits(16, 2048, "cacheattention.warps") == (cacheattention_cuda.NSPLIT, 0)
+    assert cacheattention_cuda.splits(16, 2048, "cacheattention.split") == (64, 32)
     assert cacheattention_cuda.splits(16, 4096, "cacheattention.split") == (64, 64)
     assert cacheattention_cuda.splits(4096, 2048, "cacheattention.rows") == (1, 2048)
 

@@ -3,7 +3,8 @@ then softmax(scale q K^T) V per query row, in two Numba passes.
 
 Values are widened to fp32 (fp16 exactly). ``_rotate``: one new token's q and k heads rotated at its position in
 fp32 and rounded to T (fp16: to fp16 precision, kept as fp32), k and v written into the present cache (fp32 copy of
-it, narrowed to T at the end: every value in it is a T value, so that is exact). ``_attend``: one (b, s, h) query
+it, narrowed to T at the end: every value in it is a T value, so that is exact; only the positions the rows read,
+and with one past / present buffer only the new tokens' are written back). ``_attend``: one (b, s, h) query
 row per iteration (parallel over rows from PARALLEL_MIN score elements): fp32 dot products over the row's keys,
 softmax in fp32, fp32 sums of p_t V[t]. The present cache starts as a copy of past unless onnxruntime handed the
 kernel one buffer for both (genai's shared past / present).
@@ -92,12 +93,17 @@ KERNELS = tuple(njit_variant(_attend, par, cache=True, nogil=True, boundscheck=F
 
 
 def run(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads, scale=0.0, share_buffer=0, out=None,
-        present_key=None, present_value=None):
+        present_key=None, present_value=None, checked=None):
     """The CPU kernel on numpy arrays: (O, present_key, present_value), into the given arrays (contiguous, the
-    op's shapes and QKV's type) or new ones. A present array that is past's own buffer is written in place."""
-    b, s, d, p, length = ca.check(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads,
-                                  share_buffer)
-    ca.check_values(seqlens_k, s, length, cos.shape[0])
+    op's shapes and QKV's type) or new ones. A present array that is past's own buffer is written in place, at the
+    new tokens' positions only. ``checked``: the call's (B, S, D, P, L) where the caller has validated it.
+
+    The fp32 working cache holds the first max(T_b) positions only (the keys any row reads): with genai's
+    max-length buffers a decode step costs O(tokens so far), not O(buffer)."""
+    if checked is None:
+        checked = ca.check(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads, share_buffer)
+        ca.check_values(seqlens_k, checked[1], checked[4], cos.shape[0])
+    b, s, d, p, length = checked
     hq, hkv, dt = int(num_heads), int(kv_num_heads), qkv.dtype
     out = np.empty((b, s, hq * d), dt) if out is None else out
     present_key = np.empty((b, hkv, length, d), dt) if present_key is None else present_key
@@ -107,17 +113,25 @@ def run(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads,
     pos = ca.positions(seqlens_k, s).reshape(-1)
     tb = np.asarray(seqlens_k, np.int64).reshape(-1) + 1
     f32 = lambda a: np.ascontiguousarray(a, np.float32).reshape(-1)  # noqa: E731
-    kc, vc = (np.zeros((b, hkv, length, d), np.float32) for _ in range(2))
-    kc[:, :, :p], vc[:, :, :p] = past_key, past_value      # read before present (maybe past's buffer) is written
+    n = min(length, max(int(tb.max()), int(pos.max()) + 1))  # positions any row reads or writes: [0, n)
+    kc, vc = (np.empty((b, hkv, n, d), np.float32) for _ in range(2))
+    kc[:, :, :p], vc[:, :, :p] = past_key[:, :, :n], past_value[:, :, :n]   # read before present is written
+    kc[:, :, p:], vc[:, :, p:] = 0, 0
     q = np.empty(b * s * hq * d, np.float32)
-    _rotate(f32(qkv), pos, f32(cos), f32(sin), q, kc.reshape(-1), vc.reshape(-1), b, s, hq, hkv, d, length,
+    _rotate(f32(qkv), pos, f32(cos), f32(sin), q, kc.reshape(-1), vc.reshape(-1), b, s, hq, hkv, d, n,
             dt == np.float16)
     o = np.empty(q.size, np.float32)
-    fn = KERNELS[1] if b * s * hq * int(tb.max()) >= PARALLEL_MIN else KERNELS[0]
-    fn(q, kc.reshape(-1), vc.reshape(-1), pos, tb, o, b, s, hq, hkv, d, length, ca.scale_of(scale, d))
+    fn = KERNELS[1] if b * s * hq * n >= PARALLEL_MIN else KERNELS[0]
+    fn(q, kc.reshape(-1), vc.reshape(-1), pos, tb, o, b, s, hq, hkv, d, n, ca.scale_of(scale, d))
     out[...] = o.reshape(out.shape)
-    present_key[...] = kc
-    present_value[...] = vc
+    for src, past, dst in ((kc, past_key, present_key), (vc, past_value, present_value)):
+        if np.shares_memory(dst, past):                     # one buffer: only the new tokens' positions
+            bi = np.repeat(np.arange(b), s)
+            dst[bi, :, pos] = src[bi, :, pos]
+        else:
+            dst[:, :, :n] = src
+            dst[:, :, n:p] = past[:, :, n:]
+            dst[:, :, max(n, p):] = 0
     return out, present_key, present_value
 
 
@@ -141,7 +155,7 @@ class CacheAttentionKernel(Kernel):
         o = ctx.output_numpy(0, (b, s, self.hq * d), dt)
         pk = ctx.output_numpy(1, (b, self.hkv, length, d), dt)
         pv = ctx.output_numpy(2, (b, self.hkv, length, d), dt)
-        run(*a, self.hq, self.hkv, self.scale, self.share, o, pk, pv)
+        run(*a, self.hq, self.hkv, self.scale, self.share, o, pk, pv, checked=(b, s, d, p, length))
 
 
 KERNEL = CacheAttentionKernel

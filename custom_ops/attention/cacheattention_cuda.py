@@ -2,9 +2,9 @@
 row in one launch (onnxruntime's GroupQueryAttention takes four kernels per decode step: a memset, the sequence
 lengths, rotary + append, the attention).
 
-Decode (rows B S Hq <= SPLIT_ROWS) takes one launch: the warp kernel (``_make_decode``, head sizes a multiple of 32:
-each lane d / 32 dims, G keys per warp step, scores by warp shuffles, the warps meeting once in shared memory), or for
-other head sizes the first kernel in mode FUSED; a prompt two launches of the first kernel: APPEND (steps 1-2), then
+Decode (rows B S Hq <= SPLIT_ROWS) takes one launch: the warp kernel (``_make_decode``, where a K / V row is D / 8
+(fp16) or D / 4 (fp32) 16-byte chunks, a power of two up to 32: a chunk per lane, G loads per lane in flight, scores
+by shuffles, each row's keys split evenly over NSPLIT blocks), or for other head sizes the first kernel in mode FUSED; a prompt two launches of the first kernel: APPEND (steps 1-2), then
 PRESENT (steps 3-4 reading every key from present: each key rotated once, not once per query row that reads it).
 The first kernel (``_make``): one block of NT threads per (query row, key split); a query row is (b, s, h). A block:
   1. copies its share of past into present, element by element over the whole grid, when onnxruntime gave the node
@@ -34,9 +34,9 @@ from onnx_lowbit import cacheattention as ca
 
 from ..device import splitk
 from ..device.arith import add, divmod_, mul
-from ..device.fp16 import r16, same
+from ..device.fp16 import as_f32, h2f, r16, same
 from ..device.launch import Array, Launcher, SimLauncher
-from ..device.memory import ld16, ld32, st16, st32
+from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32
 from ..device.target import SIM, device
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
@@ -72,6 +72,134 @@ else:
         return types.uint64(a), codegen
 
 
+RED = NT * 10 if SIM else 1  # the simulator's warp exchanges go through shared memory (NT x max(G, 8 + 2))
+
+if SIM:
+    def _warp_reduce(v, red, t, is_max):
+        """The warp's sum (or max) in every lane (simulator: through shared memory; every thread of the block calls
+        it)."""
+        red[t] = v
+        cuda.syncthreads()
+        w0 = (t // 32) * 32
+        s = NINF if is_max else float32(0.0)
+        for i in range(32):
+            s = max(s, red[w0 + i]) if is_max else float32(s + red[w0 + i])
+        cuda.syncthreads()
+        return s
+
+    def _allsum(v, red, t):
+        return _warp_reduce(v, red, t, False)
+
+    def _allmax(v, red, t):
+        return _warp_reduce(v, red, t, True)
+else:
+    @device
+    def _allsum(v, red, t):
+        """The warp's sum in every lane (butterfly shuffles: every lane the same bits)."""
+        for off in (16, 8, 4, 2, 1):
+            v += cuda.shfl_xor_sync(FULL, v, off)
+        return v
+
+    @device
+    def _allmax(v, red, t):
+        """The warp's max in every lane."""
+        for off in (16, 8, 4, 2, 1):
+            v = max(v, cuda.shfl_xor_sync(FULL, v, off))
+        return v
+
+
+def _rotation(f16, half):
+    """rot(x, base, j, cs, sn, cb): element j of the half-rotated head at x[base:base + 2 half] (cos / sin row at
+    cb), rounded to T; each product and the sum rounded to fp32 (no FMA contraction: the reference's roundings)."""
+    ld, rnd = (ld16, r16) if f16 else (ld32, same)
+
+    @device
+    def rot(x, base, j, cs, sn, cb):
+        if j < half:
+            return rnd(add(mul(ld(x, base + j), ld(cs, cb + j)), -mul(ld(x, base + j + half), ld(sn, cb + j))))
+        i = j - half
+        return rnd(add(mul(ld(x, base + j), ld(cs, cb + i)), mul(ld(x, base + i), ld(sn, cb + i))))
+    return rot
+
+
+def _shared_steps(f16):
+    """The steps both CUDA kernels take alike: ``copy_past`` (past into present, grid-stride over every block, the
+    positions the call's new tokens take left out) and ``combine`` (the row's last block: its splits' partials
+    (acc[d], max, sum) summed in split order into O, the row's counter reset)."""
+    st = st16 if f16 else st32
+
+    @device
+    def copy_past(pk, pv, ok, ov, seql, b_, s_, hkv, p, length, d, blk, t):
+        n_el = int64(b_) * hkv * p * d
+        i = blk * NT + t
+        stride = int64(cuda.gridDim.x) * NT
+        while i < n_el:
+            bi = i // (int64(hkv) * p * d)
+            pos_t = (i // d) % p
+            tb = int64(seql[bi]) + 1
+            lo = int64(0) if tb <= s_ else tb - s_
+            hi = int64(s_) if tb <= s_ else tb
+            if pos_t < lo or pos_t >= hi:
+                e = ((i // (int64(p) * d)) * length + pos_t) * d + i % d
+                ok[e] = pk[i]
+                ov[e] = pv[i]
+            i += stride
+
+    @device
+    def combine(part, cnt, out, row, nch, nact, d, t, red, ws):
+        """The row's last block: its ``nact`` (<= 64) partials in one pass: every warp reads the splits' maxima and
+        sums (lane i splits i and i + 32) and reduces them by shuffles, warp 0 leaves each split's weight
+        exp(m_c - max) in ``ws`` (shared, NCH_MAX), then each thread sums its dims over the splits in split order,
+        8 loads in flight at a time. (One load per step made this a chain of ~3 nact L2 round trips: most of the
+        decode kernel's time.)"""
+        stride = d + 2
+        base = row * nch * stride
+        lane = t % 32
+        c0 = lane
+        c1 = lane + 32
+        m0 = part[base + c0 * stride + d] if c0 < nact else NINF
+        m1 = part[base + c1 * stride + d] if c1 < nact else NINF
+        l0 = part[base + c0 * stride + d + 1] if c0 < nact else float32(0.0)
+        l1 = part[base + c1 * stride + d + 1] if c1 < nact else float32(0.0)
+        mt = _allmax(max(m0, m1), red, t)
+        w0 = math.exp(m0 - mt) if m0 != NINF else float32(0.0)
+        w1 = math.exp(m1 - mt) if m1 != NINF else float32(0.0)
+        ltot = _allsum(l0 * w0 + l1 * w1, red, t)
+        if t < 32:
+            ws[c0] = w0
+            ws[c1] = w1
+        cuda.syncthreads()
+        for j in range(t, d, NT):
+            a = float32(0.0)
+            c2 = 0
+            while c2 + 8 <= nact:           # 8 independent loads, then the adds in split order
+                b = base + c2 * stride + j
+                v0 = part[b]
+                v1 = part[b + stride]
+                v2 = part[b + 2 * stride]
+                v3 = part[b + 3 * stride]
+                v4 = part[b + 4 * stride]
+                v5 = part[b + 5 * stride]
+                v6 = part[b + 6 * stride]
+                v7 = part[b + 7 * stride]
+                a += v0 * ws[c2]
+                a += v1 * ws[c2 + 1]
+                a += v2 * ws[c2 + 2]
+                a += v3 * ws[c2 + 3]
+                a += v4 * ws[c2 + 4]
+                a += v5 * ws[c2 + 5]
+                a += v6 * ws[c2 + 6]
+                a += v7 * ws[c2 + 7]
+                c2 += 8
+            while c2 < nact:
+                a += part[base + c2 * stride + j] * ws[c2]
+                c2 += 1
+            st(out, row * d + j, a / ltot)
+        if t == 0:
+            cnt[row] = uint32(0)
+    return copy_past, combine
+
+
 FUSED, APPEND, PRESENT = 0, 1, 2   # kernel modes: all steps in one launch (decode); steps 1-2 only; step 3-4 only,
 #                                   every key read from present (the prompt's two launches)
 
@@ -85,14 +213,8 @@ def _make(f16, d, mode):
     ndt = (d + NT - 1) // NT            # dims per thread in V's sums (<= DPT)
     half = d // 2
 
-    @device
-    def rot(x, base, j, cs, sn, cb):
-        """Element j of the half-rotated head at x[base:base + d] (cos / sin row at cb), rounded to T; each product
-        and the sum rounded to fp32 (no FMA contraction: the reference's roundings)."""
-        if j < half:
-            return rnd(add(mul(ld(x, base + j), ld(cs, cb + j)), -mul(ld(x, base + j + half), ld(sn, cb + j))))
-        i = j - half
-        return rnd(add(mul(ld(x, base + j), ld(cs, cb + i)), mul(ld(x, base + i), ld(sn, cb + i))))
+    rot = _rotation(f16, half)
+    copy_past, combine = _shared_steps(f16)
 
     @cuda.jit
     def kernel(qkv, pk, pv, seql, cs, sn, out, ok, ov, part, cnt, b_, s_, hq, hkv, p, length, nch, kpc, mpos, scale):
@@ -100,6 +222,7 @@ def _make(f16, d, mode):
         red = cuda.shared.array(NT, float32)
         ps = cuda.shared.array(CH, float32)
         flag = cuda.shared.array(1, uint32)
+        ws = cuda.shared.array(NCH_MAX, float32)
         acc = cuda.local.array(DPT, float32)
         vbuf = cuda.local.array(CH, float32)
         t = cuda.threadIdx.x
@@ -108,20 +231,7 @@ def _make(f16, d, mode):
         g = hq // hkv
         # 1. past -> present where they are two buffers (all blocks, grid-stride), new positions left out
         if mode != PRESENT and addr(pk) != addr(ok):
-            n_el = int64(b_) * hkv * p * d
-            i = int64(blk) * NT + t
-            stride = int64(cuda.gridDim.x) * NT
-            while i < n_el:
-                bi = i // (int64(hkv) * p * d)
-                pos_t = (i // d) % p
-                tb = int64(seql[bi]) + 1
-                lo = int64(0) if tb <= s_ else tb - s_
-                hi = int64(s_) if tb <= s_ else tb
-                if pos_t < lo or pos_t >= hi:
-                    e = ((i // (int64(p) * d)) * length + pos_t) * d + i % d
-                    ok[e] = pk[i]
-                    ov[e] = pv[i]
-                i += stride
+            copy_past(pk, pv, ok, ov, seql, b_, s_, hkv, p, length, d, int64(blk), t)
         row = blk // nch
         c = blk % nch
         bi = row // (s_ * hq)
@@ -238,68 +348,117 @@ def _make(f16, d, mode):
             part[pb + d + 1] = l_run
         nact = (n + kpc - 1) // kpc
         if splitk.arrive_last(cnt, row, nact, flag, t == 0):
-            base = int64(row) * nch * stride
-            mx = NINF
-            for c2 in range(nact):
-                mx = max(mx, part[base + c2 * stride + d])
-            ltot = float32(0.0)
-            for c2 in range(nact):
-                ltot += part[base + c2 * stride + d + 1] * math.exp(part[base + c2 * stride + d] - mx)
-            for q_ in range(ndt):
-                j = t + q_ * NT
-                if j < d:
-                    a = float32(0.0)
-                    for c2 in range(nact):
-                        a += part[base + c2 * stride + j] * math.exp(part[base + c2 * stride + d] - mx)
-                    st(out, ob + j, a / ltot)
-            if t == 0:
-                cnt[row] = uint32(0)
+            combine(part, cnt, out, int64(row), nch, nact, d, t, red, ws)
 
     return kernel
 
 
 NW = NT // 32           # warps per block
-G = 8                   # keys per warp step of the decode kernel (their K and V loads in flight together)
+G = 4                   # 16-byte K and V loads per lane in flight per step of the decode kernel
+NSPLIT = 4 if SIM else 16  # blocks per query row of the decode kernel, whatever the length: each n / NSPLIT keys
 DMAX = 256              # largest head size of the decode kernel (shared memory for the warps' sums)
 WACC = NW * DMAX
-RED = NT if SIM else 1  # the simulator's warp sums go through shared memory
 
-if SIM:
-    def _allsum(v, red, t):
-        """The warp's sum in every lane (simulator: through shared memory; every thread of the block calls it)."""
-        red[t] = v
-        cuda.syncthreads()
-        w0 = (t // 32) * 32
-        s = float32(0.0)
-        for i in range(32):
-            s = float32(s + red[w0 + i])
-        cuda.syncthreads()
-        return s
-else:
-    @device
-    def _allsum(v, red, t):
-        for off in (16, 8, 4, 2, 1):
-            v += cuda.shfl_xor_sync(FULL, v, off)
-        return v
+
+def lanes_per_key(elem, d):
+    """Lanes of a warp that share one key in the decode kernel (each a 16-byte chunk of its K and V rows: 8 fp16 or
+    4 fp32 dims), or 0 where that is not a power of two up to 32 (the head size then goes to the first kernel)."""
+    lpk, rem = divmod(d, 8 if elem == 10 else 4)
+    return lpk if rem == 0 and 0 < lpk <= 32 and lpk & (lpk - 1) == 0 and d <= DMAX else 0
 
 
 def _make_decode(f16, d):
-    """The decode kernel (route cacheattention.warps): head size ``d`` a multiple of 32, each lane d / 32 dims; a warp
-    takes G keys per step (their K / V loads issued together, scores by warp shuffles, a running max and sum in
-    registers), the block's warps meet once in shared memory; then as the FUSED kernel: O, or the split's partial
-    and the row's last block combining them. Indices from the block number by float reciprocals (arith.divmod_):
-    64-bit divisions on the critical path cost the first kernel microseconds."""
-    ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
-    dpl = d // 32
-    gdpl = G * dpl
+    """The decode kernel (route cacheattention.warps): a key's K and V rows are read by LPK lanes, one 16-byte
+    chunk each (fp16: 8 dims, so D = 128 takes 16 lanes and a warp reads 2 keys per load), G loads per lane in
+    flight per step; scores summed over the key's lanes by shuffles; each key group of the warp keeps its running
+    max, sum and weighted V, the groups then the warps meet (shuffles, then shared memory), then as the FUSED
+    kernel: O, or the split's partial and the row's last block combining them. The keys the call appends are read
+    from QKV and rotated (a short scalar loop after the cache's). Indices from the block number by float
+    reciprocals (arith.divmod_)."""
+    ld, st = (ld16, st16) if f16 else (ld32, st32)
+    ne = 8 if f16 else 4            # dims per lane (one 16-byte chunk)
+    lpk = lanes_per_key(10 if f16 else 1, d)
+    kpw = 32 // lpk                 # keys per warp load
+    span = G * kpw                  # keys per warp step
+    gw = G * 4                      # the step's words per lane (K and V each)
     half = d // 2
+    ld4 = make_ld4(LOAD)
+
+    rot = _rotation(f16, half)
+    copy_past, combine = _shared_steps(f16)
+
+    if SIM:
+        # the simulator: the warp's exchanges through shared memory, each in one pair of barriers (every thread
+        # of the block calls them); sums in lane order
+        def key_sums(sc, red, t):
+            for gl in range(G):
+                red[t * G + gl] = sc[gl]
+            cuda.syncthreads()
+            b0 = (t // lpk) * lpk
+            for gl in range(G):
+                v = float32(0.0)
+                for i in range(lpk):
+                    v = float32(v + red[(b0 + i) * G + gl])
+                sc[gl] = v
+            cuda.syncthreads()
+
+        def merge_groups(m, l_, acc, red, t):
+            st_ = ne + 2
+            red[t * st_] = m
+            red[t * st_ + 1] = l_
+            for i in range(ne):
+                red[t * st_ + 2 + i] = acc[i]
+            cuda.syncthreads()
+            w0 = (t // 32) * 32 + t % lpk
+            mm = NINF
+            for k in range(kpw):
+                mm = max(mm, red[(w0 + k * lpk) * st_])
+            lt = float32(0.0)
+            for i in range(ne):
+                acc[i] = float32(0.0)
+            for k in range(kpw):
+                b_ = (w0 + k * lpk) * st_
+                f = math.exp(red[b_] - mm) if red[b_] != NINF else float32(0.0)
+                lt += red[b_ + 1] * f
+                for i in range(ne):
+                    acc[i] += red[b_ + 2 + i] * f
+            cuda.syncthreads()
+            return mm, lt
+    else:
+        @device
+        def key_sums(sc, red, t):
+            """Each of the G scores summed over the lanes that share its key (butterfly shuffles)."""
+            for gl in range(G):
+                v = sc[gl]
+                for off in (16, 8, 4, 2, 1):
+                    if off < lpk:
+                        v += cuda.shfl_xor_sync(FULL, v, off)
+                sc[gl] = v
+
+        @device
+        def merge_groups(m, l_, acc, red, t):
+            """The running (max, sum, acc) of the warp's key groups merged (shuffles between the lanes that hold the
+            same dims): (max, sum) returned, acc updated, the same in every group."""
+            for off in (1, 2, 4, 8, 16):
+                if off >= lpk:
+                    mo = cuda.shfl_xor_sync(FULL, m, off)
+                    lo = cuda.shfl_xor_sync(FULL, l_, off)
+                    mm = max(m, mo)
+                    fa = math.exp(m - mm) if m != NINF else float32(0.0)
+                    fb = math.exp(mo - mm) if mo != NINF else float32(0.0)
+                    l_ = l_ * fa + lo * fb
+                    for i in range(ne):
+                        ao = cuda.shfl_xor_sync(FULL, acc[i], off)
+                        acc[i] = acc[i] * fa + ao * fb
+                    m = mm
+            return m, l_
 
     @device
-    def rot(x, base, j, cs, sn, cb):
-        if j < half:
-            return rnd(add(mul(ld(x, base + j), ld(cs, cb + j)), -mul(ld(x, base + j + half), ld(sn, cb + j))))
-        i = j - half
-        return rnd(add(mul(ld(x, base + j), ld(cs, cb + i)), mul(ld(x, base + i), ld(sn, cb + i))))
+    def elem(words, i, e):
+        """Dim e of the chunk held by words[i .. i + 4)."""
+        if f16:
+            return h2f((words[i + (e >> 1)] >> uint32(16 * (e & 1))) & uint32(0xFFFF))
+        return as_f32(words[i + e])
 
     @cuda.jit
     def kernel(qkv, pk, pv, seql, cs, sn, out, ok, ov, part, cnt, b_, s_, hq, hkv, p, length, nch, kpc, mpos, scale,
@@ -309,32 +468,22 @@ def _make_decode(f16, d):
         wl = cuda.shared.array(NW, float32)
         wacc = cuda.shared.array(WACC, float32)
         flag = cuda.shared.array(1, uint32)
-        qv = cuda.local.array(dpl, float32)
-        acc = cuda.local.array(dpl, float32)
-        kbuf = cuda.local.array(gdpl, float32)
-        vbuf = cuda.local.array(gdpl, float32)
+        ws = cuda.shared.array(NCH_MAX, float32)
+        qv = cuda.local.array(ne, float32)
+        acc = cuda.local.array(ne, float32)
+        kw = cuda.local.array(gw, uint32)
+        vw = cuda.local.array(gw, uint32)
         sc = cuda.local.array(G, float32)
         t = cuda.threadIdx.x
         lane = t % 32
         warp = t // 32
+        grp = lane // lpk               # the lane's key within a warp load
+        j0 = (lane % lpk) * ne          # its dims
         blk = int64(cuda.blockIdx.x)
         w = (hq + 2 * hkv) * d
         # past -> present where they are two buffers (as the FUSED kernel)
         if addr(pk) != addr(ok):
-            n_el = int64(b_) * hkv * p * d
-            i = blk * NT + t
-            stride = int64(cuda.gridDim.x) * NT
-            while i < n_el:
-                bi = i // (int64(hkv) * p * d)
-                pos_t = (i // d) % p
-                tb = int64(seql[bi]) + 1
-                lo = int64(0) if tb <= s_ else tb - s_
-                hi = int64(s_) if tb <= s_ else tb
-                if pos_t < lo or pos_t >= hi:
-                    e = ((i // (int64(p) * d)) * length + pos_t) * d + i % d
-                    ok[e] = pk[i]
-                    ov[e] = pv[i]
-                i += stride
+            copy_past(pk, pv, ok, ov, seql, b_, s_, hkv, p, length, d, blk, t)
         row, c = divmod_(blk, nch, inv_nch)
         bs, h = divmod_(row, hq, inv_hq)
         bi, si = divmod_(bs, s_, inv_s)
@@ -355,61 +504,89 @@ def _make_decode(f16, d):
             for j in range(t, d, NT):
                 st(ok, ob + j, rot(qkv, xrow + (hq + kh) * d, j, cs, sn, pos * half))
                 st(ov, ob + j, ld(qkv, xrow + (hq + hkv + kh) * d + j))
-        k0 = c * kpc
-        k1 = min(k0 + kpc, n)
-        if k0 >= k1:
-            return
-        j0 = lane * dpl
-        for i in range(dpl):
+        k0 = divmod_(c * n, nch, inv_nch)[0]        # the row's n keys split evenly over its nch blocks (a block
+        k1 = divmod_((c + 1) * n, nch, inv_nch)[0]  # with none still arrives, with an empty partial)
+        for i in range(ne):
             qv[i] = rot(qkv, xrow + h * d, j0 + i, cs, sn, pos * half)
             acc[i] = float32(0.0)
         m_run = NINF
         l_run = float32(0.0)
-        kvb = (bi * hkv + kh) * p
-        nit = (k1 - k0 + NW * G - 1) // (NW * G)
+        # the cache's keys: 16-byte loads, G per lane, then the scores and the running sums
+        kend = min(k1, lo_new)
+        cb = (bi * hkv + kh) * p * lpk + j0 // ne       # chunk of key 0's K row for this lane
+        nit = (kend - k0 + NW * span - 1) // (NW * span) if kend > k0 else int64(0)
         for it in range(nit):
-            kb = k0 + (it * NW + warp) * G
-            for gk in range(G):                     # the G keys' K and V rows: loads first
-                key = kb + gk
-                for i in range(dpl):
-                    kx = float32(0.0)
-                    vx = float32(0.0)
-                    if key < k1:
-                        if key >= lo_new:
-                            xb = (bi * s_ + key - lo_new) * w
-                            kx = rot(qkv, xb + (hq + kh) * d, j0 + i, cs, sn, key * half)
-                            vx = ld(qkv, xb + (hq + hkv + kh) * d + j0 + i)
-                        else:
-                            e = (kvb + key) * d + j0 + i
-                            kx = ld(pk, e)
-                            vx = ld(pv, e)
-                    kbuf[gk * dpl + i] = kx
-                    vbuf[gk * dpl + i] = vx
-            m_new = m_run
-            for gk in range(G):
+            kb = k0 + (it * NW + warp) * span + grp
+            for gl in range(G):
+                key = kb + gl * kpw
+                if key < kend:
+                    ch = cb + key * lpk
+                    k_0, k_1, k_2, k_3 = ld4(pk, ch)
+                    v_0, v_1, v_2, v_3 = ld4(pv, ch)
+                else:
+                    k_0 = k_1 = k_2 = k_3 = v_0 = v_1 = v_2 = v_3 = uint32(0)
+                kw[gl * 4] = k_0
+                kw[gl * 4 + 1] = k_1
+                kw[gl * 4 + 2] = k_2
+                kw[gl * 4 + 3] = k_3
+                vw[gl * 4] = v_0
+                vw[gl * 4 + 1] = v_1
+                vw[gl * 4 + 2] = v_2
+                vw[gl * 4 + 3] = v_3
+            for gl in range(G):
                 dot = float32(0.0)
-                for i in range(dpl):
-                    dot += qv[i] * kbuf[gk * dpl + i]
-                dot = _allsum(dot, red, t)
-                sc[gk] = dot * scale if kb + gk < k1 else NINF
-                m_new = max(m_new, sc[gk])
+                for i in range(ne):
+                    dot += qv[i] * elem(kw, gl * 4, i)
+                sc[gl] = dot
+            key_sums(sc, red, t)
+            m_new = m_run
+            for gl in range(G):
+                sc[gl] = sc[gl] * scale if kb + gl * kpw < kend else NINF
+                m_new = max(m_new, sc[gl])
             if m_new != NINF:
                 corr = math.exp(m_run - m_new) if m_run != NINF else float32(0.0)
                 l_run = l_run * corr
-                for i in range(dpl):
+                for i in range(ne):
                     acc[i] = acc[i] * corr
-                for gk in range(G):
-                    pr = math.exp(sc[gk] - m_new) if kb + gk < k1 else float32(0.0)
+                for gl in range(G):
+                    pr = math.exp(sc[gl] - m_new) if sc[gl] != NINF else float32(0.0)
                     l_run += pr
-                    for i in range(dpl):
-                        acc[i] += pr * vbuf[gk * dpl + i]
+                    for i in range(ne):
+                        acc[i] += pr * elem(vw, gl * 4, i)
                 m_run = m_new
-        # the warps' (max, sum, acc) meet in shared memory
+        # the keys the call appends (decode: one): from QKV, rotated
+        k2 = max(k0, lo_new)
+        nit = (k1 - k2 + NW * kpw - 1) // (NW * kpw) if k1 > k2 else int64(0)
+        for it in range(nit):
+            key = k2 + (it * NW + warp) * kpw + grp
+            ok_ = key < k1
+            xb = (bi * s_ + key - lo_new) * w
+            dot = float32(0.0)
+            if ok_:
+                for i in range(ne):
+                    dot += qv[i] * rot(qkv, xb + (hq + kh) * d, j0 + i, cs, sn, key * half)
+            sc[0] = dot
+            for gl in range(1, G):
+                sc[gl] = float32(0.0)
+            key_sums(sc, red, t)
+            sk = sc[0] * scale if ok_ else NINF
+            m_new = max(m_run, sk)
+            if m_new != NINF:
+                corr = math.exp(m_run - m_new) if m_run != NINF else float32(0.0)
+                pr = math.exp(sk - m_new) if ok_ else float32(0.0)
+                l_run = l_run * corr + pr
+                for i in range(ne):
+                    vx = ld(qkv, xb + (hq + hkv + kh) * d + j0 + i) if ok_ else float32(0.0)
+                    acc[i] = acc[i] * corr + pr * vx
+                m_run = m_new
+        # the warp's key groups meet (lanes of the same dims), then the warps in shared memory
+        m_run, l_run = merge_groups(m_run, l_run, acc, red, t)
         if lane == 0:
             wm[warp] = m_run
             wl[warp] = l_run
-        for i in range(dpl):
-            wacc[warp * d + j0 + i] = acc[i]
+        if grp == 0:
+            for i in range(ne):
+                wacc[warp * d + j0 + i] = acc[i]
         cuda.syncthreads()
         mx = NINF
         for w2 in range(NW):
@@ -435,22 +612,8 @@ def _make_decode(f16, d):
         if t == 0:
             part[pb + d] = mx
             part[pb + d + 1] = lb
-        nact = (n + kpc - 1) // kpc
-        if splitk.arrive_last(cnt, row, nact, flag, t == 0):
-            base = row * nch * stride
-            mt = NINF
-            for c2 in range(nact):
-                mt = max(mt, part[base + c2 * stride + d])
-            ltot = float32(0.0)
-            for c2 in range(nact):
-                ltot += part[base + c2 * stride + d + 1] * math.exp(part[base + c2 * stride + d] - mt)
-            for j in range(t, d, NT):
-                a = float32(0.0)
-                for c2 in range(nact):
-                    a += part[base + c2 * stride + j] * math.exp(part[base + c2 * stride + d] - mt)
-                st(out, ob + j, a / ltot)
-            if t == 0:
-                cnt[row] = uint32(0)
+        if splitk.arrive_last(cnt, row, nch, flag, t == 0):
+            combine(part, cnt, out, row, nch, nch, d, t, red, ws)
 
     return kernel
 
@@ -463,12 +626,14 @@ def _signature(elem, warps=False):
 
 # Which kernel serves which call (routing.py). Case: M = query rows (B S Hq), K = D, N = present length.
 ROUTES = (
-    Route("cacheattention.warps", f"rows (B S Hq) <= SPLIT_ROWS, D a multiple of 32 up to {DMAX}: each row's keys "
-          "split over up to NCH_MAX blocks, G keys per warp step, combined by the row's last block",
-          lambda c: c.m <= SPLIT_ROWS and c.k % 32 == 0 and c.k <= DMAX,
-          "BENCHMARKS.md, CacheAttention in genai's loop (ncu, H200 2026-11-30, 16 heads, D = 128, a 2048-position "
-          "cache: 28.7-29.3 us against the first kernel's 33.9-34.8 at 201 keys, 46.1-46.9 / 42.7-46.8 at 1001)"),
-    Route("cacheattention.split", "other head sizes at rows <= SPLIT_ROWS: the first kernel, one block per (row, "
+    Route("cacheattention.warps", f"rows (B S Hq) <= SPLIT_ROWS, D / (8 fp16 or 4 fp32 dims) a power of two up to "
+          f"32 lanes, D <= {DMAX}, past 16-byte aligned: each row's keys split evenly over NSPLIT blocks, 16-byte K / V "
+          "loads, G per lane in flight, combined by the row's last block",
+          lambda c: c.m <= SPLIT_ROWS and c.aligned and lanes_per_key(10 if c.dtype == "float16" else 1, c.k) > 0,
+          "BENCHMARKS.md, CacheAttention in genai's loop (H200 2026-11-30, 16 heads, D = 128, a 2048-position "
+          "cache; ncu: 15.1-15.5 us at 201 keys, 19.6-20.4 at 2000, against the first kernel's 34.1-34.6 / "
+          "75.9-78.3; genai's loop: 11.2 us per launch)"),
+    Route("cacheattention.split", "other head sizes (or an unaligned past) at rows <= SPLIT_ROWS: the first kernel, one block per (row, "
           "split), block barriers per CH keys", lambda c: c.m <= SPLIT_ROWS,
           "correctness fallback (D not a multiple of 32); as the decode kernel in genai's loop it took 27 us per "
           "launch (BENCHMARKS.md, CacheAttention in genai's loop)"),
@@ -493,7 +658,10 @@ def launcher(elem, d, mode):
 
 
 def splits(rows, length, name):
-    """(nch, kpc): blocks per row and keys per block."""
+    """(nch, kpc): blocks per row and keys per block (the decode kernel: NSPLIT blocks sharing the row's keys as
+    the device finds them, kpc unused)."""
+    if name == "cacheattention.warps":
+        return NSPLIT, 0
     steps = max(1, -(-length // CH))
     if name == "cacheattention.rows":
         return 1, steps * CH
@@ -535,7 +703,8 @@ class CacheAttentionCudaKernel(Kernel):
         rows = b * s * self.hq
         if rows == 0 or length == 0:
             return
-        name = route(ROUTES, Case(DTYPES[self.elem], rows, d, length)).kernel
+        name = route(ROUTES, Case(DTYPES[self.elem], rows, d, length,
+                                  aligned=pk.ptr % 16 == 0 and pv.ptr % 16 == 0)).kernel
         nch, kpc = splits(rows, length, name)
         floats = rows * nch * (d + 2) if nch > 1 else 0
         part = self.pool.partials(ctx, floats)

@@ -88,16 +88,21 @@ else:
 
 
 def make_ld4(asm):
-    """ld4(arr, i) -> bytes [16i, 16i + 16) of a uint32 or uint64 array (its 16-byte chunk i) as 4 uint32 words,
-    low first, in one 128-bit load (``asm``: the PTX load instruction without operands). The address must be 16-byte
-    aligned."""
+    """ld4(arr, i) -> bytes [16i, 16i + 16) of an array (its 16-byte chunk i: 8 uint16, 4 uint32 / float32 or 2
+    uint64 elements) as 4 uint32 words, low first, in one 128-bit load (``asm``: the PTX load instruction without
+    operands). The address must be 16-byte aligned."""
     if SIM:
         def ld4(a, i):
             if a.dtype.itemsize == 8:
                 j = 2 * int(i)
                 u, v = int(a[j]), int(a[j + 1])
                 return (np.uint32(u & 0xFFFFFFFF), np.uint32(u >> 32), np.uint32(v & 0xFFFFFFFF), np.uint32(v >> 32))
+            if a.dtype.itemsize == 2:       # fp16 bits: 8 elements, two per word
+                j = 8 * int(i)
+                return tuple(np.uint32(int(a[j + 2 * k]) | int(a[j + 2 * k + 1]) << 16) for k in range(4))
             j = 4 * int(i)
+            if a.dtype == np.float32:
+                return tuple(np.float32(a[j + k]).view(np.uint32) for k in range(4))
             return a[j], a[j + 1], a[j + 2], a[j + 3]
         return ld4
 
