@@ -259,6 +259,7 @@ def test_routes():
     # 16-byte chunks per key not a power of two up to 32, or an unaligned cache: the first kernel
     assert name(16, 96) == "cacheattention.split" and name(16, 80) == "cacheattention.split"
     assert name(16, 288) == "cacheattention.split" and name(16, 256, "float32") == "cacheattention.split"
+    assert name(16, 8) == "cacheattention.split" and name(16, 8, "float32") == "cacheattention.warps"
     assert name(16, al=False) == "cacheattention.split"
     assert name(cacheattention_cuda.SPLIT_ROWS + 1) == "cacheattention.rows"
     assert cacheattention_cuda.splits(16, 2048, "cacheattention.warps") == (cacheattention_cuda.NSPLIT, 0)

@@ -169,7 +169,10 @@ def _shared_steps(f16):
             ws[c0] = w0
             ws[c1] = w1
         cuda.syncthreads()
-        for j in range(t, d, NT):
+        for q_ in range(DPT):
+            j = t + q_ * NT
+            if j >= d:
+                break
             a = float32(0.0)
             c2 = 0
             while c2 + 8 <= nact:           # 8 independent loads, then the adds in split order
@@ -362,9 +365,11 @@ WACC = NW * DMAX
 
 def lanes_per_key(elem, d):
     """Lanes of a warp that share one key in the decode kernel (each a 16-byte chunk of its K and V rows: 8 fp16 or
-    4 fp32 dims), or 0 where that is not a power of two up to 32 (the head size then goes to the first kernel)."""
-    lpk, rem = divmod(d, 8 if elem == 10 else 4)
-    return lpk if rem == 0 and 0 < lpk <= 32 and lpk & (lpk - 1) == 0 and d <= DMAX else 0
+    4 fp32 dims), or 0 where that is not a power of two up to 32 or a chunk would straddle the rotation's halves
+    (the head size then goes to the first kernel)."""
+    ne = 8 if elem == 10 else 4
+    lpk = d // ne
+    return lpk if d % (2 * ne) == 0 and 0 < lpk <= 32 and lpk & (lpk - 1) == 0 and d <= DMAX else 0
 
 
 def _make_decode(f16, d):
@@ -375,7 +380,7 @@ def _make_decode(f16, d):
     kernel: O, or the split's partial and the row's last block combining them. The keys the call appends are read
     from QKV and rotated (a short scalar loop after the cache's). Indices from the block number by float
     reciprocals (arith.divmod_)."""
-    ld, st = (ld16, st16) if f16 else (ld32, st32)
+    ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
     ne = 8 if f16 else 4            # dims per lane (one 16-byte chunk)
     lpk = lanes_per_key(10 if f16 else 1, d)
     kpw = 32 // lpk                 # keys per warp load
@@ -460,6 +465,31 @@ def _make_decode(f16, d):
             return h2f((words[i + (e >> 1)] >> uint32(16 * (e & 1))) & uint32(0xFFFF))
         return as_f32(words[i + e])
 
+    @device
+    def load(words, i, a, ch):
+        """words[i .. i + 4) = chunk ch of a (one 16-byte load)."""
+        w0, w1, w2, w3 = ld4(a, ch)
+        words[i] = w0
+        words[i + 1] = w1
+        words[i + 2] = w2
+        words[i + 3] = w3
+
+    @device
+    def rot_chunk(x, xb, j0, cs, sn, pos, rw, dst):
+        """dst[0 .. ne) = dims j0 .. j0 + ne of the head at x[xb:xb + d] rotated at ``pos`` (as _rotation: the
+        same roundings), from four 16-byte loads (the lane's chunk, its partner half's, cos, sin) into rw[0 .. 16)."""
+        lo = j0 < half
+        pj = j0 + half if lo else j0 - half
+        load(rw, 0, x, (xb + j0) // ne)
+        load(rw, 4, x, (xb + pj) // ne)
+        cb = (pos * half + min(j0, pj)) // ne
+        load(rw, 8, cs, cb)
+        load(rw, 12, sn, cb)
+        for e in range(ne):
+            a = mul(elem(rw, 0, e), elem(rw, 8, e))
+            b = mul(elem(rw, 4, e), elem(rw, 12, e))
+            dst[e] = rnd(add(a, -b) if lo else add(a, b))
+
     @cuda.jit
     def kernel(qkv, pk, pv, seql, cs, sn, out, ok, ov, part, cnt, b_, s_, hq, hkv, p, length, nch, kpc, mpos, scale,
                g, inv_nch, inv_hq, inv_s, inv_g):
@@ -474,6 +504,8 @@ def _make_decode(f16, d):
         kw = cuda.local.array(gw, uint32)
         vw = cuda.local.array(gw, uint32)
         sc = cuda.local.array(G, float32)
+        rw = cuda.local.array(16, uint32)
+        kx = cuda.local.array(ne, float32)
         t = cuda.threadIdx.x
         lane = t % 32
         warp = t // 32
@@ -496,18 +528,22 @@ def _make_decode(f16, d):
         xrow = (bi * s_ + si) * w
         if tb < 1 or tb > length or pos < 0 or pos >= mpos:
             if c == 0:
-                for j in range(t, d, NT):
-                    st(out, row * d + j, NAN)
+                for q_ in range(DMAX // NT):
+                    j = t + q_ * NT
+                    if j < d:
+                        st(out, row * d + j, NAN)
             return
         if c == 0 and hr == 0:
             ob = ((bi * hkv + kh) * length + pos) * d
-            for j in range(t, d, NT):
-                st(ok, ob + j, rot(qkv, xrow + (hq + kh) * d, j, cs, sn, pos * half))
-                st(ov, ob + j, ld(qkv, xrow + (hq + hkv + kh) * d + j))
+            for q_ in range(DMAX // NT):
+                j = t + q_ * NT
+                if j < d:
+                    st(ok, ob + j, rot(qkv, xrow + (hq + kh) * d, j, cs, sn, pos * half))
+                    st(ov, ob + j, ld(qkv, xrow + (hq + hkv + kh) * d + j))
         k0 = divmod_(c * n, nch, inv_nch)[0]        # the row's n keys split evenly over its nch blocks (a block
         k1 = divmod_((c + 1) * n, nch, inv_nch)[0]  # with none still arrives, with an empty partial)
+        rot_chunk(qkv, xrow + h * d, j0, cs, sn, pos, rw, qv)
         for i in range(ne):
-            qv[i] = rot(qkv, xrow + h * d, j0 + i, cs, sn, pos * half)
             acc[i] = float32(0.0)
         m_run = NINF
         l_run = float32(0.0)
@@ -563,8 +599,10 @@ def _make_decode(f16, d):
             xb = (bi * s_ + key - lo_new) * w
             dot = float32(0.0)
             if ok_:
+                rot_chunk(qkv, xb + (hq + kh) * d, j0, cs, sn, key, rw, kx)
+                load(rw, 0, qkv, (xb + (hq + hkv + kh) * d + j0) // ne)
                 for i in range(ne):
-                    dot += qv[i] * rot(qkv, xb + (hq + kh) * d, j0 + i, cs, sn, key * half)
+                    dot += qv[i] * kx[i]
             sc[0] = dot
             for gl in range(1, G):
                 sc[gl] = float32(0.0)
@@ -576,7 +614,7 @@ def _make_decode(f16, d):
                 pr = math.exp(sk - m_new) if ok_ else float32(0.0)
                 l_run = l_run * corr + pr
                 for i in range(ne):
-                    vx = ld(qkv, xb + (hq + hkv + kh) * d + j0 + i) if ok_ else float32(0.0)
+                    vx = elem(rw, 0, i) if ok_ else float32(0.0)
                     acc[i] = acc[i] * corr + pr * vx
                 m_run = m_new
         # the warp's key groups meet (lanes of the same dims), then the warps in shared memory
@@ -598,7 +636,10 @@ def _make_decode(f16, d):
         ob = row * d
         stride = d + 2
         pb = (row * nch + c) * stride
-        for j in range(t, d, NT):
+        for q_ in range(DMAX // NT):
+            j = t + q_ * NT
+            if j >= d:
+                break
             a = float32(0.0)
             for w2 in range(NW):
                 if wm[w2] != NINF:
@@ -627,14 +668,15 @@ def _signature(elem, warps=False):
 # Which kernel serves which call (routing.py). Case: M = query rows (B S Hq), K = D, N = present length.
 ROUTES = (
     Route("cacheattention.warps", f"rows (B S Hq) <= SPLIT_ROWS, D / (8 fp16 or 4 fp32 dims) a power of two up to "
-          f"32 lanes, D <= {DMAX}, past 16-byte aligned: each row's keys split evenly over NSPLIT blocks, 16-byte K / V "
-          "loads, G per lane in flight, combined by the row's last block",
+          f"32 lanes, D <= {DMAX}, D / 2 a multiple of those dims, QKV, past and the tables 16-byte aligned: each "
+          "row's keys split evenly over NSPLIT blocks, 16-byte loads, G per lane in flight, combined by the row's "
+          "last block",
           lambda c: c.m <= SPLIT_ROWS and c.aligned and lanes_per_key(10 if c.dtype == "float16" else 1, c.k) > 0,
           "BENCHMARKS.md, CacheAttention in genai's loop (H200 2026-11-30, 16 heads, D = 128, a 2048-position "
-          "cache; ncu: 15.1-15.5 us at 201 keys, 19.6-20.4 at 2000, against the first kernel's 34.1-34.6 / "
-          "75.9-78.3; genai's loop: 11.2 us per launch)"),
-    Route("cacheattention.split", "other head sizes (or an unaligned past) at rows <= SPLIT_ROWS: the first kernel, one block per (row, "
-          "split), block barriers per CH keys", lambda c: c.m <= SPLIT_ROWS,
+          "cache; ncu, warm: 8.0-8.7 us at 201 keys, 11.2-11.5 at 2000, against the first kernel's 20.4-22.1 / "
+          "44.5-48.5; genai's loop: 8.1 us per launch, GroupQueryAttention's four kernels 12.0 us per layer)"),
+    Route("cacheattention.split", "other head sizes (or unaligned buffers) at rows <= SPLIT_ROWS: the first kernel, "
+          "one block per (row, split), block barriers per CH keys", lambda c: c.m <= SPLIT_ROWS,
           "correctness fallback (D not a multiple of 32); as the decode kernel in genai's loop it took 27 us per "
           "launch (BENCHMARKS.md, CacheAttention in genai's loop)"),
     Route("cacheattention.rows", "more rows (prefill): the append, then one block per row over all its keys in "
@@ -704,7 +746,7 @@ class CacheAttentionCudaKernel(Kernel):
         if rows == 0 or length == 0:
             return
         name = route(ROUTES, Case(DTYPES[self.elem], rows, d, length,
-                                  aligned=pk.ptr % 16 == 0 and pv.ptr % 16 == 0)).kernel
+                                  aligned=all(x.ptr % 16 == 0 for x in (qkv, pk, pv, cs, sn)))).kernel
         nch, kpc = splits(rows, length, name)
         floats = rows * nch * (d + 2) if nch > 1 else 0
         part = self.pool.partials(ctx, floats)
