@@ -4,8 +4,9 @@ lengths, rotary + append, the attention).
 
 Decode (rows B S Hq <= SPLIT_ROWS) takes one launch: the warp kernel (``_make_decode``, where a K / V row is D / 8
 (fp16) or D / 4 (fp32) 16-byte chunks, a power of two up to 32: a chunk per lane, G loads per lane in flight, scores
-by shuffles, each row's keys split evenly over NSPLIT blocks), or for other head sizes the first kernel in mode FUSED; a prompt two launches of the first kernel: APPEND (steps 1-2), then
-PRESENT (steps 3-4 reading every key from present: each key rotated once, not once per query row that reads it).
+by shuffles, each row's keys split evenly over NSPLIT blocks), or for other head sizes the first kernel in mode FUSED.
+A prompt takes two launches of the first kernel: APPEND (steps 1-2), then PRESENT (steps 3-4 reading every key from
+present: each key rotated once, not once per query row that reads it).
 The first kernel (``_make``): one block of NT threads per (query row, key split); a query row is (b, s, h). A block:
   1. copies its share of past into present, element by element over the whole grid, when onnxruntime gave the node
      two buffers (compared on the device: with genai's shared past / present buffer nothing is copied); positions
