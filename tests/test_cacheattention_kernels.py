@@ -115,7 +115,7 @@ def test_reference_is_onnxruntimes_group_query_attention(dt, share, gen):
 
 
 CASES = [  # (Hq, Hkv, D, B, S, P, share, hist): decode through the warp kernel (D / 8 fp16 or 4 fp32 dims a power of
-    # two: shared buffer, several splits; two buffers, batch 2; a continuation of 3 tokens; five splits; D = 8: one
+    # two: shared buffer, several splits; two buffers, batch 2; a continuation of 3 tokens; 120 keys; D = 8: one
     # or two lanes per key), and through the first kernel (D = 6, D = 96)
     (4, 2, 32, 1, 1, 40, 1, 37), (4, 2, 32, 2, 1, 7, 0, 7), (2, 2, 32, 1, 3, 20, 1, 4), (1, 1, 64, 1, 1, 130, 1, 120),
     (2, 1, 8, 1, 5, 0, 0, 0), (3, 1, 6, 1, 1, 9, 0, 9), (1, 1, 8, 1, 1, 70, 1, 65), (2, 1, 96, 1, 1, 12, 1, 10)]
@@ -183,11 +183,11 @@ def test_cpu_kernel_in_place_on_a_long_buffer(dt):
 
 @pytest.mark.parametrize("dt", [F32, F16])
 def test_cuda_warp_kernel_several_steps_per_block(dt, monkeypatch):
-    """Two blocks per row (NSPLIT lowered) sharing 91 keys: each warp of the decode kernel takes several steps of G
-    keys."""
+    """One block per row (NSPLIT lowered) over 301 keys: the block's warps take several steps of G loads each (fp32:
+    64 keys per step of the block, 5 steps; fp16: 128, 3 steps)."""
     gpu_or_sim()
-    monkeypatch.setattr(cacheattention_cuda, "NSPLIT", 2)
-    args = _call(dt, 2, 1, 32, 1, 1, 100, 1, 90, seed=9)
+    monkeypatch.setattr(cacheattention_cuda, "NSPLIT", 1)
+    args = _call(dt, 2, 1, 32, 1, 1, 310, 1, 300, seed=9)
     want = ca.apply(*args, 2, 1, 0.0, 1)
     _check(_cuda(args, 2, 1, 1), want, dt)
 

@@ -359,7 +359,7 @@ def _make(f16, d, mode):
 
 NW = NT // 32           # warps per block
 G = 4                   # 16-byte K and V loads per lane in flight per step of the decode kernel
-NSPLIT = 4 if SIM else 16  # blocks per query row of the decode kernel, whatever the length: each n / NSPLIT keys
+NSPLIT = 2 if SIM else 16  # blocks per query row of the decode kernel, whatever the length: each n / NSPLIT keys
 DMAX = 256              # largest head size of the decode kernel (shared memory for the warps' sums)
 WACC = NW * DMAX
 
