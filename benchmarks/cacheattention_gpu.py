@@ -6,7 +6,8 @@ buffer as genai binds them. Python's launch cost hides the kernels' own time fro
     PYTHONPATH=/tmp/site:. ncu --kernel-name regex:kernel --metrics gpu__time_duration.sum \\
         python3 benchmarks/cacheattention_gpu.py [--keys 201,1001] [--heads 16] [--dim 128] [--length 2048]
 
-Prints which route each group of launches ran; ncu prints their durations in the same order.
+Prints which route each group of launches ran; ncu prints their durations in the same order. ``--prompt N``: a
+first prompt of N tokens through the tensor-core route, then the rows route, instead.
 """
 from __future__ import annotations
 
@@ -22,7 +23,11 @@ def main(argv=None):
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--length", type=int, default=2048, help="the cache buffer's positions (genai's max_length)")
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=0,
+                    help="time a first prompt of this many tokens instead (routes cacheattention.tc and .rows)")
     a = ap.parse_args(argv)
+    if a.prompt:
+        return prompt(a)
     from numba import cuda
 
     from onnx_lowbit.custom_ops.attention import cacheattention_cuda as kmod
@@ -44,6 +49,32 @@ def main(argv=None):
                 run()
             cuda.synchronize()
             print(f"ran {name} x{a.launches}: {h} heads, D = {d}, {keys} keys in a {length}-position cache", flush=True)
+    kmod.ROUTES = full
+
+
+def prompt(a):
+    """A first prompt of a.prompt tokens through the tensor-core route, then the rows route (each: the append
+    launch, then the attention launch)."""
+    from numba import cuda
+
+    from onnx_lowbit.custom_ops.attention import cacheattention_cuda as kmod
+    from onnx_lowbit.custom_ops.runtime import direct
+    rng = np.random.default_rng(0)
+    h, d, length, s = a.heads, a.dim, a.length, a.prompt
+    full = kmod.ROUTES
+    for name in ("cacheattention.tc", "cacheattention.rows"):
+        kmod.ROUTES = tuple(r for r in full if r.kernel == name)
+        dev = lambda *shape: cuda.to_device(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
+        qkv, pk, pv = dev(1, s, 3 * h * d), dev(1, h, length, d), dev(1, h, length, d)
+        cs, sn = dev(length, d // 2), dev(length, d // 2)
+        sl = cuda.to_device(np.array([s - 1], np.int32))
+        o = cuda.device_array((1, s, h * d), np.float16)
+        run = direct.call("CacheAttention", dict(num_heads=h, kv_num_heads=h, share_buffer=1),
+                          [qkv, pk, pv, sl, cs, sn], [o, pk, pv], 0)
+        for _ in range(a.launches):
+            run()
+        cuda.synchronize()
+        print(f"ran {name} x{a.launches} (2 launches each): a {s}-token prompt, {h} heads, D = {d}", flush=True)
     kmod.ROUTES = full
 
 

@@ -120,8 +120,9 @@ CASES = [  # (Hq, Hkv, D, B, S, P, share, hist): decode through the warp kernel 
     (4, 2, 32, 1, 1, 40, 1, 37), (4, 2, 32, 2, 1, 7, 0, 7), (2, 2, 32, 1, 3, 20, 1, 4), (1, 1, 64, 1, 1, 130, 1, 120),
     (2, 1, 8, 1, 5, 0, 0, 0), (3, 1, 6, 1, 1, 9, 0, 9), (1, 1, 8, 1, 1, 70, 1, 65), (2, 1, 96, 1, 1, 12, 1, 10)]
 ROWS_CASES = [(2, 1, 8, 1, 5, 0, 0, 0), (2, 2, 8, 1, 3, 40, 1, 33)]    # through the rows kernel (SPLIT_ROWS lowered)
-GPU_CASES = [(16, 16, 128, 1, 1, 2048, 1, 1000), (32, 8, 128, 1, 1, 4096, 1, 3000), (9, 3, 64, 1, 1, 2048, 1, 700),
-             (16, 16, 128, 1, 300, 2048, 1, 0), (9, 3, 64, 1, 128, 2048, 1, 0)]     # genai-sized, on the GPU only
+GPU_CASES = [  # genai-sized, on the GPU only: decode, then prompts (the tensor-core route), one after 700 tokens
+    (16, 16, 128, 1, 1, 2048, 1, 1000), (32, 8, 128, 1, 1, 4096, 1, 3000), (9, 3, 64, 1, 1, 2048, 1, 700),
+    (16, 16, 128, 1, 300, 2048, 1, 0), (9, 3, 64, 1, 128, 2048, 1, 0), (8, 2, 128, 1, 200, 2048, 1, 700)]
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -162,6 +163,30 @@ def test_cuda_rows_kernel(case, dt, monkeypatch):
     args = _call(dt, hq, hkv, d, b, s, p, share, hist, seed=7)
     want = ca.apply(*args, hq, hkv, 0.0, share)
     _check(_cuda(args, hq, hkv, share), want, dt)
+
+
+TC_CASES = [(2, 1, 16, 1, 40, 0, 0, 0), (2, 2, 32, 2, 20, 48, 1, 5), (4, 2, 16, 1, 70, 0, 0, 0)]
+
+
+@pytest.mark.parametrize("case", TC_CASES)
+def test_cuda_tc_prompt_kernel(case, monkeypatch):
+    """The tensor-core prompt route (fp16, tiles of 64 query rows x 32 keys), on small shapes: a first prompt over
+    two key tiles, a batch of two continuing a shared buffer, two query tiles."""
+    gpu_or_sim()
+    monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
+    hq, hkv, d, b, s, p, share, hist = case
+    args = _call(F16, hq, hkv, d, b, s, p, share, hist, seed=12)
+    want = ca.apply(*args, hq, hkv, 0.0, share)
+    _check(_cuda(args, hq, hkv, share), want, F16)
+
+
+def test_cuda_tc_prompt_kernel_padded_rows_and_a_scale(monkeypatch):
+    """A right-padded first prompt (rows of 12 and 7 tokens) and an explicit scale through the tensor-core route."""
+    gpu_or_sim()
+    monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
+    args = _call(F16, 2, 1, 16, 2, 12, 0, 0, 0, seed=13, lengths=[12, 7])
+    want = ca.apply(*args, 2, 1, 0.3, 0)
+    _check(_cuda(args, 2, 1, 0, 0.3), want, F16)
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -261,7 +286,10 @@ def test_routes():
     assert name(16, 288) == "cacheattention.split" and name(16, 256, "float32") == "cacheattention.split"
     assert name(16, 8) == "cacheattention.split" and name(16, 8, "float32") == "cacheattention.warps"
     assert name(16, al=False) == "cacheattention.split"
-    assert name(cacheattention_cuda.SPLIT_ROWS + 1) == "cacheattention.rows"
+    assert name(cacheattention_cuda.SPLIT_ROWS + 1) == "cacheattention.tc"
+    assert name(cacheattention_cuda.SPLIT_ROWS + 1, 128, "float32") == "cacheattention.rows"
+    assert name(cacheattention_cuda.SPLIT_ROWS + 1, 8) == "cacheattention.rows"
+    assert name(cacheattention_cuda.SPLIT_ROWS + 1, al=False) == "cacheattention.rows"
     assert cacheattention_cuda.splits(16, 2048, "cacheattention.warps") == (cacheattention_cuda.NSPLIT, 0)
     assert cacheattention_cuda.splits(16, 2048, "cacheattention.split") == (64, 32)
     assert cacheattention_cuda.splits(16, 4096, "cacheattention.split") == (64, 64)

@@ -5,8 +5,9 @@ lengths, rotary + append, the attention).
 Decode (rows B S Hq <= SPLIT_ROWS) takes one launch: the warp kernel (``_make_decode``, where a K / V row is D / 8
 (fp16) or D / 4 (fp32) 16-byte chunks, a power of two up to 32: a chunk per lane, G loads per lane in flight, scores
 by shuffles, each row's keys split evenly over NSPLIT blocks), or for other head sizes the first kernel in mode FUSED.
-A prompt takes two launches of the first kernel: APPEND (steps 1-2), then PRESENT (steps 3-4 reading every key from
-present: each key rotated once, not once per query row that reads it).
+A prompt takes two launches: APPEND (steps 1-2 of the first kernel), then the attention over present: fp16 head
+sizes a multiple of 16 on tensor cores (cacheattention_tc_cuda.py), others by the first kernel in mode PRESENT
+(steps 3-4 reading every key from present: each key rotated once, not once per query row that reads it).
 The first kernel (``_make``): one block of NT threads per (query row, key split); a query row is (b, s, h). A block:
   1. copies its share of past into present, element by element over the whole grid, when onnxruntime gave the node
      two buffers (compared on the device: with genai's shared past / present buffer nothing is copied); positions
@@ -38,9 +39,10 @@ from ..device.arith import add, divmod_, mul
 from ..device.fp16 import as_f32, h2f, r16, same
 from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32
-from ..device.target import SIM, device
+from ..device.target import SIM, device, tc_device
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
+from . import cacheattention_tc_cuda as tc
 
 NT = 128                # threads per block
 CH = 32                 # keys per step of a block (NT / CH threads per key in the scores)
@@ -680,6 +682,10 @@ ROUTES = (
           "one block per (row, split), block barriers per CH keys", lambda c: c.m <= SPLIT_ROWS,
           "correctness fallback (head sizes the warp kernel does not take); as the decode kernel in genai's loop "
           "it took 27 us per launch (BENCHMARKS.md, CacheAttention in genai's loop)"),
+    Route("cacheattention.tc", f"more rows (prefill), fp16, D a multiple of 16 up to {tc.TCD}, tensor cores, "
+          "buffers 16-byte aligned: the append, then tiles of 64 query rows x 32 keys on mma.sync (P in fp16)",
+          lambda c: c.m > SPLIT_ROWS and c.dtype == "float16" and c.tc and c.aligned and tc.fits(c.k),
+          "not yet measured on a GPU (simulator-tested); replaces the rows kernel's prompts (81 ms at 1024 tokens)"),
     Route("cacheattention.rows", "more rows (prefill): the append, then one block per row over all its keys in "
           "present", always,
           "BENCHMARKS.md, same section (prompt 1024: 81 against 6.5 ms for genai's whole prefill)"),
@@ -706,7 +712,7 @@ def splits(rows, length, name):
     if name == "cacheattention.warps":
         return NSPLIT, 0
     steps = max(1, -(-length // CH))
-    if name == "cacheattention.rows":
+    if name in ("cacheattention.rows", "cacheattention.tc"):
         return 1, steps * CH
     per = -(-steps // NCH_MAX)
     kpc = per * CH
@@ -727,6 +733,7 @@ class CacheAttentionCudaKernel(Kernel):
         if self.hq < 1 or self.hkv < 1 or self.hq % self.hkv:
             raise KernelError(f"num_heads ({self.hq}) must be a positive multiple of kv_num_heads ({self.hkv})")
         self.pool = splitk.ScratchPool(1, COUNTERS)
+        self.tc = SIM or tc_device()
 
     def compute(self, ctx, inputs):
         qkv, pk, pv, sl, cs, sn = (self.check_input(inputs, i) for i in range(6))
@@ -746,7 +753,7 @@ class CacheAttentionCudaKernel(Kernel):
         rows = b * s * self.hq
         if rows == 0 or length == 0:
             return
-        name = route(ROUTES, Case(DTYPES[self.elem], rows, d, length,
+        name = route(ROUTES, Case(DTYPES[self.elem], rows, d, length, tc=self.tc,
                                   aligned=all(x.ptr % 16 == 0 for x in (qkv, pk, pv, cs, sn)))).kernel
         nch, kpc = splits(rows, length, name)
         floats = rows * nch * (d + 2) if nch > 1 else 0
@@ -764,6 +771,11 @@ class CacheAttentionCudaKernel(Kernel):
             g = self.hq // self.hkv
             launcher(self.elem, d, WARPS).launch(rows * nch, NT, ctx.stream, *args, g, 1.0 / nch, 1.0 / self.hq,
                                                  1.0 / s, 1.0 / g)
+            return
+        if name == "cacheattention.tc":         # the append, then the tensor-core kernel over present
+            launcher(self.elem, d, APPEND).launch(rows * nch, NT, ctx.stream, *args)
+            ptrs = (args[0], args[7], args[8], args[3], args[4], args[5], args[6])
+            tc.launch(ctx.stream, ptrs, b, s, self.hq, self.hkv, d, length, cs.shape[0], sc)
             return
         for mode in ((FUSED,) if name == "cacheattention.split" else (APPEND, PRESENT)):
             launcher(self.elem, d, mode).launch(rows * nch, NT, ctx.stream, *args)

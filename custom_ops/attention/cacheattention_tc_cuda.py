@@ -1,0 +1,295 @@
+"""CacheAttention's prompt kernel on tensor cores (route cacheattention.tc of cacheattention_cuda.py): fp16, head
+sizes a multiple of 16 up to TCD, run after the APPEND launch has written the prompt's rotated keys and values into
+present, in place of the one-block-per-query-row PRESENT launch.
+
+One block of NT threads per (batch row, query head, tile of QT query rows); each warp owns 16 query rows:
+  1. the block's q rows rotated (fp32, rounded to fp16 as the reference rounds them) into shared memory, each warp's
+     A fragments (m16n8k16) read from there once;
+  2. present's keys in tiles of KT: K row-major and V transposed into shared memory (16-byte loads; V's pairs of
+     keys packed per word so that a B fragment is one 32-bit shared load), then per warp S = q K^T (mma), the
+     causal / length mask, the running row max and sum (fp32; the four lanes of a row meet by shuffles), P rounded
+     to fp16 as the A fragments of P V (mma into fp32 accumulators);
+  3. O = acc / sum, rounded to fp16.
+P is rounded to fp16 before the product with V (as onnxruntime's flash attention does): O agrees with the reference
+within fp16 rounding of the weights, not within the fp32 sums' order alone. Rows whose batch row's length is out of
+range, or whose position is past the rotary tables, are NaN (as the other CacheAttention kernels write them).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int64, uint32
+
+from ..device.arith import add, mul
+from ..device.fp16 import pack_h2, r16
+from ..device.launch import Array, Launcher, SimLauncher
+from ..device.memory import LOAD, ld16, make_ld4, st16
+from ..device.mma import mma
+from ..device.target import SIM, device
+
+NT = 128                # threads per block: 4 warps of 16 query rows
+QT = 64                 # query rows per block
+KT = 32                 # keys per tile
+TCD = 128               # largest head size
+QW = QT * (TCD + 8) // 2    # q rows in shared memory, uint32 words (rows padded by 8 halves: no bank conflicts)
+KW = KT * (TCD + 8) // 2    # the K tile
+VW = TCD * (KT + 8) // 2    # the V tile, transposed (dims x keys)
+SCR = NT * 6 if SIM else 1  # the simulator's mma scratch
+RED = NT if SIM else 1      # the simulator's quad exchanges
+NINF = float32(-np.inf)
+NAN = float32(np.nan)
+FULL = np.uint32(0xFFFFFFFF)
+M16 = np.uint32(0xFFFF)
+
+if SIM:
+    def _xor(v, off, red, t):
+        """The value of lane (lane ^ off) (simulator: through shared memory; every thread of the block calls it)."""
+        red[t] = v
+        cuda.syncthreads()
+        r = red[t ^ off]
+        cuda.syncthreads()
+        return r
+else:
+    @device
+    def _xor(v, off, red, t):
+        return cuda.shfl_xor_sync(FULL, v, off)
+
+
+def fits(d):
+    """Whether the tensor-core prompt kernel takes head size ``d`` (fp16)."""
+    return d % 16 == 0 and 16 <= d <= TCD
+
+
+def _make(d):
+    """The kernel for head size ``d`` (a constant: its fragment loops unroll)."""
+    nks = d // 16               # k-steps of q K^T
+    nnt = d // 8                # n-tiles of P V
+    qs = (d + 8) // 2           # shared row strides in words
+    vs = (KT + 8) // 2
+    half = d // 2
+    cpr = d // 8                # 16-byte chunks per K / V row
+    kit = (KT * cpr + NT - 1) // NT         # K-tile chunks per thread
+    vit = (KT // 2 * cpr + NT - 1) // NT    # V-tile chunk pairs per thread
+    qit = (QT * half // 2 + NT - 1) // NT   # q rotation pairs (dims i, i + 1 of both halves) per thread
+    nqf = nks * 4
+    noa = nnt * 4
+    ld4 = make_ld4(LOAD)
+
+    @device
+    def lo16(w):
+        return w & M16
+
+    @device
+    def hi16(w):
+        return (w >> uint32(16)) & M16
+
+    @cuda.jit
+    def kernel(qkv, ok, ov, seql, cs, sn, out, b_, s_, hq, hkv, length, mpos, scale, ntq):
+        qsh = cuda.shared.array(QW, uint32)
+        ksh = cuda.shared.array(KW, uint32)
+        vsh = cuda.shared.array(VW, uint32)
+        scr = cuda.shared.array(SCR, uint32)
+        red = cuda.shared.array(RED, float32)
+        qf = cuda.local.array(nqf, uint32)
+        rv = cuda.local.array(4, float32)
+        sacc = cuda.local.array(16, float32)
+        oacc = cuda.local.array(noa, float32)
+        t = cuda.threadIdx.x
+        lane = t % 32
+        warp = t // 32
+        g = lane >> 2
+        tq = lane & 3
+        blk = int64(cuda.blockIdx.x)
+        qt = blk % ntq
+        bh = blk // ntq
+        h = bh % hq
+        bi = bh // hq
+        kh = h // (hq // hkv)
+        tb = int64(seql[bi]) + 1
+        ok_b = tb >= 1 and tb <= length
+        base = int64(0) if tb <= s_ else tb - s_        # position of query s: base + s
+        w = (hq + 2 * hkv) * d
+        s0 = qt * QT
+        # 1. the tile's q rows rotated, as fp16 pairs (dims i and i + 1 of each half) into shared memory
+        for it in range(qit):
+            e = t + it * NT
+            if e < QT * half // 2:
+                r = e // (half // 2)
+                i = (e % (half // 2)) * 2
+                si = s0 + r
+                w0 = uint32(0)
+                w1 = uint32(0)
+                if si < s_ and ok_b and base + si < mpos:
+                    xb = (bi * s_ + si) * w + h * d
+                    cb = (base + si) * half
+                    for m in range(2):
+                        x1 = ld16(qkv, xb + i + m)
+                        x2 = ld16(qkv, xb + half + i + m)
+                        c = ld16(cs, cb + i + m)
+                        sv = ld16(sn, cb + i + m)
+                        rv[m] = r16(add(mul(x1, c), -mul(x2, sv)))
+                        rv[2 + m] = r16(add(mul(x2, c), mul(x1, sv)))
+                    w0 = pack_h2(rv[0], rv[1])
+                    w1 = pack_h2(rv[2], rv[3])
+                qsh[r * qs + i // 2] = w0
+                qsh[r * qs + (half + i) // 2] = w1
+        cuda.syncthreads()
+        r0 = warp * 16
+        for ks in range(nks):
+            qf[ks * 4] = qsh[(r0 + g) * qs + ks * 8 + tq]
+            qf[ks * 4 + 1] = qsh[(r0 + g + 8) * qs + ks * 8 + tq]
+            qf[ks * 4 + 2] = qsh[(r0 + g) * qs + ks * 8 + 4 + tq]
+            qf[ks * 4 + 3] = qsh[(r0 + g + 8) * qs + ks * 8 + 4 + tq]
+        # the thread's two rows (g and g + 8 of the warp's 16): how many keys each sees
+        sa = s0 + r0 + g
+        sb = sa + 8
+        na = min(base + sa + 1, tb) if sa < s_ and ok_b else int64(0)
+        nb = min(base + sb + 1, tb) if sb < s_ and ok_b else int64(0)
+        kmax = min(base + min(s0 + QT, s_), tb) if ok_b else int64(0)
+        ntiles = (kmax + KT - 1) // KT
+        ma = NINF
+        mb = NINF
+        la = float32(0.0)
+        lb = float32(0.0)
+        for i in range(noa):
+            oacc[i] = float32(0.0)
+        kvc = (bi * hkv + kh) * length * cpr        # chunk of key 0's row
+        for tile in range(ntiles):
+            key0 = tile * KT
+            cuda.syncthreads()                      # the previous tile's readers are done
+            # 2. K (row-major) and V (transposed, pairs of keys per word) of the tile into shared memory
+            for it in range(kit):
+                e = t + it * NT
+                if e < KT * cpr:
+                    kr = e // cpr
+                    cc = e % cpr
+                    w0 = w1 = w2 = w3 = uint32(0)
+                    if key0 + kr < length:
+                        w0, w1, w2, w3 = ld4(ok, kvc + (key0 + kr) * cpr + cc)
+                    kb = kr * qs + cc * 4
+                    ksh[kb] = w0
+                    ksh[kb + 1] = w1
+                    ksh[kb + 2] = w2
+                    ksh[kb + 3] = w3
+            for it in range(vit):
+                e = t + it * NT
+                if e < KT // 2 * cpr:
+                    kp = e // cpr
+                    cc = e % cpr
+                    a0 = a1 = a2 = a3 = uint32(0)
+                    b0 = b1 = b2 = b3 = uint32(0)
+                    k2 = key0 + 2 * kp
+                    if k2 < length:
+                        a0, a1, a2, a3 = ld4(ov, kvc + k2 * cpr + cc)
+                    if k2 + 1 < length:
+                        b0, b1, b2, b3 = ld4(ov, kvc + (k2 + 1) * cpr + cc)
+                    vb = cc * 8 * vs + kp
+                    vsh[vb] = lo16(a0) | (lo16(b0) << uint32(16))
+                    vsh[vb + vs] = hi16(a0) | (hi16(b0) << uint32(16))
+                    vsh[vb + 2 * vs] = lo16(a1) | (lo16(b1) << uint32(16))
+                    vsh[vb + 3 * vs] = hi16(a1) | (hi16(b1) << uint32(16))
+                    vsh[vb + 4 * vs] = lo16(a2) | (lo16(b2) << uint32(16))
+                    vsh[vb + 5 * vs] = hi16(a2) | (hi16(b2) << uint32(16))
+                    vsh[vb + 6 * vs] = lo16(a3) | (lo16(b3) << uint32(16))
+                    vsh[vb + 7 * vs] = hi16(a3) | (hi16(b3) << uint32(16))
+            cuda.syncthreads()
+            # S = q K^T: 4 n-tiles of 8 keys
+            for nt in range(4):
+                c0 = c1 = c2 = c3 = float32(0.0)
+                kb = (nt * 8 + g) * qs + tq
+                for ks in range(nks):
+                    c0, c1, c2, c3 = mma(qf[ks * 4], qf[ks * 4 + 1], qf[ks * 4 + 2], qf[ks * 4 + 3],
+                                         ksh[kb + ks * 8], ksh[kb + ks * 8 + 4], c0, c1, c2, c3, scr, t)
+                sacc[nt * 4] = c0
+                sacc[nt * 4 + 1] = c1
+                sacc[nt * 4 + 2] = c2
+                sacc[nt * 4 + 3] = c3
+            # the mask, the rows' running max (the row's four lanes meet), P
+            xa = ma
+            xb_ = mb
+            for nt in range(4):
+                for m in range(2):
+                    key = key0 + nt * 8 + 2 * tq + m
+                    va = sacc[nt * 4 + m] * scale if key < na else NINF
+                    vb = sacc[nt * 4 + 2 + m] * scale if key < nb else NINF
+                    sacc[nt * 4 + m] = va
+                    sacc[nt * 4 + 2 + m] = vb
+                    xa = max(xa, va)
+                    xb_ = max(xb_, vb)
+            xa = max(xa, _xor(xa, 1, red, t))
+            xa = max(xa, _xor(xa, 2, red, t))
+            xb_ = max(xb_, _xor(xb_, 1, red, t))
+            xb_ = max(xb_, _xor(xb_, 2, red, t))
+            ca_ = math.exp(ma - xa) if ma != NINF else float32(0.0)
+            cb_ = math.exp(mb - xb_) if mb != NINF else float32(0.0)
+            la *= ca_
+            lb *= cb_
+            for nt in range(nnt):
+                oacc[nt * 4] *= ca_
+                oacc[nt * 4 + 1] *= ca_
+                oacc[nt * 4 + 2] *= cb_
+                oacc[nt * 4 + 3] *= cb_
+            for nt in range(4):
+                for m in range(2):
+                    pa = math.exp(sacc[nt * 4 + m] - xa) if sacc[nt * 4 + m] != NINF else float32(0.0)
+                    pb = math.exp(sacc[nt * 4 + 2 + m] - xb_) if sacc[nt * 4 + 2 + m] != NINF else float32(0.0)
+                    la += pa
+                    lb += pb
+                    sacc[nt * 4 + m] = pa
+                    sacc[nt * 4 + 2 + m] = pb
+            ma = xa
+            mb = xb_
+            # O += P V: P's C fragments of n-tiles 2k, 2k + 1 are the A fragment of k-step k
+            for k2 in range(KT // 16):
+                p0 = pack_h2(sacc[8 * k2], sacc[8 * k2 + 1])
+                p1 = pack_h2(sacc[8 * k2 + 2], sacc[8 * k2 + 3])
+                p2 = pack_h2(sacc[8 * k2 + 4], sacc[8 * k2 + 5])
+                p3 = pack_h2(sacc[8 * k2 + 6], sacc[8 * k2 + 7])
+                for nt in range(nnt):
+                    vb = (nt * 8 + g) * vs + k2 * 8 + tq
+                    o0, o1, o2, o3 = mma(p0, p1, p2, p3, vsh[vb], vsh[vb + 4], oacc[nt * 4], oacc[nt * 4 + 1],
+                                         oacc[nt * 4 + 2], oacc[nt * 4 + 3], scr, t)
+                    oacc[nt * 4] = o0
+                    oacc[nt * 4 + 1] = o1
+                    oacc[nt * 4 + 2] = o2
+                    oacc[nt * 4 + 3] = o3
+        # 3. the rows' sums over their four lanes; O
+        la += _xor(la, 1, red, t)
+        la += _xor(la, 2, red, t)
+        lb += _xor(lb, 1, red, t)
+        lb += _xor(lb, 2, red, t)
+        bad_a = not ok_b or base + sa >= mpos
+        bad_b = not ok_b or base + sb >= mpos
+        oa = ((bi * s_ + sa) * hq + h) * d
+        ob = ((bi * s_ + sb) * hq + h) * d
+        for nt in range(nnt):
+            j = nt * 8 + 2 * tq
+            if sa < s_:
+                st16(out, oa + j, NAN if bad_a else oacc[nt * 4] / la)
+                st16(out, oa + j + 1, NAN if bad_a else oacc[nt * 4 + 1] / la)
+            if sb < s_:
+                st16(out, ob + j, NAN if bad_b else oacc[nt * 4 + 2] / lb)
+                st16(out, ob + j + 1, NAN if bad_b else oacc[nt * 4 + 3] / lb)
+
+    return kernel
+
+
+_launchers = {}
+
+
+def launcher(d):
+    """The direct-launch wrapper of the kernel for head size ``d``, compiled once per process (under the simulator
+    launch.SimLauncher)."""
+    if d not in _launchers:
+        a = Array(np.uint16)
+        sig = [a, a, a, Array(np.int32), a, a, a] + ["int64"] * 6 + ["float32", "int64"]
+        _launchers[d] = (SimLauncher if SIM else Launcher)(_make(d), sig)
+    return _launchers[d]
+
+
+def launch(stream, ptrs, b, s, hq, hkv, d, length, mpos, scale):
+    """One launch over the prompt's query rows; ``ptrs``: (qkv, present_key, present_value, seqlens_k, cos, sin, O)
+    as (device pointer or array, elements) pairs as Launcher.launch takes them."""
+    ntq = -(-s // QT)
+    launcher(d).launch(b * hq * ntq, NT, stream, *ptrs, b, s, hq, hkv, length, mpos, float(scale), ntq)
