@@ -124,9 +124,9 @@ def run(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads,
     fn = KERNELS[1] if b * s * hq * n >= PARALLEL_MIN else KERNELS[0]
     fn(q, kc.reshape(-1), vc.reshape(-1), pos, tb, o, b, s, hq, hkv, d, n, ca.scale_of(scale, d))
     out[...] = o.reshape(out.shape)
+    bi = np.repeat(np.arange(b), s)                         # (row, position) of each new token
     for src, past, dst in ((kc, past_key, present_key), (vc, past_value, present_value)):
         if np.shares_memory(dst, past):                     # one buffer: only the new tokens' positions
-            bi = np.repeat(np.arange(b), s)
             dst[bi, :, pos] = src[bi, :, pos]
         else:
             dst[:, :, :n] = src

@@ -36,9 +36,9 @@ from onnx_lowbit import cacheattention as ca
 
 from ..device import splitk
 from ..device.arith import add, divmod_, mul
-from ..device.fp16 import as_f32, h2f, r16, same
+from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
-from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32
+from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32, w16, w32
 from ..device.target import SIM, device, tc_device
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
@@ -461,12 +461,7 @@ def _make_decode(f16, d):
                     m = mm
             return m, l_
 
-    @device
-    def elem(words, i, e):
-        """Dim e of the chunk held by words[i .. i + 4)."""
-        if f16:
-            return h2f((words[i + (e >> 1)] >> uint32(16 * (e & 1))) & uint32(0xFFFF))
-        return as_f32(words[i + e])
+    elem = w16 if f16 else w32          # dim e of the chunk held by words[i .. i + 4)
 
     @device
     def load(words, i, a, ch):

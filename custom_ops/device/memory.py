@@ -6,13 +6,13 @@ pass it)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import uint64
+from numba import uint32
 
 from .fp16 import as_f32, f2h, h2f
 from .target import SIM, device
 
 LOAD = "ld.global.nc.L1::no_allocate.v4.u32"
-M16 = np.uint64(0xFFFF)
+M16 = np.uint32(0xFFFF)
 
 
 # Element access for kernels over float32 arrays or float16 arrays held as uint16 bits (values in fp32 registers):
@@ -126,10 +126,10 @@ def make_ld4(asm):
 @device
 def w16(words, i, e):
     """Element e (0..7) of the 8 fp16 values held by words[i .. i+4) (little-endian) as float32."""
-    w = uint64(words[i + (e >> 1)])
-    return h2f((w >> uint64(16 * (e & 1))) & M16)
+    return h2f((uint32(words[i + (e >> 1)]) >> uint32(16 * (e & 1))) & M16)
 
 
 @device
 def w32(words, i, e):
+    """Element e (0..3) of the 4 fp32 values held by words[i .. i+4) (their bits)."""
     return as_f32(words[i + e])
