@@ -122,7 +122,8 @@ CASES = [  # (Hq, Hkv, D, B, S, P, share, hist): decode through the warp kernel 
 ROWS_CASES = [(2, 1, 8, 1, 5, 0, 0, 0), (2, 2, 8, 1, 3, 40, 1, 33)]    # through the rows kernel (SPLIT_ROWS lowered)
 GPU_CASES = [  # genai-sized, on the GPU only: decode, then prompts (the tensor-core route), one after 700 tokens
     (16, 16, 128, 1, 1, 2048, 1, 1000), (32, 8, 128, 1, 1, 4096, 1, 3000), (9, 3, 64, 1, 1, 2048, 1, 700),
-    (16, 16, 128, 1, 300, 2048, 1, 0), (9, 3, 64, 1, 128, 2048, 1, 0), (8, 2, 128, 1, 200, 2048, 1, 700)]
+    (16, 16, 128, 1, 300, 2048, 1, 0), (9, 3, 64, 1, 128, 2048, 1, 0), (8, 2, 128, 1, 200, 2048, 1, 700),
+    (8, 2, 128, 2, 100, 300, 0, 300)]
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -165,13 +166,15 @@ def test_cuda_rows_kernel(case, dt, monkeypatch):
     _check(_cuda(args, hq, hkv, share), want, dt)
 
 
-TC_CASES = [(2, 1, 16, 1, 40, 0, 0, 0), (2, 2, 32, 2, 20, 48, 1, 5), (2, 1, 16, 1, 70, 0, 0, 0)]
+TC_CASES = [(2, 1, 16, 1, 40, 0, 0, 0), (2, 2, 32, 2, 20, 48, 1, 5), (2, 1, 16, 1, 70, 0, 0, 0),
+            (2, 1, 16, 2, 20, 10, 0, 10)]
 
 
 @pytest.mark.parametrize("case", TC_CASES)
 def test_cuda_tc_prompt_kernel(case, monkeypatch):
-    """The tensor-core prompt route (fp16, tiles of 64 query rows x 32 keys), on small shapes: a first prompt over
-    two key tiles, a batch of two continuing a shared buffer, two query tiles."""
+    """The tensor-core prompt route (fp16, tiles of 64 query rows x 32 keys) and its append, on small shapes: a first
+    prompt over two key tiles, a batch of two continuing a shared buffer, two query tiles, a batch of two continuing
+    past in two buffers (the append copies past's 10 positions into present)."""
     gpu_or_sim()
     monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
     hq, hkv, d, b, s, p, share, hist = case
@@ -219,7 +222,8 @@ def test_cuda_warp_kernel_several_steps_per_block(dt, monkeypatch):
 
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_large(case):
-    """genai-sized calls (decode over long caches: many splits; prompts: the rows kernel), on a real GPU."""
+    """genai-sized calls (decode over long caches: many splits; prompts: the tensor-core route, one continuing past
+    in two buffers), on a real GPU."""
     if os.environ.get("ONNX_LOWBIT_REAL_GPU") != "1":
         pytest.skip("large shapes: real GPU only")
     hq, hkv, d, b, s, p, share, hist = case

@@ -38,7 +38,7 @@ from ..device import splitk
 from ..device.arith import add, divmod_, mul
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
-from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32, w16, w32
+from ..device.memory import LOAD, addr, ld16, ld32, make_ld4, st16, st32, w16, w32
 from ..device.target import SIM, device, tc_device
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, route
@@ -56,24 +56,6 @@ DTYPES = {10: "float16", 1: "float32"}
 NINF = float32(-np.inf)
 NAN = float32(np.nan)
 FULL = np.uint32(0xFFFFFFFF)
-
-if SIM:
-    def addr(a):
-        """The address of a (simulator) device array's data."""
-        return int(a._ary.ctypes.data) if hasattr(a, "_ary") else int(a.ctypes.data)
-else:
-    from llvmlite import ir
-    from numba import types
-    from numba.extending import intrinsic
-
-    @intrinsic
-    def addr(typingctx, a):
-        """The device address of an array argument's data (uint64)."""
-        def codegen(context, builder, sig, args):
-            data = context.make_array(sig.args[0])(context, builder, args[0]).data
-            return builder.ptrtoint(data, ir.IntType(64))
-        return types.uint64(a), codegen
-
 
 RED = NT * 10 if SIM else 1  # the simulator's warp exchanges go through shared memory (NT x max(G, 8 + 2))
 
@@ -767,10 +749,9 @@ class CacheAttentionCudaKernel(Kernel):
             launcher(self.elem, d, WARPS).launch(rows * nch, NT, ctx.stream, *args, g, 1.0 / nch, 1.0 / self.hq,
                                                  1.0 / s, 1.0 / g)
             return
-        if name == "cacheattention.tc":         # the append, then the tensor-core kernel over present
-            launcher(self.elem, d, APPEND).launch(rows * nch, NT, ctx.stream, *args)
-            ptrs = (args[0], args[7], args[8], args[3], args[4], args[5], args[6])
-            tc.launch(ctx.stream, ptrs, b, s, self.hq, self.hkv, d, length, cs.shape[0], sc)
+        if name == "cacheattention.tc":         # its own append (16-byte chunks), then the tensor-core kernel
+            tc.launch(ctx.stream, args[:3] + args[7:9] + args[3:7], b, s, self.hq, self.hkv, d, p, length,
+                      cs.shape[0], sc)
             return
         for mode in ((FUSED,) if name == "cacheattention.split" else (APPEND, PRESENT)):
             launcher(self.elem, d, mode).launch(rows * nch, NT, ctx.stream, *args)

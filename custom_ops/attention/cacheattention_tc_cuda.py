@@ -24,7 +24,7 @@ from numba import cuda, float32, int64, uint32
 from ..device.arith import add, mul
 from ..device.fp16 import pack_h2, r16
 from ..device.launch import Array, Launcher, SimLauncher
-from ..device.memory import LOAD, ld16, make_ld4, st16
+from ..device.memory import LOAD, addr, ld16, make_ld4, make_st, st16, w16
 from ..device.mma import mma
 from ..device.target import SIM, device
 
@@ -35,6 +35,8 @@ TCD = 128               # largest head size
 QW = QT * (TCD + 8) // 2    # q rows in shared memory, uint32 words (rows padded by 8 halves: no bank conflicts)
 KW = KT * (TCD + 8) // 2    # the K tile
 VW = TCD * (KT + 8) // 2    # the V tile, transposed (dims x keys)
+KREG = (KT * TCD // 8 + NT - 1) // NT * 4       # a thread's words of the next K tile (registers)
+VREG = (KT // 2 * TCD // 8 + NT - 1) // NT * 8  # and of the next V tile
 SCR = NT * 6 if SIM else 1  # the simulator's mma scratch
 RED = NT if SIM else 1      # the simulator's quad exchanges
 NINF = float32(-np.inf)
@@ -72,7 +74,7 @@ def _make(d):
     kit = (KT * cpr + NT - 1) // NT         # K-tile chunks per thread
     vit = (KT // 2 * cpr + NT - 1) // NT    # V-tile chunk pairs per thread
     qit = (QT * half // 2 + NT - 1) // NT   # q rotation pairs (dims i, i + 1 of both halves) per thread
-    nqf = nks * 4
+    assert kit * 4 <= KREG and vit * 8 <= VREG
     noa = nnt * 4
     ld4 = make_ld4(LOAD)
 
@@ -84,6 +86,37 @@ def _make(d):
     def hi16(w):
         return (w >> uint32(16)) & M16
 
+    @device
+    def fetch(ok, ov, kvc, key0, length, t, kreg, vreg):
+        """The thread's share of the K / V tile from key0 into registers (16-byte loads; keys past the buffer: 0):
+        K chunks (key, chunk) = divmod(e, cpr), V chunk pairs (keys 2 kp and 2 kp + 1, chunk)."""
+        for it in range(kit):
+            e = t + it * NT
+            w0 = w1 = w2 = w3 = uint32(0)
+            if e < KT * cpr and key0 + e // cpr < length:
+                w0, w1, w2, w3 = ld4(ok, kvc + (key0 + e // cpr) * cpr + e % cpr)
+            kreg[it * 4] = w0
+            kreg[it * 4 + 1] = w1
+            kreg[it * 4 + 2] = w2
+            kreg[it * 4 + 3] = w3
+        for it in range(vit):
+            e = t + it * NT
+            k2 = key0 + 2 * (e // cpr)
+            a0 = a1 = a2 = a3 = uint32(0)
+            b0 = b1 = b2 = b3 = uint32(0)
+            if e < KT // 2 * cpr and k2 < length:
+                a0, a1, a2, a3 = ld4(ov, kvc + k2 * cpr + e % cpr)
+            if e < KT // 2 * cpr and k2 + 1 < length:
+                b0, b1, b2, b3 = ld4(ov, kvc + (k2 + 1) * cpr + e % cpr)
+            vreg[it * 8] = a0
+            vreg[it * 8 + 1] = a1
+            vreg[it * 8 + 2] = a2
+            vreg[it * 8 + 3] = a3
+            vreg[it * 8 + 4] = b0
+            vreg[it * 8 + 5] = b1
+            vreg[it * 8 + 6] = b2
+            vreg[it * 8 + 7] = b3
+
     @cuda.jit
     def kernel(qkv, ok, ov, seql, cs, sn, out, b_, s_, hq, hkv, length, mpos, scale, ntq):
         qsh = cuda.shared.array(QW, uint32)
@@ -91,7 +124,8 @@ def _make(d):
         vsh = cuda.shared.array(VW, uint32)
         scr = cuda.shared.array(SCR, uint32)
         red = cuda.shared.array(RED, float32)
-        qf = cuda.local.array(nqf, uint32)
+        kreg = cuda.local.array(KREG, uint32)
+        vreg = cuda.local.array(VREG, uint32)
         rv = cuda.local.array(4, float32)
         sacc = cuda.local.array(16, float32)
         oacc = cuda.local.array(noa, float32)
@@ -136,11 +170,6 @@ def _make(d):
                 qsh[r * qs + (half + i) // 2] = w1
         cuda.syncthreads()
         r0 = warp * 16
-        for ks in range(nks):
-            qf[ks * 4] = qsh[(r0 + g) * qs + ks * 8 + tq]
-            qf[ks * 4 + 1] = qsh[(r0 + g + 8) * qs + ks * 8 + tq]
-            qf[ks * 4 + 2] = qsh[(r0 + g) * qs + ks * 8 + 4 + tq]
-            qf[ks * 4 + 3] = qsh[(r0 + g + 8) * qs + ks * 8 + 4 + tq]
         # the thread's two rows (g and g + 8 of the warp's 16): how many keys each sees
         sa = s0 + r0 + g
         sb = sa + 8
@@ -155,57 +184,49 @@ def _make(d):
         for i in range(noa):
             oacc[i] = float32(0.0)
         kvc = (bi * hkv + kh) * length * cpr        # chunk of key 0's row
+        if ntiles > 0:
+            fetch(ok, ov, kvc, 0, length, t, kreg, vreg)
         for tile in range(ntiles):
             key0 = tile * KT
             cuda.syncthreads()                      # the previous tile's readers are done
-            # 2. K (row-major) and V (transposed, pairs of keys per word) of the tile into shared memory
+            # 2. the tile fetched into registers -> shared memory: K row-major, V transposed (pairs of keys per
+            # word); then the next tile's loads are issued, in flight while this one is computed
             for it in range(kit):
                 e = t + it * NT
                 if e < KT * cpr:
-                    kr = e // cpr
-                    cc = e % cpr
-                    w0 = w1 = w2 = w3 = uint32(0)
-                    if key0 + kr < length:
-                        w0, w1, w2, w3 = ld4(ok, kvc + (key0 + kr) * cpr + cc)
-                    kb = kr * qs + cc * 4
-                    ksh[kb] = w0
-                    ksh[kb + 1] = w1
-                    ksh[kb + 2] = w2
-                    ksh[kb + 3] = w3
+                    kb = (e // cpr) * qs + (e % cpr) * 4
+                    for m in range(4):
+                        ksh[kb + m] = kreg[it * 4 + m]
             for it in range(vit):
                 e = t + it * NT
                 if e < KT // 2 * cpr:
-                    kp = e // cpr
-                    cc = e % cpr
-                    a0 = a1 = a2 = a3 = uint32(0)
-                    b0 = b1 = b2 = b3 = uint32(0)
-                    k2 = key0 + 2 * kp
-                    if k2 < length:
-                        a0, a1, a2, a3 = ld4(ov, kvc + k2 * cpr + cc)
-                    if k2 + 1 < length:
-                        b0, b1, b2, b3 = ld4(ov, kvc + (k2 + 1) * cpr + cc)
-                    vb = cc * 8 * vs + kp
-                    vsh[vb] = lo16(a0) | (lo16(b0) << uint32(16))
-                    vsh[vb + vs] = hi16(a0) | (hi16(b0) << uint32(16))
-                    vsh[vb + 2 * vs] = lo16(a1) | (lo16(b1) << uint32(16))
-                    vsh[vb + 3 * vs] = hi16(a1) | (hi16(b1) << uint32(16))
-                    vsh[vb + 4 * vs] = lo16(a2) | (lo16(b2) << uint32(16))
-                    vsh[vb + 5 * vs] = hi16(a2) | (hi16(b2) << uint32(16))
-                    vsh[vb + 6 * vs] = lo16(a3) | (lo16(b3) << uint32(16))
-                    vsh[vb + 7 * vs] = hi16(a3) | (hi16(b3) << uint32(16))
+                    vb = (e % cpr) * 8 * vs + e // cpr
+                    for m in range(4):
+                        lo = vreg[it * 8 + m]
+                        hi = vreg[it * 8 + 4 + m]
+                        vsh[vb + 2 * m * vs] = lo16(lo) | (lo16(hi) << uint32(16))
+                        vsh[vb + (2 * m + 1) * vs] = hi16(lo) | (hi16(hi) << uint32(16))
             cuda.syncthreads()
-            # S = q K^T: 4 n-tiles of 8 keys
-            for nt in range(4):
-                c0 = c1 = c2 = c3 = float32(0.0)
-                kb = (nt * 8 + g) * qs + tq
-                for ks in range(nks):
-                    c0, c1, c2, c3 = mma(qf[ks * 4], qf[ks * 4 + 1], qf[ks * 4 + 2], qf[ks * 4 + 3],
-                                         ksh[kb + ks * 8], ksh[kb + ks * 8 + 4], c0, c1, c2, c3, scr, t)
-                sacc[nt * 4] = c0
-                sacc[nt * 4 + 1] = c1
-                sacc[nt * 4 + 2] = c2
-                sacc[nt * 4 + 3] = c3
-            # the mask, the rows' running max (the row's four lanes meet), P
+            if tile + 1 < ntiles:
+                fetch(ok, ov, kvc, key0 + KT, length, t, kreg, vreg)
+            # S = q K^T: 4 n-tiles of 8 keys, the k-steps outermost (four independent mma chains)
+            for i in range(16):
+                sacc[i] = float32(0.0)
+            for ks in range(nks):
+                q0 = qsh[(r0 + g) * qs + ks * 8 + tq]
+                q1 = qsh[(r0 + g + 8) * qs + ks * 8 + tq]
+                q2 = qsh[(r0 + g) * qs + ks * 8 + 4 + tq]
+                q3 = qsh[(r0 + g + 8) * qs + ks * 8 + 4 + tq]
+                for nt in range(4):
+                    kb = (nt * 8 + g) * qs + tq + ks * 8
+                    c0, c1, c2, c3 = mma(q0, q1, q2, q3, ksh[kb], ksh[kb + 4], sacc[nt * 4], sacc[nt * 4 + 1],
+                                         sacc[nt * 4 + 2], sacc[nt * 4 + 3], scr, t)
+                    sacc[nt * 4] = c0
+                    sacc[nt * 4 + 1] = c1
+                    sacc[nt * 4 + 2] = c2
+                    sacc[nt * 4 + 3] = c3
+            # the mask, the rows' running max (the row's four lanes meet), P (no branches: a masked score is -inf,
+            # and a row with no key yet subtracts 0, so its exponentials are 0)
             xa = ma
             xb_ = mb
             for nt in range(4):
@@ -221,8 +242,10 @@ def _make(d):
             xa = max(xa, _xor(xa, 2, red, t))
             xb_ = max(xb_, _xor(xb_, 1, red, t))
             xb_ = max(xb_, _xor(xb_, 2, red, t))
-            ca_ = math.exp(ma - xa) if ma != NINF else float32(0.0)
-            cb_ = math.exp(mb - xb_) if mb != NINF else float32(0.0)
+            za = xa if xa != NINF else float32(0.0)
+            zb = xb_ if xb_ != NINF else float32(0.0)
+            ca_ = math.exp(ma - za)
+            cb_ = math.exp(mb - zb)
             la *= ca_
             lb *= cb_
             for nt in range(nnt):
@@ -232,8 +255,8 @@ def _make(d):
                 oacc[nt * 4 + 3] *= cb_
             for nt in range(4):
                 for m in range(2):
-                    pa = math.exp(sacc[nt * 4 + m] - xa) if sacc[nt * 4 + m] != NINF else float32(0.0)
-                    pb = math.exp(sacc[nt * 4 + 2 + m] - xb_) if sacc[nt * 4 + 2 + m] != NINF else float32(0.0)
+                    pa = math.exp(sacc[nt * 4 + m] - za)
+                    pb = math.exp(sacc[nt * 4 + 2 + m] - zb)
                     la += pa
                     lb += pb
                     sacc[nt * 4 + m] = pa
@@ -263,19 +286,93 @@ def _make(d):
         bad_b = not ok_b or base + sb >= mpos
         oa = ((bi * s_ + sa) * hq + h) * d
         ob = ((bi * s_ + sb) * hq + h) * d
+        ia = NAN if bad_a else (float32(1.0) / la if la > 0 else float32(0.0))     # la = 0: a row past s_
+        ib = NAN if bad_b else (float32(1.0) / lb if lb > 0 else float32(0.0))
         for nt in range(nnt):
             j = nt * 8 + 2 * tq
             if sa < s_:
-                st16(out, oa + j, NAN if bad_a else oacc[nt * 4] / la)
-                st16(out, oa + j + 1, NAN if bad_a else oacc[nt * 4 + 1] / la)
+                st16(out, oa + j, oacc[nt * 4] * ia)
+                st16(out, oa + j + 1, oacc[nt * 4 + 1] * ia)
             if sb < s_:
-                st16(out, ob + j, NAN if bad_b else oacc[nt * 4 + 2] / lb)
-                st16(out, ob + j + 1, NAN if bad_b else oacc[nt * 4 + 3] / lb)
+                st16(out, ob + j, oacc[nt * 4 + 2] * ib)
+                st16(out, ob + j + 1, oacc[nt * 4 + 3] * ib)
 
     return kernel
 
 
+def _make_append(d):
+    """The append for head size ``d``: past into present where they are two buffers (16-byte chunks, grid-stride,
+    the new tokens' positions left out), then one thread per (token, kv head, chunk pair): the new key's chunks c
+    and c + D / 16 (the two halves rotation pairs) rotated as _rotation rotates them (fp32 products and sum, no
+    FMA contraction, rounded to fp16) and the value's two chunks copied, 16-byte loads and stores."""
+    half = d // 2
+    cpr = d // 8                # 16-byte chunks per K / V row
+    hc = cpr // 2               # chunks per half
+    ld4 = make_ld4(LOAD)
+    st4 = make_st(4)
+
+    @cuda.jit
+    def append(qkv, pk, pv, ok, ov, seql, cs, sn, b_, s_, hq, hkv, p, length, mpos):
+        i = int64(cuda.blockIdx.x) * NT + cuda.threadIdx.x
+        if addr(pk) != addr(ok):
+            n_ch = int64(b_) * hkv * p * cpr
+            stride = int64(cuda.gridDim.x) * NT
+            j = i
+            while j < n_ch:
+                bh = j // (int64(p) * cpr)
+                pos_t = (j // cpr) % p
+                tb = int64(seql[bh // hkv]) + 1
+                lo = int64(0) if tb <= s_ else tb - s_
+                hi = int64(s_) if tb <= s_ else tb
+                if pos_t < lo or pos_t >= hi:
+                    e = ((bh * length + pos_t) * cpr + j % cpr) * 8
+                    w0, w1, w2, w3 = ld4(pk, j)
+                    st4(ok, e, w0, w1, w2, w3)
+                    w0, w1, w2, w3 = ld4(pv, j)
+                    st4(ov, e, w0, w1, w2, w3)
+                j += stride
+        if i >= int64(b_) * s_ * hkv * hc:
+            return
+        c = i % hc
+        r = i // hc
+        kh = r % hkv
+        bs = r // hkv
+        bi = bs // s_
+        si = bs % s_
+        tb = int64(seql[bi]) + 1
+        pos = si if tb <= s_ else tb - s_ + si
+        if tb < 1 or tb > length or pos >= mpos:
+            return
+        xc = (bs * (hq + 2 * hkv) + hq + kh) * cpr + c     # the key's chunk c in QKV
+        cc = pos * hc + c                                    # cos / sin chunk
+        oe = ((bi * hkv + kh) * length + pos) * d + c * 8   # present element of chunk c
+        x = cuda.local.array(16, uint32)
+        x[0], x[1], x[2], x[3] = ld4(qkv, xc)
+        x[4], x[5], x[6], x[7] = ld4(qkv, xc + hc)
+        x[8], x[9], x[10], x[11] = ld4(cs, cc)
+        x[12], x[13], x[14], x[15] = ld4(sn, cc)
+        v0, v1, v2, v3 = ld4(qkv, xc + hkv * cpr)
+        u0, u1, u2, u3 = ld4(qkv, xc + hkv * cpr + hc)
+        lo_w = cuda.local.array(4, uint32)
+        hi_w = cuda.local.array(4, uint32)
+        for m in range(4):
+            e = 2 * m
+            a0 = add(mul(w16(x, 0, e), w16(x, 8, e)), -mul(w16(x, 4, e), w16(x, 12, e)))
+            a1 = add(mul(w16(x, 0, e + 1), w16(x, 8, e + 1)), -mul(w16(x, 4, e + 1), w16(x, 12, e + 1)))
+            b0 = add(mul(w16(x, 4, e), w16(x, 8, e)), mul(w16(x, 0, e), w16(x, 12, e)))
+            b1 = add(mul(w16(x, 4, e + 1), w16(x, 8, e + 1)), mul(w16(x, 0, e + 1), w16(x, 12, e + 1)))
+            lo_w[m] = pack_h2(a0, a1)
+            hi_w[m] = pack_h2(b0, b1)
+        st4(ok, oe, lo_w[0], lo_w[1], lo_w[2], lo_w[3])
+        st4(ok, oe + half, hi_w[0], hi_w[1], hi_w[2], hi_w[3])
+        st4(ov, oe, v0, v1, v2, v3)
+        st4(ov, oe + half, u0, u1, u2, u3)
+
+    return append
+
+
 _launchers = {}
+_appends = {}
 
 
 def launcher(d):
@@ -288,8 +385,23 @@ def launcher(d):
     return _launchers[d]
 
 
-def launch(stream, ptrs, b, s, hq, hkv, d, length, mpos, scale):
-    """One launch over the prompt's query rows; ``ptrs``: (qkv, present_key, present_value, seqlens_k, cos, sin, O)
-    as (device pointer or array, elements) pairs as Launcher.launch takes them."""
+def append_launcher(d):
+    """The direct-launch wrapper of the append for head size ``d``, compiled once per process."""
+    if d not in _appends:
+        a = Array(np.uint16)
+        sig = [a, a, a, a, a, Array(np.int32), a, a] + ["int64"] * 7
+        _appends[d] = (SimLauncher if SIM else Launcher)(_make_append(d), sig)
+    return _appends[d]
+
+
+def launch(stream, ptrs, b, s, hq, hkv, d, p, length, mpos, scale):
+    """The append, then one launch over the prompt's query rows; ``ptrs``: (qkv, past_key, past_value,
+    present_key, present_value, seqlens_k, cos, sin, O) as (device pointer or array, elements) pairs as
+    Launcher.launch takes them; ``p``: past's positions."""
+    qkv, pk, pv, ok, ov, sl, cs, sn, o = ptrs
+    threads = b * s * hkv * (d // 16)
+    append_launcher(d).launch(max(1, -(-threads // NT)), NT, stream, qkv, pk, pv, ok, ov, sl, cs, sn, b, s, hq, hkv,
+                              p, length, mpos)
     ntq = -(-s // QT)
-    launcher(d).launch(b * hq * ntq, NT, stream, *ptrs, b, s, hq, hkv, length, mpos, float(scale), ntq)
+    launcher(d).launch(b * hq * ntq, NT, stream, qkv, ok, ov, sl, cs, sn, o, b, s, hq, hkv, length, mpos,
+                       float(scale), ntq)

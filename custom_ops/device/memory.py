@@ -2,7 +2,7 @@
 ``st16`` (an element of a float16 array held as uint16 bits, widened to / rounded from fp32), ``ld32`` / ``st32``
 (their float32 twins), ``w16`` / ``w32`` (element e of 8 values packed in words), ``make_st`` (one 2- or 4-word
 vector store), ``make_ld4`` (one 16-byte load as 4 uint32 words; ``LOAD``: the non-caching load the decode kernels
-pass it)."""
+pass it), ``addr`` (an array argument's device address)."""
 from __future__ import annotations
 
 import numpy as np
@@ -40,10 +40,14 @@ def st32(a, i, v):
 if SIM:
     def make_st(n, cs=False):
         """Simulator twin of the vector store: st(arr, i, v0, ..., v{n-1}) writes n 32-bit values from element i of
-        a 32-bit array, or n/2 64-bit words (pairs, low half first) of a 64-bit one."""
+        a 32-bit array, n/2 64-bit words (pairs, low half first) of a 64-bit one, or 2n elements of a 16-bit one."""
         def st(arr, i, *vals):
             i = int(i)
-            if arr.dtype.itemsize == 8:
+            if arr.dtype.itemsize == 2:     # fp16 bits: each word two elements, low first
+                for j in range(n):
+                    arr[i + 2 * j] = int(vals[j]) & 0xFFFF
+                    arr[i + 2 * j + 1] = (int(vals[j]) >> 16) & 0xFFFF
+            elif arr.dtype.itemsize == 8:
                 for j in range(0, n, 2):
                     arr[i + j // 2] = np.uint64((int(vals[j]) & 0xFFFFFFFF) | (int(vals[j + 1]) & 0xFFFFFFFF) << 32)
             else:
@@ -58,7 +62,8 @@ else:
     def make_st(n, cs=False):
         """st(arr, i, v0, ..., v{n-1}): one n x 32-bit vector store (n = 2 or 4: ``st.global[.cs].v{n}``) of
         float32 (or integer, truncated to 32 bits) values at element i of ``arr`` (the address must be aligned to
-        4 n bytes). ``cs``: the streaming (evict-first) cache hint."""
+        4 n bytes; of a 16-bit array: 2 n elements, the low half of each word first). ``cs``: the streaming
+        (evict-first) cache hint."""
         def codegen(context, builder, sig, args):
             ary = context.make_array(sig.args[0])(context, builder, value=args[0])
             i = context.cast(builder, args[1], sig.args[1], types.uint64)
@@ -133,3 +138,17 @@ def w16(words, i, e):
 def w32(words, i, e):
     """Element e (0..3) of the 4 fp32 values held by words[i .. i+4) (their bits)."""
     return as_f32(words[i + e])
+
+
+if SIM:
+    def addr(a):
+        """The address of a (simulator) device array's data."""
+        return int(a._ary.ctypes.data) if hasattr(a, "_ary") else int(a.ctypes.data)
+else:
+    @intrinsic
+    def addr(typingctx, a):
+        """The device address of an array argument's data (uint64)."""
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, args[0]).data
+            return builder.ptrtoint(data, ir.IntType(64))
+        return types.uint64(a), codegen
