@@ -25,6 +25,7 @@ def main(argv=None):
     ap.add_argument("--launches", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=0,
                     help="time a first prompt of this many tokens instead (routes cacheattention.tc and .rows)")
+    ap.add_argument("--routes", default="tc,rows", help="the prompt routes to time (comma-separated)")
     a = ap.parse_args(argv)
     if a.prompt:
         return prompt(a)
@@ -62,7 +63,7 @@ def prompt(a):
     rng = np.random.default_rng(0)
     h, d, length, s = a.heads, a.dim, a.length, a.prompt
     full = kmod.ROUTES
-    for name in ("cacheattention.tc", "cacheattention.rows"):
+    for name in ("cacheattention." + r for r in a.routes.split(",")):
         kmod.ROUTES = tuple(r for r in full if r.kernel == name)
         dev = lambda *shape: cuda.to_device(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
         qkv, pk, pv = dev(1, s, 3 * h * d), dev(1, h, length, d), dev(1, h, length, d)
