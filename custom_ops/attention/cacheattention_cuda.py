@@ -666,7 +666,8 @@ ROUTES = (
           "4 + 24 us at 128 tokens, 7 + 132 us at 1024, against the rows route's 9 + 103 us / 50 us + 4.67 ms"),
     Route("cacheattention.rows", "more rows (prefill): the append, then one block per row over all its keys in "
           "present", always,
-          "BENCHMARKS.md, same section (prompt 1024: 81 against 6.5 ms for genai's whole prefill)"),
+          "fallback (fp32, head sizes the tensor-core route does not take); fp16 prompts before the tc route: 81 "
+          "against 6.5 ms for genai's whole prefill at 1024 tokens (BENCHMARKS.md, CacheAttention in genai's loop)"),
 )
 _launchers = {}
 
