@@ -7,7 +7,7 @@ buffer as genai binds them. Python's launch cost hides the kernels' own time fro
         python3 benchmarks/cacheattention_gpu.py [--keys 201,1001] [--heads 16] [--dim 128] [--length 2048]
 
 Prints which route each group of launches ran; ncu prints their durations in the same order. ``--prompt N``: a
-first prompt of N tokens through the tensor-core route, then the rows route, instead.
+first prompt of N tokens through the tensor-core route, then the rows route, instead (``--routes tc`` for one).
 """
 from __future__ import annotations
 
@@ -28,7 +28,18 @@ def main(argv=None):
     ap.add_argument("--routes", default="tc,rows", help="the prompt routes to time (comma-separated)")
     a = ap.parse_args(argv)
     if a.prompt:
-        return prompt(a)
+        groups = [(("cacheattention." + r,), a.prompt, a.prompt,
+                   f" (2 launches each): a {a.prompt}-token prompt") for r in a.routes.split(",")]
+    else:
+        groups = [((name, "cacheattention.rows"), 1, int(keys), f": {keys} keys in a {a.length}-position cache")
+                  for keys in a.keys.split(",") for name in ("cacheattention.warps", "cacheattention.split")]
+    for kernels, s, keys, what in groups:
+        run_group(a, kernels, s, keys, what)
+
+
+def run_group(a, kernels, s, keys, what):
+    """``a.launches`` calls of s new tokens with ``keys`` keys in the cache after them, routed to ``kernels`` only
+    (the first one named runs), through the kernel object as a session node runs it, past and present one buffer."""
     from numba import cuda
 
     from onnx_lowbit.custom_ops.attention import cacheattention_cuda as kmod
@@ -36,47 +47,21 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     h, d, length = a.heads, a.dim, a.length
     full = kmod.ROUTES
-    for keys in (int(v) for v in a.keys.split(",")):
-        for name in ("cacheattention.warps", "cacheattention.split"):
-            kmod.ROUTES = tuple(r for r in full if r.kernel in (name, "cacheattention.rows"))
-            dev = lambda *shape: cuda.to_device(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
-            qkv, pk, pv = dev(1, 1, 3 * h * d), dev(1, h, length, d), dev(1, h, length, d)
-            cs, sn = dev(length, d // 2), dev(length, d // 2)
-            sl = cuda.to_device(np.array([keys - 1], np.int32))
-            o = cuda.device_array((1, 1, h * d), np.float16)
-            run = direct.call("CacheAttention", dict(num_heads=h, kv_num_heads=h, share_buffer=1),
-                              [qkv, pk, pv, sl, cs, sn], [o, pk, pv], 0)
-            for _ in range(a.launches):
-                run()
-            cuda.synchronize()
-            print(f"ran {name} x{a.launches}: {h} heads, D = {d}, {keys} keys in a {length}-position cache", flush=True)
-    kmod.ROUTES = full
-
-
-def prompt(a):
-    """A first prompt of a.prompt tokens through the tensor-core route, then the rows route (each: the append
-    launch, then the attention launch)."""
-    from numba import cuda
-
-    from onnx_lowbit.custom_ops.attention import cacheattention_cuda as kmod
-    from onnx_lowbit.custom_ops.runtime import direct
-    rng = np.random.default_rng(0)
-    h, d, length, s = a.heads, a.dim, a.length, a.prompt
-    full = kmod.ROUTES
-    for name in ("cacheattention." + r for r in a.routes.split(",")):
-        kmod.ROUTES = tuple(r for r in full if r.kernel == name)
+    kmod.ROUTES = tuple(r for r in full if r.kernel in kernels)
+    try:
         dev = lambda *shape: cuda.to_device(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
         qkv, pk, pv = dev(1, s, 3 * h * d), dev(1, h, length, d), dev(1, h, length, d)
         cs, sn = dev(length, d // 2), dev(length, d // 2)
-        sl = cuda.to_device(np.array([s - 1], np.int32))
+        sl = cuda.to_device(np.array([keys - 1], np.int32))
         o = cuda.device_array((1, s, h * d), np.float16)
         run = direct.call("CacheAttention", dict(num_heads=h, kv_num_heads=h, share_buffer=1),
                           [qkv, pk, pv, sl, cs, sn], [o, pk, pv], 0)
         for _ in range(a.launches):
             run()
         cuda.synchronize()
-        print(f"ran {name} x{a.launches} (2 launches each): a {s}-token prompt, {h} heads, D = {d}", flush=True)
-    kmod.ROUTES = full
+    finally:
+        kmod.ROUTES = full
+    print(f"ran {kernels[0]} x{a.launches}{what}, {h} heads, D = {d}", flush=True)
 
 
 if __name__ == "__main__":
