@@ -2,13 +2,14 @@
 multiple of 16 up to TCD, buffers 16-byte aligned. Two launches:
 
 ``append`` (one thread per (token, kv head, pair of 16-byte chunks)): past into present where they are two buffers,
-then the prompt's keys rotated (as the reference rounds them) and its values into present, 16-byte loads and stores
+then the prompt's keys rotated (``rot_pair``) and its values into present, 16-byte loads and stores
 (the first kernel's APPEND mode does this per element, with 64-bit index division per thread: 50 us against 6-7 at
 1024 tokens, 16 heads, D = 128 on the H200).
 
 ``kernel``: one block of NT threads per (batch row, query head, tile of QT query rows); each warp owns 16 rows:
-  1. the block's q rows rotated (fp32, rounded to fp16 as the reference rounds them) into shared memory, each warp's
-     A fragments (m16n8k16) read from there once into registers;
+  1. the block's q rows rotated (``rot_pair``: 16-byte loads of a chunk of each half and of the tables, fp32,
+     rounded to fp16 as the reference rounds them) into shared memory, each warp's A fragments (m16n8k16) read from
+     there once into registers;
   2. present's keys in tiles of KT, fetched into registers one tile ahead (16-byte loads in flight while the tile
      before is computed), then K row-major and V transposed into shared memory (V's pairs of keys packed per word
      so that a B fragment is one 32-bit shared load), then per warp S = q K^T (mma), the causal / length mask, the
@@ -18,20 +19,20 @@ then the prompt's keys rotated (as the reference rounds them) and its values int
 P is rounded to fp16 before the product with V (as onnxruntime's flash attention does): O agrees with the reference
 within fp16 rounding of the weights, not within the fp32 sums' order alone. Rows whose batch row's length is out of
 range, or whose position is past the rotary tables, are NaN (as the other CacheAttention kernels write them).
-Measured (H200, 16 heads, D = 128, ncu): 24 us for a 128-token prompt, 131-133 us for 1024 tokens (the rows kernel:
-103 us / 4.67 ms); a block's tiles run one after another, so the last query tile (the most keys) sets the time.
+Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
+tiles run one after another, so the last query tile (the most keys) sets the time (BENCHMARKS.md).
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32
+from numba import cuda, float32, int64, uint32, uint64
 
 from ..device.arith import add, mul
-from ..device.fp16 import pack_h2, r16
+from ..device.fp16 import pack_h2
 from ..device.launch import Array, Launcher, SimLauncher
-from ..device.memory import LOAD, addr, ld16, make_ld4, make_st, st16, w16
+from ..device.memory import LOAD, addr, make_ld4, make_st, st16, w16
 from ..device.mma import mma
 from ..device.target import SIM, device
 
@@ -66,6 +67,33 @@ else:
         return cuda.shfl_xor_sync(FULL, v, off)
 
 
+def _make_rot_pair():
+    """rot_pair(x, xc, cs, sn, cc, rw, lo_w, hi_w): chunk c of a head's first half (x's 16-byte chunk xc) and of its
+    second half (chunk xc + hc) rotated with the tables' chunk cc (cos, sin), as cacheattention_cuda._rotation
+    rotates them (fp32 products and sum, no FMA contraction, rounded to fp16): lo_w, hi_w = the two halves' 8
+    rotated dims as 4 words each; rw: 16 words of scratch (the four 16-byte loads)."""
+    ld4 = make_ld4(LOAD)
+
+    @device
+    def rot_pair(x, xc, hc, cs, sn, cc, rw, lo_w, hi_w):
+        rw[0], rw[1], rw[2], rw[3] = ld4(x, xc)
+        rw[4], rw[5], rw[6], rw[7] = ld4(x, xc + hc)
+        rw[8], rw[9], rw[10], rw[11] = ld4(cs, cc)
+        rw[12], rw[13], rw[14], rw[15] = ld4(sn, cc)
+        for m in range(4):
+            e = 2 * m
+            a0 = add(mul(w16(rw, 0, e), w16(rw, 8, e)), -mul(w16(rw, 4, e), w16(rw, 12, e)))
+            a1 = add(mul(w16(rw, 0, e + 1), w16(rw, 8, e + 1)), -mul(w16(rw, 4, e + 1), w16(rw, 12, e + 1)))
+            b0 = add(mul(w16(rw, 4, e), w16(rw, 8, e)), mul(w16(rw, 0, e), w16(rw, 12, e)))
+            b1 = add(mul(w16(rw, 4, e + 1), w16(rw, 8, e + 1)), mul(w16(rw, 0, e + 1), w16(rw, 12, e + 1)))
+            lo_w[m] = pack_h2(a0, a1)
+            hi_w[m] = pack_h2(b0, b1)
+    return rot_pair
+
+
+rot_pair = _make_rot_pair()
+
+
 def fits(d):
     """Whether the tensor-core prompt kernel takes head size ``d`` (fp16)."""
     return d % 16 == 0 and 16 <= d <= TCD
@@ -81,7 +109,8 @@ def _make(d):
     cpr = d // 8                # 16-byte chunks per K / V row
     kit = (KT * cpr + NT - 1) // NT         # K-tile chunks per thread
     vit = (KT // 2 * cpr + NT - 1) // NT    # V-tile chunk pairs per thread
-    qit = (QT * half // 2 + NT - 1) // NT   # q rotation pairs (dims i, i + 1 of both halves) per thread
+    hc = cpr // 2               # chunks per half
+    qit = (QT * hc + NT - 1) // NT          # q rotation chunk pairs per thread
     assert kit * 4 <= KREG and vit * 8 <= VREG
     noa = nnt * 4
     ld4 = make_ld4(LOAD)
@@ -136,7 +165,9 @@ def _make(d):
         qf = cuda.local.array(QF, uint32)
         kreg = cuda.local.array(KREG, uint32)
         vreg = cuda.local.array(VREG, uint32)
-        rv = cuda.local.array(4, float32)
+        rw = cuda.local.array(16, uint32)
+        lo_w = cuda.local.array(4, uint32)
+        hi_w = cuda.local.array(4, uint32)
         sacc = cuda.local.array(16, float32)
         oacc = cuda.local.array(noa, float32)
         t = cuda.threadIdx.x
@@ -144,6 +175,8 @@ def _make(d):
         warp = t // 32
         g = lane >> 2
         tq = lane & 3
+        kbase = uint64(g * qs + tq)                 # unsigned shared indices: Numba wraps signed ones around
+        vbase = uint64(g * vs + tq)
         blk = int64(cuda.blockIdx.x)
         qt = blk % ntq
         bh = blk // ntq
@@ -153,31 +186,24 @@ def _make(d):
         tb = int64(seql[bi]) + 1
         ok_b = tb >= 1 and tb <= length
         base = int64(0) if tb <= s_ else tb - s_        # position of query s: base + s
-        w = (hq + 2 * hkv) * d
         s0 = qt * QT
-        # 1. the tile's q rows rotated, as fp16 pairs (dims i and i + 1 of each half) into shared memory
+        # 1. the tile's q rows rotated into shared memory: one (row, chunk pair) per thread and step, 16-byte loads
         for it in range(qit):
             e = t + it * NT
-            if e < QT * half // 2:
-                r = e // (half // 2)
-                i = (e % (half // 2)) * 2
+            if e < QT * hc:
+                r = e // hc
+                c = e % hc
                 si = s0 + r
-                w0 = uint32(0)
-                w1 = uint32(0)
+                for m in range(4):
+                    lo_w[m] = uint32(0)
+                    hi_w[m] = uint32(0)
                 if si < s_ and ok_b and base + si < mpos:
-                    xb = (bi * s_ + si) * w + h * d
-                    cb = (base + si) * half
-                    for m in range(2):
-                        x1 = ld16(qkv, xb + i + m)
-                        x2 = ld16(qkv, xb + half + i + m)
-                        c = ld16(cs, cb + i + m)
-                        sv = ld16(sn, cb + i + m)
-                        rv[m] = r16(add(mul(x1, c), -mul(x2, sv)))
-                        rv[2 + m] = r16(add(mul(x2, c), mul(x1, sv)))
-                    w0 = pack_h2(rv[0], rv[1])
-                    w1 = pack_h2(rv[2], rv[3])
-                qsh[r * qs + i // 2] = w0
-                qsh[r * qs + (half + i) // 2] = w1
+                    rot_pair(qkv, ((bi * s_ + si) * (hq + 2 * hkv) + h) * cpr + c, hc, cs, sn,
+                             (base + si) * hc + c, rw, lo_w, hi_w)
+                qb = uint64(r * qs + 4 * c)
+                for m in range(4):
+                    qsh[qb + uint64(m)] = lo_w[m]
+                    qsh[qb + uint64(half // 2 + m)] = hi_w[m]
         cuda.syncthreads()
         r0 = warp * 16
         for ks in range(nks):
@@ -209,28 +235,29 @@ def _make(d):
             for it in range(kit):
                 e = t + it * NT
                 if e < KT * cpr:
-                    kb = (e // cpr) * qs + (e % cpr) * 4
+                    kb = uint64((e // cpr) * qs + (e % cpr) * 4)
                     for m in range(4):
-                        ksh[kb + m] = kreg[it * 4 + m]
+                        ksh[kb + uint64(m)] = kreg[it * 4 + m]
             for it in range(vit):
                 e = t + it * NT
                 if e < KT // 2 * cpr:
-                    vb = (e // (KT // 2)) * 8 * vs + e % (KT // 2)
+                    vb = uint64((e // (KT // 2)) * 8 * vs + e % (KT // 2))
                     for m in range(4):
                         lo = vreg[it * 8 + m]
                         hi = vreg[it * 8 + 4 + m]
-                        vsh[vb + 2 * m * vs] = lo16(lo) | (lo16(hi) << uint32(16))
-                        vsh[vb + (2 * m + 1) * vs] = hi16(lo) | (hi16(hi) << uint32(16))
+                        vsh[vb + uint64(2 * m * vs)] = lo16(lo) | (lo16(hi) << uint32(16))
+                        vsh[vb + uint64((2 * m + 1) * vs)] = hi16(lo) | (hi16(hi) << uint32(16))
             cuda.syncthreads()
             if tile + 1 < ntiles:
                 fetch(ok, ov, kvc, key0 + KT, length, t, kreg, vreg)
             # S = q K^T: 4 n-tiles of 8 keys
             for nt in range(4):
                 c0 = c1 = c2 = c3 = float32(0.0)
-                kb = (nt * 8 + g) * qs + tq
+                kb = kbase + uint64(nt * 8 * qs)
                 for ks in range(nks):
                     c0, c1, c2, c3 = mma(qf[ks * 4], qf[ks * 4 + 1], qf[ks * 4 + 2], qf[ks * 4 + 3],
-                                         ksh[kb + ks * 8], ksh[kb + ks * 8 + 4], c0, c1, c2, c3, scr, t)
+                                         ksh[kb + uint64(ks * 8)], ksh[kb + uint64(ks * 8 + 4)], c0, c1, c2, c3,
+                                         scr, t)
                 sacc[nt * 4] = c0
                 sacc[nt * 4 + 1] = c1
                 sacc[nt * 4 + 2] = c2
@@ -280,9 +307,9 @@ def _make(d):
                 p2 = pack_h2(sacc[8 * k2 + 4], sacc[8 * k2 + 5])
                 p3 = pack_h2(sacc[8 * k2 + 6], sacc[8 * k2 + 7])
                 for nt in range(nnt):
-                    vb = (nt * 8 + g) * vs + k2 * 8 + tq
-                    o0, o1, o2, o3 = mma(p0, p1, p2, p3, vsh[vb], vsh[vb + 4], oacc[nt * 4], oacc[nt * 4 + 1],
-                                         oacc[nt * 4 + 2], oacc[nt * 4 + 3], scr, t)
+                    vb = vbase + uint64(nt * 8 * vs + k2 * 8)
+                    o0, o1, o2, o3 = mma(p0, p1, p2, p3, vsh[vb], vsh[vb + uint64(4)], oacc[nt * 4],
+                                         oacc[nt * 4 + 1], oacc[nt * 4 + 2], oacc[nt * 4 + 3], scr, t)
                     oacc[nt * 4] = o0
                     oacc[nt * 4 + 1] = o1
                     oacc[nt * 4 + 2] = o2
@@ -356,23 +383,12 @@ def _make_append(d):
         xc = (bs * (hq + 2 * hkv) + hq + kh) * cpr + c     # the key's chunk c in QKV
         cc = pos * hc + c                                    # cos / sin chunk
         oe = ((bi * hkv + kh) * length + pos) * d + c * 8   # present element of chunk c
-        x = cuda.local.array(16, uint32)
-        x[0], x[1], x[2], x[3] = ld4(qkv, xc)
-        x[4], x[5], x[6], x[7] = ld4(qkv, xc + hc)
-        x[8], x[9], x[10], x[11] = ld4(cs, cc)
-        x[12], x[13], x[14], x[15] = ld4(sn, cc)
-        v0, v1, v2, v3 = ld4(qkv, xc + hkv * cpr)
-        u0, u1, u2, u3 = ld4(qkv, xc + hkv * cpr + hc)
+        rw = cuda.local.array(16, uint32)
         lo_w = cuda.local.array(4, uint32)
         hi_w = cuda.local.array(4, uint32)
-        for m in range(4):
-            e = 2 * m
-            a0 = add(mul(w16(x, 0, e), w16(x, 8, e)), -mul(w16(x, 4, e), w16(x, 12, e)))
-            a1 = add(mul(w16(x, 0, e + 1), w16(x, 8, e + 1)), -mul(w16(x, 4, e + 1), w16(x, 12, e + 1)))
-            b0 = add(mul(w16(x, 4, e), w16(x, 8, e)), mul(w16(x, 0, e), w16(x, 12, e)))
-            b1 = add(mul(w16(x, 4, e + 1), w16(x, 8, e + 1)), mul(w16(x, 0, e + 1), w16(x, 12, e + 1)))
-            lo_w[m] = pack_h2(a0, a1)
-            hi_w[m] = pack_h2(b0, b1)
+        rot_pair(qkv, xc, hc, cs, sn, cc, rw, lo_w, hi_w)
+        v0, v1, v2, v3 = ld4(qkv, xc + hkv * cpr)
+        u0, u1, u2, u3 = ld4(qkv, xc + hkv * cpr + hc)
         st4(ok, oe, lo_w[0], lo_w[1], lo_w[2], lo_w[3])
         st4(ok, oe + half, hi_w[0], hi_w[1], hi_w[2], hi_w[3])
         st4(ov, oe, v0, v1, v2, v3)
