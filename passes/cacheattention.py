@@ -12,8 +12,9 @@ past_present_share_buffer, which rewrite_folder passes; default 0), writing the 
 
 Other GroupQueryAttention nodes are reported as skipped with the attribute or input that differs. Not a default
 pass: in genai's decode it is faster than onnxruntime's GroupQueryAttention (one launch of 8.1 us instead of four
-kernels of 12.0 us per layer), but a long prompt is slower (1.18x genai's prefill at 1024 tokens, level at 128,
-on tensor cores), and on the CPU both are slower (BENCHMARKS.md, "CacheAttention in genai's loop")."""
+kernels of 12.0 us per layer) and prompts on tensor cores were level with it in one run (128 and 1024 tokens;
+1.18x slower at 1024 in the run before), and on the CPU both are slower (BENCHMARKS.md, "CacheAttention in genai's
+loop")."""
 from __future__ import annotations
 
 import onnx_graphsurgeon as gs
@@ -52,7 +53,7 @@ def _why_not(node) -> str | None:
 
 class CacheAttentionPass(Pass):
     name = "cacheattention"
-    default = False     # opt-in: long prompts (and the CPU) slower than onnxruntime's GroupQueryAttention (docs/passes.md)
+    default = False     # opt-in: the CPU slower than onnxruntime's GroupQueryAttention, the GPU's prefill level in one run only
     description = "genai's GroupQueryAttention (packed q/k/v, rotary) -> CacheAttention"
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:

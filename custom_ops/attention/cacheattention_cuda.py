@@ -663,7 +663,7 @@ ROUTES = (
           "buffers 16-byte aligned: the append, then tiles of 64 query rows x 32 keys on mma.sync (P in fp16)",
           lambda c: c.m > SPLIT_ROWS and c.dtype == "float16" and c.tc and c.aligned and tc.fits(c.k),
           "benchmarks/cacheattention_gpu.py --prompt N (H200 2026-11-30, 16 heads, D = 128, ncu): append + attention "
-          "4 + 24 us at 128 tokens, 7 + 132 us at 1024, against the rows route's 9 + 103 us / 50 us + 4.67 ms"),
+          "4 + 13 us at 128 tokens, 6 + 72 us at 1024, against the rows route's 9 + 103 us / 50 us + 4.67 ms"),
     Route("cacheattention.rows", "more rows (prefill): the append, then one block per row over all its keys in "
           "present", always,
           "fallback (fp32, head sizes the tensor-core route does not take); fp16 prompts before the tc route: 81 "
