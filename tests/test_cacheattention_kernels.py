@@ -192,6 +192,21 @@ def test_cuda_tc_prompt_kernel_padded_rows_and_a_scale(monkeypatch):
     _check(_cuda(args, 2, 1, 0, 0.3), want, F16)
 
 
+def test_cuda_tc_prompt_kernel_nan_query_and_stale_buffer(monkeypatch):
+    """The tensor-core route: a NaN in one query row gives that row NaN; NaN keys and Inf values left in the shared
+    buffer past the prompt (a previous sequence's, or never written) are not read (its last key tile stops at the
+    rows' length), so the other rows match the reference and the buffer past the prompt keeps its bits."""
+    gpu_or_sim()
+    monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
+    args = _call(F16, 2, 1, 16, 1, 40, 64, 1, 0, seed=14)
+    args[1][:, :, 40:] = np.nan
+    args[2][:, :, 40:] = np.inf
+    args[0][0, 5, 0] = np.nan                           # query head 0 of token 5
+    want = ca.apply(*args, 2, 1, 0.0, 1)
+    assert np.isnan(want[0][0, 5, :16]).all() and np.isfinite(np.delete(want[0][0], 5, axis=0)).all()
+    _check(_cuda(args, 2, 1, 1), want, F16)
+
+
 @pytest.mark.parametrize("dt", [F32, F16])
 def test_cpu_kernel_in_place_on_a_long_buffer(dt):
     """genai's shared buffer (past and present one array, far longer than the tokens so far): the CPU face writes

@@ -17,7 +17,9 @@ then the prompt's keys rotated (``rot_pair``) and its values into present, 16-by
      of P V (mma into fp32 accumulators);
   3. O = acc / sum, rounded to fp16.
 P is rounded to fp16 before the product with V (as onnxruntime's flash attention does): O agrees with the reference
-within fp16 rounding of the weights, not within the fp32 sums' order alone. Rows whose batch row's length is out of
+within fp16 rounding of the weights, not within the fp32 sums' order alone. As in flash attention, a non-finite value
+in V at key j also reaches the rows of j's 32-key tile that precede j (their weight 0 times it is NaN); the
+reference leaves those rows finite. The buffer past a row's length is never read. Rows whose batch row's length is out of
 range, or whose position is past the rotary tables, are NaN (as the other CacheAttention kernels write them).
 Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
 tiles run one after another, so the last query tile (the most keys) sets the time (BENCHMARKS.md).
@@ -124,14 +126,16 @@ def _make(d):
         return (w >> uint32(16)) & M16
 
     @device
-    def fetch(ok, ov, kvc, key0, length, t, kreg, vreg):
-        """The thread's share of the K / V tile from key0 into registers (16-byte loads; keys past the buffer: 0):
+    def fetch(ok, ov, kvc, key0, kmax, t, kreg, vreg):
+        """The thread's share of the K / V tile from key0 into registers (16-byte loads; keys from kmax, the most
+        any row of the block reads, are 0: the buffer's positions past the row's length are never read, whatever
+        they hold, since a masked key's weight 0 times a NaN there would still be NaN):
         K chunks (key, chunk) = divmod(e, cpr); V chunk pairs (keys 2 kp and 2 kp + 1, chunk): (chunk, kp) =
         divmod(e, KT / 2), the key pair fastest across lanes so that the transposed stores meet no bank twice."""
         for it in range(kit):
             e = t + it * NT
             w0 = w1 = w2 = w3 = uint32(0)
-            if e < KT * cpr and key0 + e // cpr < length:
+            if e < KT * cpr and key0 + e // cpr < kmax:
                 w0, w1, w2, w3 = ld4(ok, kvc + (key0 + e // cpr) * cpr + e % cpr)
             kreg[it * 4] = w0
             kreg[it * 4 + 1] = w1
@@ -142,9 +146,9 @@ def _make(d):
             k2 = key0 + 2 * (e % (KT // 2))
             a0 = a1 = a2 = a3 = uint32(0)
             b0 = b1 = b2 = b3 = uint32(0)
-            if e < KT // 2 * cpr and k2 < length:
+            if e < KT // 2 * cpr and k2 < kmax:
                 a0, a1, a2, a3 = ld4(ov, kvc + k2 * cpr + e // (KT // 2))
-            if e < KT // 2 * cpr and k2 + 1 < length:
+            if e < KT // 2 * cpr and k2 + 1 < kmax:
                 b0, b1, b2, b3 = ld4(ov, kvc + (k2 + 1) * cpr + e // (KT // 2))
             vreg[it * 8] = a0
             vreg[it * 8 + 1] = a1
@@ -226,7 +230,7 @@ def _make(d):
             oacc[i] = float32(0.0)
         kvc = (bi * hkv + kh) * length * cpr        # chunk of key 0's row
         if ntiles > 0:
-            fetch(ok, ov, kvc, 0, length, t, kreg, vreg)
+            fetch(ok, ov, kvc, 0, kmax, t, kreg, vreg)
         for tile in range(ntiles):
             key0 = tile * KT
             cuda.syncthreads()                      # the previous tile's readers are done
@@ -249,7 +253,7 @@ def _make(d):
                         vsh[vb + uint64((2 * m + 1) * vs)] = hi16(lo) | (hi16(hi) << uint32(16))
             cuda.syncthreads()
             if tile + 1 < ntiles:
-                fetch(ok, ov, kvc, key0 + KT, length, t, kreg, vreg)
+                fetch(ok, ov, kvc, key0 + KT, kmax, t, kreg, vreg)
             # S = q K^T: 4 n-tiles of 8 keys
             for nt in range(4):
                 c0 = c1 = c2 = c3 = float32(0.0)
