@@ -17,7 +17,10 @@ then the prompt's keys rotated (``rot_pair``) and its values into present, 16-by
      of P V (mma into fp32 accumulators);
   3. O = acc / sum, rounded to fp16.
 P is rounded to fp16 before the product with V (as onnxruntime's flash attention does): O agrees with the reference
-within fp16 rounding of the weights, not within the fp32 sums' order alone. Rows whose batch row's length is out of
+within fp16 rounding of the weights, not within the fp32 sums' order alone. Known issue (fixed on branch tcstale,
+not landed: no GPU run left that session): a block's last key tile reads up to KT - 1 buffer positions past its
+rows' length; a NaN or Inf value left there (stale memory in a shared past / present buffer) makes those rows NaN
+(weight 0 times NaN). Rows whose batch row's length is out of
 range, or whose position is past the rotary tables, are NaN (as the other CacheAttention kernels write them).
 Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
 tiles run one after another, so the last query tile (the most keys) sets the time (BENCHMARKS.md).
