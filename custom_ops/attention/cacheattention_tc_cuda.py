@@ -20,7 +20,8 @@ P is rounded to fp16 before the product with V (as onnxruntime's flash attention
 within fp16 rounding of the weights, not within the fp32 sums' order alone. Known issue (fixed on branch tcstale,
 not landed: no GPU run left that session): a block's last key tile reads up to KT - 1 buffer positions past its
 rows' length; a NaN or Inf value left there (stale memory in a shared past / present buffer) makes those rows NaN
-(weight 0 times NaN). Rows whose batch row's length is out of
+(weight 0 times NaN). onnxruntime-genai zero-fills its shared buffer when it allocates it (cudaMemsetAsync in its
+DefaultKeyValueCache), so there those positions hold zeros or earlier tokens' values. Rows whose batch row's length is out of
 range, or whose position is past the rotary tables, are NaN (as the other CacheAttention kernels write them).
 Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
 tiles run one after another, so the last query tile (the most keys) sets the time (BENCHMARKS.md).
