@@ -538,7 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     gn.add_argument("input", metavar="IN")
     gn.add_argument("output", metavar="OUT")
     gn.add_argument("--passes", help="comma-separated passes (default: matmulnbits,ffn; matmulnbits,ffn,cacheattention "
-                                     "also turns GroupQueryAttention into our CacheAttention: opt-in, slower so far)")
+                                     "also turns GroupQueryAttention into our CacheAttention: opt-in; on CUDA decode "
+                                     "faster, prompts level in one run; on the CPU slower; BENCHMARKS.md)")
     gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
     gn.add_argument("--to", choices=["awq", "int4"],

@@ -278,16 +278,19 @@ def test_genai_loop_benchmark(built, tmp_path):
     for f in (src, dst):
         genai_config.set_provider(f, "cpu")
     js = str(tmp_path / "loop.json")
-    out = _run([os.path.join(ROOT, "benchmarks", "genai_loop.py"), src, dst, "--prompt", "8", "--new", "6",
+    out = _run([os.path.join(ROOT, "benchmarks", "genai_loop.py"), src, dst, "--prompt", "8,12", "--new", "6",
                 "--rounds", "2", "--warmup", "1", "--json", js])
     lines = [ln for ln in out.splitlines() if ln.startswith("|")]
     assert "prefill ms" in lines[0] and "decode ms/tok median" in lines[0] and "tok/s" in lines[0]
-    assert len(lines) == 4 and lines[2].startswith("| orig") and lines[3].startswith("| ours")
+    assert len(lines) == 8 and lines[2].startswith("| orig") and lines[3].startswith("| ours")   # a table per length
+    assert "prompt 8," in out and "prompt 12," in out
     res = json.load(open(js))
+    assert [r["prompt"] for r in res] == [8, 8, 12, 12]
     for r in res:
         assert len(r["prefill"]) == 2 and len(r["decode"]) == 2 * 5 and r["tokens_per_s"] > 0
+        assert r["prefill_ms_min"] <= r["prefill_ms"] and len(r["tokens"]) == r["prompt"] + 6
         assert np.isfinite(r["decode_ms_p90"]) and r["decode_ms_p90"] >= r["decode_ms_median"]
-    assert res[1]["same_tokens"] and res[1]["cuda_graph"] is False
+    assert res[1]["same_tokens"] and res[3]["same_tokens"] and res[1]["cuda_graph"] is False
 
 
 def test_cli_genai(built, tmp_path, capsys):

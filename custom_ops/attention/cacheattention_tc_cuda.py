@@ -19,8 +19,9 @@ then the prompt's keys rotated (``rot_pair``) and its values into present, 16-by
 P is rounded to fp16 before the product with V (as onnxruntime's flash attention does): O agrees with the reference
 within fp16 rounding of the weights, not within the fp32 sums' order alone. As in flash attention, a non-finite value
 in V at key j also reaches the rows of j's 32-key tile that precede j (their weight 0 times it is NaN); the
-reference leaves those rows finite. The buffer past a row's length is never read. Rows whose batch row's length is out of
-range, or whose position is past the rotary tables, are NaN (as the other CacheAttention kernels write them).
+reference leaves those rows finite. The buffer past a block's longest row is never read (it may hold anything).
+Rows whose batch row's length is out of range, or whose position is past the rotary tables, are NaN (as the other
+CacheAttention kernels write them).
 Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
 tiles run one after another, so the last query tile (the most keys) sets the time (BENCHMARKS.md).
 """
