@@ -6,7 +6,8 @@ fp32 and rounded to T (fp16: to fp16 precision, kept as fp32), k and v written i
 it, narrowed to T at the end: every value in it is a T value, so that is exact; only the positions the rows read,
 and with one past / present buffer only the new tokens' are written back). ``_attend``: one (b, s, h) query
 row per iteration (parallel over rows from PARALLEL_MIN score elements): fp32 dot products over the row's keys,
-softmax in fp32, fp32 sums of p_t V[t]. The present cache starts as a copy of past unless onnxruntime handed the
+softmax in fp32, fp32 sums of p_t V[t] (vectorised over the head's dims: sums in another order than the
+reference's). The present cache starts as a copy of past unless onnxruntime handed the
 kernel one buffer for both (genai's shared past / present).
 """
 from __future__ import annotations
@@ -62,19 +63,21 @@ def _rotate(x, pos, cos, sin, q, kc, vc, b_, s_, hq, hkv, d, length, f16):
 
 def _attend(q, kc, vc, pos, tb, o, b_, s_, hq, hkv, d, length, sc):
     g = hq // hkv
+    du = np.uint64(d)
     for r in prange(b_ * s_ * hq):
         b = r // (s_ * hq)
         si = (r // hq) % s_
         h = r % hq
         n = min(pos[b * s_ + si] + 1, tb[b])
-        kb = (b * hkv + h // g) * length * d
-        qb = r * d
+        kb = np.uint64((b * hkv + h // g) * length * d)    # unsigned indices: no negative-index wraparound, so
+        qb = np.uint64(r * d)                               # LLVM vectorises the loops over the head's dims
         a = np.empty(max(n, 1), np.float32)
         mx = np.float32(-np.inf)
         for j in range(n):
+            jb = kb + np.uint64(j) * du
             acc = np.float32(0.0)
             for x in range(d):
-                acc += q[qb + x] * kc[kb + j * d + x]
+                acc += q[qb + np.uint64(x)] * kc[jb + np.uint64(x)]
             a[j] = acc * sc
             mx = max(mx, a[j])
         tot = np.float32(0.0)
@@ -82,14 +85,18 @@ def _attend(q, kc, vc, pos, tb, o, b_, s_, hq, hkv, d, length, sc):
             a[j] = np.float32(math.exp(a[j] - mx))
             tot += a[j]
         for x in range(d):
-            o[qb + x] = 0.0
+            o[qb + np.uint64(x)] = 0.0
         for j in range(n):
             pj = a[j] / tot
+            jb = kb + np.uint64(j) * du
             for x in range(d):
-                o[qb + x] += pj * vc[kb + j * d + x]
+                o[qb + np.uint64(x)] += pj * vc[jb + np.uint64(x)]
 
 
-KERNELS = tuple(njit_variant(_attend, par, cache=True, nogil=True, boundscheck=False) for par in (False, True))
+# fastmath "reassoc" only (sums in another order, vectorised; no contraction, no finite-math assumptions): at 9 / 3
+# heads, D = 64, two threads: 200 keys 130 -> 58 us, 1000 keys 505 -> 161 us, a 128-token prompt 4.9 -> 0.73 ms
+KERNELS = tuple(njit_variant(_attend, par, cache=True, nogil=True, boundscheck=False, fastmath={"reassoc"})
+                for par in (False, True))
 
 
 def run(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads, scale=0.0, share_buffer=0, out=None,
