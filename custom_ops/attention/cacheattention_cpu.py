@@ -105,8 +105,9 @@ def run(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads,
     op's shapes and QKV's type) or new ones. A present array that is past's own buffer is written in place, at the
     new tokens' positions only. ``checked``: the call's (B, S, D, P, L) where the caller has validated it.
 
-    The fp32 working cache holds the first max(T_b) positions only (the keys any row reads): with genai's
-    max-length buffers a decode step costs O(tokens so far), not O(buffer)."""
+    fp32: present is the working cache (past copied into it unless it is past's buffer; the new tokens' k, v
+    rotated straight into it). fp16: an fp32 working cache of the first max(T_b) positions only (the keys any row
+    reads): with genai's max-length buffers a decode step costs O(tokens so far), not O(buffer)."""
     if checked is None:
         checked = ca.check(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads, share_buffer)
         ca.check_values(seqlens_k, checked[1], checked[4], cos.shape[0])
@@ -121,14 +122,24 @@ def run(qkv, past_key, past_value, seqlens_k, cos, sin, num_heads, kv_num_heads,
     tb = np.asarray(seqlens_k, np.int64).reshape(-1) + 1
     f32 = lambda a: np.ascontiguousarray(a, np.float32).reshape(-1)  # noqa: E731
     n = min(length, max(int(tb.max()), int(pos.max()) + 1))  # positions any row reads or writes: [0, n)
+    q = np.empty(b * s * hq * d, np.float32)
+    fn = KERNELS[1] if b * s * hq * n >= PARALLEL_MIN else KERNELS[0]
+    if dt == np.float32 and all(a.flags.c_contiguous for a in (out, present_key, present_value)):
+        # fp32: present itself is the working cache (past copied in unless it is past's own buffer)
+        for past, dst in ((past_key, present_key), (past_value, present_value)):
+            if not np.shares_memory(dst, past):
+                dst[:, :, :p] = past
+                dst[:, :, p:] = 0
+        kc, vc = present_key.reshape(-1), present_value.reshape(-1)
+        _rotate(f32(qkv), pos, f32(cos), f32(sin), q, kc, vc, b, s, hq, hkv, d, length, False)
+        fn(q, kc, vc, pos, tb, out.reshape(-1), b, s, hq, hkv, d, length, ca.scale_of(scale, d))
+        return out, present_key, present_value
     kc, vc = (np.empty((b, hkv, n, d), np.float32) for _ in range(2))
     kc[:, :, :p], vc[:, :, :p] = past_key[:, :, :n], past_value[:, :, :n]   # read before present is written
     kc[:, :, p:], vc[:, :, p:] = 0, 0
-    q = np.empty(b * s * hq * d, np.float32)
     _rotate(f32(qkv), pos, f32(cos), f32(sin), q, kc.reshape(-1), vc.reshape(-1), b, s, hq, hkv, d, n,
             dt == np.float16)
     o = np.empty(q.size, np.float32)
-    fn = KERNELS[1] if b * s * hq * n >= PARALLEL_MIN else KERNELS[0]
     fn(q, kc.reshape(-1), vc.reshape(-1), pos, tb, o, b, s, hq, hkv, d, n, ca.scale_of(scale, d))
     out[...] = o.reshape(out.shape)
     bi = np.repeat(np.arange(b), s)                         # (row, position) of each new token
