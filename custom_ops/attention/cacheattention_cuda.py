@@ -691,7 +691,7 @@ def splits(rows, length, name):
     if name == "cacheattention.warps":
         return NSPLIT, 0
     steps = max(1, -(-length // CH))
-    if name in ("cacheattention.rows", "cacheattention.tc"):
+    if name == "cacheattention.rows":
         return 1, steps * CH
     per = -(-steps // NCH_MAX)
     kpc = per * CH
@@ -734,26 +734,28 @@ class CacheAttentionCudaKernel(Kernel):
             return
         name = route(ROUTES, Case(DTYPES[self.elem], rows, d, length, tc=self.tc,
                                   aligned=all(x.ptr % 16 == 0 for x in (qkv, pk, pv, cs, sn)))).kernel
+        nx, nkv, nkvp = b * s * (self.hq + 2 * self.hkv) * d, b * self.hkv * p * d, b * self.hkv * length * d
+        nc = int(np.prod(cs.shape))
+        sc = float(ca.scale_of(self.scale, d))
+        x_, past_k, past_v = (qkv.ptr, (nx,)), (pk.ptr, (nkv,)), (pv.ptr, (nkv,))
+        lens, cos_, sin_ = (sl.ptr, (b,)), (cs.ptr, (nc,)), (sn.ptr, (nc,))
+        out_, pres_k, pres_v = (o, (rows * d,)), (okp, (nkvp,)), (ovp, (nkvp,))
+        if name == "cacheattention.tc":         # its own append (16-byte chunks), then the tensor-core kernel
+            tc.launch(ctx.stream, (x_, past_k, past_v, pres_k, pres_v, lens, cos_, sin_, out_), b, s, self.hq,
+                      self.hkv, d, p, length, cs.shape[0], sc)
+            return
         nch, kpc = splits(rows, length, name)
         floats = rows * nch * (d + 2) if nch > 1 else 0
         part = self.pool.partials(ctx, floats)
         cnt = self.pool.counters(ctx.stream)
-        nx, nkv, nkvp = b * s * (self.hq + 2 * self.hkv) * d, b * self.hkv * p * d, b * self.hkv * length * d
-        nc = int(np.prod(cs.shape))
-        sc = float(ca.scale_of(self.scale, d))
-        args = ((qkv.ptr, (nx,)), (pk.ptr, (nkv,)), (pv.ptr, (nkv,)), (sl.ptr, (b,)), (cs.ptr, (nc,)), (sn.ptr, (nc,)),
-                (o, (rows * d,)), (okp, (nkvp,)), (ovp, (nkvp,)), part, cnt, b, s, self.hq, self.hkv, p, length, nch,
-                kpc, cs.shape[0], sc)
+        args = (x_, past_k, past_v, lens, cos_, sin_, out_, pres_k, pres_v, part, cnt, b, s, self.hq, self.hkv, p,
+                length, nch, kpc, cs.shape[0], sc)
         # decode: one launch; a prompt: the append, then the attention over present (a prompt's keys rotated once,
         # not once per query row that reads them)
         if name == "cacheattention.warps":
             g = self.hq // self.hkv
             launcher(self.elem, d, WARPS).launch(rows * nch, NT, ctx.stream, *args, g, 1.0 / nch, 1.0 / self.hq,
                                                  1.0 / s, 1.0 / g)
-            return
-        if name == "cacheattention.tc":         # its own append (16-byte chunks), then the tensor-core kernel
-            tc.launch(ctx.stream, args[:3] + args[7:9] + args[3:7], b, s, self.hq, self.hkv, d, p, length,
-                      cs.shape[0], sc)
             return
         for mode in ((FUSED,) if name == "cacheattention.split" else (APPEND, PRESENT)):
             launcher(self.elem, d, mode).launch(rows * nch, NT, ctx.stream, *args)
