@@ -302,8 +302,14 @@ def test_cli_genai(built, tmp_path, capsys):
     assert f"{6 * LAYERS + 1} rewritten, 0 skipped by matmulnbits, ffn" in out and "prepare(folder)" in out
     sess = genai_config.decoder(genai_config.read_config(dst))["session_options"]
     assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME
+    assert "CacheAttention on the CPU" not in out
     assert cli.main(["genai", built["int4"], dst]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+    # the opt-in cacheattention pass on a CPU folder: the command says it measured slower there
+    ca_dst = str(tmp_path / "ca")
+    assert cli.main(["genai", built["int4"], ca_dst, "--provider", "cpu", "--passes",
+                     "matmulnbits,ffn,cacheattention"]) == 0
+    assert "CacheAttention on the CPU measured slower" in capsys.readouterr().out
 
 
 def test_sample_genai_smollm2_on_the_tiny_model(built, tmp_path):
