@@ -144,14 +144,18 @@ def _cuda(args, hq, hkv, share, scale=0.0):
                       [((b, s, hq * d), dt), ((b, hkv, length, d), dt), ((b, hkv, length, d), dt)])
 
 
+def _cuda_case(case, dt, seed):
+    """One (Hq, Hkv, D, B, S, P, share, hist) case through the CUDA face, checked against the reference."""
+    hq, hkv, d, b, s, p, share, hist = case
+    args = _call(dt, hq, hkv, d, b, s, p, share, hist, seed=seed)
+    _check(_cuda(args, hq, hkv, share), ca.apply(*args, hq, hkv, 0.0, share), dt)
+
+
 @pytest.mark.parametrize("dt", [F32, F16])
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_kernel(case, dt):
     gpu_or_sim()
-    hq, hkv, d, b, s, p, share, hist = case
-    args = _call(dt, hq, hkv, d, b, s, p, share, hist, seed=2)
-    want = ca.apply(*args, hq, hkv, 0.0, share)
-    _check(_cuda(args, hq, hkv, share), want, dt)
+    _cuda_case(case, dt, 2)
 
 
 @pytest.mark.parametrize("dt", [F32, F16])
@@ -160,10 +164,7 @@ def test_cuda_rows_kernel(case, dt, monkeypatch):
     """The rows route (one block per query row over all its keys, what a long prompt takes), on small shapes."""
     gpu_or_sim()
     monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
-    hq, hkv, d, b, s, p, share, hist = case
-    args = _call(dt, hq, hkv, d, b, s, p, share, hist, seed=7)
-    want = ca.apply(*args, hq, hkv, 0.0, share)
-    _check(_cuda(args, hq, hkv, share), want, dt)
+    _cuda_case(case, dt, 7)
 
 
 TC_CASES = [(2, 1, 16, 1, 40, 0, 0, 0), (2, 2, 32, 2, 20, 48, 1, 5), (2, 1, 16, 1, 70, 0, 0, 0),
@@ -177,10 +178,7 @@ def test_cuda_tc_prompt_kernel(case, monkeypatch):
     past in two buffers (the append copies past's 10 positions into present)."""
     gpu_or_sim()
     monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
-    hq, hkv, d, b, s, p, share, hist = case
-    args = _call(F16, hq, hkv, d, b, s, p, share, hist, seed=12)
-    want = ca.apply(*args, hq, hkv, 0.0, share)
-    _check(_cuda(args, hq, hkv, share), want, F16)
+    _cuda_case(case, F16, 12)
 
 
 def test_cuda_tc_prompt_kernel_padded_rows_and_a_scale(monkeypatch):
@@ -241,10 +239,7 @@ def test_gpu_large(case):
     in two buffers), on a real GPU."""
     if os.environ.get("ONNX_LOWBIT_REAL_GPU") != "1":
         pytest.skip("large shapes: real GPU only")
-    hq, hkv, d, b, s, p, share, hist = case
-    args = _call(F16, hq, hkv, d, b, s, p, share, hist, seed=8)
-    want = ca.apply(*args, hq, hkv, 0.0, share)
-    _check(_cuda(args, hq, hkv, share), want, F16)
+    _cuda_case(case, F16, 8)
 
 
 def test_kernels_rows_of_different_lengths_and_a_scale():
