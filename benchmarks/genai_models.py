@@ -7,8 +7,9 @@ MatMulNBits converted without loss).
         [--layers 16] [--inter 8192] [--heads 16] [--vocab 4096]
 
 Defaults are samples/llama_decode.py's config (the one ../shared/device/genai_anchor.py measured genai on).
-Writes OUT_DIR/hf, OUT_DIR/genai_<prec> and OUT_DIR/genai_<prec>.lowbit (with --attention also genai_<prec>.ca: the
-cacheattention pass too); prints each step's time and the op counts.
+Writes OUT_DIR/hf, OUT_DIR/genai_<prec> and OUT_DIR/genai_<prec>.lowbit (`--passes matmulnbits,ffn`: the products
+only); with --attention also genai_<prec>.ca (the cacheattention pass too) and genai_<prec>.default (no --passes:
+the provider's default, on CUDA genai_config.CUDA_PASSES); prints each step's time and the op counts.
 """
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def main(argv=None):
             print(f"build {prec} failed (rc {r.returncode}):\n{r.stdout[-1500:]}\n{r.stderr[-2500:]}")
             return 1
         print(f"build {prec}: {time.time() - t0:.0f} s; ops {ops(out)}", flush=True)
-        variants = [(".lowbit", [])] + ([(".ca", ["--passes", "matmulnbits,ffn,cacheattention"])] if a.attention
-                                        else [])
+        variants = [(".lowbit", ["--passes", "matmulnbits,ffn"])] + (
+            [(".ca", ["--passes", "matmulnbits,ffn,cacheattention"]), (".default", [])] if a.attention else [])
         for suffix, extra in variants:
             t0 = time.time()
             cmd = [sys.executable, "-m", "onnx_lowbit.cli", "genai", out, out + suffix, "--provider", a.provider,

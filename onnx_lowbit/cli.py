@@ -306,7 +306,9 @@ def cmd_genai(a) -> int:
     opts = {"matmulnbits_lossy": True} if a.lossy else {}
     if a.to:
         opts["matmulnbits_to"] = a.to
-    passes = a.passes.split(",") if a.passes else genai_config.DEFAULT_PASSES
+    passes = a.passes.split(",") if a.passes else genai_config.default_passes(a.provider, a.input)
+    if not a.passes and "cacheattention" in passes:     # by default only heads its tensor-core prompt kernel takes
+        opts["cacheattention_tc_only"] = True
     report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
     if a.provider:
         genai_config.set_provider(a.output, a.provider, cuda_graph=a.cuda_graph)
@@ -542,9 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(SwiGLU blocks -> fused FFN ops; our library named in genai_config.json)")
     gn.add_argument("input", metavar="IN")
     gn.add_argument("output", metavar="OUT")
-    gn.add_argument("--passes", help="comma-separated passes (default: matmulnbits,ffn; matmulnbits,ffn,cacheattention "
-                                     "also turns GroupQueryAttention into our CacheAttention: opt-in; on CUDA decode "
-                                     "faster, prompts level in one run; on the CPU slower; BENCHMARKS.md)")
+    gn.add_argument("--passes", help="comma-separated passes (default on CUDA, --provider cuda or a folder built for "
+                                     "it: matmulnbits,ffn,cacheattention,normfold, CacheAttention only for fp16 heads "
+                                     "of 16..128 (multiples of 16); elsewhere matmulnbits,ffn: on the CPU "
+                                     "cacheattention measured slower; BENCHMARKS.md)")
     gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
     gn.add_argument("--to", choices=["awq", "int4"],

@@ -33,6 +33,18 @@ from .errors import LowbitError
 CONFIG = "genai_config.json"
 SHIM_NAME = "onnx_lowbit_ortshim.so"   # the shim's name in the model folder
 DEFAULT_PASSES = ("matmulnbits", "ffn")
+# The default where the decoder runs on CUDA (``default_passes``): also GroupQueryAttention -> CacheAttention where
+# its prompt kernel takes the heads (option cacheattention_tc_only) and the norms folded into the products' prologues.
+CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention", "normfold")
+
+
+def default_passes(provider: str | None, folder=None) -> tuple:
+    """The passes ``onnx-lowbit genai`` runs when none are named: CUDA_PASSES where the decoder runs on CUDA
+    (``provider``, else the folder's genai_config.json), else DEFAULT_PASSES."""
+    if provider is None and folder is not None:
+        sess = decoder(read_config(folder)).get("session_options", {})
+        provider = "cuda" if any("cuda" in p for p in sess.get("provider_options") or []) else "cpu"
+    return CUDA_PASSES if provider == "cuda" else DEFAULT_PASSES
 
 
 def read_config(folder) -> dict:

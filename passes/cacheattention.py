@@ -17,6 +17,7 @@ kernels of 12.0 us per layer) and prompts on tensor cores were level with it in 
 loop")."""
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from onnx_lowbit import domain
@@ -51,6 +52,21 @@ def _why_not(node) -> str | None:
     return None
 
 
+def _why_not_tc(node) -> str | None:
+    """With the option cacheattention_tc_only (``onnx-lowbit genai``'s CUDA default): why the tensor-core prompt
+    route (custom_ops/attention/cacheattention_tc_cuda: fp16, head size a multiple of 16 up to 128) would not take
+    this node's prompts, read from its cos_cache constant [positions, head_size / 2], else None."""
+    cos = node.inputs[7]
+    if not isinstance(cos, gs.Constant):
+        return "cos_cache is not a constant (head size unknown; cacheattention_tc_only)"
+    d = 2 * int(cos.values.shape[-1])
+    if cos.values.dtype != np.float16:
+        return f"{cos.values.dtype} caches: the tensor-core prompt kernel is fp16 (cacheattention_tc_only)"
+    if d % 16 or d > 128:
+        return f"head size {d}: the tensor-core prompt kernel takes multiples of 16 up to 128 (cacheattention_tc_only)"
+    return None
+
+
 class CacheAttentionPass(Pass):
     name = "cacheattention"
     default = False     # opt-in: the CPU slower than onnxruntime's GroupQueryAttention, the GPU's prefill level in one run only
@@ -58,12 +74,13 @@ class CacheAttentionPass(Pass):
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:
         share = int(bool(options.get("cacheattention_share_buffer", False)))
+        tc_only = bool(options.get("cacheattention_tc_only", False))
         names = Names(graph)
         for g in iter_graphs(graph):
             for node in list(g.nodes):
                 if not (node.op == "GroupQueryAttention" and node.domain == "com.microsoft"):
                     continue
-                why = _why_not(node)
+                why = _why_not(node) or (_why_not_tc(node) if tc_only else None)
                 if why is not None:
                     self.skipped(report, PATTERN, [node_label(node)], why)
                     continue

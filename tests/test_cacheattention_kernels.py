@@ -13,7 +13,7 @@ import os
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from helpers import direct_run, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import cacheattention as ca
@@ -332,6 +332,24 @@ def test_pass_rewrites_genai_spelling_and_session_agrees():
                        ({"rotary_interleaved": 1}, "rotary_interleaved")):
         _, rep = run_passes(_gqa_model(dt, hq, hkv, **attrs), passes=["cacheattention"])
         assert not rep.rewritten() and why in rep.skipped("cacheattention")[0].reason
+
+
+@pytest.mark.parametrize("dt,d,why", [(F16, 64, None), (F16, 128, None), (F16, 24, "head size 24"),
+                                       (F16, 160, "head size 160"), (F32, 64, "float32 caches")])
+def test_pass_tc_only_keeps_the_heads_the_tensor_core_prompt_kernel_takes(dt, d, why):
+    """The option cacheattention_tc_only (``onnx-lowbit genai``'s CUDA default) reads the head size and type from
+    the cos_cache constant; other heads keep onnxruntime's GroupQueryAttention, reported with the reason."""
+    model = _gqa_model(dt, 4, 2)
+    cos = np.ones((32, d // 2), dt)
+    model.graph.initializer.extend([numpy_helper.from_array(cos, "cos"), numpy_helper.from_array(cos, "sin")])
+    del model.graph.input[5:7]
+    _, rep = run_passes(model, passes=["cacheattention"], cacheattention_tc_only=True)
+    if why is None:
+        assert len(rep.rewritten("cacheattention")) == 1
+    else:
+        assert not rep.rewritten() and why in rep.skipped("cacheattention")[0].reason
+    _, rep = run_passes(model, passes=["cacheattention"])       # without the option: every head
+    assert len(rep.rewritten("cacheattention")) == 1
 
 
 def test_cpu_session_bad_lengths_name_the_problem():
