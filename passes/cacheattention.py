@@ -59,9 +59,9 @@ def _why_not_tc(node) -> str | None:
     cos = node.inputs[7]
     if not isinstance(cos, gs.Constant):
         return "cos_cache is not a constant (head size unknown; cacheattention_tc_only)"
-    d = 2 * int(cos.values.shape[-1])
-    if cos.values.dtype != np.float16:
-        return f"{cos.values.dtype} caches: the tensor-core prompt kernel is fp16 (cacheattention_tc_only)"
+    d = 2 * int(cos.shape[-1])         # shape and dtype without loading the values (external data)
+    if np.dtype(cos.dtype) != np.float16:
+        return f"{np.dtype(cos.dtype)} caches: the tensor-core prompt kernel is fp16 (cacheattention_tc_only)"
     if d % 16 or d > 128:
         return f"head size {d}: the tensor-core prompt kernel takes multiples of 16 up to 128 (cacheattention_tc_only)"
     return None

@@ -129,3 +129,20 @@ def test_target_ort_runs_on_stock_onnxruntime(tmp_path):
                       "--passes", "fplut,weights4")
     assert rc == 0 and "left out" not in err
     assert "onnx_lowbit" in {n.domain for n in onnx.load(str(tmp_path / "g2.onnx")).graph.node}
+
+
+def test_genai_default_passes_follow_the_provider(tmp_path):
+    """`onnx-lowbit genai` without --passes: on CUDA (--provider cuda, or a folder whose genai_config.json names the
+    cuda provider) CUDA_PASSES, else DEFAULT_PASSES."""
+    import json
+    from onnx_lowbit import genai_config
+    for prov, opts in (("cuda", [{"cuda": {"enable_cuda_graph": "0"}}]), ("cpu", [])):
+        d = tmp_path / prov
+        d.mkdir()
+        (d / "genai_config.json").write_text(json.dumps(
+            {"model": {"decoder": {"filename": "model.onnx", "session_options": {"provider_options": opts}}}}))
+        want = genai_config.CUDA_PASSES if prov == "cuda" else genai_config.DEFAULT_PASSES
+        assert genai_config.default_passes(None, d) == want
+        assert genai_config.default_passes("cpu", d) == genai_config.DEFAULT_PASSES
+        assert genai_config.default_passes("cuda", d) == genai_config.CUDA_PASSES
+    assert "cacheattention" in genai_config.CUDA_PASSES and "cacheattention" not in genai_config.DEFAULT_PASSES
