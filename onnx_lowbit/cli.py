@@ -545,8 +545,8 @@ def build_parser() -> argparse.ArgumentParser:
     gn.add_argument("input", metavar="IN")
     gn.add_argument("output", metavar="OUT")
     gn.add_argument("--passes", help="comma-separated passes (default on CUDA, --provider cuda or a folder built for "
-                                     "it: matmulnbits,ffn,cacheattention,normfold, CacheAttention only for fp16 heads "
-                                     "of 16..128 (multiples of 16); elsewhere matmulnbits,ffn: on the CPU "
+                                     "it: matmulnbits,ffn,cacheattention, CacheAttention only for fp16 heads of "
+                                     "16..128 (multiples of 16); elsewhere matmulnbits,ffn: on the CPU "
                                      "cacheattention measured slower; BENCHMARKS.md)")
     gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")

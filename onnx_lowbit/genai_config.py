@@ -34,8 +34,10 @@ CONFIG = "genai_config.json"
 SHIM_NAME = "onnx_lowbit_ortshim.so"   # the shim's name in the model folder
 DEFAULT_PASSES = ("matmulnbits", "ffn")
 # The default where the decoder runs on CUDA (``default_passes``): also GroupQueryAttention -> CacheAttention where
-# its prompt kernel takes the heads (option cacheattention_tc_only) and the norms folded into the products' prologues.
-CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention", "normfold")
+# its tensor-core prompt kernel takes the heads (option cacheattention_tc_only). H200, genai's loop, 2026-11-30
+# (BENCHMARKS.md, "CacheAttention in genai's loop"): decode 1.33-1.37x genai int4 against 1.20-1.21x without it,
+# prompts level at 1024 tokens and faster at 128; SmolLM2-135M's real weights: 1.25-1.30x against 1.19-1.20x.
+CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention")
 
 
 def default_passes(provider: str | None, folder=None) -> tuple:

@@ -10,11 +10,13 @@ length; the CPU nodes genai computes it with go, so the session can use CUDA gra
 scale and ``share_buffer`` (the option ``cacheattention_share_buffer``: genai_config.json's
 past_present_share_buffer, which rewrite_folder passes; default 0), writing the node's three outputs.
 
-Other GroupQueryAttention nodes are reported as skipped with the attribute or input that differs. Not a default
-pass: in genai's decode it is faster than onnxruntime's GroupQueryAttention (one launch of 8.1 us instead of four
-kernels of 12.0 us per layer) and prompts on tensor cores were level with it in one run (128 and 1024 tokens;
-1.18x slower at 1024 in the run before), and on the CPU both are slower (BENCHMARKS.md, "CacheAttention in genai's
-loop")."""
+Other GroupQueryAttention nodes are reported as skipped with the attribute or input that differs. Option
+``cacheattention_tc_only``: also skip heads whose prompts the tensor-core kernel would not take (fp16, head size a
+multiple of 16 up to 128, read from cos_cache), which would fall to the slow rows route. Not a default pass of
+``rewrite``; ``onnx-lowbit genai`` runs it (with cacheattention_tc_only) for folders that run on CUDA: in genai's
+decode it is faster than onnxruntime's GroupQueryAttention (one launch of 8.1 us instead of four kernels of 12.0 us
+per layer), prompts on tensor cores are level with it at 1024 tokens and faster at 128; on the CPU both are slower
+(BENCHMARKS.md, "CacheAttention in genai's loop")."""
 from __future__ import annotations
 
 import numpy as np
@@ -69,7 +71,7 @@ def _why_not_tc(node) -> str | None:
 
 class CacheAttentionPass(Pass):
     name = "cacheattention"
-    default = False     # opt-in: the CPU slower than onnxruntime's GroupQueryAttention, the GPU's prefill level in one run only
+    default = False     # not for `rewrite`: `onnx-lowbit genai` names it on CUDA (genai_config.CUDA_PASSES); the CPU slower
     description = "genai's GroupQueryAttention (packed q/k/v, rotary) -> CacheAttention"
 
     def apply(self, graph: gs.Graph, report: Report, options: dict) -> None:

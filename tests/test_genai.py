@@ -310,6 +310,13 @@ def test_cli_genai(built, tmp_path, capsys):
     assert cli.main(["genai", built["int4"], ca_dst, "--provider", "cpu", "--passes",
                      "matmulnbits,ffn,cacheattention"]) == 0
     assert "CacheAttention on the CPU measured slower" in capsys.readouterr().out
+    # no --provider, no --passes on a CUDA build (-e cuda): genai_config.CUDA_PASSES, CacheAttention for its fp16
+    # heads of 16 (tensor-core prompts: cacheattention_tc_only)
+    cuda_dst = str(tmp_path / "cuda")
+    assert cli.main(["genai", built["int4"], cuda_dst]) == 0
+    out = capsys.readouterr().out
+    assert f"{6 * LAYERS + 1 + LAYERS} rewritten, 0 skipped by matmulnbits, ffn, cacheattention" in out
+    assert "CacheAttention on the CPU" not in out
 
 
 def test_sample_genai_smollm2_on_the_tiny_model(built, tmp_path):
