@@ -29,5 +29,8 @@ fi
 XDIST=()
 # --dist loadgroup: the tests conftest.py groups (those that compile QuantGRU's CPU kernels) run on one worker, the
 # rest test by test on any
-if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadgroup); fi
+# OpenBLAS single-threaded in the workers: numpy's small matmuls (QuantGRU's calibration search runs the numpy
+# reference step by step) with every worker's BLAS threads spinning on the same cores took 13x longer (two
+# concurrent GRU rewrites of the denoiser: 3 min 37 s against 16 s; in CI two such tests took ~9 min each)
+if [ "$WORKERS" -gt 1 ]; then XDIST=(-n "$WORKERS" --dist loadgroup); export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}; fi
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" "$@"
