@@ -34,17 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import print_table, write_json  # noqa: E402
 
 
-def _providers(folder) -> list:
-    from onnx_lowbit import genai_config
-    opts = genai_config.decoder(genai_config.read_config(folder)).get("session_options", {}).get("provider_options")
-    return [name for p in (opts or []) for name in p]
-
-
 def load(folder, cuda_graph: bool):
     import onnxruntime_genai as og
+
+    from onnx_lowbit import genai_config
     config = og.Config(os.fspath(folder))
     graph = False
-    if "cuda" in _providers(folder) and cuda_graph:
+    if cuda_graph and genai_config.on_cuda(folder):
         config.set_provider_option("cuda", "enable_cuda_graph", "1")
         graph = True
     return og.Model(config), graph

@@ -318,9 +318,7 @@ def cmd_genai(a) -> int:
     print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped by {', '.join(passes)}"
           f"\nwrote {a.output}" + (f" (custom_ops_library {os.path.basename(lib)}: call "
           "onnx_lowbit.genai_config.prepare(folder) before og.Model(folder))" if lib else ""))
-    sess = genai_config.decoder(genai_config.read_config(a.output)).get("session_options", {})
-    on_cuda = any("cuda" in p for p in sess.get("provider_options") or [])
-    if report.rewritten("cacheattention") and not on_cuda:
+    if report.rewritten("cacheattention") and not genai_config.on_cuda(a.output):
         print("note: CacheAttention on the CPU measured slower than onnxruntime's GroupQueryAttention (decode and "
               "prompts; BENCHMARKS.md, CacheAttention in genai's loop): the cacheattention pass pays off on CUDA")
     return 0

@@ -44,9 +44,14 @@ def default_passes(provider: str | None, folder=None) -> tuple:
     """The passes ``onnx-lowbit genai`` runs when none are named: CUDA_PASSES where the decoder runs on CUDA
     (``provider``, else the folder's genai_config.json), else DEFAULT_PASSES."""
     if provider is None and folder is not None:
-        sess = decoder(read_config(folder)).get("session_options", {})
-        provider = "cuda" if any("cuda" in p for p in sess.get("provider_options") or []) else "cpu"
+        provider = "cuda" if on_cuda(folder) else "cpu"
     return CUDA_PASSES if provider == "cuda" else DEFAULT_PASSES
+
+
+def on_cuda(folder) -> bool:
+    """Whether the folder's decoder names the cuda provider in genai_config.json."""
+    sess = decoder(read_config(folder)).get("session_options", {})
+    return any("cuda" in p for p in sess.get("provider_options") or [])
 
 
 def read_config(folder) -> dict:
