@@ -4,7 +4,7 @@ model builder once per precision, then `onnx-lowbit genai` on each (our fused FF
 MatMulNBits converted without loss).
 
     python benchmarks/genai_models.py OUT_DIR [--precisions fp16,int4] [--provider cuda] [--hidden 2048]
-        [--layers 16] [--inter 8192] [--heads 16] [--vocab 4096]
+        [--layers 16] [--inter 8192] [--heads 16] [--vocab 4096] [--attention] [--variants lowbit,ca,default]
 
 Defaults are samples/llama_decode.py's config (the one ../shared/device/genai_anchor.py measured genai on).
 Writes OUT_DIR/hf, OUT_DIR/genai_<prec> and OUT_DIR/genai_<prec>.lowbit (`--passes matmulnbits,ffn`: the products
@@ -59,6 +59,9 @@ def main(argv=None):
     ap.add_argument("--attention", action="store_true",
                     help="also OUT_DIR/genai_<prec>.ca: the rewrite with the cacheattention pass too "
                          "(GroupQueryAttention -> CacheAttention)")
+    ap.add_argument("--variants", default=None,
+                    help="which rewrites to write, comma-separated from lowbit, ca, default ('' for none); default: "
+                         "lowbit, with --attention all three")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     hf = os.path.join(a.out, "hf")
@@ -76,6 +79,10 @@ def main(argv=None):
         print(f"build {prec}: {time.time() - t0:.0f} s; ops {ops(out)}", flush=True)
         variants = [(".lowbit", ["--passes", "matmulnbits,ffn"])] + (
             [(".ca", ["--passes", "matmulnbits,ffn,cacheattention"]), (".default", [])] if a.attention else [])
+        if a.variants is not None:
+            every = {".lowbit": ["--passes", "matmulnbits,ffn"], ".ca": ["--passes", "matmulnbits,ffn,cacheattention"],
+                     ".default": []}
+            variants = [("." + v, every["." + v]) for v in a.variants.split(",") if v]
         for suffix, extra in variants:
             t0 = time.time()
             cmd = [sys.executable, "-m", "onnx_lowbit.cli", "genai", out, out + suffix, "--provider", a.provider,

@@ -34,7 +34,7 @@ from numba import cuda, float32, int64, uint32
 
 from onnx_lowbit import cacheattention as ca
 
-from ..device import splitk
+from ..device import pdl, splitk
 from ..device.arith import add, divmod_, mul
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
@@ -486,6 +486,8 @@ def _make_decode(f16, d):
         sc = cuda.local.array(G, float32)
         rw = cuda.local.array(16, uint32)
         kx = cuda.local.array(ne, float32)
+        pdl.wait()          # everything below may read what the kernel before wrote (device/pdl.py)
+        pdl.trigger()
         t = cuda.threadIdx.x
         lane = t % 32
         warp = t // 32
@@ -681,7 +683,9 @@ def launcher(elem, d, mode):
     key = (elem, d, mode)
     if key not in _launchers:
         fn = _make_decode(elem == 10, d) if mode == WARPS else _make(elem == 10, d, mode)
-        _launchers[key] = (SimLauncher if SIM else Launcher)(fn, _signature(elem, mode == WARPS))
+        sig = _signature(elem, mode == WARPS)
+        # the decode kernel waits for the kernel before it first thing (device/pdl.py), so it may start early
+        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, pdl=mode == WARPS)
     return _launchers[key]
 
 

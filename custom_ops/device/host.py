@@ -34,18 +34,19 @@ class _SimLauncher(SimLauncher):
     def blocks_per_sm(self, block, shmem=None):
         return self.sim_blocks
 
-    def launch(self, grid, block, stream, *args, shmem=None):
+    def launch(self, grid, block, stream, *args, shmem=None, pdl=True):
         super().launch(grid, block, stream, *args, shmem=self.dynamic_shared if shmem is None else shmem)
 
 
-def launcher(fn, signature, dynamic_shared=0, sim_blocks=1, sim_empty=1):
+def launcher(fn, signature, dynamic_shared=0, sim_blocks=1, sim_empty=1, pdl=False):
     """A direct-launch wrapper of kernel ``fn`` (``.dispatcher``: fn, benchmarks read its registers). Under the
     simulator a SimLauncher whose ``blocks_per_sm`` answers ``sim_blocks``; ``sim_empty``: what a null pointer or an
-    empty array becomes there (SimLauncher's ``empty``: 0 is strict, a kernel that reads it fails)."""
+    empty array becomes there (SimLauncher's ``empty``: 0 is strict, a kernel that reads it fails). ``pdl``: the
+    kernel keeps device/pdl.py's contract (Launcher's ``pdl``; nothing under the simulator)."""
     if SIM:
         lau = _SimLauncher(fn, signature, dynamic_shared, sim_blocks, sim_empty)
     else:
-        lau = Launcher(fn, signature, dynamic_shared=dynamic_shared)
+        lau = Launcher(fn, signature, dynamic_shared=dynamic_shared, pdl=pdl)
     lau.dispatcher = fn
     return lau
 

@@ -7,6 +7,10 @@ cuLaunchKernel on onnxruntime's stream. No array wrapping, no dispatcher, no all
 Parameter layout is Numba's: an array argument is flattened into
 (meminfo, parent, nitems, itemsize, data, shape[0..nd), strides[0..nd)), a scalar into its C value.
 
+A launcher made with ``pdl=True`` launches through cuLaunchKernelEx with programmatic stream serialization
+(device/pdl.py: the kernel may start before the previous kernel of the stream ends and waits for it with
+``pdl.wait()``) on GPUs of compute capability 9.0+, unless ONNX_LOWBIT_PDL=0 (read once per process).
+
 Used by every CUDA op module (its kernel class launches through a ``Launcher`` per compiled kernel, under the
 simulator a ``SimLauncher`` with the same arguments) and by host runners and tests (``arg``, ``device_ptr``); the
 runtime's plans.py records what ``launch`` does. Also the device queries the kernels size their grids with
@@ -15,6 +19,7 @@ runtime's plans.py records what ``launch`` does. Also the device queries the ker
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -24,7 +29,33 @@ from ..runtime import plans
 from ..runtime.driver import libcuda
 
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _lock = threading.Lock()
+_pdl_devices = {}     # device -> whether PDL launches are used there
+
+
+class _LaunchAttr(ctypes.Structure):
+    """cuda.h's CUlaunchAttribute: an id, padding, a 64-byte value union (here its first int)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """cuda.h's CUlaunchConfig."""
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("shmem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+def pdl_enabled(device: int) -> bool:
+    """Whether ``pdl=True`` launchers use programmatic dependent launch on ``device``: compute capability 9.0+,
+    a driver with cuLaunchKernelEx, and ONNX_LOWBIT_PDL not set to 0 (for comparisons)."""
+    on = _pdl_devices.get(device)
+    if on is None:
+        env = os.environ.get("ONNX_LOWBIT_PDL", "1").strip().lower() not in ("0", "false", "no", "off")
+        major = ctypes.c_int(0)
+        check(libcuda().cuDeviceGetAttribute(ctypes.byref(major), 75, device), "cuDeviceGetAttribute")  # CC major
+        on = _pdl_devices[device] = env and major.value >= 9 and hasattr(libcuda(), "cuLaunchKernelEx")
+    return on
 
 
 class CudaError(RuntimeError):
@@ -105,10 +136,16 @@ class Launcher:
     """One compiled kernel with its parameter slots. Call ``launch(grid, block, shmem, stream, *args)`` where an
     array argument is given as ``(device_pointer, shape_tuple)`` and a scalar as a number."""
 
-    def __init__(self, dispatcher, signature, *, dynamic_shared=0):
+    def __init__(self, dispatcher, signature, *, dynamic_shared=0, pdl=False):
         """``dynamic_shared``: the dynamic shared memory bytes of every launch, or the most a launch may ask for
-        through ``launch(..., shmem=)`` (above 48 KiB the kernel is opted in once per device)."""
+        through ``launch(..., shmem=)`` (above 48 KiB the kernel is opted in once per device). ``pdl``: the kernel
+        keeps device/pdl.py's contract (reads what an earlier kernel wrote only after ``pdl.wait()``) and is launched
+        as a programmatic dependent launch where the device allows it (``pdl_enabled``)."""
         self._sig = signature
+        self._pdl = None      # the launch configuration, once the device allows PDL (filled per launch)
+        if pdl and pdl_enabled(current_device()):
+            self._attr = _LaunchAttr(CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, 0, 1)
+            self._pdl = _LaunchConfig(0, 1, 1, 0, 1, 1, 0, None, ctypes.pointer(self._attr), 1)
         numba_sig = tuple(s.numba_type() if isinstance(s, Array) else getattr(types, s) for s in signature)
         kernel = dispatcher.compile(numba_sig)
         kernel.bind()
@@ -163,7 +200,9 @@ class Launcher:
             "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return n.value
 
-    def launch(self, grid, block, stream, *args, shmem=None):
+    def launch(self, grid, block, stream, *args, shmem=None, pdl=True):
+        """``pdl=False``: this call launches in order (no PDL) although the launcher may (the call's weights are not
+        constants, so reading them before ``pdl.wait()`` would race with the kernel that writes them)."""
         if len(self._configured) == 0 or self.dynamic_shared > 48 * 1024:
             dev = current_device()
             if dev not in self._configured:
@@ -186,13 +225,22 @@ class Launcher:
                 else:
                     vals[0].value = a
             shmem = self.dynamic_shared if shmem is None else shmem
-            rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, shmem, stream, self._params, None)
-            if rc:
-                check(rc, "cuLaunchKernel")
+            cfg = self._pdl if pdl else None
+            if cfg is None:
+                rc = self._launch(self.handle, grid, 1, 1, block, 1, 1, shmem, stream, self._params, None)
+                if rc:
+                    check(rc, "cuLaunchKernel")
+            else:
+                cfg.gx, cfg.bx, cfg.shmem, cfg.stream = grid, block, shmem, stream
+                rc = libcuda().cuLaunchKernelEx(ctypes.byref(cfg), self.handle, self._params, None)
+                if rc:
+                    check(rc, "cuLaunchKernelEx")
             rec = plans.active()
             if rec is not None:
                 rec.launch(self.handle.value, int(grid), int(block), int(shmem),
                            [int.from_bytes(bytes(v), "little") for v in self._flat], self._pointer_slots)
+                if cfg is not None:
+                    rec.mark_pdl()
 
 
 class SimLauncher:
@@ -210,7 +258,7 @@ class SimLauncher:
         empty array (strict: a kernel that reads it fails)."""
         self.fn, self.sig, self.empty = fn, signature, empty
 
-    def launch(self, grid, block, stream, *args, shmem=None):
+    def launch(self, grid, block, stream, *args, shmem=None, pdl=True):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray  # only at launch: see the docstring
         conv, flat, slots = [], [], []
         for s, v in zip(self.sig, args):

@@ -316,7 +316,7 @@ def launcher(a16, name):
             mt, pair, early, nib, h2, wide, pingpong, groups = DECODE[name]
             fn = make_decode(mt, a16, pair, pingpong=pingpong, early=early, nib=nib, h2=h2, wide=wide, groups=groups)
             _launchers[key] = host.launcher(fn, sig(a16, False, pair), dynamic_shared=TAB_BYTES if pair or h2 else 0,
-                                            sim_blocks=DEFAULT_BLOCKS_PER_SM)
+                                            sim_blocks=DEFAULT_BLOCKS_PER_SM, pdl=True)
     return _launchers[key]
 
 
@@ -357,6 +357,7 @@ class FusedFFNNF4CudaKernel(Kernel):
             decode_ok(1, self.k)
         self.grouped = bool(wide_k) and grouped(self.a16, self.k)
         self.blas = cublas.load() is not None       # else the generic kernel serves every M > 16
+        self.pdl = all(i in self.constants for i in (1, 2, 3, 4))  # the decode kernels read them before pdl.wait
         self.prepared = {}
         for m in range(1, MAX_M_FAST + 1):          # compiled and planned now, never on the hot path
             self.prepare(route(ROUTES, self.case(m)).kernel)
@@ -446,7 +447,7 @@ class FusedFFNNF4CudaKernel(Kernel):
         elif name.startswith("nf4warp."):
             lau, block, grid, lut = prep
             lau.launch(grid, block, ctx.stream, (x.ptr, (m * k,)), *w8, lut, *tail, m, k, n, self.bs.log2_words,
-                       grid, hb1, hb3)
+                       grid, hb1, hb3, pdl=self.pdl)
         elif name == "generic":
             lau, block, grid = prep
             lau.launch(grid, block, ctx.stream, (x.ptr, (m * k,)), (q1.ptr, (q1.size,)), (am1.ptr, (am1.size,)),
@@ -456,7 +457,7 @@ class FusedFFNNF4CudaKernel(Kernel):
             lau, block, parts, groups, lut = prep
             mt = DECODE[name][0]
             lau.launch(-(-m // mt) * parts[m] // groups, block, ctx.stream, (x.ptr, (m * k,)), *w8, lut, *tail, m, k,
-                       n, self.bs.log2_words, parts[m], hb1, hb3)
+                       n, self.bs.log2_words, parts[m], hb1, hb3, pdl=self.pdl)
 
     def _prefill(self, ctx, m, x, ws, b1, b3, s):
         """The prefill route (ffn/fusedffn4_prefill_cuda): W1^T, W3^T [N, K] dequantised to fp16 scratch by

@@ -12,7 +12,7 @@ import re
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from ..device import half2
+from ..device import half2, pdl
 from ..device.fp16 import as_f32, pack_h2
 from ..device.launch import Array
 from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32
@@ -95,9 +95,11 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     mt = 1); with mt = 2 its M <= 16 kernel (rows in chunks of 2, m_dim after s in the signature, grid = row chunks x
     column slices).
     ``pingpong``: the step loop unrolled twice with the two word buffers' roles swapped, instead of copying the
-    prefetched words into the current ones (fewer moves, twice the code). ``early``: x and the first step's words
+    prefetched words into the current ones (fewer moves, twice the code). ``early``: the first step's words
     are loaded before the table is built, so the table build overlaps their latency (matters when a block has only
-    a few steps). matmul with pair=False: the 16-entry table built from the 16 code values (no dynamic shared
+    a few steps). Every variant reads X (and writes anything) only after ``pdl.wait()``, behind the first step's
+    weight loads and (early) the table build: launched as a programmatic dependent launch, those overlap the end of
+    the kernel before (device/pdl.py; the weights must then be constants, which the hosts check). matmul with pair=False: the 16-entry table built from the 16 code values (no dynamic shared
     memory: occupancy bound by registers only). ``bs_shift`` (every signature): BlockSize.log2_words. ``nib``
     (with pair=False): the 16-entry table as 32 lane copies in static shared memory
     (entry v of lane l at byte v * 256 + 4 l, 4 KiB): each word's nibbles are split into two words of bytes (one
@@ -216,15 +218,17 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     a("    n_hi = uint32(int64(part + U1) * n_dim // parts)")
     a("    mdim = uint32(m_dim)")
     a("    ndim = uint32(n_dim)")
+    xsrc = []           # X's loads: after the first step's weight words and pdl.wait (device/pdl.py)
+    xa = xsrc.append
     for m in range(mt):
-        a(f"    okx = owns and m0 + uint32({m}) < mdim")
-        a(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + ({tg} << {'U5' if wide else 'U4'}))")
-        a("    if okx:     # 16-byte loads (X's base 16-byte aligned: the hosts check)")
+        xa(f"    okx = owns and m0 + uint32({m}) < mdim")
+        xa(f"    xb = uint32(uint32((m0 + uint32({m})) * uint32(k_dim)) + ({tg} << {'U5' if wide else 'U4'}))")
+        xa("    if okx:     # 16-byte loads (X's base 16-byte aligned: the hosts check)")
         for e in range(0, ne, 8):
-            a("        " + ", ".join(f"x_{m}_{e + j}" for j in range(8)) + f" = ldx8(x, (xb >> U3) + uint32({e // 8}))")
-        a("    else:")
+            xa("        " + ", ".join(f"x_{m}_{e + j}" for j in range(8)) + f" = ldx8(x, (xb >> U3) + uint32({e // 8}))")
+        xa("    else:")
         for e in range(ne):
-            a(f"        x_{m}_{e} = F0")
+            xa(f"        x_{m}_{e} = F0")
         if h2:      # the row's largest |x| over the block (NaN ignored), for its power-of-two scale: a tree of
                     # fmax (depth 5 for 32 values; a chain took ~6% of the kernel's warp time), then the warp's max
             lv = [f"abs(x_{m}_{e})" for e in range(ne)]
@@ -232,13 +236,13 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
             while len(lv) > 1:
                 nxt = []
                 for i in range(0, len(lv) - 1, 2):
-                    a(f"    xt{t} = fmax({lv[i]}, {lv[i + 1]})")
+                    xa(f"    xt{t} = fmax({lv[i]}, {lv[i + 1]})")
                     nxt.append(f"xt{t}")
                     t += 1
                 lv = nxt + lv[len(lv) - len(lv) % 2:]
-            a(f"    xm = warp_max({lv[0]}, simred, tid)")
-            a("    if lane == U0:")
-            a(f"        xmax[uint32({m * NWMAX}) + warp] = xm")
+            xa(f"    xm = warp_max({lv[0]}, simred, tid)")
+            xa("    if lane == U0:")
+            xa(f"        xmax[uint32({m * NWMAX}) + warp] = xm")
     a("    my_idx = uint32(0)")
     for st in range(steps):
         a(f"    my_idx += ((lane >> uint32({4 - st})) & U1) * uint32({nv >> (st + 1)})")
@@ -277,6 +281,9 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     loads(a, "", "n0", "wb", "    ")
     if early:
         src.extend(tsrc)
+    a("    pdl_wait()")       # what earlier kernels wrote (X, the output's old readers) only from here on
+    a("    pdl_trigger()")
+    src.extend(xsrc)
     a("    cuda.syncthreads()")
     if h2:
         a("    ia = lut[17]" if matmul else "    ia = as_f32(lut[U256])")
@@ -403,7 +410,7 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
           "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w,
-          "ldx8": half2.ldx8, "sts4": half2.sts4,
+          "ldx8": half2.ldx8, "sts4": half2.sts4, "pdl_wait": pdl.wait, "pdl_trigger": pdl.trigger,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})

@@ -209,7 +209,7 @@ def launcher(name, dtype):
         else:
             fn = GEMV16 if how == "fast" else GENERIC
         shared = TAB_BYTES if big else MAX_X_SHARED if how == "fast" else 0
-        _launchers[key] = host.launcher(fn, sig, dynamic_shared=shared, sim_blocks=3)
+        _launchers[key] = host.launcher(fn, sig, dynamic_shared=shared, sim_blocks=3, pdl=how in ("m1", "m2"))
     return _launchers[key]
 
 
@@ -228,6 +228,7 @@ class MatMulNF4CudaKernel(Kernel):
         self.tc = host.tensor_cores()
         self.fp32_decode = half2.fp32_decode()      # ONNX_LOWBIT_FP32_DECODE, read here only
         self.blas = cublas.load() is not None       # else the generic kernel serves every M > 16
+        self.pdl = 1 in self.constants and 2 in self.constants  # m1 / m2 read Q, absmax before pdl.wait
         self.prepared = {}
         for m in range(1, MAX_M_FAST + 1):          # compiled and planned now, never on the hot path
             self.prepare(route(ROUTES, self.case(m)).kernel)
@@ -289,9 +290,10 @@ class MatMulNF4CudaKernel(Kernel):
         ab = [(a.ptr, (m * k,)), (q.ptr, (q.size if how == "generic" else k * n // 16,)), (absmax.ptr, (absmax.size,)),
               self.code.arg, (bptr, (n,)), hb, (y, (m * n,))]
         if how == "m1":
-            lau.launch(g, block, ctx.stream, *ab, k, n, self.bs.log2_words, shmem=shmem)
+            lau.launch(g, block, ctx.stream, *ab, k, n, self.bs.log2_words, shmem=shmem, pdl=self.pdl)
         elif how == "m2":
-            lau.launch(m2_grid(m, n, self.sms, g), block, ctx.stream, *ab, m, k, n, self.bs.log2_words, shmem=shmem)
+            lau.launch(m2_grid(m, n, self.sms, g), block, ctx.stream, *ab, m, k, n, self.bs.log2_words, shmem=shmem,
+                       pdl=self.pdl)
         elif how == "fast":
             lau.launch(g, block, ctx.stream, *ab, m, k, n, self.bs.log2_words, shmem=m * k * 4)
         else:

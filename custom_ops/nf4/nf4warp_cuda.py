@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int64, uint32
 
-from ..device import half2
+from ..device import half2, pdl
 from ..device.fp16 import as_f32, pack_h2
 from ..device.inputs import check_x_biases
 from ..device.launch import arg
@@ -186,6 +186,10 @@ def _make(chunks, split=1, mt=1):
             vals = nxt + vals[len(vals) - len(vals) % 2:]
         return vals[0]
 
+    src.extend(half2.h2_table_src(False))
+    # what earlier kernels wrote (X, the output's old readers) only from here on (device/pdl.py)
+    a("    pdl_wait()")
+    a("    pdl_trigger()")
     # X: lane l's elements 1024 j + 32 l .. + 31 of chunk j of each row as unscaled half2 (exact), the rows' max |x|
     for m in rows:
         mx = []
@@ -199,7 +203,6 @@ def _make(chunks, split=1, mt=1):
         a(f"    xm = warp_max({tree(mx)}, simred, tid)")
         a("    if lane == U0:")
         a(f"        xmaxs[warp + uint32({32 * m})] = xm")
-    src.extend(half2.h2_table_src(False))
     a("    cuda.syncthreads()")
     ia = "as_f32(lut[U256])"
     for m in rows:
@@ -289,7 +292,7 @@ def _make(chunks, split=1, mt=1):
           "shr32": shr32, "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "hscale2": half2.hscale2, "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax,
           "ld4": _ld4, "ldx8": half2.ldx8, "sts4": half2.sts4, "pair_sum": _pair_sum, "pair_bar": _pair_bar,
-          "warp_sum": warp_sum,
+          "warp_sum": warp_sum, "pdl_wait": pdl.wait, "pdl_trigger": pdl.trigger,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 2, 4, 5, 15, 31, 256)})
     # PRMT selectors: output byte 0 = lane4 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
@@ -307,7 +310,7 @@ def launcher(chunks, split=1, mt=1):
     key = (chunks, split, mt)
     if key not in _launchers:
         _launchers[key] = host.launcher(_make(chunks, split=split, mt=mt), sig(True, False, False),
-                                        dynamic_shared=TAB_BYTES)
+                                        dynamic_shared=TAB_BYTES, pdl=True)
     return _launchers[key]
 
 

@@ -6,7 +6,7 @@ import ctypes
 
 import numpy as np
 
-SHIM_ABI = 3   # ortshim.c's lb_abi(): the interface this Python code speaks
+SHIM_ABI = 4   # ortshim.c's lb_abi(): the interface this Python code speaks
 MAX_IO = 16
 MAX_DIMS = 8
 
@@ -28,8 +28,8 @@ _i64 = ctypes.c_int64
 
 
 class LbStep(ctypes.Structure):
-    """Mirror of ortshim.c's LbStep: a kernel launch (kind 0), a cublasGemmEx call (kind 1) or a cooperative launch
-    (kind 2)."""
+    """Mirror of ortshim.c's LbStep: a kernel launch (kind 0), a cublasGemmEx call (kind 1), a cooperative launch
+    (kind 2), a CPU entry point (kind 3) or a programmatic dependent launch (kind 4)."""
     _fields_ = [("kind", _i64), ("func", ctypes.c_uint64), ("grid", _i64), ("block", _i64), ("shmem", _i64),
                 ("n_params", _i64), ("n_patch", _i64), ("params", ctypes.c_uint64 * MAX_PARAMS), ("patch_slot", _i64 * MAX_PATCH),
                 ("patch_kind", _i64 * MAX_PATCH), ("patch_index", _i64 * MAX_PATCH), ("patch_off", _i64 * MAX_PATCH)]

@@ -292,6 +292,7 @@ def library_path(path: str | None = None) -> str:
         lib.lb_output_count.restype, lib.lb_output_count.argtypes = ctypes.c_int64, [ctypes.c_void_p]
         lib.lb_set_launch.restype, lib.lb_set_launch.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_set_launch_coop.restype, lib.lb_set_launch_coop.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+        lib.lb_set_launch_ex.restype, lib.lb_set_launch_ex.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
         lib.lb_cpu_run.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         lib.lb_set_domain(domain.DOMAIN.encode())
         if lib.lb_plan_size() != ctypes.sizeof(LbPlan):
@@ -314,6 +315,8 @@ def library_path(path: str | None = None) -> str:
         try:  # native plan replay needs the driver's cuLaunchKernel; without a driver CUDA kernels cannot run anyway
             lib.lb_set_launch(ctypes.cast(libcuda().cuLaunchKernel, ctypes.c_void_p))
             lib.lb_set_launch_coop(ctypes.cast(libcuda().cuLaunchCooperativeKernel, ctypes.c_void_p))
+            if hasattr(libcuda(), "cuLaunchKernelEx"):  # CUDA 11.8+ drivers: PDL steps (device/pdl.py)
+                lib.lb_set_launch_ex(ctypes.cast(libcuda().cuLaunchKernelEx, ctypes.c_void_p))
         except OSError:
             pass
         _lib, _path = lib, path

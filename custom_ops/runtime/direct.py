@@ -89,9 +89,12 @@ class Context:
         return describe(self._scratch)[0]
 
 
-def kernel(op, attrs, inputs, outputs, name="direct"):
+def kernel(op, attrs, inputs, outputs, name="direct", constants=()):
     """The CUDA kernel object a session builds for an ``op`` node with ``attrs`` whose inputs and outputs have the
-    element types of these arrays (None: an optional input left out)."""
+    element types of these arrays (None: an optional input left out). ``constants``: indices of the inputs that
+    play constant initializers (the caller does not write them while the kernel object lives), as a session tells
+    the kernel of its initializers (e.g. the weights: then the 4-bit decode kernels launch as programmatic dependent
+    launches, device/pdl.py)."""
     spec = domain.OPS[op]
     given_in = [None if a is None else describe(a)[1] for a in inputs]
     given_out = [describe(a)[1] for a in outputs]
@@ -99,15 +102,17 @@ def kernel(op, attrs, inputs, outputs, name="direct"):
         if all(g is None or g == t for g, t in zip(given_in, in_types)) and \
                 list(out_types[:len(given_out)]) == given_out and len(given_in) <= len(in_types):
             cls = kernel_class(op, "CUDAExecutionProvider")
+            consts = {i: Tensor(*describe(inputs[i])) for i in constants if inputs[i] is not None}
             return cls(spec=spec, attrs=dict(attrs), node_name=name, in_types=tuple(in_types),
-                       out_types=tuple(out_types))
+                       out_types=tuple(out_types), constants=consts)
     raise TypeError(f"{op} has no variant with input types {given_in} and output types {given_out}")
 
 
-def call(op, attrs, inputs, outputs, stream, name="direct"):
+def call(op, attrs, inputs, outputs, stream, name="direct", constants=()):
     """A function of no arguments that runs ``op`` once on these device arrays on ``stream`` (a handle, or a
-    function returning one), as a session node would: one kernel object, built now. ``.kernel`` is that object."""
-    kern = kernel(op, attrs, inputs, outputs, name)
+    function returning one), as a session node would: one kernel object, built now. ``.kernel`` is that object.
+    ``constants``: as ``kernel``'s."""
+    kern = kernel(op, attrs, inputs, outputs, name, constants)
     tensors = [None if a is None else Tensor(*describe(a)) for a in inputs]
     ctx = Context(stream, outputs)
 

@@ -1,5 +1,5 @@
 """The CUDA driver library (libcuda.so.1) through ctypes, loaded on first use with the argument types the bridge and
-the device helpers call it with (cuLaunchKernel, context and device queries, kernel attributes, occupancy). Loading
+the device helpers call it with (cuLaunchKernel / cuLaunchKernelEx, context and device queries, kernel attributes, occupancy). Loading
 it needs a driver, not a GPU toolkit; without one it raises OSError."""
 from __future__ import annotations
 
@@ -22,5 +22,7 @@ def libcuda():
         lib.cuKernelGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
         lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
                                                                     ctypes.c_int, ctypes.c_size_t]
+        if hasattr(lib, "cuLaunchKernelEx"):   # CUDA 11.8+: device/launch.Launcher's programmatic dependent launch
+            lib.cuLaunchKernelEx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         _libcuda = lib
     return _libcuda

@@ -61,7 +61,7 @@ static int plan_ok(const LbPlan* plan, int is_cuda) {
     if (!is_cuda) {
       if (st->kind != LB_STEP_CPU || !st->func || st->grid < 0 || st->block < 0) return 0;
     } else if (st->kind != LB_STEP_LAUNCH && !(st->kind == LB_STEP_GEMM && st->n_params == LB_GEMM_ARGS) &&
-               !(st->kind == LB_STEP_COOP && g_launch_coop)) return 0;
+               !(st->kind == LB_STEP_COOP && g_launch_coop) && !(st->kind == LB_STEP_PDL && g_launch_ex)) return 0;
     for (int i = 0; i < st->n_patch; ++i) {
       int64_t kind = st->patch_kind[i];
       if (st->patch_slot[i] < 0 || st->patch_slot[i] >= st->n_params || st->patch_index[i] < 0 ||
@@ -150,6 +150,14 @@ static int run_step(const LbStep* sp, const LbTensor* ins, void* const* outs, vo
     return g_launch_coop ? g_launch_coop((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1,
                                          1, (unsigned)sp->shmem, stream, pp)
                          : 1;
+  if (sp->kind == LB_STEP_PDL) { /* programmatic dependent launch (device/pdl.py) */
+    LbLaunchAttr attr;
+    memset(&attr, 0, sizeof attr);
+    attr.id = LB_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.i = 1;
+    LbLaunchConfig cfg = {(unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1, 1, (unsigned)sp->shmem, stream, &attr, 1};
+    return g_launch_ex ? g_launch_ex(&cfg, (void*)(uintptr_t)sp->func, pp, NULL) : 1;
+  }
   return g_launch((void*)(uintptr_t)sp->func, (unsigned)sp->grid, 1, 1, (unsigned)sp->block, 1, 1, (unsigned)sp->shmem,
                   stream, pp, NULL);
 }
@@ -195,10 +203,11 @@ static OrtStatus* run_plan(const LbKernel* k, const LbPlan* p, void* ctx, const 
   }
   if (rc) {
     if (st) API(I_ReleaseStatus, f_ReleaseStatus)(st);
-    int gemm = p->steps[failed].kind == LB_STEP_GEMM, coop = p->steps[failed].kind == LB_STEP_COOP;
+    int gemm = p->steps[failed].kind == LB_STEP_GEMM, coop = p->steps[failed].kind == LB_STEP_COOP,
+        pdl = p->steps[failed].kind == LB_STEP_PDL;
     snprintf(err, sizeof err, "onnx_lowbit %s: %s failed: %s status %d", k->op->name,
-             gemm ? "cublasGemmEx" : coop ? "cuLaunchCooperativeKernel" : "cuLaunchKernel", gemm ? "cuBLAS" : "CUDA",
-             rc);
+             gemm ? "cublasGemmEx" : coop ? "cuLaunchCooperativeKernel" : pdl ? "cuLaunchKernelEx" : "cuLaunchKernel",
+             gemm ? "cuBLAS" : "CUDA", rc);
     return fail(err);
   }
   return st;

@@ -153,7 +153,8 @@ typedef struct {
 /* A launch plan: what one compute call did, replayable without Python for the same key (input shapes, input
  * pointer alignment, stream). Filled by Python on a miss; layout mirrored in bridge.py (all 8-byte fields).
  * A step is a kernel launch (LB_STEP_LAUNCH: func is the CUfunction, params its flattened parameters; LB_STEP_COOP:
- * the same through cuLaunchCooperativeKernel, for kernels whose blocks must all be resident at once) or a cuBLAS
+ * the same through cuLaunchCooperativeKernel, for kernels whose blocks must all be resident at once; LB_STEP_PDL:
+ * through cuLaunchKernelEx with programmatic stream serialization, device/pdl.py's kernels) or a cuBLAS
  * GEMM (LB_STEP_GEMM: func is cublasGemmEx's address, params its 19 arguments in order, each in an 8-byte slot;
  * the two host scalars alpha (6) and beta (13) are passed by pointer to their slots, so their bytes lie in the
  * slot as in memory). Pointer parameters into this call's inputs, outputs or scratch buffer are patched in either
@@ -165,12 +166,12 @@ typedef struct {
  * split into tasks run on onnxruntime's intra-op thread pool (KernelContext_ParallelFor), each task calling the
  * entry on its range [begin, end). An entry returns 0, or nonzero when it declines the call's input values (then
  * the call is served by Python, which reports the problem). */
-enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_STEP_COOP = 2, LB_STEP_CPU = 3, LB_GEMM_ARGS = 19 };
+enum { LB_STEP_LAUNCH = 0, LB_STEP_GEMM = 1, LB_STEP_COOP = 2, LB_STEP_CPU = 3, LB_STEP_PDL = 4, LB_GEMM_ARGS = 19 };
 #define LB_MAX_TASKS 256   /* tasks per CPU step */
 enum { LB_PATCH_INPUT = 0, LB_PATCH_OUTPUT = 1, LB_PATCH_SCRATCH = 2 };
 
 typedef struct {
-  int64_t kind;                  /* LB_STEP_LAUNCH, LB_STEP_GEMM, LB_STEP_COOP or LB_STEP_CPU */
+  int64_t kind;                  /* LB_STEP_LAUNCH, LB_STEP_GEMM, LB_STEP_COOP, LB_STEP_CPU or LB_STEP_PDL */
   uint64_t func;                 /* CUfunction, the address of cublasGemmEx or of a CPU entry point */
   int64_t grid, block, shmem, n_params, n_patch;
   uint64_t params[LB_MAX_PARAMS]; /* each parameter's value in the low bytes of its 8-byte slot */
@@ -197,6 +198,22 @@ typedef int (*f_cuLaunchKernel)(void* f, unsigned gx, unsigned gy, unsigned gz, 
 typedef int (*f_cuLaunchCooperativeKernel)(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                                            unsigned bz, unsigned shmem, void* stream, void** params);
 
+/* cuLaunchKernelEx's configuration (cuda.h's CUlaunchConfig / CUlaunchAttribute, declared here so that the shim
+ * needs no CUDA headers): one attribute, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) = 1. */
+typedef struct {
+  int id;
+  int pad;
+  union { char raw[64]; int i; } value;
+} LbLaunchAttr;
+typedef struct {
+  unsigned gx, gy, gz, bx, by, bz, shmem;
+  void* stream;
+  LbLaunchAttr* attrs;
+  unsigned n_attrs;
+} LbLaunchConfig;
+typedef int (*f_cuLaunchKernelEx)(const LbLaunchConfig* config, void* f, void** params, void** extra);
+enum { LB_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
+
 typedef int (*f_cublasGemmEx)(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
                               const void* a, int a_type, int lda, const void* b, int b_type, int ldb, const void* beta,
                               void* c, int c_type, int ldc, int compute_type, int algo);
@@ -215,6 +232,7 @@ static const char* g_domain = "onnx_lowbit";
 
 static f_cuLaunchKernel g_launch = NULL;
 static f_cuLaunchCooperativeKernel g_launch_coop = NULL; /* NULL: plans with cooperative steps are not kept */
+static f_cuLaunchKernelEx g_launch_ex = NULL;   /* NULL: plans with PDL steps are not kept */
 static int g_plans_enabled = 1;
 static int g_cpu_enabled = 1;  /* native replay of CPU ops' plans */
 static int g_cpu_pool = 1;     /* CPU steps split over onnxruntime's thread pool (0: one task on the calling thread) */
@@ -417,6 +435,11 @@ void* lb_set_launch_coop(void* fn) {
   g_launch_coop = (f_cuLaunchCooperativeKernel)fn;
   return old;
 }
+void* lb_set_launch_ex(void* fn) {
+  void* old = (void*)g_launch_ex;
+  g_launch_ex = (f_cuLaunchKernelEx)fn;
+  return old;
+}
 void lb_set_plans(int enabled) { g_plans_enabled = enabled; }
 /* Native replay of CPU ops (on by default; off: every CPU call through Python) and whether CPU steps use
  * onnxruntime's thread pool (on by default; off: one task on the calling thread). */
@@ -475,7 +498,7 @@ int lb_op_struct_size(void) { return (int)offsetof(LbOp, index); }
 /* The interface version Python checks (abi.SHIM_ABI): bumped when an exported function or a struct changes, so a
  * shim library built from an older source is never used with newer Python code. 2: native CPU steps; 3:
  * lb_const_input. */
-int lb_abi(void) { return 3; }
+int lb_abi(void) { return 4; }
 const char* lb_ort_version(void) { return g_ort_version; }
 
 /* Allocates output `index` of a compute call with the given shape; returns 0 and the data pointer. */

@@ -43,7 +43,7 @@ from .abi import MAX_DIMS, MAX_PARAMS, MAX_PATCH, MAX_PLAN_STEPS, NP_DTYPES
 _tls = threading.local()
 
 INPUT, OUTPUT, SCRATCH = 0, 1, 2  # patch kinds (ortshim.c: LB_PATCH_*)
-LAUNCH, GEMM, COOP, CPU = 0, 1, 2, 3  # step kinds (ortshim.c: LB_STEP_LAUNCH, _GEMM, _COOP, _CPU)
+LAUNCH, GEMM, COOP, CPU, PDL = 0, 1, 2, 3, 4  # step kinds (ortshim.c: LB_STEP_LAUNCH, _GEMM, _COOP, _CPU, _PDL)
 GEMM_ARGS = 19                 # cublasGemmEx's arguments
 
 
@@ -84,6 +84,13 @@ class Recorder:
         if kind != LAUNCH:
             raise ValueError("mark_cooperative follows a kernel launch")
         self.steps[-1] = (COOP, func, grid, block, shmem, values, pointer_slots)
+
+    def mark_pdl(self):
+        """The launch just recorded was a programmatic dependent launch (device/pdl.py): replayed the same way."""
+        kind, func, grid, block, shmem, values, pointer_slots = self.steps[-1]
+        if kind != LAUNCH:
+            raise ValueError("mark_pdl follows a kernel launch")
+        self.steps[-1] = (PDL, func, grid, block, shmem, values, pointer_slots)
 
     def gemm(self, func, values, pointer_slots):
         """A cublasGemmEx call: ``func`` its address, ``values`` its 19 arguments as integers (host scalars alpha
