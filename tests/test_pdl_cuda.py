@@ -73,7 +73,7 @@ def test_decode_chain_reads_what_the_kernel_before_wrote(hq, hkv, d, hidden, int
     if not SIM:
         from numba import cuda
         st = cuda.stream()
-        stream = st.handle.value
+        stream = int(st.handle)
     dw = {k: tuple(_dev(a) for a in v) for k, v in
           dict(qkv=w_qkv, o=w_o, down=w_down, w1=w_1, w3=w_3).items()}
     mm = lambda name, a, out, k, n: direct.call(  # noqa: E731
