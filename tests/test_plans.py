@@ -273,6 +273,7 @@ def test_cooperative_launches_are_replayed_cooperatively():
     """A launch marked cooperative (Recorder.mark_cooperative, on the CUfunction given) is replayed through
     cuLaunchCooperativeKernel with this call's pointers, the plain launches around it through cuLaunchKernel;
     without a cooperative launch installed the step fails (status 1) instead of running non-cooperatively."""
+    bridge.library_path()
     coop = []
 
     def coop_launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params):
@@ -307,6 +308,60 @@ def test_cooperative_launches_are_replayed_cooperatively():
         rec = plans.Recorder([], [2])
         rec.steps.append((plans.GEMM, 1, 0, 0, 0, [0] * 19, []))
         rec.mark_cooperative(2)
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
+                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("shmem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+EX_FN = ctypes.CFUNCTYPE(_i, ctypes.POINTER(_LaunchConfig), _p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)), _p)
+
+
+def test_pdl_launches_are_replayed_through_cuLaunchKernelEx():  # noqa: N802
+    """A launch marked PDL (Recorder.mark_pdl, device/pdl.py) is replayed through cuLaunchKernelEx with one
+    attribute, programmatic stream serialization (6) = 1, this call's pointers and the recorded grid / block /
+    shared memory (cuda.h's CUlaunchConfig layout, as device/launch.py fills it); the plain launches around it
+    through cuLaunchKernel. Without cuLaunchKernelEx installed the step fails (status 1) instead of running in
+    order, and such a plan is not kept in the first place (plan_ok)."""
+    bridge.library_path()
+    ex = []
+
+    def launch_ex(cfg, f, params, extra):
+        c = cfg.contents
+        ex.append((f, c.gx, c.gy, c.gz, c.bx, c.by, c.bz, c.shmem, c.n_attrs, c.attrs[0].id, c.attrs[0].value,
+                   [params[i][0] for i in range(2)]))
+        return 0
+
+    def compute(rec):
+        rec.launch(0xA1, 1, 32, 0, [X_IN.ptr, 7], pointer_slots=[0])
+        rec.launch(0xB2, 20, 256, 4096, [X_IN.ptr + 64, 0x300000], pointer_slots=[0, 1])
+        rec.mark_pdl()
+
+    plan = LbPlan()
+    assert plans.fill(plan, _record(compute, [X_IN]), n_out=1)
+    assert [plan.steps[s].kind for s in range(2)] == [plans.LAUNCH, plans.PDL]
+    fn = EX_FN(launch_ex)
+    old = bridge._lib.lb_set_launch_ex(ctypes.cast(fn, ctypes.c_void_p))
+    try:
+        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
+    finally:
+        bridge._lib.lb_set_launch_ex(old)
+    assert rc == (0, -1)
+    assert launched == [(0xA1, 1, 32, 0, [0xA00000, 7])]
+    assert ex == [(0xB2, 20, 1, 1, 256, 1, 1, 4096, 1, 6, 1, [0xA00000 + 64, 0xC00000])]
+    old = bridge._lib.lb_set_launch_ex(None)
+    try:
+        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
+    finally:
+        bridge._lib.lb_set_launch_ex(old)
+    assert rc == (1, 1) and len(launched) == 1
+    assert ctypes.sizeof(_LaunchAttr) == 72 and ctypes.sizeof(_LaunchConfig) == 56   # cuda.h's sizes (x86-64)
 
 
 def test_calls_without_scratch_record_none():
