@@ -318,6 +318,10 @@ def cmd_genai(a) -> int:
     print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped by {', '.join(passes)}"
           f"\nwrote {a.output}" + (f" (custom_ops_library {os.path.basename(lib)}: call "
           "onnx_lowbit.genai_config.prepare(folder) before og.Model(folder))" if lib else ""))
+    if not a.passes and not report.rewritten() and not genai_config.on_cuda(a.output):
+        print("note: on the CPU `onnx-lowbit genai` converts genai's int4 products (MatMulNBits) by default, and this "
+              "build has none: the folder is the original's. The SwiGLU fusion (--passes ffn) measured no faster on "
+              "the CPU (BENCHMARKS.md, onnxruntime-genai's int4 model on the CPU)")
     if report.rewritten("cacheattention") and not genai_config.on_cuda(a.output):
         print("note: CacheAttention on the CPU measured slower than onnxruntime's GroupQueryAttention (decode and "
               "prompts; BENCHMARKS.md, CacheAttention in genai's loop): the cacheattention pass pays off on CUDA")
@@ -539,13 +543,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     e.set_defaults(fn=cmd_eval_ppl)
     gn = sub.add_parser("genai", help="rewrite an onnxruntime-genai model folder IN into the new folder OUT "
-                                      "(SwiGLU blocks -> fused FFN ops; our library named in genai_config.json)")
+                                      "(int4 products -> our 4-bit ops, on CUDA also SwiGLU blocks -> fused FFN ops "
+                                      "and attention; our library named in genai_config.json)")
     gn.add_argument("input", metavar="IN")
     gn.add_argument("output", metavar="OUT")
     gn.add_argument("--passes", help="comma-separated passes (default on CUDA, --provider cuda or a folder built for "
                                      "it: matmulnbits,ffn,cacheattention, CacheAttention only for fp16 heads of "
-                                     "16..128 (multiples of 16); elsewhere matmulnbits,ffn: on the CPU "
-                                     "cacheattention measured slower; BENCHMARKS.md)")
+                                     "16..128 (multiples of 16); on the CPU matmulnbits: there the fused FFN and "
+                                     "cacheattention measured no faster; BENCHMARKS.md)")
     gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
     gn.add_argument("--to", choices=["awq", "int4"],

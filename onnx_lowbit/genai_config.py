@@ -38,14 +38,23 @@ DEFAULT_PASSES = ("matmulnbits", "ffn")
 # (BENCHMARKS.md, "CacheAttention in genai's loop"): decode 1.33-1.37x genai int4 against 1.20-1.21x without it,
 # prompts level at 1024 tokens and faster at 128; SmolLM2-135M's real weights: 1.25-1.30x against 1.19-1.20x.
 CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention")
+# The default where the decoder runs on the CPU: genai's int4 products only (MatMulNBits -> MatMulNF4 int4, lossless,
+# our level-4 kernels). SmolLM2-135M's int4 CPU build, genai's loop, 2026-11-30 (BENCHMARKS.md, "onnxruntime-genai's
+# int4 model on the CPU"): prefill 2.1x faster than genai's with the products alone against 1.7x with the SwiGLU pairs
+# fused too (FusedFFNNF4), decode level with both (0.94-1.03x / 0.90-1.00x); on the fp32 build the float FusedFFN
+# left decode level and made prefill 1.10-1.22x slower. So no FFN fusion by default on the CPU (--passes names it).
+CPU_PASSES = ("matmulnbits",)
 
 
 def default_passes(provider: str | None, folder=None) -> tuple:
     """The passes ``onnx-lowbit genai`` runs when none are named: CUDA_PASSES where the decoder runs on CUDA
-    (``provider``, else the folder's genai_config.json), else DEFAULT_PASSES."""
+    (``provider``, else the folder's genai_config.json), CPU_PASSES where it runs on the CPU; DEFAULT_PASSES when
+    neither is known."""
     if provider is None and folder is not None:
         provider = "cuda" if on_cuda(folder) else "cpu"
-    return CUDA_PASSES if provider == "cuda" else DEFAULT_PASSES
+    if provider is None:
+        return DEFAULT_PASSES
+    return CUDA_PASSES if provider == "cuda" else CPU_PASSES
 
 
 def on_cuda(folder) -> bool:

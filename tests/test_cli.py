@@ -133,7 +133,7 @@ def test_target_ort_runs_on_stock_onnxruntime(tmp_path):
 
 def test_genai_default_passes_follow_the_provider(tmp_path):
     """`onnx-lowbit genai` without --passes: on CUDA (--provider cuda, or a folder whose genai_config.json names the
-    cuda provider) CUDA_PASSES, else DEFAULT_PASSES."""
+    cuda provider) CUDA_PASSES, on the CPU CPU_PASSES (the int4 products only), neither known: DEFAULT_PASSES."""
     import json
     from onnx_lowbit import genai_config
     for prov, opts in (("cuda", [{"cuda": {"enable_cuda_graph": "0"}}]), ("cpu", [])):
@@ -141,8 +141,10 @@ def test_genai_default_passes_follow_the_provider(tmp_path):
         d.mkdir()
         (d / "genai_config.json").write_text(json.dumps(
             {"model": {"decoder": {"filename": "model.onnx", "session_options": {"provider_options": opts}}}}))
-        want = genai_config.CUDA_PASSES if prov == "cuda" else genai_config.DEFAULT_PASSES
+        want = genai_config.CUDA_PASSES if prov == "cuda" else genai_config.CPU_PASSES
         assert genai_config.default_passes(None, d) == want
-        assert genai_config.default_passes("cpu", d) == genai_config.DEFAULT_PASSES
+        assert genai_config.default_passes("cpu", d) == genai_config.CPU_PASSES
         assert genai_config.default_passes("cuda", d) == genai_config.CUDA_PASSES
     assert "cacheattention" in genai_config.CUDA_PASSES and "cacheattention" not in genai_config.DEFAULT_PASSES
+    assert genai_config.CPU_PASSES == ("matmulnbits",) and genai_config.default_passes(None) == \
+        genai_config.DEFAULT_PASSES

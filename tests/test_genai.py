@@ -298,8 +298,9 @@ def test_cli_genai(built, tmp_path, capsys):
     dst = str(tmp_path / "ours")
     assert cli.main(["genai", built["int4"], dst, "--provider", "cpu"]) == 0
     out = capsys.readouterr().out
-    # the default target: every MatMulNBits -> MatMulNF4 int4 (5 per layer + lm_head), the SwiGLU pairs fused
-    assert f"{6 * LAYERS + 1} rewritten, 0 skipped by matmulnbits, ffn" in out and "prepare(folder)" in out
+    # the CPU default: every MatMulNBits -> MatMulNF4 int4 (5 per layer + lm_head), no FFN fusion (genai_config.
+    # CPU_PASSES: measured no faster there)
+    assert f"{5 * LAYERS + 1} rewritten, 0 skipped by matmulnbits\n" in out and "prepare(folder)" in out
     sess = genai_config.decoder(genai_config.read_config(dst))["session_options"]
     assert sess["provider_options"] == [] and sess["custom_ops_library"] == genai_config.SHIM_NAME
     assert "CacheAttention on the CPU" not in out
@@ -310,6 +311,11 @@ def test_cli_genai(built, tmp_path, capsys):
     assert cli.main(["genai", built["int4"], ca_dst, "--provider", "cpu", "--passes",
                      "matmulnbits,ffn,cacheattention"]) == 0
     assert "CacheAttention on the CPU measured slower" in capsys.readouterr().out
+    # a float CPU build has no int4 products: nothing rewritten by default, and the command says why
+    fp_dst = str(tmp_path / "fp32")
+    assert cli.main(["genai", built["fp32"], fp_dst, "--provider", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "0 rewritten" in out and "this build has none" in out
     # no --provider, no --passes on a CUDA build (-e cuda): genai_config.CUDA_PASSES, CacheAttention for its fp16
     # heads of 16 (tensor-core prompts: cacheattention_tc_only)
     cuda_dst = str(tmp_path / "cuda")
