@@ -307,6 +307,8 @@ def cmd_genai(a) -> int:
     if a.to:
         opts["matmulnbits_to"] = a.to
     passes = a.passes.split(",") if a.passes else genai_config.default_passes(a.provider, a.input)
+    if not a.passes and a.to == "awq" and "ffn" not in passes:     # --to awq converts the SwiGLU pairs for the fused
+        passes = tuple(passes) + ("ffn",)                          # FFN op: no use without it (the CPU default)
     if not a.passes and "cacheattention" in passes:     # by default only heads its tensor-core prompt kernel takes
         opts["cacheattention_tc_only"] = True
     report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)

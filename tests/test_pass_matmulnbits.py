@@ -366,12 +366,13 @@ def test_int4_target_skips_and_bad_option():
 
 
 @pytest.mark.parametrize("config_provider,args,want", [
-    ([], [], "FusedFFNNF4"),                                               # the default: the int4 target
-    ([{"cuda": {}}], ["--provider", "cuda"], "FusedFFNNF4"),               # on either provider
-    ([], ["--to", "awq"], "FusedFFNAWQ")])                                 # --to awq: the SwiGLU pairs only
+    ([], [], "MatMulNF4"),                                                 # the default: the int4 target; on the
+    ([{"cuda": {}}], ["--provider", "cuda"], "FusedFFNNF4"),               # CPU the products alone, on CUDA fused
+    ([], ["--to", "awq"], "FusedFFNAWQ")])                                 # --to awq: the SwiGLU pairs only, fused
 def test_genai_cli_target(tmp_path, config_provider, args, want):
     """onnx-lowbit genai on a genai-shaped folder (genai_config.json + model.onnx; genai itself not needed): every
-    MatMulNBits to MatMulNF4 int4 by default, --to awq the SwiGLU pairs to MatMulAWQ."""
+    MatMulNBits to MatMulNF4 int4 by default (on the CPU not fused: genai_config.CPU_PASSES), --to awq the SwiGLU
+    pairs to MatMulAWQ, fused (ffn added to the CPU default for it)."""
     import json
     import os
 
@@ -387,6 +388,7 @@ def test_genai_cli_target(tmp_path, config_provider, args, want):
     got = onnx.load(str(dst / "model.onnx"))
     assert ("onnx_lowbit", want) in ops(got)
     assert (("com.microsoft", "MatMulNBits") in ops(got)) == (want == "FusedFFNAWQ")    # down stays for awq
+    assert (("onnx_lowbit", "FusedFFNNF4") in ops(got)) == (want == "FusedFFNNF4")
 
 
 def test_int4_target_malformed_tensors_skipped():
