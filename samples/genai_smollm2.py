@@ -128,12 +128,15 @@ def build(hf: str, out: str, folder: str, args: list) -> str:
 
 
 def rewrite(src: str, dst: str, options: dict):
-    """onnx-lowbit genai SRC DST [--lossy] --provider cpu; returns (report summary, skip reasons)."""
+    """onnx-lowbit genai SRC DST --passes matmulnbits,ffn [--lossy] --provider cpu (genai_config.rewrite_folder's
+    default passes, the SwiGLU pairs fused: what this comparison has always measured; the CLI's CPU default runs
+    matmulnbits alone); returns (report summary, skip reasons)."""
     from onnx_lowbit import genai_config
     if os.path.exists(os.path.join(dst, "genai_config.json")):
         _say(f"rewrite {dst} (exists)")
         return None
-    _say(f"rewrite onnx-lowbit genai {src} {dst} --provider cpu" + (" --lossy" if options else ""))
+    _say(f"rewrite onnx-lowbit genai {src} {dst} --passes matmulnbits,ffn --provider cpu" +
+         (" --lossy" if options else ""))
     report = genai_config.rewrite_folder(src, dst, **options)
     genai_config.set_provider(dst, "cpu")
     summary = {p: {"rewritten": len(report.rewritten(p)), "skipped": len(report.skipped(p))}
