@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from onnx_lowbit import domain
+# cuLaunchKernelEx's configuration as device/launch.py's Launcher fills it (its ctypes mirror of cuda.h's structs)
+from onnx_lowbit.custom_ops.device.launch import _LaunchAttr, _LaunchConfig
 from onnx_lowbit.custom_ops.runtime import bridge, plans
 from onnx_lowbit.custom_ops.runtime.abi import LbPlan
 from onnx_lowbit.custom_ops.runtime.bridge import Tensor
@@ -308,16 +310,6 @@ def test_cooperative_launches_are_replayed_cooperatively():
         rec = plans.Recorder([], [2])
         rec.steps.append((plans.GEMM, 1, 0, 0, 0, [0] * 19, []))
         rec.mark_cooperative(2)
-
-
-class _LaunchAttr(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [("gx", ctypes.c_uint), ("gy", ctypes.c_uint), ("gz", ctypes.c_uint), ("bx", ctypes.c_uint),
-                ("by", ctypes.c_uint), ("bz", ctypes.c_uint), ("shmem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
 
 
 EX_FN = ctypes.CFUNCTYPE(_i, ctypes.POINTER(_LaunchConfig), _p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)), _p)
