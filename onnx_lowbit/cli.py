@@ -306,9 +306,7 @@ def cmd_genai(a) -> int:
     opts = {"matmulnbits_lossy": True} if a.lossy else {}
     if a.to:
         opts["matmulnbits_to"] = a.to
-    passes = a.passes.split(",") if a.passes else genai_config.default_passes(a.provider, a.input)
-    if not a.passes and a.to == "awq" and "ffn" not in passes:     # --to awq converts the SwiGLU pairs for the fused
-        passes = tuple(passes) + ("ffn",)                          # FFN op: no use without it (the CPU default)
+    passes = a.passes.split(",") if a.passes else genai_config.default_passes(a.provider, a.input, a.to)
     if not a.passes and "cacheattention" in passes:     # by default only heads its tensor-core prompt kernel takes
         opts["cacheattention_tc_only"] = True
     report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
@@ -320,11 +318,12 @@ def cmd_genai(a) -> int:
     print(f"{a.input}: {len(report.rewritten())} rewritten, {len(report.skipped())} skipped by {', '.join(passes)}"
           f"\nwrote {a.output}" + (f" (custom_ops_library {os.path.basename(lib)}: call "
           "onnx_lowbit.genai_config.prepare(folder) before og.Model(folder))" if lib else ""))
-    if not a.passes and not report.rewritten() and not genai_config.on_cuda(a.output):
+    on_cpu = not genai_config.on_cuda(a.output)
+    if not a.passes and not report.rewritten() and on_cpu:
         print("note: on the CPU `onnx-lowbit genai` converts genai's int4 products (MatMulNBits) by default, and this "
               "build has none: the folder is the original's. The SwiGLU fusion (--passes ffn) measured no faster on "
               "the CPU (BENCHMARKS.md, onnxruntime-genai's int4 model on the CPU)")
-    if report.rewritten("cacheattention") and not genai_config.on_cuda(a.output):
+    if report.rewritten("cacheattention") and on_cpu:
         print("note: CacheAttention on the CPU measured slower than onnxruntime's GroupQueryAttention (decode and "
               "prompts; BENCHMARKS.md, CacheAttention in genai's loop): the cacheattention pass pays off on CUDA")
     return 0

@@ -46,15 +46,20 @@ CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention")
 CPU_PASSES = ("matmulnbits",)
 
 
-def default_passes(provider: str | None, folder=None) -> tuple:
+def default_passes(provider: str | None, folder=None, to: str | None = None) -> tuple:
     """The passes ``onnx-lowbit genai`` runs when none are named: CUDA_PASSES where the decoder runs on CUDA
     (``provider``, else the folder's genai_config.json), CPU_PASSES where it runs on the CPU; DEFAULT_PASSES when
-    neither is known."""
+    neither is known. ``to="awq"`` (the matmulnbits pass converts only the SwiGLU pairs, for the fused FFN op):
+    always with ffn."""
     if provider is None and folder is not None:
         provider = "cuda" if on_cuda(folder) else "cpu"
     if provider is None:
-        return DEFAULT_PASSES
-    return CUDA_PASSES if provider == "cuda" else CPU_PASSES
+        passes = DEFAULT_PASSES
+    else:
+        passes = CUDA_PASSES if provider == "cuda" else CPU_PASSES
+    if to == "awq" and "ffn" not in passes:
+        passes += ("ffn",)
+    return passes
 
 
 def on_cuda(folder) -> bool:

@@ -148,3 +148,5 @@ def test_genai_default_passes_follow_the_provider(tmp_path):
     assert "cacheattention" in genai_config.CUDA_PASSES and "cacheattention" not in genai_config.DEFAULT_PASSES
     assert genai_config.CPU_PASSES == ("matmulnbits",) and genai_config.default_passes(None) == \
         genai_config.DEFAULT_PASSES
+    assert genai_config.default_passes("cpu", to="awq") == ("matmulnbits", "ffn")     # awq's pairs are for the fusion
+    assert genai_config.default_passes("cuda", to="awq") == genai_config.CUDA_PASSES
