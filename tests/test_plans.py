@@ -310,6 +310,8 @@ def test_cooperative_launches_are_replayed_cooperatively():
         rec = plans.Recorder([], [2])
         rec.steps.append((plans.GEMM, 1, 0, 0, 0, [0] * 19, []))
         rec.mark_cooperative(2)
+    with pytest.raises(ValueError, match="mark_pdl follows a kernel launch"):
+        plans.Recorder([], [2]).mark_pdl()          # nothing recorded yet
 
 
 EX_FN = ctypes.CFUNCTYPE(_i, ctypes.POINTER(_LaunchConfig), _p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)), _p)

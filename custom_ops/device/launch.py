@@ -169,6 +169,7 @@ class Launcher:
         self._mu = threading.Lock()  # the slots are shared: one thread fills and launches at a time
         self._params = (ctypes.c_void_p * len(flat))(*[ctypes.addressof(v) for v in flat])
         self._launch = libcuda().cuLaunchKernel
+        self._launch_ex = getattr(libcuda(), "cuLaunchKernelEx", None)     # PDL launches (pdl_enabled checks it)
 
     def _configure(self, device):
         if self.dynamic_shared > 48 * 1024:
@@ -232,7 +233,7 @@ class Launcher:
                     check(rc, "cuLaunchKernel")
             else:
                 cfg.gx, cfg.bx, cfg.shmem, cfg.stream = grid, block, shmem, stream
-                rc = libcuda().cuLaunchKernelEx(ctypes.byref(cfg), self.handle, self._params, None)
+                rc = self._launch_ex(ctypes.byref(cfg), self.handle, self._params, None)
                 if rc:
                     check(rc, "cuLaunchKernelEx")
             rec = plans.active()

@@ -80,17 +80,18 @@ class Recorder:
     def mark_cooperative(self, func):
         """The launch just recorded was cooperative (cuLaunchCooperativeKernel: all blocks resident at once, which
         a kernel with a grid-wide barrier needs): it is replayed the same way, on ``func`` (its CUfunction)."""
-        kind, _, grid, block, shmem, values, pointer_slots = self.steps[-1]
-        if kind != LAUNCH:
-            raise ValueError("mark_cooperative follows a kernel launch")
-        self.steps[-1] = (COOP, func, grid, block, shmem, values, pointer_slots)
+        self._mark(COOP, "mark_cooperative", func)
 
     def mark_pdl(self):
         """The launch just recorded was a programmatic dependent launch (device/pdl.py): replayed the same way."""
-        kind, func, grid, block, shmem, values, pointer_slots = self.steps[-1]
-        if kind != LAUNCH:
-            raise ValueError("mark_pdl follows a kernel launch")
-        self.steps[-1] = (PDL, func, grid, block, shmem, values, pointer_slots)
+        self._mark(PDL, "mark_pdl")
+
+    def _mark(self, kind, what, func=None):
+        """The last step, a plain launch, becomes a launch of ``kind`` (on ``func`` when given)."""
+        if not self.steps or self.steps[-1][0] != LAUNCH:
+            raise ValueError(f"{what} follows a kernel launch")
+        _, f, grid, block, shmem, values, pointer_slots = self.steps[-1]
+        self.steps[-1] = (kind, f if func is None else func, grid, block, shmem, values, pointer_slots)
 
     def gemm(self, func, values, pointer_slots):
         """A cublasGemmEx call: ``func`` its address, ``values`` its 19 arguments as integers (host scalars alpha
