@@ -363,8 +363,11 @@ def _make_decode(f16, d):
     flight per step; scores summed over the key's lanes by shuffles; each key group of the warp keeps its running
     max, sum and weighted V, the groups then the warps meet (shuffles, then shared memory), then as the FUSED
     kernel: O, or the split's partial and the row's last block combining them. The keys the call appends are read
-    from QKV and rotated (a short scalar loop after the cache's). Indices from the block number by float
-    reciprocals (arith.divmod_)."""
+    from QKV and rotated (a short loop after the cache's). Every load that needs only the row's positions goes
+    out together before the first one is waited on (q's rotation words, the first appended key's K and V words,
+    the cache's first K / V step), so a block's chain is one round trip shorter per group; the appended key and
+    value are stored into present after the block's arrival (no block of the launch reads them from there).
+    Indices from the block number by float reciprocals (arith.divmod_)."""
     ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
     ne = 8 if f16 else 4            # dims per lane (one 16-byte chunk)
     lpk = lanes_per_key(10 if f16 else 1, d)
@@ -455,9 +458,9 @@ def _make_decode(f16, d):
         words[i + 3] = w3
 
     @device
-    def rot_chunk(x, xb, j0, cs, sn, pos, rw, dst):
-        """dst[0 .. ne) = dims j0 .. j0 + ne of the head at x[xb:xb + d] rotated at ``pos`` (as _rotation: the
-        same roundings), from four 16-byte loads (the lane's chunk, its partner half's, cos, sin) into rw[0 .. 16)."""
+    def rot_load(x, xb, j0, cs, sn, pos, rw):
+        """The four 16-byte loads rot_math rotates (the lane's chunk of the head at x[xb:xb + d], its partner
+        half's, the cos and sin chunks at ``pos``) into rw[0 .. 16), issued apart from their use."""
         lo = j0 < half
         pj = j0 + half if lo else j0 - half
         load(rw, 0, x, (xb + j0) // ne)
@@ -465,10 +468,25 @@ def _make_decode(f16, d):
         cb = (pos * half + min(j0, pj)) // ne
         load(rw, 8, cs, cb)
         load(rw, 12, sn, cb)
+
+    @device
+    def rot_math(j0, rw, dst):
+        """dst[0 .. ne) = dims j0 .. j0 + ne rotated from rot_load's words (as _rotation: the same roundings)."""
+        lo = j0 < half
         for e in range(ne):
             a = mul(elem(rw, 0, e), elem(rw, 8, e))
             b = mul(elem(rw, 4, e), elem(rw, 12, e))
             dst[e] = rnd(add(a, -b) if lo else add(a, b))
+
+    @device
+    def append(qkv, ok, ov, cs, sn, bi, kh, hq, hkv, length, pos, xrow, t):
+        """The call's new key (rotated) and value into present at ``pos`` (one thread per dim)."""
+        ob = ((bi * hkv + kh) * length + pos) * d
+        for q_ in range(DMAX // NT):
+            j = t + q_ * NT
+            if j < d:
+                st(ok, ob + j, rot(qkv, xrow + (hq + kh) * d, j, cs, sn, pos * half))
+                st(ov, ob + j, ld(qkv, xrow + (hq + hkv + kh) * d + j))
 
     @cuda.jit
     def kernel(qkv, pk, pv, seql, cs, sn, out, ok, ov, part, cnt, b_, s_, hq, hkv, p, length, nch, kpc, mpos, scale,
@@ -484,7 +502,9 @@ def _make_decode(f16, d):
         kw = cuda.local.array(gw, uint32)
         vw = cuda.local.array(gw, uint32)
         sc = cuda.local.array(G, float32)
+        rq = cuda.local.array(16, uint32)
         rw = cuda.local.array(16, uint32)
+        rv = cuda.local.array(4, uint32)
         kx = cuda.local.array(ne, float32)
         pdl.wait()          # everything below may read what the kernel before wrote (device/pdl.py)
         pdl.trigger()
@@ -515,16 +535,18 @@ def _make_decode(f16, d):
                     if j < d:
                         st(out, row * d + j, NAN)
             return
-        if c == 0 and hr == 0:
-            ob = ((bi * hkv + kh) * length + pos) * d
-            for q_ in range(DMAX // NT):
-                j = t + q_ * NT
-                if j < d:
-                    st(ok, ob + j, rot(qkv, xrow + (hq + kh) * d, j, cs, sn, pos * half))
-                    st(ov, ob + j, ld(qkv, xrow + (hq + hkv + kh) * d + j))
         k0 = divmod_(c * n, nch, inv_nch)[0]        # the row's n keys split evenly over its nch blocks (a block
         k1 = divmod_((c + 1) * n, nch, inv_nch)[0]  # with none still arrives, with an empty partial)
-        rot_chunk(qkv, xrow + h * d, j0, cs, sn, pos, rw, qv)
+        # every load that needs only the positions goes out at once, before the first waits on one: q's rotation
+        # words, the first appended key's (its K words rotated, its V chunk), then the cache's first K / V step
+        rot_load(qkv, xrow + h * d, j0, cs, sn, pos, rq)
+        k2 = max(k0, lo_new)
+        key0 = k2 + warp * kpw + grp
+        if key0 < k1:
+            xb0 = (bi * s_ + key0 - lo_new) * w
+            rot_load(qkv, xb0 + (hq + kh) * d, j0, cs, sn, key0, rw)
+            load(rv, 0, qkv, (xb0 + (hq + hkv + kh) * d + j0) // ne)
+        qdone = False
         for i in range(ne):
             acc[i] = float32(0.0)
         m_run = NINF
@@ -551,6 +573,9 @@ def _make_decode(f16, d):
                 vw[gl * 4 + 1] = v_1
                 vw[gl * 4 + 2] = v_2
                 vw[gl * 4 + 3] = v_3
+            if not qdone:       # q rotated once its words and the first K / V step's are in flight
+                rot_math(j0, rq, qv)
+                qdone = True
             for gl in range(G):
                 dot = float32(0.0)
                 for i in range(ne):
@@ -572,8 +597,9 @@ def _make_decode(f16, d):
                     for i in range(ne):
                         acc[i] += pr * elem(vw, gl * 4, i)
                 m_run = m_new
-        # the keys the call appends (decode: one): from QKV, rotated
-        k2 = max(k0, lo_new)
+        if not qdone:
+            rot_math(j0, rq, qv)
+        # the keys the call appends (decode: one): from QKV, rotated (the first one's words loaded above)
         nit = (k1 - k2 + NW * kpw - 1) // (NW * kpw) if k1 > k2 else int64(0)
         for it in range(nit):
             key = k2 + (it * NW + warp) * kpw + grp
@@ -581,8 +607,10 @@ def _make_decode(f16, d):
             xb = (bi * s_ + key - lo_new) * w
             dot = float32(0.0)
             if ok_:
-                rot_chunk(qkv, xb + (hq + kh) * d, j0, cs, sn, key, rw, kx)
-                load(rw, 0, qkv, (xb + (hq + hkv + kh) * d + j0) // ne)
+                if it > 0:
+                    rot_load(qkv, xb + (hq + kh) * d, j0, cs, sn, key, rw)
+                    load(rv, 0, qkv, (xb + (hq + hkv + kh) * d + j0) // ne)
+                rot_math(j0, rw, kx)
                 for i in range(ne):
                     dot += qv[i] * kx[i]
             sc[0] = dot
@@ -596,7 +624,7 @@ def _make_decode(f16, d):
                 pr = math.exp(sk - m_new) if ok_ else float32(0.0)
                 l_run = l_run * corr + pr
                 for i in range(ne):
-                    vx = elem(rw, 0, i) if ok_ else float32(0.0)
+                    vx = elem(rv, 0, i) if ok_ else float32(0.0)
                     acc[i] = acc[i] * corr + pr * vx
                 m_run = m_new
         # the warp's key groups meet (lanes of the same dims), then the warps in shared memory
@@ -630,13 +658,16 @@ def _make_decode(f16, d):
                 st(out, ob + j, a / lb)
             else:
                 part[pb + j] = a
-        if nch == 1:
-            return
-        if t == 0:
-            part[pb + d] = mx
-            part[pb + d + 1] = lb
-        if splitk.arrive_last(cnt, row, nch, flag, t == 0):
-            combine(part, cnt, out, row, nch, nch, d, t, red, ws)
+        if nch > 1:
+            if t == 0:
+                part[pb + d] = mx
+                part[pb + d + 1] = lb
+            if splitk.arrive_last(cnt, row, nch, flag, t == 0):
+                combine(part, cnt, out, row, nch, nch, d, t, red, ws)
+        # the new key and value into present last, off the path to the row's combine: no block of this launch
+        # reads them there (the keys the call appends are read from QKV above)
+        if c == 0 and hr == 0:
+            append(qkv, ok, ov, cs, sn, bi, kh, hq, hkv, length, pos, xrow, t)
 
     return kernel
 
