@@ -686,8 +686,9 @@ ROUTES = (
           "last block",
           lambda c: c.m <= SPLIT_ROWS and c.aligned and lanes_per_key(10 if c.dtype == "float16" else 1, c.k) > 0,
           "BENCHMARKS.md, CacheAttention in genai's loop (H200 2026-11-30, 16 heads, D = 128, a 2048-position "
-          "cache; ncu, warm: 8.0-8.7 us at 201 keys, 11.2-11.5 at 2000, against the first kernel's 20.4-22.1 / "
-          "44.5-48.5; genai's loop: 8.1 us per launch, GroupQueryAttention's four kernels 12.0 us per layer)"),
+          "cache; ncu, warm: 7.5 us at 201 keys, 8.9 at 1025 since its loads go out together (8.0 / 10.1-10.3 "
+          "before), against the first kernel's 20.4-22.1 at 201; genai's loop: 8.1 us per launch before that, "
+          "GroupQueryAttention's four kernels 12.0 us per layer)"),
     Route("cacheattention.split", "other head sizes (or unaligned buffers) at rows <= SPLIT_ROWS: the first kernel, "
           "one block per (row, split), block barriers per CH keys", lambda c: c.m <= SPLIT_ROWS,
           "correctness fallback (head sizes the warp kernel does not take); as the decode kernel in genai's loop "
