@@ -271,6 +271,17 @@ def test_pointers_into_the_scratch_become_scratch_patches_and_replays_take_this_
 COOP_FN = ctypes.CFUNCTYPE(_i, _p, *[ctypes.c_uint] * 7, _p, ctypes.POINTER(ctypes.POINTER(ctypes.c_uint64)))
 
 
+def _replay_with(set_launch, fn, plan):
+    """``plan`` replayed (input 0xA00000, output 0xC00000) with ``fn`` (a ctypes stand-in, or None for none) installed
+    through the shim's ``set_launch`` (lb_set_launch_coop / lb_set_launch_ex) and the plain launches recorded by
+    _with_launch; the previous launch function restored. Returns ((rc, failed step), plain launches)."""
+    old = set_launch(ctypes.cast(fn, ctypes.c_void_p) if fn is not None else None)
+    try:
+        return _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
+    finally:
+        set_launch(old)
+
+
 def test_cooperative_launches_are_replayed_cooperatively():
     """A launch marked cooperative (Recorder.mark_cooperative, on the CUfunction given) is replayed through
     cuLaunchCooperativeKernel with this call's pointers, the plain launches around it through cuLaunchKernel;
@@ -292,19 +303,11 @@ def test_cooperative_launches_are_replayed_cooperatively():
     assert plans.fill(plan, _record(compute, [X_IN]), n_out=1)
     assert [plan.steps[s].kind for s in range(3)] == [plans.LAUNCH, plans.COOP, plans.LAUNCH]
     fn = COOP_FN(coop_launch)
-    old = bridge._lib.lb_set_launch_coop(ctypes.cast(fn, ctypes.c_void_p))
-    try:
-        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
-    finally:
-        bridge._lib.lb_set_launch_coop(old)
+    rc, launched = _replay_with(bridge._lib.lb_set_launch_coop, fn, plan)
     assert rc == (0, -1)
     assert launched == [(0xA1, 1, 32, 0, [0xA00000, 7]), (0xD4, 2, 64, 0, [0xC00000, 9])]
     assert coop == [(0xC3, 20, 256, 4096, [0xA00000 + 64, 0xC00000])]
-    old = bridge._lib.lb_set_launch_coop(None)
-    try:
-        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
-    finally:
-        bridge._lib.lb_set_launch_coop(old)
+    rc, launched = _replay_with(bridge._lib.lb_set_launch_coop, None, plan)
     assert rc == (1, 1) and len(launched) == 1
     with pytest.raises(ValueError, match="follows a kernel launch"):
         rec = plans.Recorder([], [2])
@@ -341,19 +344,11 @@ def test_pdl_launches_are_replayed_through_cuLaunchKernelEx():  # noqa: N802
     assert plans.fill(plan, _record(compute, [X_IN]), n_out=1)
     assert [plan.steps[s].kind for s in range(2)] == [plans.LAUNCH, plans.PDL]
     fn = EX_FN(launch_ex)
-    old = bridge._lib.lb_set_launch_ex(ctypes.cast(fn, ctypes.c_void_p))
-    try:
-        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
-    finally:
-        bridge._lib.lb_set_launch_ex(old)
+    rc, launched = _replay_with(bridge._lib.lb_set_launch_ex, fn, plan)
     assert rc == (0, -1)
     assert launched == [(0xA1, 1, 32, 0, [0xA00000, 7])]
     assert ex == [(0xB2, 20, 1, 1, 256, 1, 1, 4096, 1, 6, 1, [0xA00000 + 64, 0xC00000])]
-    old = bridge._lib.lb_set_launch_ex(None)
-    try:
-        rc, launched = _with_launch(lambda launched: (_replay(plan, [0xA00000], [0xC00000]), launched), 2)
-    finally:
-        bridge._lib.lb_set_launch_ex(old)
+    rc, launched = _replay_with(bridge._lib.lb_set_launch_ex, None, plan)
     assert rc == (1, 1) and len(launched) == 1
     assert ctypes.sizeof(_LaunchAttr) == 72 and ctypes.sizeof(_LaunchConfig) == 56   # cuda.h's sizes (x86-64)
 
