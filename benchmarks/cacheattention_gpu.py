@@ -7,7 +7,9 @@ buffer as genai binds them. Python's launch cost hides the kernels' own time fro
         python3 benchmarks/cacheattention_gpu.py [--keys 201,1001] [--heads 16] [--dim 128] [--length 2048]
 
 Prints which route each group of launches ran; ncu prints their durations in the same order. ``--prompt N``: a
-first prompt of N tokens through the tensor-core route, then the rows route, instead (``--routes tc`` for one).
+first prompt of N tokens through the tensor-core route, then the rows route, instead (``--routes tc`` for one);
+``--nsm N,...``: the tensor-core route once per round length of its block order (the device's SM count is the
+default; 1 orders the tiles heaviest first without turning back).
 """
 from __future__ import annotations
 
@@ -26,7 +28,15 @@ def main(argv=None):
     ap.add_argument("--prompt", type=int, default=0,
                     help="time a first prompt of this many tokens instead (routes cacheattention.tc and .rows)")
     ap.add_argument("--routes", default="tc,rows", help="the prompt routes to time (comma-separated)")
+    ap.add_argument("--nsm", default="", help="tc route: round lengths of its block order to time (comma-separated)")
     a = ap.parse_args(argv)
+    if a.prompt and a.nsm:
+        from onnx_lowbit.custom_ops.attention import cacheattention_tc_cuda as tc
+        for v in a.nsm.split(","):
+            tc._sms[:] = [int(v)]
+            run_group(a, ("cacheattention.tc",), a.prompt, a.prompt,
+                      f" (2 launches each): a {a.prompt}-token prompt, block rounds of {v}")
+        return
     if a.prompt:
         groups = [(("cacheattention." + r,), a.prompt, a.prompt,
                    f" (2 launches each): a {a.prompt}-token prompt") for r in a.routes.split(",")]

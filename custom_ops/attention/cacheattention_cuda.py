@@ -470,6 +470,12 @@ def _make_decode(f16, d):
         load(rw, 12, sn, cb)
 
     @device
+    def key_load(qkv, xb, hq, hkv, kh, j0, cs, sn, key, rw, rv):
+        """An appended key's words (QKV's row at xb): its K chunk's rotation words into rw, its V chunk into rv."""
+        rot_load(qkv, xb + (hq + kh) * d, j0, cs, sn, key, rw)
+        load(rv, 0, qkv, (xb + (hq + hkv + kh) * d + j0) // ne)
+
+    @device
     def rot_math(j0, rw, dst):
         """dst[0 .. ne) = dims j0 .. j0 + ne rotated from rot_load's words (as _rotation: the same roundings)."""
         lo = j0 < half
@@ -506,8 +512,6 @@ def _make_decode(f16, d):
         rw = cuda.local.array(16, uint32)
         rv = cuda.local.array(4, uint32)
         kx = cuda.local.array(ne, float32)
-        pdl.wait()          # everything below may read what the kernel before wrote (device/pdl.py)
-        pdl.trigger()
         t = cuda.threadIdx.x
         lane = t % 32
         warp = t // 32
@@ -515,14 +519,19 @@ def _make_decode(f16, d):
         j0 = (lane % lpk) * ne          # its dims
         blk = int64(cuda.blockIdx.x)
         w = (hq + 2 * hkv) * d
-        # past -> present where they are two buffers (as the FUSED kernel)
-        if addr(pk) != addr(ok):
-            copy_past(pk, pv, ok, ov, seql, b_, s_, hkv, p, length, d, blk, t)
         row, c = divmod_(blk, nch, inv_nch)
         bs, h = divmod_(row, hq, inv_hq)
         bi, si = divmod_(bs, s_, inv_s)
         kh, hr = divmod_(h, g, inv_g)
+        # seqlens_k before the wait (its round trip overlaps the kernel before): the kernels that let a dependent
+        # start early are ours, each waits for the one before it first, and none writes an int32 tensor, so
+        # whatever wrote seqlens_k has finished when this launch begins
         tb = int64(seql[bi]) + 1
+        pdl.wait()          # everything below may read what the kernel before wrote (device/pdl.py)
+        pdl.trigger()
+        # past -> present where they are two buffers (as the FUSED kernel)
+        if addr(pk) != addr(ok):
+            copy_past(pk, pv, ok, ov, seql, b_, s_, hkv, p, length, d, blk, t)
         first = tb <= s_
         pos = si if first else tb - s_ + si
         n = min(pos + 1, tb)
@@ -543,9 +552,7 @@ def _make_decode(f16, d):
         k2 = max(k0, lo_new)
         key0 = k2 + warp * kpw + grp
         if key0 < k1:
-            xb0 = (bi * s_ + key0 - lo_new) * w
-            rot_load(qkv, xb0 + (hq + kh) * d, j0, cs, sn, key0, rw)
-            load(rv, 0, qkv, (xb0 + (hq + hkv + kh) * d + j0) // ne)
+            key_load(qkv, (bi * s_ + key0 - lo_new) * w, hq, hkv, kh, j0, cs, sn, key0, rw, rv)
         qdone = False
         for i in range(ne):
             acc[i] = float32(0.0)
@@ -608,8 +615,7 @@ def _make_decode(f16, d):
             dot = float32(0.0)
             if ok_:
                 if it > 0:
-                    rot_load(qkv, xb + (hq + kh) * d, j0, cs, sn, key, rw)
-                    load(rv, 0, qkv, (xb + (hq + hkv + kh) * d + j0) // ne)
+                    key_load(qkv, xb, hq, hkv, kh, j0, cs, sn, key, rw, rv)
                 rot_math(j0, rw, kx)
                 for i in range(ne):
                     dot += qv[i] * kx[i]
@@ -694,10 +700,12 @@ ROUTES = (
           "correctness fallback (head sizes the warp kernel does not take); as the decode kernel in genai's loop "
           "it took 27 us per launch (BENCHMARKS.md, CacheAttention in genai's loop)"),
     Route("cacheattention.tc", f"more rows (prefill), fp16, D a multiple of 16 up to {tc.TCD}, tensor cores, "
-          "buffers 16-byte aligned: the append, then tiles of 64 query rows x 32 keys on mma.sync (P in fp16)",
+          "buffers 16-byte aligned: the append, then tiles of 64 query rows x 32 keys on mma.sync (P in fp16), the "
+          "heaviest query tiles' blocks first, every other round of SM-count blocks turned back",
           lambda c: c.m > SPLIT_ROWS and c.dtype == "float16" and c.tc and c.aligned and tc.fits(c.k),
           "benchmarks/cacheattention_gpu.py --prompt N (H200 2026-11-30, 16 heads, D = 128, ncu): append + attention "
-          "4 + 13 us at 128 tokens, 6 + 72 us at 1024, against the rows route's 9 + 103 us / 50 us + 4.67 ms"),
+          "4 + 13 us at 128 tokens, 6 + 55 us at 1024 (72 before the tiles' block order), against the rows route's "
+          "9 + 103 us / 50 us + 4.67 ms"),
     Route("cacheattention.rows", "more rows (prefill): the append, then one block per row over all its keys in "
           "present", always,
           "fallback (fp32, head sizes the tensor-core route does not take); fp16 prompts before the tc route: 81 "

@@ -23,7 +23,12 @@ reference leaves those rows finite. The buffer past a block's longest row is nev
 Rows whose batch row's length is out of range, or whose position is past the rotary tables, are NaN (as the other
 CacheAttention kernels write them).
 Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
-tiles run one after another, so the last query tile (the most keys) sets the time (BENCHMARKS.md).
+tiles run one after another and a query tile's work grows with its position (causal), while an SM's two resident
+blocks share its throughput: the blocks are ordered heaviest tile first, and each round of SM-count blocks after
+the first turns back, so that the SM that took the heaviest tile takes the lightest next (the hardware hands the
+first two rounds out in the same SM order). H200, 1024 tokens, 16 heads, D = 128: 55 us against 64 heaviest-first
+only and 72-73 with the tiles in head order; query tiles' keys split over blocks and combined (flash-decoding
+style) measured slower (69-84 us): the SMs are busy, not waiting (docs/lab-log.md).
 """
 from __future__ import annotations
 
@@ -161,7 +166,7 @@ def _make(d):
             vreg[it * 8 + 7] = b3
 
     @cuda.jit
-    def kernel(qkv, ok, ov, seql, cs, sn, out, b_, s_, hq, hkv, length, mpos, scale, ntq):
+    def kernel(qkv, ok, ov, seql, cs, sn, out, b_, s_, hq, hkv, length, mpos, scale, ntq, nsm):
         qsh = cuda.shared.array(QW, uint32)
         ksh = cuda.shared.array(KW, uint32)
         vsh = cuda.shared.array(VW, uint32)
@@ -182,9 +187,14 @@ def _make(d):
         tq = lane & 3
         kbase = uint64(g * qs + tq)                 # unsigned shared indices: Numba wraps signed ones around
         vbase = uint64(g * vs + tq)
+        # the block's tile: the heaviest tiles (the last query rows) first, each round of nsm blocks after the first the
+        # other way round, so that the SM that took a heavy tile takes a light one next
         blk = int64(cuda.blockIdx.x)
-        qt = blk % ntq
-        bh = blk // ntq
+        nblk = int64(b_) * hq * ntq
+        w = blk // nsm
+        k = blk if w % 2 == 0 else w * nsm + min(nsm, nblk - w * nsm) - 1 - blk % nsm
+        bh = k % (int64(b_) * hq)
+        qt = ntq - 1 - k // (int64(b_) * hq)
         h = bh % hq
         bi = bh // hq
         kh = h // (hq // hkv)
@@ -404,6 +414,14 @@ def _make_append(d):
 
 _launchers = {}
 _appends = {}
+_sms = []
+
+
+def sm_count():
+    """The device's SMs (the kernel's round of blocks; the simulator: 2), looked up once per process."""
+    if not _sms:
+        _sms.append(2 if SIM else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
+    return _sms[0]
 
 
 def launcher(d):
@@ -411,7 +429,7 @@ def launcher(d):
     launch.SimLauncher)."""
     if d not in _launchers:
         a = Array(np.uint16)
-        sig = [a, a, a, Array(np.int32), a, a, a] + ["int64"] * 6 + ["float32", "int64"]
+        sig = [a, a, a, Array(np.int32), a, a, a] + ["int64"] * 6 + ["float32", "int64", "int64"]
         _launchers[d] = (SimLauncher if SIM else Launcher)(_make(d), sig)
     return _launchers[d]
 
@@ -435,4 +453,4 @@ def launch(stream, ptrs, b, s, hq, hkv, d, p, length, mpos, scale):
                               p, length, mpos)
     ntq = -(-s // QT)
     launcher(d).launch(b * hq * ntq, NT, stream, qkv, ok, ov, sl, cs, sn, o, b, s, hq, hkv, length, mpos,
-                       float(scale), ntq)
+                       float(scale), ntq, sm_count())
