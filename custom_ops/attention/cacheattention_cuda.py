@@ -724,7 +724,8 @@ def launcher(elem, d, mode):
     if key not in _launchers:
         fn = _make_decode(elem == 10, d) if mode == WARPS else _make(elem == 10, d, mode)
         sig = _signature(elem, mode == WARPS)
-        # the decode kernel waits for the kernel before it first thing (device/pdl.py), so it may start early
+        # the decode kernel waits for the kernel before it after reading only seqlens_k (device/pdl.py), so it may
+        # start early
         _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, pdl=mode == WARPS)
     return _launchers[key]
 
