@@ -25,10 +25,11 @@ CacheAttention kernels write them).
 Shared-memory indices are unsigned (Numba wraps signed ones around: a compare and a select per access). A block's
 tiles run one after another and a query tile's work grows with its position (causal), while an SM's two resident
 blocks share its throughput: the blocks are ordered heaviest tile first, and each round of SM-count blocks after
-the first turns back, so that the SM that took the heaviest tile takes the lightest next (the hardware hands the
-first two rounds out in the same SM order). H200, 1024 tokens, 16 heads, D = 128: 55 us against 64 heaviest-first
-only and 72-73 with the tiles in head order; query tiles' keys split over blocks and combined (flash-decoding
-style) measured slower (69-84 us): the SMs are busy, not waiting (docs/lab-log.md).
+the first turns back, so that the SM that took the heaviest tile takes the lightest next (this assumes the hardware
+hands the first two rounds out in the same SM order, as the times below imply). H200, 1024 tokens, 16 heads,
+D = 128: 55 us against 64 heaviest-first only and 72-73 with the tiles in head order; query tiles' keys split over
+blocks and combined (flash-decoding style) measured slower (69-84 us): the SMs are busy, not waiting
+(docs/lab-log.md).
 """
 from __future__ import annotations
 
