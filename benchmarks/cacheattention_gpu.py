@@ -31,9 +31,9 @@ def main(argv=None):
     ap.add_argument("--nsm", default="", help="tc route: round lengths of its block order to time (comma-separated)")
     a = ap.parse_args(argv)
     if a.prompt and a.nsm:
-        from onnx_lowbit.custom_ops.attention import cacheattention_tc_cuda as tc
+        from onnx_lowbit.custom_ops.device import host
         for v in a.nsm.split(","):
-            tc._sms[:] = [int(v)]
+            host.sm_count = lambda v=int(v): v      # what the kernel object reads when a call builds it
             run_group(a, ("cacheattention.tc",), a.prompt, a.prompt,
                       f" (2 launches each): a {a.prompt}-token prompt, block rounds of {v}")
         return

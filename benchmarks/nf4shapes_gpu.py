@@ -34,8 +34,12 @@ MM_SHAPES = [(2048, 2048), (8192, 2048), (2048, 4096), (4096, 11008), (2048, 614
 FFN_SHAPES = [(1, 2048, 8192), (1, 4096, 11008), (2, 2048, 8192), (2, 4096, 11008)]
 # (label, module constants to set, ONNX_LOWBIT_FP32_DECODE): the routing settings; a setting that routes to the
 # kernel an earlier one ran is skipped
-MM_SETTINGS = [("routed", {}, False), ("fp32 decode", {}, True), ("chains of 2", {"M1_WIDE_MIN_K": 1 << 30}, False),
-               ("16-entry table", {"M1_WIDE_MIN_K": 1 << 30, "M1_H2_MIN_K": 1 << 30, "M1_PAIR_MIN_K": 1 << 30}, False),
+# (U4 off: int4 weights (--quant int4) through the tables, as NF4's; the routed row takes the table-free decode)
+MM_SETTINGS = [("routed", {}, False), ("u4 chains of 2", {"U4_WIDE_MIN_K": 1 << 30}, False),
+               ("tables", {"U4": False}, False), ("fp32 decode", {}, True),
+               ("chains of 2", {"M1_WIDE_MIN_K": 1 << 30, "U4": False}, False),
+               ("16-entry table", {"M1_WIDE_MIN_K": 1 << 30, "M1_H2_MIN_K": 1 << 30, "M1_PAIR_MIN_K": 1 << 30,
+                                   "U4": False}, False),
                ("tensor cores", {"M2_MAX_M": 1}, False)]
 FFN_SETTINGS = [("routed", {}, False), ("no warp columns", {"WARPCOLS": {}}, False),
                 ("one thread group", {"WARPCOLS": {}, "grouped": lambda a16, k: False}, False),
@@ -72,6 +76,8 @@ def main():
     ap.add_argument("--ffn-shapes", metavar="MxKxN,...", help="these FusedFFNNF4 cases instead (e.g. 1x3072x8192)")
     ap.add_argument("--mm-m", type=int, default=1, metavar="M", help="MatMulNF4 cases at this M")
     ap.add_argument("--bs", type=int, default=64, help=("NF4 block size (default 64; genai's int4 models: 32)"))
+    ap.add_argument("--quant", default="nf4", choices=("nf4", "fp4", "int4"),
+                    help="the weights' quant_type (int4: genai's MatMulNBits grid, the table-free decode)")
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn (round by "
                     "round), to see the run-to-run spread against the differences")
     a = ap.parse_args()
@@ -102,7 +108,7 @@ def main():
     bw, t_copy = copy_gbps()
     print(f"device copy 256 MiB: {t_copy:.1f} us = {bw:.0f} GB/s")
     rng = np.random.default_rng(0)
-    code = nf4_common.parse_attrs({"quant_type": "nf4", "block_size": BS, "K": 64, "N": 1})[4]
+    code = nf4_common.parse_attrs({"quant_type": a.quant, "block_size": BS, "K": 64, "N": 1})[4]
     rows = []
 
     def pool_of(k, n, nw):
@@ -134,7 +140,7 @@ def main():
 
     def run_settings(case, op, module, settings, m, x, out, dev, nbytes, t_torch, check):
         """Each setting's kernel object calls (one per pool entry), built and graph-captured under the setting."""
-        attrs = {"quant_type": "nf4", "block_size": BS, "K": x.shape[1], "N": out.shape[1]}
+        attrs = {"quant_type": a.quant, "block_size": BS, "K": x.shape[1], "N": out.shape[1]}
         jobs, seen = [], set()
         for label, consts, fp32 in settings:
             if not keep(label):

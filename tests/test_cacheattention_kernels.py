@@ -17,7 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from helpers import direct_run, gpu_or_sim, lowbit_session, ort_cuda_or_skip
 from onnx_lowbit import cacheattention as ca
-from onnx_lowbit.custom_ops.attention import cacheattention_cpu, cacheattention_cuda, cacheattention_tc_cuda
+from onnx_lowbit.custom_ops.attention import cacheattention_cpu, cacheattention_cuda
+from onnx_lowbit.custom_ops.device import host
 from onnx_lowbit.custom_ops.runtime import routing
 from onnx_lowbit.custom_ops.runtime.kernels import KernelError
 from onnx_lowbit.passes import run_passes
@@ -187,7 +188,7 @@ def test_cuda_tc_prompt_kernel_block_order(sms, monkeypatch):
     turned back) gives every tile one block: three query tiles x two heads (6 blocks) in rounds of 1, 3 and 4."""
     gpu_or_sim()
     monkeypatch.setattr(cacheattention_cuda, "SPLIT_ROWS", 1)
-    monkeypatch.setattr(cacheattention_tc_cuda, "_sms", [sms])
+    monkeypatch.setattr(host, "sm_count", lambda: sms)
     _cuda_case((2, 1, 16, 1, 130, 0, 0, 0), F16, 17)
 
 

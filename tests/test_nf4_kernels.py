@@ -209,6 +209,7 @@ def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias, table, monkeypatch):
     with a partial last one; the packed-fp16 ones for fp16 A only (fp32 A takes the pair table there)."""
     from onnx_lowbit.custom_ops.nf4 import matmulnf4_cuda as mc
     monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    monkeypatch.setattr(mc, "U4", False)        # int4 weights through the tables too (the int4 decode: below)
     if table != "table16":
         monkeypatch.setattr(mc, "M1_PAIR_MIN_K", 16)
     if table in ("h2", "h2wide"):
@@ -223,6 +224,33 @@ def test_matmul_cuda_m1_kernel(k, n, bs, qt, dtype, bias, table, monkeypatch):
     want = table if dtype == np.float16 or table == "table16" else "pair"
     assert _routed(kern, 1) == "m1." + want
     assert _rel(y, nf4.matmul(a, q, am, qt, bs, k, n, b if bias else None)) <= _tol(dtype), table
+
+
+@needs_cuda
+@pytest.mark.parametrize("k,n,bias,want", [(96, 45, True, "m1.u4wide"), (80, 45, False, "m1.u4"),
+                                           (1024, 9, True, "m1.u4wide")])
+def test_matmul_cuda_m1_int4_kernel(k, n, bias, want, monkeypatch):
+    """quant_type int4 with fp16 A at M = 1 takes the table-free decode by default (wide where K % 32 == 0): against
+    the reference on column slices with a partial last step; a NaN in A makes every output NaN, an Inf non-finite;
+    ONNX_LOWBIT_FP32_DECODE=1 leaves it for the fp32 decode."""
+    monkeypatch.delenv("ONNX_LOWBIT_FP32_DECODE", raising=False)
+    bs = 32
+    q, am = _quantized(k, n, bs, "int4", seed=30 + k)
+    rng = np.random.default_rng(31)
+    a = (rng.standard_normal((1, k)) * 3).astype(np.float16)
+    b = rng.standard_normal(n).astype(np.float16) if bias else None
+    y, kern = matmul_cuda(a, q, am, "int4", bs, k, n, b)
+    assert _routed(kern, 1) == want
+    assert _rel(y, nf4.matmul(a, q, am, "int4", bs, k, n, b)) <= _tol(np.float16)
+    a[0, 5] = np.nan
+    y, _ = matmul_cuda(a, q, am, "int4", bs, k, n, b)
+    assert np.isnan(y).all()
+    a[0, 5] = np.inf
+    y, _ = matmul_cuda(a, q, am, "int4", bs, k, n, b)
+    assert not np.isfinite(y[0, q.reshape(n, -1)[:, 2] >> 4 != 8]).any()
+    monkeypatch.setenv("ONNX_LOWBIT_FP32_DECODE", "1")
+    _, kern = matmul_cuda(a[:, :], q, am, "int4", bs, k, n, b)
+    assert not _routed(kern, 1).startswith("m1.u4")
 
 
 @pytest.mark.skipif(not _cuda_ok(), reason="no GPU and the CUDA simulator is off")

@@ -139,6 +139,23 @@ def test_named_calls():
         assert routing.route(fc.ROUTES, fc.case("float16", m, k, n, 64, grouped=g)).kernel == want, (m, k, n, g)
 
 
+def test_int4_calls():
+    """quant_type int4 (genai's MatMulNBits grid) with fp16 A: MatMulNF4 at M = 1 on the table-free decode (m1.u4wide
+    where K % 32 == 0, else m1.u4); fp32 A, M > 1, the switch off or ONNX_LOWBIT_FP32_DECODE route as for NF4."""
+    mc, _, _, routing = _mods()
+    mm = lambda *a, **kw: routing.route(mc.ROUTES, mc.case(*a, **kw)).kernel  # noqa: E731
+    for k, n in ((2048, 6144), (2048, 2048), (8192, 2048), (2048, 4096)):
+        assert mm("float16", 1, k, n, 32, int4=True) == "m1.u4wide"
+        assert mm("float16", 1, k, n, 32, fp32_decode=True, int4=True) == mm("float16", 1, k, n, 32, fp32_decode=True)
+        assert mm("float32", 1, k, n, 32, int4=True) == mm("float32", 1, k, n, 32)
+        assert mm("float16", 2, k, n, 32, int4=True) == mm("float16", 2, k, n, 32)
+    assert mm("float16", 1, 2064, 512, 32, int4=True) == "m1.u4"
+    assert mm("float16", 1, 2048, 2048, 32, align=(16, 8, 4), int4=True) == "m1.u4"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mc, "U4", False)
+        assert mm("float16", 1, 2048, 2048, 32, int4=True) == "m1.table16"
+
+
 def test_dequantnf4_routes_as_before():
     """DequantNF4CudaKernel.compute at 222707c: transposed=0 dequant_kn; transposed=1 DEFAULT's vector kernel when
     the packed input is aligned to its loads (q.ptr % DEFAULT.q_align() == 0: 2 bytes for fp32 out, 4 for fp16),

@@ -34,7 +34,7 @@ from numba import cuda, float32, int64, uint32
 
 from onnx_lowbit import cacheattention as ca
 
-from ..device import pdl, splitk
+from ..device import host, pdl, splitk
 from ..device.arith import add, divmod_, mul
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
@@ -365,7 +365,8 @@ def _make_decode(f16, d):
     kernel: O, or the split's partial and the row's last block combining them. The keys the call appends are read
     from QKV and rotated (a short loop after the cache's). Every load that needs only the row's positions goes
     out together before the first one is waited on (q's rotation words, the first appended key's K and V words,
-    the cache's first K / V step), so a block's chain is one round trip shorter per group; the appended key and
+    the cache's first K / V step, that one issued before griddepcontrol.wait: the cache is never written by the
+    kernel before), so a block's chain is one round trip shorter per group; the appended key and
     value are stored into present after the block's arrival (no block of the launch reads them from there).
     Indices from the block number by float reciprocals (arith.divmod_)."""
     ld, st, rnd = (ld16, st16, r16) if f16 else (ld32, st32, same)
@@ -458,6 +459,26 @@ def _make_decode(f16, d):
         words[i + 3] = w3
 
     @device
+    def kv_load(pk, pv, kw, vw, kb, kend, cb):
+        """A step's cache keys and values (the warp's G loads of keys kb + gl * kpw below kend; zeros past it)."""
+        for gl in range(G):
+            key = kb + gl * kpw
+            if key < kend:
+                ch = cb + key * lpk
+                k_0, k_1, k_2, k_3 = ld4(pk, ch)
+                v_0, v_1, v_2, v_3 = ld4(pv, ch)
+            else:
+                k_0 = k_1 = k_2 = k_3 = v_0 = v_1 = v_2 = v_3 = uint32(0)
+            kw[gl * 4] = k_0
+            kw[gl * 4 + 1] = k_1
+            kw[gl * 4 + 2] = k_2
+            kw[gl * 4 + 3] = k_3
+            vw[gl * 4] = v_0
+            vw[gl * 4 + 1] = v_1
+            vw[gl * 4 + 2] = v_2
+            vw[gl * 4 + 3] = v_3
+
+    @device
     def rot_load(x, xb, j0, cs, sn, pos, rw):
         """The four 16-byte loads rot_math rotates (the lane's chunk of the head at x[xb:xb + d], its partner
         half's, the cos and sin chunks at ``pos``) into rw[0 .. 16), issued apart from their use."""
@@ -527,27 +548,34 @@ def _make_decode(f16, d):
         # start early are ours, each waits for the one before it first, and none writes an int32 tensor, so
         # whatever wrote seqlens_k has finished when this launch begins
         tb = int64(seql[bi]) + 1
+        first = tb <= s_
+        pos = si if first else tb - s_ + si
+        n = min(pos + 1, tb)
+        lo_new = int64(0) if first else tb - s_
+        bad = tb < 1 or tb > length or pos < 0 or pos >= mpos
+        k0 = divmod_(c * n, nch, inv_nch)[0]        # the row's n keys split evenly over its nch blocks (a block
+        k1 = divmod_((c + 1) * n, nch, inv_nch)[0]  # with none still arrives, with an empty partial)
+        kend = k0 if bad else min(k1, lo_new)       # the cache's keys (those the call appends come from QKV)
+        cb = (bi * hkv + kh) * p * lpk + j0 // ne   # chunk of key 0's K row for this lane
+        # the cache's first K / V step before the wait too: past's keys were written by earlier launches (or are
+        # the session's input), never by the kernel before, which has let this one start only after its own wait
+        kv_load(pk, pv, kw, vw, k0 + warp * span + grp, kend, cb)
         pdl.wait()          # everything below may read what the kernel before wrote (device/pdl.py)
         pdl.trigger()
         # past -> present where they are two buffers (as the FUSED kernel)
         if addr(pk) != addr(ok):
             copy_past(pk, pv, ok, ov, seql, b_, s_, hkv, p, length, d, blk, t)
-        first = tb <= s_
-        pos = si if first else tb - s_ + si
-        n = min(pos + 1, tb)
-        lo_new = int64(0) if first else tb - s_
         xrow = (bi * s_ + si) * w
-        if tb < 1 or tb > length or pos < 0 or pos >= mpos:
+        if bad:
             if c == 0:
                 for q_ in range(DMAX // NT):
                     j = t + q_ * NT
                     if j < d:
                         st(out, row * d + j, NAN)
             return
-        k0 = divmod_(c * n, nch, inv_nch)[0]        # the row's n keys split evenly over its nch blocks (a block
-        k1 = divmod_((c + 1) * n, nch, inv_nch)[0]  # with none still arrives, with an empty partial)
         # every load that needs only the positions goes out at once, before the first waits on one: q's rotation
-        # words, the first appended key's (its K words rotated, its V chunk), then the cache's first K / V step
+        # words, the first appended key's (its K words rotated, its V chunk); the cache's first K / V step is in
+        # flight since before the wait
         rot_load(qkv, xrow + h * d, j0, cs, sn, pos, rq)
         k2 = max(k0, lo_new)
         key0 = k2 + warp * kpw + grp
@@ -558,28 +586,13 @@ def _make_decode(f16, d):
             acc[i] = float32(0.0)
         m_run = NINF
         l_run = float32(0.0)
-        # the cache's keys: 16-byte loads, G per lane, then the scores and the running sums
-        kend = min(k1, lo_new)
-        cb = (bi * hkv + kh) * p * lpk + j0 // ne       # chunk of key 0's K row for this lane
+        # the cache's keys: 16-byte loads, G per lane (the first step's loaded above), then the scores and the
+        # running sums
         nit = (kend - k0 + NW * span - 1) // (NW * span) if kend > k0 else int64(0)
         for it in range(nit):
             kb = k0 + (it * NW + warp) * span + grp
-            for gl in range(G):
-                key = kb + gl * kpw
-                if key < kend:
-                    ch = cb + key * lpk
-                    k_0, k_1, k_2, k_3 = ld4(pk, ch)
-                    v_0, v_1, v_2, v_3 = ld4(pv, ch)
-                else:
-                    k_0 = k_1 = k_2 = k_3 = v_0 = v_1 = v_2 = v_3 = uint32(0)
-                kw[gl * 4] = k_0
-                kw[gl * 4 + 1] = k_1
-                kw[gl * 4 + 2] = k_2
-                kw[gl * 4 + 3] = k_3
-                vw[gl * 4] = v_0
-                vw[gl * 4 + 1] = v_1
-                vw[gl * 4 + 2] = v_2
-                vw[gl * 4 + 3] = v_3
+            if it > 0:
+                kv_load(pk, pv, kw, vw, kb, kend, cb)
             if not qdone:       # q rotated once its words and the first K / V step's are in flight
                 rot_math(j0, rq, qv)
                 qdone = True
@@ -758,6 +771,7 @@ class CacheAttentionCudaKernel(Kernel):
             raise KernelError(f"num_heads ({self.hq}) must be a positive multiple of kv_num_heads ({self.hkv})")
         self.pool = splitk.ScratchPool(1, COUNTERS)
         self.tc = SIM or tc_device()
+        self.sms = host.sm_count()              # the tensor-core prompt kernel's rounds of blocks
 
     def compute(self, ctx, inputs):
         qkv, pk, pv, sl, cs, sn = (self.check_input(inputs, i) for i in range(6))
@@ -787,7 +801,7 @@ class CacheAttentionCudaKernel(Kernel):
         out_, pres_k, pres_v = (o, (rows * d,)), (okp, (nkvp,)), (ovp, (nkvp,))
         if name == "cacheattention.tc":         # its own append (16-byte chunks), then the tensor-core kernel
             tc.launch(ctx.stream, (x_, past_k, past_v, pres_k, pres_v, lens, cos_, sin_, out_), b, s, self.hq,
-                      self.hkv, d, p, length, cs.shape[0], sc)
+                      self.hkv, d, p, length, cs.shape[0], sc, self.sms)
             return
         nch, kpc = splits(rows, length, name)
         floats = rows * nch * (d + 2) if nch > 1 else 0

@@ -415,15 +415,6 @@ def _make_append(d):
 
 _launchers = {}
 _appends = {}
-_sms = []
-
-
-def sm_count():
-    """The device's SMs (the kernel's round of blocks; the simulator: 2), looked up once per process."""
-    if not _sms:
-        _sms.append(2 if SIM else int(cuda.get_current_device().MULTIPROCESSOR_COUNT))
-    return _sms[0]
-
 
 def launcher(d):
     """The direct-launch wrapper of the kernel for head size ``d``, compiled once per process (under the simulator
@@ -444,14 +435,15 @@ def append_launcher(d):
     return _appends[d]
 
 
-def launch(stream, ptrs, b, s, hq, hkv, d, p, length, mpos, scale):
+def launch(stream, ptrs, b, s, hq, hkv, d, p, length, mpos, scale, sms):
     """The append, then one launch over the prompt's query rows; ``ptrs``: (qkv, past_key, past_value,
     present_key, present_value, seqlens_k, cos, sin, O) as (device pointer or array, elements) pairs as
-    Launcher.launch takes them; ``p``: past's positions."""
+    Launcher.launch takes them; ``p``: past's positions; ``sms``: the device's SM count (device/host.sm_count), the
+    length of the block order's rounds."""
     qkv, pk, pv, ok, ov, sl, cs, sn, o = ptrs
     threads = b * s * hkv * (d // 16)
     append_launcher(d).launch(max(1, -(-threads // NT)), NT, stream, qkv, pk, pv, ok, ov, sl, cs, sn, b, s, hq, hkv,
                               p, length, mpos)
     ntq = -(-s // QT)
     launcher(d).launch(b * hq * ntq, NT, stream, qkv, ok, ov, sl, cs, sn, o, b, s, hq, hkv, length, mpos,
-                       float(scale), ntq, sm_count())
+                       float(scale), ntq, sms)

@@ -17,7 +17,7 @@ from numba import cuda, float32, uint64
 
 from onnx_lowbit import rmsnorm
 
-from ..device import launch as cuda_launch
+from ..device import host
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
 from ..device.memory import ld16, ld32, st16, st32
@@ -204,7 +204,7 @@ class RMSNormCudaKernel(Kernel):
         super().__init__(**kw)
         self.elem = self.in_types[0]
         self.eps = float(np.float32(self.attrs["epsilon"]))
-        self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
+        self.sms = host.sm_count()
         self.block = None
 
     def compute(self, ctx, inputs):

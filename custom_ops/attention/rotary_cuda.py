@@ -15,7 +15,7 @@ from numba import cuda, int64
 
 from onnx_lowbit import rotary
 
-from ..device import launch as cuda_launch
+from ..device import host
 from ..device.arith import add, divmod_, mul
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
@@ -114,7 +114,7 @@ class RotaryCudaKernel(Kernel):
         super().__init__(**kw)
         self.elem = self.in_types[0]
         launcher(route(ROUTES, Case(DTYPES[self.elem], 0)).kernel)     # compiled at session creation
-        self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
+        self.sms = host.sm_count()
 
     def compute(self, ctx, inputs):
         x, c, s = (self.check_input(inputs, i) for i in range(3))

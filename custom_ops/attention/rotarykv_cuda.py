@@ -20,7 +20,7 @@ from numba import cuda, int64
 
 from onnx_lowbit import rotarykv
 
-from ..device import launch as cuda_launch
+from ..device import host
 from ..device.arith import add, divmod_, mul
 from ..device.fp16 import r16, same
 from ..device.launch import Array, Launcher, SimLauncher
@@ -158,7 +158,7 @@ class RotaryKVCudaKernel(Kernel):
         super().__init__(**kw)
         self.elem = self.in_types[0]
         self.hq, self.hkv = int(self.attrs["num_heads"]), int(self.attrs["kv_num_heads"])
-        self.sms = 2 if SIM else cuda_launch.sm_count(cuda_launch.current_device())
+        self.sms = host.sm_count()
 
     def compute(self, ctx, inputs):
         x, c, s = (self.check_input(inputs, i) for i in range(3))

@@ -80,6 +80,30 @@ def h2_table_src(from_codes, vec=None):
     return lines + ["        i = uint32(i + nthreads * U4)"]
 
 
+# Uniform int4 (quant_type "int4": code[q] = (q - 8) / 8, onnxruntime's MatMulNBits grid) decoded with no table: a
+# 32-bit word of 8 nibbles (byte b: element 2b in the high nibble, 2b + 1 in the low one) gives four half2 of code
+# values, each by one LOP3 and one fma.rn.f16x2: the nibbles at bits 0..3 and 16..19 or'd into fp16 1024.0
+# (0x6400, whose last mantissa bit is worth 1) read 1024 + q, times 1/8 minus 129 gives (q - 8) / 8; the nibbles at
+# bits 4..7 and 20..23 read 1024 + 16 q, times 1/128 minus 9 gives the same; the word shifted by 8 gives bytes 1 and
+# 3 the same way. Every step is exact (fp16 holds q / 8 and the fma rounds once). Decoded half2 r holds the word's
+# elements U4_PAIRS[r] (low half, high half): the kernels pack X's pairs in that order.
+U4_PAIRS = ((1, 5), (0, 4), (3, 7), (2, 6))
+U4_CONSTS = {"U4_LO": np.uint32(0x000F000F), "U4_HI": np.uint32(0x00F000F0), "U4_MAGIC": np.uint32(0x64006400),
+             "U4_SLO": np.uint32(0x30003000), "U4_BLO": np.uint32(0xD808D808),      # 1/8, -129
+             "U4_SHI": np.uint32(0x20002000), "U4_BHI": np.uint32(0xC880C880),      # 1/128, -9
+             "U4_SH8": np.uint32(8)}
+
+
+def u4_src(word, out, ind):
+    """Source lines (indent ``ind``) setting names out[0..4) to the four half2 of code values of uint32 ``word``
+    (a name), elements U4_PAIRS[r]. Names used: shr32, andor32, hfma2 and U4_CONSTS; sets ``word``_8."""
+    return [f"{ind}{word}_8 = shr32({word}, U4_SH8)",
+            f"{ind}{out[0]} = hfma2(andor32({word}, U4_LO, U4_MAGIC), U4_SLO, U4_BLO)",
+            f"{ind}{out[1]} = hfma2(andor32({word}, U4_HI, U4_MAGIC), U4_SHI, U4_BHI)",
+            f"{ind}{out[2]} = hfma2(andor32({word}_8, U4_LO, U4_MAGIC), U4_SLO, U4_BLO)",
+            f"{ind}{out[3]} = hfma2(andor32({word}_8, U4_HI, U4_MAGIC), U4_SHI, U4_BHI)"]
+
+
 def fp32_decode():
     """``ONNX_LOWBIT_FP32_DECODE=1``: the NF4 decode kernels' defaults keep fp32 arithmetic (no packed-fp16 decode)
     for users who want the smallest rounding error over the last few microseconds."""

@@ -1,6 +1,7 @@
 """Inline-PTX wrappers of the decode kernels (32-bit integer ops Numba would widen to 64 bits, byte permutes, shared
 loads at a byte offset, packed-fp16 FMA) and the warp sum, GPU and CUDA-simulator versions: ``prmt``, ``add32``,
-``mad32``, ``shr32``, ``min32``, ``f2u``, ``lds32``, ``lds64``, ``hfma2``, ``warp_sum``."""
+``mad32``, ``shr32``, ``min32``, ``andor32`` ((a & b) | c in one LOP3), ``f2u``, ``lds32``, ``lds64``, ``hfma2``,
+``warp_sum``."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,6 +62,9 @@ if SIM:
     def min32(a, b):
         return np.uint32(min(int(a), int(b)))
 
+    def andor32(a, b, c):
+        return np.uint32((int(a) & int(b)) | int(c))
+
     def f2u(v):
         return np.float32(v).view(np.uint32)
 
@@ -107,6 +111,7 @@ else:
     mad32 = _asm32("mad32", "mad.lo.u32 $0, $1, $2, $3;", 3)
     shr32 = _asm32("shr32", "shr.b32 $0, $1, $2;", 2)
     min32 = _asm32("min32", "min.u32 $0, $1, $2;", 2)
+    andor32 = _asm32("andor32", "lop3.b32 $0, $1, $2, $3, 0xEA;", 3)   # (a & b) | c: 0xF0 & 0xCC | 0xAA
     hfma2 = _asm32("hfma2", "fma.rn.f16x2 $0, $1, $2, $3;", 3)    # half2 values held as uint32 bits
 
     def _lds(bits):

@@ -17,7 +17,7 @@ from ..device.fp16 import as_f32, pack_h2
 from ..device.launch import Array
 from ..device.memory import LOAD, ld16, ld32, make_ld4, st16, st32
 from ..device.mma import silu
-from ..device.ptx import add32, f2u, hfma2, lds32, lds64, mad32, min32, prmt, shr32
+from ..device.ptx import add32, andor32, f2u, hfma2, lds32, lds64, mad32, min32, prmt, shr32
 from ..device.target import SIM
 
 COLS = 4                  # columns per block step
@@ -80,7 +80,7 @@ def _make_rs(nv):
 
 
 def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=False, early=False, nib=False, h2=False,
-                wide=False, groups=1):
+                wide=False, groups=1, u4=False):
     """The decode kernel for row bucket ``mt`` and COLS columns per step (the next step's words prefetched while
     one is decoded), generated as straight-line code so that every per-thread value (16*mt x values, 2*COLS words
     and scales in flight and prefetched, 2*COLS*mt partial sums) has a constant name or index and stays in
@@ -118,11 +118,16 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     (bid // nch) * G + group; the host passes G times the parts, matmul: G x the grid), sharing one table (one build,
     one 64 KiB copy per G groups: more warps per SM where the table bounds the resident blocks). The groups' step
     loops run the same number of steps (the longest slice's; past its own slice a group's loads are clamped and
-    nothing is stored), since the per-step barrier is the block's."""
+    nothing is stored), since the per-step barrier is the block's.
+    ``u4`` (with h2): the weights are uniform int4 (quant_type "int4"), decoded with no table (half2.u4_src: per
+    32-bit word one shift, four LOP3 and four fma.rn.f16x2 give the code values exactly, a = 1; X's pairs packed in
+    half2.U4_PAIRS order): no table build, no shared memory but the reductions'."""
     if h2 and (not (a16 or matmul) or h2 not in (2, 4)):
         raise ValueError("h2 (the fp16 chain length, 2 or 4) is a mode for fp16 X (matmul: X's own dtype)")
     if h2:
         pair = nib = False
+    if u4 and not h2:
+        raise ValueError("u4 (the table-free int4 decode) is a mode of the h2 decode")
     if wide and not h2:
         raise ValueError("wide (two words per thread and row) is a mode of the h2 decode")
     ne = 32 if wide else 16             # elements of K per thread
@@ -149,7 +154,8 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     if pair:
         a("    tab = cuda.shared.array(0, uint64)")
     elif h2:
-        a("    tab = cuda.shared.array(0, uint32)")
+        if not u4:
+            a("    tab = cuda.shared.array(0, uint32)")
         a(f"    xmax = cuda.shared.array({NWMAX * mt}, float32)")
     elif nib:
         a("    tab = cuda.shared.array(1024, uint32)")
@@ -190,7 +196,7 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
         t_(f"        tab[((i >> U4) << U5) | (i & U15)] = {ent.replace('I', 'i')}")
     elif h2:       # half2.h2_table_src: the values are the code values times half2.h2_scale (matmul: built from
                    # lut[0..16]; else the host's lut)
-        tsrc[:] = half2.h2_table_src(matmul)
+        tsrc[:] = [] if u4 else half2.h2_table_src(matmul)
     elif nib:      # 512 stores: entry i >> 5, lane copy i & 31
         t_("    while i < uint32(512):")
         t_("        tab[((i >> U5) << uint32(6)) | (i & U31)] = f2u(lut[i >> U5])" if matmul else
@@ -286,7 +292,7 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     src.extend(xsrc)
     a("    cuda.syncthreads()")
     if h2:
-        a("    ia = lut[17]" if matmul else "    ia = as_f32(lut[U256])")
+        a("    ia = F1" if u4 else "    ia = lut[17]" if matmul else "    ia = as_f32(lut[U256])")
         for m in range(mt):     # p = 2^(11 - floor(log2 max|x|)): |x p| < 2^12, a chain of 4 products < 2^15
             a("    xm = F0")
             a("    wj = uint32(0)")
@@ -299,7 +305,8 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
             a(f"    p_{m} = as_f32((uint32(265) - eb) << uint32(23)) if okp else F1")
             a(f"    ip_{m} = (as_f32((eb - uint32(11)) << uint32(23)) if okp else F1) * ia   # and 1 / h2_scale")
             for j in range(ne // 2):
-                a(f"    x2_{m}_{j} = pack_h2(x_{m}_{2 * j} * p_{m}, x_{m}_{2 * j + 1} * p_{m})")
+                e0, e1 = (8 * (j // 4) + e for e in half2.U4_PAIRS[j % 4]) if u4 else (2 * j, 2 * j + 1)
+                a(f"    x2_{m}_{j} = pack_h2(x_{m}_{e0} * p_{m}, x_{m}_{e1} * p_{m})")
     a("    buf = uint32(0)")
     a(f"    while n0 < {n_end}:")
     body = []
@@ -315,9 +322,14 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
                     b_(f"wd = w{wsel}_{c}_{half}")
                 else:
                     b_(f"wd = uint32(w{wsel}_{c} & M32)" if half == 0 else f"wd = uint32(w{wsel}_{c} >> U32)")
+                if u4:
+                    body.extend(half2.u4_src("wd", [f"t{b}" for b in range(4)], ""))
                 for b in range(4):
                     j = half * 4 + b
-                    b_(f"t = lds32(tab, prmt(wd, lane4, SEL_{b}))")
+                    if u4:
+                        b_(f"t = t{b}")
+                    else:
+                        b_(f"t = lds32(tab, prmt(wd, lane4, SEL_{b}))")
                     for m in range(mt):
                         hv = f"h{j // h2}_{m}"
                         b_(f"{hv} = hfma2(t, x2_{m}_{j}, {'H0' if j % h2 == 0 else hv})")
@@ -408,12 +420,13 @@ def make_decode(mt, a16, pair=True, max_registers=None, matmul=False, pingpong=F
     ns = {"cuda": cuda, "float32": float32, "uint32": uint32, "uint64": uint64, "int64": int64, "as_f32": as_f32,
           "load": ld16 if a16 else ld32, "store": st16 if a16 else st32, "silu": silu, "rs": _make_rs(nv),
           "prmt": prmt, "lds64": lds64, "lds32": lds32, "add32": add32, "mad32": mad32, "shr32": shr32,
-          "min32": min32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
+          "min32": min32, "andor32": andor32, "f2u": f2u, "hfma2": hfma2, "hsum2": half2.hsum2,
           "pack_h2": pack_h2, "warp_max": half2.warp_max, "fmax": half2.fmax, "ld4": _ld4w,
           "ldx8": half2.ldx8, "sts4": half2.sts4, "pdl_wait": pdl.wait, "pdl_trigger": pdl.trigger,
           "F0": np.float32(0.0), "F1": np.float32(1.0), "H0": np.uint32(0), "M32": M32, "U32": U32,
           "NIBS": np.uint32(0x0F0F0F0F)}
     ns.update({f"U{v}": np.uint32(v) for v in (0, 1, 3, 4, 5, 15, 16, 31, 60, 256, 4096)})
+    ns.update(half2.U4_CONSTS)
     # PRMT selectors: output byte 0 = lane8 (byte 4 of b:a), byte 1 = byte b of the word, bytes 2, 3 = 0 (byte 5)
     ns.update({f"SEL_{b}": np.uint32(0x5504 | (b << 4)) for b in range(4)})
     exec("\n".join(src), ns)  # noqa: S102 - generated from constants only

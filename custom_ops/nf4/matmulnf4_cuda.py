@@ -13,7 +13,11 @@ row's kernel. The kernels:
   K = 4096 the packed-fp16 decode instead (``m1.h2``: one fma.rn.f16x2 per byte in chains of 2, as FusedFFNNF4's):
   14.45 against 15.22 us at 4096 x 11008, 7.94 against 8.75 at 8192 x 2048 (H100); ONNX_LOWBIT_FP32_DECODE=1 keeps
   fp32 arithmetic. From K = 4096 with K % 32 == 0 chains of 4 with 16 bytes per thread and row (``m1.h2wide``):
-  13.05-13.26 against 13.96-14.02 us at 4096 x 11008, 4-13% at every shape measured (H100, 2026-11-27).
+  13.05-13.26 against 13.96-14.02 us at 4096 x 11008, 4-13% at every shape measured (H100, 2026-11-27). For
+  quant_type int4 (onnxruntime-genai's MatMulNBits grid, what ``onnx-lowbit genai`` converts) with fp16 A the
+  packed-fp16 decode without a table (``m1.u4wide``, chains of 4, 16 bytes per thread and row; ``m1.u4`` where K %
+  32 != 0): the levels come from the nibbles by bit operations (half2.u4_src), so no block builds or reads a table:
+  7-10% faster than the tables' routes at genai's decode shapes (H200, the U4 figures below).
 * ``m2`` (fp16 A, M = 2..4 where m1.h2wide serves M = 1): the generator's two-row kernel (rows in chunks of 2).
 * ``nf4tc.*`` (fp16 A, M = 2..16 on GPUs with mma.sync): nf4tc_cuda's tensor-core decode, from M = 8 through its
   two-weight kernel on the weight's two halves of rows (``halves``), from M = 9 with both row chunks in one block.
@@ -62,6 +66,12 @@ M2_MAX_M = 4                # fp16 A at M = 2 .. M2_MAX_M where m1.h2wide serves
                             # 4096x14336 18.68 / 27.43, 5120x13824 22.67 / 32.86; M=3 21.82 / 21.78, 11.14 / 12.13,
                             # 27.62 / 28.05; M=4 21.87 / 22.55, 11.13 / 12.14, 27.63 / 28.45 (from M=3 two row chunks
                             # read the weight twice)
+U4 = True                   # quant_type "int4" (genai's MatMulNBits grid) with fp16 A at M = 1: the table-free decode
+                            # (decode_cuda's u4: half2.u4_src), m1.u4wide where K % 32 == 0, else m1.u4. H200,
+                            # weights past L2 (nf4shapes_gpu.py --quant int4 --bs 32, 2026-12-01), us, u4wide / the
+                            # tables' route: 2048x6144 5.86 / 6.50, 2048x2048 3.67 / 3.96, 8192x2048 6.57 / 7.21,
+                            # 2048x4096 4.93 / 5.26 (two rounds each, within 0.04 us)
+U4_WIDE_MIN_K = 32          # m1.u4wide from this K (K % 32 == 0), m1.u4 (chains of 2, 8 bytes per thread) below
 TC_MIN_M = 2                # fp16 A from this M on: the tensor-core kernel (nf4tc_cuda); H100 4096 x 11008
                             # (BENCHMARKS.md): M=1 23.3 us against 14.7 for the M=1 kernel (kept), M=2 23.7 /
                             # 50.1, M=4 25.0 / 82.1, M=16 46.1 / 1676.6 (generic)
@@ -77,6 +87,11 @@ def _m1(c):
 def _wide(c):
     """The wide packed-fp16 decode's shapes (m1.h2wide; m2's)."""
     return case_f16(c) and c.k >= M1_WIDE_MIN_K and c.k % 32 == 0 and c.k // 16 <= 1024 and not case_fp32_decode(c)
+
+
+def _u4(c):
+    """The table-free int4 decode takes the call (quant_type int4, fp16 A, not ONNX_LOWBIT_FP32_DECODE; M = 1)."""
+    return U4 and c.opt("int4") and case_f16(c) and not case_fp32_decode(c) and _m1(c)
 
 
 def _m1_table(c):
@@ -115,6 +130,14 @@ ROUTES = (
           lambda c: _tc(c, nf4tc_cuda.RC2_MIN_M, 16), "lab-log session 25 (8f7e4e7)"),
     Route("nf4tc.rc1", "fp16 A, tensor cores, M = TC_MIN_M (2) .. 8, shapes and alignment as above",
           lambda c: _tc(c, TC_MIN_M, 16), "BENCHMARKS.md NF4 (the TC_MIN_M figures; acda774)"),
+    Route("m1.u4wide", "M = 1, quant_type int4, fp16 A, K % 32 == 0, K >= U4_WIDE_MIN_K (32), K <= 16384, not "
+          "ONNX_LOWBIT_FP32_DECODE; A, Q 16-byte aligned",
+          lambda c: _u4(c) and c.k % 32 == 0 and c.k >= U4_WIDE_MIN_K and case_align(c, "a") >= 16
+          and case_align(c, "q") >= 16, "BENCHMARKS.md NF4 (int4 at M = 1)"),
+    Route("m1.u4", "M = 1, quant_type int4, fp16 A, K % 16 == 0, K <= 16384 where m1.u4wide does not apply, not "
+          "ONNX_LOWBIT_FP32_DECODE; A 16-byte, Q 8-byte aligned",
+          lambda c: _u4(c) and case_align(c, "a") >= 16 and case_align(c, "q") >= 8,
+          "BENCHMARKS.md NF4 (int4 at M = 1)"),
     Route("m1.h2wide", "M = 1, fp16 A, K >= M1_WIDE_MIN_K (4096), K % 32 == 0, K <= 16384, not "
           "ONNX_LOWBIT_FP32_DECODE; A, Q 16-byte aligned",
           lambda c: _m1(c) and _m1_table(c) == "h2wide" and case_align(c, "a") >= 16 and case_align(c, "q") >= 16,
@@ -140,20 +163,24 @@ ROUTES = (
           always, "correctness fallback"),
 )
 
-# kernel name -> (how it launches, its configuration): m1 (pair table, packed-fp16 chain length, wide)
-KERNELS = {"m1.table16": ("m1", (False, 0, False)), "m1.pair": ("m1", (True, 0, False)),
-           "m1.h2": ("m1", (False, M1_H2, False)), "m1.h2wide": ("m1", (False, M1_H2_WIDE, True)),
+# kernel name -> (how it launches, its configuration): m1 (pair table, packed-fp16 chain length, wide, int4 u4)
+KERNELS = {"m1.table16": ("m1", (False, 0, False, False)), "m1.pair": ("m1", (True, 0, False, False)),
+           "m1.h2": ("m1", (False, M1_H2, False, False)), "m1.h2wide": ("m1", (False, M1_H2_WIDE, True, False)),
+           "m1.u4": ("m1", (False, M1_H2, False, True)), "m1.u4wide": ("m1", (False, M1_H2_WIDE, True, True)),
            "m2": ("m2", None), "nf4tc.rc1": ("tc", (1, False)), "nf4tc.rc2": ("tc", (2, False)),
            "nf4tc.halves.rc1": ("tc", (1, True)), "nf4tc.halves.rc2": ("tc", (2, True)),
            "fast": ("fast", None), "generic": ("generic", None), "prefill": ("prefill", None)}
 
 
-def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, align=(16, 16, 4), path=None, blas=True, scratch=True):
+def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, align=(16, 16, 4), path=None, blas=True, scratch=True,
+         int4=False):
     """The Case of a call: A's ``dtype``, M, K, N, the block size, whether the GPU has tensor cores, the
-    ONNX_LOWBIT_FP32_DECODE switch, the alignments (A, Q, absmax; capped at 16, 16, 4), a forced path (tests), and
-    the prefill row's switches: cuBLAS found, the call has onnxruntime's scratch memory."""
+    ONNX_LOWBIT_FP32_DECODE switch, the alignments (A, Q, absmax; capped at 16, 16, 4), a forced path (tests), the
+    prefill row's switches: cuBLAS found, the call has onnxruntime's scratch memory; ``int4``: quant_type int4."""
     aligned = tuple(align) == (16, 16, 4)
     opts = [("fp32_decode", True)] if fp32_decode else []
+    if int4:
+        opts.append(("int4", True))
     opts += [("cublas", bool(blas)), ("scratch", bool(scratch))]
     if not aligned:
         opts += [("a_align", align[0]), ("am_align", align[2]), ("q_align", align[1])]
@@ -197,13 +224,13 @@ def launcher(name, dtype):
         return nf4tc_cuda.launcher(2 if cfg[1] else 1, nf4tc_cuda.warps_for(cfg[0]), cfg[0], cfg[1])
     key = (name, np.dtype(dtype).str)
     if key not in _launchers:
-        big = how == "m2" or how == "m1" and (cfg[0] or cfg[1])        # 64 KiB of table
+        big = how == "m2" or how == "m1" and (cfg[0] or cfg[1] and not cfg[3])        # 64 KiB of table
         m_arg = [] if how == "m1" else ["int64"]
         sig = ([Array(dtype), Array(np.uint8 if how == "generic" else np.uint64), Array(np.float32),
                 Array(np.float32), Array(dtype), "int32", Array(dtype)] + m_arg + ["int64"] * 3)
         if how == "m1":
-            pair, h2, wide = cfg
-            fn = make_decode(1, False, pair, M1_MAX_REGISTERS, matmul=True, early=pair, h2=h2, wide=wide)
+            pair, h2, wide, u4 = cfg
+            fn = make_decode(1, False, pair, M1_MAX_REGISTERS, matmul=True, early=pair, h2=h2, wide=wide, u4=u4)
         elif how == "m2":
             fn = make_decode(2, False, False, None, matmul=True, h2=M1_H2_WIDE, wide=True)
         else:
@@ -240,7 +267,7 @@ class MatMulNF4CudaKernel(Kernel):
         """The routing Case of a call at M = m (``scratch``: the call has onnxruntime's scratch, as sessions on
         onnxruntime >= 1.18 and runtime/direct calls do)."""
         return case(self.dtype, m, self.k, self.n, self.bs.size, self.tc, self.fp32_decode, align, self.path,
-                    self.blas, scratch)
+                    self.blas, scratch, self.qt == "int4")
 
     def prepare(self, name):
         """(launcher, block, shared bytes, resident blocks per SM or the grid) of kernel ``name`` for this node."""
@@ -251,10 +278,15 @@ class MatMulNF4CudaKernel(Kernel):
                 return self.prepared[name]
             lau = launcher(name, self.dtype)
             if how == "m1":
-                pair, h2, wide = cfg
-                big = pair or bool(h2)
-                prep = lau, threads(self.k, wide), TAB_BYTES if big else 0, m1_grid(self.n, self.sms, self.k, big,
-                                                                                      wide)
+                pair, h2, wide, u4 = cfg
+                big = pair or bool(h2) and not u4
+                block = threads(self.k, wide)
+                if u4:      # no table: one wave of what the occupancy query gives (registers: ptxas's)
+                    per_sm = max(1, min(32, lau.blocks_per_sm(block)))
+                    g = nf4_common.even_parts(math.ceil(self.n / COLS), self.sms * per_sm)
+                else:
+                    g = m1_grid(self.n, self.sms, self.k, big, wide)
+                prep = lau, block, TAB_BYTES if big else 0, g
             elif how == "m2":
                 block = threads(self.k, True)
                 prep = lau, block, TAB_BYTES, max(1, lau.blocks_per_sm(block))
