@@ -14,11 +14,10 @@ bands in dB with exponential mean normalisation, 96 complex bins with unit norma
 ``eval``: the 6 held-out clips through the float and the rewritten models: rel-L2 of the encoder's embedding and
 local SNR, the ERB mask and the deep-filter coefficients; the SNR against the clean speech after applying each ERB
 mask to the noisy spectrum (the deep filter not applied: a task measure of the two models' agreement, not of
-DeepFilterNet's quality); then each model's median latency (two intra-op threads, 15 alternating runs after a
-50 ms pause each) on one clip."""
+DeepFilterNet's quality); then each model's median latency on one clip (two intra-op threads; 15 timed runs of
+each in onnx_lowbit.rounds' rounds, after 3 untimed ones), the sessions of the comparison reused."""
 import os
 import sys
-import time
 
 import numpy as np
 import onnxruntime as ort
@@ -122,8 +121,8 @@ def sess(path, lowbit):
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def run3(paths, lowbit, fe, fs):
-    enc, erb, df = (sess(p, lowbit) for p in paths)
+def run3(sessions, fe, fs):
+    enc, erb, df = sessions
     e0, e1, e2, e3, emb, c0, lsnr = enc.run(None, {"feat_erb": fe, "feat_spec": fs})
     m = erb.run(None, {"emb": emb, "e3": e3, "e2": e2, "e1": e1, "e0": e0})[0]
     coefs = df.run(None, {"emb": emb, "c0": c0})[0]
@@ -141,11 +140,12 @@ if __name__ == "__main__":
     D, W = sys.argv[2], sys.argv[3]
     os.makedirs(W, exist_ok=True)
     paths = [f"{D}/{n}.onnx" for n in ("enc", "erb_dec", "df_dec")]
+    orig = [sess(p, False) for p in paths]
     if sys.argv[1] == "features":
         cal = {"enc": {}, "erb_dec": {}, "df_dec": {}}
         for k, (_, noisy) in enumerate(clips("cal")):
             fe, fs = features(stft(noisy))
-            o = run3(paths, False, fe, fs)
+            o = run3(orig, fe, fs)
             cal["enc"].update({f"feat_erb#{k}": fe, f"feat_spec#{k}": fs})
             cal["erb_dec"].update({f"{n}#{k}": o[n] for n in ("emb", "e3", "e2", "e1", "e0")})
             cal["df_dec"].update({f"{n}#{k}": o[n] for n in ("emb", "c0")})
@@ -155,11 +155,13 @@ if __name__ == "__main__":
     else:                       # eval SUFFIX: the rewritten models are {name}.{SUFFIX}.onnx in W
         suf = sys.argv[4]
         new = [f"{W}/{n}.{suf}.onnx" for n in ("enc", "erb_dec", "df_dec")]
+        ours = [sess(q, True) for q in new]
         rows = []
-        for clean, noisy in clips("test"):
+        test = clips("test")
+        for clean, noisy in test:
             X = stft(noisy)
             fe, fs = features(X)
-            a, b = run3(paths, False, fe, fs), run3(new, True, fe, fs)
+            a, b = run3(orig, fe, fs), run3(ours, fe, fs)
             rel = {n: float(np.linalg.norm(b[n] - a[n]) / np.linalg.norm(a[n]))
                    for n in ("emb", "lsnr", "m", "coefs")}
             s0 = snr(clean, noisy)
@@ -171,25 +173,13 @@ if __name__ == "__main__":
                   " ".join(f"{k} {v:.1e}" for k, v in rel.items()))
         print(f"mean SNR gain: float {np.mean([r[1] - r[0] for r in rows]):.2f} dB, rewritten "
               f"{np.mean([r[2] - r[0] for r in rows]):.2f} dB; max |diff| {max(abs(r[2] - r[1]) for r in rows):.3f} dB")
-        # speed: each model, whole clip, alternating rounds
-        fe, fs = features(stft(clips("test")[1][1]))
-        o = run3(paths, False, fe, fs)
+        # speed: each model on one whole clip, the two sessions in rounds
+        from onnx_lowbit.rounds import timed_rounds
+        fe, fs = features(stft(test[1][1]))
+        o = run3(orig, fe, fs)
         feeds = [{"feat_erb": fe, "feat_spec": fs}, {n: o[n] for n in ("emb", "e3", "e2", "e1", "e0")},
                  {n: o[n] for n in ("emb", "c0")}]
-        for p, q, f in zip(paths, new, feeds):
-            sa, sb = sess(p, False), sess(q, True)
-            ta, tb = [], []
-            for _ in range(3):
-                sa.run(None, f)
-                sb.run(None, f)
-            for _ in range(15):
-                time.sleep(0.05)
-                t = time.perf_counter()
-                sa.run(None, f)
-                ta.append(time.perf_counter() - t)
-                time.sleep(0.05)
-                t = time.perf_counter()
-                sb.run(None, f)
-                tb.append(time.perf_counter() - t)
-            ma, mb = np.median(ta) * 1e3, np.median(tb) * 1e3
+        for sa, sb, q, f in zip(orig, ours, new, feeds):
+            ta, tb = timed_rounds([lambda s_=sa: s_.run(None, f), lambda s_=sb: s_.run(None, f)], 15, warmup=3)
+            ma, mb = np.median(ta), np.median(tb)
             print(f"{os.path.basename(q)}: {ma:.2f} ms -> {mb:.2f} ms ({ma / mb:.2f}x)")
