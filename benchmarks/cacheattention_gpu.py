@@ -9,7 +9,9 @@ buffer as genai binds them. Python's launch cost hides the kernels' own time fro
 Prints which route each group of launches ran; ncu prints their durations in the same order. ``--prompt N``: a
 first prompt of N tokens through the tensor-core route, then the rows route, instead (``--routes tc`` for one);
 ``--nsm N,...``: the tensor-core route once per round length of its block order (the device's SM count is the
-default; 1 orders the tiles heaviest first without turning back).
+default; 1 orders the tiles heaviest first without turning back). ``--decode warps`` times the warp kernel alone;
+``--g G --nsplit N`` build it with G loads per lane in flight and N blocks per query row instead of the module's
+(one setting per process).
 """
 from __future__ import annotations
 
@@ -29,7 +31,15 @@ def main(argv=None):
                     help="time a first prompt of this many tokens instead (routes cacheattention.tc and .rows)")
     ap.add_argument("--routes", default="tc,rows", help="the prompt routes to time (comma-separated)")
     ap.add_argument("--nsm", default="", help="tc route: round lengths of its block order to time (comma-separated)")
+    ap.add_argument("--decode", default="warps,split", help="the decode routes to time (comma-separated)")
+    ap.add_argument("--g", type=int, default=0, help="decode kernel: G (loads per lane in flight), 0: the module's")
+    ap.add_argument("--nsplit", type=int, default=0, help="decode kernel: blocks per query row, 0: the module's")
     a = ap.parse_args(argv)
+    from onnx_lowbit.custom_ops.attention import cacheattention_cuda as kmod
+    for name, v in (("G", a.g), ("NSPLIT", a.nsplit)):
+        if v > 0:
+            setattr(kmod, name, v)      # read when the kernel is built
+    print(f"decode kernel: G = {kmod.G}, NSPLIT = {kmod.NSPLIT}", flush=True)
     if a.prompt and a.nsm:
         from onnx_lowbit.custom_ops.device import host
         for v in a.nsm.split(","):
@@ -42,7 +52,7 @@ def main(argv=None):
                    f" (2 launches each): a {a.prompt}-token prompt") for r in a.routes.split(",")]
     else:
         groups = [((name, "cacheattention.rows"), 1, int(keys), f": {keys} keys in a {a.length}-position cache")
-                  for keys in a.keys.split(",") for name in ("cacheattention.warps", "cacheattention.split")]
+                  for keys in a.keys.split(",") for name in ("cacheattention." + r for r in a.decode.split(","))]
     for kernels, s, keys, what in groups:
         run_group(a, kernels, s, keys, what)
 

@@ -190,6 +190,14 @@ def case(dtype, m, k, n, bs, tc=True, fp32_decode=False, align=(16, 16, 4), path
 
 
 # ------------------------------------------------------------------------------------------------- launches
+def table_bytes(how, cfg):
+    """The dynamic shared memory of a KERNELS entry (how, cfg) of kind m1 / m2: the 64 KiB decode table for m2 and
+    for m1's byte-pair and packed-fp16 kernels; none for m1.table16 (its 16 entries are static) and the int4 kernels
+    (no table)."""
+    big = how == "m2" or how == "m1" and (cfg[0] or bool(cfg[1]) and not cfg[3])
+    return TAB_BYTES if big else 0
+
+
 def m1_grid(n, sms, k, pair, wide):
     """One wave of column slices, every slice the same number of steps (nf4_common.even_parts): blocks per SM
     bounded by threads, registers (M1_MAX_REGISTERS per thread) and, for a 64 KiB table (``pair``), its shared
@@ -224,7 +232,6 @@ def launcher(name, dtype):
         return nf4tc_cuda.launcher(2 if cfg[1] else 1, nf4tc_cuda.warps_for(cfg[0]), cfg[0], cfg[1])
     key = (name, np.dtype(dtype).str)
     if key not in _launchers:
-        big = how == "m2" or how == "m1" and (cfg[0] or cfg[1] and not cfg[3])        # 64 KiB of table
         m_arg = [] if how == "m1" else ["int64"]
         sig = ([Array(dtype), Array(np.uint8 if how == "generic" else np.uint64), Array(np.float32),
                 Array(np.float32), Array(dtype), "int32", Array(dtype)] + m_arg + ["int64"] * 3)
@@ -235,7 +242,7 @@ def launcher(name, dtype):
             fn = make_decode(2, False, False, None, matmul=True, h2=M1_H2_WIDE, wide=True)
         else:
             fn = GEMV16 if how == "fast" else GENERIC
-        shared = TAB_BYTES if big else MAX_X_SHARED if how == "fast" else 0
+        shared = table_bytes(how, cfg) if how in ("m1", "m2") else MAX_X_SHARED if how == "fast" else 0
         _launchers[key] = host.launcher(fn, sig, dynamic_shared=shared, sim_blocks=3, pdl=how in ("m1", "m2"))
     return _launchers[key]
 
@@ -278,18 +285,20 @@ class MatMulNF4CudaKernel(Kernel):
                 return self.prepared[name]
             lau = launcher(name, self.dtype)
             if how == "m1":
-                pair, h2, wide, u4 = cfg
-                big = pair or bool(h2) and not u4
+                wide, u4 = cfg[2], cfg[3]
+                tab = table_bytes(how, cfg)
                 block = threads(self.k, wide)
-                if u4:      # no table: one wave of what the occupancy query gives (registers: ptxas's)
+                if u4:      # no table: one wave of the resident blocks the driver counts from the compiled
+                    #         kernel's registers (at most M1_MAX_REGISTERS); the table kernels keep m1_grid's
+                    #         estimate, the grid their routes were measured with
                     per_sm = max(1, min(32, lau.blocks_per_sm(block)))
                     g = nf4_common.even_parts(math.ceil(self.n / COLS), self.sms * per_sm)
                 else:
-                    g = m1_grid(self.n, self.sms, self.k, big, wide)
-                prep = lau, block, TAB_BYTES if big else 0, g
+                    g = m1_grid(self.n, self.sms, self.k, tab > 0, wide)
+                prep = lau, block, tab, g
             elif how == "m2":
                 block = threads(self.k, True)
-                prep = lau, block, TAB_BYTES, max(1, lau.blocks_per_sm(block))
+                prep = lau, block, table_bytes(how, cfg), max(1, lau.blocks_per_sm(block))
             elif how == "tc":
                 prep = nf4tc_cuda.session_mode(1, *cfg)
             elif how == "fast":
