@@ -205,6 +205,60 @@ def test_dequantnf4(k, n, bs, adt, transposed):
     assert np.isinf(ref).any() and np.array_equal(native[0][0].view(np.uint8), ref.view(np.uint8))
 
 
+# ---------------------------------------------------------------------------------------------------- RMSNorm
+def rmsnorm_model(dtype, d, skip, h):
+    from onnx import helper, numpy_helper
+
+    from onnx_lowbit import domain
+    et = TensorProto.FLOAT16 if dtype == np.float16 else TensorProto.FLOAT
+    g = numpy_helper.from_array((1 + 0.3 * np.random.default_rng(7).standard_normal(d)).astype(dtype), "g")
+    ins = [helper.make_tensor_value_info("x", et, ["B", "S", d])]
+    if skip:
+        ins.append(helper.make_tensor_value_info("s", et, ["B", "S", d]))
+    outs = [helper.make_tensor_value_info(n, et, ["B", "S", d]) for n in (["y", "h"] if h else ["y"])]
+    node = helper.make_node("RMSNorm", ["x", "g"] + (["s"] if skip else []), [o.name for o in outs],
+                            domain=domain.DOMAIN, epsilon=1e-5)
+    return helper.make_model(helper.make_graph([node], "rms", ins, outs, [g]),
+                             opset_imports=[helper.make_opsetid("", 17), domain.opset_import()], ir_version=10)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("skip,h", [(True, True), (True, False), (False, False)])
+def test_rmsnorm(dtype, skip, h):
+    """RMSNorm's native entry (rows over onnxruntime's pool): the Python path's bytes and the reference's (H
+    bit-exact, Y within the op's roundings), a decode row, several rows, D = 576 and 2048, a row with NaN / Inf
+    (that row NaN, the others not), no rows."""
+    from onnx_lowbit import rmsnorm
+    rng = np.random.default_rng(11)
+    feeds = []
+    for b, s_, d in ((1, 1, 576), (2, 5, 576), (1, 1, 576), (3, 0, 576)):
+        f = {"x": (3 * rng.standard_normal((b, s_, d))).astype(dtype)}
+        if skip:
+            f["s"] = rng.standard_normal((b, s_, d)).astype(dtype)
+        feeds.append(f)
+    feeds[1]["x"][0, 0, :3] = [np.nan, np.inf, -np.inf]
+    model = rmsnorm_model(dtype, 576, skip, h)
+    for threads in (0, 1):
+        native, _ = native_and_python(model, feeds, threads)
+    g = np.asarray(_gamma_of(model), dtype)
+    for f, outs in zip(feeds, native):
+        y_ref, h_ref = rmsnorm.apply(f["x"], g, f.get("s"), 1e-5)
+        if h:
+            assert np.array_equal(outs[1].view(np.uint8), np.asarray(h_ref, dtype).view(np.uint8))
+        y = outs[0].astype(np.float64)
+        want = np.asarray(y_ref, dtype).astype(np.float64)
+        fin = np.isfinite(want)
+        assert np.array_equal(fin, np.isfinite(y))
+        tol = 2 * 2.0 ** -10 if dtype == np.float16 else 1e-5
+        np.testing.assert_allclose(y[fin], want[fin], rtol=tol, atol=tol * 1e-2)
+    assert np.isnan(native[1][0][0, 0]).all() and np.isfinite(native[1][0][1:]).all()
+
+
+def _gamma_of(model):
+    from onnx import numpy_helper
+    return numpy_helper.to_array(model.graph.initializer[0])
+
+
 # ------------------------------------------------------------------------------------------ MatMulAWQ / DequantAWQ
 @pytest.mark.parametrize("K,N,G,dtype,bias", [(128, 8, 128, np.float32, True), (688, 136, 128, np.float16, False),
                                               (100, 16, 7, np.float16, True), (256, 4096, 32, np.float32, False)])
