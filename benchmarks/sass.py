@@ -1,7 +1,10 @@
 """Resource report and SASS instruction mix of a Numba CUDA kernel, without a GPU (development tool).
 
 Needs libNVVM, ptxas and nvdisasm (pip: nvidia-cuda-nvcc-cu12, nvidia-cuda-nvdisasm), and runs outside the
-simulator. Example:
+simulator. A CUDA toolkit's ptxas serves too (CUDA_HOME, /usr/local/cuda*); this development machine's CUDA 13
+toolkit lacks libnvrtc and nvdisasm, which pip's nvidia-cuda-nvrtc==13.* and nvidia-cuda-nvdisasm==13.* bring
+(`pip install --target DIR ...`, then LD_LIBRARY_PATH=DIR/nvidia/cu13/lib and DIR/nvidia/cu13/bin on PATH).
+Example:
     python benchmarks/sass.py onnx_lowbit.custom_ops.awq.gemv_cuda 'make_gemv(1, True, 2)' 'sig(True, 2, True)' 80
 prints registers / spills / shared memory and a histogram of SASS opcodes (whole kernel), plus the opcodes of the
 largest loop body (the hot loop of a GEMV).
@@ -19,12 +22,23 @@ import tempfile
 
 
 def tool(name):
-    import nvidia
-    for base in nvidia.__path__:
-        hits = glob.glob(os.path.join(base, "*", "bin", name))
-        if hits:
-            return sorted(hits)[-1]
-    raise SystemExit(f"{name} not found (pip install nvidia-cuda-nvcc-cu12 nvidia-cuda-nvdisasm)")
+    """``name``'s path: pip's nvidia packages first, then CUDA_HOME / /usr/local/cuda*'s bin and PATH."""
+    try:
+        import nvidia
+        for base in nvidia.__path__:
+            hits = glob.glob(os.path.join(base, "*", "bin", name))
+            if hits:
+                return sorted(hits)[-1]
+    except ImportError:
+        pass
+    homes = [os.environ.get("CUDA_HOME", "")] + sorted(glob.glob("/usr/local/cuda*"), reverse=True)
+    for home in homes:
+        if home and os.path.exists(os.path.join(home, "bin", name)):
+            return os.path.join(home, "bin", name)
+    import shutil
+    if shutil.which(name):
+        return shutil.which(name)
+    raise SystemExit(f"{name} not found (pip install nvidia-cuda-nvcc-cu12 nvidia-cuda-nvdisasm, or a CUDA toolkit)")
 
 
 def ptx_of(fn, sig, cc=(9, 0)):
