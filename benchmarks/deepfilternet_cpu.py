@@ -113,12 +113,11 @@ def snr(clean, est):
 
 
 def sess(path, lowbit):
+    import onnx_lowbit
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
-    if lowbit:
-        import onnx_lowbit
-        onnx_lowbit.register(so)
-    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    return (onnx_lowbit.InferenceSession if lowbit else ort.InferenceSession)(path, so,
+                                                                                providers=["CPUExecutionProvider"])
 
 
 def run3(sessions, fe, fs):

@@ -1,13 +1,13 @@
 """RMSNorm with its residual add against onnxruntime's SkipSimplifiedLayerNormalization (what onnxruntime-genai's
 builder writes), one node each in an onnxruntime CPU session, one decode row [1, 1, D], fp32 and fp16: the residual
-sums compared bit for bit, the largest output difference, and medians of alternating rounds of session runs.
+sums compared bit for bit, the largest output difference, and each session's median run in alternating rounds
+(onnx_lowbit.rounds.timed_rounds).
 
-    python benchmarks/rmsnorm_cpu.py [--d 576] [--rounds 5] [--runs 500]
+    python benchmarks/rmsnorm_cpu.py [--d 576] [--runs 2500]
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -38,36 +38,25 @@ def main(argv=None):
     import onnxruntime as ort
 
     import onnx_lowbit
+    from onnx_lowbit.rounds import timed_rounds
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--d", type=int, default=576)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--runs", type=int, default=500)
+    ap.add_argument("--runs", type=int, default=2500, help="timed runs per session (spread over the rounds)")
     a = ap.parse_args(argv)
     print("| dtype | D | onnxruntime us per run | RMSNorm us per run | H bit-equal | max abs dY |")
     print("| --- | ---: | ---: | ---: | --- | ---: |")
     for dtype in (np.float32, np.float16):
         ref, our = models(dtype, a.d)
-        so = ort.SessionOptions()
-        onnx_lowbit.register(so)
         sa = ort.InferenceSession(ref.SerializeToString(), providers=["CPUExecutionProvider"])
-        sb = ort.InferenceSession(our.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        sb = onnx_lowbit.InferenceSession(our, providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(1)
         f = {"x": (3 * rng.standard_normal((1, 1, a.d))).astype(dtype),
              "s": rng.standard_normal((1, 1, a.d)).astype(dtype)}
         ra, rb = sa.run(None, f), sb.run(None, f)
         same_h = bool(np.array_equal(ra[1].view(np.uint8), rb[1].view(np.uint8)))
         err = float(np.max(np.abs(ra[0].astype(np.float64) - rb[0].astype(np.float64))))
-        for s in (sa, sb):
-            for _ in range(200):
-                s.run(None, f)
-        times = {0: [], 1: []}
-        for _ in range(a.rounds):
-            for i, s in enumerate((sa, sb)):
-                t = time.perf_counter()
-                for _ in range(a.runs):
-                    s.run(None, f)
-                times[i].append((time.perf_counter() - t) / a.runs * 1e6)
-        print(f"| {np.dtype(dtype).name} | {a.d} | {np.median(times[0]):.2f} | {np.median(times[1]):.2f} | "
+        ta, tb = timed_rounds([lambda: sa.run(None, f), lambda: sb.run(None, f)], a.runs, warmup=200)
+        print(f"| {np.dtype(dtype).name} | {a.d} | {1e3 * np.median(ta):.2f} | {1e3 * np.median(tb):.2f} | "
               f"{'yes' if same_h else 'no'} | {err:.2e} |")
 
 

@@ -1,10 +1,10 @@
 """RMSNorm, CPU face: H = X + skip, Y = gamma * T(float32(H) / sqrt(mean(float32(H)^2) + eps)) (onnx_lowbit.rmsnorm),
 one Numba pass per row (rows in parallel above PARALLEL_MIN elements). In sessions a native entry (``_native_rows``,
 runtime/plans.py "CPU kernels") runs the rows over onnxruntime's intra-op pool with no Python after a shape's first
-call: one [1, 1, 576] row with its residual add, us per session run against onnxruntime's
-SkipSimplifiedLayerNormalization (benchmarks/rmsnorm_cpu.py, 2-core Intel Xeon, 2026-12-01, two runs): fp32
-16.6-17.3 against 15.7-16.3, fp16 28.6-30.1 against 18.1-19.4 (this kernel's scalar fp16 conversions); through the
-Python path before, 102 / 112 against 16.0 / 18.1.
+call: one [1, 1, 576] row with its residual add, median us per session run against onnxruntime's
+SkipSimplifiedLayerNormalization (benchmarks/rmsnorm_cpu.py, 2-core Intel Xeon, 2026-12-01, five runs): fp32
+10.6-17.7 against 9.9-16.5 (level within this host's noise), fp16 23.7-30.1 against 16.9-17.9 (1.4-1.7x slower:
+this kernel's scalar fp16 conversions); through the Python path before, ~100 us (BENCHMARKS.md).
 
 fp16: values widened to fp32 (exact), H and the final product rounded to fp16 with the integer round-to-nearest-even
 code shared with the FPLUT kernels (so H and the weight product round as the separate fp16 ops do); the mean of
