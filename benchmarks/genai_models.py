@@ -60,8 +60,9 @@ def main(argv=None):
                     help="also OUT_DIR/genai_<prec>.ca: the rewrite with the cacheattention pass too "
                          "(GroupQueryAttention -> CacheAttention)")
     ap.add_argument("--variants", default=None,
-                    help="which rewrites to write, comma-separated from lowbit, ca, default ('' for none); default: "
-                         "lowbit, with --attention all three")
+                    help="which rewrites to write, comma-separated from lowbit, ca, default, ortnorm ('' for none; "
+                         "ortnorm: the CUDA default's passes named explicitly); default: lowbit, with --attention "
+                         "lowbit, ca, default")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     hf = os.path.join(a.out, "hf")
@@ -81,7 +82,7 @@ def main(argv=None):
             [(".ca", ["--passes", "matmulnbits,ffn,cacheattention"]), (".default", [])] if a.attention else [])
         if a.variants is not None:
             every = {".lowbit": ["--passes", "matmulnbits,ffn"], ".ca": ["--passes", "matmulnbits,ffn,cacheattention"],
-                     ".default": []}
+                     ".default": [], ".ortnorm": ["--passes", "matmulnbits,ffn,cacheattention,ortnorm"]}
             variants = [("." + v, every["." + v]) for v in a.variants.split(",") if v]
         for suffix, extra in variants:
             t0 = time.time()

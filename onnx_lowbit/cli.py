@@ -309,6 +309,8 @@ def cmd_genai(a) -> int:
     passes = a.passes.split(",") if a.passes else genai_config.default_passes(a.provider, a.input, a.to)
     if not a.passes and "cacheattention" in passes:     # by default only heads its tensor-core prompt kernel takes
         opts["cacheattention_tc_only"] = True
+    if not a.passes and "ortnorm" in passes:            # by default only norms RMSNorm's CUDA vector kernel takes
+        opts["ortnorm_vector_only"] = True
     report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
     if a.provider:
         genai_config.set_provider(a.output, a.provider, cuda_graph=a.cuda_graph)
@@ -549,9 +551,10 @@ def build_parser() -> argparse.ArgumentParser:
     gn.add_argument("input", metavar="IN")
     gn.add_argument("output", metavar="OUT")
     gn.add_argument("--passes", help="comma-separated passes (default on CUDA, --provider cuda or a folder built for "
-                                     "it: matmulnbits,ffn,cacheattention, CacheAttention only for fp16 heads of "
-                                     "16..128 (multiples of 16); on the CPU matmulnbits: there the fused FFN and "
-                                     "cacheattention measured no faster; BENCHMARKS.md)")
+                                     "it: matmulnbits,ffn,cacheattention,ortnorm, CacheAttention only for fp16 "
+                                     "heads of 16..128 (multiples of 16), RMSNorm only for fp16 rows of a multiple "
+                                     "of 8 up to 8192; on the CPU matmulnbits: there the fused FFN, cacheattention "
+                                     "and ortnorm measured no faster; BENCHMARKS.md)")
     gn.add_argument("--provider", choices=["cpu", "cuda"], help="set the decoder's execution provider in OUT")
     gn.add_argument("--cuda-graph", action="store_true", help="with --provider cuda: enable_cuda_graph=1")
     gn.add_argument("--to", choices=["awq", "int4"],

@@ -37,7 +37,11 @@ DEFAULT_PASSES = ("matmulnbits", "ffn")
 # its tensor-core prompt kernel takes the heads (option cacheattention_tc_only). H200, genai's loop, 2026-11-30
 # (BENCHMARKS.md, "CacheAttention in genai's loop"): decode 1.33-1.37x genai int4 against 1.20-1.21x without it,
 # prompts level at 1024 tokens and faster at 128; SmolLM2-135M's real weights: 1.25-1.30x against 1.19-1.20x.
-CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention")
+# And genai's SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization -> RMSNorm (ortnorm, option
+# ortnorm_vector_only: fp16 rows its CUDA vector kernel takes), a programmatic dependent launch the next product
+# overlaps: H200, 2026-12-01, d = 2048 int4 config decode 1.56x / 1.54x genai int4 against 1.47x without it in the
+# same run (BENCHMARKS.md, "onnxruntime-genai's loop today").
+CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention", "ortnorm")
 # The default where the decoder runs on the CPU: genai's int4 products only (MatMulNBits -> MatMulNF4 int4, lossless,
 # our level-4 kernels). SmolLM2-135M's int4 CPU build, genai's loop, 2026-11-30 (BENCHMARKS.md, "onnxruntime-genai's
 # int4 model on the CPU"): prefill 2.1x faster than genai's with the products alone against 1.7x with the SwiGLU pairs

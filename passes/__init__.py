@@ -30,6 +30,7 @@ from .ffn import FFNPass
 from .fplut import FPLUTPass
 from .gru import GRUPass
 from .merge import MergePass
+from .ortnorm import OrtNormPass
 from .rmsnorm import RMSNormPass
 from .rotary import RotaryPass
 from .rotarykv import RotaryKVPass
@@ -44,13 +45,14 @@ from .weights4 import WeightsPass
 # RotaryKV node). kvattention runs after rotarykv (its Q is RotaryKV's output, its K and V the present tensors; it
 # takes the K / V repeats, the scores' MatMul, scale, mask Add, Softmax and the MatMul with V into one KVAttention
 # node). cacheattention (genai's GroupQueryAttention -> CacheAttention) runs on genai's graphs, which rotary / rotarykv
-# / kvattention never match. kvattention, cacheattention and rmsnorm are not default passes (measured no faster /
-# slower than onnxruntime's own kernels: docs/passes.md).
+# / kvattention never match; ortnorm (genai's norms -> RMSNorm) likewise. kvattention, cacheattention, rmsnorm and
+# ortnorm are not default passes of rewrite (measured no faster / slower than onnxruntime's own kernels outside
+# genai's CUDA loop: docs/passes.md); onnx-lowbit genai runs cacheattention and ortnorm on CUDA (genai_config).
 PASSES: "OrderedDict[str, Pass]" = OrderedDict((p.name, p) for p in [FPLUTPass(), WeightsPass(), MatMulNBitsPass(),
                                                                        FFNPass(),
                                                                        MergePass(), RotaryPass(), RotaryKVPass(),
                                                                        KVAttentionPass(), CacheAttentionPass(),
-                                                                       RMSNormPass(),
+                                                                       RMSNormPass(), OrtNormPass(),
                                                                        GRUPass()])
 
 # Other custom domains a pass may emit (weights4 with weights_target="ort": onnxruntime's com.microsoft ops):

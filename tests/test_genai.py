@@ -186,18 +186,21 @@ def test_rewritten_folder_same_greedy_tokens(built, tmp_path, kind, fused):
 
 @pytest.mark.parametrize("kind", ["int4", "fp32"])
 def test_cacheattention_same_greedy_tokens(built, tmp_path, kind):
-    """The opt-in cacheattention pass on genai's graphs: every GroupQueryAttention -> CacheAttention (its CPU face
-    here, with genai's shared past / present buffer where the folder asks for it), the same greedy tokens as the
-    original in og.Generator."""
+    """The CUDA default's passes on genai's graphs (genai_config.CUDA_PASSES, run here on the CPU faces): every
+    GroupQueryAttention -> CacheAttention (with genai's shared past / present buffer where the folder asks for it),
+    every SkipSimplifiedLayerNormalization / SimplifiedLayerNormalization -> RMSNorm (ortnorm), the same greedy
+    tokens as the original in og.Generator."""
     src, dst = str(tmp_path / "orig"), str(tmp_path / "ours")
     subprocess.run(["cp", "-r", built[kind], src], check=True)
     genai_config.set_provider(src, "cpu")
-    report = genai_config.rewrite_folder(src, dst, passes=("matmulnbits", "ffn", "cacheattention"))
+    report = genai_config.rewrite_folder(src, dst, passes=genai_config.CUDA_PASSES)
     assert len(report.rewritten("cacheattention")) == LAYERS and not report.skipped("cacheattention")
+    assert len(report.rewritten("ortnorm")) == 2 * LAYERS + 1 and not report.skipped("ortnorm")
     share = genai_config.read_config(src)["search"].get("past_present_share_buffer", False)
     assert {e.details["share_buffer"] for e in report.rewritten("cacheattention")} == {int(share)}
     _, ops = _ops(dst)
     assert ("onnx_lowbit", "CacheAttention") in ops and ("com.microsoft", "GroupQueryAttention") not in ops
+    assert ("onnx_lowbit", "RMSNorm") in ops and ("com.microsoft", "SkipSimplifiedLayerNormalization") not in ops
     want = json.loads(_run(GREEDY, src).strip().splitlines()[-1])
     got = json.loads(_run(GREEDY, dst).strip().splitlines()[-1])
     assert len(want["tokens"]) == 36 and got["tokens"] == want["tokens"]
@@ -317,11 +320,15 @@ def test_cli_genai(built, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0 rewritten" in out and "this build has none" in out
     # no --provider, no --passes on a CUDA build (-e cuda): genai_config.CUDA_PASSES, CacheAttention for its fp16
-    # heads of 16 (tensor-core prompts: cacheattention_tc_only)
+    # heads of 16 (tensor-core prompts: cacheattention_tc_only), its fp16 norms of D = 64 as RMSNorm (the CUDA
+    # vector kernel's rows: ortnorm_vector_only), 2 per layer and the final one
     cuda_dst = str(tmp_path / "cuda")
     assert cli.main(["genai", built["int4"], cuda_dst]) == 0
     out = capsys.readouterr().out
-    assert f"{6 * LAYERS + 1 + LAYERS} rewritten, 0 skipped by matmulnbits, ffn, cacheattention" in out
+    norms = 2 * LAYERS + 1
+    assert f"{6 * LAYERS + 1 + LAYERS + norms} rewritten, 0 skipped by matmulnbits, ffn, cacheattention, ortnorm" in out
+    ops = [n.op_type for n in onnx.load(os.path.join(cuda_dst, "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("RMSNorm") == norms and "SkipSimplifiedLayerNormalization" not in ops
     assert "CacheAttention on the CPU" not in out
 
 

@@ -117,20 +117,45 @@ def test_cuda_kernel(shape, dt, with_skip, two_pass):
     assert close(y, want_y) and same(h, want_h)
 
 
+VEC_SHAPES = [(1, 1, 2048), (3, 2, 576), (5, 8), (2, 1, 264), (4, 40)]
+
+
+@pytest.mark.parametrize("shape", VEC_SHAPES)
+@pytest.mark.parametrize("with_skip", [False, True])
+@pytest.mark.parametrize("sms", [1, None])
+def test_cuda_vector_kernel(shape, with_skip, sms):
+    """The vector kernel (fp16 rows of a multiple of 8 elements: a 16-byte chunk per thread): H bit-exact, Y within
+    two ulps, NaN / Inf rows as the reference; idle threads (576 elements: 72 chunks in 96 threads) store nothing;
+    sms=1 sends several rows through one block (the grid-stride loop)."""
+    if not SIM and not REAL_GPU:
+        pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
+    assert rmsnorm_cuda.geometry(shape[-1], f16=True, aligned=True)[0] == -1
+    x, g, skip = _data(shape, F16, seed=sum(shape), specials=True)
+    skip = skip if with_skip else None
+    want_y, want_h = rmsnorm.apply(x, g, skip, EPS)
+    y, h = cuda_run(x, g, skip, EPS, sms=sms)
+    assert close(y, want_y) and same(h, want_h)
+
+
 def test_geometry():
+    assert rmsnorm_cuda.geometry(2048, f16=True, aligned=True) == (-1, 256)
+    assert rmsnorm_cuda.geometry(576, f16=True, aligned=True) == (-1, 96)
+    assert rmsnorm_cuda.geometry(2048, f16=True, aligned=False) == (8, 256)     # unaligned: the register kernel
+    assert rmsnorm_cuda.geometry(2044, f16=True, aligned=True) == (8, 256)      # not a multiple of 8
     assert rmsnorm_cuda.geometry(2048) == (8, 256) and rmsnorm_cuda.geometry(4096) == (8, 512)
     assert rmsnorm_cuda.geometry(100) == (8, 32) and rmsnorm_cuda.geometry(4097) == (0, rmsnorm_cuda.BLOCK)
     assert rmsnorm_cuda.geometry(8192) == (0, rmsnorm_cuda.BLOCK) and rmsnorm_cuda.geometry(64, 32) == (0, 32)
 
 
 def test_routes():
-    """The table read from the old code: the register kernel up to 4096 elements a row unless a block size is
-    forced, else the two-pass kernel; every kernel it names has a launcher (both element types, skip and H given
+    """The table: fp16 rows of a multiple of 8 elements up to VEC_MAX the vector kernel; else the register kernel up
+    to 4096 elements a row unless a block size is forced, else the two-pass kernel; every kernel it names has a launcher (both element types, skip and H given
     or not)."""
     name = lambda d, block=None: routing.route(rmsnorm_cuda.ROUTES, routing.Case(  # noqa: E731
         "float16", 1, d, opts=routing.options(block=block))).kernel
-    assert [name(1), name(4096), name(4097), name(64, 32)] == ["register", "register", "twopass", "twopass"]
-    ept = {"register": rmsnorm_cuda.EPT, "twopass": 0}
+    assert [name(1), name(4096), name(4097), name(64, 32)] == ["register", "vector", "twopass", "twopass"]
+    assert name(8192) == "vector" and name(8200) == "twopass" and name(4100) == "twopass"
+    ept = {"vector": -1, "register": rmsnorm_cuda.EPT, "twopass": 0}
     for k in routing.kernels(rmsnorm_cuda.ROUTES):
         for elem in (10, 1):
             for skip in (False, True):

@@ -1,14 +1,23 @@
 """RMSNorm, CUDA face: H = X + skip, Y = gamma * T(float32(H) / sqrt(mean(float32(H)^2) + eps))
-(onnx_lowbit.rmsnorm) in one launch.
+(onnx_lowbit.rmsnorm) in one launch, one block per row (grid-stride over rows). Three kernels (ROUTES):
 
-One block per row (grid-stride over rows). Rows up to EPT * MAX_BLOCK (4096) elements stay in registers: each thread loads
-its EPT elements (element k at t + k * block: coalesced, all loads in flight at once), forms H (rounded to T,
-written when the node has the H output) and its fp32 sum of squares; the block sums them in a fixed order (warp
-shuffles, then the warps' partials in shared memory), so results are reproducible; then Y from the registers.
-Longer rows take a two-pass kernel that re-reads the row. fp16 values go through fp32 (exact) with the hardware's
-round-to-nearest-even conversions. In a LLaMA decode step one launch replaces the residual Add and onnxruntime's
-fused LayerNormalization kernel. Measured (H100, d = 2048, fp16): the first, two-pass-only version took 5.8 us
-per call, twice onnxruntime's LayerNormalization (2.7 us): its eight dependent loads per thread were the cost.
+- ``vector``: fp16 rows of a multiple of 8 elements up to VEC_MAX, buffers 16-byte aligned (genai's norms after the
+  ortnorm pass, LLaMA-style decode rows): thread t holds the row's 16-byte chunk t, one vector load each of X, skip
+  and gamma, one vector store each of H and Y. As a programmatic dependent launch it loads gamma (a constant),
+  waits for the kernel before, and lets the next kernel start at once (``pdl.trigger`` right after the wait): the
+  next product's blocks stream their first weights while the norm runs. In genai's loop (H200, 2026-12-01) that
+  trigger placement gave 0.584-0.585 ms per token against 0.602 with the trigger after the block sum and 0.605
+  after the stores (d = 2048 int4 config, 128-token prompt; BENCHMARKS.md, genai's loop).
+- ``register``: other rows up to EPT * MAX_BLOCK (4096) elements in registers: each thread loads its EPT elements
+  (element k at t + k * block: coalesced, all loads in flight at once); triggers the next kernel after its stores.
+- ``twopass``: longer rows, two strided passes that re-read the row.
+
+Each forms H (rounded to T, written when the node has the H output) and its fp32 sum of squares; the block sums
+them in a fixed order (warp shuffles, then the warps' partials in shared memory), so results are reproducible.
+fp16 values go through fp32 (exact) with the hardware's round-to-nearest-even conversions. History: the first,
+two-pass-only version took 5.8 us per call at d = 2048 on an H100, twice onnxruntime's LayerNormalization; the
+register kernel as a PDL launch was still ~1.8 us per norm slower than onnxruntime's SkipSimplifiedLayerNormalization
+in genai's loop (docs/lab-log.md).
 """
 from __future__ import annotations
 
@@ -17,10 +26,10 @@ from numba import cuda, float32, uint64
 
 from onnx_lowbit import rmsnorm
 
-from ..device import host
-from ..device.fp16 import r16, same
+from ..device import host, pdl
+from ..device.fp16 import h2f, pack_h2, r16, same
 from ..device.launch import Array, Launcher, SimLauncher
-from ..device.memory import ld16, ld32, st16, st32
+from ..device.memory import ld16, ld32, make_ld4, make_st, st16, st32
 from ..device.target import SIM, device
 from ..runtime.kernels import Kernel, KernelError
 from ..runtime.routing import Case, Route, always, options, route
@@ -89,9 +98,16 @@ def _make(f16, ept, has_skip, has_h):
     def kernel(x, skip, g, y, hout, rows, d, eps):
         red = cuda.shared.array(red_size, float32)
         vals = cuda.local.array(nvals, float32)
+        gv = cuda.local.array(nvals, float32)
         t = uint64(cuda.threadIdx.x)
         nt = uint64(cuda.blockDim.x)
         du, rows_u = uint64(d), uint64(rows)
+        if ept:             # gamma (a constant where PDL launches this) before the wait: in flight with the row's loads
+            for k in range(ept):
+                i = t + uint64(k) * nt
+                if i < du:
+                    gv[k] = ld(g, i)
+        pdl.wait()          # X, skip (what the kernel before wrote) from here on (device/pdl.py)
         r = uint64(cuda.blockIdx.x)
         while r < rows_u:
             b = r * du
@@ -122,12 +138,85 @@ def _make(f16, ept, has_skip, has_h):
                 for k in range(ept):
                     i = t + uint64(k) * nt
                     if i < du:
-                        st(y, b + i, ld(g, i) * rnd(vals[k] * inv))
+                        st(y, b + i, gv[k] * rnd(vals[k] * inv))
             else:
                 i = t
                 while i < du:
                     st(y, b + i, ld(g, i) * rnd(load_h(x, skip, b + i) * inv))
                     i += nt
+            r += uint64(cuda.gridDim.x)
+        pdl.trigger()       # the next kernel's blocks once this one's rows are written: let in earlier, its weight
+        #                     loads slowed this row's (docs/lab-log.md, "onnxruntime's norms replaced by our RMSNorm")
+
+    return kernel
+
+
+VEC_MAX = 8 * 1024       # fp16 rows of the vector kernel: one 16-byte chunk (8 elements) per thread
+_ld4 = make_ld4("ld.global.nc.v4.u32")   # X and skip are read-only in this launch; gamma is a constant
+_st4 = make_st(4)
+M16 = np.uint32(0xFFFF)
+U16 = np.uint32(16)
+
+
+@device
+def _lo(w):
+    return h2f(w & M16)
+
+
+@device
+def _hi(w):
+    return h2f(w >> U16)
+
+
+def _make_vec(has_skip, has_h):
+    """fp16 rows of d % 8 == 0 elements, at most VEC_MAX: thread t holds the row's 16-byte chunk t (one vector load
+    of X, of skip and of gamma, one vector store of H and of Y), so a row is one load round trip, a block sum and
+    one store; gamma is loaded before pdl.wait. The sum of squares: the thread's 8 values in order, then the
+    block sum of the register kernel (_block_sum), so results are reproducible."""
+    red_size = 1024 if SIM else 32
+
+    @device
+    def hval(xw, sw):
+        """The two fp16 values of word pair (x, skip) as H (X + skip rounded to fp16), low first."""
+        if has_skip:
+            return r16(_lo(xw) + _lo(sw)), r16(_hi(xw) + _hi(sw))
+        return _lo(xw), _hi(xw)
+
+    @device
+    def yword(a, b, gw, inv):
+        return pack_h2(_lo(gw) * r16(a * inv), _hi(gw) * r16(b * inv))
+
+    @cuda.jit
+    def kernel(x, skip, g, y, hout, rows, d, eps):
+        red = cuda.shared.array(red_size, float32)
+        t = uint64(cuda.threadIdx.x)
+        nt = uint64(cuda.blockDim.x)
+        nc = uint64(d) >> uint64(3)
+        own = t < nc
+        tc = t if own else uint64(0)     # idle threads read chunk 0 and store nothing
+        g0, g1, g2, g3 = _ld4(g, tc)
+        pdl.wait()          # X, skip (what the kernel before wrote) from here on (device/pdl.py)
+        pdl.trigger()       # the next product may stream its weights now (the module docstring's measurement)
+        r = uint64(cuda.blockIdx.x)
+        rows_u = uint64(rows)
+        while r < rows_u:
+            c = r * nc + tc
+            x0, x1, x2, x3 = _ld4(x, c)
+            s0, s1, s2, s3 = _ld4(skip, c) if has_skip else (x0, x1, x2, x3)
+            a0, b0 = hval(x0, s0)
+            a1, b1 = hval(x1, s1)
+            a2, b2 = hval(x2, s2)
+            a3, b3 = hval(x3, s3)
+            acc = float32(0.0)
+            if own:
+                acc = (a0 * a0 + b0 * b0 + a1 * a1 + b1 * b1) + (a2 * a2 + b2 * b2 + a3 * a3 + b3 * b3)
+                if has_h:
+                    _st4(hout, c * uint64(8), pack_h2(a0, b0), pack_h2(a1, b1), pack_h2(a2, b2), pack_h2(a3, b3))
+            total = _block_sum(acc, red, t, nt)
+            inv = _inv(total / float32(d) + eps)
+            if own:
+                _st4(y, c * uint64(8), yword(a0, b0, g0, inv), yword(a1, b1, g1, inv), yword(a2, b2, g2, inv),
+                     yword(a3, b3, g3, inv))
             r += uint64(cuda.gridDim.x)
 
     return kernel
@@ -142,6 +231,14 @@ DTYPES = {10: "float16", 1: "float32"}
 # Which kernel serves which call (routing.py). Case: M = rows, K = D (row length); opts: block (a two-pass block
 # size forced by tests, else None). Each kernel is compiled per element type and per node (skip given, H wanted).
 ROUTES = (
+    Route("vector", f"fp16 rows of a multiple of 8 elements, at most VEC_MAX = {VEC_MAX}, buffers 16-byte aligned: one "
+          "16-byte chunk per thread (one vector load of X, skip and gamma, one vector store of H and Y)",
+          lambda c: c.dtype == "float16" and c.k % 8 == 0 and 0 < c.k <= VEC_MAX and c.aligned
+          and c.opt("block") is None,
+          "BENCHMARKS.md, genai's loop (H200 2026-12-01, d = 2048 int4 config, genai's norms through the ortnorm "
+          "pass, the trigger right after the wait): decode 0.582 / 0.628 ms per token after 128 / 1024 tokens, "
+          "1.56x / 1.54x genai int4, where onnxruntime's norms gave 1.47x / 1.47x in the same run; the register "
+          "kernel there was ~1.8 us per norm slower than onnxruntime's (docs/lab-log.md)"),
     Route("register", f"rows of at most EPT * MAX_BLOCK = {EPT * MAX_BLOCK} elements: the row in registers, the "
           "fewest warps that hold it", lambda c: c.k <= EPT * MAX_BLOCK and c.opt("block") is None,
           "rmsnorm_cuda's docstring: the two-pass kernel alone took 5.8 us at D = 2048 (H100), twice onnxruntime's "
@@ -152,11 +249,14 @@ ROUTES = (
 _launchers = {}
 
 
-def geometry(d, block=None):
-    """(ept, block) for rows of d elements: the kernel ROUTES names (``block``: a forced two-pass block size), the
-    register kernel with the fewest warps that hold the row, else the two-pass kernel with ``block`` (default
-    BLOCK) threads."""
-    name = route(ROUTES, Case("", 0, d, opts=options(block=block))).kernel
+def geometry(d, block=None, f16=False, aligned=False):
+    """(ept, block) for rows of d elements: the kernel ROUTES names (``block``: a forced two-pass block size;
+    ``f16``, ``aligned``: the call's element type and its buffers' 16-byte alignment), the vector kernel (ept -1)
+    with a thread per 8 elements, the register kernel with the fewest warps that hold the row, else the two-pass
+    kernel with ``block`` (default BLOCK) threads."""
+    name = route(ROUTES, Case("float16" if f16 else "float32", 0, d, aligned=aligned, opts=options(block=block))).kernel
+    if name == "vector":
+        return -1, max(32, -(-d // 256) * 32)
     if name == "register":
         return EPT, max(32, -(-d // (EPT * 32)) * 32)
     return 0, block or BLOCK
@@ -170,7 +270,10 @@ def launcher(elem, ept, has_skip, has_h):
     if key not in _launchers:
         a = Array(STORAGE[elem])
         sig = [a, a, a, a, a, "int64", "int64", "float32"]
-        _launchers[key] = (SimLauncher if SIM else Launcher)(_make(elem == 10, *key[1:]), sig)
+        fn = _make_vec(*key[2:]) if ept == -1 else _make(elem == 10, *key[1:])
+        # a programmatic dependent launch: reads gamma before pdl.wait, so launched as one only where gamma is a
+        # constant (launch's ``pdl``)
+        _launchers[key] = SimLauncher(fn, sig) if SIM else Launcher(fn, sig, pdl=True)
     return _launchers[key]
 
 
@@ -178,20 +281,21 @@ def grid_for(rows, sms):
     return max(1, min(rows, sms * 16))
 
 
-def launch(elem, stream, sms, shape, ptrs, has_skip, has_h, eps, block=None):
+def launch(elem, stream, sms, shape, ptrs, has_skip, has_h, eps, block=None, pdl=False):
     """The kernel object's launch for X of ``shape`` at ``ptrs`` (x, skip or 0, gamma, y, h or 0): the kernel
     ROUTES names (``geometry``), one launch; nothing for an empty X. ``block``: force the two-pass kernel with that
-    many threads (tests: short rows through it)."""
+    many threads (tests: short rows through it). ``pdl``: gamma is a constant, so the launch may be a programmatic
+    dependent one (device/pdl.py)."""
     n = int(np.prod(shape, dtype=np.int64))
     if n == 0:
         return
     d = int(shape[-1])
-    ept, nt = geometry(d, block)
     px, ps, pg, py, ph = ptrs
+    ept, nt = geometry(d, block, elem == 10, all(p % 16 == 0 for p in ptrs if p))
     rows = n // d
     launcher(elem, ept, has_skip, has_h).launch(
         grid_for(rows, sms), nt, stream, (px, (n,)), (ps if has_skip else px, (n,)), (pg, (d,)), (py, (n,)),
-        (ph if has_h else py, (n,)), rows, d, float(eps))
+        (ph if has_h else py, (n,)), rows, d, float(eps), pdl=pdl)
 
 
 class RMSNormCudaKernel(Kernel):
@@ -206,6 +310,7 @@ class RMSNormCudaKernel(Kernel):
         self.eps = float(np.float32(self.attrs["epsilon"]))
         self.sms = host.sm_count()
         self.block = None
+        self.pdl = 1 in self.constants      # gamma read before pdl.wait
 
     def compute(self, ctx, inputs):
         x, g = self.check_input(inputs, 0), self.check_input(inputs, 1)
@@ -218,7 +323,7 @@ class RMSNormCudaKernel(Kernel):
         y = ctx.output(0, x.shape)
         h = ctx.output(1, x.shape) if ctx.output_count() > 1 else 0
         launch(self.elem, ctx.stream, self.sms, x.shape, (x.ptr, s.ptr if s is not None else 0, g.ptr, y, h),
-               s is not None, bool(h), self.eps, self.block)
+               s is not None, bool(h), self.eps, self.block, self.pdl)
 
 
 KERNEL = RMSNormCudaKernel
