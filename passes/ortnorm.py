@@ -4,8 +4,10 @@ CUDA, with the option ``ortnorm_vector_only``: only fp16 norms of D % 8 == 0, D 
 CUDA vector kernel takes (custom_ops/attention/rmsnorm_cuda.py). There RMSNorm is a programmatic dependent launch
 that lets the next product stream its weights while it runs (onnxruntime's norm kernels never let the next kernel
 start early): genai's loop on the H200 1.54-1.56x genai int4's decode against 1.47x with onnxruntime's norms in the
-same run (BENCHMARKS.md, genai's loop). Other norms (fp32, odd D) would run on RMSNorm's register kernel, ~1.8 us per norm
-slower than onnxruntime's (docs/lab-log.md), so the option leaves them to onnxruntime.
+same run (BENCHMARKS.md, genai's loop). Other norms (fp32, odd D, rows past 8192) would run on RMSNorm's register
+or two-pass kernel, ~1.8 us per norm slower than onnxruntime's (docs/lab-log.md), so the option leaves them to
+onnxruntime (buffers that are not 16-byte aligned also take the register kernel, at run time; onnxruntime's
+allocations are).
 
 Matched:
 
@@ -14,10 +16,12 @@ Matched:
     SimplifiedLayerNormalization(X, scale; axis = -1) -> (Y, [inv_std_var])
         -> RMSNorm(X, scale) -> (Y)
 
-with epsilon kept. A candidate is skipped (and reported) when: it has a bias input, its mean / inv_std_var outputs
-are read or are graph outputs, the normalised axis is not the last one, the input type is not float / float16,
-gamma (scale) is not a constant [D] of the input's type, or skip's shape is known to differ from the input's
-(unknown shapes pass: the kernels check them at run time).
+with epsilon kept (absent: onnxruntime's defaults, 1e-12 for the skip form, 1e-5 for the plain one). A candidate is
+skipped (and reported) when: it has a bias input, its mean / inv_std_var outputs are read or are graph outputs, the
+normalised axis is not the last one, the input type is not float / float16, gamma (scale) is not a constant [D] of
+the input's type, or skip's shape is known to differ from the input's (RMSNorm does not broadcast skip as
+onnxruntime's kernel does for [1, S, D] or [S, D]; unknown shapes pass: the kernels check them at run time and
+name a mismatch).
 
 Numerics: RMSNorm rounds H = input + skip to T and normalises float32(H); onnxruntime's kernels normalise the fp32
 sum before rounding and, for fp16, multiply by gamma in fp32 (one rounding at the end, where RMSNorm rounds the
@@ -38,7 +42,9 @@ from .base import (Names, Pass, Report, constant_value, detach, dims, elem_type,
 SKIP, PLAIN = "SkipSimplifiedLayerNormalization", "SimplifiedLayerNormalization"
 PATTERNS = {SKIP: "ortnorm: SkipSimplifiedLayerNormalization", PLAIN: "ortnorm: SimplifiedLayerNormalization"}
 FLOAT, FLOAT16 = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
-VECTOR_MAX = 8192   # rmsnorm_cuda.VEC_MAX (tests/test_pass_ortnorm.py checks they agree): the vector kernel's longest row
+# onnxruntime's schema defaults when a node has no epsilon attribute (kDefaultSkipLayerNormEpsilon for the skip form)
+DEFAULT_EPS = {SKIP: 1e-12, PLAIN: 1e-5}
+VECTOR_MAX = 8192   # the vector kernel's longest row: rmsnorm_cuda.VEC_MAX (tests/test_pass_ortnorm.py checks it)
 
 
 def _kind(node):
@@ -143,7 +149,7 @@ class OrtNormPass(Pass):
                 if why:
                     self.skipped(report, PATTERNS[kind], [node_label(node)], why)
                     continue
-                eps = float(node.attrs.get("epsilon", 1e-5))
+                eps = float(node.attrs.get("epsilon", DEFAULT_EPS[kind]))
                 ins, outs = list(node.inputs), list(node.outputs)
                 out = outs[0]
                 if kind == SKIP:

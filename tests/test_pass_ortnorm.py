@@ -3,8 +3,8 @@ SimplifiedLayerNormalization (what onnxruntime-genai's builder writes) -> RMSNor
 
 Values: stock onnxruntime's CPU run of the original against onnx_lowbit's CPU session of the rewritten model on fresh
 random inputs (never zeros): the residual sum bit-equal, the normalised outputs within 1e-5 relative (fp32) or
-two fp16 ulps (onnxruntime normalises the fp32 sum and rounds once; RMSNorm rounds the sum, then the normalised
-value, then the product). Skipped candidates name their reason and stay onnxruntime's.
+2^-9 relative (about two fp16 ulps; onnxruntime normalises the fp32 sum and rounds once, RMSNorm rounds the sum,
+then the normalised value, then the product). Skipped candidates name their reason and stay onnxruntime's.
 """
 from __future__ import annotations
 
@@ -136,3 +136,21 @@ def test_vector_max_matches_the_kernel():
     from onnx_lowbit.custom_ops.attention import rmsnorm_cuda
     from onnx_lowbit.passes import ortnorm
     assert ortnorm.VECTOR_MAX == rmsnorm_cuda.VEC_MAX
+
+
+def test_default_epsilon_when_absent():
+    """A node without an epsilon attribute gets onnxruntime's schema default (1e-12 for the skip form, 1e-5 for the
+    plain one), and the rewritten model still agrees with onnxruntime on rows whose mean square is tiny (where
+    epsilon decides the result)."""
+    m = norm_model(np.float32)
+    for n in m.graph.node:
+        del n.attribute[:]
+        if n.op_type == "SimplifiedLayerNormalization":
+            n.attribute.append(oh.make_attribute("axis", -1))
+    out, _ = checked_rewrite(m, ["ortnorm"])
+    eps = {tuple(n.output): oh.get_attribute_value(n.attribute[0]) for n in out.graph.node}
+    assert eps[("Y1", "H")] == pytest.approx(1e-12) and eps[("Y2",)] == pytest.approx(1e-5)
+    f = {k: (v * 1e-4).astype(v.dtype) for k, v in feeds(m).items()}      # mean squares ~1e-7: epsilon matters
+    want, got = run_cpu(m, f, ours=False), run_cpu(out, f)
+    for name in ("Y1", "Y2", "H"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)

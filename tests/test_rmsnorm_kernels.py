@@ -27,13 +27,30 @@ EPS = 1e-5
 SHAPES = [(1, 1, 96), (3, 2, 64), (7,), (0, 8), (5, 40), (2, 1)]
 
 
-def cuda_run(x, g, skip, eps, block=None, sms=None):
+def cuda_run(x, g, skip, eps, block=None, sms=None, misalign=(), outputs=2):
     """(Y, H) of the CUDA face run as a session node runs it (direct.call); ``block``: force the two-pass kernel with
-    that many threads, ``sms``: the grid size (both set on the kernel object)."""
+    that many threads, ``sms``: the grid size (both set on the kernel object); ``misalign``: input indices placed
+    off 16-byte alignment; ``outputs`` 1: Y only (H is None)."""
     def setup(k):
         k.block = block
         k.sms = sms or k.sms
-    return direct_run("RMSNorm", {"epsilon": eps}, [x, g, skip], [(x.shape, x.dtype)] * 2, setup=setup)
+    res = direct_run("RMSNorm", {"epsilon": eps}, [x, g, skip], [(x.shape, x.dtype)] * outputs, setup=setup,
+                     misalign=misalign)
+    return (res[0], res[1]) if outputs == 2 else (res[0], None)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The ``ept`` of every RMSNorm launcher fetched during the test (-1 vector, EPT register, 0 two-pass): which
+    kernel actually ran."""
+    seen = []
+    real = rmsnorm_cuda.launcher
+
+    def spy(elem, ept, has_skip, has_h):
+        seen.append(ept)
+        return real(elem, ept, has_skip, has_h)
+    monkeypatch.setattr(rmsnorm_cuda, "launcher", spy)
+    return seen
 
 
 def _data(shape, dt, seed=0, specials=False):
@@ -104,37 +121,43 @@ def test_cpu_kernel(shape, dt, with_skip):
 @pytest.mark.parametrize("dt", [F16, F32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("with_skip", [False, True])
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_cuda_kernel(shape, dt, with_skip, two_pass):
-    """Both kernels: the row in registers (the default up to 4096 elements) and the two-pass one (32 threads, so
-    rows of 40..96 elements take several passes per thread)."""
+@pytest.mark.parametrize("kernel", ["routed", "register", "twopass"])
+def test_cuda_kernel(shape, dt, with_skip, kernel, launched):
+    """Every kernel on every shape: as routed (fp16 rows of a multiple of 8: the vector kernel), the register kernel
+    (fp16 reached by placing X off 16-byte alignment, as a view into a larger buffer would be) and the two-pass one
+    (32 threads, so rows of 40..96 elements take several passes per thread)."""
     if not SIM and not REAL_GPU:
         pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
     x, g, skip = _data(shape, dt, seed=len(shape), specials=True)
     skip = skip if with_skip else None
     want_y, want_h = rmsnorm.apply(x, g, skip, EPS)
-    y, h = cuda_run(x, g, skip, EPS, block=32 if two_pass else None, sms=1)
+    y, h = cuda_run(x, g, skip, EPS, block=32 if kernel == "twopass" else None, sms=1,
+                    misalign=(0,) if kernel == "register" else ())
     assert close(y, want_y) and same(h, want_h)
+    if x.size:
+        vec = dt == F16 and shape[-1] % 8 == 0 and kernel == "routed"
+        assert launched == [-1 if vec else 0 if kernel == "twopass" else rmsnorm_cuda.EPT]
 
 
 VEC_SHAPES = [(1, 1, 2048), (3, 2, 576), (5, 8), (2, 1, 264), (4, 40)]
 
 
 @pytest.mark.parametrize("shape", VEC_SHAPES)
-@pytest.mark.parametrize("with_skip", [False, True])
+@pytest.mark.parametrize("with_skip,outputs", [(False, 1), (True, 1), (True, 2)])
 @pytest.mark.parametrize("sms", [1, None])
-def test_cuda_vector_kernel(shape, with_skip, sms):
+def test_cuda_vector_kernel(shape, with_skip, outputs, sms, launched):
     """The vector kernel (fp16 rows of a multiple of 8 elements: a 16-byte chunk per thread): H bit-exact, Y within
     two ulps, NaN / Inf rows as the reference; idle threads (576 elements: 72 chunks in 96 threads) store nothing;
-    sms=1 sends several rows through one block (the grid-stride loop)."""
+    sms=1 sends several rows through one block (the grid-stride loop); with and without the H output (genai's
+    plain norms have none)."""
     if not SIM and not REAL_GPU:
         pytest.skip("CUDA kernels: simulator (NUMBA_ENABLE_CUDASIM=1) or ONNX_LOWBIT_REAL_GPU=1")
-    assert rmsnorm_cuda.geometry(shape[-1], f16=True, aligned=True)[0] == -1
     x, g, skip = _data(shape, F16, seed=sum(shape), specials=True)
     skip = skip if with_skip else None
     want_y, want_h = rmsnorm.apply(x, g, skip, EPS)
-    y, h = cuda_run(x, g, skip, EPS, sms=sms)
-    assert close(y, want_y) and same(h, want_h)
+    y, h = cuda_run(x, g, skip, EPS, sms=sms, outputs=outputs)
+    assert launched == [-1]
+    assert close(y, want_y) and (h is None or same(h, want_h))
 
 
 def test_geometry():
@@ -149,15 +172,15 @@ def test_geometry():
 
 def test_routes():
     """The table: fp16 rows of a multiple of 8 elements up to VEC_MAX the vector kernel; else the register kernel up
-    to 4096 elements a row unless a block size is forced, else the two-pass kernel; every kernel it names has a launcher (both element types, skip and H given
-    or not)."""
+    to 4096 elements a row unless a block size is forced, else the two-pass kernel; every kernel it names has a
+    launcher (its element types, skip and H given or not)."""
     name = lambda d, block=None: routing.route(rmsnorm_cuda.ROUTES, routing.Case(  # noqa: E731
         "float16", 1, d, opts=routing.options(block=block))).kernel
     assert [name(1), name(4096), name(4097), name(64, 32)] == ["register", "vector", "twopass", "twopass"]
     assert name(8192) == "vector" and name(8200) == "twopass" and name(4100) == "twopass"
     ept = {"vector": -1, "register": rmsnorm_cuda.EPT, "twopass": 0}
     for k in routing.kernels(rmsnorm_cuda.ROUTES):
-        for elem in (10, 1):
+        for elem in (10,) if k == "vector" else (10, 1):      # the vector kernel is fp16 only
             for skip in (False, True):
                 for h in (False, True):
                     lau = rmsnorm_cuda.launcher(elem, ept[k], skip, h)

@@ -263,7 +263,8 @@ def geometry(d, block=None, f16=False, aligned=False):
 
 
 def launcher(elem, ept, has_skip, has_h):
-    """The direct-launch wrapper for fp16 (10) or fp32 (1), ``ept`` (EPT: the register kernel, 0: two passes) and
+    """The direct-launch wrapper for fp16 (10) or fp32 (1), ``ept`` (-1: the vector kernel, fp16 only; EPT: the
+    register kernel; 0: two passes) and
     the optional input / output present (compiled once per process and variant); under the simulator
     launch.SimLauncher."""
     key = (elem, ept, bool(has_skip), bool(has_h))
@@ -302,7 +303,8 @@ class RMSNormCudaKernel(Kernel):
     """Per call: validates the shapes, one launch (``launch``). ``sms`` sets the grid, ``block`` (None) forces the
     two-pass kernel with that many threads: tests set them to reach the grid-stride loop and the two-pass kernel
     on small tensors."""
-    native_plans = True  # one launch whose parameters depend only on the input shapes; see plans.py
+    native_plans = True  # one launch whose parameters depend on the input shapes and the buffers' alignment (the
+    #                      plans' key holds the inputs'; the outputs are onnxruntime's allocations, always aligned)
 
     def __init__(self, **kw):
         super().__init__(**kw)
