@@ -542,7 +542,7 @@ def test_torch_export(kind, exporter, dynamo, opset, half):
 # ----------------------------------------------------------------------------------------------------------------
 def test_registry():
     assert available() == ["fplut", "weights4", "matmulnbits", "ffn", "merge", "rotary", "rotarykv", "kvattention",
-                           "cacheattention", "rmsnorm", "gru"]
+                           "cacheattention", "rmsnorm", "ortnorm", "gru"]
     assert list(PASSES) == available()
     assert PASSES["fplut"].name == "fplut" and PASSES["fplut"].description
 
