@@ -307,10 +307,8 @@ def cmd_genai(a) -> int:
     if a.to:
         opts["matmulnbits_to"] = a.to
     passes = a.passes.split(",") if a.passes else genai_config.default_passes(a.provider, a.input, a.to)
-    if not a.passes and "cacheattention" in passes:     # by default only heads its tensor-core prompt kernel takes
-        opts["cacheattention_tc_only"] = True
-    if not a.passes and "ortnorm" in passes:            # by default only norms RMSNorm's CUDA vector kernel takes
-        opts["ortnorm_vector_only"] = True
+    if not a.passes:    # the default passes only where their CUDA kernels were measured (genai_config)
+        opts.update({opt: True for name, opt in genai_config.DEFAULT_OPTIONS.items() if name in passes})
     report = genai_config.rewrite_folder(a.input, a.output, passes=passes, **opts)
     if a.provider:
         genai_config.set_provider(a.output, a.provider, cuda_graph=a.cuda_graph)

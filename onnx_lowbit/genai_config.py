@@ -42,6 +42,9 @@ DEFAULT_PASSES = ("matmulnbits", "ffn")
 # overlaps: H200, 2026-12-01, d = 2048 int4 config decode 1.56x / 1.54x genai int4 against 1.47x without it in the
 # same run (BENCHMARKS.md, "onnxruntime-genai's loop today").
 CUDA_PASSES = ("matmulnbits", "ffn", "cacheattention", "ortnorm")
+# The option each default pass runs with when `onnx-lowbit genai` picks the passes (a user's --passes runs them
+# unrestricted): only the heads / rows whose CUDA kernels the figures above were measured on.
+DEFAULT_OPTIONS = {"cacheattention": "cacheattention_tc_only", "ortnorm": "ortnorm_vector_only"}
 # The default where the decoder runs on the CPU: genai's int4 products only (MatMulNBits -> MatMulNF4 int4, lossless,
 # our level-4 kernels). SmolLM2-135M's int4 CPU build, genai's loop, 2026-11-30 (BENCHMARKS.md, "onnxruntime-genai's
 # int4 model on the CPU"): prefill 2.1x faster than genai's with the products alone against 1.7x with the SwiGLU pairs

@@ -61,7 +61,7 @@ def _read(g, t) -> bool:
     return t is not None and t.name != "" and (len(t.outputs) > 0 or is_graph_output(g, t))
 
 
-def _same_shape(a, b) -> bool:
+def _may_equal(a, b) -> bool:
     """False where the shapes are known to differ (a rank, or two dims that are numbers or symbols); unknown
     shapes pass (the kernels check X and skip at run time and name a mismatch)."""
     da, db = dims(a), dims(b)
@@ -105,7 +105,7 @@ def why_not(g, node, kind):
         skip = ins[1]
         if elem_type(skip) != dt:
             return f"skip is {type_name(elem_type(skip))}, the input is {type_name(dt)}"
-        if not _same_shape(x, skip):
+        if not _may_equal(x, skip):
             return f"skip's shape {dims(skip)} is not the input's {xs} (RMSNorm does not broadcast)"
         extra = [o for o in node.outputs[1:3] if _read(g, o)]
     else:
